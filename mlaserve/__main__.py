@@ -1,0 +1,7 @@
+"""python -m mlaserve -> cli.main"""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,120 @@
+"""The attention backend protocol and the per-forward batch metadata every backend reads.
+
+A batch holds decode requests first (each with `decode_q_len` new tokens: 1, or N when verifying
+speculative tokens), then prefill chunks. Decode tokens take the absorbed MLA form, prefill tokens
+the naive form. All metadata is passed explicitly; nothing is global.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqChunk:
+    """Host-side description of one request's slice of a forward."""
+
+    token_ids: list[int]  # the new tokens fed this step
+    num_cached: int  # tokens of this request already in the KV cache (their slots are written)
+    pages: list[int]  # the request's page table (covers num_cached + len(token_ids) slots)
+    need_logits: str = "last"  # "last" | "all" | "none"
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset of each new token's KV slot
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new)
+    query_start_loc: torch.Tensor  # [B+1] int32: token offsets of each request in the batch
+    page_table: torch.Tensor  # [B, max_pages] int32
+    logits_indices: torch.Tensor  # [n] int64: rows whose logits are wanted
+    num_decode_reqs: int
+    decode_q_len: int
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+    attn: AttentionBackend | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_reqs * self.decode_q_len
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def build(cls, decode: list[SeqChunk], prefill: list[SeqChunk], page_size: int, device,
+              attn: AttentionBackend | None = None) -> ForwardBatch:
+        """Decode chunks must all have the same length (the verify width)."""
+        q_lens = {len(c.token_ids) for c in decode}
+        if len(q_lens) > 1:
+            raise ValueError(f"decode requests must share one query length, got {sorted(q_lens)}")
+        chunks = decode + prefill
+        ids, pos, slots, logit_rows, starts = [], [], [], [], [0]
+        for c in chunks:
+            n = len(c.token_ids)
+            first = len(ids)
+            ids += c.token_ids
+            p = list(range(c.num_cached, c.num_cached + n))
+            pos += p
+            slots += [c.pages[q // page_size] * page_size + q % page_size for q in p]
+            if c.need_logits == "last":
+                logit_rows.append(first + n - 1)
+            elif c.need_logits == "all":
+                logit_rows += range(first, first + n)
+            starts.append(len(ids))
+        max_pages = max((len(c.pages) for c in chunks), default=0)
+        table = [c.pages + [0] * (max_pages - len(c.pages)) for c in chunks]
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        return cls(
+            input_ids=torch.tensor(ids, **i64),
+            positions=torch.tensor(pos, **i64),
+            slot_mapping=torch.tensor(slots, **i64),
+            seq_lens=torch.tensor([c.num_cached + len(c.token_ids) for c in chunks], **i32),
+            query_start_loc=torch.tensor(starts, **i32),
+            page_table=torch.tensor(table, **i32).view(len(chunks), max_pages),
+            logits_indices=torch.tensor(logit_rows, **i64),
+            num_decode_reqs=len(decode),
+            decode_q_len=len(decode[0].token_ids) if decode else 0,
+            seq_lens_cpu=[c.num_cached + len(c.token_ids) for c in chunks],
+            query_lens_cpu=[len(c.token_ids) for c in chunks],
+            attn=attn,
+        )
+
+
+class AttentionBackend(ABC):
+    """Owns the paged latent cache [layers, pages, page_size, R+P] and computes MLA attention over it."""
+
+    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int):
+        self.kv_cache = kv_cache
+        self.kv_lora_rank = kv_lora_rank
+        self.page_size = kv_cache.shape[2]
+
+    @abstractmethod
+    def store_kv(self, layer_id: int, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, batch: ForwardBatch) -> None:
+        """Write [c_kv | rope(k_pe)] for every token of the batch at its slot. c_kv [T, R], k_pe [T, P]."""
+
+    @abstractmethod
+    def decode(self, layer_id: int, q: torch.Tensor, scale: float, batch: ForwardBatch,
+               out: torch.Tensor) -> torch.Tensor:
+        """Absorbed attention for the decode tokens. q [Td, H, R+P] -> out [Td, H, R] (o_lat).
+        Token j of a request's q_len block sees context up to seq_len - q_len + j (causal in the block)."""
+
+    @abstractmethod
+    def prefill_context(self, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """Latent context [C, R+P] of the prefill requests, concatenated (C = their total seq_len)."""
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                batch: ForwardBatch, out: torch.Tensor) -> torch.Tensor:
+        """Naive-form causal attention for the prefill tokens. q [Tp, H, N+P], k [C, H, N+P], v [C, H, V]
+        -> out [Tp, H, V]. Each request's queries are the last q_len positions of its context."""

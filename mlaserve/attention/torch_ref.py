@@ -1,0 +1,51 @@
+"""The torch reference attention backend: the executable spec, on any device, one request at a time."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.rotary import apply_rope
+from .base import AttentionBackend, ForwardBatch
+
+
+class TorchRefBackend(AttentionBackend):
+    def _latent(self, layer_id: int, batch: ForwardBatch, i: int) -> torch.Tensor:
+        """Request i's whole context [L, R+P], gathered from its pages."""
+        L = batch.seq_lens_cpu[i]
+        n_pages = -(-L // self.page_size)
+        pages = batch.page_table[i, :n_pages].long()
+        return self.kv_cache[layer_id, pages].reshape(n_pages * self.page_size, -1)[:L]
+
+    def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch):
+        R = self.kv_lora_rank
+        cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
+        cache[batch.slot_mapping, :R] = c_kv.to(cache.dtype)
+        cache[batch.slot_mapping, R:] = apply_rope(k_pe, cos, sin, torch.empty_like(k_pe, dtype=cache.dtype))
+
+    def decode(self, layer_id, q, scale, batch, out):
+        R, qn = self.kv_lora_rank, batch.decode_q_len
+        for i in range(batch.num_decode_reqs):
+            kv = self._latent(layer_id, batch, i).float()  # [L, R+P]
+            L = kv.shape[0]
+            qi = q[i * qn:(i + 1) * qn].float()  # [qn, H, R+P]
+            scores = torch.einsum("qhd,ld->qhl", qi, kv) * scale
+            visible = torch.arange(L, device=q.device)[None, :] <= (L - qn + torch.arange(qn, device=q.device))[:, None]
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            out[i * qn:(i + 1) * qn] = torch.einsum("qhl,lr->qhr", scores.softmax(-1), kv[:, :R]).to(out.dtype)
+        return out
+
+    def prefill_context(self, layer_id, batch):
+        reqs = range(batch.num_decode_reqs, batch.num_reqs)
+        return torch.cat([self._latent(layer_id, batch, i) for i in reqs])
+
+    def prefill(self, q, k, v, scale, batch, out):
+        qo = ko = 0
+        for i in range(batch.num_decode_reqs, batch.num_reqs):
+            n, L = batch.query_lens_cpu[i], batch.seq_lens_cpu[i]
+            qi, ki, vi = q[qo:qo + n].float(), k[ko:ko + L].float(), v[ko:ko + L].float()
+            scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale  # [H, n, L]
+            visible = torch.arange(L, device=q.device)[None, :] <= (L - n + torch.arange(n, device=q.device))[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            out[qo:qo + n] = torch.einsum("hqk,khv->qhv", scores.softmax(-1), vi).to(out.dtype)
+            qo, ko = qo + n, ko + L
+        return out

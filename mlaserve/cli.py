@@ -1,0 +1,59 @@
+"""Command line: argparse only. Each subcommand's module owns its flags (`add_cli_args`) and its run (`cli_main`).
+
+    mlaserve serve [MODEL]          OpenAI-compatible server
+    mlaserve generate [MODEL]       offline generation
+    mlaserve bench serve|compare    serving benchmark and A/B comparison
+    mlaserve make-random PRESET OUT random HF-format checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> module holding add_cli_args(parser) and cli_main(args)
+COMMANDS = {
+    "serve": ("mlaserve.server.api", "run the OpenAI-compatible HTTP server"),
+    "generate": ("mlaserve.llm", "generate text offline from a prompt"),
+    "make-random": ("mlaserve.models.make_random_cli", "write a random HF-format checkpoint from a preset"),
+}
+BENCH_COMMANDS = {
+    "serve": ("mlaserve.bench.serve", "benchmark a running server (BENCHMARK.md protocol)"),
+    "compare": ("mlaserve.bench.compare", "A/B-compare saved bench results and check outputs are identical"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlaserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Import only the module of the command being run: keeps `mlaserve --help` and each command fast.
+    wanted = next((a for a in argv if a in COMMANDS or a == "bench"), None)
+    for name, (mod, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == wanted:
+            importlib.import_module(mod).add_cli_args(p)
+            p.set_defaults(module=mod)
+    bench = sub.add_parser("bench", help="serving benchmark tools")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH_COMMAND")
+    for name, (mod, help_) in BENCH_COMMANDS.items():
+        p = bench_sub.add_parser(name, help=help_, description=help_)
+        if wanted == "bench" and name in argv:
+            importlib.import_module(mod).add_cli_args(p)
+            p.set_defaults(module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rc = importlib.import_module(args.module).cli_main(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Frozen, typed configs. `ModelConfig.from_hf` normalises every config.json form once."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+# Architectures whose text model is DeepSeek-V3 shaped, and where its weights sit.
+SUPPORTED_ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": "",
+    "KimiK25ForConditionalGeneration": "language_model.",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json we cannot serve; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE for the `qk_rope_head_dim` part, with optional YaRN scaling (DeepSeek/transformers form)."""
+
+    theta: float
+    type: str = "default"  # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None  # None when config.json omits it (changes attention_factor)
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    @staticmethod
+    def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        """Scale folded into cos/sin (transformers' `attention_factor`)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return self.yarn_mscale(self.factor, self.mscale) / self.yarn_mscale(self.factor, self.mscale_all_dim)
+        return self.yarn_mscale(self.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """Factor on the softmax scale: mscale(factor, mscale_all_dim)^2 under YaRN."""
+        if self.type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return self.yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The DeepSeek-V3 text model, as config.json describes it (any of its published forms)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    weight_prefix: str = ""  # "language_model." for the Kimi-K2.5 wrapper
+    num_nextn_predict_layers: int = 0
+    # Raw text config, for writers (make-random) and for transformers parity tests.
+    hf_text_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived shapes -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer_id >= self.first_k_dense_replace
+            and layer_id % self.moe_layer_freq == 0
+        )
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values per token per layer in the latent cache: [c_kv | k_pe]."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    # ---- loading --------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch is None and cfg.get("model_type") in ("deepseek_v3", "kimi_k2"):
+            arch = "DeepseekV3ForCausalLM"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"{source}: unsupported architecture {arch!r}; mlaserve serves "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        prefix = SUPPORTED_ARCHITECTURES[arch]
+        text = cfg.get("text_config") if "text_config" in cfg else cfg
+        if not isinstance(text, dict):
+            raise ConfigError(f"{source}: 'text_config' must be an object")
+
+        def get(name, default=KeyError):
+            if name in text and text[name] is not None:
+                return text[name]
+            if default is KeyError:
+                raise ConfigError(f"{source}: missing required field {name!r}")
+            return default
+
+        topk_method = get("topk_method", "noaux_tc")
+        scoring = get("scoring_func", "sigmoid")
+        if int(get("n_routed_experts", 0)) > 0 and (topk_method != "noaux_tc" or scoring != "sigmoid"):
+            raise ConfigError(
+                f"{source}: routing topk_method={topk_method!r} scoring_func={scoring!r} is not supported; "
+                "mlaserve implements DeepSeek-V3's noaux_tc with sigmoid scoring"
+            )
+        if get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{source}: hidden_act={get('hidden_act')!r} is not supported (only 'silu')")
+        if get("attention_bias", False):
+            raise ConfigError(f"{source}: attention_bias=true is not supported")
+        heads = int(get("num_attention_heads"))
+        if int(get("num_key_value_heads", heads)) != heads:
+            raise ConfigError(f"{source}: num_key_value_heads must equal num_attention_heads for MLA")
+        n_group = int(get("n_group", 1))
+        n_experts = int(get("n_routed_experts", 0))
+        if n_experts and n_experts % n_group:
+            raise ConfigError(f"{source}: n_routed_experts={n_experts} is not divisible by n_group={n_group}")
+
+        eos = text.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(get("vocab_size")),
+            hidden_size=int(get("hidden_size")),
+            intermediate_size=int(get("intermediate_size")),
+            moe_intermediate_size=int(get("moe_intermediate_size", 0)),
+            num_hidden_layers=int(get("num_hidden_layers")),
+            num_attention_heads=heads,
+            q_lora_rank=text.get("q_lora_rank"),
+            kv_lora_rank=int(get("kv_lora_rank")),
+            qk_nope_head_dim=int(get("qk_nope_head_dim")),
+            qk_rope_head_dim=int(get("qk_rope_head_dim")),
+            v_head_dim=int(get("v_head_dim")),
+            n_routed_experts=n_experts,
+            n_shared_experts=int(get("n_shared_experts", 0)),
+            num_experts_per_tok=int(get("num_experts_per_tok", 0)),
+            n_group=n_group,
+            topk_group=int(get("topk_group", 1)),
+            first_k_dense_replace=int(get("first_k_dense_replace", 0)),
+            moe_layer_freq=int(get("moe_layer_freq", 1)),
+            norm_topk_prob=bool(get("norm_topk_prob", True)),
+            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(get("max_position_embeddings", 4096)),
+            rope=_rope_from_hf(text, source),
+            bos_token_id=text.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+            torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+            weight_prefix=prefix,
+            num_nextn_predict_layers=int(text.get("num_nextn_predict_layers") or 0),
+            hf_text_config=dict(text),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> ModelConfig:
+        return cls.from_hf(read_config_json(path), os.path.join(path, "config.json"))
+
+    def replace(self, **kw) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+
+def read_config_json(path: str) -> dict:
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        raise ConfigError(f"{f}: not found; a model folder needs config.json and *.safetensors")
+    try:
+        with open(f) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f}: not valid JSON ({e})") from None
+
+
+def _rope_from_hf(text: dict, source: str) -> RopeConfig:
+    """Accepts the original `rope_scaling` + `rope_theta` and transformers 5's `rope_parameters`."""
+    params = dict(text.get("rope_parameters") or {})
+    scaling = dict(text.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", text.get("rope_theta", 10000.0)))
+    rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rtype == "default":
+        return RopeConfig(theta=theta)
+    if rtype != "yarn":
+        raise ConfigError(f"{source}: rope type {rtype!r} is not supported (only default and yarn)")
+    orig = int(merged.get("original_max_position_embeddings") or text.get("max_position_embeddings", 4096))
+    factor = merged.get("factor")
+    if factor is None:
+        factor = text.get("max_position_embeddings", orig) / orig
+    return RopeConfig(
+        theta=theta,
+        type="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=orig,
+        beta_fast=float(merged.get("beta_fast") or 32),
+        beta_slow=float(merged.get("beta_slow") or 1),
+        mscale=None if merged.get("mscale") is None else float(merged["mscale"]),
+        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
+        truncate=bool(merged.get("truncate", True)),
+    )

@@ -1,0 +1,47 @@
+"""Vocab-parallel embedding and lm_head: each TP rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import tp
+from .linear import checked_copy, new_param
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, *, rank: int = 0, size: int = 1, dtype=None):
+        super().__init__()
+        self.vocab_size, self.rank, self.size = vocab_size, rank, size
+        self.per_rank = -(-vocab_size // size)  # the last shard is zero-padded
+        self.start = rank * self.per_rank
+        self.weight = new_param(self.per_rank, dim, dtype=dtype, hf_shape=(vocab_size, dim), loader=self._load)
+
+    def _load(self, param, src) -> None:
+        end = min(self.start + self.per_rank, self.vocab_size)
+        rows = src[self.start:end]
+        if rows.shape[0] < self.per_rank:
+            param.data.zero_()
+            checked_copy(param.data[: rows.shape[0]], rows)
+        else:
+            checked_copy(param, rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h.masked_fill_(outside.unsqueeze(-1), 0)
+        return tp.all_reduce(h)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h @ W^T over this rank's vocab slice, gathered across ranks; fp32 out."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight).float()
+        if self.size > 1:
+            logits = tp.all_gather_last_dim(logits)[..., : self.vocab_size]
+        return logits

@@ -1,0 +1,63 @@
+"""Linear layers in HF weight layout ([out, in]), replicated or sharded over the TP ranks.
+
+Each parameter carries a `weight_loader(param, src)` that reads only this rank's shard from `src`
+(a safetensors slice or a tensor: anything with `.shape` and `[...]`), so loading needs no conversion step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def shard_of(src, dim: int, rank: int, size: int):
+    """Rows/cols [rank*n/size, (rank+1)*n/size) of `src` along `dim`, read lazily."""
+    if size == 1:
+        return src[:]
+    n = src.shape[dim] // size
+    idx = [slice(None)] * len(src.shape)
+    idx[dim] = slice(rank * n, (rank + 1) * n)
+    return src[tuple(idx)]
+
+
+def checked_copy(param: torch.Tensor, t: torch.Tensor) -> None:
+    if tuple(t.shape) != tuple(param.shape):
+        raise ValueError(f"shape {tuple(t.shape)} does not match the parameter's {tuple(param.shape)}")
+    param.data.copy_(t)
+
+
+def new_param(*shape: int, dtype=None, hf_shape=None, loader=None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p.hf_shape = tuple(hf_shape or shape)  # the full, unsharded shape in the checkpoint
+    p.weight_loader = loader or (lambda param, src: checked_copy(param, src[:]))
+    return p
+
+
+class Linear(nn.Module):
+    """y = x @ W^T. shard=None: replicated; "col": output split by rank; "row": input split by rank
+    (the caller all-reduces the partial sums)."""
+
+    def __init__(self, in_features: int, out_features: int, *, shard: str | None = None,
+                 rank: int = 0, size: int = 1, dtype=None):
+        super().__init__()
+        assert shard in (None, "col", "row")
+        self.shard, self.rank, self.size = shard, rank, size
+        if shard and (out_features if shard == "col" else in_features) % size:
+            raise ValueError(f"{'out' if shard == 'col' else 'in'} features not divisible by TP size {size}")
+        self.in_features = in_features // size if shard == "row" else in_features
+        self.out_features = out_features // size if shard == "col" else out_features
+        self.weight = new_param(self.out_features, self.in_features, dtype=dtype,
+                                hf_shape=(out_features, in_features), loader=self._load)
+
+    def _load(self, param, src) -> None:
+        if self.shard is None:
+            checked_copy(param, src[:])
+        else:
+            checked_copy(param, shard_of(src, 0 if self.shard == "col" else 1, self.rank, self.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, shard={self.shard}"

@@ -1,0 +1,127 @@
+"""Mixture-of-experts: DeepSeek-V3 `noaux_tc` routing and routed experts stacked per layer.
+
+The functions here are the executable spec (torch, any device); `kernels/` holds the fused Triton
+versions that the GPU path swaps in and that are tested against these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .activation import silu_and_mul
+from .linear import checked_copy, new_param, shard_of
+
+
+def route_noaux_tc(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                   topk_group: int, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] fp32 -> (weights [T, K] fp32, ids [T, K] int64).
+
+    Select on the biased sigmoid score inside the best `topk_group` groups (a group's score is the
+    sum of its top-2 biased scores; other groups get -inf), weight by the unbiased score."""
+    T, E = router_logits.shape
+    scores = router_logits.sigmoid()
+    choice = scores + bias
+    if n_group > 1 and topk_group < n_group:
+        group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
+    """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over this rank's experts [offset, offset + E_local).
+
+    x [T, D]; w13 [E_local, 2I, D] (gate rows then up rows); w2 [E_local, D, I] -> [T, D] in x.dtype.
+    Experts owned by other ranks (EP) contribute nothing here; the caller all-reduces."""
+    out = torch.zeros_like(x)
+    local = topk_ids - expert_offset
+    owned = (local >= 0) & (local < w13.shape[0])
+    for e in torch.unique(local[owned]).tolist():  # host sync: fine for the reference path
+        tok, k = torch.where(local == e)
+        h = F.linear(silu_and_mul(F.linear(x[tok], w13[e])), w2[e])
+        out.index_add_(0, tok, (h * topk_weights[tok, k, None]).to(out.dtype))
+    return out
+
+
+class TopkRouter(nn.Module):
+    """HF `mlp.gate`: weight [E, D] and e_score_correction_bias [E], both kept in fp32."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = new_param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32)
+        self.e_score_correction_bias = new_param(cfg.n_routed_experts, dtype=torch.float32)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)  # [T, E] fp32
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return route_noaux_tc(self.logits(x), self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                              c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+
+
+class Experts(nn.Module):
+    """Routed experts stacked per layer: gate_up_proj [E_local, 2I_local, D], down_proj [E_local, D, I_local].
+
+    moe-TP splits each expert's intermediate dim over `tp_size` ranks; EP gives each of `ep_size` ranks
+    a contiguous block of experts. Checkpoint keys are per expert (experts.{e}.gate_proj.weight, ...)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1,
+                 dtype=None):
+        super().__init__()
+        if num_experts % ep_size:
+            raise ValueError(f"n_routed_experts={num_experts} is not divisible by ep_size={ep_size}")
+        if inter % tp_size:
+            raise ValueError(f"moe_intermediate_size={inter} is not divisible by moe_tp_size={tp_size}")
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_local = num_experts // ep_size
+        self.expert_offset = ep_rank * self.num_local
+        i_local = inter // tp_size
+        self.gate_up_proj = new_param(self.num_local, 2 * i_local, hidden, dtype=dtype,
+                                      hf_shape=(num_experts, 2 * inter, hidden), loader=self._load_fused_w13)
+        self.down_proj = new_param(self.num_local, hidden, i_local, dtype=dtype,
+                                   hf_shape=(num_experts, hidden, inter), loader=self._load_fused_w2)
+
+    # --- loading: per-expert HF keys, or transformers 5's fused form ---------------------------------
+    def expert_shape(self, which: str) -> tuple[int, int]:
+        return (self.hidden, self.inter) if which == "down_proj" else (self.inter, self.hidden)
+
+    def owns(self, expert: int) -> bool:
+        return self.expert_offset <= expert < self.expert_offset + self.num_local
+
+    def load_expert(self, expert: int, which: str, src) -> None:
+        """which in gate_proj|up_proj|down_proj; src [I, D] or [D, I]. Reads only this rank's shard."""
+        e = expert - self.expert_offset
+        i_local = self.inter // self.tp_size
+        if which == "down_proj":
+            checked_copy(self.down_proj.data[e], shard_of(src, 1, self.tp_rank, self.tp_size))
+        else:
+            half = slice(0, i_local) if which == "gate_proj" else slice(i_local, 2 * i_local)
+            checked_copy(self.gate_up_proj.data[e, half], shard_of(src, 0, self.tp_rank, self.tp_size))
+
+    def _load_fused_w13(self, param, src) -> None:
+        for e in range(self.num_local):
+            full = src[self.expert_offset + e]  # [2I, D]
+            self.load_expert(self.expert_offset + e, "gate_proj", full[: self.inter])
+            self.load_expert(self.expert_offset + e, "up_proj", full[self.inter:])
+
+    def _load_fused_w2(self, param, src) -> None:
+        for e in range(self.num_local):
+            self.load_expert(self.expert_offset + e, "down_proj", src[self.expert_offset + e])
+
+    def forward(self, x, topk_weights, topk_ids, impl: str = "torch") -> torch.Tensor:
+        if impl == "triton":
+            from ..kernels.fused_moe import fused_experts
+
+            return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset)
+        return fused_experts_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset)

@@ -1,0 +1,201 @@
+"""DeepSeek-V3 (and Kimi-K2 / K2.5, Moonlight): MLA attention + MoE, HF parameter names, read top to bottom.
+
+Shapes: T tokens, D hidden, H heads on this rank, R kv_lora_rank, P qk_rope_head_dim, N qk_nope_head_dim,
+V v_head_dim. Decode tokens use the absorbed MLA form, prefill tokens the naive form (DESIGN.md §1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.base import ForwardBatch
+from ..config import ModelConfig
+from ..distributed import tp
+from ..distributed.tp import RankInfo
+from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.linear import Linear
+from ..layers.moe import Experts, TopkRouter
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding, apply_rope
+
+
+class DeepseekV3MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); tensor-parallel over the intermediate dim. The dense MLP all-reduces
+    itself; as shared experts it leaves the reduction to the MoE block (one all-reduce for both)."""
+
+    def __init__(self, hidden: int, inter: int, ranks: RankInfo, dtype, reduce: bool = True):
+        super().__init__()
+        kw = dict(rank=ranks.rank, size=ranks.world_size, dtype=dtype)
+        self.gate_proj = Linear(hidden, inter, shard="col", **kw)
+        self.up_proj = Linear(hidden, inter, shard="col", **kw)
+        self.down_proj = Linear(inter, hidden, shard="row", **kw)
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return tp.all_reduce(y) if self.reduce else y
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, ranks: RankInfo, dtype, impl: str):
+        super().__init__()
+        self.impl = impl  # "torch" (reference) | "triton" (fused kernels)
+        self.gate = TopkRouter(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               tp_rank=ranks.moe_tp_rank, tp_size=ranks.moe_tp_size,
+                               ep_rank=ranks.ep_rank, ep_size=ranks.ep_size, dtype=dtype)
+        self.shared_experts = (
+            DeepseekV3MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ranks, dtype,
+                          reduce=False) if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "triton":
+            from ..kernels.routing import route_noaux_tc_fused
+
+            weights, ids = route_noaux_tc_fused(self.gate, x)
+        else:
+            weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
+        y = self.experts(x, weights, ids, impl=self.impl)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return tp.all_reduce(y)
+
+
+class DeepseekV3Attention(nn.Module):
+    """Multi-head latent attention. The KV cache holds [c_kv | rope(k_pe)] (R+P values) per token."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype):
+        super().__init__()
+        if cfg.num_attention_heads % ranks.world_size:
+            raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                             f"attn_tp_size={ranks.world_size}")
+        self.layer_id = layer_id
+        self.H = cfg.num_attention_heads // ranks.world_size
+        self.N, self.P, self.R, self.V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+        self.scale = cfg.softmax_scale
+        heads = cfg.num_attention_heads
+        col = dict(shard="col", rank=ranks.rank, size=ranks.world_size, dtype=dtype)
+        self.q_lora_rank = cfg.q_lora_rank
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, **col)
+        else:
+            self.q_proj = Linear(cfg.hidden_size, heads * cfg.qk_head_dim, **col)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.R + self.P, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.R, cfg.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(self.R, heads * (self.N + self.V), **col)
+        self.o_proj = Linear(heads * self.V, cfg.hidden_size, shard="row", rank=ranks.rank,
+                             size=ranks.world_size, dtype=dtype)
+
+    # Per-head views of kv_b_proj.weight [H*(N+V), R]; no copies.
+    @property
+    def w_kc(self) -> torch.Tensor:  # [H, N, R]
+        return self.kv_b_proj.weight.view(self.H, self.N + self.V, self.R)[:, : self.N]
+
+    @property
+    def w_vc(self) -> torch.Tensor:  # [H, R, V], a transposed view
+        return self.kv_b_proj.weight.view(self.H, self.N + self.V, self.R)[:, self.N:].transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T, H, N, R, V = x.shape[0], self.H, self.N, self.R, self.V
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(T, H, N + self.P)  # [T, H, N+P]
+        kv_a = self.kv_a_proj_with_mqa(x)  # [T, R+P]
+        c_kv = self.kv_a_layernorm(kv_a[:, :R])  # [T, R]
+        batch.attn.store_kv(self.layer_id, c_kv, kv_a[:, R:], cos, sin, batch)
+
+        out = x.new_empty(T, H * V)  # caller-owned output of both forms
+        Td = batch.num_decode_tokens
+        if Td:
+            self.forward_absorbed(q[:Td], cos[:Td], sin[:Td], batch, out[:Td])
+        if Td < T:
+            self.forward_naive(q[Td:], cos[Td:], sin[Td:], batch, out[Td:])
+        return tp.all_reduce(self.o_proj(out))
+
+    def absorb_q(self, q_nope: torch.Tensor, Q: torch.Tensor) -> None:
+        """Q[..., :R] = q_nope @ w_kc per head, written in place. q_nope [T, H, N], Q [T, H, R+P]."""
+        torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=Q[..., : self.R].transpose(0, 1))
+
+    def absorb_out(self, o_lat: torch.Tensor, out: torch.Tensor) -> None:
+        """out = o_lat @ w_vc per head, written in place. o_lat [T, H, R], out [T, H*V]."""
+        T = o_lat.shape[0]
+        torch.bmm(o_lat.transpose(0, 1), self.w_vc, out=out.view(T, self.H, self.V).transpose(0, 1))
+
+    def forward_absorbed(self, q, cos, sin, batch, out) -> None:
+        T, H, R = q.shape[0], self.H, self.R
+        Q = q.new_empty(T, H, R + self.P)  # [T, H, R+P]: absorbed q_nope | rope(q_pe)
+        self.absorb_q(q[..., : self.N], Q)
+        apply_rope(q[..., self.N:], cos, sin, out=Q[..., R:])
+        o_lat = batch.attn.decode(self.layer_id, Q, self.scale, batch, out=q.new_empty(T, H, R))  # [T, H, R]
+        self.absorb_out(o_lat, out)
+
+    def forward_naive(self, q, cos, sin, batch, out) -> None:
+        T, H, N, P, R, V = q.shape[0], self.H, self.N, self.P, self.R, self.V
+        apply_rope(q[..., N:], cos, sin, out=q[..., N:])  # q is ours: rotate in place
+        latent = batch.attn.prefill_context(self.layer_id, batch)  # [C, R+P], this step's tokens included
+        C = latent.shape[0]
+        kv = F.linear(latent[:, :R], self.kv_b_proj.weight).view(C, H, N + V)
+        k = torch.cat([kv[..., :N], latent[:, None, R:].expand(C, H, P)], dim=-1)  # [C, H, N+P]
+        batch.attn.prefill(q, k, kv[..., N:], self.scale, batch, out=out.view(T, H, V))
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype, moe_impl: str):
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(cfg, layer_id, ranks, dtype)
+        self.mlp = (DeepseekV3MoE(cfg, ranks, dtype, moe_impl) if cfg.is_moe_layer(layer_id)
+                    else DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, ranks, dtype))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(self, h, cos, sin, batch):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, ranks: RankInfo, dtype, moe_impl: str):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, rank=ranks.rank,
+                                                   size=ranks.world_size, dtype=dtype)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, ranks, dtype, moe_impl)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """forward(ids, positions, batch) -> final hidden [T, D]; compute_logits(hidden) -> fp32 [n, vocab].
+
+    `aux_layer_ids`, when set (EAGLE3), makes forward also return the residual stream entering those
+    layers, concatenated: [T, len(ids) * D]."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=torch.float32, ranks: RankInfo = RankInfo(),
+                 moe_impl: str = "torch"):
+        super().__init__()
+        self.config, self.ranks = cfg, ranks
+        self.model = DeepseekV3Model(cfg, ranks, dtype, moe_impl)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, rank=ranks.rank, size=ranks.world_size,
+                                      dtype=dtype)
+        self.aux_layer_ids: tuple[int, ...] = ()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
+        h = self.model.embed_tokens(input_ids)  # [T, D]
+        cos, sin = self.model.rotary(positions)  # [T, P/2] each, fp32
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in self.aux_layer_ids:
+                aux.append(h)
+            h = layer(h, cos, sin, batch)
+        h = self.model.norm(h)
+        return (h, torch.cat(aux, dim=-1)) if self.aux_layer_ids else h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+

@@ -1,0 +1,130 @@
+"""Write HF-format random checkpoints (config.json + sharded safetensors) from a preset, deterministically.
+
+Tensors are listed from the config alone (not from mlaserve's model), so the loader is tested against
+the HF layout itself: per-expert keys, `language_model.` under the Kimi-K2.5 wrapper.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from importlib import resources
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..config import ModelConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("mlaserve.presets").iterdir() if p.name.endswith(".json"))
+
+
+def load_preset(name_or_path: str) -> dict:
+    if os.path.isfile(name_or_path):
+        with open(name_or_path) as f:
+            return json.load(f)
+    f = resources.files("mlaserve.presets") / f"{name_or_path}.json"
+    if not f.is_file():
+        raise ValueError(f"unknown preset {name_or_path!r}; choose one of {', '.join(preset_names())} or a path")
+    return json.loads(f.read_text())
+
+
+def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float | str]]:
+    """(name, shape, init) for every tensor of the text model; init is a std, "norm" or "bias"."""
+    D, H, L = cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers
+    N, P, R, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+
+    def lin(name, out_f, in_f, gain=1.0):
+        return (name, (out_f, in_f), gain / math.sqrt(in_f))
+
+    specs = [("model.embed_tokens.weight", (cfg.vocab_size, D), 1.0)]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        specs += [(p + "input_layernorm.weight", (D,), "norm"), (p + "post_attention_layernorm.weight", (D,), "norm")]
+        a = p + "self_attn."
+        if cfg.q_lora_rank:
+            specs += [lin(a + "q_a_proj.weight", cfg.q_lora_rank, D), (a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "norm"),
+                      lin(a + "q_b_proj.weight", H * (N + P), cfg.q_lora_rank)]
+        else:
+            specs.append(lin(a + "q_proj.weight", H * (N + P), D))
+        specs += [lin(a + "kv_a_proj_with_mqa.weight", R + P, D), (a + "kv_a_layernorm.weight", (R,), "norm"),
+                  lin(a + "kv_b_proj.weight", H * (N + V), R), lin(a + "o_proj.weight", D, H * V, 0.5)]
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            I = cfg.moe_intermediate_size
+            specs += [lin(m + "gate.weight", cfg.n_routed_experts, D, 2.0), (m + "gate.e_score_correction_bias", (cfg.n_routed_experts,), "bias")]
+            for e in range(cfg.n_routed_experts):
+                x = f"{m}experts.{e}."
+                specs += [lin(x + "gate_proj.weight", I, D), lin(x + "up_proj.weight", I, D), lin(x + "down_proj.weight", D, I, 0.5)]
+            if cfg.n_shared_experts:
+                Is = I * cfg.n_shared_experts
+                specs += [lin(m + "shared_experts.gate_proj.weight", Is, D), lin(m + "shared_experts.up_proj.weight", Is, D),
+                          lin(m + "shared_experts.down_proj.weight", D, Is, 0.5)]
+        else:
+            I = cfg.intermediate_size
+            specs += [lin(m + "gate_proj.weight", I, D), lin(m + "up_proj.weight", I, D), lin(m + "down_proj.weight", D, I, 0.5)]
+    specs += [("model.norm.weight", (D,), "norm"), lin("lm_head.weight", cfg.vocab_size, D, 4.0)]
+    return specs
+
+
+def random_tensor(shape, init, gen: torch.Generator, dtype, device) -> torch.Tensor:
+    if init == "norm":  # near 1, not exactly, so a mis-loaded norm shows in parity tests
+        t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+    elif init == "bias":  # e_score_correction_bias: big enough to change some expert choices
+        t = 0.1 * torch.randn(shape, generator=gen, device=device)
+    else:
+        t = init * torch.randn(shape, generator=gen, device=device)
+    fp32 = init == "bias" or shape == ()  # the routing bias stays fp32, as in real checkpoints
+    return t.to(torch.float32 if fp32 else dtype).cpu()
+
+
+def make_random(preset: str, out: str, *, layers: int | None = None, seed: int = 0, dtype: str | None = None,
+                shard_bytes: int = 2 << 30, device: str = "cpu", progress: bool = True,
+                overrides: dict | None = None) -> str:
+    raw = copy.deepcopy(load_preset(preset))
+    raw.pop("_note", None)
+    text = raw["text_config"] if "text_config" in raw else raw
+    if layers is not None:
+        text["num_hidden_layers"] = layers
+    text.update(overrides or {})
+    if dtype is not None:
+        text["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
+    if text.get("architectures", [""])[0] != "DeepseekV3ForCausalLM" and "text_config" not in raw:
+        raise ValueError(f"preset {preset!r} is not a DeepSeek-V3 target (use make-random-draft for EAGLE3)")
+    text["num_nextn_predict_layers"] = 0  # no MTP weights are written
+    cfg = ModelConfig.from_hf(raw, preset)
+    tdtype = DTYPES[cfg.torch_dtype]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    specs = hf_tensor_specs(cfg)
+    # Shard on size, with at least two shards so the sharded-index path is always exercised.
+    total = sum(math.prod(s) for _, s, _ in specs) * tdtype.itemsize
+    limit = min(shard_bytes, max(total // 2, 1))
+    shards, cur, cur_bytes = [], {}, 0
+    for name, shape, init in tqdm(specs, desc="Writing random weights", disable=not progress):
+        t = random_tensor(shape, init, gen, tdtype, device)
+        cur[cfg.weight_prefix + name] = t
+        cur_bytes += t.numel() * t.element_size()
+        if cur_bytes >= limit:
+            shards.append(cur)
+            cur, cur_bytes = {}, 0
+    if cur:
+        shards.append(cur)
+    weight_map = {}
+    for i, tensors in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return out

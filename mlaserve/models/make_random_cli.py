@@ -1,0 +1,24 @@
+"""`mlaserve make-random PRESET OUT`: flags and entry point for models/make_random.py."""
+
+from __future__ import annotations
+
+import argparse
+
+from .make_random import make_random, preset_names
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("preset", help=f"one of {', '.join(preset_names())}, or a path to a config.json")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--layers", type=int, default=None, help="truncate to N hidden layers")
+    p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same weights)")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float32 | float16 (default: the preset's)")
+    p.add_argument("--device", default="cpu", help="where to draw the numbers (cuda is faster for big presets)")
+    p.add_argument("--shard-size-gb", type=float, default=2.0, help="max safetensors shard size")
+
+
+def cli_main(args) -> int:
+    out = make_random(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=args.dtype,
+                      device=args.device, shard_bytes=int(args.shard_size_gb * (1 << 30)))
+    print(out)
+    return 0

@@ -1,0 +1,164 @@
+"""Load HF safetensors checkpoints (single file or sharded index) straight into the model's parameters.
+
+Checkpoint names are HF's. Routed experts arrive one tensor per expert and land stacked per layer;
+each parameter's `weight_loader` reads only this rank's shard. FP8 block-scaled weights
+(`weight_scale_inv`, DeepSeek-V3/Kimi-K2) are dequantized to the model dtype on load.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+log = logging.getLogger("mlaserve.weights")
+
+EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+# Parts of multimodal wrappers that mlaserve does not serve (vision is out of scope).
+SKIPPED_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "vision_model.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names the file and the tensor."""
+
+
+class _Tensor:
+    """A lazily read checkpoint tensor: `.shape` and `[...]` read only the requested slice."""
+
+    def __init__(self, handle, name: str, fp8_scale=None, dtype=None):
+        self._slice = handle.get_slice(name)
+        self._fp8_scale, self._dtype = fp8_scale, dtype
+        self.shape = tuple(self._slice.get_shape())
+
+    def __getitem__(self, idx):
+        if self._fp8_scale is None:
+            return self._slice[idx]
+        return dequant_fp8_block(self._slice[:], self._fp8_scale, self._dtype)[idx]
+
+
+def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, dtype, block: int = 128) -> torch.Tensor:
+    """w [out, in] float8_e4m3fn with scale_inv [ceil(out/128), ceil(in/128)] -> dense `dtype`."""
+    out_f, in_f = w.shape
+    s = scale_inv.float().repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
+    return (w.float() * s).to(dtype)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(path, name)):
+                raise CheckpointError(f"{index}: lists {name}, which is not in {path}")
+        return [os.path.join(path, f) for f in files]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files (nor model.safetensors.index.json)")
+    return files
+
+
+def _open(file: str):
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: cannot read safetensors header ({e}); is the file truncated?") from None
+
+
+def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> None:
+    """Fill every parameter of `model` (a DeepseekV3ForCausalLM) from the checkpoint folder `path`."""
+    cfg = model.config
+    prefix, n_layers = cfg.weight_prefix, cfg.num_hidden_layers
+    params = dict(model.named_parameters())
+    experts = {name: mod for name, mod in model.named_modules() if type(mod).__name__ == "Experts"}
+    pending = set(params) - {f"{n}.{w}" for n in experts for w in ("gate_up_proj", "down_proj")}
+    pending_experts = {(n, e, w) for n, m in experts.items() for e in range(m.expert_offset,
+                       m.expert_offset + m.num_local) for w in ("gate_proj", "up_proj", "down_proj")}
+    skipped = {"vision": 0, "mtp": 0}
+    dtype = next(iter(params.values())).dtype
+
+    files = checkpoint_files(path)
+    handles = [(f, _open(f)) for f in files]
+    total = sum(len(h.keys()) for _, h in handles)
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
+    for file, h in handles:
+        keys = set(h.keys())
+        for key in sorted(keys):
+            bar.update()
+            if key.endswith("weight_scale_inv"):
+                continue  # consumed with its weight
+            name = key[len(prefix):] if key.startswith(prefix) else None
+            if name is None:
+                if key.startswith(SKIPPED_TOWERS):
+                    skipped["vision"] += 1
+                    continue
+                raise CheckpointError(f"{file}: unexpected tensor {key!r} (expected the prefix {prefix!r})")
+            m = LAYER_KEY.match(name)
+            if m and int(m.group(1)) >= n_layers:
+                skipped["mtp"] += 1  # DeepSeek-V3's MTP layer (index num_hidden_layers), unused here
+                continue
+            try:
+                src = _lazy(h, key, keys, file, dtype)
+            except SafetensorError as e:
+                raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e}); is the file truncated?") from None
+            em = EXPERT_KEY.match(name)
+            try:
+                if em:
+                    mod_name, e, which = em.group(1), int(em.group(2)), em.group(3)
+                    mod = experts.get(mod_name)
+                    if mod is None or e >= mod.num_experts:
+                        raise CheckpointError(f"{file}: unexpected tensor {key!r} (no such expert in the model)")
+                    _check_shape(file, key, src.shape, mod.expert_shape(which))
+                    if mod.owns(e):
+                        mod.load_expert(e, which, src)
+                        pending_experts.discard((mod_name, e, which))
+                    continue
+                param = params.get(name)
+                if param is None:
+                    raise CheckpointError(f"{file}: unexpected tensor {key!r} (the model has no such parameter)")
+                _check_shape(file, key, src.shape, param.hf_shape)
+                param.weight_loader(param, src)
+                pending.discard(name)
+                mod_name = name.rsplit(".", 1)[0]
+                if mod_name in experts:  # transformers 5's fused expert tensors
+                    which = ("down_proj",) if name.endswith("down_proj") else ("gate_proj", "up_proj")
+                    pending_experts -= {p for p in pending_experts if p[0] == mod_name and p[2] in which}
+            except SafetensorError as e:
+                raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e}); is the file truncated?") from None
+    bar.close()
+
+    if "lm_head.weight" in pending and cfg.tie_word_embeddings and "model.embed_tokens.weight" not in pending:
+        params["lm_head.weight"].data.copy_(params["model.embed_tokens.weight"].data)
+        pending.discard("lm_head.weight")
+    missing = sorted(prefix + n for n in pending) + sorted(
+        f"{prefix}{n}.{e}.{w}.weight" for n, e, w in pending_experts)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
+    if skipped["vision"]:
+        log.info("skipped %d vision-tower tensors: mlaserve serves the text model only", skipped["vision"])
+    if skipped["mtp"]:
+        log.info("skipped %d tensors of the MTP layer (layers >= %d)", skipped["mtp"], n_layers)
+
+
+def _lazy(h, key: str, keys: set, file: str, dtype) -> _Tensor:
+    scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith(".weight") else None
+    if scale_key and scale_key in keys:
+        return _Tensor(h, key, fp8_scale=h.get_tensor(scale_key), dtype=dtype)
+    return _Tensor(h, key)
+
+
+def _check_shape(file: str, key: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(got)}, expected {tuple(want)}")
