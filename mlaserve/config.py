@@ -236,3 +236,44 @@ def _rope_from_hf(text: dict, source: str) -> RopeConfig:
         mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
         truncate=bool(merged.get("truncate", True)),
     )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs a model. Defaults follow vLLM/SGLang habits."""
+
+    model: str
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str = "auto"  # "auto": the checkpoint's torch_dtype
+    page_size: int = 64
+    num_pages: int | None = None  # None: sized from memory (gpu_memory_utilization / kv_cache_memory_gb)
+    gpu_memory_utilization: float = 0.90
+    kv_cache_memory_gb: float = 1.0  # CPU only: memory for the KV cache when num_pages is not given
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # token budget of one step (prefill chunks + decode tokens)
+    chunked_prefill_size: int = 8192  # largest prefill chunk of one request in one step
+    max_model_len: int | None = None  # None: max_position_embeddings
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs
+    prefill_graph_max_tokens: int = 8192
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    moe_backend: str = "auto"  # "auto" | "torch" | "triton"
+    load_format: str = "auto"  # "auto": safetensors; "dummy": random weights in place (no files read)
+    seed: int = 0
+    max_queue_len: int = 1024  # waiting requests beyond this are refused (server: 503)
+
+    def validate(self) -> None:
+        for name, lo in (("page_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                         ("chunked_prefill_size", 1)):
+            if getattr(self, name) < lo:
+                raise ValueError(f"{name}: must be >= {lo}, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages: must be >= 2, got {self.num_pages}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.moe_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"moe_backend: must be auto, torch or triton, got {self.moe_backend!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: must be auto or dummy, got {self.load_format!r}")

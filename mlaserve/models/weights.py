@@ -162,3 +162,21 @@ def _lazy(h, key: str, keys: set, file: str, dtype) -> _Tensor:
 def _check_shape(file: str, key: str, got, want) -> None:
     if tuple(got) != tuple(want):
         raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(got)}, expected {tuple(want)}")
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights in place, without reading files (vLLM's --load-format dummy), scaled as make-random does:
+    for benchmarks at shapes whose checkpoints would not fit on disk."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            p.data.normal_(1.0, 0.1, generator=gen)
+        elif name.endswith("e_score_correction_bias"):
+            p.data.normal_(0.0, 0.1, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            p.data.normal_(0.0, 1.0, generator=gen)
+        else:
+            parts = name.split(".")
+            kind = parts[-2] if parts[-1] == "weight" else parts[-1]  # e.g. o_proj, or experts' down_proj
+            gain = {"o_proj": 0.5, "down_proj": 0.5, "gate": 2.0, "lm_head": 4.0}.get(kind, 1.0)
+            p.data.normal_(0.0, gain / p.hf_shape[-1] ** 0.5, generator=gen)

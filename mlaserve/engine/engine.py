@@ -1,0 +1,199 @@
+"""LLMEngine: the step loop. schedule -> run -> postprocess (append tokens, detokenize, stop, free pages).
+
+Requests are validated when added (a bad one raises ValueError naming the field and is never queued),
+so one request's bad input cannot disturb the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.base import SeqChunk
+from ..config import EngineConfig, ModelConfig
+from ..detokenizer import IncrementalDetokenizer
+from ..layers.sampler import SamplingRow, sample
+from ..tokenizer import Tokenizer
+from ..types import Request, SamplingParams, Usage
+from .kv_pool import KVPool
+from .runner import ModelRunner
+from .scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("mlaserve.engine")
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: the tokens and text it added (one streamed event)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    new_logprobs: list[float] | None
+    usage: Usage
+
+
+@dataclass
+class _ReqState:
+    req: Request
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    eos: frozenset[int]
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig | None = None, runner: ModelRunner | None = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.model_config = model_cfg or ModelConfig.from_pretrained(cfg.model)
+        self.runner = runner or ModelRunner(cfg, self.model_config)
+        self.tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"{self.model_config.max_position_embeddings}")
+        self.pool = KVPool(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.pool)
+        self.states: dict[str, _ReqState] = {}
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(cfg.seed)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; nothing is queued."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        V = self.model_config.vocab_size
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
+                raise ValueError(f"prompt: token id {t!r} at index {i} is outside the vocabulary [0, {V})")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens leave no room to generate within max_model_len "
+                             f"{self.max_model_len}")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: {params.max_tokens} plus the prompt's {n} tokens exceeds max_model_len "
+                             f"{self.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        if self.pool.pages_for(n + 1) > self.pool.num_pages:
+            raise ValueError(f"prompt: {n} tokens need more KV pages than the cache holds ({self.pool.num_pages})")
+        if self.scheduler.num_unfinished >= self.cfg.max_queue_len:
+            raise OverflowError(f"the engine already holds {self.scheduler.num_unfinished} requests "
+                                f"(max_queue_len {self.cfg.max_queue_len})")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        self.validate(prompt_token_ids, params)
+        req = Request(list(prompt_token_ids), params, arrival=time.monotonic())
+        if request_id is not None:
+            if request_id in self.states:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            req.request_id = request_id
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop=params.stop)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        self.states[req.request_id] = _ReqState(req, detok, gen, eos)
+        self.scheduler.add(req)
+        return req.request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request now and free its pages; False if it is unknown or already done."""
+        st = self.states.pop(request_id, None)
+        if st is None:
+            return False
+        self.scheduler.finish(st.req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
+        prefill = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.prefill]
+        logits = self.runner.execute(decode, prefill)
+        self.num_steps += 1
+        return self._postprocess(out, logits)
+
+    def _seq_chunk(self, req: Request, n: int, sample_: bool) -> SeqChunk:
+        start = req.num_computed_tokens
+        return SeqChunk(req.all_token_ids[start:start + n], start, req.pages, "last" if sample_ else "none")
+
+    def _postprocess(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        sampled = [c for c in out.chunks if c.sample]
+        rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
+        want_lp = any(c.req.params.logprobs is not None for c in sampled)
+        tokens, logprobs = sample(logits, rows, self.generator, want_lp) if sampled else (None, None)
+        tokens = tokens.tolist() if tokens is not None else []  # the step's one host sync
+        logprobs = logprobs.tolist() if logprobs is not None else None
+
+        results = []
+        for c in out.chunks:
+            req = c.req
+            req.num_computed_tokens += c.num_new
+            self.scheduler.commit_pages(req)
+        for j, c in enumerate(sampled):
+            lp = [logprobs[j]] if logprobs is not None and c.req.params.logprobs is not None else None
+            results.append(self._append(c.req, [tokens[j]], lp))
+        return results
+
+    def _append(self, req: Request, new_tokens: list[int], logprobs: list[float] | None) -> StepOutput:
+        """Append tokens one by one, stopping at the first stop condition; emits one event."""
+        st = self.states[req.request_id]
+        p = req.params
+        added, text, reason, stop_reason = [], "", None, None
+        for t in new_tokens:
+            req.output_token_ids.append(t)
+            added.append(t)
+            delta, stop_str = st.detok.step([t])
+            text += delta
+            if stop_str is not None:
+                reason, stop_reason = "stop", stop_str
+            elif t in p.stop_token_ids:
+                reason, stop_reason = "stop", t
+            elif t in st.eos:
+                reason = "stop"
+            elif p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens:
+                reason = "length"
+            elif req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        if logprobs is not None:
+            req.output_logprobs += logprobs[: len(added)]
+        self.num_generated_tokens += len(added)
+        if reason:
+            self.scheduler.finish(req, reason, stop_reason)
+            del self.states[req.request_id]
+        return StepOutput(req.request_id, added, text, reason is not None, reason, stop_reason,
+                          logprobs[: len(added)] if logprobs is not None else None, self.usage(req))
+
+    def usage(self, req: Request) -> Usage:
+        return Usage(len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens,
+                     req.spec_draft_tokens, req.spec_accepted_tokens)
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_pages_used": self.pool.num_used, "kv_pages_total": self.pool.num_pages,
+            "prefix_cache_queries": self.pool.queries, "prefix_cache_hits": self.pool.hits,
+            "steps": self.num_steps, "generated_tokens": self.num_generated_tokens,
+        }

@@ -1,0 +1,103 @@
+"""ModelRunner: builds the model and its paged KV cache on one rank, and runs one forward per step.
+
+It turns the scheduler's chunks into a ForwardBatch (the same on every TP rank), runs the model and
+returns the logits of the positions to sample. Sampling itself happens on rank 0 (engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..attention.base import ForwardBatch, SeqChunk
+from ..config import EngineConfig, ModelConfig
+from ..distributed.tp import RankInfo
+from ..models.deepseek_v3 import DeepseekV3ForCausalLM
+from ..models.make_random import DTYPES
+from ..models.weights import init_dummy_weights, load_weights
+
+log = logging.getLogger("mlaserve.runner")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, model_cfg: ModelConfig) -> torch.dtype:
+    name = model_cfg.torch_dtype if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype: {name!r} is not supported; use bfloat16, float16 or float32")
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, ranks: RankInfo = RankInfo()):
+        self.cfg, self.model_cfg, self.ranks = cfg, model_cfg, ranks
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = resolve_dtype(cfg.dtype, model_cfg)
+        on_gpu = self.device.type == "cuda"
+        moe_impl = cfg.moe_backend if cfg.moe_backend != "auto" else ("triton" if on_gpu else "torch")
+
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            self.model = DeepseekV3ForCausalLM(model_cfg, dtype=self.dtype, ranks=ranks, moe_impl=moe_impl)
+        if cfg.load_format == "dummy":
+            init_dummy_weights(self.model, seed=cfg.seed)
+        else:
+            load_weights(self.model, cfg.model, progress=ranks.rank == 0)
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - t0
+
+        self.num_pages = cfg.num_pages or self._pages_from_memory()
+        L, D = model_cfg.num_hidden_layers, model_cfg.kv_cache_dim
+        self.kv_cache = torch.zeros(L, self.num_pages, cfg.page_size, D, dtype=self.dtype, device=self.device)
+        self.attn = self._make_backend()
+        log.info("model loaded in %.1fs on %s (%s); KV cache: %d pages x %d tokens (%.2f GB), backend %s",
+                 self.load_seconds, self.device, self.dtype, self.num_pages, cfg.page_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 1e9, type(self.attn).__name__)
+
+    def _page_bytes(self) -> int:
+        c = self.model_cfg
+        return c.num_hidden_layers * self.cfg.page_size * c.kv_cache_dim * self.dtype.itemsize
+
+    def _pages_from_memory(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave (1 - utilization) of the card plus room for activations of a full token budget.
+            activations = 2 * (1 << 30) + self.cfg.max_num_batched_tokens * self.model_cfg.hidden_size * 64
+            budget = free - (1 - self.cfg.gpu_memory_utilization) * total - activations
+        else:
+            budget = self.cfg.kv_cache_memory_gb * (1 << 30)
+        pages = int(budget // self._page_bytes())
+        if pages < 2:
+            raise ValueError(f"num_pages: no memory is left for the KV cache (budget {budget / 1e9:.2f} GB); "
+                             "lower max_num_batched_tokens or raise gpu_memory_utilization")
+        return pages
+
+    def _make_backend(self):
+        kind = self.cfg.attention_backend
+        if kind == "auto":
+            kind = "triton" if self.device.type == "cuda" else "torch"
+        if kind == "triton":
+            from ..attention.triton_mla import TritonMLABackend
+
+            return TritonMLABackend(self.kv_cache, self.model_cfg.kv_lora_rank)
+        from ..attention.torch_ref import TorchRefBackend
+
+        return TorchRefBackend(self.kv_cache, self.model_cfg.kv_lora_rank)
+
+    def build_batch(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> ForwardBatch:
+        return ForwardBatch.build(decode, prefill, self.cfg.page_size, self.device, self.attn)
+
+    @torch.inference_mode()
+    def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> torch.Tensor:
+        """Run one forward; returns fp32 logits [n, vocab] of the rows the chunks asked for, in order."""
+        batch = self.build_batch(decode, prefill)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden[batch.logits_indices])

@@ -1,0 +1,145 @@
+"""Continuous batching with chunked prefill under a token budget, and preemption by recompute.
+
+Each step computes, for every scheduled request, the next `num_new` tokens of its token list
+(prompt + generated so far). A request with one token left is decoding: it is fed its last token
+(plus its speculative draft tokens when verifying). When a step reaches the end of a request's
+tokens, its last position is sampled. Running requests are served before waiting ones; when pages run
+out, the newest running request is preempted (its pages freed, its KV recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import EngineConfig
+from ..types import Request, RequestStatus
+from .kv_pool import KVPool
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    num_new: int  # tokens fed this step (for a verifying decode: 1 + drafts)
+    sample: bool  # this step reaches the end of the request's tokens: sample its last position(s)
+
+
+@dataclass
+class SchedulerOutput:
+    decode: list[ScheduledChunk] = field(default_factory=list)
+    prefill: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, pool: KVPool, decode_q_len: int = 1):
+        self.cfg, self.pool = cfg, pool
+        self.decode_q_len = decode_q_len  # 1, or N = K+1 when verifying K draft tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.committed_pages: dict[str, int] = {}  # request id -> pages registered in the prefix cache
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = self.pool.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.pool.allocate(need)
+        if pages is None:
+            return False
+        req.pages += pages
+        return True
+
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.pages)
+        req.pages = []
+        self.committed_pages.pop(req.request_id, None)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        # Pages past the fed tokens, reserved so a verify step's N slots always fit.
+        overshoot = self.decode_q_len - 1
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed_tokens
+            decoding = remaining == 1
+            n = self.decode_q_len if decoding else min(remaining, budget, self.cfg.chunked_prefill_size)
+            if n > budget:
+                break
+            while not self._grow(req, req.num_computed_tokens + n + (overshoot if decoding else 0)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.WAITING:  # preempted itself: nothing after it is left
+                break
+            chunk = ScheduledChunk(req, n, sample=decoding or req.num_computed_tokens + n == req.num_tokens)
+            (out.decode if decoding else out.prefill).append(chunk)
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            cached = self.pool.match_prefix(tokens)
+            num_cached = len(cached) * self.pool.page_size
+            n = min(len(tokens) - num_cached, budget, self.cfg.chunked_prefill_size)
+            req.pages = list(cached)  # _grow appends to req.pages
+            if not self._grow(req, num_cached + n):
+                self._release(req)
+                break
+            self.pool.record_lookup(len(tokens), num_cached)
+            self.waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            self.committed_pages[req.request_id] = len(cached)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.prefill.append(ScheduledChunk(req, n, sample=num_cached + n == len(tokens)))
+            budget -= n
+        return out
+
+    def commit_pages(self, req: Request) -> None:
+        """Register the request's newly full, computed pages in the prefix cache."""
+        self.committed_pages[req.request_id] = self.pool.commit(
+            req.all_token_ids, req.pages, req.num_computed_tokens, self.committed_pages.get(req.request_id, 0))
+
+    def finish(self, req: Request, reason: str, stop_reason=None) -> None:
+        """Free a running or waiting request's pages now and mark it finished."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason

@@ -1,0 +1,62 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, sampled-token logprobs.
+
+Every row is sampled from its own logits alone; a seeded request draws its noise from its own
+generator, so the same seed gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..types import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own (seeded) generator, else None
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, vectorised over rows. logits [B, V] fp32."""
+    dev = logits.device
+    temp = torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
+    logits = logits / temp
+    V = logits.shape[1]
+    top_k = [r.params.top_k if r.params.top_k > 0 else V for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    if min(top_k) < V or min(top_p) < 1.0:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=dev).unsqueeze(0)
+        drop = rank >= torch.tensor(top_k, device=dev).unsqueeze(1)
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
+        drop |= (probs.cumsum(-1) - probs) >= torch.tensor(top_p, device=dev).unsqueeze(1)
+        logits = logits.scatter(1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    if max(min_p) > 0:
+        probs = logits.softmax(-1)
+        thresh = probs.max(-1, keepdim=True).values * torch.tensor(min_p, device=dev).unsqueeze(1)
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
+           want_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, V] fp32 -> (tokens [B] int64, logprobs of those tokens under the model [B] or None)."""
+    tokens = logits.argmax(-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        sel = torch.tensor(random_rows, device=logits.device)
+        probs = _filter(logits[sel], [rows[i] for i in random_rows]).softmax(-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; each row draws its own noise.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=rows[i].generator or generator)
+        tokens[sel] = (probs / noise).argmax(-1)
+    logprobs = None
+    if want_logprobs:
+        logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, logprobs

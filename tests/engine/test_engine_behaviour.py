@@ -1,0 +1,145 @@
+"""Batch invariance, the prefix cache, aborts, bad inputs: the engine keeps serving everyone else."""
+
+import random
+
+import pytest
+
+from mlaserve.types import SamplingParams
+
+from .conftest import make_engine, run_all
+
+
+def _prompts(n, seed=7, lo=5, hi=60):
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_batch_invariance(tiny_ckpt, params):
+    engine = make_engine(tiny_ckpt)
+    target = _prompts(1, seed=99)[0]
+    others = _prompts(6)
+    rid = engine.add_request(target, params)
+    alone = run_all(engine)[rid]
+    results = [alone]
+    for order in (others[:3] + [target] + others[3:], [target] + others[::-1]):
+        rids = [engine.add_request(p, params if p is target else SamplingParams(temperature=1.0, max_tokens=9))
+                for p in order]
+        got = run_all(engine)
+        results.append(got[rids[order.index(target)]])
+    assert results[0] == results[1] == results[2], results
+
+
+def test_seed_reproducible_and_distinct(tiny_ckpt):
+    engine = make_engine(tiny_ckpt)
+    p = _prompts(1)[0]
+    runs = []
+    for seed in (1, 1, 2):
+        rid = engine.add_request(p, SamplingParams(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True))
+        runs.append(run_all(engine)[rid])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_prefix_cache_hit_same_output(tiny_ckpt, page_size):
+    rng = random.Random(3)
+    prefix = [rng.randrange(512) for _ in range(200)]
+    a, b = prefix + [1, 2, 3], prefix + [4, 5, 6, 7]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = {}
+    for caching in (True, False):
+        engine = make_engine(tiny_ckpt, page_size=page_size, enable_prefix_caching=caching)
+        ra = engine.add_request(a, sp)
+        run_all(engine)
+        rb = engine.add_request(b, sp)
+        seen = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                seen.append(o)
+        outs[caching] = [o for o in seen if o.request_id == rb]
+        cached = outs[caching][-1].usage.cached_tokens
+        if caching:
+            assert cached == (200 // page_size) * page_size and engine.stats()["prefix_cache_hits"] >= cached
+        else:
+            assert cached == 0
+        del ra
+    tok = lambda evs: [t for o in evs for t in o.new_token_ids]  # noqa: E731
+    assert tok(outs[True]) == tok(outs[False])
+
+
+def test_abort_frees_pages_at_once(tiny_ckpt):
+    engine = make_engine(tiny_ckpt, page_size=16)
+    rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+            for p in _prompts(4, lo=40, hi=60)]
+    engine.step()
+    engine.step()
+    used = engine.pool.num_used
+    assert used > 0
+    engine.abort_request(rids[1])
+    assert engine.pool.num_used < used
+    engine.abort_request("no-such-request")
+    run_all(engine)
+
+
+BAD = [
+    ([], SamplingParams(max_tokens=4), "prompt"),
+    ([1] * 5000, SamplingParams(max_tokens=4), "prompt"),
+    ([1, 2, 3], SamplingParams(max_tokens=4096), "max_tokens"),
+    ([1, 2, 600], SamplingParams(max_tokens=4), "prompt"),
+    ([1, -1, 3], SamplingParams(max_tokens=4), "prompt"),
+]
+
+
+@pytest.mark.parametrize("ids,params,field", BAD, ids=["empty", "too_long", "max_tokens", "oov", "negative_id"])
+def test_bad_inputs_refused_engine_keeps_serving(tiny_ckpt, ids, params, field):
+    engine = make_engine(tiny_ckpt, max_model_len=2048)
+    good = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError, match=field):
+        engine.add_request(ids, params)
+    out = run_all(engine)
+    assert len(out[good]) == 5
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(temperature=-0.1), "temperature"), (dict(top_k=-5), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+])
+def test_bad_sampling_params(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_stop_token_ids_and_max_tokens(tiny_ckpt):
+    engine = make_engine(tiny_ckpt)
+    p = _prompts(1)[0]
+    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    full = run_all(engine)[rid]
+    stop_tok = full[5]
+    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                               stop_token_ids=[stop_tok]))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    got = [t for e in events for t in e.new_token_ids]
+    assert got == full[: full.index(stop_tok) + 1]
+    assert events[-1].finish_reason == "stop" and events[-1].stop_reason == stop_tok
+
+
+def test_preemption_by_recompute_gives_same_tokens(tiny_ckpt):
+    # 4 requests of 30 tokens fill 8 pages of 16; each needs a 3rd page at token 32, so some must be preempted.
+    prompts = _prompts(4, seed=11, lo=30, hi=31)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref_engine = make_engine(tiny_ckpt, page_size=16)
+    ref = run_all(ref_engine)
+    rids = [ref_engine.add_request(p, sp) for p in prompts]
+    ref = run_all(ref_engine)
+    engine = make_engine(tiny_ckpt, page_size=16, num_pages=8)
+    got = run_all(engine)
+    rids2 = [engine.add_request(p, sp) for p in prompts]
+    got = run_all(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert [got[r] for r in rids2] == [ref[r] for r in rids]
