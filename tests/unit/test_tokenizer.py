@@ -180,10 +180,11 @@ def test_template_helpers_as_transformers(tmp_path):
         "{{ messages[0].content | tojson }}|{{ {'k': 'é<>'} | tojson(indent=None) }}|{{ strftime_now('%Y') | length }}"
         "|{{ tools is none }}|{{ custom }}|{{ messages[0].get('tool_calls', 'none') }}\n"
         "  {% for i in range(3) %}{% if i == 1 %}{% break %}{% endif %}{{ i }}{% endfor %}\n"
+        "{% generation %}G{% endgeneration %}"
     )
     t = _with_template(tmp_path, source)
     out = t.apply_chat_template([{"role": "user", "content": "世 \"q\"", "tool_calls": None}], custom=7)
-    assert out == '"世 \\"q\\""|{"k": "é<>"}|4|True|7|none\n0'  # trim_blocks/lstrip_blocks as transformers
+    assert out == '"世 \\"q\\""|{"k": "é<>"}|4|True|7|none\n0G'  # trim_blocks/lstrip_blocks as transformers
     with pytest.raises(ValueError, match="first message must be the user"):
         t.apply_chat_template([{"role": "assistant", "content": "x"}])
 
