@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..tokenizer import write_byte_level_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -87,7 +88,7 @@ def random_tensor(shape, init, gen: torch.Generator, dtype, device) -> torch.Ten
 
 def make_random(preset: str, out: str, *, layers: int | None = None, seed: int = 0, dtype: str | None = None,
                 shard_bytes: int = 2 << 30, device: str = "cpu", progress: bool = True,
-                overrides: dict | None = None) -> str:
+                overrides: dict | None = None, tokenizer: bool = True) -> str:
     raw = copy.deepcopy(load_preset(preset))
     raw.pop("_note", None)
     text = raw["text_config"] if "text_config" in raw else raw
@@ -127,4 +128,10 @@ def make_random(preset: str, out: str, *, layers: int | None = None, seed: int =
         weight_map.update({k: fname for k in tensors})
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    # A byte-level tokenizer in which every id decodes, so text in/out works on random weights. Skipped when the
+    # vocab cannot hold it (overrides shrinking vocab_size): such a folder works on token ids.
+    bos = cfg.bos_token_id if cfg.bos_token_id is not None else 0
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else bos
+    if tokenizer and cfg.vocab_size >= 260 and max(bos, eos) < cfg.vocab_size:
+        write_byte_level_tokenizer(out, cfg.vocab_size, bos, eos)
     return out
