@@ -177,6 +177,8 @@ class LLMEngine:
                 reason = "length"
             if reason:
                 break
+        if reason and not isinstance(stop_reason, str):
+            text += st.detok.flush()[0]  # release text held back for a possible stop string or half character
         if logprobs is not None:
             req.output_logprobs += logprobs[: len(added)]
         self.num_generated_tokens += len(added)

@@ -19,8 +19,14 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..tokenizer import write_byte_level_tokenizer
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def preset_names() -> list[str]:
@@ -51,26 +57,47 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float 
         specs += [(p + "input_layernorm.weight", (D,), "norm"), (p + "post_attention_layernorm.weight", (D,), "norm")]
         a = p + "self_attn."
         if cfg.q_lora_rank:
-            specs += [lin(a + "q_a_proj.weight", cfg.q_lora_rank, D), (a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "norm"),
-                      lin(a + "q_b_proj.weight", H * (N + P), cfg.q_lora_rank)]
+            specs += [
+                lin(a + "q_a_proj.weight", cfg.q_lora_rank, D),
+                (a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "norm"),
+                lin(a + "q_b_proj.weight", H * (N + P), cfg.q_lora_rank),
+            ]
         else:
             specs.append(lin(a + "q_proj.weight", H * (N + P), D))
-        specs += [lin(a + "kv_a_proj_with_mqa.weight", R + P, D), (a + "kv_a_layernorm.weight", (R,), "norm"),
-                  lin(a + "kv_b_proj.weight", H * (N + V), R), lin(a + "o_proj.weight", D, H * V, 0.5)]
+        specs += [
+            lin(a + "kv_a_proj_with_mqa.weight", R + P, D),
+            (a + "kv_a_layernorm.weight", (R,), "norm"),
+            lin(a + "kv_b_proj.weight", H * (N + V), R),
+            lin(a + "o_proj.weight", D, H * V, 0.5),
+        ]
         m = p + "mlp."
         if cfg.is_moe_layer(i):
             I = cfg.moe_intermediate_size
-            specs += [lin(m + "gate.weight", cfg.n_routed_experts, D, 2.0), (m + "gate.e_score_correction_bias", (cfg.n_routed_experts,), "bias")]
+            specs += [
+                lin(m + "gate.weight", cfg.n_routed_experts, D, 2.0),
+                (m + "gate.e_score_correction_bias", (cfg.n_routed_experts,), "bias"),
+            ]
             for e in range(cfg.n_routed_experts):
                 x = f"{m}experts.{e}."
-                specs += [lin(x + "gate_proj.weight", I, D), lin(x + "up_proj.weight", I, D), lin(x + "down_proj.weight", D, I, 0.5)]
+                specs += [
+                    lin(x + "gate_proj.weight", I, D),
+                    lin(x + "up_proj.weight", I, D),
+                    lin(x + "down_proj.weight", D, I, 0.5),
+                ]
             if cfg.n_shared_experts:
                 Is = I * cfg.n_shared_experts
-                specs += [lin(m + "shared_experts.gate_proj.weight", Is, D), lin(m + "shared_experts.up_proj.weight", Is, D),
-                          lin(m + "shared_experts.down_proj.weight", D, Is, 0.5)]
+                specs += [
+                    lin(m + "shared_experts.gate_proj.weight", Is, D),
+                    lin(m + "shared_experts.up_proj.weight", Is, D),
+                    lin(m + "shared_experts.down_proj.weight", D, Is, 0.5),
+                ]
         else:
             I = cfg.intermediate_size
-            specs += [lin(m + "gate_proj.weight", I, D), lin(m + "up_proj.weight", I, D), lin(m + "down_proj.weight", D, I, 0.5)]
+            specs += [
+                lin(m + "gate_proj.weight", I, D),
+                lin(m + "up_proj.weight", I, D),
+                lin(m + "down_proj.weight", D, I, 0.5),
+            ]
     specs += [("model.norm.weight", (D,), "norm"), lin("lm_head.weight", cfg.vocab_size, D, 4.0)]
     return specs
 
@@ -86,9 +113,19 @@ def random_tensor(shape, init, gen: torch.Generator, dtype, device) -> torch.Ten
     return t.to(torch.float32 if fp32 else dtype).cpu()
 
 
-def make_random(preset: str, out: str, *, layers: int | None = None, seed: int = 0, dtype: str | None = None,
-                shard_bytes: int = 2 << 30, device: str = "cpu", progress: bool = True,
-                overrides: dict | None = None, tokenizer: bool = True) -> str:
+def make_random(
+    preset: str,
+    out: str,
+    *,
+    layers: int | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    shard_bytes: int = 2 << 30,
+    device: str = "cpu",
+    progress: bool = True,
+    overrides: dict | None = None,
+    tokenizer: bool = True,
+) -> str:
     raw = copy.deepcopy(load_preset(preset))
     raw.pop("_note", None)
     text = raw["text_config"] if "text_config" in raw else raw

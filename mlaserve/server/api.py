@@ -18,8 +18,7 @@ from pydantic import BaseModel, ValidationError
 from ..engine.engine import StepOutput
 from .async_engine import AsyncEngine, EngineDeadError
 from .metrics import Metrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, chunk, error_json, new_id, now, sum_usage,
-                       usage_json)
+from .protocol import ChatCompletionRequest, CompletionRequest, chunk, error_json, new_id, now, sum_usage, usage_json
 
 log = logging.getLogger("mlaserve.server")
 

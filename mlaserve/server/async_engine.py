@@ -35,8 +35,9 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self, engine: LLMEngine, metrics: Metrics | None = None, on_fatal: Callable[[BaseException], None] | None = None
+    ):
         self.engine, self.metrics, self.on_fatal = engine, metrics, on_fatal
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -62,7 +63,9 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         self.engine.validate(prompt_ids, params)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[StepOutput]:
         """Yield one StepOutput per engine step that produced tokens for this request; aborts if abandoned."""
         self.validate(prompt_ids, params)
         sink = _Sink(asyncio.get_running_loop())

@@ -44,8 +44,13 @@ class _SamplingFields(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
-            max_tokens=max_tokens, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            max_tokens=max_tokens,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
 
 
 class CompletionRequest(_SamplingFields):
@@ -102,22 +107,40 @@ def new_id(prefix: str) -> str:
 
 def usage_json(u: Usage) -> dict:
     return {
-        "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-        "completion_tokens_details": {"accepted_prediction_tokens": u.spec_accepted_tokens,
-                                      "rejected_prediction_tokens": u.spec_draft_tokens - u.spec_accepted_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.spec_accepted_tokens,
+            "rejected_prediction_tokens": u.spec_draft_tokens - u.spec_accepted_tokens,
+        },
     }
 
 
 def sum_usage(us: list[Usage]) -> Usage:
-    return Usage(*(sum(getattr(u, f) for u in us) for f in
-                   ("prompt_tokens", "completion_tokens", "cached_tokens", "spec_draft_tokens", "spec_accepted_tokens")))
+    return Usage(
+        *(
+            sum(getattr(u, f) for u in us)
+            for f in (
+                "prompt_tokens",
+                "completion_tokens",
+                "cached_tokens",
+                "spec_draft_tokens",
+                "spec_accepted_tokens",
+            )
+        )
+    )
 
 
 def error_json(message: str, status: int, param: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-            422: "invalid_request_error", 503: "server_overloaded"}.get(status, "server_error")
+    kind = {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        422: "invalid_request_error",
+        503: "server_overloaded",
+    }.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 

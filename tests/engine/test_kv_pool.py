@@ -51,7 +51,7 @@ def test_eviction_lru_and_random_churn():
     rng = random.Random(0)
     pool = KVPool(32, 4)
     live = []
-    for step in range(500):
+    for _step in range(500):
         if live and rng.random() < 0.5:
             toks, pages = live.pop(rng.randrange(len(live)))
             pool.free(pages)
