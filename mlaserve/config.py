@@ -277,3 +277,43 @@ class EngineConfig:
             raise ValueError(f"moe_backend: must be auto, torch or triton, got {self.moe_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: must be auto or dummy, got {self.load_format!r}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """EAGLE3 chain drafting: `num_steps` draft tokens per step, verified together (N = num_steps + 1)."""
+
+    draft_model: str
+    algorithm: str = "EAGLE3"
+    num_steps: int = 1
+    num_draft_tokens: int = 2
+    # 0: capture the residual stream entering layer `id` (vLLM); 1: leaving layer `id` (SGLang/SpecForge).
+    aux_layer_offset: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict | SpecConfig) -> SpecConfig:
+        if isinstance(d, SpecConfig):
+            return d
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"speculative_config: unknown keys {sorted(extra)}")
+        if not d.get("draft_model"):
+            raise ValueError("speculative_config.draft_model: the EAGLE3 draft's folder is required")
+        steps = int(d.get("num_steps", 1))
+        cfg = cls(**{**d, "num_steps": steps, "num_draft_tokens": int(d.get("num_draft_tokens") or steps + 1)})
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.algorithm.upper() != "EAGLE3":
+            raise ValueError(f"speculative_config.algorithm: only EAGLE3 is supported, got {self.algorithm!r}")
+        if self.num_steps < 1:
+            raise ValueError(f"speculative_config.num_steps: must be >= 1, got {self.num_steps}")
+        if self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(f"speculative_config.num_draft_tokens: chain drafting verifies num_steps + 1 = "
+                             f"{self.num_steps + 1} tokens, got {self.num_draft_tokens}")
+        if self.aux_layer_offset not in (0, 1):
+            raise ValueError(f"speculative_config.aux_layer_offset: must be 0 or 1, got {self.aux_layer_offset}")
+        if not os.path.isdir(self.draft_model):
+            raise ValueError(f"speculative_config.draft_model: {self.draft_model!r} is not a folder")

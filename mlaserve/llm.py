@@ -11,7 +11,7 @@ import sys
 
 from tqdm import tqdm
 
-from .config import EngineConfig
+from .config import EngineConfig, SpecConfig
 from .types import CompletionOutput, RequestOutput, SamplingParams
 
 DEFAULT_MODEL_NAME = "tiny-random-v1"
@@ -49,9 +49,10 @@ class LLM:
 
         model = model or default_model_path()
         self.engine_config = EngineConfig(model=model, device=device, dtype=dtype, seed=seed, **engine_kwargs)
-        if (tp or 1) > 1 or attn_tp_size > 1 or moe_tp_size > 1 or ep_size > 1 or speculative_config:
-            raise NotImplementedError("tensor parallelism and speculative decoding are not wired into LLM yet")
-        self.engine = LLMEngine(self.engine_config)
+        if (tp or 1) > 1 or attn_tp_size > 1 or moe_tp_size > 1 or ep_size > 1:
+            raise NotImplementedError("tensor parallelism is not wired into LLM yet")
+        spec = SpecConfig.from_dict(speculative_config) if speculative_config else None
+        self.engine = LLMEngine(self.engine_config, spec=spec)
         self.tokenizer = self.engine.tokenizer
 
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:

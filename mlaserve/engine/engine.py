@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.base import SeqChunk
-from ..config import EngineConfig, ModelConfig
+from ..config import EngineConfig, ModelConfig, SpecConfig
 from ..detokenizer import IncrementalDetokenizer
 from ..layers.sampler import SamplingRow, sample
 from ..tokenizer import Tokenizer
 from ..types import Request, SamplingParams, Usage
 from .kv_pool import KVPool
-from .runner import ModelRunner
+from .runner import ModelRunner, resolve_dtype
 from .scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("mlaserve.engine")
@@ -45,21 +45,36 @@ class _ReqState:
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
     eos: frozenset[int]
+    drafts: list[int] | None = None  # the proposer's tokens for the next verify step
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig | None = None, runner: ModelRunner | None = None):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig | None = None, runner: ModelRunner | None = None,
+                 spec: SpecConfig | None = None, proposer=None):
         cfg.validate()
-        self.cfg = cfg
+        self.cfg, self.spec = cfg, spec
         self.model_config = model_cfg or ModelConfig.from_pretrained(cfg.model)
-        self.runner = runner or ModelRunner(cfg, self.model_config)
+        extra = 0
+        if spec is not None:
+            from ..models.eagle3 import DraftConfig
+            from ..spec.eagle3 import draft_page_bytes
+
+            extra = draft_page_bytes(DraftConfig.from_pretrained(spec.draft_model), cfg.page_size,
+                                     resolve_dtype(cfg.dtype, self.model_config))
+        self.runner = runner or ModelRunner(cfg, self.model_config, extra_page_bytes=extra)
+        self.proposer = proposer
+        if spec is not None and proposer is None:
+            from ..spec.eagle3 import Eagle3Proposer
+
+            self.proposer = Eagle3Proposer(spec, self.runner)
+        self.spec_k = spec.num_steps if spec is not None else 0
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"{self.model_config.max_position_embeddings}")
         self.pool = KVPool(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg, self.pool)
+        self.scheduler = Scheduler(cfg, self.pool, decode_q_len=self.spec_k + 1)
         self.states: dict[str, _ReqState] = {}
         self.generator = torch.Generator(device=self.runner.device).manual_seed(cfg.seed)
         eos = set(self.model_config.eos_token_ids)
@@ -69,6 +84,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self._accept_log = [0, 0]  # accepted, steps since the last log line
 
     # ---- requests ------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -87,6 +104,8 @@ class LLMEngine:
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: {params.max_tokens} plus the prompt's {n} tokens exceeds max_model_len "
                              f"{self.max_model_len}")
+        if self.spec_k and params.logprobs is not None:
+            raise ValueError("logprobs: not supported together with speculative decoding")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
         if self.pool.pages_for(n + 1) > self.pool.num_pages:
@@ -127,10 +146,16 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
-        decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
+        if self.spec_k:
+            decode = [SeqChunk([c.req.all_token_ids[-1]] + self.states[c.req.request_id].drafts,
+                               c.req.num_computed_tokens, c.req.pages, "all") for c in out.decode]
+        else:
+            decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
         prefill = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.prefill]
-        logits = self.runner.execute(decode, prefill)
+        logits, aux = self.runner.execute(decode, prefill)
         self.num_steps += 1
+        if self.spec_k:
+            return self._postprocess_spec(out, logits, aux)
         return self._postprocess(out, logits)
 
     def _seq_chunk(self, req: Request, n: int, sample_: bool) -> SeqChunk:
@@ -154,6 +179,76 @@ class LLMEngine:
             lp = [logprobs[j]] if logprobs is not None and c.req.params.logprobs is not None else None
             results.append(self._append(c.req, [tokens[j]], lp))
         return results
+
+    def _postprocess_spec(self, out: SchedulerOutput, logits: torch.Tensor, aux: torch.Tensor) -> list[StepOutput]:
+        """Verify each decode request's drafts, sample finished prefills, then let the draft propose again."""
+        from ..spec.eagle3 import DraftChunk
+        from ..spec.verify import verify_greedy, verify_sampled
+
+        K, N = self.spec_k, self.spec_k + 1
+        B = len(out.decode)
+        emitted: list[list[int]] = []
+        if B:
+            dec = logits[: B * N].view(B, N, -1)
+            drafts = [self.states[c.req.request_id].drafts for c in out.decode]
+            y, acc = verify_greedy(dec, torch.tensor(drafts, device=dec.device))
+            y, acc = y.tolist(), acc.tolist()
+            for b, c in enumerate(out.decode):
+                if c.req.params.greedy:
+                    emitted.append(y[b][: acc[b] + 1])
+                else:
+                    st = self.states[c.req.request_id]
+                    emitted.append(verify_sampled(dec[b], drafts[b], SamplingRow(c.req.params, st.generator),
+                                                  self.generator))
+        sampled = [c for c in out.prefill if c.sample]
+        rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
+        first = sample(logits[B * N:], rows, self.generator)[0].tolist() if sampled else []
+
+        results, chunks, row = [], [], 0
+        for b, c in enumerate(out.decode):
+            req, toks = c.req, emitted[b]
+            start = req.num_computed_tokens
+            req.num_computed_tokens += len(toks)  # the fed last token + the accepted drafts now have KV
+            self.scheduler.commit_pages(req)
+            ev = self._append(req, toks, None)
+            req.spec_steps += 1
+            req.spec_draft_tokens += K
+            req.spec_accepted_tokens += len(ev.new_token_ids) - 1  # accepted drafts actually emitted
+            self.spec_steps += 1
+            self.spec_draft_tokens += K
+            self.spec_accepted_tokens += len(ev.new_token_ids) - 1
+            ev.usage = self.usage(req)
+            results.append(ev)
+            if not ev.finished:
+                chunks.append(DraftChunk(req, toks, start, _rows(aux, row, len(toks)), propose=True))
+            row += N
+        it = iter(first)
+        for c in out.prefill:
+            req, start = c.req, c.req.num_computed_tokens
+            req.num_computed_tokens += c.num_new
+            self.scheduler.commit_pages(req)
+            finished = False
+            if c.sample:
+                ev = self._append(req, [next(it)], None)
+                results.append(ev)
+                finished = ev.finished
+            if not finished:
+                nxt = req.all_token_ids[start + 1:start + c.num_new + 1]
+                chunks.append(DraftChunk(req, nxt, start, _rows(aux, row, c.num_new), propose=c.sample))
+            row += c.num_new
+        for rid, d in self.proposer.propose(chunks).items():
+            self.states[rid].drafts = d
+        self._log_acceptance(B, sum(len(e) - 1 for e in emitted))
+        return results
+
+    def _log_acceptance(self, steps: int, accepted: int) -> None:
+        self._accept_log[0] += accepted
+        self._accept_log[1] += steps
+        if self._accept_log[1] >= 1000:
+            a, n = self._accept_log
+            log.info("speculative decoding: mean accept length %.3f (%d verify steps; %.1f%% of drafts accepted)",
+                     1 + a / n, n, 100 * a / (n * self.spec_k))
+            self._accept_log = [0, 0]
 
     def _append(self, req: Request, new_tokens: list[int], logprobs: list[float] | None) -> StepOutput:
         """Append tokens one by one, stopping at the first stop condition; emits one event."""
@@ -194,8 +289,14 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return {
+            "spec_steps": self.spec_steps, "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "kv_pages_used": self.pool.num_used, "kv_pages_total": self.pool.num_pages,
             "prefix_cache_queries": self.pool.queries, "prefix_cache_hits": self.pool.hits,
             "steps": self.num_steps, "generated_tokens": self.num_generated_tokens,
         }
+
+
+def _rows(t: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
+    return None if t is None else t[start:start + n]

@@ -35,8 +35,10 @@ def resolve_dtype(dtype: str, model_cfg: ModelConfig) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, ranks: RankInfo = RankInfo()):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, ranks: RankInfo = RankInfo(),
+                 extra_page_bytes: int = 0):
         self.cfg, self.model_cfg, self.ranks = cfg, model_cfg, ranks
+        self.extra_page_bytes = extra_page_bytes  # e.g. the EAGLE3 draft's KV cache shares the page ids
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -64,7 +66,7 @@ class ModelRunner:
 
     def _page_bytes(self) -> int:
         c = self.model_cfg
-        return c.num_hidden_layers * self.cfg.page_size * c.kv_cache_dim * self.dtype.itemsize
+        return c.num_hidden_layers * self.cfg.page_size * c.kv_cache_dim * self.dtype.itemsize + self.extra_page_bytes
 
     def _pages_from_memory(self) -> int:
         if self.device.type == "cuda":
@@ -96,8 +98,10 @@ class ModelRunner:
         return ForwardBatch.build(decode, prefill, self.cfg.page_size, self.device, self.attn)
 
     @torch.inference_mode()
-    def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> torch.Tensor:
-        """Run one forward; returns fp32 logits [n, vocab] of the rows the chunks asked for, in order."""
+    def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
+        the EAGLE3 aux hidden states [T, 3D] of every token, or None)."""
         batch = self.build_batch(decode, prefill)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        out = self.model(batch.input_ids, batch.positions, batch)
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
+        return self.model.compute_logits(hidden[batch.logits_indices]), aux

@@ -94,7 +94,9 @@ class Scheduler:
             n = self.decode_q_len if decoding else min(remaining, budget, self.cfg.chunked_prefill_size)
             if n > budget:
                 break
-            while not self._grow(req, req.num_computed_tokens + n + (overshoot if decoding else 0)):
+            sample = decoding or req.num_computed_tokens + n == req.num_tokens
+            # A sampling step is followed by draft steps that write up to num_steps positions further.
+            while not self._grow(req, req.num_computed_tokens + n + (overshoot if sample else 0)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -102,7 +104,7 @@ class Scheduler:
                     break
             if req.status == RequestStatus.WAITING:  # preempted itself: nothing after it is left
                 break
-            chunk = ScheduledChunk(req, n, sample=decoding or req.num_computed_tokens + n == req.num_tokens)
+            chunk = ScheduledChunk(req, n, sample=sample)
             (out.decode if decoding else out.prefill).append(chunk)
             budget -= n
             i += 1
@@ -113,8 +115,9 @@ class Scheduler:
             cached = self.pool.match_prefix(tokens)
             num_cached = len(cached) * self.pool.page_size
             n = min(len(tokens) - num_cached, budget, self.cfg.chunked_prefill_size)
+            sample = num_cached + n == len(tokens)
             req.pages = list(cached)  # _grow appends to req.pages
-            if not self._grow(req, num_cached + n):
+            if not self._grow(req, num_cached + n + (overshoot if sample else 0)):
                 self._release(req)
                 break
             self.pool.record_lookup(len(tokens), num_cached)
@@ -125,7 +128,7 @@ class Scheduler:
             self.committed_pages[req.request_id] = len(cached)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.prefill.append(ScheduledChunk(req, n, sample=num_cached + n == len(tokens)))
+            out.prefill.append(ScheduledChunk(req, n, sample=sample))
             budget -= n
         return out
 

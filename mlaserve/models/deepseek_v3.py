@@ -66,8 +66,9 @@ class DeepseekV3MoE(nn.Module):
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention. The KV cache holds [c_kv | rope(k_pe)] (R+P values) per token."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype, in_features: int | None = None):
         super().__init__()
+        D = in_features or cfg.hidden_size  # an EAGLE3 MLA draft feeds [embed | hidden], 2H wide
         if cfg.num_attention_heads % ranks.world_size:
             raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
                              f"attn_tp_size={ranks.world_size}")
@@ -79,12 +80,12 @@ class DeepseekV3Attention(nn.Module):
         col = dict(shard="col", rank=ranks.rank, size=ranks.world_size, dtype=dtype)
         self.q_lora_rank = cfg.q_lora_rank
         if cfg.q_lora_rank:
-            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype=dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
             self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, **col)
         else:
-            self.q_proj = Linear(cfg.hidden_size, heads * cfg.qk_head_dim, **col)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.R + self.P, dtype=dtype)
+            self.q_proj = Linear(D, heads * cfg.qk_head_dim, **col)
+        self.kv_a_proj_with_mqa = Linear(D, self.R + self.P, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.R, cfg.rms_norm_eps, dtype=dtype)
         self.kv_b_proj = Linear(self.R, heads * (self.N + self.V), **col)
         self.o_proj = Linear(heads * self.V, cfg.hidden_size, shard="row", rank=ranks.rank,
@@ -174,7 +175,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     """forward(ids, positions, batch) -> final hidden [T, D]; compute_logits(hidden) -> fp32 [n, vocab].
 
     `aux_layer_ids`, when set (EAGLE3), makes forward also return the residual stream entering those
-    layers, concatenated: [T, len(ids) * D]."""
+    layers (id == num_layers: the final pre-norm stream), concatenated in id order: [T, len(ids) * D]."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=torch.float32, ranks: RankInfo = RankInfo(),
                  moe_impl: str = "torch"):
@@ -188,13 +189,15 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
         h = self.model.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.model.rotary(positions)  # [T, P/2] each, fp32
-        aux = []
+        aux = {}
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layer_ids:
-                aux.append(h)
+                aux[i] = h
             h = layer(h, cos, sin, batch)
+        if len(self.model.layers) in self.aux_layer_ids:
+            aux[len(self.model.layers)] = h
         h = self.model.norm(h)
-        return (h, torch.cat(aux, dim=-1)) if self.aux_layer_ids else h
+        return (h, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)) if self.aux_layer_ids else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .make_random import make_random, preset_names
+from .make_random import load_preset, make_random, preset_names
+from .make_random_draft import make_random_draft
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -15,9 +16,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="bfloat16 | float32 | float16 (default: the preset's)")
     p.add_argument("--device", default="cpu", help="where to draw the numbers (cuda is faster for big presets)")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="max safetensors shard size")
+    p.add_argument("--target", default=None,
+                   help="EAGLE3 draft presets: the target checkpoint whose shapes the draft must match")
 
 
 def cli_main(args) -> int:
+    arch = (load_preset(args.preset).get("architectures") or [""])[0]
+    if "Eagle3" in arch:
+        print(make_random_draft(args.preset, args.out, target=args.target, seed=args.seed, dtype=args.dtype,
+                                device=args.device))
+        return 0
     out = make_random(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=args.dtype,
                       device=args.device, shard_bytes=int(args.shard_size_gb * (1 << 30)))
     print(out)

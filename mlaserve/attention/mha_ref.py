@@ -1,0 +1,38 @@
+"""Paged GQA attention for the EAGLE3 Llama-style draft layer (torch reference; the draft is one layer).
+
+Cache: [pages, page_size, 2, kv_heads, head_dim], indexed by the same page tables as the target's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ForwardBatch
+
+
+class PagedMHARef:
+    def __init__(self, kv_cache: torch.Tensor):
+        self.kv_cache = kv_cache
+        self.page_size = kv_cache.shape[1]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                batch: ForwardBatch) -> torch.Tensor:
+        """Store k/v [T, kv_heads, d] at the batch's slots, then causal attention of q [T, heads, d] over each
+        request's context (its queries are the last q_len positions). -> [T, heads, d]"""
+        flat = self.kv_cache.view(-1, *self.kv_cache.shape[2:])  # [slots, 2, kv_heads, d]
+        flat[batch.slot_mapping, 0] = k.to(flat.dtype)
+        flat[batch.slot_mapping, 1] = v.to(flat.dtype)
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        qo = 0
+        for i in range(batch.num_reqs):
+            n, L = batch.query_lens_cpu[i], batch.seq_lens_cpu[i]
+            pages = batch.page_table[i, : -(-L // self.page_size)].long()
+            kv = self.kv_cache[pages].reshape(-1, *self.kv_cache.shape[2:])[:L].float()  # [L, 2, kvh, d]
+            ki, vi = kv[:, 0].repeat_interleave(group, 1), kv[:, 1].repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[qo:qo + n].float(), ki) * scale
+            visible = torch.arange(L, device=q.device)[None, :] <= (L - n + torch.arange(n, device=q.device))[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            out[qo:qo + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi).to(out.dtype)
+            qo += n
+        return out

@@ -1,0 +1,103 @@
+"""The EAGLE3 proposer: runs the draft over each step's new (target hidden, next token) pairs, then chains
+`num_steps` greedy draft tokens. Its KV cache shares the target's page tables; positions it wrote past
+the accepted tokens are simply overwritten by the next step's extension.
+
+Draft position p holds the pair (target aux hidden at p, token at p+1): it predicts the token at p+2.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.base import ForwardBatch, SeqChunk
+from ..config import SpecConfig
+from ..models.eagle3 import DraftConfig, Eagle3Draft, load_draft
+from ..types import Request
+
+log = logging.getLogger("mlaserve.spec")
+
+
+@dataclass
+class DraftChunk:
+    """One request's slice of a draft extension: tokens at positions start.. with the target's aux hidden."""
+
+    req: Request
+    token_ids: list[int]  # tokens at positions start+1 .. start+n (the "next token" of each pair)
+    start: int  # first position
+    hidden: torch.Tensor  # [n, 3*D] target aux hidden states at positions start .. start+n-1
+    propose: bool  # this request decodes next: chain num_steps draft tokens after the chunk
+
+
+def aux_layer_ids(cfg: DraftConfig, num_layers: int, offset: int) -> tuple[int, ...]:
+    """The target layers whose incoming residual stream the draft reads (id + offset; num_layers = final)."""
+    ids = cfg.aux_layer_ids or (2, num_layers // 2, num_layers - 3)
+    out = tuple(i + offset for i in ids)
+    bad = [i for i in out if not 0 <= i <= num_layers]
+    if bad or len(out) != 3:
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids: {list(ids)} (+offset {offset}) must be 3 layers in "
+                         f"0..{num_layers} of the target")
+    return out
+
+
+def draft_page_bytes(cfg: DraftConfig, page_size: int, dtype: torch.dtype) -> int:
+    if cfg.mla is not None:
+        return page_size * cfg.mla.kv_cache_dim * dtype.itemsize
+    return page_size * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+
+class Eagle3Proposer:
+    def __init__(self, spec: SpecConfig, runner):
+        self.k = spec.num_steps
+        self.page_size = runner.cfg.page_size
+        self.device = runner.device
+        target = runner.model
+        self.draft: Eagle3Draft = load_draft(spec.draft_model, runner.dtype, runner.device,
+                                             target.model.embed_tokens)
+        cfg = self.draft.cfg
+        tc = target.config
+        if cfg.target_hidden_size != tc.hidden_size or cfg.vocab_size != tc.vocab_size:
+            raise ValueError(f"speculative_config.draft_model: the draft expects target hidden "
+                             f"{cfg.target_hidden_size} / vocab {cfg.vocab_size}, the target has "
+                             f"{tc.hidden_size} / {tc.vocab_size}")
+        target.aux_layer_ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
+        pages = runner.num_pages
+        if cfg.mla is not None:
+            from ..attention.torch_ref import TorchRefBackend
+
+            cache = torch.zeros(1, pages, self.page_size, cfg.mla.kv_cache_dim, dtype=runner.dtype,
+                                device=self.device)
+            self.attn = TorchRefBackend(cache, cfg.mla.kv_lora_rank)
+        else:
+            from ..attention.mha_ref import PagedMHARef
+
+            cache = torch.zeros(pages, self.page_size, 2, cfg.num_key_value_heads, cfg.head_dim,
+                                dtype=runner.dtype, device=self.device)
+            self.attn = PagedMHARef(cache)
+        log.info("EAGLE3 draft %s: %d draft steps, aux layers %s", cfg.architecture, self.k, target.aux_layer_ids)
+
+    def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor):
+        batch = ForwardBatch.build([], chunks, self.page_size, self.device, self.attn)
+        normed, h = self.draft(batch.input_ids, batch.positions, hidden, batch)
+        rows = batch.logits_indices
+        return self.draft.draft_token_ids(normed[rows]), h[rows]
+
+    @torch.inference_mode()
+    def propose(self, chunks: list[DraftChunk]) -> dict[str, list[int]]:
+        """Extend the draft over every chunk; for those with `propose`, return num_steps draft tokens."""
+        if not chunks:
+            return {}
+        seq = [SeqChunk(c.token_ids, c.start, c.req.pages, "last" if c.propose else "none") for c in chunks]
+        tokens, h = self._run(seq, torch.cat([c.hidden for c in chunks]))
+        wanted = [c for c in chunks if c.propose]
+        steps = [tokens]
+        for i in range(1, self.k):
+            nxt = [SeqChunk([0], c.start + len(c.token_ids) + i - 1, c.req.pages, "last") for c in wanted]
+            batch = ForwardBatch.build([], nxt, self.page_size, self.device, self.attn)
+            batch.input_ids.copy_(steps[-1])  # the previous draft tokens, without a host round trip
+            normed, h = self.draft(batch.input_ids, batch.positions, h, batch)
+            steps.append(self.draft.draft_token_ids(normed))
+        drafts = torch.stack(steps, dim=1).tolist()  # [n, K]
+        return {c.req.request_id: d for c, d in zip(wanted, drafts)}

@@ -1,0 +1,39 @@
+"""Chain verification of draft tokens against the target's logits.
+
+Greedy: accept the longest prefix of drafts equal to the target's argmax, then add the target's own next
+token (so a step emits 1 + accepted tokens, exactly the tokens greedy decoding would produce).
+Sampled (temperature > 0): the standard speculative-sampling rule for a deterministic (greedy) draft:
+accept draft d with probability p(d); on rejection sample from p with d removed; after K acceptances
+sample a bonus token from p. The output distribution is exactly the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.sampler import SamplingRow, _filter
+
+
+def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, N, V], drafts [B, K=N-1] -> (target tokens [B, N], accepted counts [B])."""
+    y = logits.argmax(-1)
+    accepted = (drafts == y[:, :-1]).int().cumprod(1).sum(1)
+    return y, accepted
+
+
+def verify_sampled(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
+                   generator: torch.Generator) -> list[int]:
+    """logits [N, V] of one request -> the emitted tokens (1 + accepted)."""
+    g = row.generator or generator
+    probs = _filter(logits, [row] * logits.shape[0]).softmax(-1)  # [N, V]
+    out = []
+    for i, d in enumerate(drafts):
+        if torch.rand((), generator=g, device=probs.device) < probs[i, d]:
+            out.append(d)
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=g)))
+        return out
+    out.append(int(torch.multinomial(probs[-1], 1, generator=g)))
+    return out
