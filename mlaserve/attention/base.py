@@ -37,6 +37,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
     attn: AttentionBackend | None = None
+    max_query_len: int = 0  # an upper bound on any request's q_len (static under CUDA graphs)
+    context_is_new: bool = False  # no prefill request has cached context: its context is this step's tokens
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +89,8 @@ class ForwardBatch:
             seq_lens_cpu=[c.num_cached + len(c.token_ids) for c in chunks],
             query_lens_cpu=[len(c.token_ids) for c in chunks],
             attn=attn,
+            max_query_len=max((len(c.token_ids) for c in chunks), default=0),
+            context_is_new=all(c.num_cached == 0 for c in prefill),
         )
 
 

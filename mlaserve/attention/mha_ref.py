@@ -20,8 +20,9 @@ class PagedMHARef:
         """Store k/v [T, kv_heads, d] at the batch's slots, then causal attention of q [T, heads, d] over each
         request's context (its queries are the last q_len positions). -> [T, heads, d]"""
         flat = self.kv_cache.view(-1, *self.kv_cache.shape[2:])  # [slots, 2, kv_heads, d]
-        flat[batch.slot_mapping, 0] = k.to(flat.dtype)
-        flat[batch.slot_mapping, 1] = v.to(flat.dtype)
+        ok = batch.slot_mapping >= 0  # negative slots are padding: not stored
+        flat[batch.slot_mapping[ok], 0] = k[ok].to(flat.dtype)
+        flat[batch.slot_mapping[ok], 1] = v[ok].to(flat.dtype)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         qo = 0

@@ -12,6 +12,8 @@ class TorchRefBackend(AttentionBackend):
     def _latent(self, layer_id: int, batch: ForwardBatch, i: int) -> torch.Tensor:
         """Request i's whole context [L, R+P], gathered from its pages."""
         L = batch.seq_lens_cpu[i]
+        if L == 0:  # an empty padding request (CUDA-graph buckets)
+            return self.kv_cache.new_empty(0, self.kv_cache.shape[-1])
         n_pages = -(-L // self.page_size)
         pages = batch.page_table[i, :n_pages].long()
         return self.kv_cache[layer_id, pages].reshape(n_pages * self.page_size, -1)[:L]
@@ -19,8 +21,10 @@ class TorchRefBackend(AttentionBackend):
     def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch):
         R = self.kv_lora_rank
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
-        cache[batch.slot_mapping, :R] = c_kv.to(cache.dtype)
-        cache[batch.slot_mapping, R:] = apply_rope(k_pe, cos, sin, torch.empty_like(k_pe, dtype=cache.dtype))
+        ok = batch.slot_mapping >= 0  # negative slots are padding: not stored
+        slots = batch.slot_mapping[ok]
+        cache[slots, :R] = c_kv[ok].to(cache.dtype)
+        cache[slots, R:] = apply_rope(k_pe, cos, sin, torch.empty_like(k_pe, dtype=cache.dtype))[ok]
 
     def decode(self, layer_id, q, scale, batch, out):
         R, qn = self.kv_lora_rank, batch.decode_q_len

@@ -81,6 +81,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        if self.runner.device.type == "cuda" and not cfg.enforce_eager:
+            self.runner.capture_graphs(self.spec_k + 1, self.max_model_len)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0

@@ -60,6 +60,7 @@ class ModelRunner:
         L, D = model_cfg.num_hidden_layers, model_cfg.kv_cache_dim
         self.kv_cache = torch.zeros(L, self.num_pages, cfg.page_size, D, dtype=self.dtype, device=self.device)
         self.attn = self._make_backend()
+        self.graphs = None  # a GraphRunner once capture_graphs() ran
         log.info("model loaded in %.1fs on %s (%s); KV cache: %d pages x %d tokens (%.2f GB), backend %s",
                  self.load_seconds, self.device, self.dtype, self.num_pages, cfg.page_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 1e9, type(self.attn).__name__)
@@ -72,7 +73,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave (1 - utilization) of the card plus room for activations of a full token budget.
-            activations = 2 * (1 << 30) + self.cfg.max_num_batched_tokens * self.model_cfg.hidden_size * 64
+            # Activations of a full token budget (MoE and attention intermediates) plus CUDA-graph pools.
+            activations = 4 * (1 << 30) + self.cfg.max_num_batched_tokens * self.model_cfg.hidden_size * 128
             budget = free - (1 - self.cfg.gpu_memory_utilization) * total - activations
         else:
             budget = self.cfg.kv_cache_memory_gb * (1 << 30)
@@ -94,6 +96,16 @@ class ModelRunner:
 
         return TorchRefBackend(self.kv_cache, self.model_cfg.kv_lora_rank)
 
+    def capture_graphs(self, decode_q_len: int, max_model_len: int, use_graphs: bool = True) -> None:
+        """Decode graphs per padded batch size and prefill graphs per token bucket (after the model is final:
+        an EAGLE3 proposer sets the aux layers first)."""
+        from .cuda_graph import GraphRunner
+
+        max_pages = -(-(max_model_len + 2 * decode_q_len) // self.cfg.page_size)
+        self.graphs = GraphRunner(self, decode_q_len, self.cfg.max_num_seqs, self.cfg.prefill_graph_max_tokens,
+                                  max_pages, use_graphs=use_graphs)
+        self.graphs.capture()
+
     def build_batch(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> ForwardBatch:
         return ForwardBatch.build(decode, prefill, self.cfg.page_size, self.device, self.attn)
 
@@ -101,6 +113,9 @@ class ModelRunner:
     def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
         the EAGLE3 aux hidden states [T, 3D] of every token, or None)."""
+        key = self.graphs.key_for(decode, prefill) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(key, decode, prefill)
         batch = self.build_batch(decode, prefill)
         out = self.model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)

@@ -1,0 +1,184 @@
+"""CUDA graphs over static input buffers: decode graphs per padded batch size (q_len 1, or N when verifying),
+and prefill graphs per padded token bucket. One capture method, one replay method.
+
+Padding is harmless by construction: padded requests have seq_len = q_len, a zero page-table row and slot -1
+(the KV store skips negative slots); padded prefill tokens form one extra request of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.base import ForwardBatch, SeqChunk
+
+log = logging.getLogger("mlaserve.cuda_graph")
+
+DECODE_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+PREFILL_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None
+    batch: ForwardBatch
+    logits: torch.Tensor  # static output [rows, vocab]
+    aux: torch.Tensor | None
+    n_reqs: int  # request slots (incl. padding)
+    n_tokens: int
+
+
+class GraphRunner:
+    """Owns static buffers shared by every captured graph. `use_graphs=False` runs the same static path eagerly
+    (how the CPU tests check the buffer filling and padding)."""
+
+    def __init__(self, runner, decode_q_len: int, max_num_seqs: int, prefill_max_tokens: int, max_pages: int,
+                 use_graphs: bool = True):
+        self.runner, self.q = runner, decode_q_len
+        self.page_size = runner.cfg.page_size
+        self.use_graphs = use_graphs
+        self.bs_list = [b for b in DECODE_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
+        self.prefill_buckets = [t for t in PREFILL_TOKEN_BUCKETS if t <= prefill_max_tokens]
+        self.max_pages = max_pages
+        dev = runner.device
+        max_reqs = max(self.bs_list[-1], PREFILL_MAX_REQS + 1)
+        max_tokens = max(self.bs_list[-1] * self.q, max(self.prefill_buckets, default=0))
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(max_tokens, **i64)
+        self.positions = torch.zeros(max_tokens, **i64)
+        self.slot_mapping = torch.full((max_tokens,), -1, **i64)
+        self.logits_indices = torch.zeros(max_tokens, **i64)
+        self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
+        self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = None
+
+    # ---- eligibility -----------------------------------------------------------------------------------
+    def key_for(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple | None:
+        chunks = decode + prefill
+        if not chunks or any(len(c.pages) > self.max_pages for c in chunks):
+            return None
+        if decode and not prefill:
+            b = next((b for b in self.bs_list if b >= len(decode)), None)
+            return None if b is None else ("decode", b)
+        if prefill and not decode and len(prefill) <= PREFILL_MAX_REQS and all(c.num_cached == 0 for c in prefill):
+            n = sum(len(c.token_ids) for c in prefill)
+            t = next((t for t in self.prefill_buckets if t >= n), None)
+            return None if t is None else ("prefill", t)
+        return None
+
+    # ---- static batches --------------------------------------------------------------------------------
+    def _batch(self, key: tuple) -> ForwardBatch:
+        kind, size = key
+        if kind == "decode":
+            n_reqs, n_tok, n_logits, nd = size, size * self.q, size * self.q, size
+        else:
+            n_reqs, n_tok, n_logits, nd = PREFILL_MAX_REQS + 1, size, PREFILL_MAX_REQS, 0
+        return ForwardBatch(
+            input_ids=self.input_ids[:n_tok], positions=self.positions[:n_tok],
+            slot_mapping=self.slot_mapping[:n_tok], seq_lens=self.seq_lens[:n_reqs],
+            query_start_loc=self.query_start_loc[:n_reqs + 1], page_table=self.page_table[:n_reqs],
+            logits_indices=self.logits_indices[:n_logits], num_decode_reqs=nd,
+            decode_q_len=self.q if kind == "decode" else 0,
+            seq_lens_cpu=[0] * n_reqs, query_lens_cpu=[0] * n_reqs, attn=self.runner.attn,
+            max_query_len=self.q if kind == "decode" else size, context_is_new=kind == "prefill")
+
+    def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk]) -> None:
+        """Write the real chunks into the static buffers, and padding after them."""
+        kind, size = key
+        ids, pos, slots, lens, qlens, rows, table = [], [], [], [], [], [], []
+        for c in chunks:
+            first = len(ids)
+            n = len(c.token_ids)
+            ids += c.token_ids
+            p = range(c.num_cached, c.num_cached + n)
+            pos += p
+            slots += [c.pages[i // self.page_size] * self.page_size + i % self.page_size for i in p]
+            lens.append(c.num_cached + n)
+            qlens.append(n)
+            if c.need_logits == "all":
+                rows += range(first, first + n)
+            elif c.need_logits == "last":
+                rows.append(first + n - 1)
+            table.append(c.pages + [0] * (self.max_pages - len(c.pages)))
+        pad_tok = g.n_tokens - len(ids)
+        if kind == "decode":
+            pad_reqs = g.n_reqs - len(chunks)
+            ids += [0] * pad_tok
+            pos += list(range(self.q)) * pad_reqs
+            lens += [self.q] * pad_reqs
+            qlens += [self.q] * pad_reqs
+            rows = list(range(g.n_tokens))
+        else:
+            pad_reqs = g.n_reqs - len(chunks)  # the padding tokens form one request; the others are empty
+            ids += [0] * pad_tok
+            pos += list(range(pad_tok))
+            lens += [pad_tok] + [0] * (pad_reqs - 1)
+            qlens += [pad_tok] + [0] * (pad_reqs - 1)
+            rows += [0] * (PREFILL_MAX_REQS - len(rows))
+        slots += [-1] * pad_tok
+        table += [[0] * self.max_pages] * pad_reqs
+        starts = [0]
+        for q in qlens:
+            starts.append(starts[-1] + q)
+        n_tok = g.n_tokens
+        self.input_ids[:n_tok].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:n_tok].copy_(torch.tensor(pos), non_blocking=True)
+        self.slot_mapping[:n_tok].copy_(torch.tensor(slots), non_blocking=True)
+        self.seq_lens[: g.n_reqs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.query_start_loc[: g.n_reqs + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
+        self.page_table[: g.n_reqs].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        self.logits_indices[: len(rows)].copy_(torch.tensor(rows), non_blocking=True)
+        g.batch.seq_lens_cpu[:] = lens  # host mirrors, for eager replay (reference backends) only
+        g.batch.query_lens_cpu[:] = qlens
+
+    # ---- capture and replay ----------------------------------------------------------------------------
+    def _forward(self, batch: ForwardBatch):
+        model = self.runner.model
+        out = model(batch.input_ids, batch.positions, batch)
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
+        return model.compute_logits(hidden[batch.logits_indices]), aux
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        keys = [("decode", b) for b in self.bs_list] + [("prefill", t) for t in self.prefill_buckets]
+        for key in sorted(keys, key=lambda k: -k[1] * (self.q if k[0] == "decode" else 1)):
+            batch = self._batch(key)
+            g = _Graph(None, batch, None, None, batch.num_reqs, batch.num_tokens)
+            self._fill(key, g, [])  # all padding: valid, harmless inputs
+            if self.use_graphs:
+                for _ in range(2):  # warm up: Triton compiles, allocator settles
+                    self._forward(batch)
+                torch.cuda.synchronize()
+                g.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g.graph, pool=self.pool):
+                    g.logits, g.aux = self._forward(batch)
+                self.pool = g.graph.pool()
+            self.graphs[key] = g
+        if self.use_graphs:
+            torch.cuda.synchronize()
+        log.info("captured %d CUDA graphs (decode batch sizes %s x q_len %d; prefill buckets %s) in %.1fs",
+                 len(self.graphs), self.bs_list, self.q, self.prefill_buckets, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def run(self, key: tuple, decode: list[SeqChunk], prefill: list[SeqChunk]):
+        """Replay the graph for `key` on these chunks -> (logits of the requested rows, aux of real tokens)."""
+        g = self.graphs[key]
+        chunks = decode + prefill
+        self._fill(key, g, chunks)
+        if g.graph is not None:
+            g.graph.replay()
+            logits, aux = g.logits, g.aux
+        else:
+            logits, aux = self._forward(g.batch)
+        n_tok = sum(len(c.token_ids) for c in chunks)
+        aux = aux[:n_tok] if aux is not None else None
+        if key[0] == "decode":  # every token of a decode chunk has a logits row, in order
+            return logits[:n_tok], aux
+        return logits[: sum(c.need_logits == "last" for c in prefill)], aux

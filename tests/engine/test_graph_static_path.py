@@ -1,0 +1,51 @@
+"""The CUDA-graph path's static buffers and padding, run eagerly on CPU (use_graphs=False): same tokens as the
+plain path, for decode buckets (q_len 1 and verify width N) and prefill buckets."""
+
+import random
+
+import pytest
+
+from mlaserve.types import SamplingParams
+
+from .conftest import make_engine, run_all
+
+
+def _prompts(n, seed=5, hi=120):
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.randrange(1, hi))] for _ in range(n)]
+
+
+def _gen(engine, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    rids = [engine.add_request(p, sp) for p in prompts]
+    out = run_all(engine)
+    return [out[r] for r in rids]
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_static_path_matches_eager(tiny_ckpt, n):
+    prompts = _prompts(n)
+    ref = _gen(make_engine(tiny_ckpt, page_size=16), prompts)
+    engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, prefill_graph_max_tokens=512)
+    engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
+    used = []
+    orig = engine.runner.graphs.run
+    engine.runner.graphs.run = lambda key, d, p: (used.append(key), orig(key, d, p))[1]
+    assert _gen(engine, prompts) == ref
+    assert any(k[0] == "decode" for k in used) and any(k[0] == "prefill" for k in used)
+
+
+def test_static_path_with_speculation(tiny_ckpt, tmp_path):
+    from mlaserve.config import EngineConfig, SpecConfig
+    from mlaserve.engine.engine import LLMEngine
+    from mlaserve.models.make_random_draft import make_random_draft
+
+    draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
+    prompts = _prompts(3)
+    ref = _gen(make_engine(tiny_ckpt, page_size=16), prompts)
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4),
+                    spec=SpecConfig(draft_model=draft, num_steps=2))
+    eng.runner.capture_graphs(3, eng.max_model_len, use_graphs=False)
+    assert _gen(eng, prompts) == ref
+    eng.pool.check()
+    assert eng.pool.num_free == eng.pool.num_pages
