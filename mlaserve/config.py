@@ -121,22 +121,25 @@ class ParallelConfig:
 
     def validate(self, cfg: ModelConfig) -> None:
         """Refuse sizes that do not divide what they split, naming both numbers (vocab is padded: any size)."""
-        def need(total: int, what: str, size: int, size_name: str) -> None:
-            if total % size:
-                raise ValueError(f"{size_name}={size} does not divide {what}={total}; choose a {size_name} that "
-                                 f"divides it")
+        def need(size: str, n: int, what: str, total: int, why: str) -> None:
+            if total % n:
+                raise ValueError(f"{size}={n} does not divide {what}={total} ({why}); choose a size that divides it")
 
-        need(cfg.num_attention_heads, "num_attention_heads", self.attn_tp_size, "attn_tp_size")
-        dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        if dense:  # the dense MLP is split over the whole world
-            need(cfg.intermediate_size, "intermediate_size", self.world_size, "world size (attn_tp_size)")
+        world = "the world size (attn_tp_size)"
+        need("attn_tp_size", self.attn_tp_size, "num_attention_heads", cfg.num_attention_heads,
+             "attention heads are split over the attn-TP ranks")
+        if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+            need(world, self.world_size, "intermediate_size", cfg.intermediate_size,
+                 "the dense MLP is split over every rank")
         if cfg.n_routed_experts:
-            need(cfg.n_routed_experts, "n_routed_experts", self.ep_size, "ep_size")
-            need(cfg.moe_intermediate_size, "moe_intermediate_size", self.moe_tp_size, "moe_tp_size")
+            need("ep_size", self.ep_size, "n_routed_experts", cfg.n_routed_experts,
+                 "routed experts are split over the EP ranks")
+            need("moe_tp_size", self.moe_tp_size, "moe_intermediate_size", cfg.moe_intermediate_size,
+                 "each routed expert's intermediate dim is split over the moe-TP ranks")
             if cfg.n_shared_experts:
-                need(cfg.moe_intermediate_size * cfg.n_shared_experts,
-                     "the shared experts' intermediate size (moe_intermediate_size * n_shared_experts)",
-                     self.world_size, "world size (attn_tp_size)")
+                need(world, self.world_size, "the shared experts' intermediate size",
+                     cfg.moe_intermediate_size * cfg.n_shared_experts,
+                     "moe_intermediate_size * n_shared_experts, split over every rank")
 
 
 @dataclass(frozen=True)
