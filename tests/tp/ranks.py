@@ -43,12 +43,12 @@ def count_reads():
         weights._Tensor.__init__, weights._Tensor.__getitem__ = init, getitem
 
 
-def load(path: str, ranks: RankInfo) -> tuple[DeepseekV3ForCausalLM, list]:
+def load(path: str, ranks: RankInfo, device: str = "cpu") -> tuple[DeepseekV3ForCausalLM, list]:
     cfg = ModelConfig.from_pretrained(path)
     model = DeepseekV3ForCausalLM(cfg, ranks=ranks)
     with count_reads() as reads:
         weights.load_weights(model, path, progress=False)
-    return model, reads
+    return model.to(device), reads
 
 
 def prompts(cfg: ModelConfig) -> list[list[int]]:
@@ -70,8 +70,9 @@ def greedy(model: DeepseekV3ForCausalLM, broadcast: bool = False):
 
     With `broadcast`, rank 0 owns the schedule and sends each step's chunks with tp.broadcast_object
     (what the engine does); the other ranks only follow. Without it, every rank derives the same steps."""
-    cfg = model.config
-    attn = TorchRefBackend(torch.zeros(cfg.num_hidden_layers, 18, PAGE, cfg.kv_cache_dim), cfg.kv_lora_rank)
+    cfg, device = model.config, model.lm_head.weight.device
+    attn = TorchRefBackend(torch.zeros(cfg.num_hidden_layers, 18, PAGE, cfg.kv_cache_dim, device=device),
+                           cfg.kv_lora_rank)
     start = prompts(cfg)
     seqs, cached = [list(p) for p in start], [0] * len(start)
     pages = [[6 * i + j for j in range(6)] for i in range(len(start))]  # 24 slots each
@@ -81,10 +82,10 @@ def greedy(model: DeepseekV3ForCausalLM, broadcast: bool = False):
         if tp.rank_info().rank == 0 or not broadcast:
             meta = step_chunks(seqs, cached, pages, step)
         decode, prefill = tp.broadcast_object(meta) if broadcast else meta
-        batch = ForwardBatch.build([c for _, c in decode], [c for _, c in prefill], PAGE, "cpu", attn)
+        batch = ForwardBatch.build([c for _, c in decode], [c for _, c in prefill], PAGE, device, attn)
         with torch.no_grad():
             logits = model.compute_logits(model(batch.input_ids, batch.positions, batch)[batch.logits_indices])
-        all_logits.append(logits)
+        all_logits.append(logits.cpu())
         for i, c in decode + prefill:
             cached[i] = c.num_cached + len(c.token_ids)
         for row, i in enumerate(i for i, c in decode + prefill if c.need_logits != "none"):
@@ -93,16 +94,15 @@ def greedy(model: DeepseekV3ForCausalLM, broadcast: bool = False):
 
 
 # ---- targets: target(rank_info, *args), run on each rank by mlaserve.distributed.launch ------------------------
-def parity(info: RankInfo, path: str) -> dict:
+def parity(info: RankInfo, path: str, device: str = "cpu") -> dict:
     """Load this rank's shard and run the greedy schedule; report what was read and what came out."""
-    model, reads = load(path, info)
+    model, reads = load(path, info, device)
     experts = next(m for m in model.modules() if type(m).__name__ == "Experts")
     tokens, logits = greedy(model)
     return dict(tokens=tokens, logits=logits, read=sum(n for _, n in reads),
                 numel=sum(p.numel() for p in model.parameters()),
                 experts_read=sorted({int(name.split(".")[5]) for name, _ in reads if ".experts." in name}),
-                experts_owned=list(range(experts.expert_offset, experts.expert_offset + experts.num_local)),
-                q_b_rows=model.model.layers[0].self_attn.q_b_proj.weight.shape[0])
+                experts_owned=list(range(experts.expert_offset, experts.expert_offset + experts.num_local)))
 
 
 def follower(info: RankInfo, path: str) -> list[list[int]]:

@@ -28,7 +28,7 @@ def expert_ids(reads) -> list[int]:
     return sorted({int(name.split(".")[5]) for name, _ in reads if ".experts." in name})
 
 
-@pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: "attn%d-moe%d-ep%d" % s)
+@pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: "attn{}-moe{}-ep{}".format(*s))
 def test_each_rank_reads_exactly_its_shard(tiny_ckpt, sizes):
     heads = 4
     for info, model, reads in shard_loads(tiny_ckpt, sizes):
@@ -54,8 +54,8 @@ def fuse_experts(src: str, dst: str) -> None:
     for layer in {k.split(".")[2] for k in out if ".experts." in k}:
         p = f"model.layers.{layer}.mlp.experts."
         n = len({k for k in out if k.startswith(p)}) // 3
-        gate_up = [torch.cat([out.pop(f"{p}{e}.gate_proj.weight"), out.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)]
-        out[p + "gate_up_proj"] = torch.stack(gate_up)
+        gate_up = [[out.pop(f"{p}{e}.gate_proj.weight"), out.pop(f"{p}{e}.up_proj.weight")] for e in range(n)]
+        out[p + "gate_up_proj"] = torch.stack([torch.cat(pair) for pair in gate_up])
         out[p + "down_proj"] = torch.stack([out.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
     save_file(out, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(src, "config.json")) as a, open(os.path.join(dst, "config.json"), "w") as b:
