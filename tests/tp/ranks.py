@@ -123,3 +123,9 @@ def crash(info: RankInfo, how: str) -> str:
             time.sleep(60)
     tp.all_reduce(torch.ones(4))
     return "done"
+
+
+def collectives(info: RankInfo) -> tuple:
+    """Where this rank sits, a sum over ranks, and rank 0's broadcast."""
+    total = tp.all_reduce(torch.tensor([float(info.rank + 1)]))
+    return info.rank, info.moe_tp_rank, info.ep_rank, total.item(), tp.broadcast_object(f"from {info.rank}")

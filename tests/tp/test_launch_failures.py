@@ -75,16 +75,3 @@ def test_abort_says_why_and_exits(monkeypatch, capsys):
     launch_mod.abort(RankFailed("rank 3 exited with code -9 (SIGKILL): ...", 3, -9, "--- rank 3 ---\n"))
     assert codes == [1]
     assert "mlaserve: rank 3 exited with code -9 (SIGKILL)" in capsys.readouterr().err
-
-
-def test_bad_local_rank_refused():
-    with pytest.raises(ValueError, match=r"local_rank must be in \[0, 2\), got 2"):
-        init_rank(2, make_init_args(TP2))
-
-
-def test_dist_init_addr_forms():
-    assert make_init_args(ParallelConfig(dist_init_addr="10.0.0.1:29500")).init_method == "tcp://10.0.0.1:29500"
-    assert make_init_args(ParallelConfig(dist_init_addr="env://")).init_method == "env://"
-    local = make_init_args(TP2)
-    assert local.init_method.startswith("tcp://127.0.0.1:") and local.backend == "gloo"
-    assert make_init_args(TP2, device="cuda").backend == "nccl"
