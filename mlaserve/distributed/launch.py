@@ -3,6 +3,11 @@
 Node 0's rank 0 may be the calling process (the engine's scheduler lives there; it calls `init_rank(0, ...)`
 itself) while `spawn_ranks` starts the others. A rank that dies becomes one
 `RankFailed("rank N exited with code C: <its last error>")`, never a hang.
+
+The target contract: a module-level function, called once the rank has joined (tp's collectives work, the
+CUDA device is the local rank's); it loops as long as it likes (the engine's: receive a step with
+tp.broadcast_object, run the model, until rank 0 says stop); its return value, picklable, goes to the
+launcher; an exception ends the rank and fails the launch with its message.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def run_worker(local_rank: int, init: InitArgs, target: Callable, args: tuple, c
     try:
         result = target(init_rank(local_rank, init), *args)
         conn.send_bytes(pickle.dumps(("ok", result)))
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException as e:  # every failure, SystemExit included, must reach the launcher
         tb = traceback.format_exc()
         sys.stderr.write(f"[mlaserve rank {rank}] {tb}")
         sys.stderr.flush()
