@@ -28,7 +28,7 @@ class InitArgs:
     timeout_s: float = 600.0  # model collectives: a peer silent this long is an error
     # The metadata (gloo) group waits for the next step while the server is idle, so its timeout is long;
     # a dead peer still ends that wait at once (gloo sees the closed connection, the watchdogs the exit).
-    metadata_timeout_s: float = 7 * 24 * 3600.0
+    metadata_timeout_s: float = 365 * 24 * 3600.0
 
 
 def free_port() -> int:
