@@ -55,6 +55,94 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes: world = attn_tp_size = moe_tp_size * ep_size (no DP attention).
+
+    Attention heads split over attn-TP; routed experts by intermediate dim (moe-TP) and by expert (EP); the dense
+    MLP, shared experts, embedding and lm_head over the whole world. Multi-node: `nnodes` machines with
+    world / nnodes ranks each, meeting at `dist_init_addr` ("host:port" or a torch init_method URL)."""
+
+    attn_tp_size: int = 1
+    moe_tp_size: int = 1
+    ep_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
+    def __post_init__(self):
+        for name in ("attn_tp_size", "moe_tp_size", "ep_size", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.moe_tp_size * self.ep_size != self.attn_tp_size:
+            raise ValueError(
+                f"moe_tp_size * ep_size ({self.moe_tp_size} * {self.ep_size} = {self.moe_tp_size * self.ep_size}) "
+                f"must equal attn_tp_size ({self.attn_tp_size}): every rank runs both attention and experts")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"world size {self.world_size} (attn_tp_size) is not divisible by nnodes={self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError(f"nnodes={self.nnodes} needs dist_init_addr (host:port of node 0) to meet at")
+
+    @classmethod
+    def from_tp(cls, tp: int | None = None, *, attn_tp_size: int | None = None, moe_tp_size: int | None = None,
+                ep_size: int | None = None, **kw) -> ParallelConfig:
+        """--tp N is shorthand for attn_tp = moe_tp = N, ep = 1; explicit sizes win. With only ep (or only
+        moe_tp) given, the other MoE size fills the world: moe_tp = world / ep."""
+        if tp is not None and attn_tp_size is not None and tp != attn_tp_size:
+            raise ValueError(f"tp={tp} and attn_tp_size={attn_tp_size} disagree; give one of them")
+        world = attn_tp_size or tp or 1
+        if moe_tp_size is None and ep_size is None:
+            moe_tp_size, ep_size = world, 1
+        elif moe_tp_size is None:
+            moe_tp_size = max(world // ep_size, 1)
+        elif ep_size is None:
+            ep_size = max(world // moe_tp_size, 1)
+        return cls(attn_tp_size=world, moe_tp_size=moe_tp_size, ep_size=ep_size, **kw)
+
+    @property
+    def world_size(self) -> int:
+        return self.attn_tp_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks per node (one process each)."""
+        return self.world_size // self.nnodes
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.local_world_size + local_rank
+
+    def rank_info(self, rank: int):
+        """The tp.RankInfo of global rank `rank`."""
+        from .distributed.tp import RankInfo
+
+        return RankInfo(rank=rank, world_size=self.world_size, moe_tp_size=self.moe_tp_size, ep_size=self.ep_size)
+
+    def validate(self, cfg: ModelConfig) -> None:
+        """Refuse sizes that do not divide what they split, naming both numbers (vocab is padded: any size)."""
+        def need(size: str, n: int, what: str, total: int, why: str) -> None:
+            if total % n:
+                raise ValueError(f"{size}={n} does not divide {what}={total} ({why}); choose a size that divides it")
+
+        world = "the world size (attn_tp_size)"
+        need("attn_tp_size", self.attn_tp_size, "num_attention_heads", cfg.num_attention_heads,
+             "attention heads are split over the attn-TP ranks")
+        if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+            need(world, self.world_size, "intermediate_size", cfg.intermediate_size,
+                 "the dense MLP is split over every rank")
+        if cfg.n_routed_experts:
+            need("ep_size", self.ep_size, "n_routed_experts", cfg.n_routed_experts,
+                 "routed experts are split over the EP ranks")
+            need("moe_tp_size", self.moe_tp_size, "moe_intermediate_size", cfg.moe_intermediate_size,
+                 "each routed expert's intermediate dim is split over the moe-TP ranks")
+            if cfg.n_shared_experts:
+                need(world, self.world_size, "the shared experts' intermediate size",
+                     cfg.moe_intermediate_size * cfg.n_shared_experts,
+                     "moe_intermediate_size * n_shared_experts, split over every rank")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The DeepSeek-V3 text model, as config.json describes it (any of its published forms)."""
 

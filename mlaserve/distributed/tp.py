@@ -1,7 +1,8 @@
 """The distributed state: one process group spanning the tensor-parallel ranks, and its collectives.
 
 This module's globals are the only ones in mlaserve. With one rank every collective is a no-op, so the
-model code calls them unconditionally.
+model code calls them unconditionally. Tensors go over the model group (NCCL on GPU, gloo on CPU);
+picklable step metadata goes over a gloo group on the host, so it never touches the device.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ class RankInfo:
 
 
 _GROUP: dist.ProcessGroup | None = None
+_CPU_GROUP: dist.ProcessGroup | None = None
 _RANK_INFO = RankInfo()
 
 
-def set_group(group: dist.ProcessGroup | None, info: RankInfo) -> None:
-    global _GROUP, _RANK_INFO
-    _GROUP, _RANK_INFO = group, info
+def set_group(group: dist.ProcessGroup | None, info: RankInfo, cpu_group: dist.ProcessGroup | None = None) -> None:
+    """Install this process's groups; `cpu_group` (gloo) carries broadcast_object, defaulting to `group`."""
+    global _GROUP, _CPU_GROUP, _RANK_INFO
+    _GROUP, _CPU_GROUP, _RANK_INFO = group, cpu_group if cpu_group is not None else group, info
 
 
 def rank_info() -> RankInfo:
@@ -64,9 +67,9 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_object(obj=None, src: int = 0):
-    """Rank `src` sends a picklable object to every rank (batch metadata under TP)."""
+    """Rank `src` (global rank) sends a picklable object to every rank (batch metadata under TP), over the host."""
     if _RANK_INFO.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_GROUP)
+    dist.broadcast_object_list(box, src=src, group=_CPU_GROUP, device=torch.device("cpu"))
     return box[0]

@@ -109,15 +109,18 @@ class Experts(nn.Module):
             half = slice(0, i_local) if which == "gate_proj" else slice(i_local, 2 * i_local)
             checked_copy(self.gate_up_proj.data[e, half], shard_of(src, 0, self.tp_rank, self.tp_size))
 
+    # transformers 5's fused tensors: [E, 2I, D] (gate rows then up rows) and [E, D, I]. Read only the
+    # owned experts' shard of the intermediate dim.
     def _load_fused_w13(self, param, src) -> None:
-        for e in range(self.num_local):
-            full = src[self.expert_offset + e]  # [2I, D]
-            self.load_expert(self.expert_offset + e, "gate_proj", full[: self.inter])
-            self.load_expert(self.expert_offset + e, "up_proj", full[self.inter:])
+        experts, n = slice(self.expert_offset, self.expert_offset + self.num_local), self.inter // self.tp_size
+        for half, start in ((slice(0, n), 0), (slice(n, 2 * n), self.inter)):
+            lo = start + self.tp_rank * n
+            checked_copy(param.data[:, half], src[experts, lo:lo + n])
 
     def _load_fused_w2(self, param, src) -> None:
-        for e in range(self.num_local):
-            self.load_expert(self.expert_offset + e, "down_proj", src[self.expert_offset + e])
+        n = self.inter // self.tp_size
+        checked_copy(param, src[self.expert_offset:self.expert_offset + self.num_local, :,
+                                self.tp_rank * n:(self.tp_rank + 1) * n])
 
     def forward(self, x, topk_weights, topk_ids, impl: str = "torch") -> torch.Tensor:
         if impl == "triton":

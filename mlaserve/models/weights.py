@@ -40,13 +40,31 @@ class _Tensor:
     def __getitem__(self, idx):
         if self._fp8_scale is None:
             return self._slice[idx]
-        return dequant_fp8_block(self._slice[:], self._fp8_scale, self._dtype)[idx]
+        box = _as_box(idx, self.shape)
+        if box is None:  # not a plain 2-D box: dequantize everything, then index
+            return dequant_fp8_block(self._slice[:], self._fp8_scale, self._dtype)[idx]
+        # Read only the shard, and scale it by the blocks it falls in.
+        (r0, r1), (c0, c1) = box
+        return dequant_fp8_block(self._slice[r0:r1, c0:c1], self._fp8_scale, self._dtype, origin=(r0, c0))
 
 
-def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, dtype, block: int = 128) -> torch.Tensor:
-    """w [out, in] float8_e4m3fn with scale_inv [ceil(out/128), ceil(in/128)] -> dense `dtype`."""
-    out_f, in_f = w.shape
-    s = scale_inv.float().repeat_interleave(block, 0)[:out_f].repeat_interleave(block, 1)[:, :in_f]
+def _as_box(idx, shape) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """idx as ((row_start, row_stop), (col_start, col_stop)) of a 2-D tensor, if it is unit-step slices."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if len(shape) != 2 or len(idx) > 2 or not all(isinstance(i, slice) for i in idx):
+        return None
+    idx = idx + (slice(None),) * (2 - len(idx))
+    box = tuple(i.indices(n) for i, n in zip(idx, shape))
+    return None if any(step != 1 for _, _, step in box) else tuple((a, max(a, b)) for a, b, _ in box)
+
+
+def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, dtype, block: int = 128,
+                      origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """w float8_e4m3fn, rows/cols from `origin` on of a weight whose scale_inv is [ceil(out/128), ceil(in/128)]
+    -> dense `dtype`."""
+    rows = torch.arange(origin[0], origin[0] + w.shape[0]) // block
+    cols = torch.arange(origin[1], origin[1] + w.shape[1]) // block
+    s = scale_inv.float()[rows][:, cols]
     return (w.float() * s).to(dtype)
 
 

@@ -1,0 +1,76 @@
+"""Joining the ranks' world through torch.distributed's own rendezvous, and this process's tp state.
+
+`make_init_args` turns a ParallelConfig (--dist-init-addr, one node or several) into picklable
+InitArgs; `init_rank` is what every rank, spawned or not, calls to join.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..config import ParallelConfig
+from . import tp
+from .tp import RankInfo
+
+
+@dataclass(frozen=True)
+class InitArgs:
+    """Everything a rank needs to join the group; picklable, built once by `make_init_args`."""
+
+    parallel: ParallelConfig
+    init_method: str  # torch.distributed rendezvous: tcp://host:port, env://, file://...
+    backend: str  # "gloo" (CPU) | "nccl" (CUDA)
+    timeout_s: float = 600.0  # model collectives: a peer silent this long is an error
+    # The metadata (gloo) group waits for the next step while the server is idle, so its timeout is long;
+    # a dead peer still ends that wait at once (gloo sees the closed connection, the watchdogs the exit).
+    metadata_timeout_s: float = 365 * 24 * 3600.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_init_args(par: ParallelConfig, device: str = "cpu", timeout_s: float = 600.0) -> InitArgs:
+    """--dist-init-addr "host:port" -> tcp://host:port (a full URL is used as given); one node without it
+    meets on a free local port."""
+    addr = par.dist_init_addr
+    if addr is None:
+        method = f"tcp://127.0.0.1:{free_port()}"
+    else:
+        method = addr if "://" in addr else f"tcp://{addr}"
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    return InitArgs(par, method, backend, timeout_s)
+
+
+def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
+    """Join the world as node_rank * local_world + local_rank; CUDA device = local rank. Sets tp's state."""
+    par = init.parallel
+    if not 0 <= local_rank < par.local_world_size:
+        raise ValueError(f"local_rank must be in [0, {par.local_world_size}), got {local_rank}")
+    info = par.rank_info(par.global_rank(local_rank))
+    device_id = None
+    if init.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device_id = torch.device("cuda", local_rank)
+    if par.world_size == 1:
+        tp.set_group(None, info)
+        return info
+    dist.init_process_group(init.backend, init_method=init.init_method, world_size=par.world_size,
+                            rank=info.rank, timeout=timedelta(seconds=init.timeout_s), device_id=device_id)
+    cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=init.metadata_timeout_s))
+    tp.set_group(dist.group.WORLD, info, cpu_group)
+    return info
+
+
+def shutdown_rank() -> None:
+    """Leave the group and reset tp's state (to one rank)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    tp.set_group(None, RankInfo())

@@ -1,0 +1,131 @@
+"""What the TP tests run on each rank (module-level, so spawned ranks can import it by name)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import torch
+
+from mlaserve.attention.base import ForwardBatch, SeqChunk
+from mlaserve.attention.torch_ref import TorchRefBackend
+from mlaserve.config import ModelConfig
+from mlaserve.distributed import tp
+from mlaserve.distributed.tp import RankInfo
+from mlaserve.models import weights
+from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+PAGE = 4
+DECODE_STEPS = 8
+
+
+@contextlib.contextmanager
+def count_reads():
+    """Record (tensor name, elements) of every checkpoint read the loader makes."""
+    reads = []
+    init, getitem = weights._Tensor.__init__, weights._Tensor.__getitem__
+
+    def counting_init(self, handle, name, *a, **kw):
+        init(self, handle, name, *a, **kw)
+        self.name = name
+
+    def counting_getitem(self, idx):
+        t = getitem(self, idx)
+        reads.append((self.name, t.numel()))
+        return t
+
+    weights._Tensor.__init__, weights._Tensor.__getitem__ = counting_init, counting_getitem
+    try:
+        yield reads
+    finally:
+        weights._Tensor.__init__, weights._Tensor.__getitem__ = init, getitem
+
+
+def load(path: str, ranks: RankInfo, device: str = "cpu") -> tuple[DeepseekV3ForCausalLM, list]:
+    cfg = ModelConfig.from_pretrained(path)
+    model = DeepseekV3ForCausalLM(cfg, ranks=ranks)
+    with count_reads() as reads:
+        weights.load_weights(model, path, progress=False)
+    return model.to(device), reads
+
+
+def prompts(cfg: ModelConfig) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 3)]
+
+
+def step_chunks(seqs, cached, pages, step):
+    """(decode, prefill) lists of (request, SeqChunk) for `step`: step 0 prefills A and B's first chunk; step 1
+    mixes A's decode with B's last chunk and C's prefill; then all three decode."""
+    decode = [(i, SeqChunk(s[-1:], cached[i], pages[i])) for i, s in enumerate(seqs) if 0 < cached[i] == len(s) - 1]
+    prefill = {0: [(0, SeqChunk(seqs[0], 0, pages[0])), (1, SeqChunk(seqs[1][:6], 0, pages[1], need_logits="none"))],
+               1: [(1, SeqChunk(seqs[1][6:], 6, pages[1])), (2, SeqChunk(seqs[2], 0, pages[2]))]}.get(step, [])
+    return decode, prefill
+
+
+def greedy(model: DeepseekV3ForCausalLM, broadcast: bool = False):
+    """Run the schedule greedily; returns (generated ids per request, logits per step [n, vocab]).
+
+    With `broadcast`, rank 0 owns the schedule and sends each step's chunks with tp.broadcast_object
+    (what the engine does); the other ranks only follow. Without it, every rank derives the same steps."""
+    cfg, device = model.config, model.lm_head.weight.device
+    attn = TorchRefBackend(torch.zeros(cfg.num_hidden_layers, 18, PAGE, cfg.kv_cache_dim, device=device),
+                           cfg.kv_lora_rank)
+    start = prompts(cfg)
+    seqs, cached = [list(p) for p in start], [0] * len(start)
+    pages = [[6 * i + j for j in range(6)] for i in range(len(start))]  # 24 slots each
+    all_logits = []
+    for step in range(2 + DECODE_STEPS):
+        meta = None
+        if tp.rank_info().rank == 0 or not broadcast:
+            meta = step_chunks(seqs, cached, pages, step)
+        decode, prefill = tp.broadcast_object(meta) if broadcast else meta
+        batch = ForwardBatch.build([c for _, c in decode], [c for _, c in prefill], PAGE, device, attn)
+        with torch.no_grad():
+            logits = model.compute_logits(model(batch.input_ids, batch.positions, batch)[batch.logits_indices])
+        all_logits.append(logits.cpu())
+        for i, c in decode + prefill:
+            cached[i] = c.num_cached + len(c.token_ids)
+        for row, i in enumerate(i for i, c in decode + prefill if c.need_logits != "none"):
+            seqs[i].append(int(logits[row].argmax()))
+    return [s[len(p):] for s, p in zip(seqs, start)], all_logits
+
+
+# ---- targets: target(rank_info, *args), run on each rank by mlaserve.distributed.launch ------------------------
+def parity(info: RankInfo, path: str, device: str = "cpu") -> dict:
+    """Load this rank's shard and run the greedy schedule; report what was read and what came out."""
+    model, reads = load(path, info, device)
+    experts = next(m for m in model.modules() if type(m).__name__ == "Experts")
+    tokens, logits = greedy(model)
+    return dict(tokens=tokens, logits=logits, read=sum(n for _, n in reads),
+                numel=sum(p.numel() for p in model.parameters()),
+                experts_read=sorted({int(name.split(".")[5]) for name, _ in reads if ".experts." in name}),
+                experts_owned=list(range(experts.expert_offset, experts.expert_offset + experts.num_local)))
+
+
+def follower(info: RankInfo, path: str) -> list[list[int]]:
+    """A rank > 0 of the engine's shape: follow rank 0's broadcast steps, run the model, return the tokens."""
+    model, _ = load(path, info)
+    return greedy(model, broadcast=True)[0]
+
+
+def crash(info: RankInfo, how: str) -> str:
+    """Rank 1 fails after the first collective while rank 0 waits in the second."""
+    tp.all_reduce(torch.ones(4))
+    if info.rank == 1:
+        if how == "raise":
+            raise RuntimeError("rank 1 fails on purpose")
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "hang":
+            time.sleep(60)
+    tp.all_reduce(torch.ones(4))
+    return "done"
+
+
+def collectives(info: RankInfo) -> tuple:
+    """Where this rank sits, a sum over ranks, and rank 0's broadcast."""
+    total = tp.all_reduce(torch.tensor([float(info.rank + 1)]))
+    return info.rank, info.moe_tp_rank, info.ep_rank, total.item(), tp.broadcast_object(f"from {info.rank}")

@@ -1,0 +1,77 @@
+"""A rank that raises, dies or hangs fails the launch fast with a clear message; nothing waits forever."""
+
+import time
+
+import pytest
+import torch
+
+from mlaserve.config import ParallelConfig
+from mlaserve.distributed import launch as launch_mod
+from mlaserve.distributed import tp
+from mlaserve.distributed.launch import RankFailed, launch, spawn_ranks
+from mlaserve.distributed.rendezvous import init_rank, make_init_args, shutdown_rank
+
+from . import ranks
+
+TP2 = ParallelConfig(2, 2, 1)
+
+
+def failing_launch(how: str, start_method: str = "forkserver", collective_timeout_s: float = 60):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as e:
+        launch(TP2, ranks.crash, how, timeout_s=120, collective_timeout_s=collective_timeout_s,
+               start_method=start_method)
+    return e.value, time.monotonic() - t0
+
+
+def test_rank_that_raises_fails_the_launch_spawn():
+    """The production start method: fresh interpreters (so this one pays the imports: seconds)."""
+    err, took = failing_launch("raise", start_method="spawn")
+    assert str(err) == "rank 1 exited with code 1: RuntimeError: rank 1 fails on purpose"
+    assert (err.rank, err.exitcode) == (1, 1)
+    assert "--- rank 1 (exit code 1) ---" in err.details and "fails on purpose" in err.details
+    assert took < 60
+
+
+def test_rank_killed_by_a_signal():
+    err, took = failing_launch("kill")
+    assert str(err).startswith("rank 1 exited with code -9 (SIGKILL): no Python exception was reported")
+    assert took < 10  # rank 0, blocked in an all-reduce with the dead peer, is not waited for
+
+
+def test_hung_peer_times_out_the_collective():
+    """Rank 1 sleeps instead of joining the all-reduce; rank 0's collective times out and names the cause."""
+    err, took = failing_launch("hang", collective_timeout_s=2)
+    assert str(err).startswith("rank 0 exited with code 1: ")
+    assert "timed out" in str(err).lower() or "timeout" in str(err).lower()
+    assert took < 20
+
+
+def test_watchdog_when_this_process_is_rank0():
+    """The engine's layout: rank 1 (spawned) dies while rank 0 (here) is in a collective. The collective errors
+    out instead of hanging, and the watchdog reports rank 1's own error."""
+    init = make_init_args(TP2, timeout_s=30)
+    workers = spawn_ranks(init, ranks.crash, ("raise",), local_ranks=[1], start_method="forkserver")
+    failures = []
+    workers.watch(on_failure=failures.append)
+    try:
+        init_rank(0, init)
+        tp.all_reduce(torch.ones(4))
+        with pytest.raises(RuntimeError):
+            tp.all_reduce(torch.ones(4))  # the peer is gone: gloo sees the closed connection
+        deadline = time.monotonic() + 10
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        shutdown_rank()
+        workers.close(timeout=5)
+    assert [str(f) for f in failures] == ["rank 1 exited with code 1: RuntimeError: rank 1 fails on purpose"]
+    assert tp.rank_info().world_size == 1
+
+
+def test_abort_says_why_and_exits(monkeypatch, capsys):
+    codes = []
+    monkeypatch.setattr(launch_mod.os, "_exit", codes.append)
+    launch_mod.abort(RankFailed("rank 3 exited with code -9 (SIGKILL): ...", 3, -9, "--- rank 3 ---\n"))
+    assert codes == [1]
+    assert "mlaserve: rank 3 exited with code -9 (SIGKILL)" in capsys.readouterr().err
