@@ -83,6 +83,22 @@ def engine_kwargs_from_args(args) -> dict:
     return kw
 
 
+def run_if_follower_node(args) -> int | None:
+    """On nodes > 0 of a multi-node run, serve as followers of node 0's engine; None on node 0."""
+    if args.nnodes <= 1 or args.node_rank == 0:
+        return None
+    from .config import EngineConfig, ParallelConfig
+    from .distributed.engine_ranks import run_follower_node
+
+    kw = engine_kwargs_from_args(args)
+    par = ParallelConfig.from_tp(kw.pop("tp", None), attn_tp_size=kw.pop("attn_tp_size", None),
+                                 moe_tp_size=kw.pop("moe_tp_size", None), ep_size=kw.pop("ep_size", None),
+                                 nnodes=kw.pop("nnodes"), node_rank=kw.pop("node_rank"),
+                                 dist_init_addr=kw.pop("dist_init_addr"))
+    kw.pop("speculative_config", None)
+    return run_follower_node(EngineConfig(model=args.model, **kw), par)
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=16)

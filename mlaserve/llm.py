@@ -43,17 +43,37 @@ def default_model_path() -> str:
 
 class LLM:
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
-                 attn_tp_size: int = 1, moe_tp_size: int = 1, ep_size: int = 1, tp: int | None = None,
-                 speculative_config: dict | None = None, seed: int = 0, **engine_kwargs):
+                 attn_tp_size: int | None = None, moe_tp_size: int | None = None, ep_size: int | None = None,
+                 tp: int | None = None, nnodes: int = 1, node_rank: int = 0, dist_init_addr: str | None = None,
+                 speculative_config: dict | None = None, seed: int = 0, on_rank_failure=None, **engine_kwargs):
+        from .config import ModelConfig, ParallelConfig
         from .engine.engine import LLMEngine
 
         model = model or default_model_path()
         self.engine_config = EngineConfig(model=model, device=device, dtype=dtype, seed=seed, **engine_kwargs)
-        if (tp or 1) > 1 or attn_tp_size > 1 or moe_tp_size > 1 or ep_size > 1:
-            raise NotImplementedError("tensor parallelism is not wired into LLM yet")
+        self.parallel = ParallelConfig.from_tp(tp, attn_tp_size=attn_tp_size, moe_tp_size=moe_tp_size,
+                                               ep_size=ep_size, nnodes=nnodes, node_rank=node_rank,
+                                               dist_init_addr=dist_init_addr)
         spec = SpecConfig.from_dict(speculative_config) if speculative_config else None
-        self.engine = LLMEngine(self.engine_config, spec=spec)
+        self._workers = None
+        ranks = None
+        if self.parallel.world_size > 1:
+            from .distributed.engine_ranks import start_rank0
+
+            model_cfg = ModelConfig.from_pretrained(model)
+            ranks, self._workers = start_rank0(self.engine_config, self.parallel, model_cfg,
+                                               **({"on_failure": on_rank_failure} if on_rank_failure else {}))
+        self.engine = LLMEngine(self.engine_config, spec=spec, **({"ranks": ranks} if ranks else {}))
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the other ranks (tensor parallelism); the LLM cannot be used afterwards."""
+        if self._workers is not None:
+            from .distributed.engine_ranks import stop_rank0
+
+            self.engine.runner.shutdown()
+            stop_rank0(self._workers)
+            self._workers = None
 
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -111,10 +131,14 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def cli_main(args) -> int:
-    from .cli import engine_kwargs_from_args, sampling_params_from_args
+    from .cli import engine_kwargs_from_args, run_if_follower_node, sampling_params_from_args
 
+    rc = run_if_follower_node(args)
+    if rc is not None:
+        return rc
     llm = LLM(args.model, **engine_kwargs_from_args(args))
     outs = llm.generate(args.prompt, sampling_params_from_args(args))
     for o in outs:
         sys.stdout.write(f"{o.prompt!r} -> {o.text!r}\n  tokens: {o.token_ids} ({o.outputs[0].finish_reason})\n")
+    llm.close()
     return 0

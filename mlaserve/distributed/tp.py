@@ -61,9 +61,11 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """[.., n] on each rank -> [.., world * n], rank-major."""
     if _RANK_INFO.world_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_RANK_INFO.world_size)]
-    dist.all_gather(parts, x.contiguous(), group=_GROUP)
-    return torch.cat(parts, dim=-1)
+    x = x.contiguous()
+    w = _RANK_INFO.world_size
+    out = x.new_empty(w * x.shape[0], *x.shape[1:])  # one collective into one buffer: CUDA-graph friendly
+    dist.all_gather_into_tensor(out, x, group=_GROUP)
+    return out.view(w, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
 
 def broadcast_object(obj=None, src: int = 0):
@@ -73,3 +75,12 @@ def broadcast_object(obj=None, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=_CPU_GROUP, device=torch.device("cpu"))
     return box[0]
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's value (e.g. KV pages that fit on every GPU), over the host group."""
+    if _RANK_INFO.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+    return int(t.item())

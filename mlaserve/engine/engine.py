@@ -15,6 +15,7 @@ import torch
 from ..attention.base import SeqChunk
 from ..config import EngineConfig, ModelConfig, SpecConfig
 from ..detokenizer import IncrementalDetokenizer
+from ..distributed.tp import RankInfo
 from ..layers.sampler import SamplingRow, sample
 from ..tokenizer import Tokenizer
 from ..types import Request, SamplingParams, Usage
@@ -50,7 +51,7 @@ class _ReqState:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig | None = None, runner: ModelRunner | None = None,
-                 spec: SpecConfig | None = None, proposer=None):
+                 spec: SpecConfig | None = None, proposer=None, ranks: RankInfo = RankInfo()):
         cfg.validate()
         self.cfg, self.spec = cfg, spec
         self.model_config = model_cfg or ModelConfig.from_pretrained(cfg.model)
@@ -61,7 +62,7 @@ class LLMEngine:
 
             extra = draft_page_bytes(DraftConfig.from_pretrained(spec.draft_model), cfg.page_size,
                                      resolve_dtype(cfg.dtype, self.model_config))
-        self.runner = runner or ModelRunner(cfg, self.model_config, extra_page_bytes=extra)
+        self.runner = runner or ModelRunner(cfg, self.model_config, ranks=ranks, extra_page_bytes=extra)
         self.proposer = proposer
         if spec is not None and proposer is None:
             from ..spec.eagle3 import Eagle3Proposer

@@ -13,6 +13,7 @@ import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
 from ..config import EngineConfig, ModelConfig
+from ..distributed import tp
 from ..distributed.tp import RankInfo
 from ..models.deepseek_v3 import DeepseekV3ForCausalLM
 from ..models.make_random import DTYPES
@@ -56,7 +57,8 @@ class ModelRunner:
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
 
-        self.num_pages = cfg.num_pages or self._pages_from_memory()
+        # Every rank indexes the same page ids: take the pages that fit on all of them.
+        self.num_pages = tp.min_over_ranks(cfg.num_pages or self._pages_from_memory())
         L, D = model_cfg.num_hidden_layers, model_cfg.kv_cache_dim
         self.kv_cache = torch.zeros(L, self.num_pages, cfg.page_size, D, dtype=self.dtype, device=self.device)
         self.attn = self._make_backend()
@@ -101,6 +103,8 @@ class ModelRunner:
         an EAGLE3 proposer sets the aux layers first)."""
         from .cuda_graph import GraphRunner
 
+        if self.ranks.world_size > 1 and self.ranks.rank == 0:
+            tp.broadcast_object(("capture", decode_q_len, max_model_len, use_graphs))
         max_pages = -(-(max_model_len + 2 * decode_q_len) // self.cfg.page_size)
         self.graphs = GraphRunner(self, decode_q_len, self.cfg.max_num_seqs, self.cfg.prefill_graph_max_tokens,
                                   max_pages, use_graphs=use_graphs)
@@ -113,6 +117,12 @@ class ModelRunner:
     def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
         the EAGLE3 aux hidden states [T, 3D] of every token, or None)."""
+        if self.ranks.world_size > 1:
+            tp.broadcast_object(("step", decode, prefill))  # the other ranks run the same forward
+        return self.execute_local(decode, prefill)
+
+    @torch.inference_mode()
+    def execute_local(self, decode: list[SeqChunk], prefill: list[SeqChunk]):
         key = self.graphs.key_for(decode, prefill) if self.graphs is not None else None
         if key is not None:
             return self.graphs.run(key, decode, prefill)
@@ -120,3 +130,8 @@ class ModelRunner:
         out = self.model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         return self.model.compute_logits(hidden[batch.logits_indices]), aux
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the other ranks to stop."""
+        if self.ranks.world_size > 1 and self.ranks.rank == 0:
+            tp.broadcast_object(None)

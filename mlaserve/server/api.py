@@ -276,9 +276,12 @@ def cli_main(args) -> int:
 
     import uvicorn
 
-    from ..cli import engine_kwargs_from_args
+    from ..cli import engine_kwargs_from_args, run_if_follower_node
     from ..llm import LLM
 
+    rc = run_if_follower_node(args)
+    if rc is not None:
+        return rc
     llm = LLM(args.model, max_queue_len=args.max_queue_len, **engine_kwargs_from_args(args))
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.engine_config.model))
     metrics = Metrics(name)
@@ -296,4 +299,5 @@ def cli_main(args) -> int:
         server.run()
     finally:
         engine.shutdown()
+        llm.close()
     return 1 if engine.error else 0

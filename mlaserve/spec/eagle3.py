@@ -48,14 +48,37 @@ def draft_page_bytes(cfg: DraftConfig, page_size: int, dtype: torch.dtype) -> in
     return page_size * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
 
+def full_embedding(runner) -> torch.nn.Embedding:
+    """The target's whole embedding table on this rank (read from the checkpoint, or random for dummy weights)."""
+    c = runner.model_config
+    emb = torch.nn.Embedding(c.vocab_size, c.hidden_size, device=runner.device, dtype=runner.dtype)
+    emb.weight.requires_grad_(False)
+    if runner.cfg.load_format == "dummy":
+        emb.weight.normal_(0.0, 1.0)
+        return emb
+    from safetensors import safe_open
+
+    from ..models.weights import checkpoint_files
+
+    key = c.weight_prefix + "model.embed_tokens.weight"
+    for f in checkpoint_files(runner.cfg.model):
+        with safe_open(f, framework="pt", device="cpu") as h:
+            if key in h.keys():
+                emb.weight.copy_(h.get_tensor(key))
+                return emb
+    raise ValueError(f"{runner.cfg.model}: no tensor {key!r} for the draft's shared embedding")
+
+
 class Eagle3Proposer:
     def __init__(self, spec: SpecConfig, runner):
         self.k = spec.num_steps
         self.page_size = runner.cfg.page_size
         self.device = runner.device
         target = runner.model
-        self.draft: Eagle3Draft = load_draft(spec.draft_model, runner.dtype, runner.device,
-                                             target.model.embed_tokens)
+        embed = target.model.embed_tokens
+        if runner.ranks.world_size > 1:  # the draft runs on rank 0 alone: it needs the whole vocabulary
+            embed = full_embedding(runner)
+        self.draft: Eagle3Draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed)
         cfg = self.draft.cfg
         tc = target.config
         if cfg.target_hidden_size != tc.hidden_size or cfg.vocab_size != tc.vocab_size:

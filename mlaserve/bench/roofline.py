@@ -1,0 +1,75 @@
+"""The floors every speed figure is reported against (BENCHMARK.md): decode = bytes / 4.3 TB/s, prefill =
+FLOPs / 790 TFLOP/s, on one H200 as measured. Works for any ModelConfig, batch and context, and TP degree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+
+HBM_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 790e12
+
+
+@dataclass(frozen=True)
+class Params:
+    attn: int  # per layer, all MLA projections
+    dense_mlp: int  # per dense layer
+    expert: int  # one routed expert
+    shared: int  # the shared experts of one MoE layer
+    gate: int
+    embed: int
+    lm_head: int
+
+
+def param_counts(c: ModelConfig) -> Params:
+    D, H = c.hidden_size, c.num_attention_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    q = (D * c.q_lora_rank + c.q_lora_rank * H * qk + c.q_lora_rank) if c.q_lora_rank else D * H * qk
+    kv = D * c.kv_cache_dim + c.kv_lora_rank + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
+    o = H * c.v_head_dim * D
+    return Params(attn=q + kv + o + 2 * D, dense_mlp=3 * D * c.intermediate_size,
+                  expert=3 * D * c.moe_intermediate_size, shared=3 * D * c.moe_intermediate_size * c.n_shared_experts,
+                  gate=D * c.n_routed_experts, embed=c.vocab_size * D, lm_head=c.vocab_size * D)
+
+
+def expected_experts(c: ModelConfig, tokens: int) -> float:
+    """Distinct experts a layer reads for `tokens` tokens under uniform routing: E (1 - (1 - K/E)^tokens)."""
+    E, K = c.n_routed_experts, c.num_experts_per_tok
+    return E * (1 - (1 - K / E) ** tokens) if E else 0.0
+
+
+def decode_bytes(c: ModelConfig, batch: int, context: int, q_len: int = 1, dtype_bytes: int = 2,
+                 tp: int = 1) -> float:
+    """Bytes one decode step must read on one of `tp` ranks: weights (selected experts only) + lm_head + KV."""
+    p = param_counts(c)
+    L, moe = c.num_hidden_layers, sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    tokens = batch * q_len
+    weights = L * p.attn + (L - moe) * p.dense_mlp + moe * (p.shared + p.gate + expected_experts(c, tokens) * p.expert)
+    weights += p.lm_head + tokens * c.hidden_size  # embedding rows read
+    kv = batch * (context + q_len) * L * c.kv_cache_dim  # MLA's latent is shared by all heads: not split by TP
+    return (weights / tp + kv) * dtype_bytes
+
+
+def prefill_flops(c: ModelConfig, tokens: int, context: int | None = None, tp: int = 1) -> float:
+    """2 x active params x T + causal attention 2 x T^2/2 x H x (N+P+V) per layer (BENCHMARK.md)."""
+    p = param_counts(c)
+    L, moe = c.num_hidden_layers, sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    active = L * p.attn + (L - moe) * p.dense_mlp + moe * (p.shared + p.gate + c.num_experts_per_tok * p.expert)
+    attn = 2 * tokens * tokens / 2 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * L
+    return (2 * active * tokens + attn) / tp + 2 * p.lm_head / tp  # lm_head on the last token only
+
+
+def decode_floor_s(c: ModelConfig, batch: int, context: int, **kw) -> float:
+    return decode_bytes(c, batch, context, **kw) / HBM_BYTES_PER_S
+
+
+def prefill_floor_s(c: ModelConfig, tokens: int, **kw) -> float:
+    return prefill_flops(c, tokens, **kw) / BF16_FLOPS_PER_S
+
+
+def total_params(c: ModelConfig) -> int:
+    p = param_counts(c)
+    L, moe = c.num_hidden_layers, sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    return (L * p.attn + (L - moe) * p.dense_mlp + moe * (p.shared + p.gate + c.n_routed_experts * p.expert)
+            + p.embed + p.lm_head + c.hidden_size)

@@ -1,0 +1,56 @@
+"""Start the engine's ranks: node 0 runs rank 0 (scheduler + its shard) in-process and spawns its other local
+ranks; other nodes run only followers. Sizes are validated against the model before anything starts."""
+
+from __future__ import annotations
+
+import logging
+
+from ..config import EngineConfig, ModelConfig, ParallelConfig
+from .launch import RankFailed, Workers, abort, launch, spawn_ranks
+from .rendezvous import init_rank, make_init_args, shutdown_rank
+from .tp import RankInfo
+from .worker import worker_loop
+
+log = logging.getLogger("mlaserve.distributed")
+
+
+def _device(engine_cfg: EngineConfig) -> str:
+    import torch
+
+    dev = engine_cfg.device
+    return "cuda" if dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def start_rank0(engine_cfg: EngineConfig, par: ParallelConfig, model_cfg: ModelConfig,
+                on_failure=abort) -> tuple[RankInfo, Workers]:
+    """Node 0: spawn local ranks 1.., join as rank 0. A rank that dies calls on_failure (default: exit)."""
+    par.validate(model_cfg)
+    if par.node_rank != 0:
+        raise ValueError("node_rank: only node 0 runs the engine; run followers with run_follower_node")
+    init = make_init_args(par, _device(engine_cfg))
+    workers = spawn_ranks(init, worker_loop, (engine_cfg,), local_ranks=range(1, par.local_world_size))
+    workers.watch(on_failure)
+    try:
+        info = init_rank(0, init)
+    except BaseException:
+        workers.close(timeout=1)
+        raise
+    log.info("rank 0 of %d joined (attn-tp %d, moe-tp %d, ep %d)", par.world_size, par.attn_tp_size,
+             par.moe_tp_size, par.ep_size)
+    return info, workers
+
+
+def stop_rank0(workers: Workers) -> None:
+    workers.close()
+    shutdown_rank()
+
+
+def run_follower_node(engine_cfg: EngineConfig, par: ParallelConfig) -> int:
+    """Nodes > 0: run every local rank as a follower until rank 0 says stop; 1 with the message if one dies."""
+    par.validate(ModelConfig.from_pretrained(engine_cfg.model))
+    try:
+        launch(par, worker_loop, engine_cfg, device=_device(engine_cfg))
+    except RankFailed as e:
+        log.error("%s\n%s", e, e.details)
+        return 1
+    return 0
