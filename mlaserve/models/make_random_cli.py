@@ -15,10 +15,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="bfloat16 | float32 | float16 (default: the preset's)")
     p.add_argument("--device", default="cpu", help="where to draw the numbers (cuda is faster for big presets)")
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="max safetensors shard size")
+    p.add_argument("--wrapper", action="store_true",
+                   help="write a plain text model inside the Kimi-K2.5 wrapper (weights under language_model.)")
 
 
 def cli_main(args) -> int:
     out = make_random(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=args.dtype,
-                      device=args.device, shard_bytes=int(args.shard_size_gb * (1 << 30)))
+                      device=args.device, shard_bytes=int(args.shard_size_gb * (1 << 30)), wrapper=args.wrapper)
     print(out)
     return 0
