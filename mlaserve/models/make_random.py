@@ -71,7 +71,9 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float 
                 specs += mlp(m + "shared_experts.", I * cfg.n_shared_experts)
         else:
             specs += mlp(m, cfg.intermediate_size)
-    specs += [("model.norm.weight", (D,), "norm"), lin("lm_head.weight", cfg.vocab_size, D, 4.0)]
+    specs.append(("model.norm.weight", (D,), "norm"))
+    if not cfg.tie_word_embeddings:  # tied: lm_head is embed_tokens, and checkpoints leave it out
+        specs.append(lin("lm_head.weight", cfg.vocab_size, D, 4.0))
     return specs
 
 
