@@ -51,3 +51,15 @@ def test_bf16_error_no_worse_than_transformers(tmp_path):
     hf32, hf16 = (torch.cat([hf_logits(hf_model(path, d), p) for p in PROMPTS])
                   for d in (torch.float32, torch.bfloat16))
     assert rel_err(ours16, ours32).median() <= 1.5 * rel_err(hf16, hf32).median()
+
+
+def test_fp32_model_with_a_bf16_cache(tmp_path):
+    """The cache dtype is the backend's: an fp32 model reads a bf16 latent in both MLA forms."""
+    model = load_model(make_tiny(tmp_path, seed=5))
+    out = []
+    for runner in (RefRunner(model), RefRunner(model, cache_dtype=torch.bfloat16)):
+        seqs, prefill = runner.prefill(PROMPTS, chunk=4)  # later chunks attend over cached bf16 latents
+        decode = [torch.cat(runner.step(decode=[(s, [j + b]) for b, s in enumerate(seqs)])) for j in range(4)]
+        out.append(torch.cat(prefill + decode))
+    assert torch.isfinite(out[1]).all()
+    assert rel_err(out[1], out[0]).max() < 0.02
