@@ -20,10 +20,11 @@ def make_tiny(out: str, seed: int = 0, dtype: str = "float32", **overrides) -> s
     return make_random("tiny", str(out), seed=seed, dtype=dtype, progress=False, overrides=overrides)
 
 
-def load_model(path: str, dtype=torch.float32) -> DeepseekV3ForCausalLM:
+def load_model(path: str, dtype=torch.float32, device="cpu") -> DeepseekV3ForCausalLM:
+    """config.json -> model -> weights, as the engine loads a folder (errors: ConfigError, CheckpointError)."""
     model = DeepseekV3ForCausalLM(ModelConfig.from_pretrained(str(path)), dtype=dtype)
     load_weights(model, str(path), progress=False)
-    return model.eval()
+    return model.to(device).eval()
 
 
 @dataclass
@@ -40,15 +41,16 @@ class Seq:
 
 class RefRunner:
     """A model + TorchRefBackend + paged KV cache. `step` runs one ForwardBatch; `prefill` and `greedy`
-    are the usual loops on top of it. Pages are handed out in shuffled order, so page tables are never
-    the identity and a request's slots are never contiguous across pages."""
+    are the usual loops on top of it. The cache lives on the model's device. Pages are handed out in a
+    shuffled order, so page tables are not the identity and a request's pages are rarely adjacent."""
 
     def __init__(self, model: DeepseekV3ForCausalLM, num_pages: int = 128, page_size: int = 4,
                  cache_dtype: torch.dtype | None = None, seed: int = 0):
         cfg = model.config
         self.model, self.page_size = model, page_size
         dtype = cache_dtype or model.lm_head.weight.dtype
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_cache_dim, dtype=dtype)
+        self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_cache_dim, dtype=dtype,
+                                    device=model.lm_head.weight.device)
         self.attn = TorchRefBackend(self.kv_cache, cfg.kv_lora_rank)
         self.free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -83,6 +83,17 @@ def test_greedy_decode_matches_generate(pair):
         assert_logits_close(logits[:, b], ref_logits)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_page_sizes(pair, page_size):
+    """Chunked prefill then decode with one slot per page, and with pages larger than some prompts."""
+    model, hf = pair
+    batch = prompts((5, 21), seed=7)
+    tokens, logits = generate_greedy(RefRunner(model, page_size=page_size), batch, steps=4, chunk=8)
+    for b, ids in enumerate(batch):
+        ref = hf_logits(hf, ids + tokens[b][:-1])[len(ids) - 1:]
+        assert_logits_close(logits[:, b], ref)
+
+
 def test_mixed_decode_and_prefill_batch(pair):
     """Decode requests and prefill chunks in the same ForwardBatch give each request its own logits."""
     model, hf = pair

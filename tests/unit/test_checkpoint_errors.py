@@ -121,3 +121,11 @@ def test_no_safetensors_files(ckpt):
             os.remove(os.path.join(ckpt, f))
     msg = load_error(ckpt)
     assert str(ckpt) in msg and "no *.safetensors" in msg
+
+
+def test_wrapper_config_over_plain_tensors(ckpt):
+    """A Kimi-K2.5 config.json over a plain-layout checkpoint: the error says which prefix was expected."""
+    ckpt_edit.write_config(ckpt, {"architectures": ["KimiK25ForConditionalGeneration"],
+                                  "text_config": ckpt_edit.read_config(ckpt)})
+    msg = load_error(ckpt)
+    assert "unexpected tensor" in msg and "'language_model.'" in msg and ".safetensors" in msg
