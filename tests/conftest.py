@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+# The test models are tiny: one intra-op thread is faster than two, and far faster when CI's 2 cores are
+# shared with other jobs (thread contention made the parity tests 6x slower).
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

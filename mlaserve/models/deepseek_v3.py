@@ -139,7 +139,8 @@ class DeepseekV3Attention(nn.Module):
     def forward_naive(self, q, cos, sin, batch, out) -> None:
         T, H, N, P, R, V = q.shape[0], self.H, self.N, self.P, self.R, self.V
         apply_rope(q[..., N:], cos, sin, out=q[..., N:])  # q is ours: rotate in place
-        latent = batch.attn.prefill_context(self.layer_id, batch)  # [C, R+P], this step's tokens included
+        # [C, R+P], this step's tokens included; in the cache's dtype, which may differ from ours
+        latent = batch.attn.prefill_context(self.layer_id, batch).to(q.dtype)
         C = latent.shape[0]
         kv = F.linear(latent[:, :R], self.kv_b_proj.weight).view(C, H, N + V)
         k = torch.cat([kv[..., :N], latent[:, None, R:].expand(C, H, P)], dim=-1)  # [C, H, N+P]

@@ -19,14 +19,8 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..tokenizer import write_byte_level_tokenizer
 
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
 
 
 def preset_names() -> list[str]:
@@ -51,54 +45,36 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float 
     def lin(name, out_f, in_f, gain=1.0):
         return (name, (out_f, in_f), gain / math.sqrt(in_f))
 
+    def mlp(prefix, inter):
+        return [lin(prefix + "gate_proj.weight", inter, D), lin(prefix + "up_proj.weight", inter, D),
+                lin(prefix + "down_proj.weight", D, inter, 0.5)]
+
     specs = [("model.embed_tokens.weight", (cfg.vocab_size, D), 1.0)]
     for i in range(L):
         p = f"model.layers.{i}."
         specs += [(p + "input_layernorm.weight", (D,), "norm"), (p + "post_attention_layernorm.weight", (D,), "norm")]
         a = p + "self_attn."
         if cfg.q_lora_rank:
-            specs += [
-                lin(a + "q_a_proj.weight", cfg.q_lora_rank, D),
-                (a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "norm"),
-                lin(a + "q_b_proj.weight", H * (N + P), cfg.q_lora_rank),
-            ]
+            specs += [lin(a + "q_a_proj.weight", cfg.q_lora_rank, D),
+                      (a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "norm"),
+                      lin(a + "q_b_proj.weight", H * (N + P), cfg.q_lora_rank)]
         else:
             specs.append(lin(a + "q_proj.weight", H * (N + P), D))
-        specs += [
-            lin(a + "kv_a_proj_with_mqa.weight", R + P, D),
-            (a + "kv_a_layernorm.weight", (R,), "norm"),
-            lin(a + "kv_b_proj.weight", H * (N + V), R),
-            lin(a + "o_proj.weight", D, H * V, 0.5),
-        ]
+        specs += [lin(a + "kv_a_proj_with_mqa.weight", R + P, D), (a + "kv_a_layernorm.weight", (R,), "norm"),
+                  lin(a + "kv_b_proj.weight", H * (N + V), R), lin(a + "o_proj.weight", D, H * V, 0.5)]
         m = p + "mlp."
         if cfg.is_moe_layer(i):
-            I = cfg.moe_intermediate_size
-            specs += [
-                lin(m + "gate.weight", cfg.n_routed_experts, D, 2.0),
-                (m + "gate.e_score_correction_bias", (cfg.n_routed_experts,), "bias"),
-            ]
-            for e in range(cfg.n_routed_experts):
-                x = f"{m}experts.{e}."
-                specs += [
-                    lin(x + "gate_proj.weight", I, D),
-                    lin(x + "up_proj.weight", I, D),
-                    lin(x + "down_proj.weight", D, I, 0.5),
-                ]
+            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+            specs += [lin(m + "gate.weight", E, D, 2.0), (m + "gate.e_score_correction_bias", (E,), "bias")]
+            for e in range(E):
+                specs += mlp(f"{m}experts.{e}.", I)
             if cfg.n_shared_experts:
-                Is = I * cfg.n_shared_experts
-                specs += [
-                    lin(m + "shared_experts.gate_proj.weight", Is, D),
-                    lin(m + "shared_experts.up_proj.weight", Is, D),
-                    lin(m + "shared_experts.down_proj.weight", D, Is, 0.5),
-                ]
+                specs += mlp(m + "shared_experts.", I * cfg.n_shared_experts)
         else:
-            I = cfg.intermediate_size
-            specs += [
-                lin(m + "gate_proj.weight", I, D),
-                lin(m + "up_proj.weight", I, D),
-                lin(m + "down_proj.weight", D, I, 0.5),
-            ]
-    specs += [("model.norm.weight", (D,), "norm"), lin("lm_head.weight", cfg.vocab_size, D, 4.0)]
+            specs += mlp(m, cfg.intermediate_size)
+    specs.append(("model.norm.weight", (D,), "norm"))
+    if not cfg.tie_word_embeddings:  # tied: lm_head is embed_tokens, and checkpoints leave it out
+        specs.append(lin("lm_head.weight", cfg.vocab_size, D, 4.0))
     return specs
 
 
@@ -113,29 +89,24 @@ def random_tensor(shape, init, gen: torch.Generator, dtype, device) -> torch.Ten
     return t.to(torch.float32 if fp32 else dtype).cpu()
 
 
-def make_random(
-    preset: str,
-    out: str,
-    *,
-    layers: int | None = None,
-    seed: int = 0,
-    dtype: str | None = None,
-    shard_bytes: int = 2 << 30,
-    device: str = "cpu",
-    progress: bool = True,
-    overrides: dict | None = None,
-    tokenizer: bool = True,
-) -> str:
+def make_random(preset: str, out: str, *, layers: int | None = None, seed: int = 0, dtype: str | None = None,
+                shard_bytes: int = 2 << 30, device: str = "cpu", progress: bool = True,
+                overrides: dict | None = None, wrapper: bool = False, tokenizer: bool = True) -> str:
+    """Write config.json, sharded safetensors and the index to `out`. `overrides` update the text config;
+    `wrapper` puts a plain text model inside the Kimi-K2.5 wrapper (weights under `language_model.`).
+    The same seed draws the same numbers for the same tensor list, wrapped or not."""
     raw = copy.deepcopy(load_preset(preset))
     raw.pop("_note", None)
+    if raw.get("architectures", [""])[0] != "DeepseekV3ForCausalLM" and "text_config" not in raw:
+        raise ValueError(f"preset {preset!r} is not a DeepSeek-V3 target (use make-random-draft for EAGLE3)")
+    if wrapper and "text_config" not in raw:
+        raw = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": raw}
     text = raw["text_config"] if "text_config" in raw else raw
     if layers is not None:
         text["num_hidden_layers"] = layers
     text.update(overrides or {})
     if dtype is not None:
         text["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
-    if text.get("architectures", [""])[0] != "DeepseekV3ForCausalLM" and "text_config" not in raw:
-        raise ValueError(f"preset {preset!r} is not a DeepSeek-V3 target (use make-random-draft for EAGLE3)")
     text["num_nextn_predict_layers"] = 0  # no MTP weights are written
     cfg = ModelConfig.from_hf(raw, preset)
     tdtype = DTYPES[cfg.torch_dtype]
@@ -146,13 +117,13 @@ def make_random(
     gen = torch.Generator(device=device).manual_seed(seed)
     specs = hf_tensor_specs(cfg)
     # Shard on size, with at least two shards so the sharded-index path is always exercised.
-    total = sum(math.prod(s) for _, s, _ in specs) * tdtype.itemsize
-    limit = min(shard_bytes, max(total // 2, 1))
-    shards, cur, cur_bytes = [], {}, 0
+    limit = min(shard_bytes, max(sum(math.prod(s) for _, s, _ in specs) * tdtype.itemsize // 2, 1))
+    shards, cur, cur_bytes, total = [], {}, 0, 0
     for name, shape, init in tqdm(specs, desc="Writing random weights", disable=not progress):
         t = random_tensor(shape, init, gen, tdtype, device)
         cur[cfg.weight_prefix + name] = t
         cur_bytes += t.numel() * t.element_size()
+        total += t.numel() * t.element_size()  # the fp32 routing bias counts at its own size
         if cur_bytes >= limit:
             shards.append(cur)
             cur, cur_bytes = {}, 0

@@ -18,6 +18,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size-gb", type=float, default=2.0, help="max safetensors shard size")
     p.add_argument("--target", default=None,
                    help="EAGLE3 draft presets: the target checkpoint whose shapes the draft must match")
+    p.add_argument("--wrapper", action="store_true",
+                   help="write a plain text model inside the Kimi-K2.5 wrapper (weights under language_model.)")
 
 
 def cli_main(args) -> int:
@@ -27,6 +29,6 @@ def cli_main(args) -> int:
                                 device=args.device))
         return 0
     out = make_random(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=args.dtype,
-                      device=args.device, shard_bytes=int(args.shard_size_gb * (1 << 30)))
+                      device=args.device, shard_bytes=int(args.shard_size_gb * (1 << 30)), wrapper=args.wrapper)
     print(out)
     return 0

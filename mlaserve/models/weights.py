@@ -108,11 +108,10 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
 
     files = checkpoint_files(path)
     handles = [(f, _open(f)) for f in files]
-    total = sum(len(h.keys()) for _, h in handles)
-    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
+    where = {key: h for _, h in handles for key in h.keys()}  # a weight's scale may sit in another shard
+    bar = tqdm(total=len(where), desc="Loading weights", unit="tensor", disable=not progress)
     for file, h in handles:
-        keys = set(h.keys())
-        for key in sorted(keys):
+        for key in sorted(h.keys()):
             bar.update()
             if key.endswith("weight_scale_inv"):
                 continue  # consumed with its weight
@@ -127,7 +126,7 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
                 skipped["mtp"] += 1  # DeepSeek-V3's MTP layer (index num_hidden_layers), unused here
                 continue
             try:
-                src = _lazy(h, key, keys, file, dtype)
+                src = _lazy(h, key, where, file, dtype)
             except SafetensorError as e:
                 raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e}); is the file truncated?") from None
             em = EXPERT_KEY.match(name)
@@ -170,10 +169,13 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
         log.info("skipped %d tensors of the MTP layer (layers >= %d)", skipped["mtp"], n_layers)
 
 
-def _lazy(h, key: str, keys: set, file: str, dtype) -> _Tensor:
+def _lazy(h, key: str, where: dict, file: str, dtype) -> _Tensor:
     scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith(".weight") else None
-    if scale_key and scale_key in keys:
-        return _Tensor(h, key, fp8_scale=h.get_tensor(scale_key), dtype=dtype)
+    if scale_key and scale_key in where:
+        return _Tensor(h, key, fp8_scale=where[scale_key].get_tensor(scale_key), dtype=dtype)
+    if h.get_slice(key).get_dtype().startswith("F8"):
+        # Casting fp8 without its block scales would load silently wrong numbers.
+        raise CheckpointError(f"{file}: tensor {key!r} is fp8 but the checkpoint has no weight_scale_inv for it")
     return _Tensor(h, key)
 
 
