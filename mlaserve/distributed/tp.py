@@ -64,7 +64,8 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     w = _RANK_INFO.world_size
     out = x.new_empty(w * x.shape[0], *x.shape[1:])  # one collective into one buffer: CUDA-graph friendly
-    dist.all_gather_into_tensor(out, x, group=_GROUP)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(out, x, group=_GROUP)
     return out.view(w, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
 

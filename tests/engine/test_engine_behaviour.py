@@ -143,3 +143,41 @@ def test_preemption_by_recompute_gives_same_tokens(tiny_ckpt):
     got = run_all(engine)
     assert engine.scheduler.num_preemptions > 0
     assert [got[r] for r in rids2] == [ref[r] for r in rids]
+
+
+def test_stop_strings_and_text(tiny_ckpt):
+    from mlaserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(tiny_ckpt)
+    engine = make_engine(tiny_ckpt)
+    p = tok.encode("The quick brown fox", add_special_tokens=True)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    rid = engine.add_request(p, sp)
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    text = "".join(e.new_text for e in events)
+    ids = [t for e in events for t in e.new_token_ids]
+    assert text == tok.decode(ids)
+    # Stop on a string that appears in the middle of that greedy text (spanning tokens where possible).
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if not stop.strip("\ufffd") or "\ufffd" in stop:
+        pytest.skip("greedy text has no clean substring to stop on")
+    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    got = "".join(e.new_text for e in events)
+    assert got == text[: text.index(stop)]
+    assert events[-1].finish_reason == "stop" and events[-1].stop_reason == stop
+    del rid
+
+
+def test_logprobs_are_returned(tiny_ckpt):
+    from mlaserve import LLM
+
+    llm = LLM(tiny_ckpt, device="cpu")
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0]
+    lp = out.outputs[0].logprobs
+    assert len(lp) == 5 and all(x <= 0 for x in lp)

@@ -1,0 +1,243 @@
+"""Whole-model speed on one GPU: mlaserve's TTFT and TPOT (and transformers' on the same weights, same run),
+each beside its floor (bench/roofline.py). Writes JSON to --out and benchmarks/results/.
+
+    python benchmarks/bench_engine.py --model /tmp/m1 --make moonlight-16b-a3b --hf          # M1 + transformers
+    python benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy                  # M2, random in place
+    python benchmarks/bench_engine.py --model /tmp/m1 --draft /tmp/m1-draft --spec-only      # EAGLE3 K=1 N=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mlaserve.bench.roofline import decode_bytes, decode_floor_s, prefill_floor_s, total_params  # noqa: E402
+from mlaserve.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
+from mlaserve.types import SamplingParams  # noqa: E402
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def prompts(n, length, vocab, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(n)]
+
+
+def sync():
+    torch.cuda.synchronize()
+
+
+# ---- mlaserve ----------------------------------------------------------------------------------------
+def ml_ttft(engine, length, vocab, reps=3):
+    """Time from add_request to the first token (one request alone; fresh prompts, so no prefix hit)."""
+    times = []
+    for r in range(reps + 1):
+        p = prompts(1, length, vocab, seed=1000 + r)[0]
+        sync()
+        t = time.perf_counter()
+        rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        sync()
+        if r:  # the first is a warm-up
+            times.append(time.perf_counter() - t)
+        del rid
+    return statistics.median(times)
+
+
+def ml_tpot(engine, batch, ctx, vocab, steps=32):
+    ps = prompts(batch, ctx, vocab, seed=batch * 7 + ctx)
+    for p in ps:
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running + list(
+            engine.scheduler.waiting)):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    sync()
+    t = time.perf_counter()
+    n_tok = 0
+    for _ in range(steps):
+        n_tok += sum(len(o.new_token_ids) for o in engine.step())
+    sync()
+    dt = time.perf_counter() - t
+    while engine.has_unfinished():
+        engine.step()
+    return dt / steps, n_tok / (batch * steps)
+
+
+# ---- transformers ------------------------------------------------------------------------------------
+def hf_bench(path, cases, ttft_lengths, vocab):
+    from transformers import DeepseekV3ForCausalLM
+
+    out = {}
+    sync()
+    t = time.perf_counter()
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+    sync()
+    out["load_s"] = time.perf_counter() - t
+    with torch.no_grad():
+        for n in ttft_lengths:
+            ids = torch.tensor(prompts(1, n, vocab, 5)).cuda()
+            model(ids)
+            sync()
+            ts = []
+            for _ in range(3):
+                t = time.perf_counter()
+                model(ids)
+                sync()
+                ts.append(time.perf_counter() - t)
+            out[f"prefill_{n}_s"] = statistics.median(ts)
+        for b, ctx in cases:
+            ids = torch.tensor(prompts(b, ctx, vocab, 9)).cuda()
+            mask = torch.ones_like(ids)
+            kw = dict(do_sample=False, pad_token_id=0, attention_mask=mask)
+            try:
+                model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
+                sync()
+                t = time.perf_counter()
+                model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+                sync()
+                t1 = time.perf_counter() - t
+                t = time.perf_counter()
+                model.generate(ids, max_new_tokens=9, min_new_tokens=9, **kw)
+                sync()
+                out[f"tpot_b{b}_ctx{ctx}_s"] = (time.perf_counter() - t - t1) / 8
+            except torch.OutOfMemoryError as e:
+                out[f"tpot_b{b}_ctx{ctx}_s"] = None
+                log("transformers OOM", b, ctx, e)
+                torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--make", default=None, help="preset to write a random checkpoint from, if --model is absent")
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--dummy", action="store_true")
+    ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--spec-only", action="store_true")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--contexts", default="512,8192")
+    ap.add_argument("--ttft", default="512,8192")
+    ap.add_argument("--label", default="m1")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    res = {"label": a.label, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
+           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+    if a.model and a.make and not os.path.isdir(a.model):
+        from mlaserve.models.make_random import make_random
+
+        t = time.perf_counter()
+        make_random(a.make, a.model, layers=a.layers, dtype="bfloat16", device="cuda", progress=False)
+        res["make_random_s"] = time.perf_counter() - t
+        log(f"wrote {a.model} in {res['make_random_s']:.1f}s")
+    if a.draft and not os.path.isdir(a.draft):
+        from mlaserve.models.make_random_draft import make_random_draft
+
+        make_random_draft("kimi-k2.5-eagle3", a.draft, target=a.model, dtype="bfloat16")
+    if a.model:
+        mcfg = ModelConfig.from_pretrained(a.model)
+        path = a.model
+    else:
+        from mlaserve.models.make_random import load_preset
+
+        raw = load_preset(a.preset)
+        (raw.get("text_config") or raw)["num_hidden_layers"] = a.layers
+        path = os.path.join("/tmp", f"cfg-{a.label}")
+        os.makedirs(path, exist_ok=True)
+        json.dump(raw, open(os.path.join(path, "config.json"), "w"))
+        mcfg = ModelConfig.from_pretrained(path)
+    res["params_b"] = total_params(mcfg) / 1e9
+    vocab = mcfg.vocab_size
+    batches = [int(x) for x in a.batches.split(",")]
+    ctxs = [int(x) for x in a.contexts.split(",")]
+    ttfts = [int(x) for x in a.ttft.split(",")]
+
+    if a.hf:
+        res["transformers"] = hf_bench(path, [(b, c) for b in batches for c in ctxs if b * c <= 8 * 8192],
+                                       ttfts, vocab)
+        log("transformers:", json.dumps(res["transformers"]))
+
+    from mlaserve.engine.engine import LLMEngine
+
+    cfg = EngineConfig(model=path, load_format="dummy" if a.dummy else "auto", gpu_memory_utilization=a.gpu_mem,
+                       enable_prefix_caching=False, max_num_seqs=max(batches))
+    sync()
+    t = time.perf_counter()
+    engine = LLMEngine(cfg)
+    sync()
+    res["mlaserve_load_s"] = engine.runner.load_seconds
+    res["mlaserve_init_s"] = time.perf_counter() - t
+    rows = []
+    if not a.spec_only:
+        for n in ttfts:
+            s = ml_ttft(engine, n, vocab)
+            fl = prefill_floor_s(mcfg, n)
+            rows.append(dict(figure=f"TTFT {n} tokens", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl,
+                             hf_ms=_ms(res, f"prefill_{n}_s")))
+        for b in batches:
+            for c in ctxs:
+                s, tok = ml_tpot(engine, b, c, vocab)
+                fl = decode_floor_s(mcfg, b, c)
+                rows.append(dict(figure=f"TPOT b{b} ctx{c}", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl,
+                                 hf_ms=_ms(res, f"tpot_b{b}_ctx{c}_s"), bytes_gb=decode_bytes(mcfg, b, c) / 1e9))
+    if a.draft:
+        # Plain TPOT first: the speculative engine re-captures the shared runner's graphs for verify width 2.
+        base = {b: ml_tpot(engine, b, 512, vocab)[0] for b in (1, 8)}
+        spec = SpecConfig(draft_model=a.draft, num_steps=1, num_draft_tokens=2)
+        engine_spec = LLMEngine(cfg, runner=engine.runner, spec=spec)
+        for b in (1, 8):
+            s, tok = ml_tpot(engine_spec, b, 512, vocab)
+            st = engine_spec.stats()
+            rows.append(dict(figure=f"TPOT b{b} ctx512 EAGLE3 K=1 N=2 (random draft)", ms=s / tok * 1e3,
+                             step_ms=s * 1e3, tokens_per_step=tok, plain_ms=base[b] * 1e3,
+                             floor_ms=decode_floor_s(mcfg, b, 512) * 1e3,
+                             accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1)))
+    res["rows"] = rows
+    log(f"\n{a.label} on {res['gpu']}  (params {res['params_b']:.2f} B; load {res['mlaserve_load_s']:.1f}s, "
+        f"init incl. graphs {res['mlaserve_init_s']:.1f}s; transformers load {_get(res, 'load_s')})")
+    log(f"{'figure':44s} {'mlaserve ms':>12s} {'floor ms':>9s} {'x floor':>8s} {'transformers ms':>16s}")
+    for r in rows:
+        log(f"{r['figure']:44s} {r['ms']:12.2f} {r.get('floor_ms') or 0:9.2f} {r.get('ratio') or 0:8.2f} "
+            f"{r['hf_ms'] if r.get('hf_ms') is not None else '-':>16}")
+    name = f"engine_{a.label}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    for d in (a.out, os.path.join(os.path.dirname(__file__), "results")):
+        with open(os.path.join(d, name), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def _ms(res, key):
+    v = res.get("transformers", {}).get(key)
+    return None if v is None else round(v * 1e3, 2)
+
+
+def _get(res, key):
+    v = res.get("transformers", {}).get(key)
+    return "-" if v is None else f"{v:.1f}s"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Through LLM: attn-tp2 with moe-tp2 and with ep2 (two gloo processes) give TP1's greedy tokens."""
+
+import random
+
+import pytest
+
+from mlaserve import LLM, SamplingParams
+
+
+def _prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(512) for _ in range(rng.randrange(1, 100))] for _ in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_ckpt):
+    outs = LLM(tiny_ckpt, device="cpu").generate(_prompts(), SamplingParams(temperature=0, max_tokens=12,
+                                                                            ignore_eos=True), use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kw", [dict(attn_tp_size=2, moe_tp_size=2), dict(attn_tp_size=2, ep_size=2), dict(tp=2)],
+                         ids=["moe-tp2", "ep2", "tp2"])
+def test_llm_tp_matches_tp1(tiny_ckpt, tp1, kw):
+    llm = LLM(tiny_ckpt, device="cpu", on_rank_failure=lambda e: None, **kw)
+    try:
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)
+        assert [o.token_ids for o in outs] == tp1
+        assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+    finally:
+        llm.close()
+
+
+def test_llm_refuses_sizes_that_do_not_divide(tiny_ckpt):
+    with pytest.raises(ValueError, match="num_attention_heads|heads"):
+        LLM(tiny_ckpt, device="cpu", tp=3)
