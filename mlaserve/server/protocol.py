@@ -37,11 +37,18 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1, description="only n=1 is supported")
+    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     return_token_ids: bool = False
     user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -148,6 +155,14 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_keys(cls, v):
+        clash = sorted(set(v or ()) & {"messages", "add_generation_prompt"})
+        if clash:
+            raise ValueError(f"must not set {', '.join(clash)} (use the request's own fields)")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod

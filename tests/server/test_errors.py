@@ -62,6 +62,8 @@ BAD = [
     ("content type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ("image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("chat unknown model", CHAT, {"model": "x", "messages": MSG}, 404, "model"),
+    ("template kwargs clash", CHAT, {"messages": MSG, "chat_template_kwargs": {"messages": []}}, 400,
+     "chat_template_kwargs"),
     ("chat top_logprobs", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 5}, 400, "top_logprobs"),
     ("chat huge max_tokens", CHAT, {"messages": MSG, "max_completion_tokens": 10**9}, 400, "max_tokens"),
     ("chat long message", CHAT, {"messages": [{"role": "user", "content": "z" * 60000}]}, 413, "messages"),

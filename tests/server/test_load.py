@@ -64,7 +64,7 @@ def test_overload_gets_503(tiny_ckpt):
     try:
         async def main():
             async with httpx.AsyncClient(base_url=run.url, timeout=120) as client:
-                body = {"prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True,
+                body = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True,
                         "return_token_ids": True}
                 return await asyncio.gather(*(_stream(client, body) for _ in range(12)))
 
@@ -75,7 +75,7 @@ def test_overload_gets_503(tiny_ckpt):
             if status == 503:
                 assert err["error"]["code"] == 503 and "max_queue_len" in err["error"]["message"]
             else:
-                assert len(ids) == 20
+                assert len(ids) == 40
         m = assert_idle_no_leak(run)
         assert m["mlaserve:request_errors_total"] == statuses.count(503)
         status, ids, _ = asyncio.run(_one(run.url))
