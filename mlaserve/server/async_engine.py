@@ -1,7 +1,9 @@
 """AsyncEngine: the LLMEngine runs in its own thread; HTTP handlers submit requests and await their events.
 
 The HTTP event loop never waits on a step. Adds and aborts are commands the engine thread applies between
-steps; each step's outputs go back to the waiting coroutine with call_soon_threadsafe.
+steps; each step's outputs go back to the event loop in one call_soon_threadsafe. An add is acknowledged
+(or refused with the engine's ValueError / OverflowError) before the handler answers, so a refusal is always
+a proper HTTP error, never a broken stream.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from ..engine.engine import LLMEngine, StepOutput
 from ..types import SamplingParams
@@ -21,27 +24,71 @@ log = logging.getLogger("mlaserve.server")
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine thread has stopped (a failed step, or shutdown): no request can be served."""
 
 
-class _Sink:
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-        self.arrival = time.monotonic()
-        self.first_token: float | None = None
+def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if not fut.done():  # the handler may have given up waiting (client gone)
+        fut.set_exception(exc) if exc is not None else fut.set_result(None)
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """call_soon_threadsafe from the engine thread; False when the loop is closed (the server has stopped)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt): iterate (prompt index, StepOutput) as steps
+    produce them. abort() frees every unfinished one at once; call it when the consumer stops early."""
+
+    def __init__(self, owner: AsyncEngine, request_ids: list[str], loop: asyncio.AbstractEventLoop):
+        self.owner, self.request_ids, self.loop = owner, request_ids, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.accepted: asyncio.Future = loop.create_future()
+        self.unfinished = set(request_ids)
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, StepOutput]]:
+        return self._events()
+
+    async def _events(self):
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.unfinished.clear()  # the engine is gone: nothing left to abort
+                raise item
+            index, out = item
+            if out.finished:
+                self.unfinished.discard(out.request_id)
+            yield index, out
+
+    def abort(self) -> None:
+        if self.unfinished:
+            self.owner._submit(("abort", list(self.unfinished)))
+            self.unfinished.clear()
+
+
+@dataclass
+class _Live:
+    """Engine-thread record of one running engine request."""
+
+    gen: Generation
+    index: int
+    arrival: float
+    first_token: float | None = None
 
 
 class AsyncEngine:
-    def __init__(
-        self, engine: LLMEngine, metrics: Metrics | None = None, on_fatal: Callable[[BaseException], None] | None = None
-    ):
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.engine, self.metrics, self.on_fatal = engine, metrics, on_fatal
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submits against the thread's death: no command is orphaned
         self._wake = threading.Event()
-        self._sinks: dict[str, _Sink] = {}
+        self._live: dict[str, _Live] = {}
         self._stop = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="mlaserve-engine", daemon=True)
@@ -54,39 +101,57 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=30)
 
     # ---- called from the HTTP event loop -------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (bad input) or OverflowError (queue full) before anything is queued."""
+        """Raise ValueError (bad input), OverflowError (queue full) or EngineDeadError before anything is queued."""
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         self.engine.validate(prompt_ids, params)
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[StepOutput]:
-        """Yield one StepOutput per engine step that produced tokens for this request; aborts if abandoned."""
-        self.validate(prompt_ids, params)
-        sink = _Sink(asyncio.get_running_loop())
-        self._cmds.put(("add", request_id, prompt_ids, params, sink))
-        self._wake.set()
-        finished = False
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> Generation:
+        """Queue one engine request per prompt, all or none; returns once the engine thread has accepted them."""
+        gen = Generation(self, [f"{request_id}-{i}" for i in range(len(prompts))], asyncio.get_running_loop())
+        self._submit(("add", gen, prompts, params, time.monotonic()))
         try:
-            while True:
-                item = await sink.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:  # the client went away, or the handler failed: free the pages now
-                self._cmds.put(("abort", request_id))
-                self._wake.set()
+            await gen.accepted
+        except BaseException:
+            gen.abort()  # cancelled while waiting (client gone): the add may still land; this abort follows it
+            raise
+        return gen
+
+    def _submit(self, cmd: tuple) -> None:
+        with self._lock:
+            if self.error is not None or self._stop:
+                if cmd[0] == "add":
+                    raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+                return  # an abort after death: nothing is running
+            self._cmds.put(cmd)
+        self._wake.set()
 
     # ---- the engine thread ---------------------------------------------------------------------------
+    def _add(self, gen: Generation, prompts: list[list[int]], params: SamplingParams, arrival: float) -> None:
+        eng = self.engine
+        try:
+            for ids in prompts:  # all or none: refuse the lot before queueing any
+                eng.validate(ids, params)
+            held = eng.scheduler.num_unfinished
+            if held + len(prompts) > eng.cfg.max_queue_len:
+                raise OverflowError(f"the engine holds {held} requests; {len(prompts)} more exceed max_queue_len "
+                                    f"{eng.cfg.max_queue_len}")
+            for i, (rid, ids) in enumerate(zip(gen.request_ids, prompts)):
+                eng.add_request(ids, params, request_id=rid)
+                self._live[rid] = _Live(gen, i, arrival)
+        except Exception as e:  # noqa: BLE001 - any refusal belongs to this request, never to the engine
+            for rid in gen.request_ids:
+                if self._live.pop(rid, None) is not None:
+                    eng.abort_request(rid)
+            _call(gen.loop, _settle, gen.accepted, e)
+            return
+        if not _call(gen.loop, _settle, gen.accepted, None):
+            self._abort(gen.request_ids)
+
     def _apply_commands(self) -> None:
         while True:
             try:
@@ -94,39 +159,47 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, sink = cmd
-                try:
-                    self.engine.add_request(ids, params, request_id=rid)
-                    self._sinks[rid] = sink
-                except (ValueError, OverflowError) as e:  # raced past validate (e.g. the queue filled up)
-                    sink.put(e)
+                self._add(*cmd[1:])
             else:
-                self.engine.abort_request(cmd[1])
-                self._sinks.pop(cmd[1], None)
+                self._abort(cmd[1])
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._live.pop(rid, None)
+            if self.engine.abort_request(rid) and self.metrics:
+                self.metrics.observe_abort()
 
     def _deliver(self, outs: list[StepOutput]) -> None:
         now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for o in outs:
-            sink = self._sinks.get(o.request_id)
-            if sink is None:
+            live = self._live.get(o.request_id)
+            if live is None:
                 continue
-            if sink.first_token is None and o.new_token_ids:
-                sink.first_token = now
-            sink.put(o)
+            if live.first_token is None and o.new_token_ids:
+                live.first_token = now
+            by_loop.setdefault(live.gen.loop, []).append((live.gen.queue, (live.index, o)))
             if o.finished:
-                del self._sinks[o.request_id]
+                del self._live[o.request_id]
                 if self.metrics:
-                    ttft = None if sink.first_token is None else sink.first_token - sink.arrival
-                    self.metrics.observe_finished(o.finish_reason, o.usage, ttft, now - sink.arrival)
+                    ttft = None if live.first_token is None else live.first_token - live.arrival
+                    self.metrics.observe_finished(o.finish_reason, o.usage, ttft, now - live.arrival)
+        for loop, items in by_loop.items():  # one wake-up of the event loop per step
+            if not _call(loop, _put_all, items):  # nobody is listening any more: free their pages
+                self._abort([rid for rid, live in list(self._live.items()) if live.gen.loop is loop])
 
     def _loop(self) -> None:
         try:
             while not self._stop:
                 self._apply_commands()
                 if self.engine.has_unfinished():
+                    steps = self.engine.num_steps
                     self._deliver(self.engine.step())
                     if self.metrics:
                         self.metrics.observe_engine(self.engine.stats())
+                    if self.engine.num_steps == steps:  # nothing was schedulable: do not spin
+                        self._wake.wait(timeout=0.001)
+                        self._wake.clear()
                 else:
                     if self.metrics:
                         self.metrics.observe_engine(self.engine.stats())
@@ -134,10 +207,29 @@ class AsyncEngine:
                     self._wake.clear()
         except BaseException as e:  # a bug or a dead TP rank: fail every waiter loudly, never hang
             log.exception("engine step failed; the server is going down")
-            self.error = e
-            err = EngineDeadError(f"the engine failed: {e!r}")
-            for sink in self._sinks.values():
-                sink.put(err)
-            self._sinks.clear()
+            self._fail(e, EngineDeadError(f"the engine failed: {e!r}"))
             if self.on_fatal:
                 self.on_fatal(e)
+            return
+        self._fail(None, EngineDeadError("the server is shutting down"))
+
+    def _fail(self, error: BaseException | None, err: EngineDeadError) -> None:
+        """Settle every queued add and every live request with `err`; later submits are refused."""
+        with self._lock:
+            self.error = error
+            self._stop = True
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                _call(cmd[1].loop, _settle, cmd[1].accepted, err)
+        for live in self._live.values():
+            _call(live.gen.loop, live.gen.queue.put_nowait, err)
+        self._live.clear()
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -43,6 +43,13 @@ class Metrics:
                         "spec_steps": self.spec_drafts, "spec_draft_tokens": self.spec_draft_tokens,
                         "spec_accepted_tokens": self.spec_accepted}
         self._last = dict.fromkeys(self._deltas, 0)
+        # Expose every unlabelled-by-outcome series from the start (at 0), so a scrape before the first request
+        # already lists them and `bench serve` can take deltas.
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2el, self.running,
+                       self.waiting, self.kv_used, self.kv_total, *self._deltas.values()):
+            metric.labels(model)
+        for reason in ("stop", "length", "abort"):
+            self.requests.labels(model, reason)
 
     def observe_engine(self, stats: dict) -> None:
         """Called from the engine thread after each step with LLMEngine.stats()."""
@@ -67,6 +74,10 @@ class Metrics:
             if usage.completion_tokens > 1:
                 self.tpot.labels(m).observe((e2el - ttft) / (usage.completion_tokens - 1))
         self.e2el.labels(m).observe(e2el)
+
+    def observe_abort(self) -> None:
+        """A request abandoned by its client (or its handler) and aborted before it finished."""
+        self.requests.labels(self.model, "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

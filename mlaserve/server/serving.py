@@ -1,0 +1,205 @@
+"""What every OpenAI endpoint shares: body parsing and validation into APIErrors that name the field, prompt
+encoding, submission to the AsyncEngine, SSE responses that abort on disconnect, and disconnect-aware collection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+from ..engine.engine import StepOutput
+from ..types import SamplingParams
+from .async_engine import AsyncEngine, EngineDeadError, Generation
+from .protocol import error_json
+
+log = logging.getLogger("mlaserve.server")
+
+THREAD_ENCODE_CHARS = 1 << 14  # longer prompt strings are tokenized off the event loop
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _is_branch(x) -> bool:
+    """A union branch's tag in a pydantic error location (str, list[int], function-after[...]), not a field."""
+    return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "dict", "list", "none"))
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as 'field: what is wrong' (the field as messages[0].role); a union's branches,
+    which fail together, become one message."""
+    errs = e.errors()
+
+    def loc_of(err) -> tuple:
+        loc = err["loc"]
+        return tuple(loc[:next((i for i, x in enumerate(loc) if _is_branch(x)), len(loc))])
+
+    loc = loc_of(errs[0])
+    msgs = list(dict.fromkeys(x["msg"].removeprefix("Value error, ") for x in errs if loc_of(x) == loc))
+    field = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "body"
+    return APIError(400, f"{field}: {'; or '.join(msgs)}", field)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class ServingContext:
+    """One server's engine, tokenizer and limits, with the steps every endpoint takes."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, max_request_bytes: int):
+        self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
+        self.llm = engine.engine
+        self.tok = self.llm.tokenizer
+        self.metrics = engine.metrics
+        # The longest token text: a prompt string longer than max_model_len of them cannot fit (refused untokenized)
+        self.max_token_chars = 0
+        if self.tok is not None:
+            self.max_token_chars = max(map(len, self.tok.backend.get_vocab(with_added_tokens=True)), default=0)
+
+    # ---- the request body ----------------------------------------------------------------------------
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"body: the request body is {int(declared)} bytes; the limit is {limit}", "body")
+        parts, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise APIError(413, f"body: the request body exceeds the limit of {limit} bytes", "body")
+                parts.append(part)
+        except ClientDisconnect:
+            raise APIError(499, "body: the client disconnected before sending it all", "body") from None
+        return b"".join(parts)
+
+    async def parse(self, request: Request, schema: type[BaseModel]):
+        body = await self.read_body(request)
+        try:
+            data = json.loads(body, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise APIError(400, f"body: malformed JSON: {e}", "body") from None
+        if not isinstance(data, dict):
+            raise APIError(400, f"body: must be a JSON object, got {type(data).__name__}", "body")
+        try:
+            req = schema.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"model: {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model")
+        return req
+
+    # ---- prompts -------------------------------------------------------------------------------------
+    async def encode(self, text: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
+        if self.tok is None:
+            raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
+        limit = self.llm.max_model_len * self.max_token_chars
+        if len(text) > limit:
+            raise APIError(413, f"{field}: {len(text)} characters cannot fit in max_model_len "
+                                f"{self.llm.max_model_len} tokens (at most {limit} characters)", field)
+        if len(text) > THREAD_ENCODE_CHARS:
+            return await asyncio.to_thread(self.tok.encode, text, add_special_tokens)
+        return self.tok.encode(text, add_special_tokens)
+
+    def check_length(self, ids: list[int], field: str = "prompt") -> None:
+        n, llm = len(ids), self.llm
+        if n >= llm.max_model_len:
+            raise APIError(413, f"{field}: {n} tokens leave no room to generate within max_model_len "
+                                f"{llm.max_model_len}", field)
+        if llm.pool.pages_for(n + 1) > llm.pool.num_pages:
+            raise APIError(413, f"{field}: {n} tokens need more KV pages than the cache holds "
+                                f"({llm.pool.num_pages} of {llm.pool.page_size} tokens)", field)
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                     field: str = "prompt") -> Generation:
+        """Validate every prompt, then queue them all; the engine's refusals become APIErrors."""
+        if len(prompts) > self.llm.cfg.max_queue_len:
+            raise APIError(400, f"{field}: {len(prompts)} prompts in one request exceed max_queue_len "
+                                f"{self.llm.cfg.max_queue_len}", field)
+        try:
+            for ids in prompts:
+                self.check_length(ids, field)
+                self.engine.validate(ids, params)
+            return await self.engine.generate(prompts, params, request_id)
+        except ValueError as e:
+            field = str(e).split(":", 1)[0]
+            raise APIError(400, str(e), field if field.isidentifier() else None) from None
+        except OverflowError as e:
+            raise APIError(503, f"server overloaded: {e}; retry later") from None
+        except EngineDeadError as e:
+            raise APIError(500, str(e)) from None
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        if self.tok is None:
+            return [str(t) for t in ids]
+        return [self.tok.decode([t], skip_special_tokens=False) for t in ids]
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _guarded(events):
+    """An SSE body: an engine failure mid-stream ends it with an error event, then [DONE]."""
+    try:
+        async for e in events:
+            yield e
+    except EngineDeadError as e:
+        yield sse(error_json(str(e), 500))
+        yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that aborts its engine requests however it ends: finished, client gone, or failed."""
+
+    def __init__(self, events, gen: Generation):
+        super().__init__(_guarded(events), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.abort()  # a no-op when every request finished
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is read, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(request: Request, gen: Generation) -> dict[int, list[StepOutput]] | None:
+    """Every event of a generation by prompt index; None (and the requests aborted) if the client leaves first."""
+
+    async def consume():
+        out: dict[int, list[StepOutput]] = {}
+        async for i, o in gen:
+            out.setdefault(i, []).append(o)
+        return out
+
+    task, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            try:
+                return task.result()
+            except EngineDeadError as e:
+                raise APIError(500, str(e)) from None
+        return None
+    finally:
+        task.cancel()
+        watch.cancel()
+        gen.abort()
