@@ -96,47 +96,46 @@ def big(*shape, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def cases(quick: bool):
+    """Yields (label, fn, args): each call compiles the kernels one real configuration uses."""
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.prefill_attention import prefill_attention
     from mlaserve.kernels.rope_kv import rope_q, rope_store_kv
     from mlaserve.kernels.routing import route_noaux_tc_logits
 
-    bf = torch.bfloat16
+    bf, i32 = torch.bfloat16, torch.int32
     for H, q_len, B in [(16, 1, 16), (16, 2, 16), (64, 1, 16), (64, 2, 32), (128, 1, 1), (4, 2, 3)]:
-        if quick and H not in (16,):
+        if quick and H != 16:
             continue
         R, P = (32, 8) if H == 4 else (512, 64)
         for dtype in ([bf] if H != 4 else [bf, torch.float32]):
             T = B * q_len
-            yield f"mla_decode H={H} q_len={q_len} B={B} {dtype}", lambda: mla_decode(
+            yield f"mla_decode H={H} q_len={q_len} B={B} {dtype}", mla_decode, (
                 torch.empty(T, H, R + P, dtype=dtype), torch.empty(64, 64, R + P, dtype=dtype),
-                torch.zeros(B, 8, dtype=torch.int32), torch.ones(B, dtype=torch.int32), q_len, 0.1,
-                torch.empty(T, H, R, dtype=dtype))
+                torch.zeros(B, 8, dtype=i32), torch.ones(B, dtype=i32), q_len, 0.1, torch.empty(T, H, R, dtype=dtype))
     for Dqk, Dv, dtype in [(192, 128, bf), (24, 24, bf), (24, 24, torch.float32)]:
-        yield f"prefill Dqk={Dqk} Dv={Dv} {dtype}", lambda: prefill_attention(
+        cu = torch.tensor([0, 64], dtype=i32)
+        yield f"prefill Dqk={Dqk} Dv={Dv} {dtype}", prefill_attention, (
             torch.empty(64, 16, Dqk, dtype=dtype), torch.empty(64, 16, Dqk, dtype=dtype),
-            torch.empty(64, 16, Dv, dtype=dtype), torch.tensor([0, 64], dtype=torch.int32),
-            torch.tensor([0, 64], dtype=torch.int32), 0.1, torch.empty(64, 16, Dv, dtype=dtype), 64)
+            torch.empty(64, 16, Dv, dtype=dtype), cu, cu, 0.1, torch.empty(64, 16, Dv, dtype=dtype), 64)
     moe = [("moonlight", 2048, 1408, 64, 6), ("kimi-tp4", 7168, 512, 384, 8), ("tiny", 64, 32, 8, 2)]
     for name, D, I, E, K in moe:
         for T in ([1, 8192] if quick else [1, 16, 64, 256, 1024, 8192]):
             if name == "tiny" and T > 64:
                 continue
             for dtype in ([bf] if name != "tiny" else [bf, torch.float32]):
-                yield f"fused_moe {name} T={T} {dtype}", lambda: fused_experts(
+                yield f"fused_moe {name} T={T} {dtype}", fused_experts, (
                     torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
                     torch.empty(T, K), torch.zeros(T, K, dtype=torch.int64), 0)
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
-        yield f"routing E={E} G={G}", lambda: route_noaux_tc_logits(torch.empty(4, E), torch.empty(E), K, G, TG,
-                                                                    True, 2.5)
+        yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
     for R, P, H in [(512, 64, 16), (512, 64, 128), (32, 8, 4)]:
-        yield f"rope R={R} P={P} H={H}", lambda: (
-            rope_store_kv(torch.empty(8, 64, R + P, dtype=bf), torch.zeros(4, dtype=torch.int64),
-                          torch.empty(4, R, dtype=bf), torch.empty(4, R + P, dtype=bf)[:, R:], torch.empty(4, P // 2),
-                          torch.empty(4, P // 2)),
-            rope_q(torch.empty(4, H, 128 + P, dtype=bf)[..., 128:], torch.empty(4, P // 2), torch.empty(4, P // 2),
-                   torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]))
+        cs = torch.empty(4, P // 2)
+        yield f"rope_store_kv R={R} P={P}", rope_store_kv, (
+            torch.empty(8, 64, R + P, dtype=bf), torch.zeros(4, dtype=torch.int64), torch.empty(4, R, dtype=bf),
+            torch.empty(4, R + P, dtype=bf)[:, R:], cs, cs)
+        q = torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]
+        yield f"rope_q H={H} P={P}", rope_q, (q, cs, cs, q)
 
 
 def main(argv=None) -> int:
@@ -146,10 +145,10 @@ def main(argv=None) -> int:
     install()
     failed = []
     t0 = time.time()
-    for label, fn in cases(args.quick):
+    for label, fn, fn_args in cases(args.quick):
         CURRENT_CASE[0] = label
         try:
-            fn()
+            fn(*fn_args)
         except Exception as e:  # report every failure, not just the first
             failed.append(f"{label}: {type(e).__name__}: {str(e)[:400]}")
     print(f"{'kernel':28} {'warps':>5} {'stages':>6} {'smem KB':>7} {'regs':>4} {'spill':>5} {'mma':>5} {'loads':>8}  "

@@ -58,7 +58,7 @@ def check_mla_decode(device, dtype, *, H: int, R: int, P: int, q_len: int, ctx_l
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.reference import mla_decode_ref
 
-    B, T = len(ctx_lens), len(ctx_lens) * q_len
+    T = len(ctx_lens) * q_len
     kv, table, seq_lens = make_paged(ctx_lens, page_size, R + P, dtype, device)
     q = (q_scale * torch.randn(T, H, R + P, device=device)).to(dtype)
     scale = (R + P) ** -0.5
@@ -122,6 +122,22 @@ def check_fused_moe(device, dtype, *, T: int, D: int, I: int, E_total: int, E_lo
                                          f"{dtype}")
 
 
+def _near_tie(choice: torch.Tensor, n_group: int, topk_group: int, K: int, eps: float = 1e-5) -> bool:
+    """Does this token's selection hinge on two values closer than eps (float64)? Then fp32 rounding may pick
+    either, and a different but equally scored choice is not a kernel bug."""
+    c = choice.double()
+    E = c.shape[0]
+    if n_group > 1 and topk_group < n_group:
+        gs = c.view(n_group, E // n_group).topk(2, -1).values.sum(-1).sort(descending=True).values
+        if gs[topk_group - 1] - gs[topk_group] < eps:
+            return True
+        keep = torch.zeros(n_group, dtype=torch.bool, device=c.device)
+        keep[c.view(n_group, -1).topk(2, -1).values.sum(-1).topk(topk_group).indices] = True
+        c = c.masked_fill(~keep.repeat_interleave(E // n_group), float("-inf"))
+    top = c.sort(descending=True).values
+    return bool(top[K - 1] - top[K] < eps)
+
+
 def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: int, norm: bool = True,
                   scaling: float = 2.5):
     from mlaserve.kernels.routing import route_noaux_tc_logits
@@ -132,17 +148,19 @@ def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: i
     w, ids = route_noaux_tc_logits(logits, bias, K, n_group, topk_group, norm, scaling)
     rw, rids = route_noaux_tc(logits, bias, K, n_group, topk_group, norm, scaling)
     assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (T, K)
-    # compare as sets per token: sort both by id
-    ids_s, o = ids.sort(-1)
+    ids_s, o = ids.sort(-1)  # compare as sets per token
     rids_s, ro = rids.sort(-1)
-    bad = (ids_s != rids_s).any(-1)
-    if bad.any():
-        t = int(bad.nonzero()[0])
-        choice = logits[t].sigmoid() + bias
-        raise AssertionError(f"routing E={E} G={n_group}/{topk_group} K={K}: {int(bad.sum())} of {T} tokens differ; "
-                             f"token {t}: kernel {ids_s[t].tolist()} ref {rids_s[t].tolist()}; biased scores kernel "
-                             f"{choice[ids_s[t]].tolist()} ref {choice[rids_s[t]].tolist()}")
-    err = (w.gather(1, o) - rw.gather(1, ro)).abs().max().item() if T else 0.0
+    bad = (ids_s != rids_s).any(-1).nonzero().reshape(-1).tolist()
+    choice = logits.sigmoid() + bias
+    unexplained = [t for t in bad if not _near_tie(choice[t], n_group, topk_group, K)]
+    if unexplained:
+        t = unexplained[0]
+        raise AssertionError(f"routing E={E} G={n_group}/{topk_group} K={K}: {len(unexplained)} of {T} tokens differ "
+                             f"(not near-ties); token {t}: kernel {ids_s[t].tolist()} ref {rids_s[t].tolist()}; "
+                             f"biased scores kernel {choice[t, ids_s[t]].tolist()} ref {choice[t, rids_s[t]].tolist()}")
+    same = torch.ones(T, dtype=torch.bool, device=device)
+    same[bad] = False
+    err = (w.gather(1, o) - rw.gather(1, ro))[same].abs().max().item() if same.any() else 0.0
     assert err < 1e-5 * max(1.0, scaling), f"routing weights differ by {err:.3e}"
     return err
 
@@ -182,3 +200,17 @@ def check_rope_q(device, dtype, *, T: int, H: int, P: int, alias: bool):
     out = x if alias else nan_like((T, H, 8 + P), dtype, device)[..., 8:]
     rope_q(x, cos, sin, out)
     return assert_close(out, ref, dtype, f"rope_q T={T} H={H} P={P} alias={alias} {dtype}")
+
+
+def cuda_graph(fn):
+    """Capture fn() in a CUDA graph (after one warm-up call that compiles the kernels) and return the graph.
+    Capture itself fails on any host sync inside fn, so this also proves fn is graph safe."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        result = fn()
+    return g, result

@@ -15,7 +15,7 @@ import triton.language as tl
 from .moe_config import moe_config
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TK", "expert_offset"])
 def _moe_count_kernel(TopkIds, Counts, Rank, TK, expert_offset, E_LOCAL, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = (tl.load(TopkIds + offs, mask=offs < TK, other=-1) - expert_offset).to(tl.int32)
@@ -24,7 +24,7 @@ def _moe_count_kernel(TopkIds, Counts, Rank, TK, expert_offset, E_LOCAL, BLOCK: 
     tl.store(Rank + offs, r, mask=own)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TK", "expert_offset", "max_padded", "max_blocks"])
 def _moe_align_kernel(TopkIds, Counts, Rank, Ends, SortedIds, ExpertIds, NumPadded,
                       TK, expert_offset, E_LOCAL, max_padded, max_blocks,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, LOG2_E: tl.constexpr, BLOCK: tl.constexpr):
@@ -75,7 +75,7 @@ def _pid_to_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m", "TK"])
 def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded,
                       I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK,
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -117,7 +117,7 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded,
     tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m", "TK"])
 def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW,
                       D, I, num_m, stride_hm, stride_we, stride_wn, stride_yt, TK,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -153,7 +153,7 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW,
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["expert_offset"])
 def _moe_sum_kernel(Y, TopkIds, Out, D, expert_offset, E_LOCAL, TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
     """Out[t] = sum over k of Y[(t, k)], skipping experts this rank does not own (their rows were never written)."""
     t = tl.program_id(0)

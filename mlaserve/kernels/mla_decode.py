@@ -16,7 +16,7 @@ MIN_SPLIT_TOKENS = 256  # a split never takes fewer tokens than this (short cont
 MAX_SPLITS = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "num_splits"])  # varying batch sizes reuse one binary
 def _mla_decode_split_kernel(
     Q, KV, PageTable, SeqLens, Out, PartO, PartLse,
     scale_log2,
@@ -24,10 +24,10 @@ def _mla_decode_split_kernel(
     stride_kvp, stride_kvs,
     stride_ptb,
     stride_ot, stride_oh, stride_or,
-    H,
+    H, num_splits,
     Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -44,7 +44,7 @@ def _mla_decode_split_kernel(
     seq_len = tl.load(SeqLens + b)
     last_visible = seq_len - Q_LEN + j  # [M]: causal inside the verify block
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), MIN_SPLIT_TILES)
+    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -76,40 +76,43 @@ def _mla_decode_split_kernel(
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if DIRECT:  # one split: write the output itself
         o_ptr = Out + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_r[None, :] * stride_or
         tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=row_ok[:, None])
     else:
         # PartO [T, H, S, R] fp32 and PartLse [T, H, S] fp32, contiguous; empty splits write only lse = -inf.
         th = t.to(tl.int64) * H + h
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(PartLse + th * NUM_SPLITS + split, lse, mask=row_ok)
-        po_ptr = PartO + (th * NUM_SPLITS + split)[:, None] * R + offs_r[None, :]
+        tl.store(PartLse + th * num_splits + split, lse, mask=row_ok)
+        po_ptr = PartO + (th * num_splits + split)[:, None] * R + offs_r[None, :]
         tl.store(po_ptr, o, mask=row_ok[:, None] & (start < end))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_decode_combine_kernel(
     PartO, PartLse, Out,
     stride_ot, stride_oh, stride_or,
-    H,
-    R: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    H, num_splits,
+    R: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     th = t.to(tl.int64) * H + h
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_all = tl.load(PartLse + th * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    lse_max = tl.max(lse_all, 0)
+    lse_ptr = PartLse + th * num_splits
+    lse_max = tl.load(lse_ptr)
+    for s in range(1, num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse_ptr + s))
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no visible key at all (seq_len 0): zeros
-    denom = tl.sum(tl.exp2(lse_all - lse_max), 0)
-    denom = tl.where(denom > 0.0, denom, 1.0)
     offs_r = tl.arange(0, R)
     acc = tl.zeros([R], tl.float32)
-    for s in range(NUM_SPLITS):
-        lse = tl.load(PartLse + th * NUM_SPLITS + s)
+    denom = 0.0
+    for s in range(num_splits):
+        lse = tl.load(lse_ptr + s)
         if lse > float("-inf"):  # empty splits never wrote their partial output
-            acc += tl.exp2(lse - lse_max) * tl.load(PartO + (th * NUM_SPLITS + s) * R + offs_r)
+            w = tl.exp2(lse - lse_max)
+            denom += w
+            acc += w * tl.load(PartO + (th * num_splits + s) * R + offs_r)
+    denom = tl.where(denom > 0.0, denom, 1.0)
     o_ptr = Out + t.to(tl.int64) * stride_ot + h * stride_oh + offs_r * stride_or
     tl.store(o_ptr, (acc / denom).to(Out.dtype.element_ty))
 
@@ -137,11 +140,12 @@ def num_sms(device: torch.device) -> int:
 
 
 def default_num_splits(B: int, H: int, q_len: int, device: torch.device, dtype=torch.bfloat16) -> int:
-    """Enough splits that B * head_blocks * splits covers the SMs once (132 on H200); more splits only add
-    partial-output traffic (2 KB per head per split at R=512). Short contexts use fewer in-kernel anyway."""
+    """As many splits as keep B * head_blocks * splits within one wave on the SMs (132 on H200): floor, so no SM
+    gets two programs while others idle; more splits only add partial-output traffic (R * 4 bytes per head per
+    split, written and read back). Short contexts use fewer splits in-kernel (>= MIN_SPLIT_TOKENS each)."""
     cfg = decode_config(H, q_len, dtype)
     programs = B * triton.cdiv(H, cfg["BLOCK_H"])
-    return max(1, min(MAX_SPLITS, triton.cdiv(num_sms(device), programs)))
+    return max(1, min(MAX_SPLITS, num_sms(device) // programs))
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -190,17 +194,17 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         kv_cache.stride(0), kv_cache.stride(1),
         page_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        H,
+        H, S,
         Q_LEN=q_len, R=R, P=P, BLOCK_P=max(16, P), PAGE_SIZE=page_size,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
-        NUM_SPLITS=S, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
+        DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
         _mla_decode_combine_kernel[(T, H)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), H,
-            R=R, NUM_SPLITS=S, BLOCK_S=_pow2(S), num_warps=4,
+            part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), H, S,
+            R=R, num_warps=4,
         )
     return out
 
