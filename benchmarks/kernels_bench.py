@@ -146,9 +146,10 @@ def run_mla_sweep(rep: Report, sz: Sizes):
     kv, table, lens = make_paged([L] * B, 64, R + P, BF, sz.dev, extra_pages=0)
     q = torch.randn(B, H, R + P, device=sz.dev).to(BF)
     out = torch.empty(B, H, R, device=sz.dev, dtype=BF)
-    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=2), dict(BLOCK_N=32, num_warps=4, num_stages=3),
-                dict(BLOCK_N=64, num_warps=4, num_stages=2), dict(BLOCK_N=64, num_warps=8, num_stages=2),
-                dict(BLOCK_N=16, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=8, num_stages=2)]
+    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=2),
+                dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_N=64, num_warps=4, num_stages=3),
+                dict(BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_N=16, num_warps=4, num_stages=4),
+                dict(BLOCK_N=32, num_warps=8, num_stages=3)]
     for cfg in variants:
         for S in (4, 8, 16, 32):
             try:

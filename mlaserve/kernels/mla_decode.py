@@ -55,11 +55,19 @@ def _mla_decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, R], tl.float32)
+    # The page-table lookup runs one tile ahead (row_off is loop-carried), so the KV load's address never waits
+    # on a load of the same iteration and Triton's pipeliner can multi-buffer the KV tiles.
+    offs_n = tl.arange(0, BLOCK_N)
+    pt = PageTable + b * stride_ptb
+    page = tl.load(pt + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
+    row_off = page.to(tl.int64) * stride_kvp + ((start + offs_n) % PAGE_SIZE) * stride_kvs
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
+        pos = n0 + offs_n
         pos_ok = pos < end
-        page = tl.load(PageTable + b * stride_ptb + pos // PAGE_SIZE, mask=pos_ok, other=0)
-        kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (pos % PAGE_SIZE)[:, None] * stride_kvs
+        kv_row = KV + row_off[:, None]
+        nxt = pos + BLOCK_N
+        page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < end, other=0)
+        row_off = page.to(tl.int64) * stride_kvp + (nxt % PAGE_SIZE) * stride_kvs
         kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]: keys and values
         k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
         s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PREC)
@@ -129,8 +137,10 @@ def decode_config(H: int, q_len: int, dtype: torch.dtype) -> dict:
     block_h = max(block_h, 16 // block_ql)  # tl.dot needs M >= 16
     bm = block_ql * block_h
     fp32 = dtype == torch.float32
+    # num_stages=3 gives two KV buffers (a tile in flight during compute; with 2 stages Triton 3.6 single-buffers
+    # this loop). 36 KB per 32-token tile: 2 x 36 + 18 (Q) = 90 KB shared at M=16.
     return dict(BLOCK_H=block_h, BLOCK_QL=block_ql, BLOCK_N=16 if fp32 else 32,
-                num_warps=4 if bm <= 16 else 8, num_stages=1 if fp32 else 2)
+                num_warps=4 if bm <= 16 else 8, num_stages=1 if fp32 else 3)
 
 
 def num_sms(device: torch.device) -> int:

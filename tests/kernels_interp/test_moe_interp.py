@@ -12,8 +12,12 @@ def test_fused_moe_tiny(kdev, dtype):
     check_fused_moe(kdev, dtype, T=5, D=64, I=32, E_total=8, E_local=8, offset=0, K=2)
 
 
-def test_fused_moe_expert_parallel(kdev):
+def test_fused_moe_expert_parallel(kdev, monkeypatch):
     # this rank owns experts [4, 8) of 12: other experts contribute nothing; some tokens own none at all
+    check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3)
+    from mlaserve.kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "FUSED_COUNT_MAX", 0)  # and with the separate counting kernel
     check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3)
 
 
@@ -28,8 +32,13 @@ def test_fused_moe_many_rows_per_expert(kdev):
                     config=dict(BLOCK_M=16))
 
 
-def test_moe_align_layout(kdev):
+@pytest.mark.parametrize("fused_count", [True, False])
+def test_moe_align_layout(kdev, fused_count, monkeypatch):
+    from mlaserve.kernels import fused_moe
     from mlaserve.kernels.fused_moe import moe_align
+
+    if not fused_count:  # the separate counting kernel used above FUSED_COUNT_MAX pairs
+        monkeypatch.setattr(fused_moe, "FUSED_COUNT_MAX", 0)
 
     ids = torch.tensor([[3, 0], [3, 5], [0, 3], [9, 2]], device=kdev)  # expert 9 is not local (E_local = 6)
     sorted_ids, expert_ids, num_padded = moe_align(ids, 6, 0, 4)
