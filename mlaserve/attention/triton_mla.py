@@ -1,7 +1,8 @@
 """The Triton attention backend: fused RoPE + KV store, split-KV MLA decode, varlen prefill (GPU fast path).
 
-Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots) is derived on the device once
-per ForwardBatch and reused by every layer; only sizes come from the batch's host lists.
+Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots) is derived on the device once per
+forward and reused by the following layers; only sizes come from the batch's host lists. A forward is recognised by
+layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ class TritonMLABackend(AttentionBackend):
         super().__init__(kv_cache, kv_lora_rank)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
         self._meta_batch: ForwardBatch | None = None
+        self._meta_layer = -1
         self._meta: dict = {}
 
-    def _prefill_meta(self, batch: ForwardBatch) -> dict:
+    def _prefill_meta(self, layer_id: int, batch: ForwardBatch) -> dict:
         """cu_q, cu_k [n+1] int32, max_q_len and the flat cache slots [C] of the prefill requests' contexts."""
-        if self._meta_batch is batch:
+        fresh = self._meta_batch is batch and layer_id > self._meta_layer
+        self._meta_layer = layer_id
+        if fresh:
             return self._meta
         nd, dev = batch.num_decode_reqs, batch.seq_lens.device
         lens_cpu = batch.seq_lens_cpu[nd:]
@@ -51,8 +55,9 @@ class TritonMLABackend(AttentionBackend):
 
     def prefill_context(self, layer_id, batch):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
-        return cache.index_select(0, self._prefill_meta(batch)["slots"])
+        return cache.index_select(0, self._prefill_meta(layer_id, batch)["slots"])
 
     def prefill(self, q, k, v, scale, batch, out):
-        m = self._prefill_meta(batch)
+        # the model calls this right after its layer's prefill_context, which refreshed the metadata
+        m = self._meta if self._meta_batch is batch else self._prefill_meta(-1, batch)
         return prefill_attention(q, k, v, m["cu_q"], m["cu_k"], scale, out, m["max_q_len"])
