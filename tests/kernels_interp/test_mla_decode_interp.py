@@ -24,6 +24,7 @@ def test_splits_incl_empty(kdev, num_splits):
 def test_page64_heads_over_block(kdev):
     # H=20 spans two head blocks (the second partly masked); page size 64; default split heuristic
     check_mla_decode(kdev, torch.bfloat16, H=20, R=32, P=16, q_len=2, ctx_lens=[130, 2], page_size=64)
+    check_mla_decode(kdev, torch.float32, H=1, R=16, P=16, q_len=1, ctx_lens=[3, 70], page_size=64)  # one head
 
 
 def test_seq_len_zero_rows_are_zero(kdev):
