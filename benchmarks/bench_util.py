@@ -1,0 +1,95 @@
+"""Shared pieces of kernels_bench.py: case sizes (real and --smoke), the result table/JSON, timing."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+BW, FLOPS = 4.3e12, 790e12
+BF = torch.bfloat16
+TOL = 1e-2
+
+
+@dataclass
+class Sizes:
+    dev: str = "cuda"
+    R: int = 512
+    P: int = 64
+    mla_heads: tuple = (16, 64)
+    mla_batches: tuple = (1, 16, 32)
+    mla_ctx: tuple = (1024, 2048, 4096, 8192, 16384, 32768)
+    mla_sweep: tuple = (16, 16, 8192)  # B, H, ctx
+    moe: dict = field(default_factory=lambda: {"moonlight": (2048, 1408, 64, 6), "kimi-tp4": (7168, 512, 384, 8)})
+    moe_T: tuple = (1, 2, 4, 8, 16, 32, 64, 8192)
+    prefill: tuple = ((512, 512), (8192, 8192), (2048, 8192))
+    prefill_dims: tuple = (16, 192, 128)  # H, Dqk, Dv
+    routing: tuple = (("kimi", 384, 1, 1, 8), ("deepseek-v3", 256, 8, 4, 8), ("moonlight", 64, 1, 1, 6))
+    routing_T: tuple = (1, 64, 8192)
+    rope_T: tuple = (16, 8192)
+    rope_H: tuple = (16, 128)
+
+
+def smoke_sizes() -> Sizes:
+    return Sizes(dev="cpu", R=32, P=8, mla_heads=(4,), mla_batches=(2,), mla_ctx=(40,), mla_sweep=(2, 4, 40),
+                 moe={"tiny": (64, 32, 8, 2)}, moe_T=(1, 48), prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24),
+                 routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,))
+
+
+class Report:
+    def __init__(self, path: str, meta: dict):
+        self.path, self.rows, self.meta = path, [], meta
+        print(f"{'kernel':10} {'case':58} {'us':>9} {'TB/s':>6} {'%bw':>5} {'TFLOP/s':>8} {'%pk':>5} {'relerr':>8}")
+
+    def add(self, kernel: str, case: str, ms: float, nbytes: float = 0.0, flops: float = 0.0, err=None, **extra):
+        row = dict(kernel=kernel, case=case, us=ms * 1e3, bytes=nbytes, flops=flops, rel_err=err, **extra)
+        row["tbps"] = nbytes / (ms * 1e-3) / 1e12 if nbytes else None
+        row["tflops"] = flops / (ms * 1e-3) / 1e12 if flops else None
+        self.rows.append(row)
+        bw = f"{row['tbps']:6.2f} {100 * row['tbps'] * 1e12 / BW:4.0f}%" if nbytes else f"{'':6} {'':5}"
+        fl = f"{row['tflops']:8.1f} {100 * row['tflops'] * 1e12 / FLOPS:4.0f}%" if flops else f"{'':8} {'':5}"
+        e = "" if err is None else f"{err:8.1e}" + (" FAIL" if err >= TOL else "")
+        print(f"{kernel:10} {case[:58]:58} {ms * 1e3:9.1f} {bw} {fl} {e}", flush=True)
+
+    def save(self, **status):
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "w") as f:
+            json.dump(dict(meta=self.meta, status=status, rows=self.rows), f, indent=1)
+
+
+def meta(sz: Sizes) -> dict:
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:
+        commit = None
+    gpu = torch.cuda.get_device_name() if sz.dev == "cuda" else "cpu (smoke, interpreter)"
+    return dict(commit=commit, gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now().isoformat(timespec="seconds"), ceilings=dict(bw=BW, flops=FLOPS),
+                sizes={k: str(v) for k, v in sz.__dict__.items()})
+
+
+def bench(fn, sz: Sizes) -> float:
+    """Median milliseconds."""
+    if sz.dev != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=30, return_mode="median")
+
+
+def cfg_label(cfg: dict) -> str:
+    short = {"BLOCK_M": "M", "BLOCK_N": "N", "BLOCK_K": "K", "num_warps": "w", "num_stages": "s"}
+    return " ".join(f"{short.get(k, k)}{v}" for k, v in cfg.items())
+
+
+def rel(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()

@@ -1,0 +1,172 @@
+"""Compile every Triton kernel configuration the engine and kernels_bench use for sm_90 (H100/H200) on a machine
+WITHOUT a GPU, and report shared memory, registers and spills per kernel (ptxas -v).
+
+The wrappers run on CPU tensors as usual; a stand-in Triton driver reports an sm_90 target and launches become
+no-ops, so each kernel goes through Triton's real front end, optimiser and ptxas exactly as on the H200.
+Large weights are stride-0 expanded views, so real shapes cost no memory.
+
+    PYTHONPATH=$PWD python benchmarks/compile_check.py [--quick]
+
+Exits non-zero if a kernel fails to compile, needs more than 227 KB of shared memory, or spills registers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_check needs compiled kernels: unset TRITON_INTERPRET")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler.compiler import CompiledKernel  # noqa: E402
+
+MAX_SHARED = 232448  # bytes per block on sm_90
+RESULTS: list[dict] = []
+
+
+class _Sm90Driver:
+    """Just enough of a Triton driver to compile for sm_90 and skip the launch."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def map_python_to_cpp_type(self, ty):
+        return ty
+
+
+def _ptxas_usage(ptx: str) -> tuple[int, int]:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else 0
+
+
+def _record_launch(self):
+    md = self.metadata
+    key = (self.name, self.hash)
+    if all(r["key"] != key for r in RESULTS):
+        regs, spills = _ptxas_usage(self.asm["ptx"])
+        ptx = self.asm["ptx"]
+        mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "-"
+        pipe = "cp.async" if "cp.async" in ptx else "-"
+        RESULTS.append(dict(key=key, name=self.name, warps=md.num_warps, stages=md.num_stages, shared=md.shared,
+                            regs=regs, spills=spills, mma=mma, pipe=pipe, case=CURRENT_CASE[0]))
+    return lambda *args, **kwargs: None
+
+
+CURRENT_CASE = [""]
+
+
+def install() -> None:
+    triton.runtime.driver.set_active(_Sm90Driver())
+    CompiledKernel.run = property(_record_launch)
+    CompiledKernel.launch_metadata = lambda self, *args: None
+
+
+def big(*shape, dtype=torch.bfloat16) -> torch.Tensor:
+    """A [E, ...] weight of real shape backed by one expert's memory (stride 0 over E)."""
+    return torch.empty(1, *shape[1:], dtype=dtype).expand(*shape)
+
+
+def cases(quick: bool):
+    """Yields (label, fn, args): each call compiles the kernels one real configuration uses."""
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.kernels.mla_decode import mla_decode
+    from mlaserve.kernels.prefill_attention import prefill_attention
+    from mlaserve.kernels.rope_kv import rope_q, rope_store_kv
+    from mlaserve.kernels.routing import route_noaux_tc_logits
+
+    bf, i32 = torch.bfloat16, torch.int32
+    mla = [(16, 1, 16), (16, 2, 16), (64, 1, 16), (64, 2, 32), (128, 1, 1), (4, 2, 3), (16, 4, 8), (20, 1, 5),
+           (17, 2, 3)]  # (17, 2, 3): fp32 at R=512, as the gpu tests run it
+    for H, q_len, B in mla:
+        if quick and H != 16:
+            continue
+        R, P = (32, 8) if H == 4 else (512, 64)
+        for dtype in ([bf] if H not in (4, 17) else [bf, torch.float32] if H == 4 else [torch.float32]):
+            T = B * q_len
+            yield f"mla_decode H={H} q_len={q_len} B={B} {dtype}", mla_decode, (
+                torch.empty(T, H, R + P, dtype=dtype), torch.empty(64, 64, R + P, dtype=dtype),
+                torch.zeros(B, 8, dtype=i32), torch.ones(B, dtype=i32), q_len, 0.1, torch.empty(T, H, R, dtype=dtype))
+    for Dqk, Dv, dtype in [(192, 128, bf), (24, 24, bf), (24, 24, torch.float32), (192, 128, torch.float32)]:
+        cu = torch.tensor([0, 64], dtype=i32)
+        yield f"prefill Dqk={Dqk} Dv={Dv} {dtype}", prefill_attention, (
+            torch.empty(64, 16, Dqk, dtype=dtype), torch.empty(64, 16, Dqk, dtype=dtype),
+            torch.empty(64, 16, Dv, dtype=dtype), cu, cu, 0.1, torch.empty(64, 16, Dv, dtype=dtype), 64)
+    moe = [("moonlight", 2048, 1408, 64, 6), ("kimi-tp4", 7168, 512, 384, 8), ("tiny", 64, 32, 8, 2)]
+    for name, D, I, E, K in moe:
+        for T in ([1, 8192] if quick else [1, 16, 64, 256, 1024, 8192]):
+            if name == "tiny" and T > 64:
+                continue
+            for dtype in ([bf] if name == "kimi-tp4" else [bf, torch.float32]):
+                yield f"fused_moe {name} T={T} {dtype}", fused_experts, (
+                    torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
+                    torch.empty(T, K), torch.zeros(T, K, dtype=torch.int64), 0)
+    for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
+        yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
+    for R, P, H in [(512, 64, 16), (512, 64, 128), (32, 8, 4)]:
+        cs = torch.empty(4, P // 2)
+        yield f"rope_store_kv R={R} P={P}", rope_store_kv, (
+            torch.empty(8, 64, R + P, dtype=bf), torch.zeros(4, dtype=torch.int64), torch.empty(4, R, dtype=bf),
+            torch.empty(4, R + P, dtype=bf)[:, R:], cs, cs)
+        q = torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]
+        yield f"rope_q H={H} P={P}", rope_q, (q, cs, cs, q)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the main bf16 configs only")
+    args = ap.parse_args(argv)
+    install()
+    failed = []
+    t0 = time.time()
+    for label, fn, fn_args in cases(args.quick):
+        CURRENT_CASE[0] = label
+        try:
+            fn(*fn_args)
+        except Exception as e:  # report every failure, not just the first
+            failed.append(f"{label}: {type(e).__name__}: {str(e)[:400]}")
+    print(f"{'kernel':28} {'warps':>5} {'stages':>6} {'smem KB':>7} {'regs':>4} {'spill':>5} {'mma':>5} {'loads':>8}  "
+          "first case")
+    for r in RESULTS:
+        bad = r["shared"] > MAX_SHARED or r["spills"] > 0
+        flag = ("   <-- " + ("SMEM" if r["shared"] > MAX_SHARED else "SPILLS")) if bad else ""
+        print(f"{r['name'][:28]:28} {r['warps']:5d} {r['stages']:6d} {r['shared'] / 1024:7.1f} {r['regs']:4d} "
+              f"{r['spills']:5d} {r['mma']:>5} {r['pipe']:>8}  {r['case']}{flag}")
+        if bad:
+            failed.append(f"{r['name']} ({r['case']}): shared {r['shared']} B, spills {r['spills']} B")
+    print(f"{len(RESULTS)} kernels compiled for sm_90 in {time.time() - t0:.0f} s")
+    for f in failed:
+        print("FAIL", f)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

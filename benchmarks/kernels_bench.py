@@ -1,0 +1,259 @@
+"""Check and time every Triton kernel on the GPU: correctness against the fp32 torch reference on fresh inputs,
+then triton.testing.do_bench (median, cold L2). Prints a table against the H200 ceilings (4.3 TB/s copy bandwidth,
+790 TFLOP/s bf16) and writes everything to $OUT/kernels_bench.json (OUT defaults to ./out).
+
+    PYTHONPATH=$PWD python benchmarks/kernels_bench.py [--quick] [--only mla,moe,...] [--time-limit 290]
+
+Sections run in order mla, moe, prefill, routing, rope, then the config sweeps (mla_sweep, moe_sweep), which
+--quick skips. A watchdog ends the run after --time-limit seconds (exit 3), keeping what it has in the JSON.
+--smoke runs every code path at toy sizes on the CPU (TRITON_INTERPRET=1 is set for it): a check of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+
+from benchmarks.bench_util import BF, TOL, Report, Sizes, bench, cfg_label, meta, rel, smoke_sizes  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def run_mla(rep: Report, sz: Sizes):
+    from mlaserve.kernels.mla_decode import default_num_splits, mla_decode
+    from mlaserve.kernels.reference import mla_decode_ref
+    from tests.kernel_checks import make_paged
+
+    R, P, scale = sz.R, sz.P, 192**-0.5
+    for H in sz.mla_heads:
+        for q_len in (1, 2):
+            for B in sz.mla_batches:
+                for L in sz.mla_ctx:
+                    kv, table, lens = make_paged([L] * B, 64, R + P, BF, sz.dev, extra_pages=0)
+                    q = torch.randn(B * q_len, H, R + P, device=sz.dev).to(BF)
+                    out = torch.empty(B * q_len, H, R, device=sz.dev, dtype=BF)
+                    mla_decode(q, kv, table, lens, q_len, scale, out)
+                    err = rel(out, mla_decode_ref(q, kv, table, lens, q_len, scale, R))
+                    ms = bench(lambda: mla_decode(q, kv, table, lens, q_len, scale, out), sz)  # noqa: B023
+                    nbytes = B * L * (R + P) * 2 + q.numel() * 2 + out.numel() * 2
+                    S = default_num_splits(B, H, q_len, q.device)
+                    rep.add("mla_decode", f"H={H} q_len={q_len} B={B} ctx={L} splits={S}", ms, nbytes, err=err,
+                            H=H, q_len=q_len, B=B, ctx=L, splits=S)
+    if sz.dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_mla_sweep(rep: Report, sz: Sizes):
+    """The target case (8k context, B=16, H=16, q_len=1) across tile configs and split counts."""
+    from mlaserve.kernels.mla_decode import mla_decode
+    from tests.kernel_checks import make_paged
+
+    (B, H, L), R, P = sz.mla_sweep, sz.R, sz.P
+    kv, table, lens = make_paged([L] * B, 64, R + P, BF, sz.dev, extra_pages=0)
+    q = torch.randn(B, H, R + P, device=sz.dev).to(BF)
+    out = torch.empty(B, H, R, device=sz.dev, dtype=BF)
+    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=2),
+                dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_N=64, num_warps=4, num_stages=3),
+                dict(BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_N=16, num_warps=4, num_stages=4),
+                dict(BLOCK_N=32, num_warps=8, num_stages=3)]
+    for cfg in variants:
+        for S in (4, 8, 16, 32):
+            try:
+                ms = bench(lambda: mla_decode(q, kv, table, lens, 1, 0.1, out, num_splits=S, config=cfg), sz)  # noqa: B023
+                rep.add("mla_sweep", f"B={B} H={H} ctx={L} {cfg_label(cfg)} splits={S}", ms, B * L * (R + P) * 2,
+                        config=cfg, splits=S)
+            except Exception as e:  # e.g. out of shared memory
+                print(f"mla_sweep {cfg} splits={S}: {type(e).__name__}: {str(e)[:120]}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def _moe_inputs(T, D, E, K, dev):
+    x = torch.randn(T, D, device=dev).to(BF)
+    ids = torch.rand(T, E, device=dev).topk(K, -1).indices  # K distinct experts per token
+    return x, ids, torch.rand(T, K, device=dev)
+
+
+def run_moe(rep: Report, sz: Sizes):
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.layers.moe import fused_experts_ref
+
+    for name, (D, I, E, K) in sz.moe.items():
+        w13 = (torch.randn(E, 2 * I, D, device=sz.dev) / D**0.5).to(BF)
+        w2 = (torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF)
+        w13f, w2f = w13.float(), w2.float()
+        for T in sz.moe_T:
+            x, ids, w = _moe_inputs(T, D, E, K, sz.dev)
+            err = rel(fused_experts(x, w13, w2, w, ids, 0), fused_experts_ref(x.float(), w13f, w2f, w, ids, 0))
+            ms = bench(lambda: fused_experts(x, w13, w2, w, ids, 0), sz)  # noqa: B023
+            n_exp = int(ids.unique().numel())
+            nbytes, flops = n_exp * 3 * D * I * 2 + 2 * x.numel() * 2, 6.0 * T * K * D * I
+            decode = T <= 64  # memory bound: bytes of the selected experts; else FLOPs
+            rep.add("fused_moe", f"{name} T={T} experts={n_exp}", ms, nbytes if decode else 0.0,
+                    0.0 if decode else flops, err=err, shape=name, T=T, experts=n_exp, flops_all=flops,
+                    bytes_all=nbytes)
+        w13 = w2 = w13f = w2f = None  # free before the next shape
+        if sz.dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_moe_sweep(rep: Report, sz: Sizes):
+    """Tile alternatives for the two regimes: decode (T=1) and prefill (the largest T)."""
+    from mlaserve.kernels.fused_moe import fused_experts
+
+    decode_cfgs = [dict(BLOCK_N=32, BLOCK_K=256, num_stages=3), dict(BLOCK_N=64, BLOCK_K=64, num_stages=5),
+                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)]
+    prefill_cfgs = [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+                    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+                    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2)]
+    for name, (D, I, E, K) in sz.moe.items():
+        w13 = (torch.randn(E, 2 * I, D, device=sz.dev) / D**0.5).to(BF)
+        w2 = (torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF)
+        for T, cfgs in [(1, decode_cfgs), (max(sz.moe_T), prefill_cfgs)]:
+            x, ids, w = _moe_inputs(T, D, E, K, sz.dev)
+            n_exp = int(ids.unique().numel())
+            for cfg in cfgs:
+                try:
+                    ms = bench(lambda: fused_experts(x, w13, w2, w, ids, 0, config=cfg), sz)  # noqa: B023
+                    rep.add("moe_sweep", f"{name} T={T} {cfg_label(cfg)}", ms, n_exp * 3 * D * I * 2 if T == 1 else 0.0,
+                            0.0 if T == 1 else 6.0 * T * K * D * I, config=cfg, shape=name, T=T)
+                except Exception as e:
+                    print(f"moe_sweep {name} T={T} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+        w13 = w2 = None
+        if sz.dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def run_prefill(rep: Report, sz: Sizes):
+    from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_sdpa
+    from mlaserve.kernels.reference import prefill_attention_ref
+
+    H, Dqk, Dv = sz.prefill_dims
+    for qn, kn in sz.prefill:
+        q = torch.randn(qn, H, Dqk, device=sz.dev).to(BF)
+        k = torch.randn(kn, H, Dqk, device=sz.dev).to(BF)
+        v = torch.randn(kn, H, Dqk, device=sz.dev).to(BF)[..., :Dv]  # strided, as in the model
+        cu_q = torch.tensor([0, qn], dtype=torch.int32, device=sz.dev)
+        cu_k = torch.tensor([0, kn], dtype=torch.int32, device=sz.dev)
+        out = torch.empty(qn, H, Dv, device=sz.dev, dtype=BF)
+        ref = prefill_attention_ref(q, k, v, cu_q, cu_k, Dqk**-0.5)
+        flops = 2.0 * H * (Dqk + Dv) * (qn * (kn - qn) + qn * (qn + 1) / 2)  # visible (query, key) pairs
+        for impl, fn in (("triton", prefill_attention), ("sdpa", prefill_attention_sdpa)):
+            out.fill_(float("nan"))
+            fn(q, k, v, cu_q, cu_k, Dqk**-0.5, out, qn)
+            err = rel(out, ref)
+            ms = bench(lambda: fn(q, k, v, cu_q, cu_k, Dqk**-0.5, out, qn), sz)  # noqa: B023
+            rep.add("prefill", f"{impl} q={qn} k={kn} H={H}", ms, 0.0, flops, err=err, impl=impl, q=qn, k=kn)
+        ref = None
+        if sz.dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_routing(rep: Report, sz: Sizes):
+    from mlaserve.kernels.routing import route_noaux_tc_logits
+    from mlaserve.layers.moe import route_noaux_tc
+
+    for name, E, G, TG, K in sz.routing:
+        for T in sz.routing_T:
+            logits, bias = torch.randn(T, E, device=sz.dev), 0.1 * torch.randn(E, device=sz.dev)
+            args = (logits, bias, K, G, TG, True, 2.5)
+            ms = bench(lambda: route_noaux_tc_logits(*args), sz)  # noqa: B023
+            ms_ref = bench(lambda: route_noaux_tc(*args), sz)  # noqa: B023
+            w, ids = route_noaux_tc_logits(*args)
+            rw, rids = route_noaux_tc(*args)
+            same = (ids.sort(-1).values == rids.sort(-1).values).all(-1).float().mean().item()
+            rep.add("routing", f"{name} E={E} G={G} T={T} same ids {same:.4f} (torch {ms_ref * 1e3:.0f} us)", ms,
+                    torch_us=ms_ref * 1e3, same_ids_frac=same)
+
+
+def run_rope(rep: Report, sz: Sizes):
+    from mlaserve.kernels.reference import rope_store_kv_ref
+    from mlaserve.kernels.rope_kv import rope_q, rope_store_kv
+    from mlaserve.layers.rotary import apply_rope
+
+    R, P, dev = sz.R, sz.P, sz.dev
+    for T in sz.rope_T:
+        cache = torch.zeros(T // 16 + 8, 64, R + P, device=dev, dtype=BF)
+        slots = torch.randperm(cache.shape[0] * 64, device=dev)[:T]
+        kv_a = torch.randn(T, R + P, device=dev).to(BF)
+        c_kv, k_pe = kv_a[:, :R].contiguous(), kv_a[:, R:]
+        cos, sin = torch.rand(T, P // 2, device=dev), torch.rand(T, P // 2, device=dev)
+        ref = rope_store_kv_ref(cache, slots, c_kv, k_pe, cos, sin)
+        rope_store_kv(cache, slots, c_kv, k_pe, cos, sin)
+        err = rel(cache, ref)
+        ms = bench(lambda: rope_store_kv(cache, slots, c_kv, k_pe, cos, sin), sz)  # noqa: B023
+        rep.add("rope_kv", f"rope_store_kv T={T}", ms, T * (R + P) * 2 * 2, err=err)
+        for H in sz.rope_H:
+            x = torch.randn(T, H, R + P, device=dev).to(BF)[..., R:]  # Q[..., R:]
+            ref = apply_rope(x, cos, sin, torch.empty(x.shape, device=dev))
+            rope_q(x, cos, sin, x)
+            err = rel(x, ref)
+            ms = bench(lambda: rope_q(x, cos, sin, x), sz)  # noqa: B023
+            ms_t = bench(lambda: apply_rope(x, cos, sin, x), sz)  # noqa: B023
+            rep.add("rope_kv", f"rope_q T={T} H={H} (torch apply_rope {ms_t * 1e3:.0f} us)", ms,
+                    T * H * P * 2 * 2, err=err, torch_us=ms_t * 1e3)
+
+
+SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
+            "mla_sweep": run_mla_sweep, "moe_sweep": run_moe_sweep}  # in run order: sweeps last
+SWEEPS = ("mla_sweep", "moe_sweep")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer cases, no config sweeps")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU under the Triton interpreter")
+    ap.add_argument("--only", default=None, help=f"comma-separated sections of {','.join(SECTIONS)}")
+    ap.add_argument("--time-limit", type=float, default=290.0, help="seconds before the watchdog ends the run")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        from tests.kernels_interp.conftest import _patch_interpreter
+
+        _patch_interpreter()
+        sz = smoke_sizes()
+    elif not torch.cuda.is_available():
+        sys.exit("kernels_bench needs a CUDA GPU (or --smoke)")
+    else:
+        sz = Sizes()
+        if args.quick:
+            sz.mla_ctx, sz.moe_T = (1024, 8192, 32768), (1, 16, 64, 8192)
+    rep = Report(os.path.join(os.environ.get("OUT", "./out"), "kernels_bench.json"), meta(sz))
+    t0 = time.time()
+
+    def watchdog():
+        rep.save(finished=False, timed_out=True, seconds=time.time() - t0)
+        print(f"watchdog: {args.time_limit:.0f} s passed; partial results in {rep.path}", flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(args.time_limit, watchdog)
+    timer.daemon = True
+    timer.start()
+    torch.manual_seed(0)
+    failed = []
+    names = args.only.split(",") if args.only else [n for n in SECTIONS if not (args.quick and n in SWEEPS)]
+    for name in names:
+        try:
+            SECTIONS[name](rep, sz)
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+        rep.save(finished=False, sections_failed=failed, seconds=time.time() - t0)
+    timer.cancel()
+    bad = [r for r in rep.rows if r["rel_err"] is not None and r["rel_err"] >= TOL]
+    rep.save(finished=True, sections_failed=failed, accuracy_failures=len(bad), seconds=time.time() - t0)
+    print(f"done in {time.time() - t0:.0f} s; {len(bad)} accuracy failures; sections failed: {failed or 'none'}; "
+          f"JSON: {rep.path}")
+    return 1 if bad or failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

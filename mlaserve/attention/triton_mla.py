@@ -1,0 +1,63 @@
+"""The Triton attention backend: fused RoPE + KV store, split-KV MLA decode, varlen prefill (GPU fast path).
+
+Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots) is derived on the device once per
+forward and reused by the following layers; only sizes come from the batch's host lists. A forward is recognised by
+layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.mla_decode import mla_decode
+from ..kernels.prefill_attention import prefill_attention
+from ..kernels.rope_kv import rope_store_kv
+from .base import AttentionBackend, ForwardBatch
+
+
+class TritonMLABackend(AttentionBackend):
+    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None):
+        super().__init__(kv_cache, kv_lora_rank)
+        self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
+        self._meta_batch: ForwardBatch | None = None
+        self._meta_layer = -1
+        self._meta: dict = {}
+
+    def _prefill_meta(self, layer_id: int, batch: ForwardBatch) -> dict:
+        """cu_q, cu_k [n+1] int32, max_q_len and the flat cache slots [C] of the prefill requests' contexts."""
+        fresh = self._meta_batch is batch and layer_id > self._meta_layer
+        self._meta_layer = layer_id
+        if fresh:
+            return self._meta
+        nd, dev = batch.num_decode_reqs, batch.seq_lens.device
+        lens_cpu = batch.seq_lens_cpu[nd:]
+        n, C = len(lens_cpu), sum(lens_cpu)
+        lens = batch.seq_lens[nd:].long()  # [n]
+        cu_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        torch.cumsum(lens, 0, out=cu_k[1:])
+        qsl = batch.query_start_loc
+        cu_q = (qsl[nd:] - qsl[nd]).to(torch.int32)
+        req = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=C)  # [C]
+        pos = torch.arange(C, device=dev) - cu_k[:-1].long()[req]
+        pages = batch.page_table[nd:].long()[req, pos // self.page_size]
+        slots = pages * self.page_size + pos % self.page_size
+        self._meta_batch = batch
+        self._meta = dict(cu_q=cu_q, cu_k=cu_k, slots=slots, max_q_len=max(batch.query_lens_cpu[nd:], default=0))
+        return self._meta
+
+    def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch):
+        rope_store_kv(self.kv_cache[layer_id], batch.slot_mapping, c_kv, k_pe, cos, sin)
+
+    def decode(self, layer_id, q, scale, batch, out):
+        nd = batch.num_decode_reqs
+        return mla_decode(q, self.kv_cache[layer_id], batch.page_table[:nd], batch.seq_lens[:nd], batch.decode_q_len,
+                          scale, out, num_splits=self.num_splits)
+
+    def prefill_context(self, layer_id, batch):
+        cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
+        return cache.index_select(0, self._prefill_meta(layer_id, batch)["slots"])
+
+    def prefill(self, q, k, v, scale, batch, out):
+        # the model calls this right after its layer's prefill_context, which refreshed the metadata
+        m = self._meta if self._meta_batch is batch else self._prefill_meta(-1, batch)
+        return prefill_attention(q, k, v, m["cu_q"], m["cu_k"], scale, out, m["max_q_len"])

@@ -1,0 +1,220 @@
+"""Paged MLA decode attention in the absorbed form over the latent cache: split-KV, then a log-sum-exp combine.
+
+Each program takes one request, a block of heads (times the q_len tokens of a verify block) and one split of
+the context; the split's token range is computed in-kernel from seq_lens, so a captured CUDA graph stays valid
+as lengths change. Every KV tile is loaded once per head block and serves both QK^T and PV (V = K[:, :R]).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # a split never takes fewer tokens than this (short contexts use fewer splits)
+MAX_SPLITS = 64
+
+
+@triton.jit(do_not_specialize=["H", "num_splits"])  # varying batch sizes reuse one binary
+def _mla_decode_split_kernel(
+    Q, KV, PageTable, SeqLens, Out, PartO, PartLse,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kvp, stride_kvs,
+    stride_ptb,
+    stride_ot, stride_oh, stride_or,
+    H, num_splits,
+    Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
+    m = tl.arange(0, BLOCK_M)
+    j = m // BLOCK_H  # token of the verify block
+    h = hb * BLOCK_H + m % BLOCK_H
+    row_ok = (j < Q_LEN) & (h < H)
+    t = b * Q_LEN + j
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, BLOCK_P)
+
+    seq_len = tl.load(SeqLens + b)
+    last_visible = seq_len - Q_LEN + j  # [M]: causal inside the verify block
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    q_row = Q + t.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
+    q_nope = tl.load(q_row + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [M, R]
+    q_pe = tl.load(q_row + R + offs_p[None, :], mask=row_ok[:, None] & (offs_p < P)[None, :], other=0.0)  # [M, BP]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, R], tl.float32)
+    # The page-table lookup runs one tile ahead (row_off is loop-carried), so the KV load's address never waits
+    # on a load of the same iteration and Triton's pipeliner can multi-buffer the KV tiles.
+    offs_n = tl.arange(0, BLOCK_N)
+    pt = PageTable + b * stride_ptb
+    page = tl.load(pt + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
+    row_off = page.to(tl.int64) * stride_kvp + ((start + offs_n) % PAGE_SIZE) * stride_kvs
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        pos_ok = pos < end
+        kv_row = KV + row_off[:, None]
+        nxt = pos + BLOCK_N
+        page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < end, other=0)
+        row_off = page.to(tl.int64) * stride_kvp + (nxt % PAGE_SIZE) * stride_kvs
+        kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]: keys and values
+        k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
+        s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PREC)
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
+        visible = (pos[None, :] <= last_visible[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s * scale_log2, float("-inf"))  # [M, N], log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if DIRECT:  # one split: write the output itself
+        o_ptr = Out + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_r[None, :] * stride_or
+        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # PartO [T, H, S, R] fp32 and PartLse [T, H, S] fp32, contiguous; empty splits write only lse = -inf.
+        th = t.to(tl.int64) * H + h
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(PartLse + th * num_splits + split, lse, mask=row_ok)
+        po_ptr = PartO + (th * num_splits + split)[:, None] * R + offs_r[None, :]
+        tl.store(po_ptr, o, mask=row_ok[:, None] & (start < end))
+
+
+@triton.jit(do_not_specialize=["H", "num_splits"])
+def _mla_decode_combine_kernel(
+    PartO, PartLse, Out,
+    stride_ot, stride_oh, stride_or,
+    H, num_splits,
+    R: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    th = t.to(tl.int64) * H + h
+    lse_ptr = PartLse + th * num_splits
+    lse_max = tl.load(lse_ptr)
+    for s in range(1, num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse_ptr + s))
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no visible key at all (seq_len 0): zeros
+    offs_r = tl.arange(0, R)
+    acc = tl.zeros([R], tl.float32)
+    denom = 0.0
+    for s in range(num_splits):
+        lse = tl.load(lse_ptr + s)
+        if lse > float("-inf"):  # empty splits never wrote their partial output
+            w = tl.exp2(lse - lse_max)
+            denom += w
+            acc += w * tl.load(PartO + (th * num_splits + s) * R + offs_r)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    o_ptr = Out + t.to(tl.int64) * stride_ot + h * stride_oh + offs_r * stride_or
+    tl.store(o_ptr, (acc / denom).to(Out.dtype.element_ty))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def decode_config(H: int, q_len: int, dtype: torch.dtype) -> dict:
+    """Static tile sizes: the M dimension of a program is BLOCK_QL * BLOCK_H rows (tokens x heads), kept at
+    16..32 so the fp32 accumulator [M, R] fits in registers (R=512: 64 regs/thread at M=32 with 8 warps)."""
+    block_ql = _pow2(q_len)
+    block_h = min(_pow2(H), max(1, 32 // block_ql))
+    block_h = max(block_h, 16 // block_ql)  # tl.dot needs M >= 16
+    bm = block_ql * block_h
+    fp32 = dtype == torch.float32
+    # num_stages=3 gives two KV buffers (a tile in flight during compute; with 2 stages Triton 3.6 single-buffers
+    # this loop). 36 KB per 32-token tile: 2 x 36 + 18 (Q) = 90 KB shared at M=16.
+    return dict(BLOCK_H=block_h, BLOCK_QL=block_ql, BLOCK_N=16 if fp32 else 32,
+                num_warps=4 if bm <= 16 else 8, num_stages=1 if fp32 else 3)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # H100/H200; only the interpreter gets here
+
+
+def default_num_splits(B: int, H: int, q_len: int, device: torch.device, dtype=torch.bfloat16) -> int:
+    """As many splits as keep B * head_blocks * splits within one wave on the SMs (132 on H200): floor, so no SM
+    gets two programs while others idle; more splits only add partial-output traffic (R * 4 bytes per head per
+    split, written and read back). Short contexts use fewer splits in-kernel (>= MIN_SPLIT_TOKENS each)."""
+    cfg = decode_config(H, q_len, dtype)
+    programs = B * triton.cdiv(H, cfg["BLOCK_H"])
+    return max(1, min(MAX_SPLITS, num_sms(device) // programs))
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+               q_len: int, scale: float, out: torch.Tensor, num_splits: int | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """q [T, H, R+P], kv_cache [pages, page_size, R+P], page_table [B, max_pages] int32, seq_lens [B] int32
+    (context including this step's q_len tokens), T = B * q_len -> out [T, H, R] (any strides).
+    Token j of a request's block sees positions 0 .. seq_len - q_len + j. Rows with nothing visible get 0."""
+    T, H, D = q.shape
+    B = seq_lens.shape[0]
+    R = out.shape[-1]
+    P = D - R
+    if q_len < 1 or q_len > 32:
+        raise ValueError(f"q_len={q_len} must be in [1, 32]")
+    if T != B * q_len:
+        raise ValueError(f"q has {T} tokens; expected B * q_len = {B} * {q_len}")
+    if out.shape != (T, H, R):
+        raise ValueError(f"out shape {tuple(out.shape)} must be {(T, H, R)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != D or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [pages, page_size, {D}] with unit last stride")
+    if R < 16 or R & (R - 1) or P < 1 or P & (P - 1):
+        raise ValueError(f"R={R} must be a power of two >= 16 and P={P} a power of two")
+    if q.dtype != kv_cache.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q dtype {q.dtype} and kv_cache dtype {kv_cache.dtype} must match (bf16/fp16/fp32)")
+    if q.stride(-1) != 1:
+        raise ValueError("q must have unit stride in its last dim")
+    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or page_table.shape[0] != B:
+        raise ValueError("page_table [B, max_pages] and seq_lens [B] must be int32")
+    page_size = kv_cache.shape[1]
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a power of two")
+    cfg = dict(decode_config(H, q_len, q.dtype), **(config or {}))  # config: tile overrides, MIN_SPLIT_TOKENS
+    S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
+    if T == 0:
+        return out
+    grid = (triton.cdiv(H, cfg["BLOCK_H"]), S, B)
+    if S > 1:
+        part_o = torch.empty(T, H, S, R, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, H, S, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _mla_decode_split_kernel[grid](
+        q, kv_cache, page_table, seq_lens, out, part_o, part_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        page_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        H, S,
+        Q_LEN=q_len, R=R, P=P, BLOCK_P=max(16, P), PAGE_SIZE=page_size,
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
+        DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if S > 1:
+        _mla_decode_combine_kernel[(T, H)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), H, S,
+            R=R, num_warps=4,
+        )
+    return out
+

@@ -1,0 +1,164 @@
+"""Varlen causal attention for prefill in the naive (MHA) form, FlashAttention-2 style, plus an SDPA alternative.
+
+Request b's queries q[cu_q[b]:cu_q[b+1]] are the LAST positions of its context k[cu_k[b]:cu_k[b+1]], so query i
+sees keys 0 .. klen - qlen + i (bottom-right aligned causal mask; a chunked prefill over a cached prefix).
+Head dims need not be powers of two: Dqk is split into a power-of-two part plus a masked remainder (192 = 128 + 64),
+Dv is padded with masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_tile(acc, m_i, l_i, q1, q2, k_ptr, v_ptr, n0, klen, q_pos, scale_log2,
+               stride_kt, stride_vt, offs_n, offs_d1, offs_d2, offs_dv,
+               D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    pos = n0 + offs_n
+    k_ok = pos < klen
+    k_rows = k_ptr + pos.to(tl.int64)[:, None] * stride_kt
+    k1 = tl.load(k_rows + offs_d1[None, :], mask=k_ok[:, None], other=0.0)  # [N, D1]
+    s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+    if D2 > 0:
+        k2 = tl.load(k_rows + D1 + offs_d2[None, :], mask=k_ok[:, None] & (offs_d2 < D2)[None, :], other=0.0)
+        s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC)
+    s = s * scale_log2
+    if MASKED:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + pos.to(tl.int64)[:, None] * stride_vt + offs_dv[None, :],
+                mask=k_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [N, BDV]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    Q, K, V, O, CuQ, CuK, scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks start first
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q0 = tl.load(CuQ + b)
+    qlen = tl.load(CuQ + b + 1) - q0
+    if mb * BLOCK_M >= qlen:
+        return
+    k0 = tl.load(CuK + b)
+    klen = tl.load(CuK + b + 1) - k0
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < qlen
+    q_pos = klen - qlen + offs_m  # each query's position in its context
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, D1)
+    offs_d2 = tl.arange(0, BLOCK_D2)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_rows = Q + (q0 + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+    q1 = tl.load(q_rows + offs_d1[None, :], mask=m_ok[:, None], other=0.0)
+    q2 = tl.load(q_rows + D1 + offs_d2[None, :], mask=m_ok[:, None] & (offs_d2 < D2)[None, :], other=0.0)
+    k_ptr = K + k0.to(tl.int64) * stride_kt + h * stride_kh
+    v_ptr = V + k0.to(tl.int64) * stride_vt + h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # Keys up to the block's first query position are visible to every row: no mask there.
+    unmasked_end = ((klen - qlen + mb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+    hi = klen - qlen + tl.minimum((mb + 1) * BLOCK_M, qlen)
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q1, q2, k_ptr, v_ptr, n0, klen, q_pos, scale_log2,
+                                   stride_kt, stride_vt, offs_n, offs_d1, offs_d2, offs_dv,
+                                   D1, D2, DV, False, DOT_PREC)
+    for n0 in range(unmasked_end, hi, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q1, q2, k_ptr, v_ptr, n0, klen, q_pos, scale_log2,
+                                   stride_kt, stride_vt, offs_n, offs_d1, offs_d2, offs_dv,
+                                   D1, D2, DV, True, DOT_PREC)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptr = O + (q0 + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
+    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < DV)[None, :])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def prefill_config(Dqk: int, Dv: int, dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:  # tests only (IEEE fp32 dots); 8 warps keep Dqk=192 tiles out of local memory
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4 if Dqk + Dv <= 128 else 8, num_stages=1)
+    # bf16, Dqk=192, Dv=128: Q 48 KB + (K 24 KB + V 16 KB) x 3 buffers = 168 KB of shared memory. Three stages:
+    # with two, Triton 3.6 waits for every copy at the top of each iteration (no load/compute overlap).
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+
+
+def split_head_dim(Dqk: int) -> tuple[int, int, int]:
+    """(D1, D2, BLOCK_D2): D1 the largest power of two <= Dqk (>= 16), D2 the rest, padded to >= 16."""
+    d1 = max(16, 1 << (Dqk.bit_length() - 1))
+    d2 = max(0, Dqk - d1)
+    return d1, d2, max(16, _pow2(d2)) if d2 else 16
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                      scale: float, out: torch.Tensor, max_q_len: int, config: dict | None = None) -> torch.Tensor:
+    """q [Tp, H, Dqk], k [C, H, Dqk], v [C, H, Dv], cu_q/cu_k [B+1] int32 -> out [Tp, H, Dv] (any strides with a
+    unit last stride). Needs klen >= qlen per request (the caller's contract; not checked on device)."""
+    Tp, H, Dqk = q.shape
+    Dv = v.shape[-1]
+    if k.shape[1:] != (H, Dqk) or v.shape[:2] != k.shape[:2] or out.shape != (Tp, H, Dv):
+        raise ValueError(f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} out {tuple(out.shape)} "
+                         "must be [Tp,H,Dqk] [C,H,Dqk] [C,H,Dv] [Tp,H,Dv]")
+    if any(t.stride(-1) != 1 for t in (q, k, v, out)):
+        raise ValueError("q, k, v and out need a unit stride in their last dim")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} must match (bf16/fp16/fp32)")
+    if Dqk < 16 or Dqk > 512 or Dv > 256:
+        raise ValueError(f"head dims Dqk={Dqk} (16..512) Dv={Dv} (<=256) out of range")
+    if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or cu_q.shape != cu_k.shape:
+        raise ValueError("cu_q and cu_k must be int32 [B+1]")
+    B = cu_q.shape[0] - 1
+    if Tp == 0 or B == 0 or max_q_len == 0:
+        return out
+    cfg = dict(prefill_config(Dqk, Dv, q.dtype), **(config or {}))
+    d1, d2, bd2 = split_head_dim(Dqk)
+    grid = (triton.cdiv(max_q_len, cfg["BLOCK_M"]), H, B)
+    _prefill_attention_kernel[grid](
+        q, k, v, out, cu_q, cu_k, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        D1=d1, D2=d2, BLOCK_D2=bd2, DV=Dv, BLOCK_DV=max(16, _pow2(Dv)),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def prefill_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                           cu_k: torch.Tensor, scale: float, out: torch.Tensor, max_q_len: int) -> torch.Tensor:
+    """The same contract through torch SDPA, one request at a time (reads cu_q/cu_k on the host: a sync;
+    for comparison and eager fallback, not for CUDA graphs)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        n, L = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        if n == 0:
+            continue
+        qb = q[cq[b]:cq[b + 1]].transpose(0, 1)  # [H, n, Dqk]
+        kb, vb = k[ck[b]:ck[b + 1]].transpose(0, 1), v[ck[b]:ck[b + 1]].transpose(0, 1)
+        if n == L:
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(n, L), scale=scale)
+        out[cq[b]:cq[b + 1]] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,102 @@
+"""RoPE over interleaved pairs fused with the latent KV-cache write, and the query RoPE (layers.rotary.apply_rope).
+
+out[2i] = x[2i] cos[i] - x[2i+1] sin[i];  out[2i+1] = x[2i+1] cos[i] + x[2i] sin[i], computed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin,
+                          stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
+                          R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t)
+    if slot < 0:  # padding token (CUDA graphs): no slot
+        return
+    dst = Cache + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
+    r = tl.arange(0, BLOCK_R)
+    c = tl.load(Ckv + t.to(tl.int64) * stride_ct + r * stride_cr, mask=r < R)
+    tl.store(dst + r, c.to(Cache.dtype.element_ty), mask=r < R)
+    i = tl.arange(0, BLOCK_HALF)
+    ok = i < HALF
+    src = Kpe + t.to(tl.int64) * stride_kt
+    x0 = tl.load(src + (2 * i) * stride_kp, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(src + (2 * i + 1) * stride_kp, mask=ok, other=0.0).to(tl.float32)
+    cs = tl.load(Cos + t.to(tl.int64) * stride_cos + i, mask=ok, other=0.0)
+    sn = tl.load(Sin + t.to(tl.int64) * stride_sin + i, mask=ok, other=0.0)
+    tl.store(dst + R + 2 * i, (x0 * cs - x1 * sn).to(Cache.dtype.element_ty), mask=ok)
+    tl.store(dst + R + 2 * i + 1, (x1 * cs + x0 * sn).to(Cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_q_kernel(X, Cos, Sin, Out, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
+                   stride_cos, stride_sin,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, BLOCK_HALF)
+    ok = (h < H)[:, None] & (i < HALF)[None, :]
+    src = X + t.to(tl.int64) * stride_xt + h[:, None] * stride_xh
+    x0 = tl.load(src + (2 * i)[None, :] * stride_xp, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(src + (2 * i + 1)[None, :] * stride_xp, mask=ok, other=0.0).to(tl.float32)
+    cs = tl.load(Cos + t.to(tl.int64) * stride_cos + i, mask=i < HALF, other=0.0)[None, :]
+    sn = tl.load(Sin + t.to(tl.int64) * stride_sin + i, mask=i < HALF, other=0.0)[None, :]
+    dst = Out + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh
+    tl.store(dst + (2 * i)[None, :] * stride_op, (x0 * cs - x1 * sn).to(Out.dtype.element_ty), mask=ok)
+    tl.store(dst + (2 * i + 1)[None, :] * stride_op, (x1 * cs + x0 * sn).to(Out.dtype.element_ty), mask=ok)
+
+
+def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None:
+    if cos.shape != (T, P // 2) or sin.shape != (T, P // 2) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"cos/sin must be fp32 [{T}, {P // 2}], got {tuple(cos.shape)} {cos.dtype}")
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("cos/sin need a unit last stride")
+
+
+def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """kv_cache [pages, page_size, R+P]; slot_mapping [T] int64 (page * page_size + offset; < 0 skips);
+    c_kv [T, R], k_pe [T, P] (strided views allowed); cos/sin [T, P/2] fp32. Writes [c_kv | rope(k_pe)]."""
+    T, R = c_kv.shape
+    P = k_pe.shape[-1]
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != R + P or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [pages, page_size, {R + P}], unit last stride")
+    if k_pe.shape != (T, P) or P % 2 or slot_mapping.shape != (T,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"k_pe [{T}, P even] and slot_mapping [{T}] int64 expected, got {tuple(k_pe.shape)} "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    _check_cos_sin(cos, sin, T, P)
+    page_size = kv_cache.shape[1]
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a power of two")
+    if T == 0:
+        return
+    _rope_store_kv_kernel[(T,)](
+        kv_cache, slot_mapping, c_kv, k_pe, cos, sin,
+        kv_cache.stride(0), kv_cache.stride(1), c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
+        cos.stride(0), sin.stride(0),
+        R=R, BLOCK_R=triton.next_power_of_2(R), HALF=P // 2, BLOCK_HALF=triton.next_power_of_2(P // 2),
+        PAGE_SIZE=page_size, num_warps=4 if R >= 256 else 1,
+    )
+
+
+def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """x [T, H, P] -> out [T, H, P] (any strides; out may be x itself)."""
+    T, H, P = x.shape
+    if out.shape != x.shape or P % 2:
+        raise ValueError(f"out {tuple(out.shape)} must match x {tuple(x.shape)} with an even last dim")
+    _check_cos_sin(cos, sin, T, P)
+    if T == 0:
+        return out
+    block_h = min(triton.next_power_of_2(H), 32)
+    _rope_q_kernel[(T, triton.cdiv(H, block_h))](
+        x, cos, sin, out, H, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        cos.stride(0), sin.stride(0),
+        HALF=P // 2, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(P // 2), num_warps=1 if H <= 8 else 4,
+    )
+    return out

@@ -1,0 +1,97 @@
+"""DeepSeek-V3 `noaux_tc` routing after the router GEMM, in one Triton kernel (one program per token).
+
+sigmoid -> + e_score_correction_bias -> group score = sum of the group's top-2 -> keep the best topk_group groups
+-> top-K experts by biased score among them -> weights = unbiased scores, normalised, scaled. Same maths as
+layers.moe.route_noaux_tc. Ties: every arg-max takes the LOWEST index among equal values (tl.argmax's
+tie_break_left); torch.topk leaves the order of ties unspecified, so exact ties (measure zero for random fp32
+logits) may pick a different but equally-scored expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, scaling,
+                  E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                  USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    row = Logits + t.to(tl.int64) * stride_lt
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    score = tl.sigmoid(tl.load(row + offs, mask=ok, other=0.0).to(tl.float32))
+    choice = tl.where(ok, score + tl.load(Bias + offs, mask=ok, other=0.0), float("-inf"))
+    if USE_GROUPS:
+        GS: tl.constexpr = E // N_GROUP
+        g = tl.arange(0, BLOCK_G)
+        s = tl.arange(0, BLOCK_S)
+        ok2 = (g < N_GROUP)[:, None] & (s < GS)[None, :]
+        idx2 = g[:, None] * GS + s[None, :]
+        c2 = tl.sigmoid(tl.load(row + idx2, mask=ok2, other=0.0).to(tl.float32))
+        c2 = tl.where(ok2, c2 + tl.load(Bias + idx2, mask=ok2, other=0.0), float("-inf"))  # [G, S]
+        top1 = tl.max(c2, 1)
+        first = tl.argmax(c2, 1)
+        top2 = tl.max(tl.where(s[None, :] == first[:, None], float("-inf"), c2), 1)
+        gscore = tl.where(g < N_GROUP, top1 + top2, float("-inf"))
+        keep = g < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(gscore, 0)
+            keep = keep | (g == best)
+            gscore = tl.where(g == best, float("-inf"), gscore)
+        # expert -> kept?  via a [E, G] comparison (G <= 8)
+        in_kept = tl.sum(((offs // GS)[:, None] == g[None, :]) & keep[None, :], 1) > 0
+        choice = tl.where(in_kept, choice, float("-inf"))
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    ws = tl.zeros([BLOCK_K], tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.argmax(choice, 0)
+        ids = tl.where(kk == k, best.to(tl.int64), ids)
+        ws = tl.where(kk == k, tl.sum(tl.where(offs == best, score, 0.0), 0), ws)
+        choice = tl.where(offs == best, float("-inf"), choice)
+    if NORM:
+        ws = ws / (tl.sum(ws, 0) + 1e-20)
+    ws = ws * scaling
+    tl.store(Weights + t * TOP_K + kk, ws, mask=kk < TOP_K)
+    tl.store(Ids + t * TOP_K + kk, ids, mask=kk < TOP_K)
+
+
+def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                          norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (weights [T, K] fp32, ids [T, K] int64); the fused form of route_noaux_tc."""
+    T, E = logits.shape
+    if logits.dtype != torch.float32 or bias.shape != (E,) or bias.dtype != torch.float32:
+        raise ValueError(f"router logits [T, E] and bias [E] must be fp32; got {logits.dtype}, {tuple(bias.shape)}")
+    if logits.stride(-1) != 1:
+        raise ValueError("router logits need a unit last stride")
+    if E > 1024 or E % n_group or top_k > 16 or n_group > 64 or topk_group > n_group:
+        raise ValueError(f"routing E={E} (<= 1024, divisible by n_group={n_group}), top_k={top_k} (<= 16), "
+                         f"topk_group={topk_group} (<= n_group) out of range")
+    use_groups = n_group > 1 and topk_group < n_group
+    if use_groups and (E // n_group < 2 or topk_group * (E // n_group) < top_k):
+        raise ValueError(f"groups of {E // n_group} experts x topk_group={topk_group} cannot hold top_k={top_k}")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, ids
+    _route_kernel[(T,)](
+        logits, bias, weights, ids, logits.stride(0), float(scaling),
+        E=E, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, USE_GROUPS=use_groups, NORM=bool(norm_topk_prob),
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+        BLOCK_S=max(2, triton.next_power_of_2(E // n_group)), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+        num_warps=4 if E > 128 else 1,
+    )
+    return weights, ids
+
+
+def route_noaux_tc_fused(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K] fp32, ids [T, K] int64)."""
+    c = gate.cfg
+    logits = F.linear(x.float(), gate.weight)  # [T, E] fp32
+    return route_noaux_tc_logits(logits, gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                                 c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)

@@ -1,0 +1,178 @@
+"""The Triton kernels at real model sizes on CUDA: the interpreter tests' checks, plus CUDA-graph replays with
+changed lengths and routings. Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_kernels_gpu.py"""
+
+import os
+import random
+
+import pytest
+import torch
+
+from tests import kernel_checks as kc
+
+pytestmark = pytest.mark.gpu
+BF = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _gpu(request):
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 is set: run the gpu tests in their own pytest process")
+    seed = random.randrange(1 << 30)  # fresh inputs each run; the seed is printed on failure
+    torch.manual_seed(seed)
+    print(f"\n[{request.node.name}] device={torch.cuda.get_device_name()} seed={seed}")
+
+
+def _ctx(B, q_len, max_len=8192):
+    lens = [q_len, max_len, 64, 65, 1000 + q_len] + [random.randint(q_len, max_len) for _ in range(B)]
+    return lens[:B]
+
+
+# --- mla_decode -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("H,q_len,page,B", [(16, 1, 64, 16), (16, 2, 64, 16), (16, 4, 64, 8), (64, 1, 64, 16),
+                                            (64, 2, 16, 8), (128, 1, 64, 4), (20, 1, 16, 5)])
+def test_mla_decode_real(H, q_len, page, B):
+    kc.check_mla_decode("cuda", BF, H=H, R=512, P=64, q_len=q_len, ctx_lens=_ctx(B, q_len), page_size=page)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_mla_decode_explicit_splits_strided_out(num_splits):
+    # 64 splits over short contexts: many empty splits
+    kc.check_mla_decode("cuda", BF, H=16, R=512, P=64, q_len=2, ctx_lens=[2, 300, 5000, 64], page_size=64,
+                        num_splits=num_splits, strided_out=True)
+
+
+def test_mla_decode_fp32_and_tiny_dims():
+    kc.check_mla_decode("cuda", torch.float32, H=16, R=512, P=64, q_len=2, ctx_lens=[2, 700, 3000], page_size=64)
+    for dtype in (BF, torch.float32):
+        kc.check_mla_decode("cuda", dtype, H=4, R=32, P=8, q_len=2, ctx_lens=[2, 17, 600], page_size=16)
+
+
+def test_mla_decode_cuda_graph_replay_with_new_lengths():
+    from mlaserve.kernels.mla_decode import mla_decode
+    from mlaserve.kernels.reference import mla_decode_ref
+
+    B, H, R, P, q_len, page = 8, 16, 512, 64, 2, 64
+    kv, table, seq_lens = kc.make_paged([8192] * B, page, R + P, BF, "cuda")
+    q = torch.randn(B * q_len, H, R + P, device="cuda").to(BF)
+    out = torch.empty(B * q_len, H, R, device="cuda", dtype=BF)
+    seq_lens.copy_(torch.tensor([100, 2, 8000, 3000, 64, 65, 4096, 7], dtype=torch.int32))
+    g, _ = kc.cuda_graph(lambda: mla_decode(q, kv, table, seq_lens, q_len, 0.07, out))
+    for lens in ([101, 3, 8001, 3001, 65, 66, 4097, 8], [8192, 8192, 2, 5000, 300, 1, 16, 2]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q, dtype=torch.float32).to(BF))
+        out.fill_(float("nan"))
+        g.replay()
+        ref = mla_decode_ref(q, kv, table, seq_lens, q_len, 0.07, R)
+        valid = torch.tensor(lens).repeat_interleave(q_len) >= q_len  # seq_len 1 < q_len 2: rows undefined
+        kc.assert_close(out[valid.cuda()], ref[valid.cuda()], BF, f"mla_decode graph replay lens={lens}")
+
+
+# --- prefill attention ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["triton", "sdpa"])
+def test_prefill_real_dims(impl):
+    kc.check_prefill("cuda", BF, H=16, Dqk=192, Dv=128, q_lens=[512, 1, 300, 1000, 129],
+                     k_lens=[512, 700, 300, 3000, 129], impl=impl)
+
+
+def test_prefill_8192_and_tiny_dims():
+    kc.check_prefill("cuda", BF, H=16, Dqk=192, Dv=128, q_lens=[8192], k_lens=[8192])
+    kc.check_prefill("cuda", BF, H=4, Dqk=24, Dv=24, q_lens=[5, 70, 1], k_lens=[5, 200, 9])
+    kc.check_prefill("cuda", torch.float32, H=4, Dqk=24, Dv=24, q_lens=[5, 70, 1], k_lens=[5, 200, 9])
+    kc.check_prefill("cuda", torch.float32, H=2, Dqk=192, Dv=128, q_lens=[300], k_lens=[400])
+
+
+# --- fused MoE and routing --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [1, 7, 64, 333, 2048])
+def test_fused_moe_moonlight(T):
+    kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6)
+
+
+@pytest.mark.parametrize("T", [1, 64, 1024])
+def test_fused_moe_kimi_tp4(T):
+    kc.check_fused_moe("cuda", BF, T=T, D=7168, I=512, E_total=384, E_local=384, offset=0, K=8)
+
+
+def test_fused_moe_expert_parallel_fp32_tiny():
+    kc.check_fused_moe("cuda", BF, T=200, D=7168, I=512, E_total=384, E_local=96, offset=192, K=8)
+    kc.check_fused_moe("cuda", torch.float32, T=100, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6)
+    kc.check_fused_moe("cuda", BF, T=9, D=64, I=32, E_total=8, E_local=8, offset=0, K=2)
+
+
+def test_fused_moe_cuda_graph_replay_with_new_routing():
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.layers.moe import fused_experts_ref
+
+    T, D, I, E, K = 16, 2048, 1408, 64, 6
+    x = torch.randn(T, D, device="cuda").to(BF)
+    w13 = (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(BF)
+    w2 = (torch.randn(E, D, I, device="cuda") / I**0.5).to(BF)
+    ids = torch.zeros(T, K, dtype=torch.int64, device="cuda")
+    w = torch.ones(T, K, device="cuda")
+    g, out = kc.cuda_graph(lambda: fused_experts(x, w13, w2, w, ids, 0))
+    for _ in range(2):
+        ids.copy_(torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]))
+        w.copy_(torch.rand(T, K, device="cuda"))
+        x.copy_(torch.randn(T, D, device="cuda").to(BF))
+        g.replay()
+        ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, 0)
+        kc.assert_close(out, ref, BF, "fused_moe graph replay")
+
+
+@pytest.mark.parametrize("E,G,TG,K", [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)])
+def test_routing_real(E, G, TG, K):
+    kc.check_routing("cuda", T=4096, E=E, n_group=G, topk_group=TG, K=K)
+
+
+def test_routing_cuda_graph():
+    from mlaserve.kernels.routing import route_noaux_tc_logits
+    from mlaserve.layers.moe import route_noaux_tc
+
+    logits, bias = torch.randn(64, 256, device="cuda"), 0.1 * torch.randn(256, device="cuda")
+    g, (w, ids) = kc.cuda_graph(lambda: route_noaux_tc_logits(logits, bias, 8, 8, 4, True, 2.5))
+    logits.copy_(torch.randn_like(logits))
+    g.replay()
+    rw, rids = route_noaux_tc(logits, bias, 8, 8, 4, True, 2.5)
+    bad = (ids.sort(-1).values != rids.sort(-1).values).any(-1).nonzero().reshape(-1).tolist()
+    choice = logits.sigmoid() + bias
+    assert all(kc._near_tie(choice[t], 8, 4, 8) for t in bad), f"graph-replayed routing differs at tokens {bad}"
+
+
+# --- RoPE + KV store ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("page", [16, 64])
+def test_rope_store_kv_real(page):
+    kc.check_rope_store_kv("cuda", BF, T=3000, R=512, P=64, page_size=page, num_pages=8192 // page)
+    kc.check_rope_store_kv("cuda", torch.float32, T=100, R=32, P=8, page_size=page, num_pages=16)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_rope_q_real(H):
+    kc.check_rope_q("cuda", BF, T=1000, H=H, P=64, alias=True)
+    kc.check_rope_q("cuda", BF, T=100, H=H, P=64, alias=False)
+
+
+def test_rope_store_kv_cuda_graph():
+    from mlaserve.kernels.reference import rope_store_kv_ref
+    from mlaserve.kernels.rope_kv import rope_store_kv
+
+    T, R, P = 32, 512, 64
+    cache = torch.zeros(16, 64, R + P, device="cuda", dtype=BF)
+    slots = torch.arange(T, device="cuda")
+    c_kv, k_pe = torch.randn(T, R, device="cuda").to(BF), torch.randn(T, P, device="cuda").to(BF)
+    cos, sin = torch.rand(T, P // 2, device="cuda"), torch.rand(T, P // 2, device="cuda")
+    g, _ = kc.cuda_graph(lambda: rope_store_kv(cache, slots, c_kv, k_pe, cos, sin))
+    slots.copy_(torch.randperm(16 * 64, device="cuda")[:T])
+    slots[-3:] = -1
+    before = cache.clone()
+    g.replay()
+    kc.assert_close(cache, rope_store_kv_ref(before, slots, c_kv, k_pe, cos, sin), BF, "rope_store_kv graph")
+
+
+# --- the model through the Triton backend --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_model_triton_backend_matches_torch_ref(tiny_ckpt, dtype):
+    from tests.model_backend_check import check_model_backends
+
+    for moe in ("torch", "triton"):
+        errs = check_model_backends(tiny_ckpt, "cuda", dtype, moe)
+        print(f"model logits rel err ({dtype}, moe={moe}): {errs}")

@@ -1,0 +1,216 @@
+"""Kernel-vs-reference checks shared by the interpreter tests (tiny, CPU) and the gpu tests (real sizes, CUDA).
+
+Every check draws fresh random inputs, poisons the output buffer with NaN, runs the kernel and compares with the
+fp32 torch reference: ||out - ref|| / ||ref|| below 1e-2 for bf16 and 1e-4 for fp32. Failures print where."""
+
+from __future__ import annotations
+
+import torch
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, tol: float | None = None):
+    tol = TOL[dtype] if tol is None else tol
+    out, ref = out.float(), ref.float()
+    nan = torch.isnan(out)
+    if nan.any():
+        idx = nan.nonzero()[:8].tolist()
+        raise AssertionError(f"{what}: {int(nan.sum())} of {out.numel()} outputs are NaN (unwritten?), first at "
+                             f"{idx}; shape {tuple(out.shape)}")
+    err = rel_err(out, ref)
+    if not err < tol:
+        diff = (out - ref).abs()
+        worst = list(torch.unravel_index(diff.argmax(), diff.shape))
+        w = tuple(int(i) for i in worst)
+        raise AssertionError(f"{what}: relative error {err:.3e} >= {tol:.0e}; max |diff| {diff.max().item():.3e} at "
+                             f"{w} (out {out[w].item():.5g} ref {ref[w].item():.5g}); |ref| mean "
+                             f"{ref.abs().mean().item():.3e}; shape {tuple(out.shape)}")
+    return err
+
+
+def nan_like(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def make_paged(ctx_lens: list[int], page_size: int, D: int, dtype, device, extra_pages: int = 3):
+    """A cache with the requests' pages scattered in random order: (kv_cache, page_table int32, seq_lens int32)."""
+    n_pages = [-(-L // page_size) for L in ctx_lens]
+    total = sum(n_pages) + extra_pages
+    perm = torch.randperm(total, device=device).to(torch.int32)
+    kv = torch.randn(total, page_size, D, device=device).to(dtype)
+    table = torch.zeros(len(ctx_lens), max(max(n_pages), 1) + 1, dtype=torch.int32, device=device)
+    o = 0
+    for b, n in enumerate(n_pages):
+        table[b, :n] = perm[o:o + n]
+        o += n
+    return kv, table, torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+
+
+def check_mla_decode(device, dtype, *, H: int, R: int, P: int, q_len: int, ctx_lens: list[int], page_size: int,
+                     num_splits=None, config=None, strided_out: bool = False, q_scale: float = 0.3):
+    from mlaserve.kernels.mla_decode import mla_decode
+    from mlaserve.kernels.reference import mla_decode_ref
+
+    T = len(ctx_lens) * q_len
+    kv, table, seq_lens = make_paged(ctx_lens, page_size, R + P, dtype, device)
+    q = (q_scale * torch.randn(T, H, R + P, device=device)).to(dtype)
+    scale = (R + P) ** -0.5
+    if strided_out:  # a view into a wider buffer, as the model's o_lat may be
+        out = nan_like((T, H, R + 16), dtype, device)[..., :R]
+    else:
+        out = nan_like((T, H, R), dtype, device)
+    mla_decode(q, kv, table, seq_lens, q_len, scale, out, num_splits=num_splits, config=config)
+    ref = mla_decode_ref(q, kv, table, seq_lens, q_len, scale, R)
+    return assert_close(out, ref, dtype, f"mla_decode H={H} R={R} P={P} q_len={q_len} ctx={ctx_lens[:4]}.. "
+                                         f"page={page_size} splits={num_splits} {dtype}")
+
+
+def check_prefill(device, dtype, *, H: int, Dqk: int, Dv: int, q_lens: list[int], k_lens: list[int],
+                  config=None, strided_v: bool = True, impl: str = "triton"):
+    from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_sdpa
+    from mlaserve.kernels.reference import prefill_attention_ref
+
+    Tp, C = sum(q_lens), sum(k_lens)
+    q = torch.randn(Tp, H, Dqk, device=device).to(dtype)
+    k = torch.randn(C, H, Dqk, device=device).to(dtype)
+    if strided_v:  # as the model's v = kv[..., N:], a view with row stride H * (N + V)
+        v = torch.randn(C, H, 16 + Dv, device=device).to(dtype)[..., 16:]
+    else:
+        v = torch.randn(C, H, Dv, device=device).to(dtype)
+    cu_q = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + k_lens, device=device).cumsum(0).to(torch.int32)
+    out = nan_like((Tp, H, Dv), dtype, device)
+    scale = Dqk ** -0.5
+    fn = prefill_attention if impl == "triton" else prefill_attention_sdpa
+    if impl == "triton":
+        fn(q, k, v, cu_q, cu_k, scale, out, max(q_lens), config=config)
+    else:
+        fn(q, k, v, cu_q, cu_k, scale, out, max(q_lens))
+    ref = prefill_attention_ref(q, k, v, cu_q, cu_k, scale)
+    return assert_close(out, ref, dtype, f"prefill_attention[{impl}] H={H} Dqk={Dqk} Dv={Dv} q={q_lens[:4]}.. "
+                                         f"k={k_lens[:4]}.. {dtype}")
+
+
+def check_fused_moe(device, dtype, *, T: int, D: int, I: int, E_total: int, E_local: int, offset: int, K: int,
+                    config=None):
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.layers.moe import fused_experts_ref
+
+    x = torch.randn(T, D, device=device).to(dtype)
+    w13 = (torch.randn(E_local, 2 * I, D, device=device) / D**0.5).to(dtype)
+    w2 = (torch.randn(E_local, D, I, device=device) / I**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E_total, device=device)[:K] for _ in range(T)]) if T else \
+        torch.empty(0, K, dtype=torch.int64, device=device)
+    w = torch.rand(T, K, device=device, dtype=torch.float32) + 0.1
+    out = fused_experts(x, w13, w2, w, ids, offset, config=config)
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, offset)
+    if T == 0:
+        assert out.shape == (0, D)
+        return 0.0
+    owned = ((ids >= offset) & (ids < offset + E_local)).any(1)
+    if not owned.all():  # tokens with no local expert must be exact zeros
+        z = out[~owned].float()
+        assert torch.all(z == 0), f"fused_moe: tokens without a local expert are not zero: {z.abs().max()}"
+    return assert_close(out, ref, dtype, f"fused_moe T={T} D={D} I={I} E={E_local}/{E_total} off={offset} K={K} "
+                                         f"{dtype}")
+
+
+def _near_tie(choice: torch.Tensor, n_group: int, topk_group: int, K: int, eps: float = 1e-5) -> bool:
+    """Does this token's selection hinge on two values closer than eps (float64)? Then fp32 rounding may pick
+    either, and a different but equally scored choice is not a kernel bug."""
+    c = choice.double()
+    E = c.shape[0]
+    if n_group > 1 and topk_group < n_group:
+        gs = c.view(n_group, E // n_group).topk(2, -1).values.sum(-1).sort(descending=True).values
+        if gs[topk_group - 1] - gs[topk_group] < eps:
+            return True
+        keep = torch.zeros(n_group, dtype=torch.bool, device=c.device)
+        keep[c.view(n_group, -1).topk(2, -1).values.sum(-1).topk(topk_group).indices] = True
+        c = c.masked_fill(~keep.repeat_interleave(E // n_group), float("-inf"))
+    top = c.sort(descending=True).values
+    return bool(top[K - 1] - top[K] < eps)
+
+
+def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: int, norm: bool = True,
+                  scaling: float = 2.5):
+    from mlaserve.kernels.routing import route_noaux_tc_logits
+    from mlaserve.layers.moe import route_noaux_tc
+
+    logits = torch.randn(T, E, device=device)
+    bias = 0.1 * torch.randn(E, device=device)
+    w, ids = route_noaux_tc_logits(logits, bias, K, n_group, topk_group, norm, scaling)
+    rw, rids = route_noaux_tc(logits, bias, K, n_group, topk_group, norm, scaling)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (T, K)
+    ids_s, o = ids.sort(-1)  # compare as sets per token
+    rids_s, ro = rids.sort(-1)
+    bad = (ids_s != rids_s).any(-1).nonzero().reshape(-1).tolist()
+    choice = logits.sigmoid() + bias
+    unexplained = [t for t in bad if not _near_tie(choice[t], n_group, topk_group, K)]
+    if unexplained:
+        t = unexplained[0]
+        raise AssertionError(f"routing E={E} G={n_group}/{topk_group} K={K}: {len(unexplained)} of {T} tokens differ "
+                             f"(not near-ties); token {t}: kernel {ids_s[t].tolist()} ref {rids_s[t].tolist()}; "
+                             f"biased scores kernel {choice[t, ids_s[t]].tolist()} ref {choice[t, rids_s[t]].tolist()}")
+    same = torch.ones(T, dtype=torch.bool, device=device)
+    same[bad] = False
+    err = (w.gather(1, o) - rw.gather(1, ro))[same].abs().max().item() if same.any() else 0.0
+    assert err < 1e-5 * max(1.0, scaling), f"routing weights differ by {err:.3e}"
+    return err
+
+
+def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int, num_pages: int):
+    from mlaserve.kernels.reference import rope_store_kv_ref
+    from mlaserve.kernels.rope_kv import rope_store_kv
+
+    cache = nan_like((num_pages, page_size, R + P), dtype, device)
+    slots = torch.randperm(num_pages * page_size, device=device)[:T]
+    slots[::3] = -1  # padding tokens: skipped
+    kv_a = torch.randn(T, R + P, device=device).to(dtype)
+    c_kv = torch.randn(T, R + 8, device=device).to(dtype)[:, 4:4 + R]  # strided view
+    k_pe = kv_a[:, R:]  # row stride R + P, as in the model
+    pos = torch.randint(0, 4096, (T,), device=device).float()
+    freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
+    cos, sin = freqs.cos() * 1.1, freqs.sin() * 1.1
+    ref = rope_store_kv_ref(cache, slots, c_kv, k_pe, cos, sin)
+    rope_store_kv(cache, slots, c_kv, k_pe, cos, sin)
+    written = torch.zeros(num_pages * page_size, dtype=torch.bool, device=device)
+    written[slots[slots >= 0]] = True
+    flat, rflat = cache.view(-1, R + P), ref.view(-1, R + P)
+    assert torch.isnan(flat[~written]).all(), "rope_store_kv wrote a slot it should have skipped"
+    return assert_close(flat[written], rflat[written], dtype, f"rope_store_kv T={T} R={R} P={P} {dtype}")
+
+
+def check_rope_q(device, dtype, *, T: int, H: int, P: int, alias: bool):
+    from mlaserve.kernels.reference import rope_q_ref
+    from mlaserve.kernels.rope_kv import rope_q
+
+    buf = torch.randn(T, H, 16 + P, device=device).to(dtype)  # x = Q[..., R:], a strided view
+    x = buf[..., 16:]
+    pos = torch.randint(0, 4096, (T,), device=device).float()
+    freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
+    cos, sin = freqs.cos(), freqs.sin()
+    ref = rope_q_ref(x, cos, sin)
+    out = x if alias else nan_like((T, H, 8 + P), dtype, device)[..., 8:]
+    rope_q(x, cos, sin, out)
+    return assert_close(out, ref, dtype, f"rope_q T={T} H={H} P={P} alias={alias} {dtype}")
+
+
+def cuda_graph(fn):
+    """Capture fn() in a CUDA graph (after one warm-up call that compiles the kernels) and return the graph.
+    Capture itself fails on any host sync inside fn, so this also proves fn is graph safe."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        result = fn()
+    return g, result

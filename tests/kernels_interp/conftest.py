@@ -1,0 +1,74 @@
+"""Triton kernels under the interpreter: tiny shapes on CPU tensors (TRITON_INTERPRET=1).
+
+Triton fixes interpreted-vs-compiled when a @triton.jit function is DEFINED, i.e. when mlaserve.kernels.* is first
+imported. So, without CUDA, this conftest turns the interpreter on at import (pytest imports it before the test
+modules beside it), and no test module anywhere imports mlaserve.kernels at module level (only inside tests).
+With CUDA the same tiny tests run compiled on the GPU instead (the `kdev` fixture says where).
+Run alone:  PYTHONPATH=$PWD python -m pytest -q tests/kernels_interp
+Without triton installed (CI) every test here skips.
+"""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _patch_interpreter() -> None:
+    """Two bugs of triton 3.6's interpreter (with numpy 2.x) that compiled kernels do not have:
+    - tl.dot multiplies bf16 operands as their raw uint16 bits: widen them to fp32 first;
+    - a scalar loaded from memory is a 1-element array, which numpy 2 refuses to turn into an int, so a loop
+      `for i in range(start, end)` with loaded bounds fails: index the single element instead."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    if getattr(interp, "_mlaserve_patched", False):
+        return
+    orig_dot = interp.InterpreterBuilder.create_dot
+
+    def widen(h):
+        if str(h.dtype.scalar) != "bf16":
+            return h
+        return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    orig_patch_tensor = interp._patch_lang_tensor
+
+    def patch_tensor(tensor, scope):
+        orig_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp.InterpreterBuilder.create_dot = create_dot
+    interp._patch_lang_tensor = patch_tensor
+    interp._mlaserve_patched = True
+
+
+@pytest.fixture(scope="session")
+def kdev() -> str:
+    """'cpu' when the kernels are interpreted, 'cuda' when compiled; skips when neither can run."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from mlaserve.kernels import mla_decode
+
+    if isinstance(mla_decode._mla_decode_split_kernel, InterpretedFunction):
+        _patch_interpreter()
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("mlaserve.kernels was imported before TRITON_INTERPRET=1 was set; run "
+                "`python -m pytest tests/kernels_interp` in its own process")
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Random inputs, reproducible per test."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+

@@ -1,0 +1,50 @@
+"""mla_decode under the interpreter: tiny model dims, both page sizes, verify widths, real and empty splits."""
+
+import pytest
+import torch
+
+from tests.kernel_checks import check_mla_decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [1, 2, 3])
+def test_tiny_model_dims(kdev, dtype, q_len):
+    # R=32, P=8, H=4: the tiny preset; contexts from q_len (nothing cached) upward; page size 16
+    check_mla_decode(kdev, dtype, H=4, R=32, P=8, q_len=q_len, ctx_lens=[q_len, 17, 40], page_size=16,
+                     num_splits=3, config={"MIN_SPLIT_TOKENS": 16})
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+def test_splits_incl_empty(kdev, num_splits):
+    # 7 splits of >= 16 tokens over contexts of 5..70 tokens: most splits are empty
+    check_mla_decode(kdev, torch.float32, H=16, R=64, P=16, q_len=1, ctx_lens=[5, 70, 33, 1], page_size=16,
+                     num_splits=num_splits, config={"MIN_SPLIT_TOKENS": 16}, strided_out=True)
+
+
+def test_page64_heads_over_block(kdev):
+    # H=20 spans two head blocks (the second partly masked); page size 64; default split heuristic
+    check_mla_decode(kdev, torch.bfloat16, H=20, R=32, P=16, q_len=2, ctx_lens=[130, 2], page_size=64)
+    check_mla_decode(kdev, torch.float32, H=1, R=16, P=16, q_len=1, ctx_lens=[3, 70], page_size=64)  # one head
+
+
+def test_seq_len_zero_rows_are_zero(kdev):
+    # a CUDA-graph padding request (seq_len 0) sees nothing: its rows must be zeros, not NaN
+    from mlaserve.kernels.mla_decode import mla_decode
+    from tests.kernel_checks import make_paged, nan_like
+
+    kv, table, seq_lens = make_paged([9, 1], 16, 40, torch.float32, kdev)
+    seq_lens[1] = 0
+    q = torch.randn(2, 4, 40, device=kdev)
+    for splits in (1, 3):
+        out = nan_like((2, 4, 32), torch.float32, kdev)
+        mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=splits, config={"MIN_SPLIT_TOKENS": 16})
+        assert torch.all(out[1] == 0) and not torch.isnan(out[0]).any()
+
+
+def test_bad_input_names_field(kdev):
+    from mlaserve.kernels.mla_decode import mla_decode
+
+    q = torch.zeros(3, 4, 40, device=kdev)
+    with pytest.raises(ValueError, match="B \\* q_len"):
+        mla_decode(q, torch.zeros(2, 16, 40, device=kdev), torch.zeros(2, 1, dtype=torch.int32, device=kdev),
+                   torch.ones(2, dtype=torch.int32, device=kdev), 1, 0.1, torch.empty(3, 4, 32, device=kdev))

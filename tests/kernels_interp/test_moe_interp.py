@@ -1,0 +1,77 @@
+"""fused_experts and the routing kernel under the interpreter, against layers.moe's references."""
+
+import pytest
+import torch
+
+from tests.kernel_checks import check_fused_moe, check_routing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_tiny(kdev, dtype):
+    # the tiny preset: D=64 I=32 E=8 K=2
+    check_fused_moe(kdev, dtype, T=5, D=64, I=32, E_total=8, E_local=8, offset=0, K=2)
+
+
+def test_fused_moe_expert_parallel(kdev, monkeypatch):
+    # this rank owns experts [4, 8) of 12: other experts contribute nothing; some tokens own none at all
+    check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3)
+    from mlaserve.kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "FUSED_COUNT_MAX", 0)  # and with the separate counting kernel
+    check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3)
+
+
+def test_fused_moe_uneven_k_and_n(kdev):
+    # D and I not multiples of the tiles (masked K and N loops); one token only
+    check_fused_moe(kdev, torch.float32, T=1, D=40, I=20, E_total=6, E_local=6, offset=0, K=2)
+
+
+def test_fused_moe_many_rows_per_expert(kdev):
+    # 48 tokens over 4 experts: several BLOCK_M blocks per expert (BLOCK_M forced to 16)
+    check_fused_moe(kdev, torch.float32, T=48, D=32, I=16, E_total=4, E_local=4, offset=0, K=2,
+                    config=dict(BLOCK_M=16))
+
+
+@pytest.mark.parametrize("fused_count", [True, False])
+def test_moe_align_layout(kdev, fused_count, monkeypatch):
+    from mlaserve.kernels import fused_moe
+    from mlaserve.kernels.fused_moe import moe_align
+
+    if not fused_count:  # the separate counting kernel used above FUSED_COUNT_MAX pairs
+        monkeypatch.setattr(fused_moe, "FUSED_COUNT_MAX", 0)
+
+    ids = torch.tensor([[3, 0], [3, 5], [0, 3], [9, 2]], device=kdev)  # expert 9 is not local (E_local = 6)
+    sorted_ids, expert_ids, num_padded = moe_align(ids, 6, 0, 4)
+    TK = ids.numel()
+    n = int(num_padded)
+    assert n == 4 * 4  # experts 0, 2, 3, 5 each padded to one block of 4
+    assert expert_ids[:4].tolist() == [0, 2, 3, 5] and (expert_ids[4:] == -1).all()
+    flat = ids.reshape(-1)
+    for blk, e in enumerate(expert_ids[:4].tolist()):
+        rows = sorted_ids[blk * 4:(blk + 1) * 4].tolist()
+        real = sorted(r for r in rows if r < TK)
+        assert real == sorted((flat == e).nonzero().reshape(-1).tolist()), (blk, e, rows)
+        assert all(r == TK for r in rows if r >= TK)
+
+
+@pytest.mark.parametrize("E,G,TG,K", [(8, 2, 1, 2), (64, 1, 1, 6), (32, 8, 3, 5), (24, 4, 4, 3)])
+def test_routing(kdev, E, G, TG, K):
+    # (8,2,1,2) the tiny preset; (64,1,1,6) Moonlight-like (no groups); (32,8,3,5) group selection; TG == G
+    check_routing(kdev, T=7, E=E, n_group=G, topk_group=TG, K=K, norm=K != 5)
+
+
+def test_routing_fused_matches_router_module(kdev):
+    from mlaserve.config import ModelConfig
+    from mlaserve.kernels.routing import route_noaux_tc_fused
+    from mlaserve.layers.moe import TopkRouter
+    from mlaserve.models.make_random import load_preset
+
+    cfg = ModelConfig.from_hf(load_preset("tiny"))
+    gate = TopkRouter(cfg).to(kdev)
+    gate.weight.data.normal_()
+    gate.e_score_correction_bias.data.normal_(0, 0.1)
+    x = torch.randn(6, cfg.hidden_size, device=kdev).to(torch.bfloat16)
+    w, ids = route_noaux_tc_fused(gate, x)
+    rw, rids = gate(x)
+    assert torch.equal(ids.sort(-1).values, rids.sort(-1).values)
+    torch.testing.assert_close(w.gather(1, ids.argsort(-1)), rw.gather(1, rids.argsort(-1)), rtol=1e-5, atol=1e-6)
