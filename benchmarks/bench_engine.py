@@ -33,11 +33,13 @@ def log(*a):
 
 def prompts(n, length, vocab, seed):
     rng = random.Random(seed)
-    return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(n)]
+    lo = min(1000, vocab // 4)  # keep clear of special ids at both ends
+    return [[rng.randrange(lo, vocab - lo) for _ in range(length)] for _ in range(n)]
 
 
 def sync():
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 # ---- mlaserve ----------------------------------------------------------------------------------------
@@ -86,12 +88,14 @@ def hf_bench(path, cases, ttft_lengths, vocab):
     out = {}
     sync()
     t = time.perf_counter()
-    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = {"device_map": dev} if dev == "cuda" else {}
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kw).eval()
     sync()
     out["load_s"] = time.perf_counter() - t
     with torch.no_grad():
         for n in ttft_lengths:
-            ids = torch.tensor(prompts(1, n, vocab, 5)).cuda()
+            ids = torch.tensor(prompts(1, n, vocab, 5), device=dev)
             model(ids)
             sync()
             ts = []
@@ -102,7 +106,7 @@ def hf_bench(path, cases, ttft_lengths, vocab):
                 ts.append(time.perf_counter() - t)
             out[f"prefill_{n}_s"] = statistics.median(ts)
         for b, ctx in cases:
-            ids = torch.tensor(prompts(b, ctx, vocab, 9)).cuda()
+            ids = torch.tensor(prompts(b, ctx, vocab, 9), device=dev)
             mask = torch.ones_like(ids)
             kw = dict(do_sample=False, pad_token_id=0, attention_mask=mask)
             try:
@@ -144,7 +148,7 @@ def main():
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    res = {"label": a.label, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    res = {"label": a.label, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
     if a.model and a.make and not os.path.isdir(a.model):

@@ -30,12 +30,18 @@ class TritonMLABackend(AttentionBackend):
         if fresh:
             return self._meta
         nd, dev = batch.num_decode_reqs, batch.seq_lens.device
+        qsl = batch.query_start_loc
+        if batch.context_is_new:  # every prefill context is this step's tokens: no host sizes (CUDA graphs)
+            cu_q = (qsl[nd:] - qsl[nd]).to(torch.int32)
+            slots = batch.slot_mapping[batch.num_decode_tokens:].clamp(min=0)  # padding (-1) reads slot 0
+            self._meta_batch = batch
+            self._meta = dict(cu_q=cu_q, cu_k=cu_q, slots=slots, max_q_len=batch.max_query_len)
+            return self._meta
         lens_cpu = batch.seq_lens_cpu[nd:]
         n, C = len(lens_cpu), sum(lens_cpu)
         lens = batch.seq_lens[nd:].long()  # [n]
         cu_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         torch.cumsum(lens, 0, out=cu_k[1:])
-        qsl = batch.query_start_loc
         cu_q = (qsl[nd:] - qsl[nd]).to(torch.int32)
         req = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=C)  # [C]
         pos = torch.arange(C, device=dev) - cu_k[:-1].long()[req]

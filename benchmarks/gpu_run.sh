@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call: environment, gpu tests, kernel bench, whole-model bench. Each stage has its own time limit so
+# the call ends inside the device tool's 10 minutes; everything is logged under $OUT.
+#   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2]
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT"
+stages=" $* "
+t0=$(date +%s)
+el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
+if [[ $stages == *" tests "* ]]; then
+  el "gpu tests"
+  timeout ${TESTS_S:-170} python3 -m pytest -q tests/gpu -p no:cacheprovider -o addopts="" -rfE --timeout 90 \
+    2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -25
+fi
+if [[ $stages == *" kernels "* ]]; then
+  el "kernels bench"
+  timeout ${KERNELS_S:-140} python3 benchmarks/kernels_bench.py --quick --time-limit $(( ${KERNELS_S:-140} - 10 )) \
+    2>&1 | tee "$OUT/kernels.log" | tail -45
+fi
+if [[ $stages == *" m1 "* ]]; then
+  el "M1 engine bench (+ transformers)"
+  timeout ${M1_S:-300} python3 benchmarks/bench_engine.py --model /tmp/m1 --make moonlight-16b-a3b --hf \
+    --label m1 2>&1 | tee "$OUT/m1.log" | grep -v "it/s\]" | tail -30
+fi
+if [[ $stages == *" spec "* ]]; then
+  el "M1 EAGLE3 bench"
+  timeout ${SPEC_S:-200} python3 benchmarks/bench_engine.py --model /tmp/m1 --make moonlight-16b-a3b \
+    --draft /tmp/m1-draft --spec-only --batches 1,8 --label m1-eagle3 2>&1 | tee "$OUT/spec.log" | tail -12
+fi
+if [[ $stages == *" m2 "* ]]; then
+  el "M2 engine bench (dummy weights)"
+  timeout ${M2_S:-200} python3 benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy --label m2 \
+    --batches 1,8 --contexts 512 --ttft 512,8192 2>&1 | tee "$OUT/m2.log" | tail -12
+fi
+cp benchmarks/results/*.json "$OUT/" 2>/dev/null
+el "done"
