@@ -188,7 +188,8 @@ def main():
     from mlaserve.engine.engine import LLMEngine
 
     cfg = EngineConfig(model=path, load_format="dummy" if a.dummy else "auto", gpu_memory_utilization=a.gpu_mem,
-                       enable_prefix_caching=False, max_num_seqs=max(batches))
+                       enable_prefix_caching=False, max_num_seqs=max(batches),
+                       max_model_len=max(ctxs + ttfts) + 128)
     sync()
     t = time.perf_counter()
     engine = LLMEngine(cfg)

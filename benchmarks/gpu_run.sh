@@ -12,12 +12,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
 if [[ $stages == *" tests "* ]]; then
   el "gpu tests"
-  timeout ${TESTS_S:-170} python3 -m pytest -q tests/gpu -p no:cacheprovider -o addopts="" -rfE --timeout 90 \
+  timeout ${TESTS_S:-170} python3 -m pytest -q ${TESTS:-tests/gpu} -p no:cacheprovider -o addopts="" -rfE --timeout 90 \
     2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -25
 fi
 if [[ $stages == *" kernels "* ]]; then
   el "kernels bench"
-  timeout ${KERNELS_S:-140} python3 benchmarks/kernels_bench.py --quick --time-limit $(( ${KERNELS_S:-140} - 10 )) \
+  timeout ${KERNELS_S:-140} python3 benchmarks/kernels_bench.py ${KERNEL_ARGS:---quick} --time-limit $(( ${KERNELS_S:-140} - 10 )) \
     2>&1 | tee "$OUT/kernels.log" | tail -45
 fi
 if [[ $stages == *" m1 "* ]]; then

@@ -72,8 +72,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
-                             f"{self.model_config.max_position_embeddings}")
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: positions past it were "
+                        "never trained", self.max_model_len, self.model_config.max_position_embeddings)
         self.pool = KVPool(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.pool, decode_q_len=self.spec_k + 1)
         self.states: dict[str, _ReqState] = {}

@@ -73,6 +73,7 @@ class ModelRunner:
 
     def _pages_from_memory(self) -> int:
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the caching allocator holds but does not use is free for the cache
             free, total = torch.cuda.mem_get_info(self.device)
             # Leave (1 - utilization) of the card plus room for activations of a full token budget.
             # Activations of a full token budget (MoE and attention intermediates) plus CUDA-graph pools.

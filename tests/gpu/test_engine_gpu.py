@@ -17,7 +17,7 @@ def _prompts(n, seed=0, hi=300):
 def _greedy(llm_kwargs, ckpt, prompts, max_tokens=16, spec=None):
     from mlaserve import LLM, SamplingParams
 
-    llm = LLM(ckpt, device="cuda", speculative_config=spec, **llm_kwargs)
+    llm = LLM(ckpt, device="cuda", speculative_config=spec, num_pages=2048, page_size=64, **llm_kwargs)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
     return [o.token_ids for o in outs], llm
