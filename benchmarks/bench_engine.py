@@ -146,6 +146,7 @@ def main():
     ap.add_argument("--label", default="m1")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and of decode")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"label": a.label, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
@@ -221,6 +222,8 @@ def main():
                              step_ms=s * 1e3, tokens_per_step=tok, plain_ms=base[b] * 1e3,
                              floor_ms=decode_floor_s(mcfg, b, 512) * 1e3,
                              accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1)))
+    if a.profile and not a.spec_only:
+        res["profile"] = profile(engine, vocab, max(ttfts))
     res["rows"] = rows
     log(f"\n{a.label} on {res['gpu']}  (params {res['params_b']:.2f} B; load {res['mlaserve_load_s']:.1f}s, "
         f"init incl. graphs {res['mlaserve_init_s']:.1f}s; transformers load {_get(res, 'load_s')})")
@@ -230,8 +233,30 @@ def main():
             f"{r['hf_ms'] if r.get('hf_ms') is not None else '-':>16}")
     name = f"engine_{a.label}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     for d in (a.out, os.path.join(os.path.dirname(__file__), "results")):
+        os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, name), "w") as f:
             json.dump(res, f, indent=1)
+
+
+def profile(engine, vocab, prefill_len):
+    """Where the time goes: the top GPU kernels of one long prefill and of 16 batch-1 decode steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    out = {}
+    for name, fn in (("prefill", lambda: ml_ttft(engine, prefill_len, vocab, reps=1)),
+                     ("decode_b1", lambda: ml_tpot(engine, 1, 512, vocab, steps=16))):
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync()
+        rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                       if e.device_time_total > 0), key=lambda r: -r[1])
+        total = sum(r[1] for r in rows)
+        out[name] = {"total_ms": total, "kernels": [{"name": k[:90], "ms": ms, "count": c} for k, ms, c in rows[:25]]}
+        log(f"\nprofile {name}: {total:.1f} ms of GPU time, {sum(r[2] for r in rows)} kernels")
+        for k, ms, c in rows[:15]:
+            log(f"  {ms:8.2f} ms {c:6d}x  {k[:100]}")
+    return out
 
 
 def _ms(res, key):

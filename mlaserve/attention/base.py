@@ -102,6 +102,12 @@ class AttentionBackend(ABC):
         self.kv_lora_rank = kv_lora_rank
         self.page_size = kv_cache.shape[2]
 
+    def rope_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The query's RoPE: x [T, H, P] -> out (any strided view, may alias x)."""
+        from ..layers.rotary import apply_rope
+
+        return apply_rope(x, cos, sin, out=out)
+
     @abstractmethod
     def store_kv(self, layer_id: int, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, batch: ForwardBatch) -> None:

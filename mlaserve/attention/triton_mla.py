@@ -11,7 +11,7 @@ import torch
 
 from ..kernels.mla_decode import mla_decode
 from ..kernels.prefill_attention import prefill_attention
-from ..kernels.rope_kv import rope_store_kv
+from ..kernels.rope_kv import rope_q, rope_store_kv
 from .base import AttentionBackend, ForwardBatch
 
 
@@ -50,6 +50,9 @@ class TritonMLABackend(AttentionBackend):
         self._meta_batch = batch
         self._meta = dict(cu_q=cu_q, cu_k=cu_k, slots=slots, max_q_len=max(batch.query_lens_cpu[nd:], default=0))
         return self._meta
+
+    def rope_q(self, x, cos, sin, out):
+        return rope_q(x, cos, sin, out)
 
     def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch):
         rope_store_kv(self.kv_cache[layer_id], batch.slot_mapping, c_kv, k_pe, cos, sin)

@@ -18,7 +18,7 @@ from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import Linear
 from ..layers.moe import Experts, TopkRouter
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding, apply_rope
+from ..layers.rotary import RotaryEmbedding
 
 
 class DeepseekV3MLP(nn.Module):
@@ -132,13 +132,13 @@ class DeepseekV3Attention(nn.Module):
         T, H, R = q.shape[0], self.H, self.R
         Q = q.new_empty(T, H, R + self.P)  # [T, H, R+P]: absorbed q_nope | rope(q_pe)
         self.absorb_q(q[..., : self.N], Q)
-        apply_rope(q[..., self.N:], cos, sin, out=Q[..., R:])
+        batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., R:])
         o_lat = batch.attn.decode(self.layer_id, Q, self.scale, batch, out=q.new_empty(T, H, R))  # [T, H, R]
         self.absorb_out(o_lat, out)
 
     def forward_naive(self, q, cos, sin, batch, out) -> None:
         T, H, N, P, R, V = q.shape[0], self.H, self.N, self.P, self.R, self.V
-        apply_rope(q[..., N:], cos, sin, out=q[..., N:])  # q is ours: rotate in place
+        batch.attn.rope_q(q[..., N:], cos, sin, out=q[..., N:])  # q is ours: rotate in place
         # [C, R+P], this step's tokens included; in the cache's dtype, which may differ from ours
         latent = batch.attn.prefill_context(self.layer_id, batch).to(q.dtype)
         C = latent.shape[0]

@@ -95,6 +95,11 @@ class FakeBackend:
     def __init__(self, o_lat, rec):
         self.o_lat, self.rec = o_lat, rec
 
+    def rope_q(self, x, cos, sin, out):  # the reference RoPE writes Q[..., R:] with out= (recorded)
+        from mlaserve.layers.rotary import apply_rope
+
+        return apply_rope(x, cos, sin, out=out)
+
     def decode(self, layer_id, q, scale, batch, out):
         self.rec.on = False  # the backend's own ops are not under test here
         self.q, self.out_ptr = q.clone(), out.data_ptr()
