@@ -252,7 +252,8 @@ def profile(engine, vocab, prefill_len):
         rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
                        if e.device_time_total > 0), key=lambda r: -r[1])
         total = sum(r[1] for r in rows)
-        out[name] = {"total_ms": total, "kernels": [{"name": k[:90], "ms": ms, "count": c} for k, ms, c in rows[:25]]}
+        top = [{"name": k[:90], "ms": ms, "count": c} for k, ms, c in rows[:25]]
+        out[name] = {"total_ms": total, "kernels": top}
         log(f"\nprofile {name}: {total:.1f} ms of GPU time, {sum(r[2] for r in rows)} kernels")
         for k, ms, c in rows[:15]:
             log(f"  {ms:8.2f} ms {c:6d}x  {k[:100]}")
