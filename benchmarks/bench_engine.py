@@ -149,7 +149,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and of decode")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    res = {"label": a.label, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    res = {"label": a.label, "gpu": gpu, "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
     if a.model and a.make and not os.path.isdir(a.model):
