@@ -32,7 +32,7 @@ if [[ $stages == *" spec "* ]]; then
 fi
 if [[ $stages == *" m2 "* ]]; then
   el "M2 engine bench (dummy weights)"
-  timeout ${M2_S:-200} python3 benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy --label m2 \
+  timeout ${M2_S:-200} python3 benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy --label m2 --gpu-mem 0.95 \
     --batches 1,8 --contexts 512 --ttft 512,8192 2>&1 | tee "$OUT/m2.log" | tail -12
 fi
 cp benchmarks/results/*.json "$OUT/" 2>/dev/null
