@@ -31,7 +31,7 @@ class DeepseekV3MLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, shard="col", **kw)
         self.up_proj = Linear(hidden, inter, shard="col", **kw)
         self.down_proj = Linear(inter, hidden, shard="row", **kw)
-        self.reduce = reduce
+        self.reduce = reduce and ranks.world_size > 1  # a replicated copy (the EAGLE3 draft) never reduces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -46,6 +46,7 @@ class DeepseekV3MoE(nn.Module):
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                tp_rank=ranks.moe_tp_rank, tp_size=ranks.moe_tp_size,
                                ep_rank=ranks.ep_rank, ep_size=ranks.ep_size, dtype=dtype)
+        self.reduce = ranks.world_size > 1
         self.shared_experts = (
             DeepseekV3MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ranks, dtype,
                           reduce=False) if cfg.n_shared_experts else None)
@@ -60,7 +61,7 @@ class DeepseekV3MoE(nn.Module):
         y = self.experts(x, weights, ids, impl=self.impl)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return tp.all_reduce(y)
+        return tp.all_reduce(y) if self.reduce else y
 
 
 class DeepseekV3Attention(nn.Module):
@@ -76,6 +77,7 @@ class DeepseekV3Attention(nn.Module):
         self.H = cfg.num_attention_heads // ranks.world_size
         self.N, self.P, self.R, self.V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
         self.scale = cfg.softmax_scale
+        self.reduce = ranks.world_size > 1
         heads = cfg.num_attention_heads
         col = dict(shard="col", rank=ranks.rank, size=ranks.world_size, dtype=dtype)
         self.q_lora_rank = cfg.q_lora_rank
@@ -117,7 +119,8 @@ class DeepseekV3Attention(nn.Module):
             self.forward_absorbed(q[:Td], cos[:Td], sin[:Td], batch, out[:Td])
         if Td < T:
             self.forward_naive(q[Td:], cos[Td:], sin[Td:], batch, out[Td:])
-        return tp.all_reduce(self.o_proj(out))
+        out = self.o_proj(out)
+        return tp.all_reduce(out) if self.reduce else out
 
     def absorb_q(self, q_nope: torch.Tensor, Q: torch.Tensor) -> None:
         """Q[..., :R] = q_nope @ w_kc per head, written in place. q_nope [T, H, N], Q [T, H, R+P]."""

@@ -50,7 +50,7 @@ def draft_page_bytes(cfg: DraftConfig, page_size: int, dtype: torch.dtype) -> in
 
 def full_embedding(runner) -> torch.nn.Embedding:
     """The target's whole embedding table on this rank (read from the checkpoint, or random for dummy weights)."""
-    c = runner.model_config
+    c = runner.model_cfg
     emb = torch.nn.Embedding(c.vocab_size, c.hidden_size, device=runner.device, dtype=runner.dtype)
     emb.weight.requires_grad_(False)
     if runner.cfg.load_format == "dummy":

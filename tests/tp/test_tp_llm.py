@@ -35,3 +35,18 @@ def test_llm_tp_matches_tp1(tiny_ckpt, tp1, kw):
 def test_llm_refuses_sizes_that_do_not_divide(tiny_ckpt):
     with pytest.raises(ValueError, match="num_attention_heads|heads"):
         LLM(tiny_ckpt, device="cpu", tp=3)
+
+
+def test_llm_tp2_with_eagle3_matches_tp1(tiny_ckpt, tp1, tmp_path):
+    """The draft runs on rank 0 alone (full embedding, no collectives) beside the sharded target."""
+    from mlaserve.models.make_random_draft import make_random_draft
+
+    draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
+    llm = LLM(tiny_ckpt, device="cpu", tp=2, on_rank_failure=lambda e: None,
+              speculative_config={"draft_model": draft, "num_steps": 1})
+    try:
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)
+        assert [o.token_ids for o in outs] == tp1
+    finally:
+        llm.close()
