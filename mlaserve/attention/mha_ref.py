@@ -25,19 +25,22 @@ class PagedMHARef:
         flat[batch.slot_mapping[ok], 0] = k[ok].to(flat.dtype)
         flat[batch.slot_mapping[ok], 1] = v[ok].to(flat.dtype)
         out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
         qo = 0
         for i in range(batch.num_reqs):
             n, L = batch.query_lens_cpu[i], batch.seq_lens_cpu[i]
             pages = batch.page_table[i, : -(-L // self.page_size)].long()
             kv = self.kv_cache[pages].reshape(-1, *self.kv_cache.shape[2:])[:L]  # [L, 2, kvh, d]
             qi, ki, vi = q[qo:qo + n].transpose(0, 1), kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
+            if group > 1:  # GQA: expand the kv heads (SDPA's enable_gqa falls back to the O(n L) math kernel)
+                ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
             # SDPA: flash/memory-efficient on the GPU (no [H, n, L] score matrix), exact maths on the CPU.
             if n == L:
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
             else:  # the queries are the last n positions: query j sees keys <= L - n + j
                 j = torch.arange(n, device=q.device)
                 visible = torch.arange(L, device=q.device)[None, :] <= (L - n + j)[:, None]
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=visible, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=visible, scale=scale)
             out[qo:qo + n] = o.transpose(0, 1)
             qo += n
         return out
