@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from .base import ForwardBatch
 
+QUERY_BLOCK = 2048
+
 
 class PagedMHARef:
     def __init__(self, kv_cache: torch.Tensor):
@@ -34,13 +36,13 @@ class PagedMHARef:
             qi, ki, vi = q[qo:qo + n].transpose(0, 1), kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
             if group > 1:  # GQA: expand the kv heads (SDPA's enable_gqa falls back to the O(n L) math kernel)
                 ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
-            # SDPA: flash/memory-efficient on the GPU (no [H, n, L] score matrix), exact maths on the CPU.
-            if n == L:
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
-            else:  # the queries are the last n positions: query j sees keys <= L - n + j
-                j = torch.arange(n, device=q.device)
+            # SDPA over query blocks: flash/memory-efficient on the GPU, and even a math fallback stays bounded.
+            o = torch.empty_like(qi)
+            for c0 in range(0, n, QUERY_BLOCK):
+                c1 = min(c0 + QUERY_BLOCK, n)
+                j = torch.arange(c0, c1, device=q.device)  # query j sees keys <= L - n + j
                 visible = torch.arange(L, device=q.device)[None, :] <= (L - n + j)[:, None]
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=visible, scale=scale)
+                o[:, c0:c1] = F.scaled_dot_product_attention(qi[:, c0:c1], ki, vi, attn_mask=visible, scale=scale)
             out[qo:qo + n] = o.transpose(0, 1)
             qo += n
         return out
