@@ -22,25 +22,30 @@ os.makedirs("/tmp/m3", exist_ok=True); json.dump(raw, open("/tmp/m3/config.json"
 make_random_draft("kimi-k2.5-eagle3", "/tmp/m3-draft", target="/tmp/m3", dtype="bfloat16", device="cuda")
 print("wrote /tmp/m3 (config only: dummy weights) and /tmp/m3-draft")
 PY
-el "starting the server"
+serve_and_bench() {  # $1: label; the rest: extra serve flags
+label=$1; shift
+el "starting the server ($label)"
 setsid python3 -m mlaserve serve /tmp/m3 --tp $TP --load-format dummy --port $PORT --max-num-seqs 16 \
-  --max-model-len $(( IN + OUTLEN + 64 )) --speculative-algorithm EAGLE3 --speculative-draft-model-path /tmp/m3-draft \
-  --speculative-num-steps 1 --speculative-num-draft-tokens 2 > "$OUT/server.log" 2>&1 &
+  --max-model-len $(( IN + OUTLEN + 64 )) --no-prefix-caching "$@" > "$OUT/server-$label.log" 2>&1 &
 SERVER=$!
 for i in $(seq 1 300); do
   curl -sf http://127.0.0.1:$PORT/health >/dev/null && break
-  kill -0 $SERVER 2>/dev/null || { el "server died"; tail -40 "$OUT/server.log"; exit 1; }
+  kill -0 $SERVER 2>/dev/null || { el "server died"; tail -40 "$OUT/server-$label.log"; return 1; }
   sleep 1
 done
-el "server up"; grep -E "captured|loaded|KV cache|EAGLE3" "$OUT/server.log" | cut -c1-240
-for run in 1 2; do
+el "server up"; grep -E "captured|loaded|KV cache|EAGLE3" "$OUT/server-$label.log" | cut -c1-240
+for run in $(seq 1 ${RUNS:-2}); do
   el "bench run $run"
   timeout ${BENCH_S:-200} python3 -m mlaserve bench serve --base-url http://127.0.0.1:$PORT --num-prompts 8 \
     --max-concurrency 8 --input-len $IN --output-len $OUTLEN --seed 20260724 --num-warmups 0 --temperature 0 \
-    --ignore-eos --disable-tqdm --label "kimi-${LAYERS}l-tp${TP}-eagle3-run$run" --save-result "$OUT/m3-run$run.json" 2>&1 | tail -28
+    --ignore-eos --disable-tqdm --label "kimi-${LAYERS}l-tp${TP}-$label-run$run" --save-result "$OUT/$label-run$run.json" 2>&1 \
+    | grep -E "Successful|Failed|Median (TTFT|TPOT|E2EL)|Output token throughput|Acceptance|agree"
 done
-python3 -m mlaserve bench compare --baseline "$OUT/m3-run1.json" --candidate "$OUT/m3-run2.json" 2>&1 | tail -20
-curl -s http://127.0.0.1:$PORT/metrics | grep -E "^mlaserve:(spec|generation|prompt)" > "$OUT/metrics.txt"
-kill -INT $SERVER; sleep 5; kill -9 -$SERVER 2>/dev/null
-tail -5 "$OUT/server.log"
+kill -INT $SERVER; sleep 4; kill -9 -$SERVER 2>/dev/null
+}
+serve_and_bench eagle3 --speculative-algorithm EAGLE3 --speculative-draft-model-path /tmp/m3-draft \
+  --speculative-num-steps 1 --speculative-num-draft-tokens 2
+RUNS=1 serve_and_bench plain
+python3 -m mlaserve bench compare --baseline "$OUT/eagle3-run1.json" --candidate "$OUT/eagle3-run2.json" 2>&1 | tail -8
+python3 -m mlaserve bench compare --baseline "$OUT/plain-run1.json" --candidate "$OUT/eagle3-run1.json" "$OUT/eagle3-run2.json" 2>&1 | tail -14
 el "done"
