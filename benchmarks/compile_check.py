@@ -138,6 +138,20 @@ def cases(quick: bool):
             torch.empty(4, R + P, dtype=bf)[:, R:], cs, cs)
         q = torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]
         yield f"rope_q H={H} P={P}", rope_q, (q, cs, cs, q)
+    from mlaserve.kernels.gqa_decode import gqa_decode, gqa_store_kv
+    from mlaserve.kernels.rmsnorm import rms_norm
+
+    for D in (512, 2048, 7168):
+        yield f"rms_norm D={D}", rms_norm, (torch.empty(4, D, dtype=bf), torch.empty(D, dtype=bf), 1e-6)
+    for H, KVH, d, q_len, dtype in [(64, 64, 128, 2, bf), (16, 16, 128, 1, bf), (4, 2, 16, 3, torch.float32)]:
+        cache = torch.empty(8, 64, 2, KVH, d, dtype=dtype)
+        T = 4 * q_len
+        yield f"gqa_decode H={H} kv={KVH} q_len={q_len} {dtype}", gqa_decode, (
+            torch.empty(T, H, d, dtype=dtype), cache, torch.zeros(4, 8, dtype=i32), torch.full((4,), q_len, dtype=i32),
+            q_len, 0.1, torch.empty(T, H, d, dtype=dtype))
+        yield f"gqa_store_kv kv={KVH} d={d}", gqa_store_kv, (
+            cache, torch.zeros(T, dtype=torch.int64), torch.empty(T, KVH, d, dtype=dtype),
+            torch.empty(T, KVH, d, dtype=dtype))
 
 
 def main(argv=None) -> int:

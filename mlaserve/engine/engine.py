@@ -84,6 +84,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         if self.runner.device.type == "cuda" and not cfg.enforce_eager:
             self.runner.capture_graphs(self.spec_k + 1, self.max_model_len)
+            if hasattr(self.proposer, "capture_graphs"):  # the draft runs on rank 0 only: no collectives inside
+                self.proposer.capture_graphs(cfg.max_num_seqs, self.runner.graphs.max_pages)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -223,7 +225,7 @@ class LLMEngine:
             ev.usage = self.usage(req)
             results.append(ev)
             if not ev.finished:
-                chunks.append(DraftChunk(req, toks, start, _rows(aux, row, len(toks)), propose=True))
+                chunks.append(DraftChunk(req, toks, start, _rows(aux, row, N), propose=True, verify=True))
             row += N
         it = iter(first)
         for c in out.prefill:

@@ -27,8 +27,9 @@ class DraftChunk:
     req: Request
     token_ids: list[int]  # tokens at positions start+1 .. start+n (the "next token" of each pair)
     start: int  # first position
-    hidden: torch.Tensor  # [n, 3*D] target aux hidden states at positions start .. start+n-1
+    hidden: torch.Tensor  # [n, 3*D] target aux hidden states at positions start .. start+n-1 (verify: all N rows)
     propose: bool  # this request decodes next: chain num_steps draft tokens after the chunk
+    verify: bool = False  # the chunk follows a verify: token_ids are the emitted 1 + a tokens
 
 
 def aux_layer_ids(cfg: DraftConfig, num_layers: int, offset: int) -> tuple[int, ...]:
@@ -86,19 +87,26 @@ class Eagle3Proposer:
                              f"{cfg.target_hidden_size} / vocab {cfg.vocab_size}, the target has "
                              f"{tc.hidden_size} / {tc.vocab_size}")
         target.aux_layer_ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
-        pages = runner.num_pages
+        pages, gpu = runner.num_pages, self.device.type == "cuda"
         if cfg.mla is not None:
             from ..attention.torch_ref import TorchRefBackend
+            from ..attention.triton_mla import TritonMLABackend
 
             cache = torch.zeros(1, pages, self.page_size, cfg.mla.kv_cache_dim, dtype=runner.dtype,
                                 device=self.device)
-            self.attn = TorchRefBackend(cache, cfg.mla.kv_lora_rank)
+            self.attn = (TritonMLABackend if gpu else TorchRefBackend)(cache, cfg.mla.kv_lora_rank)
         else:
             from ..attention.mha_ref import PagedMHARef
 
             cache = torch.zeros(pages, self.page_size, 2, cfg.num_key_value_heads, cfg.head_dim,
                                 dtype=runner.dtype, device=self.device)
-            self.attn = PagedMHARef(cache)
+            if gpu:
+                from ..attention.triton_mha import TritonPagedMHA
+
+                self.attn = TritonPagedMHA(cache)
+            else:
+                self.attn = PagedMHARef(cache)
+        self.graphs = None  # DraftGraphs once capture_graphs() ran
         log.info("EAGLE3 draft %s: %d draft steps, aux layers %s", cfg.architecture, self.k, target.aux_layer_ids)
 
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor):
@@ -107,13 +115,21 @@ class Eagle3Proposer:
         rows = batch.logits_indices
         return self.draft.draft_token_ids(normed[rows]), h[rows]
 
+    def capture_graphs(self, max_bs: int, max_pages: int, use_graphs: bool = True) -> None:
+        from .draft_graph import DraftGraphs
+
+        self.graphs = DraftGraphs(self, max_bs, max_pages, 3 * self.draft.cfg.target_hidden_size, use_graphs)
+        self.graphs.capture()
+
     @torch.inference_mode()
     def propose(self, chunks: list[DraftChunk]) -> dict[str, list[int]]:
         """Extend the draft over every chunk; for those with `propose`, return num_steps draft tokens."""
         if not chunks:
             return {}
+        if self.graphs is not None and all(c.verify for c in chunks) and self.graphs.bucket(len(chunks)):
+            return self.graphs.run(chunks)
         seq = [SeqChunk(c.token_ids, c.start, c.req.pages, "last" if c.propose else "none") for c in chunks]
-        tokens, h = self._run(seq, torch.cat([c.hidden for c in chunks]))
+        tokens, h = self._run(seq, torch.cat([c.hidden[: len(c.token_ids)] for c in chunks]))
         wanted = [c for c in chunks if c.propose]
         steps = [tokens]
         for i in range(1, self.k):

@@ -49,3 +49,33 @@ def test_static_path_with_speculation(tiny_ckpt, tmp_path):
     assert _gen(eng, prompts) == ref
     eng.pool.check()
     assert eng.pool.num_free == eng.pool.num_pages
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_graph_static_path_proposes_like_eager(tiny_ckpt, tmp_path, k):
+    """The graphed draft step (all N verified rows, K-1 chained steps, padded batch) proposes the eager draft's
+    tokens, and the outputs stay the plain engine's."""
+    from mlaserve.config import EngineConfig, SpecConfig
+    from mlaserve.engine.engine import LLMEngine
+    from mlaserve.models.make_random_draft import make_random_draft
+
+    draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
+    prompts = _prompts(3)
+    ref = _gen(make_engine(tiny_ckpt, page_size=16), prompts)
+    seen = {}
+    for mode in ("eager", "static"):
+        eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4),
+                        spec=SpecConfig(draft_model=draft, num_steps=k))
+        if mode == "static":
+            eng.proposer.capture_graphs(4, 64, use_graphs=False)
+        log = seen[mode] = []
+        orig = eng.proposer.propose
+        def record(chunks, o=orig, lg=log):
+            r = o(chunks)
+            lg.append([r[c.req.request_id] for c in chunks if c.propose])  # in chunk order: ids differ per engine
+            return r
+
+        eng.proposer.propose = record
+        assert _gen(eng, prompts) == ref
+        eng.pool.check()
+    assert seen["eager"] == seen["static"]

@@ -83,7 +83,8 @@ def test_graphs_with_speculation(tiny_ckpt, tmp_path):
     prompts = _prompts(6)
     base, _ = _greedy(dict(dtype="float32", enforce_eager=True), tiny_ckpt, prompts)
     for k in (1, 3):
-        got, _ = _greedy(dict(dtype="float32"), tiny_ckpt, prompts, spec={"draft_model": draft, "num_steps": k})
+        got, llm = _greedy(dict(dtype="float32"), tiny_ckpt, prompts, spec={"draft_model": draft, "num_steps": k})
+        assert llm.engine.proposer.graphs is not None and llm.engine.proposer.graphs.graphs  # the draft step too
         assert got == base
 
 
