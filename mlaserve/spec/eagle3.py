@@ -89,12 +89,13 @@ class Eagle3Proposer:
         target.aux_layer_ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
         pages, gpu = runner.num_pages, self.device.type == "cuda"
         if cfg.mla is not None:
-            from ..attention.torch_ref import TorchRefBackend
-            from ..attention.triton_mla import TritonMLABackend
-
             cache = torch.zeros(1, pages, self.page_size, cfg.mla.kv_cache_dim, dtype=runner.dtype,
                                 device=self.device)
-            self.attn = (TritonMLABackend if gpu else TorchRefBackend)(cache, cfg.mla.kv_lora_rank)
+            if gpu:  # triton is imported only where it runs
+                from ..attention.triton_mla import TritonMLABackend as Backend
+            else:
+                from ..attention.torch_ref import TorchRefBackend as Backend
+            self.attn = Backend(cache, cfg.mla.kv_lora_rank)
         else:
             from ..attention.mha_ref import PagedMHARef
 
