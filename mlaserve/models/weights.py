@@ -2,7 +2,8 @@
 
 Checkpoint names are HF's. Routed experts arrive one tensor per expert and land stacked per layer;
 each parameter's `weight_loader` reads only this rank's shard. FP8 block-scaled weights
-(`weight_scale_inv`, DeepSeek-V3/Kimi-K2) are dequantized to the model dtype on load.
+(`weight_scale_inv`, DeepSeek-V3/Kimi-K2) and compressed-tensors int4 (`weight_packed`, Kimi-K2.5's routed experts)
+are dequantized to the model dtype on load.
 """
 
 from __future__ import annotations
@@ -46,6 +47,28 @@ class _Tensor:
         # Read only the shard, and scale it by the blocks it falls in.
         (r0, r1), (c0, c1) = box
         return dequant_fp8_block(self._slice[r0:r1, c0:c1], self._fp8_scale, self._dtype, origin=(r0, c0))
+
+
+class _PackedInt4:
+    """A compressed-tensors `pack-quantized` weight (Kimi-K2.5's routed experts): symmetric int4, eight values per
+    int32 along the input dim (value i at bits 4i, stored + 8), one scale per group of inputs. Dequantized whole
+    (an expert's matrix is a few MB), then indexed."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, shape, dtype):
+        self._packed, self._scale, self._dtype = packed, scale, dtype
+        self.shape = tuple(int(x) for x in shape)
+
+    def __getitem__(self, idx):
+        return dequant_int4_packed(self._packed, self._scale, self.shape, self._dtype)[idx]
+
+
+def dequant_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """packed [out, ceil(in/8)] int32, scale [out, in/group] -> dense [out, in] in `dtype`."""
+    out_f, in_f = shape
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    q = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(out_f, -1)[:, :in_f] - 8  # [out, in] in [-8, 7]
+    group = in_f // scale.shape[1]
+    return (q.float() * scale.float().repeat_interleave(group, dim=1)[:, :in_f]).to(dtype)
 
 
 def _as_box(idx, shape) -> tuple[tuple[int, int], tuple[int, int]] | None:
@@ -113,9 +136,11 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
     for file, h in handles:
         for key in sorted(h.keys()):
             bar.update()
-            if key.endswith("weight_scale_inv"):
+            if key.endswith("weight_scale_inv") or _is_int4_companion(key, where):
                 continue  # consumed with its weight
             name = key[len(prefix):] if key.startswith(prefix) else None
+            if name is not None and name.endswith(".weight_packed"):
+                name = name[: -len("_packed")]  # an int4 weight stands for the dense .weight
             if name is None:
                 if key.startswith(SKIPPED_TOWERS):
                     skipped["vision"] += 1
@@ -169,7 +194,25 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
         log.info("skipped %d tensors of the MTP layer (layers >= %d)", skipped["mtp"], n_layers)
 
 
+INT4_COMPANIONS = ("weight_scale", "weight_shape", "weight_zero_point")
+
+
+def _is_int4_companion(key: str, where: dict) -> bool:
+    base, _, last = key.rpartition(".")
+    return last in INT4_COMPANIONS and f"{base}.weight_packed" in where
+
+
 def _lazy(h, key: str, where: dict, file: str, dtype) -> _Tensor:
+    if key.endswith(".weight_packed"):
+        base = key[: -len("weight_packed")]
+        if base + "weight_zero_point" in where:
+            raise CheckpointError(f"{file}: tensor {key!r} is asymmetric int4 (weight_zero_point); only symmetric "
+                                  "pack-quantized int4 is supported")
+        missing = [k for k in ("weight_scale", "weight_shape") if base + k not in where]
+        if missing:
+            raise CheckpointError(f"{file}: int4 tensor {key!r} has no {base + missing[0]!r}")
+        get = lambda k: where[base + k].get_tensor(base + k)  # noqa: E731
+        return _PackedInt4(h.get_tensor(key), get("weight_scale"), get("weight_shape").tolist(), dtype)
     scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith(".weight") else None
     if scale_key and scale_key in where:
         return _Tensor(h, key, fp8_scale=where[scale_key].get_tensor(scale_key), dtype=dtype)
