@@ -63,6 +63,7 @@ def test_asymmetric_int4_refused(tmp_path):
     base = key[: -len("weight")]
     ckpt_edit.edit_shard(q4, key, lambda t: (t.pop(key), t.update({
         base + "weight_packed": packed, base + "weight_scale": scale,
-        base + "weight_shape": torch.tensor(list(w.shape)), base + "weight_zero_point": torch.zeros(w.shape[0], 1, dtype=torch.int32)})))
+        base + "weight_shape": torch.tensor(list(w.shape)),
+        base + "weight_zero_point": torch.zeros(w.shape[0], 1, dtype=torch.int32)})))
     with pytest.raises(CheckpointError, match="asymmetric"):
         load_model(q4)
