@@ -131,9 +131,17 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str) -> Tokenizer | None:
-        """Load from a model folder; None when it has no tokenizer.json (the engine then works on token ids)."""
+        """Load from a model folder (tokenizer.json, or Kimi's tiktoken.model); None when it has neither (the
+        engine then works on token ids)."""
         tok_file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tok_file):
+        if os.path.isfile(tok_file):
+            backend = HFTokenizer.from_file(tok_file)
+        elif os.path.isfile(os.path.join(path, "tiktoken.model")):  # Kimi's published tokenizer
+            from .llm import cache_dir
+            from .tokenizer_tiktoken import load_cached
+
+            backend = load_cached(path, bytes_to_unicode(), os.path.join(cache_dir(), "tokenizers"))
+        else:
             return None
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         template = config.get("chat_template")
@@ -144,7 +152,7 @@ class Tokenizer:
         if os.path.isfile(jinja_file):  # transformers 5 writes it; it wins over tokenizer_config.json
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
-        return cls(HFTokenizer.from_file(tok_file), config, template if isinstance(template, str) else None,
+        return cls(backend, config, template if isinstance(template, str) else None,
                    _read_json(os.path.join(path, "generation_config.json")),
                    _read_json(os.path.join(path, "config.json")))
 
