@@ -30,7 +30,7 @@ def param_counts(c: ModelConfig) -> Params:
     o = H * c.v_head_dim * D
     return Params(attn=q + kv + o + 2 * D, dense_mlp=3 * D * c.intermediate_size,
                   expert=3 * D * c.moe_intermediate_size, shared=3 * D * c.moe_intermediate_size * c.n_shared_experts,
-                  gate=D * c.n_routed_experts, embed=c.vocab_size * D, lm_head=c.vocab_size * D)
+                  gate=(D + 1) * c.n_routed_experts, embed=c.vocab_size * D, lm_head=c.vocab_size * D)
 
 
 def expected_experts(c: ModelConfig, tokens: int) -> float:
