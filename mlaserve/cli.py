@@ -59,7 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3"])
     s.add_argument("--speculative-draft-model-path", default=None)
     s.add_argument("--speculative-num-steps", type=int, default=1)
-    s.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="verify width (num-steps + 1)")
+    s.add_argument("--speculative-aux-layer-offset", type=int, default=0, choices=[0, 1],
+                   help="0: the draft reads the stream entering its aux layer ids (vLLM); 1: leaving them (SGLang)")
 
 
 ENGINE_FIELDS = ("device", "dtype", "page_size", "num_pages", "gpu_memory_utilization", "kv_cache_memory_gb",
@@ -79,7 +81,8 @@ def engine_kwargs_from_args(args) -> dict:
         kw["speculative_config"] = {
             "algorithm": args.speculative_algorithm, "draft_model": args.speculative_draft_model_path,
             "num_steps": args.speculative_num_steps,
-            "num_draft_tokens": args.speculative_num_draft_tokens or args.speculative_num_steps + 1}
+            "num_draft_tokens": args.speculative_num_draft_tokens or args.speculative_num_steps + 1,
+            "aux_layer_offset": args.speculative_aux_layer_offset}
     return kw
 
 
