@@ -92,6 +92,9 @@ class GraphRunner:
         """Write the real chunks into the static buffers, and padding after them."""
         kind, size = key
         ids, pos, slots, lens, qlens, rows, table = [], [], [], [], [], [], []
+        # Only the columns in use are copied: attention reads a row's pages below its seq_len, never past it
+        # (a 262k max_model_len would otherwise ship 4k columns per request every step).
+        width = max([len(c.pages) for c in chunks] + [1])
         for c in chunks:
             first = len(ids)
             n = len(c.token_ids)
@@ -105,7 +108,7 @@ class GraphRunner:
                 rows += range(first, first + n)
             elif c.need_logits == "last":
                 rows.append(first + n - 1)
-            table.append(c.pages + [0] * (self.max_pages - len(c.pages)))
+            table.append(c.pages + [0] * (width - len(c.pages)))
         pad_tok = g.n_tokens - len(ids)
         if kind == "decode":
             pad_reqs = g.n_reqs - len(chunks)
@@ -122,7 +125,7 @@ class GraphRunner:
             qlens += [pad_tok] + [0] * (pad_reqs - 1)
             rows += [0] * (PREFILL_MAX_REQS - len(rows))
         slots += [-1] * pad_tok
-        table += [[0] * self.max_pages] * pad_reqs
+        table += [[0] * width] * pad_reqs
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
@@ -132,7 +135,7 @@ class GraphRunner:
         self.slot_mapping[:n_tok].copy_(torch.tensor(slots), non_blocking=True)
         self.seq_lens[: g.n_reqs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         self.query_start_loc[: g.n_reqs + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
-        self.page_table[: g.n_reqs].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        self.page_table[: g.n_reqs, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
         self.logits_indices[: len(rows)].copy_(torch.tensor(rows), non_blocking=True)
         g.batch.seq_lens_cpu[:] = lens  # host mirrors, for eager replay (reference backends) only
         g.batch.query_lens_cpu[:] = qlens

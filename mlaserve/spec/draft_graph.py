@@ -84,6 +84,7 @@ class DraftGraphs:
     def _fill(self, B: int, batches: list[ForwardBatch], chunks) -> None:
         N, K, ps = self.N, self.K, self.p.page_size
         ids, pos, slots, seq, rows, table = [], [], [], [], [], []
+        width = max([len(c.req.pages) for c in chunks] + [1])  # only the page-table columns in use
         dpos, dslots, dseq = [[] for _ in range(K - 1)], [[] for _ in range(K - 1)], [[] for _ in range(K - 1)]
 
         def slot(pages, q):
@@ -96,7 +97,7 @@ class DraftGraphs:
             slots += [slot(c.req.pages, q) for q in range(c.start, c.start + N)]
             seq.append(c.start + N)
             rows.append(b * N + a)
-            table.append(c.req.pages + [0] * (self.max_pages - len(c.req.pages)))
+            table.append(c.req.pages + [0] * (width - len(c.req.pages)))
             for i in range(K - 1):
                 q = c.start + a + 1 + i
                 dpos[i].append(q)
@@ -108,7 +109,7 @@ class DraftGraphs:
         slots += [-1] * (pad * N)
         seq += [N] * pad
         rows += [b * N for b in range(len(chunks), B)]
-        table += [[0] * self.max_pages] * pad
+        table += [[0] * width] * pad
         for i in range(K - 1):
             dpos[i] += [N + i] * pad
             dslots[i] += [-1] * pad
@@ -118,7 +119,7 @@ class DraftGraphs:
         self.ext_slots[:B * N].copy_(torch.tensor(slots), non_blocking=True)
         self.ext_seq[:B].copy_(torch.tensor(seq, dtype=torch.int32), non_blocking=True)
         self.rows[:B].copy_(torch.tensor(rows), non_blocking=True)
-        self.page_table[:B].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        self.page_table[:B, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
         batches[0].seq_lens_cpu[:] = seq  # host mirrors for the eager (reference backend) replay
         for i in range(K - 1):
             self.dec_pos[i, :B].copy_(torch.tensor(dpos[i]), non_blocking=True)
