@@ -152,7 +152,7 @@ class LLMEngine:
         if not out.chunks:
             return []
         if self.spec_k:
-            decode = [SeqChunk([c.req.all_token_ids[-1]] + self.states[c.req.request_id].drafts,
+            decode = [SeqChunk(self._seq_chunk(c.req, 1, True).token_ids + self.states[c.req.request_id].drafts,
                                c.req.num_computed_tokens, c.req.pages, "all") for c in out.decode]
         else:
             decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
@@ -165,7 +165,7 @@ class LLMEngine:
 
     def _seq_chunk(self, req: Request, n: int, sample_: bool) -> SeqChunk:
         start = req.num_computed_tokens
-        return SeqChunk(req.all_token_ids[start:start + n], start, req.pages, "last" if sample_ else "none")
+        return SeqChunk(req.tokens(start, start + n), start, req.pages, "last" if sample_ else "none")
 
     def _postprocess(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         sampled = [c for c in out.chunks if c.sample]
@@ -238,7 +238,7 @@ class LLMEngine:
                 results.append(ev)
                 finished = ev.finished
             if not finished:
-                nxt = req.all_token_ids[start + 1:start + c.num_new + 1]
+                nxt = req.tokens(start + 1, start + c.num_new + 1)
                 chunks.append(DraftChunk(req, nxt, start, _rows(aux, row, c.num_new), propose=c.sample))
             row += c.num_new
         for rid, d in self.proposer.propose(chunks).items():
