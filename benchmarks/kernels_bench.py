@@ -61,18 +61,28 @@ def run_mla_sweep(rep: Report, sz: Sizes):
     kv, table, lens = make_paged([L] * B, 64, R + P, BF, sz.dev, extra_pages=0)
     q = torch.randn(B, H, R + P, device=sz.dev).to(BF)
     out = torch.empty(B, H, R, device=sz.dev, dtype=BF)
-    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=2),
-                dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_N=64, num_warps=4, num_stages=3),
-                dict(BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_N=16, num_warps=4, num_stages=4),
-                dict(BLOCK_N=32, num_warps=8, num_stages=3)]
+    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=3,
+                                                                  FUSED_COMBINE=False),
+                dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_N=64, num_warps=4, num_stages=2),
+                dict(BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_N=32, num_warps=8, num_stages=4)]
     for cfg in variants:
-        for S in (4, 8, 16, 32):
+        for S in (8, 12, 16, 24):
             try:
                 ms = bench(lambda: mla_decode(q, kv, table, lens, 1, 0.1, out, num_splits=S, config=cfg), sz)  # noqa: B023
                 rep.add("mla_sweep", f"B={B} H={H} ctx={L} {cfg_label(cfg)} splits={S}", ms, B * L * (R + P) * 2,
                         config=cfg, splits=S)
             except Exception as e:  # e.g. out of shared memory
                 print(f"mla_sweep {cfg} splits={S}: {type(e).__name__}: {str(e)[:120]}")
+    # Batch 1 (latency bound): how finely to split short and long contexts.
+    for L1 in ((512, 8192) if sz.dev == "cuda" else sz.mla_ctx[:1]):
+        kv, table, lens = make_paged([L1], 64, R + P, BF, sz.dev, extra_pages=0)
+        q1 = torch.randn(1, H, R + P, device=sz.dev).to(BF)
+        o1 = torch.empty(1, H, R, device=sz.dev, dtype=BF)
+        for mst in (32, 64, 128, 256):
+            for fused in (True, False):
+                cfg = dict(MIN_SPLIT_TOKENS=mst, FUSED_COMBINE=fused)
+                ms = bench(lambda: mla_decode(q1, kv, table, lens, 1, 0.1, o1, config=cfg), sz)  # noqa: B023
+                rep.add("mla_sweep", f"B=1 H={H} ctx={L1} {cfg_label(cfg)}", ms, L1 * (R + P) * 2, config=cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
@@ -95,13 +96,20 @@ class GraphRunner:
         # Only the columns in use are copied: attention reads a row's pages below its seq_len, never past it
         # (a 262k max_model_len would otherwise ship 4k columns per request every step).
         width = max([len(c.pages) for c in chunks] + [1])
+        first = 0
         for c in chunks:
-            first = len(ids)
             n = len(c.token_ids)
-            ids += c.token_ids
-            p = range(c.num_cached, c.num_cached + n)
-            pos += p
-            slots += [c.pages[i // self.page_size] * self.page_size + i % self.page_size for i in p]
+            if kind == "prefill":  # long chunks: vector maths (per-token Python costs ms on an 8k prompt)
+                p = np.arange(c.num_cached, c.num_cached + n)
+                ids.append(np.asarray(c.token_ids, dtype=np.int64))
+                pos.append(p)
+                slots.append(np.asarray(c.pages, dtype=np.int64)[p // self.page_size] * self.page_size
+                             + p % self.page_size)
+            else:
+                ids += c.token_ids
+                p = range(c.num_cached, c.num_cached + n)
+                pos += p
+                slots += [c.pages[i // self.page_size] * self.page_size + i % self.page_size for i in p]
             lens.append(c.num_cached + n)
             qlens.append(n)
             if c.need_logits == "all":
@@ -109,7 +117,8 @@ class GraphRunner:
             elif c.need_logits == "last":
                 rows.append(first + n - 1)
             table.append(c.pages + [0] * (width - len(c.pages)))
-        pad_tok = g.n_tokens - len(ids)
+            first += n
+        pad_tok = g.n_tokens - first
         if kind == "decode":
             pad_reqs = g.n_reqs - len(chunks)
             ids += [0] * pad_tok
@@ -119,20 +128,22 @@ class GraphRunner:
             rows = list(range(g.n_tokens))
         else:
             pad_reqs = g.n_reqs - len(chunks)  # the padding tokens form one request; the others are empty
-            ids += [0] * pad_tok
-            pos += list(range(pad_tok))
+            ids = np.concatenate(ids + [np.zeros(pad_tok, dtype=np.int64)])
+            pos = np.concatenate(pos + [np.arange(pad_tok)])
+            slots = np.concatenate(slots + [np.full(pad_tok, -1, dtype=np.int64)])
             lens += [pad_tok] + [0] * (pad_reqs - 1)
             qlens += [pad_tok] + [0] * (pad_reqs - 1)
             rows += [0] * (PREFILL_MAX_REQS - len(rows))
-        slots += [-1] * pad_tok
+        if kind == "decode":
+            slots += [-1] * pad_tok
         table += [[0] * width] * pad_reqs
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
         n_tok = g.n_tokens
-        self.input_ids[:n_tok].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:n_tok].copy_(torch.tensor(pos), non_blocking=True)
-        self.slot_mapping[:n_tok].copy_(torch.tensor(slots), non_blocking=True)
+        self.input_ids[:n_tok].copy_(torch.as_tensor(ids, dtype=torch.int64), non_blocking=True)
+        self.positions[:n_tok].copy_(torch.as_tensor(pos, dtype=torch.int64), non_blocking=True)
+        self.slot_mapping[:n_tok].copy_(torch.as_tensor(slots, dtype=torch.int64), non_blocking=True)
         self.seq_lens[: g.n_reqs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         self.query_start_loc[: g.n_reqs + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
         self.page_table[: g.n_reqs, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)

@@ -1,5 +1,8 @@
 """RMSNorm as one kernel (the torch form launches ~6): fp32 statistics, cast back, times the weight in the input
-dtype, exactly layers.norm.RMSNorm's rounding. One program per row; rows may be strided views."""
+dtype, exactly layers.norm.RMSNorm's rounding. One program per row; rows may be strided views.
+
+`add_rms_norm` also folds in the residual add that precedes every norm of a decoder layer: s = x + residual
+(rounded to the dtype, as `h + out` is), written out as the new residual stream, and norm(s)."""
 
 from __future__ import annotations
 
@@ -9,26 +12,67 @@ import triton.language as tl
 
 
 @triton.jit
-def _rmsnorm_kernel(X, W, Out, stride_x, stride_o, D, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK)
-    ok = d < D
-    x = tl.load(X + row * stride_x + d, mask=ok, other=0.0).to(tl.float32)
+def _norm_row(x, W, Out, row, stride_o, d, ok, D, eps):
+    """x: one row in fp32 (already rounded to the input dtype)."""
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     y = (x * rstd).to(Out.dtype.element_ty)  # the reference casts before the weight
     w = tl.load(W + d, mask=ok, other=0.0)
     tl.store(Out + row * stride_o + d, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, D] (last dim contiguous, any row stride) -> a new [T, D] tensor in x.dtype."""
+@triton.jit
+def _rmsnorm_kernel(X, W, Out, stride_x, stride_o, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    ok = d < D
+    x = tl.load(X + row * stride_x + d, mask=ok, other=0.0).to(tl.float32)
+    _norm_row(x, W, Out, row, stride_o, d, ok, D, eps)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(X, Res, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    ok = d < D
+    x = tl.load(X + row * stride_x + d, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(Res + row * stride_r + d, mask=ok, other=0.0).to(tl.float32)
+    s = (x + r).to(Sum.dtype.element_ty)
+    tl.store(Sum + row * stride_s + d, s, mask=ok)
+    _norm_row(s.to(tl.float32), W, Out, row, stride_o, d, ok, D, eps)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or x.stride(-1) != 1 or weight.dtype != x.dtype:
         raise ValueError(f"x: need [T, D] with a contiguous last dim and weight of x's dtype, got {tuple(x.shape)} "
                          f"{x.dtype} / weight {weight.dtype}")
+
+
+def _launch_args(D: int) -> dict:
+    block = triton.next_power_of_2(D)
+    return dict(BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] (last dim contiguous, any row stride) -> a new [T, D] tensor in x.dtype."""
+    _check(x, weight)
     T, D = x.shape
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
-        block = triton.next_power_of_2(D)
-        _rmsnorm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), D, eps, BLOCK=block,
-                              num_warps=min(max(block // 256, 1), 16))
+        _rmsnorm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), D, eps, **_launch_args(D))
     return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, D] -> (norm(x + residual), x + residual), both new tensors in x.dtype."""
+    _check(x, weight)
+    _check(residual, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    T, D = x.shape
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    s = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T:
+        _add_rmsnorm_kernel[(T,)](x, residual, weight, out, s, x.stride(0), residual.stride(0), out.stride(0),
+                                  s.stride(0), D, eps, **_launch_args(D))
+    return out, s

@@ -1,4 +1,4 @@
-"""SiLU-and-mul on a fused [.., 2I] gate|up tensor."""
+"""SiLU-and-mul: silu(gate) * up, on a fused [.., 2I] gate|up tensor or on two [T, I] views."""
 
 import torch
 import torch.nn.functional as F
@@ -6,4 +6,12 @@ import torch.nn.functional as F
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     g, u = x.chunk(2, dim=-1)
+    return silu_mul(g, u)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    if g.is_cuda and g.dim() == 2:  # one fused kernel on the GPU
+        from ..kernels.silu_mul import silu_mul as fused
+
+        return fused(g, u)
     return F.silu(g) * u

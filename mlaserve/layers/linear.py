@@ -61,3 +61,36 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shard={self.shard}"
+
+
+def stack_rows(*linears: Linear) -> None:
+    """Store the weights of Linear layers that read the same input back to back in one [sum(out), in] tensor.
+    Each keeps its own Parameter (HF name, loader, shard) as a row view of it, so `linear_many` can serve all
+    of them with one GEMM: one launch instead of several small ones in decode."""
+    w = torch.cat([lin.weight.data for lin in linears])
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = w[row:row + n]
+        row += n
+
+
+def linear_many(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
+    """[lin(x) for lin in linears], by one GEMM when their weights are still stacked by `stack_rows` (the outputs
+    are then column views of one [T, sum(out)] tensor). Anything that re-points a weight (`p.data = ...`,
+    `model.to(other device)`) breaks the stack; each layer then runs on its own, with the same result."""
+    w0 = linears[0].weight
+    rows, ptr, ok = 0, w0.data_ptr(), w0.is_contiguous()
+    for lin in linears:
+        w = lin.weight
+        ok = ok and w.is_contiguous() and w.shape[1] == w0.shape[1] and w.dtype == w0.dtype and (
+            w.data_ptr() == ptr + rows * w0.shape[1] * w0.element_size())
+        rows += w.shape[0]
+    if not ok:
+        return [lin(x) for lin in linears]
+    y = F.linear(x, w0.as_strided((rows, w0.shape[1]), (w0.shape[1], 1)))  # [T, sum(out)]
+    outs, col = [], 0
+    for lin in linears:
+        outs.append(y[..., col:col + lin.weight.shape[0]])
+        col += lin.weight.shape[0]
+    return outs

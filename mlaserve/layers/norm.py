@@ -1,4 +1,5 @@
-"""RMSNorm, computed in fp32 and cast back, exactly as transformers' DeepseekV3RMSNorm."""
+"""RMSNorm, computed in fp32 and cast back, exactly as transformers' DeepseekV3RMSNorm. Called with a residual,
+it first adds it (the decoder layer's `h + out`) and returns the sum too: one kernel for both on the GPU."""
 
 import torch
 from torch import nn
@@ -12,8 +13,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = new_param(dim, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype:  # one fused kernel on the GPU
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """-> norm(x); with `residual`: (norm(x + residual), x + residual)."""
+        fused = x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype
+        if residual is not None:
+            if fused and residual.dtype == x.dtype:
+                from ..kernels.rmsnorm import add_rms_norm
+
+                return add_rms_norm(x, residual, self.weight, self.eps)
+            s = x + residual
+            return self(s), s
+        if fused:  # one kernel on the GPU
             from ..kernels.rmsnorm import rms_norm
 
             return rms_norm(x, self.weight, self.eps)

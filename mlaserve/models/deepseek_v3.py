@@ -14,8 +14,9 @@ from ..attention.base import ForwardBatch
 from ..config import ModelConfig
 from ..distributed import tp
 from ..distributed.tp import RankInfo
+from ..layers.activation import silu_mul
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.linear import Linear
+from ..layers.linear import Linear, linear_many, stack_rows
 from ..layers.moe import Experts, TopkRouter
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -31,10 +32,11 @@ class DeepseekV3MLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, shard="col", **kw)
         self.up_proj = Linear(hidden, inter, shard="col", **kw)
         self.down_proj = Linear(inter, hidden, shard="row", **kw)
+        stack_rows(self.gate_proj, self.up_proj)  # gate and up by one GEMM
         self.reduce = reduce and ranks.world_size > 1  # a replicated copy (the EAGLE3 draft) never reduces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.down_proj(silu_mul(*linear_many(x, self.gate_proj, self.up_proj)))
         return tp.all_reduce(y) if self.reduce else y
 
 
@@ -88,6 +90,7 @@ class DeepseekV3Attention(nn.Module):
         else:
             self.q_proj = Linear(D, heads * cfg.qk_head_dim, **col)
         self.kv_a_proj_with_mqa = Linear(D, self.R + self.P, dtype=dtype)
+        stack_rows(self.q_a_proj if cfg.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa)  # both read x
         self.kv_a_layernorm = RMSNorm(self.R, cfg.rms_norm_eps, dtype=dtype)
         self.kv_b_proj = Linear(self.R, heads * (self.N + self.V), **col)
         self.o_proj = Linear(heads * self.V, cfg.hidden_size, shard="row", rank=ranks.rank,
@@ -104,12 +107,14 @@ class DeepseekV3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, H, N, R, V = x.shape[0], self.H, self.N, self.R, self.V
+        # One GEMM for the two projections of x (column views of one output; q is then a strided view)
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a, kv_a = linear_many(x, self.q_a_proj, self.kv_a_proj_with_mqa)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
-            q = self.q_proj(x)
+            q, kv_a = linear_many(x, self.q_proj, self.kv_a_proj_with_mqa)
         q = q.view(T, H, N + self.P)  # [T, H, N+P]
-        kv_a = self.kv_a_proj_with_mqa(x)  # [T, R+P]
+        # kv_a [T, R+P]
         c_kv = self.kv_a_layernorm(kv_a[:, :R])  # [T, R]
         batch.attn.store_kv(self.layer_id, c_kv, kv_a[:, R:], cos, sin, batch)
 
@@ -159,9 +164,15 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def forward(self, h, cos, sin, batch):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, cos, sin, batch):
+        """h: the previous layer's output, residual: the stream it adds to (None: h is the stream itself).
+        -> (this layer's output, the stream); each add is fused into the norm that follows it."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, batch), residual)
+        return self.mlp(x), residual
 
 
 class DeepseekV3Model(nn.Module):
@@ -193,14 +204,17 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
         h = self.model.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.model.rotary(positions)  # [T, P/2] each, fp32
-        aux = {}
+        aux, residual = {}, None
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layer_ids:
+                if residual is not None:  # the stream entering layer i, materialised
+                    h, residual = h + residual, None
                 aux[i] = h
-            h = layer(h, cos, sin, batch)
+            h, residual = layer(h, residual, cos, sin, batch)
         if len(self.model.layers) in self.aux_layer_ids:
+            h, residual = h + residual, None
             aux[len(self.model.layers)] = h
-        h = self.model.norm(h)
+        h = self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
         return (h, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)) if self.aux_layer_ids else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

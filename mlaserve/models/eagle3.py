@@ -125,11 +125,9 @@ class Eagle3MidLayer(nn.Module):
     def forward(self, embeds, hidden, positions, batch, rope=None):
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
-        if rope is None:
-            h = residual + self.self_attn(x, positions, batch)
-        else:
-            h = residual + self.self_attn(x, *rope, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(x, positions, batch) if rope is None else self.self_attn(x, *rope, batch)
+        x, h = self.post_attention_layernorm(a, residual)  # h = residual + a, fused into the norm
+        return self.mlp(x), h  # the output and the stream it adds to
 
 
 def _ranks1():
@@ -161,8 +159,8 @@ class Eagle3Draft(nn.Module):
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden.to(embeds.dtype))
         rope = self.rotary(positions) if self.rotary is not None else None
-        h = self.midlayer(embeds, hidden, positions, batch, rope)
-        return self.norm(h), h
+        out, residual = self.midlayer(embeds, hidden, positions, batch, rope)
+        return self.norm(out, residual)  # (norm(h), h) with h = residual + out
 
     def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens in target ids. normed [n, H] -> [n]."""
