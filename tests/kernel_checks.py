@@ -214,12 +214,16 @@ def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int
     return assert_close(flat[written], rflat[written], dtype, f"rope_store_kv T={T} R={R} P={P} {dtype}")
 
 
-def check_rope_q(device, dtype, *, T: int, H: int, P: int, alias: bool):
+def check_rope_q(device, dtype, *, T: int, H: int, P: int, alias: bool, head_major: bool = False):
+    """x = q[..., N:] (a strided view); out is x (in place, the prefill form) or a view of another buffer (the
+    decode form's Q[..., R:]). head_major: x is a [H, T, P] buffer transposed (token stride < head stride)."""
     from mlaserve.kernels.reference import rope_q_ref
     from mlaserve.kernels.rope_kv import rope_q
 
-    buf = torch.randn(T, H, 16 + P, device=device).to(dtype)  # x = Q[..., R:], a strided view
-    x = buf[..., 16:]
+    if head_major:
+        x = torch.randn(H, T, 16 + P, device=device).to(dtype)[..., 16:].transpose(0, 1)
+    else:
+        x = torch.randn(T, H, 16 + P, device=device).to(dtype)[..., 16:]
     pos = torch.randint(0, 4096, (T,), device=device).float()
     freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
     cos, sin = freqs.cos(), freqs.sin()
