@@ -61,22 +61,22 @@ def _attn_tile(acc, m_i, l_i, q1, q2, k1_ptr, k2_ptr, v_ptr, n0, klen, q_pos, sc
 def _prefill_attention_kernel(
     Q, K1, K2, V, O, CuQ, CuK, scale_log2, num_mb,
     stride_qt, stride_qh, stride_k1t, stride_k1h, stride_k2t, stride_k2h, stride_vt, stride_vh,
-    stride_ot, stride_oh, H,
+    stride_ot, stride_oh, H, head_group,
     D1: tl.constexpr, BLOCK_D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_GROUP: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     # One flat grid over (request, head group, query block, head in group): within a group of heads the longest
     # (last) query blocks start first across all its heads, so the short blocks fill the tail; a group's K/V
-    # (HEAD_GROUP heads) is what the concurrently running programs share in L2.
+    # (head_group heads) is what the concurrently running programs share in L2.
     pid = tl.program_id(0)
     per_req = num_mb * H
     b = pid // per_req
     r = pid % per_req
-    grp = r // (num_mb * HEAD_GROUP)
-    r = r % (num_mb * HEAD_GROUP)
-    mb = num_mb - 1 - r // HEAD_GROUP
-    h = grp * HEAD_GROUP + r % HEAD_GROUP
+    grp = r // (num_mb * head_group)
+    r = r % (num_mb * head_group)
+    mb = num_mb - 1 - r // head_group
+    h = grp * head_group + r % head_group
     q0 = tl.load(CuQ + b)
     qlen = tl.load(CuQ + b + 1) - q0
     if mb * BLOCK_M >= qlen:
@@ -127,8 +127,8 @@ def prefill_config(Dqk: int, Dv: int, dtype: torch.dtype) -> dict:
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4 if Dqk + Dv <= 128 else 8, num_stages=1, HEAD_GROUP=4)
     # bf16, Dqk=192, Dv=128: Q 48 KB + (K 24 KB + V 16 KB) x 3 buffers = 168 KB of shared memory. Three stages:
     # with two, Triton 3.6 waits for every copy at the top of each iteration (no load/compute overlap).
-    # HEAD_GROUP: heads whose query blocks are interleaved longest-first (see the kernel); H must divide by it or
-    # it is lowered to the largest divisor of H below it.
+    # HEAD_GROUP (a runtime argument, no recompile): heads whose query blocks are interleaved longest-first (see
+    # the kernel); lowered to the largest divisor of H at most it.
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, HEAD_GROUP=4)
 
 
@@ -181,9 +181,9 @@ def prefill_attention_mla(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.T
     _prefill_attention_kernel[(B * H * num_mb,)](
         q, k_nope, k_rope, v, out, cu_q, cu_k, scale * LOG2E, num_mb,
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), k2h,
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1), H,
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), H, g,
         D1=N, BLOCK_D1=max(16, _pow2(N)), D2=P, BLOCK_D2=max(16, _pow2(P)), DV=Dv, BLOCK_DV=max(16, _pow2(Dv)),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_GROUP=g,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
