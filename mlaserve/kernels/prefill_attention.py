@@ -41,7 +41,7 @@ def _attn_tile(acc, m_i, l_i, q1, q2, k1_ptr, k2_ptr, v_ptr, n0, klen, q_pos, sc
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
     if D2 > 0:
         k2 = _load_rows(k2_ptr, pos, stride_k2t, offs_d2, klen, D2, BLOCK_D2, MASKED)  # [N, BD2]
-        s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC)
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)  # accumulates in the MMA (no extra add)
     if MASKED:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & (pos < klen)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
