@@ -29,6 +29,7 @@ class Sizes:
     moe_T: tuple = (1, 2, 4, 8, 16, 32, 64, 8192)
     prefill: tuple = ((512, 512), (8192, 8192), (2048, 8192))
     prefill_dims: tuple = (16, 192, 128)  # H, Dqk, Dv
+    prefill_sweep: tuple = (16, 128, 64, 128, 8192, 8192)  # H, N, P, V, q, k: the M1 8k prefill, one layer
     routing: tuple = (("kimi", 384, 1, 1, 8), ("deepseek-v3", 256, 8, 4, 8), ("moonlight", 64, 1, 1, 6))
     routing_T: tuple = (1, 64, 8192)
     rope_T: tuple = (16, 8192)
@@ -38,7 +39,25 @@ class Sizes:
 def smoke_sizes() -> Sizes:
     return Sizes(dev="cpu", R=32, P=8, mla_heads=(4,), mla_batches=(2,), mla_ctx=(40,), mla_sweep=(2, 4, 40),
                  moe={"tiny": (64, 32, 8, 2)}, moe_T=(1, 48), prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24),
+                 prefill_sweep=(2, 16, 8, 24, 40, 40),
                  routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,))
+
+
+# prefill_attention_mla tile configs for the sweep (the default, prefill_config's bf16 one, runs first); shared
+# memory for Dqk=192, Dv=128 bf16 is about BLOCK_M * 384 B + num_stages * BLOCK_N * 640 B (< 227 KB on sm_90).
+PREFILL_SWEEP = [  # compile_check (sm_90): M128 N128 w8 s2 spills 40 B; M128 w4 and M64 N128 w4 spill more
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4),
+]
+PREFILL_HEAD_GROUPS = (1, 2, 8, 16)  # on the default tiles (a runtime argument: no recompile)
 
 
 class Report:

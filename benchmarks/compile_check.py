@@ -96,10 +96,12 @@ def big(*shape, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def cases(quick: bool):
+    from benchmarks.bench_util import PREFILL_SWEEP
+
     """Yields (label, fn, args): each call compiles the kernels one real configuration uses."""
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.kernels.mla_decode import mla_decode
-    from mlaserve.kernels.prefill_attention import prefill_attention
+    from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_mla
     from mlaserve.kernels.rope_kv import rope_q, rope_store_kv
     from mlaserve.kernels.routing import route_noaux_tc_logits
 
@@ -120,6 +122,14 @@ def cases(quick: bool):
         yield f"prefill Dqk={Dqk} Dv={Dv} {dtype}", prefill_attention, (
             torch.empty(64, 16, Dqk, dtype=dtype), torch.empty(64, 16, Dqk, dtype=dtype),
             torch.empty(64, 16, Dv, dtype=dtype), cu, cu, 0.1, torch.empty(64, 16, Dv, dtype=dtype), 64)
+    mla_dims = [(128, 64, 128, bf), (16, 8, 24, bf), (16, 8, 24, torch.float32), (128, 64, 128, torch.float32)]
+    for N, P, V, dtype in mla_dims:
+        cu = torch.tensor([0, 64], dtype=i32)
+        kv, latent = torch.empty(64, 16, N + V, dtype=dtype), torch.empty(64, 512 + P, dtype=dtype)
+        q, out = torch.empty(64, 16, N + P, dtype=dtype), torch.empty(64, 16, V, dtype=dtype)
+        for cfg in [None] if (quick or dtype != bf or N != 128) else [None, *PREFILL_SWEEP]:
+            yield f"prefill_mla N={N} P={P} V={V} {dtype} {cfg or ''}", prefill_attention_mla, (
+                q, kv[..., :N], latent[:, 512:], kv[..., N:], cu, cu, 0.1, out, 64, cfg)
     moe = [("moonlight", 2048, 1408, 64, 6), ("kimi-tp4", 7168, 512, 384, 8), ("tiny", 64, 32, 8, 2)]
     for name, D, I, E, K in moe:
         for T in ([1, 8192] if quick else [1, 16, 64, 256, 1024, 8192]):

@@ -4,8 +4,9 @@ then triton.testing.do_bench (median, cold L2). Prints a table against the H200 
 
     PYTHONPATH=$PWD python benchmarks/kernels_bench.py [--quick] [--only mla,moe,...] [--time-limit 290]
 
-Sections run in order mla, moe, prefill, routing, rope, then the config sweeps (mla_sweep, moe_sweep), which
---quick skips. A watchdog ends the run after --time-limit seconds (exit 3), keeping what it has in the JSON.
+Sections run in order mla, moe, prefill, routing, rope, then the config sweeps (mla_sweep, moe_sweep,
+prefill_sweep), which --quick skips; `--only prefill_sweep` times the 8k prefill attention alone (under a minute).
+A watchdog ends the run after --time-limit seconds (exit 3), keeping what it has in the JSON.
 --smoke runs every code path at toy sizes on the CPU (TRITON_INTERPRET=1 is set for it): a check of the script.
 """
 
@@ -24,7 +25,19 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-from benchmarks.bench_util import BF, TOL, Report, Sizes, bench, cfg_label, meta, rel, smoke_sizes  # noqa: E402
+from benchmarks.bench_util import (  # noqa: E402
+    BF,
+    PREFILL_HEAD_GROUPS,
+    PREFILL_SWEEP,
+    TOL,
+    Report,
+    Sizes,
+    bench,
+    cfg_label,
+    meta,
+    rel,
+    smoke_sizes,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,6 +181,86 @@ def run_prefill(rep: Report, sz: Sizes):
             torch.cuda.empty_cache()
 
 
+def _mla_prefill_inputs(sz: Sizes):
+    """The model's prefill operands at (H, N, P, V, q, k): q, k_nope and v views of one projection, k_rope of
+    the latent (R=512 wide), cu_q, cu_k, out, and the concatenated k of the old form."""
+    H, N, P, V, qn, kn = sz.prefill_sweep
+    q = torch.randn(qn, H, N + P, device=sz.dev).to(BF)
+    kv = torch.randn(kn, H, N + V, device=sz.dev).to(BF)
+    latent = torch.randn(kn, sz.R + P, device=sz.dev).to(BF)
+    k_nope, k_rope, v = kv[..., :N], latent[:, sz.R:], kv[..., N:]
+    cu_q = torch.tensor([0, qn], dtype=torch.int32, device=sz.dev)
+    cu_k = torch.tensor([0, kn], dtype=torch.int32, device=sz.dev)
+    out = torch.empty(qn, H, V, device=sz.dev, dtype=BF)
+    return q, k_nope, k_rope, v, cu_q, cu_k, out
+
+
+def run_prefill_sweep(rep: Report, sz: Sizes):
+    """The M1 8k prefill attention (one layer) through prefill_attention_mla across tile configs and head groups,
+    the old form (torch.cat of K, then the kernel), and torch SDPA per backend. rel_err: the default config's
+    against the fp32 reference, every other row's against the default config's output."""
+    from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_mla
+    from mlaserve.kernels.reference import prefill_attention_ref
+
+    H, N, P, V, qn, kn = sz.prefill_sweep
+    q, k_nope, k_rope, v, cu_q, cu_k, out = _mla_prefill_inputs(sz)
+    scale = (N + P) ** -0.5
+    flops = 2.0 * H * (N + P + V) * (qn * (kn - qn) + qn * (qn + 1) / 2)
+    base = prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, scale, torch.empty_like(out), qn).clone()
+    k_full = torch.cat([k_nope, k_rope[:, None].expand(kn, H, P)], -1)
+    base_err = rel(base, prefill_attention_ref(q, k_full, v, cu_q, cu_k, scale))
+    k_full = None
+    variants = [None] + [dict(HEAD_GROUP=g) for g in PREFILL_HEAD_GROUPS] + PREFILL_SWEEP
+    for cfg in variants:
+        try:
+            out.fill_(float("nan"))
+            prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, scale, out, qn, config=cfg)
+            err = rel(out, base) if cfg else base_err
+            ms = bench(lambda c=cfg: prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, scale, out, qn, config=c),
+                       sz)
+            rep.add("pf_sweep", f"mla q={qn} k={kn} H={H} {cfg_label(cfg) if cfg else 'default'}", ms, 0.0, flops,
+                    err=err, config=cfg)
+        except Exception as e:  # e.g. out of shared memory
+            print(f"prefill_sweep {cfg}: {type(e).__name__}: {str(e)[:160]}")
+
+    def old_form():  # what the model did before: K = [k_nope | k_rope expanded over heads], then the kernel
+        k = torch.cat([k_nope, k_rope[:, None].expand(kn, H, P)], -1)
+        return prefill_attention(q, k, v, cu_q, cu_k, scale, out, qn)
+
+    out.fill_(float("nan"))
+    old_form()
+    rep.add("pf_sweep", f"old form: cat K + kernel q={qn} k={kn}", bench(old_form, sz), 0.0, flops,
+            err=rel(out, base))
+    _sdpa_backends(rep, sz, q, k_nope, k_rope, v, scale, base, flops)
+    if sz.dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sdpa_backends(rep, sz, q, k_nope, k_rope, v, scale, base, flops):
+    """One causal q=k SDPA call per backend (qk dim N+P, v dim V): not every backend accepts unequal dims."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kn, H, P = k_nope.shape[0], k_nope.shape[1], k_rope.shape[-1]
+    k = torch.cat([k_nope, k_rope[:, None].expand(kn, H, P)], -1)
+    qb, kb, vb = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, T, D]
+    names = ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"] + (["MATH"] if sz.dev != "cuda" else [])
+    for name in names:
+        backend = getattr(SDPBackend, name)
+
+        def call():
+            with sdpa_kernel(backend):  # noqa: B023
+                return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+
+        try:
+            o = call()
+            err = rel(o[0].transpose(0, 1), base)
+            rep.add("pf_sweep", f"torch sdpa {name.lower()} q={q.shape[0]} k={kn} (K cat before)",
+                    bench(call, sz), 0.0, flops, err=err, sdpa=name)
+        except Exception as e:
+            print(f"prefill_sweep sdpa {name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+
+
 def run_routing(rep: Report, sz: Sizes):
     from mlaserve.kernels.routing import route_noaux_tc_logits
     from mlaserve.layers.moe import route_noaux_tc
@@ -214,8 +307,8 @@ def run_rope(rep: Report, sz: Sizes):
 
 
 SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
-            "mla_sweep": run_mla_sweep, "moe_sweep": run_moe_sweep}  # in run order: sweeps last
-SWEEPS = ("mla_sweep", "moe_sweep")
+            "mla_sweep": run_mla_sweep, "moe_sweep": run_moe_sweep, "prefill_sweep": run_prefill_sweep}  # sweeps last
+SWEEPS = ("mla_sweep", "moe_sweep", "prefill_sweep")
 
 
 def main(argv=None) -> int:

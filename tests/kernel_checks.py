@@ -98,6 +98,33 @@ def check_prefill(device, dtype, *, H: int, Dqk: int, Dv: int, q_lens: list[int]
                                          f"k={k_lens[:4]}.. {dtype}")
 
 
+def check_prefill_mla(device, dtype, *, H: int, N: int, P: int, Dv: int, q_lens: list[int], k_lens: list[int],
+                      config=None, rope_per_head: bool = False, R: int = 16):
+    """The two-source form as the model calls it: k_nope and v strided views of one [C, H, N+Dv] projection,
+    k_rope a view of the latent [C, R+P] shared by all heads (or, rope_per_head, a [C, H, P] view)."""
+    from mlaserve.kernels.prefill_attention import prefill_attention_mla
+    from mlaserve.kernels.reference import prefill_attention_ref
+
+    Tp, C = sum(q_lens), sum(k_lens)
+    q = torch.randn(Tp, H, N + P, device=device).to(dtype)
+    kv = torch.randn(C, H, N + Dv, device=device).to(dtype)
+    k_nope, v = kv[..., :N], kv[..., N:]
+    if rope_per_head:
+        k_rope = torch.randn(C, H, 8 + P, device=device).to(dtype)[..., 8:]
+        k_full = torch.cat([k_nope, k_rope], -1)
+    else:
+        k_rope = torch.randn(C, R + P, device=device).to(dtype)[:, R:]
+        k_full = torch.cat([k_nope, k_rope[:, None].expand(C, H, P)], -1)
+    cu_q = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + k_lens, device=device).cumsum(0).to(torch.int32)
+    out = nan_like((Tp, H, Dv), dtype, device)
+    scale = (N + P) ** -0.5
+    prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, scale, out, max(q_lens), config=config)
+    ref = prefill_attention_ref(q, k_full, v, cu_q, cu_k, scale)
+    return assert_close(out, ref, dtype, f"prefill_attention_mla H={H} N={N} P={P} Dv={Dv} q={q_lens[:4]}.. "
+                                         f"k={k_lens[:4]}.. cfg={config} {dtype}")
+
+
 def check_fused_moe(device, dtype, *, T: int, D: int, I: int, E_total: int, E_local: int, offset: int, K: int,
                     config=None):
     from mlaserve.kernels.fused_moe import fused_experts
@@ -187,12 +214,16 @@ def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int
     return assert_close(flat[written], rflat[written], dtype, f"rope_store_kv T={T} R={R} P={P} {dtype}")
 
 
-def check_rope_q(device, dtype, *, T: int, H: int, P: int, alias: bool):
+def check_rope_q(device, dtype, *, T: int, H: int, P: int, alias: bool, head_major: bool = False):
+    """x = q[..., N:] (a strided view); out is x (in place, the prefill form) or a view of another buffer (the
+    decode form's Q[..., R:]). head_major: x is a [H, T, P] buffer transposed (token stride < head stride)."""
     from mlaserve.kernels.reference import rope_q_ref
     from mlaserve.kernels.rope_kv import rope_q
 
-    buf = torch.randn(T, H, 16 + P, device=device).to(dtype)  # x = Q[..., R:], a strided view
-    x = buf[..., 16:]
+    if head_major:
+        x = torch.randn(H, T, 16 + P, device=device).to(dtype)[..., 16:].transpose(0, 1)
+    else:
+        x = torch.randn(T, H, 16 + P, device=device).to(dtype)[..., 16:]
     pos = torch.randint(0, 4096, (T,), device=device).float()
     freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
     cos, sin = freqs.cos(), freqs.sin()

@@ -124,7 +124,8 @@ class AttentionBackend(ABC):
         """Latent context [C, R+P] of the prefill requests, concatenated (C = their total seq_len)."""
 
     @abstractmethod
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    def prefill(self, q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor, scale: float,
                 batch: ForwardBatch, out: torch.Tensor) -> torch.Tensor:
-        """Naive-form causal attention for the prefill tokens. q [Tp, H, N+P], k [C, H, N+P], v [C, H, V]
-        -> out [Tp, H, V]. Each request's queries are the last q_len positions of its context."""
+        """Naive-form causal attention for the prefill tokens with k = [k_nope | k_rope] per head, never built:
+        q [Tp, H, N+P], k_nope [C, H, N], k_rope [C, P] (shared by all heads), v [C, H, V] -> out [Tp, H, V]
+        (all may be strided views). Each request's queries are the last q_len positions of its context."""

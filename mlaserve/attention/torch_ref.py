@@ -42,11 +42,13 @@ class TorchRefBackend(AttentionBackend):
         reqs = range(batch.num_decode_reqs, batch.num_reqs)
         return torch.cat([self._latent(layer_id, batch, i) for i in reqs])
 
-    def prefill(self, q, k, v, scale, batch, out):
+    def prefill(self, q, k_nope, k_rope, v, scale, batch, out):
         qo = ko = 0
         for i in range(batch.num_decode_reqs, batch.num_reqs):
             n, L = batch.query_lens_cpu[i], batch.seq_lens_cpu[i]
-            qi, ki, vi = q[qo:qo + n].float(), k[ko:ko + L].float(), v[ko:ko + L].float()
+            kr = k_rope[ko:ko + L, None].expand(L, k_nope.shape[1], k_rope.shape[-1])  # one k_rope for all heads
+            ki = torch.cat([k_nope[ko:ko + L], kr], -1).float()  # [L, H, N+P]
+            qi, vi = q[qo:qo + n].float(), v[ko:ko + L].float()
             scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale  # [H, n, L]
             visible = torch.arange(L, device=q.device)[None, :] <= (L - n + torch.arange(n, device=q.device))[:, None]
             scores = scores.masked_fill(~visible, float("-inf"))

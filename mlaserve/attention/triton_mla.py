@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.mla_decode import mla_decode
-from ..kernels.prefill_attention import prefill_attention
+from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.rope_kv import rope_q, rope_store_kv
 from .base import AttentionBackend, ForwardBatch
 
@@ -69,7 +69,7 @@ class TritonMLABackend(AttentionBackend):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
         return cache.index_select(0, self._prefill_meta(layer_id, batch)["slots"])
 
-    def prefill(self, q, k, v, scale, batch, out):
+    def prefill(self, q, k_nope, k_rope, v, scale, batch, out):
         # the model calls this right after its layer's prefill_context, which refreshed the metadata
         m = self._meta if self._meta_batch is batch else self._prefill_meta(-1, batch)
-        return prefill_attention(q, k, v, m["cu_q"], m["cu_k"], scale, out, m["max_q_len"])
+        return prefill_attention_mla(q, k_nope, k_rope, v, m["cu_q"], m["cu_k"], scale, out, m["max_q_len"])

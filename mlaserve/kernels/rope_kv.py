@@ -35,21 +35,26 @@ def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin,
 
 
 @triton.jit
-def _rope_q_kernel(X, Cos, Sin, Out, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
+def _rope_q_kernel(X, Cos, Sin, Out, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
                    stride_cos, stride_sin,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0)
+                   P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+    # A [BLOCK_T, BLOCK_H, P] tile per program: whole rows of P (vector loads), cos/sin read once per token.
+    # Every pair is read and written by the same program, so out may alias x.
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    i = tl.arange(0, BLOCK_HALF)
-    ok = (h < H)[:, None] & (i < HALF)[None, :]
-    src = X + t.to(tl.int64) * stride_xt + h[:, None] * stride_xh
-    x0 = tl.load(src + (2 * i)[None, :] * stride_xp, mask=ok, other=0.0).to(tl.float32)
-    x1 = tl.load(src + (2 * i + 1)[None, :] * stride_xp, mask=ok, other=0.0).to(tl.float32)
-    cs = tl.load(Cos + t.to(tl.int64) * stride_cos + i, mask=i < HALF, other=0.0)[None, :]
-    sn = tl.load(Sin + t.to(tl.int64) * stride_sin + i, mask=i < HALF, other=0.0)[None, :]
-    dst = Out + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh
-    tl.store(dst + (2 * i)[None, :] * stride_op, (x0 * cs - x1 * sn).to(Out.dtype.element_ty), mask=ok)
-    tl.store(dst + (2 * i + 1)[None, :] * stride_op, (x1 * cs + x0 * sn).to(Out.dtype.element_ty), mask=ok)
+    p = tl.arange(0, BLOCK_P)
+    t64 = t.to(tl.int64)
+    ok = (t < T)[:, None, None] & (h < H)[None, :, None] & (p < P)[None, None, :]
+    x = tl.load(X + t64[:, None, None] * stride_xt + h[None, :, None] * stride_xh + p[None, None, :] * stride_xp,
+                mask=ok, other=0.0).to(tl.float32)
+    x0, x1 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, BLOCK_P // 2, 2)))  # even, odd elements
+    i = tl.arange(0, BLOCK_P // 2)
+    cs_ok = (t < T)[:, None] & (i < P // 2)[None, :]
+    cs = tl.load(Cos + t64[:, None] * stride_cos + i[None, :], mask=cs_ok, other=0.0)[:, None, :]
+    sn = tl.load(Sin + t64[:, None] * stride_sin + i[None, :], mask=cs_ok, other=0.0)[:, None, :]
+    y = tl.reshape(tl.join(x0 * cs - x1 * sn, x1 * cs + x0 * sn), (BLOCK_T, BLOCK_H, BLOCK_P))
+    tl.store(Out + t64[:, None, None] * stride_ot + h[None, :, None] * stride_oh + p[None, None, :] * stride_op,
+             y.to(Out.dtype.element_ty), mask=ok)
 
 
 def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None:
@@ -93,10 +98,13 @@ def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     _check_cos_sin(cos, sin, T, P)
     if T == 0:
         return out
-    block_h = min(triton.next_power_of_2(H), 32)
-    _rope_q_kernel[(T, triton.cdiv(H, block_h))](
-        x, cos, sin, out, H, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+    block_p = max(2, triton.next_power_of_2(P))
+    block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_p))
+    block_t = max(1, 4096 // (block_h * block_p))  # ~4k elements a program (not from T: one compile per H, P)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    _rope_q_kernel[grid](
+        x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
         cos.stride(0), sin.stride(0),
-        HALF=P // 2, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(P // 2), num_warps=1 if H <= 8 else 4,
+        P=P, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4,
     )
     return out

@@ -145,14 +145,14 @@ class DeepseekV3Attention(nn.Module):
         self.absorb_out(o_lat, out)
 
     def forward_naive(self, q, cos, sin, batch, out) -> None:
-        T, H, N, P, R, V = q.shape[0], self.H, self.N, self.P, self.R, self.V
+        T, H, N, R, V = q.shape[0], self.H, self.N, self.R, self.V
         batch.attn.rope_q(q[..., N:], cos, sin, out=q[..., N:])  # q is ours: rotate in place
         # [C, R+P], this step's tokens included; in the cache's dtype, which may differ from ours
         latent = batch.attn.prefill_context(self.layer_id, batch).to(q.dtype)
         C = latent.shape[0]
         kv = F.linear(latent[:, :R], self.kv_b_proj.weight).view(C, H, N + V)
-        k = torch.cat([kv[..., :N], latent[:, None, R:].expand(C, H, P)], dim=-1)  # [C, H, N+P]
-        batch.attn.prefill(q, k, kv[..., N:], self.scale, batch, out=out.view(T, H, V))
+        # k = [k_nope | k_pe] per head is never built: the backend reads kv[..., :N] and the shared latent[:, R:]
+        batch.attn.prefill(q, kv[..., :N], latent[:, R:], kv[..., N:], self.scale, batch, out=out.view(T, H, V))
 
 
 class DeepseekV3DecoderLayer(nn.Module):

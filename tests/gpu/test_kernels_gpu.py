@@ -82,6 +82,44 @@ def test_prefill_8192_and_tiny_dims():
     kc.check_prefill("cuda", torch.float32, H=2, Dqk=192, Dv=128, q_lens=[300], k_lens=[400])
 
 
+@pytest.mark.parametrize("cfg", [None, dict(HEAD_GROUP=1), dict(HEAD_GROUP=16), dict(BLOCK_M=64, BLOCK_N=32)])
+def test_prefill_mla_two_source_real_dims(cfg):
+    # M1 shapes (H=16, N=128, P=64, V=128): k_nope/v views of one projection, k_rope of the latent (head stride 0).
+    # Fresh prompts, chunks over cached context (q shorter than k), single tokens, several requests per batch.
+    kc.check_prefill_mla("cuda", BF, H=16, N=128, P=64, Dv=128, q_lens=[512, 1, 300, 1000, 129, 2048],
+                         k_lens=[512, 700, 300, 3000, 129, 6000], config=cfg, R=512)
+
+
+def test_prefill_mla_8192_and_other_dims():
+    kc.check_prefill_mla("cuda", BF, H=16, N=128, P=64, Dv=128, q_lens=[8192], k_lens=[8192], R=512)
+    kc.check_prefill_mla("cuda", BF, H=16, N=128, P=64, Dv=128, q_lens=[4096], k_lens=[8192], R=512)
+    kc.check_prefill_mla("cuda", BF, H=128, N=128, P=64, Dv=128, q_lens=[700, 64], k_lens=[900, 64], R=512)
+    kc.check_prefill_mla("cuda", BF, H=4, N=16, P=8, Dv=24, q_lens=[5, 70, 1], k_lens=[5, 200, 9])  # tiny preset
+    kc.check_prefill_mla("cuda", torch.float32, H=4, N=16, P=8, Dv=24, q_lens=[5, 70, 1], k_lens=[5, 200, 9])
+    kc.check_prefill_mla("cuda", torch.float32, H=2, N=128, P=64, Dv=128, q_lens=[300], k_lens=[400])
+    kc.check_prefill_mla("cuda", BF, H=16, N=128, P=64, Dv=128, q_lens=[300, 5], k_lens=[400, 5], rope_per_head=True)
+
+
+def test_prefill_mla_cuda_graph_replay_with_new_lengths():
+    from mlaserve.kernels.prefill_attention import prefill_attention_mla
+    from mlaserve.kernels.reference import prefill_attention_ref
+
+    H, N, P, V, T = 16, 128, 64, 128, 2048
+    q = torch.randn(T, H, N + P, device="cuda").to(BF)
+    kv, latent = torch.randn(T, H, N + V, device="cuda").to(BF), torch.randn(T, 512 + P, device="cuda").to(BF)
+    cu = torch.tensor([0, 1000, 1500, T], dtype=torch.int32, device="cuda")
+    out = torch.empty(T, H, V, device="cuda", dtype=BF)
+    args = (q, kv[..., :N], latent[:, 512:], kv[..., N:])
+    g, _ = kc.cuda_graph(lambda: prefill_attention_mla(*args, cu, cu, 0.07, out, T))
+    for bounds in ([0, 7, 1800, T], [0, T, T, T]):
+        cu.copy_(torch.tensor(bounds, dtype=torch.int32))
+        out.fill_(float("nan"))
+        g.replay()
+        k_full = torch.cat([kv[..., :N], latent[:, None, 512:].expand(T, H, P)], -1)
+        ref = prefill_attention_ref(q, k_full, kv[..., N:], cu, cu, 0.07)
+        kc.assert_close(out, ref, BF, f"prefill_attention_mla graph replay cu={bounds}")
+
+
 # --- fused MoE and routing --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("T", [1, 7, 64, 333, 2048])
 def test_fused_moe_moonlight(T):
@@ -149,6 +187,10 @@ def test_rope_store_kv_real(page):
 def test_rope_q_real(H):
     kc.check_rope_q("cuda", BF, T=1000, H=H, P=64, alias=True)
     kc.check_rope_q("cuda", BF, T=100, H=H, P=64, alias=False)
+    kc.check_rope_q("cuda", BF, T=8192, H=H, P=64, alias=True)  # the 8k prefill, in place
+    kc.check_rope_q("cuda", BF, T=8191, H=H, P=64, alias=False)  # a partial last token block, decode-style out
+    kc.check_rope_q("cuda", BF, T=3, H=H, P=64, alias=False)
+    kc.check_rope_q("cuda", torch.float32, T=77, H=H, P=64, alias=True, head_major=True)
 
 
 def test_rope_store_kv_cuda_graph():

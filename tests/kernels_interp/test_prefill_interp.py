@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel_checks import check_prefill
+from tests.kernel_checks import check_prefill, check_prefill_mla
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -27,3 +27,42 @@ def test_pow2_head_dim_and_small_blocks(kdev):
 
 def test_sdpa_alternative(kdev):
     check_prefill(kdev, torch.float32, H=2, Dqk=24, Dv=16, q_lens=[4, 6], k_lens=[9, 6], impl="sdpa")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_source_tiny_model_dims(kdev, dtype):
+    # the tiny preset: N=16, P=8 (padded to 16), V=24 (padded to 32); k_rope shared by the heads (head stride 0).
+    # A fresh prompt, a chunk after a cached prefix, one token after a prefix, a prompt of several query blocks.
+    check_prefill_mla(kdev, dtype, H=4, N=16, P=8, Dv=24, q_lens=[5, 7, 1, 40], k_lens=[5, 30, 12, 40])
+
+
+def test_two_source_real_dims_small(kdev):
+    # N=128, P=64 (no padding: the unmasked tiles load without any mask), Dv=128
+    check_prefill_mla(kdev, torch.bfloat16, H=2, N=128, P=64, Dv=128, q_lens=[3, 20], k_lens=[3, 37],
+                      config=dict(BLOCK_M=16, BLOCK_N=16))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_two_source_head_groups_and_blocks(kdev, group):
+    # several query blocks x heads x requests in the flat grid; group 3 does not divide H=4 (lowered to 2)
+    check_prefill_mla(kdev, torch.float32, H=4, N=16, P=16, Dv=16, q_lens=[33, 1, 16], k_lens=[50, 17, 16],
+                      config=dict(BLOCK_M=16, BLOCK_N=16, HEAD_GROUP=group))
+
+
+def test_two_source_rope_per_head_and_odd_nope(kdev):
+    # k_rope [C, H, P] with its own head stride; N=24 not a power of two (padded with masks)
+    check_prefill_mla(kdev, torch.float32, H=3, N=24, P=8, Dv=16, q_lens=[9, 4], k_lens=[9, 21], rope_per_head=True,
+                      config=dict(BLOCK_M=16, BLOCK_N=16))
+
+
+def test_two_source_shape_errors(kdev):
+    from mlaserve.kernels.prefill_attention import prefill_attention_mla
+
+    q, kn, kr, v = (torch.zeros(4, 2, 24), torch.zeros(6, 2, 16), torch.zeros(6, 8), torch.zeros(6, 2, 16))
+    cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
+    out = torch.zeros(4, 2, 16)
+    with pytest.raises(ValueError, match="k_rope"):
+        prefill_attention_mla(q, kn, torch.zeros(6, 3, 8), v, cu_q, cu_k, 0.1, out, 4)
+    with pytest.raises(ValueError, match="unit stride"):
+        prefill_attention_mla(q, kn, torch.zeros(8, 6).t(), v, cu_q, cu_k, 0.1, out, 4)
+    prefill_attention_mla(q, kn, kr, v, cu_q, cu_k, 0.1, out, 4)  # the well-formed call runs

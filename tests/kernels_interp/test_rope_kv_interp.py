@@ -20,3 +20,15 @@ def test_rope_q(kdev, dtype, alias):
 
 def test_rope_q_many_heads(kdev):
     check_rope_q(kdev, torch.float32, T=2, H=40, P=16, alias=False)
+
+
+@pytest.mark.parametrize("alias", [False, True])
+def test_rope_q_several_token_blocks(kdev, alias):
+    # H=16, P=64 as the models run it: 4 tokens a program, T=9 leaves a partial last block
+    check_rope_q(kdev, torch.bfloat16, T=9, H=16, P=64, alias=alias)
+
+
+@pytest.mark.parametrize("alias", [False, True])
+def test_rope_q_odd_heads_head_major(kdev, alias):
+    # H=6 (padded head block), P=12 (padded pairs), x with token stride < head stride
+    check_rope_q(kdev, torch.float32, T=7, H=6, P=12, alias=alias, head_major=True)
