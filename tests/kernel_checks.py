@@ -122,6 +122,34 @@ def check_fused_moe(device, dtype, *, T: int, D: int, I: int, E_total: int, E_lo
                                          f"{dtype}")
 
 
+def moe_align_ref(topk_ids: torch.Tensor, E_local: int, offset: int, block_m: int) -> tuple[list[int], list[int]]:
+    """The expected layout: each local expert's pairs in index order, padded with T*K to a multiple of block_m."""
+    flat, TK = topk_ids.reshape(-1).cpu(), topk_ids.numel()
+    rows, blocks = [], []
+    for e in range(E_local):
+        pairs = (flat == e + offset).nonzero().reshape(-1).tolist()
+        n = -(-len(pairs) // block_m)
+        rows += pairs + [TK] * (n * block_m - len(pairs))
+        blocks += [e] * n
+    return rows, blocks
+
+
+def check_moe_align(device, *, T: int, K: int, E_total: int, E_local: int, offset: int, block_m: int, **kw):
+    """moe_align against moe_align_ref: the layout is a stable sort, so it must match exactly."""
+    from mlaserve.kernels.moe_align import moe_align
+
+    ids = torch.stack([torch.randperm(E_total, device=device)[:K] for _ in range(T)])
+    if T > 3:  # a skewed routing too: every token prefers the first experts
+        ids[: T // 2] = torch.arange(K, device=device)
+    sorted_ids, expert_ids, num_padded = moe_align(ids, E_local, offset, block_m, **kw)
+    rows, blocks = moe_align_ref(ids, E_local, offset, block_m)
+    n = int(num_padded)
+    assert n == len(rows), f"moe_align num_padded {n} != {len(rows)}"
+    assert sorted_ids[:n].tolist() == rows, f"moe_align rows differ (T={T} K={K} E={E_local} bm={block_m} {kw})"
+    nb = len(blocks)
+    assert expert_ids[:nb].tolist() == blocks and (expert_ids[nb:] == -1).all(), "moe_align expert ids differ"
+
+
 def _near_tie(choice: torch.Tensor, n_group: int, topk_group: int, K: int, eps: float = 1e-5) -> bool:
     """Does this token's selection hinge on two values closer than eps (float64)? Then fp32 rounding may pick
     either, and a different but equally scored choice is not a kernel bug."""

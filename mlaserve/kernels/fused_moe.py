@@ -1,10 +1,8 @@
 """Fused MoE experts: align (token, k) pairs into per-expert blocks, grouped GEMM1 with SiLU(gate)*up fused,
 grouped GEMM2 with the top-k weight fused, then the sum over k. No host sync; buffers sized from shapes only.
 
-Align: each owned (token, k) pair gets its rank inside its expert by atomic increments (in the align program itself
-up to FUSED_COUNT_MAX pairs, else in a separate counting kernel); one program then lays the experts out in padded
-blocks of BLOCK_M rows (sentinel T*K in the padding) and writes each block's expert.
-Row order inside an expert depends on atomic order, but every row's output does not, so results are deterministic.
+Align (moe_align.py) lays the owned pairs out per expert in padded blocks of BLOCK_M rows (sentinel T*K in the
+padding) and writes each block's expert; every row's output is independent of the others in its block.
 """
 
 from __future__ import annotations
@@ -13,72 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_align import moe_align
 from .moe_config import moe_config
-
-FUSED_COUNT_MAX = 4096  # up to this many (token, k) pairs one program also does the counting (decode, verify)
-
-
-@triton.jit
-def _count_chunk(TopkIds, Counts, Rank, offs, TK, expert_offset, E_LOCAL):
-    """Each owned (token, k) pair's rank inside its expert, by atomic increments of the expert's count."""
-    e = (tl.load(TopkIds + offs, mask=offs < TK, other=-1) - expert_offset).to(tl.int32)
-    own = (offs < TK) & (e >= 0) & (e < E_LOCAL)
-    r = tl.atomic_add(Counts + e, 1, mask=own)
-    tl.store(Rank + offs, r, mask=own)
-
-
-@triton.jit(do_not_specialize=["TK", "expert_offset"])
-def _moe_count_kernel(TopkIds, Counts, Rank, TK, expert_offset, E_LOCAL, BLOCK: tl.constexpr):
-    _count_chunk(TopkIds, Counts, Rank, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), TK, expert_offset, E_LOCAL)
-
-
-@triton.jit(do_not_specialize=["TK", "expert_offset", "max_padded", "max_blocks"])
-def _moe_align_kernel(TopkIds, Counts, Rank, Ends, SortedIds, ExpertIds, NumPadded,
-                      TK, expert_offset, E_LOCAL, max_padded, max_blocks,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, LOG2_E: tl.constexpr, BLOCK: tl.constexpr,
-                      FUSED_COUNT: tl.constexpr):
-    """One program. FUSED_COUNT (small T*K): count here too, saving the memset and the count launch."""
-    if FUSED_COUNT:
-        for e0 in range(0, E_LOCAL, BLOCK):
-            tl.store(Counts + e0 + tl.arange(0, BLOCK), 0, mask=e0 + tl.arange(0, BLOCK) < E_LOCAL)
-        tl.debug_barrier()
-        for i0 in range(0, TK, BLOCK):
-            _count_chunk(TopkIds, Counts, Rank, i0 + tl.arange(0, BLOCK), TK, expert_offset, E_LOCAL)
-        tl.debug_barrier()
-    offs_e = tl.arange(0, BLOCK_E)
-    e_ok = offs_e < E_LOCAL
-    cnt = tl.load(Counts + offs_e, mask=e_ok, other=0, cache_modifier=".cg")
-    padded = tl.cdiv(cnt, BLOCK_M) * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    tl.store(NumPadded, total)
-    tl.store(Ends + offs_e, ends, mask=e_ok)
-    for i0 in range(0, max_padded, BLOCK):
-        offs = i0 + tl.arange(0, BLOCK)
-        tl.store(SortedIds + offs, TK, mask=offs < max_padded)  # sentinel: an invalid (token, k) index
-    tl.debug_barrier()
-    # Block i belongs to the first expert whose padded end exceeds i * BLOCK_M (binary search over Ends).
-    for i0 in range(0, max_blocks, BLOCK):
-        blk = i0 + tl.arange(0, BLOCK)
-        x = blk * BLOCK_M
-        lo = tl.zeros([BLOCK], tl.int32)
-        hi = tl.zeros([BLOCK], tl.int32) + E_LOCAL
-        for _ in tl.static_range(LOG2_E + 1):
-            active = lo < hi
-            mid = (lo + hi) // 2
-            v = tl.load(Ends + mid, mask=active, other=0, cache_modifier=".cg")
-            right = active & (v <= x)
-            lo = tl.where(right, mid + 1, lo)
-            hi = tl.where(active & (v > x), mid, hi)
-        tl.store(ExpertIds + blk, tl.where(x < total, lo, -1), mask=blk < max_blocks)
-    for i0 in range(0, TK, BLOCK):
-        offs = i0 + tl.arange(0, BLOCK)
-        e = (tl.load(TopkIds + offs, mask=offs < TK, other=-1) - expert_offset).to(tl.int32)
-        own = (offs < TK) & (e >= 0) & (e < E_LOCAL)
-        cnt_e = tl.load(Counts + e, mask=own, other=0, cache_modifier=".cg")
-        start = tl.load(Ends + e, mask=own, other=0, cache_modifier=".cg") - tl.cdiv(cnt_e, BLOCK_M) * BLOCK_M
-        r = tl.load(Rank + offs, mask=own, other=0, cache_modifier=".cg")
-        tl.store(SortedIds + start + r, offs, mask=own)
 
 
 @triton.jit
@@ -182,31 +116,6 @@ def _moe_sum_kernel(Y, TopkIds, Out, D, expert_offset, E_LOCAL, TOPK: tl.constex
         if (e >= 0) & (e < E_LOCAL):
             acc += tl.load(Y + (t * TOPK + k).to(tl.int64) * D + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(Out + t.to(tl.int64) * D + offs, acc.to(Out.dtype.element_ty), mask=ok)
-
-
-def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m: int):
-    """-> (sorted_ids [max_padded] int32, expert_ids [max_blocks] int32 (-1 past the end), num_padded [1] int32).
-    max_padded = T*K + min(E_local, T*K) * (block_m - 1) bounds the padded total for any routing."""
-    TK = topk_ids.numel()
-    dev = topk_ids.device
-    max_padded = TK + min(E_local, TK) * (block_m - 1)
-    max_blocks = triton.cdiv(max_padded, block_m)
-    fused_count = TK <= FUSED_COUNT_MAX
-    counts = (torch.empty if fused_count else torch.zeros)(E_local, dtype=torch.int32, device=dev)
-    rank = torch.empty(TK, dtype=torch.int32, device=dev)
-    ends = torch.empty(E_local, dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    ids = topk_ids.reshape(-1)
-    if not fused_count:
-        _moe_count_kernel[(triton.cdiv(TK, 1024),)](ids, counts, rank, TK, expert_offset, E_local, BLOCK=1024)
-    block_e = triton.next_power_of_2(E_local)
-    _moe_align_kernel[(1,)](ids, counts, rank, ends, sorted_ids, expert_ids, num_padded,
-                            TK, expert_offset, E_local, max_padded, max_blocks,
-                            BLOCK_M=block_m, BLOCK_E=block_e, LOG2_E=block_e.bit_length() - 1, BLOCK=1024,
-                            FUSED_COUNT=fused_count, num_warps=8)
-    return sorted_ids, expert_ids, num_padded
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
