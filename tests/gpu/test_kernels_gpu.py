@@ -83,7 +83,7 @@ def test_prefill_8192_and_tiny_dims():
 
 
 # --- fused MoE and routing --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("T", [1, 7, 64, 333, 2048])
+@pytest.mark.parametrize("T", [1, 7, 64, 333, 2048, 8192])
 def test_fused_moe_moonlight(T):
     kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6)
 
@@ -117,6 +117,37 @@ def test_fused_moe_cuda_graph_replay_with_new_routing():
         g.replay()
         ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, 0)
         kc.assert_close(out, ref, BF, "fused_moe graph replay")
+
+
+@pytest.mark.parametrize("T,K,E,E_local,offset,bm", [(1, 6, 64, 64, 0, 16), (64, 6, 64, 64, 0, 16),
+                                                     (170, 6, 64, 64, 0, 32), (171, 6, 64, 64, 0, 32),
+                                                     (8192, 6, 64, 64, 0, 128), (8192, 8, 384, 384, 0, 128),
+                                                     (3000, 8, 384, 96, 192, 64), (8192, 8, 256, 256, 0, 16)])
+def test_moe_align_real(T, K, E, E_local, offset, bm):
+    # single program up to FUSED_COUNT_MAX = 1024 pairs (T=170 x 6), the histogram + multi-program align above
+    kc.check_moe_align("cuda", T=T, K=K, E_total=E, E_local=E_local, offset=offset, block_m=bm)
+
+
+def test_fused_moe_prefill_graph_replay_multi_program_align():
+    # T*K = 12288 pairs: the multi-program align inside a captured graph, replayed with new routings
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.layers.moe import fused_experts_ref
+
+    T, D, I, E, K = 2048, 2048, 1408, 64, 6
+    x = torch.randn(T, D, device="cuda").to(BF)
+    w13 = (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(BF)
+    w2 = (torch.randn(E, D, I, device="cuda") / I**0.5).to(BF)
+    ids = torch.zeros(T, K, dtype=torch.int64, device="cuda")
+    w = torch.ones(T, K, device="cuda")
+    g, out = kc.cuda_graph(lambda: fused_experts(x, w13, w2, w, ids, 0))
+    for skew in (False, True):
+        ids.copy_(torch.rand(T, E, device="cuda").topk(K, -1).indices)
+        if skew:  # most tokens on the same 6 experts: many blocks per expert
+            ids[: T * 3 // 4] = torch.arange(K, device="cuda")
+        w.copy_(torch.rand(T, K, device="cuda"))
+        g.replay()
+        ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, 0)
+        kc.assert_close(out, ref, BF, f"fused_moe graph replay T={T} skew={skew}")
 
 
 @pytest.mark.parametrize("E,G,TG,K", [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)])
