@@ -31,6 +31,7 @@ class Sizes:
     prefill_dims: tuple = (16, 192, 128)  # H, Dqk, Dv
     routing: tuple = (("kimi", 384, 1, 1, 8), ("deepseek-v3", 256, 8, 4, 8), ("moonlight", 64, 1, 1, 6))
     routing_T: tuple = (1, 64, 8192)
+    router: tuple = (("moonlight", 2048, 64), ("kimi", 7168, 384))  # name, D, E of the router GEMM
     rope_T: tuple = (16, 8192)
     rope_H: tuple = (16, 128)
 
@@ -38,7 +39,7 @@ class Sizes:
 def smoke_sizes() -> Sizes:
     return Sizes(dev="cpu", R=32, P=8, mla_heads=(4,), mla_batches=(2,), mla_ctx=(40,), mla_sweep=(2, 4, 40),
                  moe={"tiny": (64, 32, 8, 2)}, moe_T=(1, 48), prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24),
-                 routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,))
+                 routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), router=(("tiny", 64, 8),), rope_T=(5,), rope_H=(4,))
 
 
 class Report:

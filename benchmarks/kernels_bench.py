@@ -173,6 +173,19 @@ def run_routing(rep: Report, sz: Sizes):
             same = (ids.sort(-1).values == rids.sort(-1).values).all(-1).float().mean().item()
             rep.add("routing", f"{name} E={E} G={G} T={T} same ids {same:.4f} (torch {ms_ref * 1e3:.0f} us)", ms,
                     torch_us=ms_ref * 1e3, same_ids_frac=same)
+    from mlaserve.kernels.router_logits import router_logits
+
+    for name, D, E in sz.router:  # the router GEMM: Triton (x read as bf16) vs F.linear(x.float(), w) (cuBLAS fp32)
+        w = torch.randn(E, D, device=sz.dev) / D**0.5
+        for T in sz.routing_T:
+            x = torch.randn(T, D, device=sz.dev).to(BF)
+            err = rel(router_logits(x, w), torch.nn.functional.linear(x.float(), w))
+            ms = bench(lambda: router_logits(x, w), sz)  # noqa: B023
+            ms_ref = bench(lambda: torch.nn.functional.linear(x.float(), w), sz)  # noqa: B023
+            small = T <= 64  # bytes of W bound; else fp32 FMAs (the % column is of the bf16 peak)
+            rep.add("router", f"{name} logits T={T} E={E} D={D} (x.float()+F.linear {ms_ref * 1e3:.1f} us)", ms,
+                    w.numel() * 4 + x.numel() * 2 if small else 0.0, 0.0 if small else 2.0 * T * E * D, err=err,
+                    torch_us=ms_ref * 1e3)
 
 
 def run_rope(rep: Report, sz: Sizes):

@@ -155,6 +155,25 @@ def test_routing_real(E, G, TG, K):
     kc.check_routing("cuda", T=4096, E=E, n_group=G, topk_group=TG, K=K)
 
 
+@pytest.mark.parametrize("T,E,D", [(1, 64, 2048), (3, 64, 2048), (8, 64, 2048), (9, 64, 2048), (64, 64, 2048),
+                                   (300, 64, 2048), (8192, 64, 2048), (1, 384, 7168), (16, 384, 7168),
+                                   (4096, 384, 7168), (5, 256, 7168), (2000, 8, 64)])
+def test_router_logits_real(T, E, D):
+    kc.check_router_logits("cuda", BF, T=T, E=E, D=D)
+
+
+def test_router_logits_fp32_fp16_and_graph():
+    from mlaserve.kernels.router_logits import router_logits
+
+    kc.check_router_logits("cuda", torch.float32, T=100, E=64, D=2048)
+    kc.check_router_logits("cuda", torch.float16, T=2, E=64, D=2048)
+    x, w = torch.randn(4, 2048, device="cuda").to(BF), torch.randn(64, 2048, device="cuda")
+    g, out = kc.cuda_graph(lambda: router_logits(x, w))
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x.float(), w), rtol=1e-5, atol=1e-4)
+
+
 def test_routing_cuda_graph():
     from mlaserve.kernels.routing import route_noaux_tc_logits
     from mlaserve.layers.moe import route_noaux_tc

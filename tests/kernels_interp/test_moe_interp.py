@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel_checks import check_fused_moe, check_moe_align, check_routing
+from tests.kernel_checks import check_fused_moe, check_moe_align, check_router_logits, check_routing
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,3 +105,18 @@ def test_routing_fused_matches_router_module(kdev):
     rw, rids = gate(x)
     assert torch.equal(ids.sort(-1).values, rids.sort(-1).values)
     torch.testing.assert_close(w.gather(1, ids.argsort(-1)), rw.gather(1, rids.argsort(-1)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,E,D,dtype", [(1, 64, 256, torch.bfloat16), (5, 24, 100, torch.float16),
+                                         (3, 40, 96, torch.float32), (20, 8, 64, torch.bfloat16),
+                                         (300, 24, 72, torch.bfloat16), (0, 8, 64, torch.bfloat16)])
+def test_router_logits(kdev, T, E, D, dtype):
+    # T<=8: FMA path (T=1 one expert per program); 20: dot 16x16 tiles; 300: dot 64x16 (E=24 < 64), D % 32 != 0
+    check_router_logits(kdev, dtype, T=T, E=E, D=D)
+
+
+def test_router_logits_configs(kdev):
+    check_router_logits(kdev, torch.bfloat16, T=6, E=12, D=80,
+                        config=dict(BLOCK_T=8, BLOCK_E=4, BLOCK_D=64, USE_DOT=False))  # masked D and E tails
+    check_router_logits(kdev, torch.bfloat16, T=6, E=12, D=80,
+                        config=dict(BLOCK_T=16, BLOCK_E=16, BLOCK_D=32, USE_DOT=True))
