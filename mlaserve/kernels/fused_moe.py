@@ -14,6 +14,8 @@ import triton.language as tl
 from .moe_align import moe_align
 from .moe_config import moe_config
 
+NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
+
 
 @triton.jit
 def _pid_to_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
@@ -26,18 +28,46 @@ def _pid_to_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["num_m", "TK"])
-def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded,
-                      I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK,
+@triton.jit
+def _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK,
+                BLOCK_M: tl.constexpr, NO_ALIGN: tl.constexpr):
+    """-> (expert, pair index of each row (TK: padding), Hbuf row of each row, whether GEMM1 stores the row).
+    NO_ALIGN: block pid_m is pair pid_m alone (row 0; the other rows alias its Hbuf row and are never stored)."""
+    offs = tl.arange(0, BLOCK_M)
+    if NO_ALIGN:
+        e = tl.load(TopkIds + pid_m) - expert_offset
+        ids = tl.where(offs == 0, pid_m, TK)
+        rows = pid_m + tl.zeros([BLOCK_M], tl.int32)
+        store = offs == 0
+    else:
+        e = tl.load(ExpertIds + pid_m)
+        rows = pid_m * BLOCK_M + offs
+        ids = tl.load(SortedIds + rows)
+        store = offs >= 0  # padding rows too (zeros): GEMM2 reads them
+    return e.to(tl.int64), ids, rows, store
+
+
+@triton.jit
+def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.constexpr, NO_ALIGN: tl.constexpr):
+    """Past the padded total; NO_ALIGN: the pair's expert is not owned by this rank."""
+    if NO_ALIGN:
+        e = tl.load(TopkIds + pid_m) - expert_offset
+        skip = (e < 0) | (e >= E_LOCAL)
+    else:
+        skip = pid_m * BLOCK_M >= tl.load(NumPadded)
+    return skip
+
+
+@triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
+def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds,
+                      I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr):
     """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e."""
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(NumPadded):
+    if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
-    e = tl.load(ExpertIds + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(SortedIds + offs_m)
+    e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
     row_ok = ids < TK
     tok = (ids // TOPK).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,21 +95,19 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded,
         u_ptr += BLOCK_K
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     h_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=n_ok[None, :])
+    tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=store[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_m", "TK"])
-def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW,
-                      D, I, num_m, stride_hm, stride_we, stride_wn, stride_yt, TK,
+@triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
+def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkIds,
+                      D, I, num_m, stride_hm, stride_we, stride_wn, stride_yt, TK, expert_offset, E_LOCAL,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr):
     """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks."""
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(NumPadded):
+    if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
-    e = tl.load(ExpertIds + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(SortedIds + offs_m)
+    e, ids, offs_m, _ = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
     row_ok = ids < TK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
@@ -122,7 +150,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None) -> torch.Tensor:
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
-    topk_ids [T, K] int -> [T, D] in x.dtype."""
+    topk_ids [T, K] int -> [T, D] in x.dtype. config (benchmarks, tests): moe_config overrides, flat or
+    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -139,24 +168,33 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    c1, c2 = moe_config(T, K, E, D, I, x.dtype, **(config or {}))
-    bm = c1["BLOCK_M"]
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm)
-    max_padded, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     TK = T * K
+    config = dict(config or {})
+    no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
+    c1, c2 = moe_config(T, K, E, D, I, x.dtype, **config)
+    bm = c1["BLOCK_M"]
+    ids = topk_ids.reshape(-1)
+    if no_align:  # block m = pair m alone; the align buffers are unused (any pointer will do)
+        sorted_ids = expert_ids = num_padded = ids
+        rows, num_m = TK, TK
+    else:
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm)
+        rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    hbuf = torch.empty(max_padded, I, dtype=x.dtype, device=x.device)
+    hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     _moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
-        x, w13, hbuf, sorted_ids, expert_ids, num_padded, I, D, num_m,
-        x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK,
+        x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, I, D, num_m,
+        x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E,
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
-        EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, num_warps=c1["num_warps"], num_stages=c1["num_stages"])
+        EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align,
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
-        hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1),
-        D, I, num_m, hbuf.stride(0), w2.stride(0), w2.stride(1), y.stride(0), TK,
+        hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids,
+        D, I, num_m, hbuf.stride(0), w2.stride(0), w2.stride(1), y.stride(0), TK, expert_offset, E,
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
-        EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, num_warps=c2["num_warps"], num_stages=c2["num_stages"])
+        EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align,
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"])
     block_d = min(1024, triton.next_power_of_2(D))
     _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, D, expert_offset, E, TOPK=K, BLOCK_D=block_d,
                                                     num_warps=4)

@@ -99,11 +99,30 @@ def test_fused_moe_expert_parallel_fp32_tiny():
     kc.check_fused_moe("cuda", BF, T=9, D=64, I=32, E_total=8, E_local=8, offset=0, K=2)
 
 
-def test_fused_moe_cuda_graph_replay_with_new_routing():
+@pytest.mark.parametrize("T", [1, 2, 4, 11])
+@pytest.mark.parametrize("no_align", [True, False])
+def test_fused_moe_no_align(T, no_align):
+    # each (token, k) pair its own block (default up to NO_ALIGN_MAX_PAIRS = 16 pairs) vs aligned, both forced
+    kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
+                       config=dict(no_align=no_align))
+    kc.check_fused_moe("cuda", BF, T=T, D=7168, I=512, E_total=384, E_local=96, offset=96, K=8,
+                       config=dict(no_align=no_align))
+
+
+def test_fused_moe_per_gemm_configs():
+    for cfg in ({"gemm1": dict(BLOCK_N=64, num_warps=4, num_stages=4), "gemm2": dict(BLOCK_N=256, num_stages=3)},
+                {"gemm1": dict(BLOCK_M=64, GROUP_M=16), "gemm2": dict(BLOCK_K=128, num_stages=3)}):
+        kc.check_fused_moe("cuda", BF, T=2048, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6, config=cfg)
+    kc.check_fused_moe("cuda", BF, T=8, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
+                       config={"gemm1": dict(BLOCK_N=32, BLOCK_K=256, num_stages=3), "gemm2": dict(num_warps=2)})
+
+
+@pytest.mark.parametrize("T", [1, 16])
+def test_fused_moe_cuda_graph_replay_with_new_routing(T):
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.layers.moe import fused_experts_ref
 
-    T, D, I, E, K = 16, 2048, 1408, 64, 6
+    D, I, E, K = 2048, 1408, 64, 6  # T=1: the no-align path; 16: single-program align
     x = torch.randn(T, D, device="cuda").to(BF)
     w13 = (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(BF)
     w2 = (torch.randn(E, D, I, device="cuda") / I**0.5).to(BF)

@@ -80,6 +80,37 @@ def test_fused_moe_multi_program_align(kdev, monkeypatch):
     check_fused_moe(kdev, torch.bfloat16, T=24, D=32, I=16, E_total=12, E_local=5, offset=6, K=4)
 
 
+@pytest.mark.parametrize("no_align", [True, False])
+def test_fused_moe_no_align(kdev, no_align):
+    # no_align: each (token, k) pair its own M block, no moe_align; forced both ways on a tiny and an EP case
+    cfg = dict(no_align=no_align)
+    check_fused_moe(kdev, torch.float32, T=1, D=40, I=20, E_total=6, E_local=6, offset=0, K=2, config=cfg)
+    check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3, config=cfg)
+    check_fused_moe(kdev, torch.bfloat16, T=3, D=64, I=32, E_total=8, E_local=8, offset=0, K=2, config=cfg)
+
+
+def test_fused_moe_per_gemm_config(kdev):
+    cfg = {"gemm1": dict(BLOCK_N=16, BLOCK_K=16, num_warps=2), "gemm2": dict(BLOCK_N=32, BLOCK_K=64, num_stages=3)}
+    check_fused_moe(kdev, torch.float32, T=20, D=64, I=48, E_total=8, E_local=8, offset=0, K=2, config=cfg)
+    check_fused_moe(kdev, torch.float32, T=20, D=64, I=48, E_total=8, E_local=8, offset=0, K=2,
+                    config=dict(BLOCK_K=16, gemm2=dict(BLOCK_M=32)))  # BLOCK_M given for gemm2 applies to both
+
+
+def test_moe_config_overrides():
+    from mlaserve.kernels.moe_config import moe_config
+
+    base1, base2 = moe_config(8192, 6, 64, 2048, 1408, torch.bfloat16)
+    c1, c2 = moe_config(8192, 6, 64, 2048, 1408, torch.bfloat16, num_warps=4, gemm1=dict(BLOCK_N=64),
+                        gemm2=dict(BLOCK_K=128, num_warps=8))
+    assert c1 == dict(base1, BLOCK_N=64, num_warps=4) and c2 == dict(base2, BLOCK_K=128, num_warps=8)
+    c1, c2 = moe_config(8192, 6, 64, 2048, 1408, torch.bfloat16, gemm1=dict(BLOCK_M=64))
+    assert c1["BLOCK_M"] == c2["BLOCK_M"] == 64
+    with pytest.raises(ValueError, match="share the alignment block"):
+        moe_config(1, 6, 64, 2048, 1408, torch.bfloat16, gemm1=dict(BLOCK_M=16), gemm2=dict(BLOCK_M=32))
+    with pytest.raises(ValueError, match="gemm2.BLOCK_Q"):
+        moe_config(1, 6, 64, 2048, 1408, torch.bfloat16, gemm2=dict(BLOCK_Q=16))
+
+
 def test_fused_moe_empty(kdev):
     check_fused_moe(kdev, torch.float32, T=0, D=32, I=16, E_total=4, E_local=4, offset=0, K=2)
 
