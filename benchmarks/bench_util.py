@@ -27,6 +27,10 @@ class Sizes:
     mla_sweep: tuple = (16, 16, 8192)  # B, H, ctx
     moe: dict = field(default_factory=lambda: {"moonlight": (2048, 1408, 64, 6), "kimi-tp4": (7168, 512, 384, 8)})
     moe_T: tuple = (1, 2, 4, 8, 16, 32, 64, 8192)
+    moe_sweep_shapes: tuple = ("moonlight",)
+    moe_sweep_decode_T: tuple = (1, 8, 32)
+    moe_sweep_budget_s: float = 85.0
+    moe_sweep_max_cfgs: int = 8  # per list (decode, gemm1, gemm2)
     prefill: tuple = ((512, 512), (8192, 8192), (2048, 8192))
     prefill_dims: tuple = (16, 192, 128)  # H, Dqk, Dv
     routing: tuple = (("kimi", 384, 1, 1, 8), ("deepseek-v3", 256, 8, 4, 8), ("moonlight", 64, 1, 1, 6))
@@ -38,7 +42,9 @@ class Sizes:
 
 def smoke_sizes() -> Sizes:
     return Sizes(dev="cpu", R=32, P=8, mla_heads=(4,), mla_batches=(2,), mla_ctx=(40,), mla_sweep=(2, 4, 40),
-                 moe={"tiny": (64, 32, 8, 2)}, moe_T=(1, 48), prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24),
+                 moe={"tiny": (64, 32, 8, 2)}, moe_T=(1, 48),
+                 moe_sweep_shapes=("tiny",), moe_sweep_decode_T=(1, 8), moe_sweep_max_cfgs=2,
+                 prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24),
                  routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), router=(("tiny", 64, 8),), rope_T=(5,), rope_H=(4,))
 
 
