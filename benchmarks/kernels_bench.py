@@ -123,34 +123,84 @@ def run_moe(rep: Report, sz: Sizes):
             rep.add("fused_moe", f"{name} T={T} experts={n_exp}", ms, nbytes if decode else 0.0,
                     0.0 if decode else flops, err=err, shape=name, T=T, experts=n_exp, flops_all=flops,
                     bytes_all=nbytes)
+        from mlaserve.kernels.moe_align import moe_align
+        from mlaserve.kernels.moe_config import moe_config
+
+        for T in sz.moe_T:  # the align alone (T*K <= 16 pairs skip it inside fused_experts)
+            _, ids, _ = _moe_inputs(T, D, E, K, sz.dev)
+            bm = moe_config(T, K, E, D, I, BF)[0]["BLOCK_M"]
+            ms = bench(lambda: moe_align(ids, E, 0, bm), sz)  # noqa: B023
+            rep.add("moe_align", f"{name} T={T} pairs={T * K} BLOCK_M={bm}", ms, T=T, shape=name)
         w13 = w2 = w13f = w2f = None  # free before the next shape
         if sz.dev == "cuda":
             torch.cuda.empty_cache()
 
 
-def run_moe_sweep(rep: Report, sz: Sizes):
-    """Tile alternatives for the two regimes: decode (T=1) and prefill (the largest T)."""
-    from mlaserve.kernels.fused_moe import fused_experts
+# decode (BLOCK_M 16: weight streaming): flat configs, both GEMMs; prefill: each GEMM alone, the other at its default
+MOE_DECODE_CFGS = [dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
+                   dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
+                   dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
+                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5),
+                   dict(BLOCK_N=64, BLOCK_K=64, num_warps=2, num_stages=6),
+                   dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3),
+                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+                   dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)]
+MOE_PREFILL_GEMM1 = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+                     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3),
+                     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=32, num_warps=8, num_stages=3),
+                     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+                     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+                     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=5),
+                     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=2),
+                     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)]  # M: both GEMMs
+MOE_PREFILL_GEMM2 = [dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+                     dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=5),
+                     dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+                     dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+                     dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+                     dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+                     dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=4),
+                     dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=32, num_warps=4, num_stages=4)]
 
-    decode_cfgs = [dict(BLOCK_N=32, BLOCK_K=256, num_stages=3), dict(BLOCK_N=64, BLOCK_K=64, num_stages=5),
-                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)]
-    prefill_cfgs = [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-                    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
-                    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2)]
-    for name, (D, I, E, K) in sz.moe.items():
+
+def run_moe_sweep(rep: Report, sz: Sizes):
+    """Tile alternatives on sz.moe_sweep_shapes: decode T in sz.moe_sweep_decode_T (flat configs, plus no_align
+    on/off), then the prefill T=max(moe_T) with gemm1 and gemm2 configs swept separately (timed through the whole
+    fused_experts). Stops adding cases after sz.moe_sweep_budget_s seconds (compiles dominate: ~1-2 s each)."""
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.kernels.moe_config import moe_config
+
+    t0 = time.time()
+    for name in sz.moe_sweep_shapes:
+        D, I, E, K = sz.moe[name]
         w13 = (torch.randn(E, 2 * I, D, device=sz.dev) / D**0.5).to(BF)
         w2 = (torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF)
-        for T, cfgs in [(1, decode_cfgs), (max(sz.moe_T), prefill_cfgs)]:
-            x, ids, w = _moe_inputs(T, D, E, K, sz.dev)
+        Tp = max(sz.moe_T)
+        cases = [(T, "default", None) for T in sz.moe_sweep_decode_T]
+        cases += [(T, f"no_align={v}", dict(no_align=v)) for T in sz.moe_sweep_decode_T[:2] for v in (True, False)]
+        n = sz.moe_sweep_max_cfgs
+        cases += [(T, cfg_label(c), c) for c in MOE_DECODE_CFGS[:n] for T in sz.moe_sweep_decode_T]
+        d1, d2 = moe_config(Tp, K, E, D, I, BF)
+        cases += [(Tp, f"default g1 [{cfg_label(d1)}] g2 [{cfg_label(d2)}]", None)]
+        cases += [(Tp, f"gemm1 {cfg_label(c)}", dict(gemm1=c)) for c in MOE_PREFILL_GEMM1[:n]]
+        cases += [(Tp, f"gemm2 {cfg_label(c)}", dict(gemm2=c)) for c in MOE_PREFILL_GEMM2[:n]]
+        inputs = {}
+        for T, label, cfg in cases:
+            if time.time() - t0 > sz.moe_sweep_budget_s:
+                print(f"moe_sweep: {sz.moe_sweep_budget_s:.0f} s budget spent; skipping {name} T={T} {label}")
+                continue
+            if T not in inputs:
+                inputs[T] = _moe_inputs(T, D, E, K, sz.dev)
+            x, ids, w = inputs[T]
             n_exp = int(ids.unique().numel())
-            for cfg in cfgs:
-                try:
-                    ms = bench(lambda: fused_experts(x, w13, w2, w, ids, 0, config=cfg), sz)  # noqa: B023
-                    rep.add("moe_sweep", f"{name} T={T} {cfg_label(cfg)}", ms, n_exp * 3 * D * I * 2 if T == 1 else 0.0,
-                            0.0 if T == 1 else 6.0 * T * K * D * I, config=cfg, shape=name, T=T)
-                except Exception as e:
-                    print(f"moe_sweep {name} T={T} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-        w13 = w2 = None
+            decode = T <= 64
+            try:
+                ms = bench(lambda: fused_experts(x, w13, w2, w, ids, 0, config=cfg), sz)  # noqa: B023
+                rep.add("moe_sweep", f"{name} T={T} {label}", ms, n_exp * 3 * D * I * 2 if decode else 0.0,
+                        0.0 if decode else 6.0 * T * K * D * I, config=cfg, shape=name, T=T)
+            except Exception as e:  # e.g. out of shared memory
+                print(f"moe_sweep {name} T={T} {label}: {type(e).__name__}: {str(e)[:120]}")
+        w13 = w2 = inputs = None
         if sz.dev == "cuda":
             torch.cuda.empty_cache()
 
@@ -276,6 +326,19 @@ def run_routing(rep: Report, sz: Sizes):
             same = (ids.sort(-1).values == rids.sort(-1).values).all(-1).float().mean().item()
             rep.add("routing", f"{name} E={E} G={G} T={T} same ids {same:.4f} (torch {ms_ref * 1e3:.0f} us)", ms,
                     torch_us=ms_ref * 1e3, same_ids_frac=same)
+    from mlaserve.kernels.router_logits import router_logits
+
+    for name, D, E in sz.router:  # the router GEMM: Triton (x read as bf16) vs F.linear(x.float(), w) (cuBLAS fp32)
+        w = torch.randn(E, D, device=sz.dev) / D**0.5
+        for T in sz.routing_T:
+            x = torch.randn(T, D, device=sz.dev).to(BF)
+            err = rel(router_logits(x, w), torch.nn.functional.linear(x.float(), w))
+            ms = bench(lambda: router_logits(x, w), sz)  # noqa: B023
+            ms_ref = bench(lambda: torch.nn.functional.linear(x.float(), w), sz)  # noqa: B023
+            small = T <= 64  # bytes of W bound; else fp32 FMAs (the % column is of the bf16 peak)
+            rep.add("router", f"{name} logits T={T} E={E} D={D} (x.float()+F.linear {ms_ref * 1e3:.1f} us)", ms,
+                    w.numel() * 4 + x.numel() * 2 if small else 0.0, 0.0 if small else 2.0 * T * E * D, err=err,
+                    torch_us=ms_ref * 1e3)
 
 
 def run_rope(rep: Report, sz: Sizes):

@@ -149,6 +149,34 @@ def check_fused_moe(device, dtype, *, T: int, D: int, I: int, E_total: int, E_lo
                                          f"{dtype}")
 
 
+def moe_align_ref(topk_ids: torch.Tensor, E_local: int, offset: int, block_m: int) -> tuple[list[int], list[int]]:
+    """The expected layout: each local expert's pairs in index order, padded with T*K to a multiple of block_m."""
+    flat, TK = topk_ids.reshape(-1).cpu(), topk_ids.numel()
+    rows, blocks = [], []
+    for e in range(E_local):
+        pairs = (flat == e + offset).nonzero().reshape(-1).tolist()
+        n = -(-len(pairs) // block_m)
+        rows += pairs + [TK] * (n * block_m - len(pairs))
+        blocks += [e] * n
+    return rows, blocks
+
+
+def check_moe_align(device, *, T: int, K: int, E_total: int, E_local: int, offset: int, block_m: int, **kw):
+    """moe_align against moe_align_ref: the layout is a stable sort, so it must match exactly."""
+    from mlaserve.kernels.moe_align import moe_align
+
+    ids = torch.stack([torch.randperm(E_total, device=device)[:K] for _ in range(T)])
+    if T > 3:  # a skewed routing too: every token prefers the first experts
+        ids[: T // 2] = torch.arange(K, device=device)
+    sorted_ids, expert_ids, num_padded = moe_align(ids, E_local, offset, block_m, **kw)
+    rows, blocks = moe_align_ref(ids, E_local, offset, block_m)
+    n = int(num_padded)
+    assert n == len(rows), f"moe_align num_padded {n} != {len(rows)}"
+    assert sorted_ids[:n].tolist() == rows, f"moe_align rows differ (T={T} K={K} E={E_local} bm={block_m} {kw})"
+    nb = len(blocks)
+    assert expert_ids[:nb].tolist() == blocks and (expert_ids[nb:] == -1).all(), "moe_align expert ids differ"
+
+
 def _near_tie(choice: torch.Tensor, n_group: int, topk_group: int, K: int, eps: float = 1e-5) -> bool:
     """Does this token's selection hinge on two values closer than eps (float64)? Then fp32 rounding may pick
     either, and a different but equally scored choice is not a kernel bug."""
@@ -189,6 +217,27 @@ def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: i
     same[bad] = False
     err = (w.gather(1, o) - rw.gather(1, ro))[same].abs().max().item() if same.any() else 0.0
     assert err < 1e-5 * max(1.0, scaling), f"routing weights differ by {err:.3e}"
+    return err
+
+
+def check_router_logits(device, dtype, *, T: int, E: int, D: int, config=None):
+    """router_logits against F.linear(x.float(), w) in fp32: relative error ~1e-5 per element of |x| . |w|."""
+    import torch.nn.functional as F
+
+    from mlaserve.kernels.router_logits import router_logits
+
+    x = torch.randn(T + 3, D + 8, device=device).to(dtype)[2:T + 2, 4:D + 4]  # strided rows
+    w = torch.randn(E, D, device=device) / D**0.5
+    out = nan_like((T, E + 5), torch.float32, device)[:, 5:]  # poisoned, strided
+    got = router_logits(x, w, out, config=config)
+    assert got is out and got.dtype == torch.float32 and got.shape == (T, E)
+    ref = F.linear(x.float(), w)
+    scale = F.linear(x.float().abs(), w.abs())  # the sum of |products|: the fp32 rounding scale
+    assert not torch.isnan(got).any(), f"router_logits T={T} E={E} D={D}: unwritten outputs"
+    if T == 0:
+        return 0.0
+    err = ((got - ref).abs() / scale.clamp_min(1e-30)).max().item()
+    assert err < 1e-5, f"router_logits T={T} E={E} D={D} {dtype} {config}: error {err:.2e} of sum |x w|"
     return err
 
 

@@ -16,9 +16,22 @@ import torch
 SMS = 132  # H100/H200; the fill heuristic only needs the order of magnitude
 
 
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
 def moe_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, **override) -> tuple[dict, dict]:
-    """-> (gemm1 config, gemm2 config). Both share BLOCK_M (the alignment block). `override` replaces keys in
-    both (for benchmarks sweeping configs)."""
+    """-> (gemm1 config, gemm2 config). Both share BLOCK_M (the alignment block). `override` (benchmarks, tests)
+    replaces keys: flat keys in both, then gemm1={...} / gemm2={...} in one; a BLOCK_M given for one GEMM applies to
+    both (they must not disagree)."""
+    o1, o2 = dict(override.pop("gemm1", None) or {}), dict(override.pop("gemm2", None) or {})
+    for where, o in (("", override), ("gemm1.", o1), ("gemm2.", o2)):
+        bad = [k for k in o if k not in KEYS]
+        if bad:
+            raise ValueError(f"moe config keys {[where + k for k in bad]} are not among {KEYS}")
+    if "BLOCK_M" in o1 and "BLOCK_M" in o2 and o1["BLOCK_M"] != o2["BLOCK_M"]:
+        raise ValueError(f"moe config gemm1.BLOCK_M={o1['BLOCK_M']} != gemm2.BLOCK_M={o2['BLOCK_M']}: the GEMMs "
+                         "share the alignment block")
+    bm_override = o1.get("BLOCK_M", o2.get("BLOCK_M", override.get("BLOCK_M")))
     rows_per_expert = T * K / E
     if rows_per_expert <= 16:
         bm = 16
@@ -50,6 +63,8 @@ def moe_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, **ove
     else:
         c1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
         c2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-    c1.update(override)
-    c2.update(override)
+    c1.update(override, **o1)
+    c2.update(override, **o2)
+    if bm_override is not None:
+        c1["BLOCK_M"] = c2["BLOCK_M"] = bm_override
     return c1, c2

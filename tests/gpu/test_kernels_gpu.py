@@ -121,7 +121,7 @@ def test_prefill_mla_cuda_graph_replay_with_new_lengths():
 
 
 # --- fused MoE and routing --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("T", [1, 7, 64, 333, 2048])
+@pytest.mark.parametrize("T", [1, 7, 64, 333, 2048, 8192])
 def test_fused_moe_moonlight(T):
     kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6)
 
@@ -137,11 +137,30 @@ def test_fused_moe_expert_parallel_fp32_tiny():
     kc.check_fused_moe("cuda", BF, T=9, D=64, I=32, E_total=8, E_local=8, offset=0, K=2)
 
 
-def test_fused_moe_cuda_graph_replay_with_new_routing():
+@pytest.mark.parametrize("T", [1, 2, 4, 11])
+@pytest.mark.parametrize("no_align", [True, False])
+def test_fused_moe_no_align(T, no_align):
+    # each (token, k) pair its own block (default up to NO_ALIGN_MAX_PAIRS = 16 pairs) vs aligned, both forced
+    kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
+                       config=dict(no_align=no_align))
+    kc.check_fused_moe("cuda", BF, T=T, D=7168, I=512, E_total=384, E_local=96, offset=96, K=8,
+                       config=dict(no_align=no_align))
+
+
+def test_fused_moe_per_gemm_configs():
+    for cfg in ({"gemm1": dict(BLOCK_N=64, num_warps=4, num_stages=4), "gemm2": dict(BLOCK_N=256, num_stages=3)},
+                {"gemm1": dict(BLOCK_M=64, GROUP_M=16), "gemm2": dict(BLOCK_K=128, num_stages=3)}):
+        kc.check_fused_moe("cuda", BF, T=2048, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6, config=cfg)
+    kc.check_fused_moe("cuda", BF, T=8, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
+                       config={"gemm1": dict(BLOCK_N=32, BLOCK_K=256, num_stages=3), "gemm2": dict(num_warps=2)})
+
+
+@pytest.mark.parametrize("T", [1, 16])
+def test_fused_moe_cuda_graph_replay_with_new_routing(T):
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.layers.moe import fused_experts_ref
 
-    T, D, I, E, K = 16, 2048, 1408, 64, 6
+    D, I, E, K = 2048, 1408, 64, 6  # T=1: the no-align path; 16: single-program align
     x = torch.randn(T, D, device="cuda").to(BF)
     w13 = (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(BF)
     w2 = (torch.randn(E, D, I, device="cuda") / I**0.5).to(BF)
@@ -157,9 +176,59 @@ def test_fused_moe_cuda_graph_replay_with_new_routing():
         kc.assert_close(out, ref, BF, "fused_moe graph replay")
 
 
+@pytest.mark.parametrize("T,K,E,E_local,offset,bm", [(1, 6, 64, 64, 0, 16), (64, 6, 64, 64, 0, 16),
+                                                     (170, 6, 64, 64, 0, 32), (171, 6, 64, 64, 0, 32),
+                                                     (8192, 6, 64, 64, 0, 128), (8192, 8, 384, 384, 0, 128),
+                                                     (3000, 8, 384, 96, 192, 64), (8192, 8, 256, 256, 0, 16)])
+def test_moe_align_real(T, K, E, E_local, offset, bm):
+    # single program up to FUSED_COUNT_MAX = 1024 pairs (T=170 x 6), the histogram + multi-program align above
+    kc.check_moe_align("cuda", T=T, K=K, E_total=E, E_local=E_local, offset=offset, block_m=bm)
+
+
+def test_fused_moe_prefill_graph_replay_multi_program_align():
+    # T*K = 12288 pairs: the multi-program align inside a captured graph, replayed with new routings
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.layers.moe import fused_experts_ref
+
+    T, D, I, E, K = 2048, 2048, 1408, 64, 6
+    x = torch.randn(T, D, device="cuda").to(BF)
+    w13 = (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(BF)
+    w2 = (torch.randn(E, D, I, device="cuda") / I**0.5).to(BF)
+    ids = torch.zeros(T, K, dtype=torch.int64, device="cuda")
+    w = torch.ones(T, K, device="cuda")
+    g, out = kc.cuda_graph(lambda: fused_experts(x, w13, w2, w, ids, 0))
+    for skew in (False, True):
+        ids.copy_(torch.rand(T, E, device="cuda").topk(K, -1).indices)
+        if skew:  # most tokens on the same 6 experts: many blocks per expert
+            ids[: T * 3 // 4] = torch.arange(K, device="cuda")
+        w.copy_(torch.rand(T, K, device="cuda"))
+        g.replay()
+        ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, 0)
+        kc.assert_close(out, ref, BF, f"fused_moe graph replay T={T} skew={skew}")
+
+
 @pytest.mark.parametrize("E,G,TG,K", [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)])
 def test_routing_real(E, G, TG, K):
     kc.check_routing("cuda", T=4096, E=E, n_group=G, topk_group=TG, K=K)
+
+
+@pytest.mark.parametrize("T,E,D", [(1, 64, 2048), (3, 64, 2048), (8, 64, 2048), (9, 64, 2048), (64, 64, 2048),
+                                   (300, 64, 2048), (8192, 64, 2048), (1, 384, 7168), (16, 384, 7168),
+                                   (4096, 384, 7168), (5, 256, 7168), (2000, 8, 64)])
+def test_router_logits_real(T, E, D):
+    kc.check_router_logits("cuda", BF, T=T, E=E, D=D)
+
+
+def test_router_logits_fp32_fp16_and_graph():
+    from mlaserve.kernels.router_logits import router_logits
+
+    kc.check_router_logits("cuda", torch.float32, T=100, E=64, D=2048)
+    kc.check_router_logits("cuda", torch.float16, T=2, E=64, D=2048)
+    x, w = torch.randn(4, 2048, device="cuda").to(BF), torch.randn(64, 2048, device="cuda")
+    g, out = kc.cuda_graph(lambda: router_logits(x, w))
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x.float(), w), rtol=1e-5, atol=1e-4)
 
 
 def test_routing_cuda_graph():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel_checks import check_fused_moe, check_routing
+from tests.kernel_checks import check_fused_moe, check_moe_align, check_router_logits, check_routing
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -15,9 +15,10 @@ def test_fused_moe_tiny(kdev, dtype):
 def test_fused_moe_expert_parallel(kdev, monkeypatch):
     # this rank owns experts [4, 8) of 12: other experts contribute nothing; some tokens own none at all
     check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3)
-    from mlaserve.kernels import fused_moe
+    from mlaserve.kernels import moe_align
 
-    monkeypatch.setattr(fused_moe, "FUSED_COUNT_MAX", 0)  # and with the separate counting kernel
+    monkeypatch.setattr(moe_align, "FUSED_COUNT_MAX", 0)  # and with the multi-program align (chunks of 8 pairs)
+    monkeypatch.setattr(moe_align, "ALIGN_CHUNK", 8)
     check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3)
 
 
@@ -34,11 +35,12 @@ def test_fused_moe_many_rows_per_expert(kdev):
 
 @pytest.mark.parametrize("fused_count", [True, False])
 def test_moe_align_layout(kdev, fused_count, monkeypatch):
-    from mlaserve.kernels import fused_moe
+    from mlaserve.kernels import moe_align as ma
     from mlaserve.kernels.fused_moe import moe_align
 
-    if not fused_count:  # the separate counting kernel used above FUSED_COUNT_MAX pairs
-        monkeypatch.setattr(fused_moe, "FUSED_COUNT_MAX", 0)
+    if not fused_count:  # the multi-program path used above FUSED_COUNT_MAX pairs
+        monkeypatch.setattr(ma, "FUSED_COUNT_MAX", 0)
+        monkeypatch.setattr(ma, "ALIGN_CHUNK", 2)
 
     ids = torch.tensor([[3, 0], [3, 5], [0, 3], [9, 2]], device=kdev)  # expert 9 is not local (E_local = 6)
     sorted_ids, expert_ids, num_padded = moe_align(ids, 6, 0, 4)
@@ -52,6 +54,65 @@ def test_moe_align_layout(kdev, fused_count, monkeypatch):
         real = sorted(r for r in rows if r < TK)
         assert real == sorted((flat == e).nonzero().reshape(-1).tolist()), (blk, e, rows)
         assert all(r == TK for r in rows if r >= TK)
+
+
+@pytest.mark.parametrize("T,K,E_total,E_local,offset,block_m,kw", [
+    (1, 6, 64, 64, 0, 16, {}),  # decode: one program
+    (37, 3, 24, 24, 0, 4, {}),
+    (37, 3, 24, 10, 7, 8, {}),  # EP: experts [7, 17) of 24
+    (37, 3, 24, 24, 0, 4, dict(fused_max=0, chunk=16)),  # multi-program: 7 chunks, the last one partial
+    (37, 3, 24, 10, 7, 8, dict(fused_max=0, chunk=16)),
+    (64, 4, 40, 40, 0, 16, dict(fused_max=64, chunk=32)),  # 256 pairs > fused_max: 8 chunks
+    (40, 2, 6, 6, 0, 2, dict(fused_max=0, chunk=64)),  # one chunk; many blocks per expert
+])
+def test_moe_align_matches_stable_sort(kdev, T, K, E_total, E_local, offset, block_m, kw):
+    check_moe_align(kdev, T=T, K=K, E_total=E_total, E_local=E_local, offset=offset, block_m=block_m, **kw)
+
+
+def test_fused_moe_multi_program_align(kdev, monkeypatch):
+    # T*K = 96 pairs above the (lowered) single-program limit: hist + align kernels over 6 chunks; EP and not
+    from mlaserve.kernels import moe_align
+
+    monkeypatch.setattr(moe_align, "FUSED_COUNT_MAX", 32)
+    monkeypatch.setattr(moe_align, "ALIGN_CHUNK", 16)
+    check_fused_moe(kdev, torch.float32, T=24, D=32, I=16, E_total=12, E_local=12, offset=0, K=4,
+                    config=dict(BLOCK_M=16))
+    check_fused_moe(kdev, torch.bfloat16, T=24, D=32, I=16, E_total=12, E_local=5, offset=6, K=4)
+
+
+@pytest.mark.parametrize("no_align", [True, False])
+def test_fused_moe_no_align(kdev, no_align):
+    # no_align: each (token, k) pair its own M block, no moe_align; forced both ways on a tiny and an EP case
+    cfg = dict(no_align=no_align)
+    check_fused_moe(kdev, torch.float32, T=1, D=40, I=20, E_total=6, E_local=6, offset=0, K=2, config=cfg)
+    check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3, config=cfg)
+    check_fused_moe(kdev, torch.bfloat16, T=3, D=64, I=32, E_total=8, E_local=8, offset=0, K=2, config=cfg)
+
+
+def test_fused_moe_per_gemm_config(kdev):
+    cfg = {"gemm1": dict(BLOCK_N=16, BLOCK_K=16, num_warps=2), "gemm2": dict(BLOCK_N=32, BLOCK_K=64, num_stages=3)}
+    check_fused_moe(kdev, torch.float32, T=20, D=64, I=48, E_total=8, E_local=8, offset=0, K=2, config=cfg)
+    check_fused_moe(kdev, torch.float32, T=20, D=64, I=48, E_total=8, E_local=8, offset=0, K=2,
+                    config=dict(BLOCK_K=16, gemm2=dict(BLOCK_M=32)))  # BLOCK_M given for gemm2 applies to both
+
+
+def test_moe_config_overrides():
+    from mlaserve.kernels.moe_config import moe_config
+
+    base1, base2 = moe_config(8192, 6, 64, 2048, 1408, torch.bfloat16)
+    c1, c2 = moe_config(8192, 6, 64, 2048, 1408, torch.bfloat16, num_warps=4, gemm1=dict(BLOCK_N=64),
+                        gemm2=dict(BLOCK_K=128, num_warps=8))
+    assert c1 == dict(base1, BLOCK_N=64, num_warps=4) and c2 == dict(base2, BLOCK_K=128, num_warps=8)
+    c1, c2 = moe_config(8192, 6, 64, 2048, 1408, torch.bfloat16, gemm1=dict(BLOCK_M=64))
+    assert c1["BLOCK_M"] == c2["BLOCK_M"] == 64
+    with pytest.raises(ValueError, match="share the alignment block"):
+        moe_config(1, 6, 64, 2048, 1408, torch.bfloat16, gemm1=dict(BLOCK_M=16), gemm2=dict(BLOCK_M=32))
+    with pytest.raises(ValueError, match="gemm2.BLOCK_Q"):
+        moe_config(1, 6, 64, 2048, 1408, torch.bfloat16, gemm2=dict(BLOCK_Q=16))
+
+
+def test_fused_moe_empty(kdev):
+    check_fused_moe(kdev, torch.float32, T=0, D=32, I=16, E_total=4, E_local=4, offset=0, K=2)
 
 
 @pytest.mark.parametrize("E,G,TG,K", [(8, 2, 1, 2), (64, 1, 1, 6), (32, 8, 3, 5), (24, 4, 4, 3)])
@@ -75,3 +136,18 @@ def test_routing_fused_matches_router_module(kdev):
     rw, rids = gate(x)
     assert torch.equal(ids.sort(-1).values, rids.sort(-1).values)
     torch.testing.assert_close(w.gather(1, ids.argsort(-1)), rw.gather(1, rids.argsort(-1)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,E,D,dtype", [(1, 64, 256, torch.bfloat16), (5, 24, 100, torch.float16),
+                                         (3, 40, 96, torch.float32), (20, 8, 64, torch.bfloat16),
+                                         (300, 24, 72, torch.bfloat16), (0, 8, 64, torch.bfloat16)])
+def test_router_logits(kdev, T, E, D, dtype):
+    # T<=8: FMA path (T=1 one expert per program); 20: dot 16x16 tiles; 300: dot 64x16 (E=24 < 64), D % 32 != 0
+    check_router_logits(kdev, dtype, T=T, E=E, D=D)
+
+
+def test_router_logits_configs(kdev):
+    check_router_logits(kdev, torch.bfloat16, T=6, E=12, D=80,
+                        config=dict(BLOCK_T=8, BLOCK_E=4, BLOCK_D=64, USE_DOT=False))  # masked D and E tails
+    check_router_logits(kdev, torch.bfloat16, T=6, E=12, D=80,
+                        config=dict(BLOCK_T=16, BLOCK_E=16, BLOCK_D=32, USE_DOT=True))

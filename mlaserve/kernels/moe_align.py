@@ -1,0 +1,140 @@
+"""MoE align: lay the owned (token, k) pairs out per expert in padded blocks of BLOCK_M rows, for the grouped GEMMs.
+
+No atomics and no host sync: each program takes a chunk of pairs, counts them per expert with one-hot sums and ranks
+them by a one-hot cumsum, so the layout is a stable sort (pairs in index order inside each expert) and deterministic.
+Up to FUSED_COUNT_MAX pairs one program does everything (one launch: decode, verify). Above it a histogram kernel
+writes per-chunk expert counts and the align kernel, one program per chunk, sums them (every program redundantly:
+the counts are small) into the padded expert starts plus its chunk's offset inside each expert, then scatters its
+chunk, a slice of the block -> expert ids and a slice of the experts' padding. Buffers are sized from shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FUSED_COUNT_MAX = 1024  # up to this many (token, k) pairs one program does the whole align
+ALIGN_CHUNK = 512  # pairs per program above it
+
+
+@triton.jit
+def _local_experts(TopkIds, offs, TK, expert_offset, E_LOCAL):
+    """Local expert of each pair, -1 where the pair is past the end or its expert is not owned."""
+    e = (tl.load(TopkIds + offs, mask=offs < TK, other=-1) - expert_offset).to(tl.int32)
+    return tl.where((offs < TK) & (e >= 0) & (e < E_LOCAL), e, -1)
+
+
+@triton.jit
+def _chunk_hist(TopkIds, start, length, TK, expert_offset, E_LOCAL, BLOCK_E: tl.constexpr, SUB: tl.constexpr):
+    offs_e = tl.arange(0, BLOCK_E)
+    hist = tl.zeros([BLOCK_E], tl.int32)
+    for s0 in range(0, length, SUB):
+        e = _local_experts(TopkIds, start + s0 + tl.arange(0, SUB), TK, expert_offset, E_LOCAL)
+        hist += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), 0)
+    return hist
+
+
+@triton.jit(do_not_specialize=["TK", "expert_offset"])
+def _moe_hist_kernel(TopkIds, Partial, TK, expert_offset, E_LOCAL,
+                     BLOCK_E: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr):
+    """Partial[p, e] = number of pairs of chunk p routed to local expert e."""
+    p = tl.program_id(0)
+    hist = _chunk_hist(TopkIds, p * CHUNK, CHUNK, TK, expert_offset, E_LOCAL, BLOCK_E, SUB)
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(Partial + p * E_LOCAL + offs_e, hist, mask=offs_e < E_LOCAL)
+
+
+@triton.jit(do_not_specialize=["TK", "expert_offset", "num_chunks", "max_blocks"])
+def _moe_align_kernel(TopkIds, Partial, SortedIds, ExpertIds, NumPadded,
+                      TK, expert_offset, E_LOCAL, num_chunks, max_blocks,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
+                      SINGLE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PAD_E: tl.constexpr):
+    """SINGLE: one program, all TK pairs, counting them itself. Else program p owns chunk p of Partial's counts."""
+    p = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E_LOCAL
+    if SINGLE:
+        start = 0
+        length = TK
+        cnt = _chunk_hist(TopkIds, 0, TK, TK, expert_offset, E_LOCAL, BLOCK_E, SUB)
+        before = tl.zeros([BLOCK_E], tl.int32)  # pairs of earlier chunks, per expert
+    else:
+        start = p * CHUNK
+        length = CHUNK
+        cnt = tl.zeros([BLOCK_E], tl.int32)
+        before = tl.zeros([BLOCK_E], tl.int32)
+        for q0 in range(0, num_chunks, BLOCK_Q):
+            q = q0 + tl.arange(0, BLOCK_Q)
+            part = tl.load(Partial + q[:, None] * E_LOCAL + offs_e[None, :],
+                           mask=(q < num_chunks)[:, None] & e_ok[None, :], other=0)
+            cnt += tl.sum(part, 0)
+            before += tl.sum(tl.where((q < p)[:, None], part, 0), 0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    tl.store(NumPadded, total, mask=p == 0)
+    # Block -> expert: the number of experts whose padded range ends at or before the block's first row.
+    for b0 in range(p * BLOCK_B, max_blocks, nprog * BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        x = blk * BLOCK_M
+        eid = tl.sum(((ends[None, :] <= x[:, None]) & e_ok[None, :]).to(tl.int32), 1)
+        tl.store(ExpertIds + blk, tl.where(x < total, eid, -1), mask=blk < max_blocks)
+    # Each expert's padding rows [start + count, end) get the sentinel TK (an invalid pair index).
+    fill_end = starts + cnt
+    for e0 in range(p * PAD_E, E_LOCAL, nprog * PAD_E):
+        sel = (e0 + tl.arange(0, PAD_E))[:, None] == offs_e[None, :]  # [PAD_E, BLOCK_E]: gather by one-hot
+        lo = tl.sum(tl.where(sel, fill_end[None, :], 0), 1)
+        hi = tl.sum(tl.where(sel, ends[None, :], 0), 1)
+        pos = lo[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(SortedIds + pos, tl.zeros([PAD_E, BLOCK_M], tl.int32) + TK, mask=pos < hi[:, None])
+    # This chunk's pairs: row = expert start + pairs before this chunk + rank inside the chunk (one-hot cumsum).
+    carry = starts + before
+    for s0 in range(0, length, SUB):
+        offs = start + s0 + tl.arange(0, SUB)
+        e = _local_experts(TopkIds, offs, TK, expert_offset, E_LOCAL)
+        oh = (e[:, None] == offs_e[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
+        pos = tl.sum(oh * (tl.cumsum(oh, 0) - 1 + carry[None, :]), 1)
+        tl.store(SortedIds + pos, offs, mask=e >= 0)
+        carry += tl.sum(oh, 0)
+
+
+def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m: int, *,
+              fused_max: int | None = None, chunk: int | None = None):
+    """-> (sorted_ids [max_padded] int32, expert_ids [max_blocks] int32 (-1 past the end), num_padded [1] int32).
+    max_padded = T*K + min(E_local, T*K) * (block_m - 1) bounds the padded total for any routing; sorted_ids past
+    num_padded are left unwritten. fused_max / chunk (tests) override FUSED_COUNT_MAX / ALIGN_CHUNK."""
+    TK = topk_ids.numel()
+    dev = topk_ids.device
+    fused_max = FUSED_COUNT_MAX if fused_max is None else fused_max
+    chunk = ALIGN_CHUNK if chunk is None else chunk
+    if block_m & (block_m - 1) or chunk & (chunk - 1):
+        raise ValueError(f"moe_align block_m={block_m} and chunk={chunk} must be powers of 2")
+    max_padded = TK + min(E_local, TK) * (block_m - 1)
+    max_blocks = triton.cdiv(max_padded, block_m)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    if TK == 0:
+        return sorted_ids, expert_ids, num_padded.zero_()
+    ids = topk_ids.reshape(-1)
+    block_e = triton.next_power_of_2(E_local)
+    sub = max(16, min(128, 4096 // block_e))  # one-hot tiles [SUB, BLOCK_E] of at most 4k-16k elements
+    single = TK <= fused_max
+    warps = 4 if block_e <= 128 else 8
+    if single:
+        num_chunks, sub = 1, min(sub, max(16, triton.next_power_of_2(TK)))
+        partial = num_padded  # unused
+    else:
+        sub = min(sub, chunk)
+        num_chunks = triton.cdiv(TK, chunk)
+        partial = torch.empty(num_chunks, E_local, dtype=torch.int32, device=dev)
+        _moe_hist_kernel[(num_chunks,)](ids, partial, TK, expert_offset, E_local,
+                                        BLOCK_E=block_e, SUB=sub, CHUNK=chunk, num_warps=warps)
+    _moe_align_kernel[(num_chunks,)](
+        ids, partial, sorted_ids, expert_ids, num_padded, TK, expert_offset, E_local, num_chunks, max_blocks,
+        BLOCK_M=block_m, BLOCK_E=block_e, SUB=sub, CHUNK=chunk, SINGLE=single,
+        BLOCK_Q=max(4, min(64, 4096 // block_e)), BLOCK_B=64, PAD_E=16, num_warps=warps)
+    return sorted_ids, expert_ids, num_padded
