@@ -35,5 +35,5 @@ if [[ $stages == *" m2 "* ]]; then
   timeout ${M2_S:-200} python3 benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy --label m2 --gpu-mem 0.95 \
     --batches 1,8 --contexts 512 --ttft 512,8192 2>&1 | tee "$OUT/m2.log" | tail -12
 fi
-cp benchmarks/results/*.json "$OUT/" 2>/dev/null
+find benchmarks/results -maxdepth 1 -name "*.json" -newer "$OUT/env.txt" -exec cp {} "$OUT/" \; 2>/dev/null
 el "done"

@@ -58,11 +58,13 @@ def test_two_source_rope_per_head_and_odd_nope(kdev):
 def test_two_source_shape_errors(kdev):
     from mlaserve.kernels.prefill_attention import prefill_attention_mla
 
-    q, kn, kr, v = (torch.zeros(4, 2, 24), torch.zeros(6, 2, 16), torch.zeros(6, 8), torch.zeros(6, 2, 16))
-    cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
-    out = torch.zeros(4, 2, 16)
+    z = dict(device=kdev)
+    q, kn, kr, v = (torch.zeros(4, 2, 24, **z), torch.zeros(6, 2, 16, **z), torch.zeros(6, 8, **z),
+                    torch.zeros(6, 2, 16, **z))
+    cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32, **z), torch.tensor([0, 6], dtype=torch.int32, **z)
+    out = torch.zeros(4, 2, 16, **z)
     with pytest.raises(ValueError, match="k_rope"):
-        prefill_attention_mla(q, kn, torch.zeros(6, 3, 8), v, cu_q, cu_k, 0.1, out, 4)
+        prefill_attention_mla(q, kn, torch.zeros(6, 3, 8, **z), v, cu_q, cu_k, 0.1, out, 4)
     with pytest.raises(ValueError, match="unit stride"):
-        prefill_attention_mla(q, kn, torch.zeros(8, 6).t(), v, cu_q, cu_k, 0.1, out, 4)
+        prefill_attention_mla(q, kn, torch.zeros(8, 6, **z).t(), v, cu_q, cu_k, 0.1, out, 4)
     prefill_attention_mla(q, kn, kr, v, cu_q, cu_k, 0.1, out, 4)  # the well-formed call runs
