@@ -36,7 +36,6 @@ class Sizes:
     prefill_sweep: tuple = (16, 128, 64, 128, 8192, 8192)  # H, N, P, V, q, k: the M1 8k prefill, one layer
     routing: tuple = (("kimi", 384, 1, 1, 8), ("deepseek-v3", 256, 8, 4, 8), ("moonlight", 64, 1, 1, 6))
     routing_T: tuple = (1, 64, 8192)
-    router: tuple = (("moonlight", 2048, 64), ("kimi", 7168, 384))  # name, D, E of the router GEMM
     rope_T: tuple = (16, 8192)
     rope_H: tuple = (16, 128)
 
@@ -46,7 +45,7 @@ def smoke_sizes() -> Sizes:
                  moe={"tiny": (64, 32, 8, 2)}, moe_T=(1, 48),
                  moe_sweep_shapes=("tiny",), moe_sweep_decode_T=(1, 8), moe_sweep_max_cfgs=2,
                  prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24), prefill_sweep=(2, 16, 8, 24, 40, 40),
-                 routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), router=(("tiny", 64, 8),), rope_T=(5,), rope_H=(4,))
+                 routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,))
 
 
 # prefill_attention_mla tile configs for the sweep (the default, prefill_config's bf16 one, runs first); shared

@@ -74,10 +74,8 @@ def run_mla_sweep(rep: Report, sz: Sizes):
     kv, table, lens = make_paged([L] * B, 64, R + P, BF, sz.dev, extra_pages=0)
     q = torch.randn(B, H, R + P, device=sz.dev).to(BF)
     out = torch.empty(B, H, R, device=sz.dev, dtype=BF)
-    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=3,
-                                                                  FUSED_COMBINE=False),
-                dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_N=64, num_warps=4, num_stages=2),
-                dict(BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_N=32, num_warps=8, num_stages=4)]
+    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=4),
+                dict(BLOCK_N=64, num_warps=8, num_stages=3)]
     for cfg in variants:
         for S in (8, 12, 16, 24):
             try:
@@ -92,10 +90,9 @@ def run_mla_sweep(rep: Report, sz: Sizes):
         q1 = torch.randn(1, H, R + P, device=sz.dev).to(BF)
         o1 = torch.empty(1, H, R, device=sz.dev, dtype=BF)
         for mst in (32, 64, 128, 256):
-            for fused in (True, False):
-                cfg = dict(MIN_SPLIT_TOKENS=mst, FUSED_COMBINE=fused)
-                ms = bench(lambda: mla_decode(q1, kv, table, lens, 1, 0.1, o1, config=cfg), sz)  # noqa: B023
-                rep.add("mla_sweep", f"B=1 H={H} ctx={L1} {cfg_label(cfg)}", ms, L1 * (R + P) * 2, config=cfg)
+            cfg = dict(MIN_SPLIT_TOKENS=mst)
+            ms = bench(lambda: mla_decode(q1, kv, table, lens, 1, 0.1, o1, config=cfg), sz)  # noqa: B023
+            rep.add("mla_sweep", f"B=1 H={H} ctx={L1} {cfg_label(cfg)}", ms, L1 * (R + P) * 2, config=cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -137,6 +134,8 @@ def run_moe(rep: Report, sz: Sizes):
 
 
 # decode (BLOCK_M 16: weight streaming): flat configs, both GEMMs; prefill: each GEMM alone, the other at its default
+MOE_GEMV_CFGS = [dict(BLOCK_N1=8, BLOCK_N2=8), dict(BLOCK_N1=32, BLOCK_N2=32), dict(BLOCK_K1=512, BLOCK_K2=256),
+                 dict(BLOCK_K1=128, BLOCK_K2=64), dict(num_warps=8), dict(BLOCK_N1=32, BLOCK_N2=32, num_warps=8)]
 MOE_DECODE_CFGS = [dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
                    dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
                    dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
@@ -177,9 +176,12 @@ def run_moe_sweep(rep: Report, sz: Sizes):
         w2 = (torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF)
         Tp = max(sz.moe_T)
         cases = [(T, "default", None) for T in sz.moe_sweep_decode_T]
-        cases += [(T, f"no_align={v}", dict(no_align=v)) for T in sz.moe_sweep_decode_T[:2] for v in (True, False)]
+        cases += [(T, f"no_align={v}", dict(no_align=v, gemv=False)) for T in sz.moe_sweep_decode_T[:2]
+                  for v in (True, False)]
+        cases += [(T, f"gemv={v}", dict(gemv=v)) for T in (1, 2, 4) for v in (True, False)]
+        cases += [(1, f"gemv {cfg_label(g)}", dict(gemv=g)) for g in MOE_GEMV_CFGS]
         n = sz.moe_sweep_max_cfgs
-        cases += [(T, cfg_label(c), c) for c in MOE_DECODE_CFGS[:n] for T in sz.moe_sweep_decode_T]
+        cases += [(T, cfg_label(c), dict(c, gemv=False)) for c in MOE_DECODE_CFGS[:n] for T in sz.moe_sweep_decode_T]
         d1, d2 = moe_config(Tp, K, E, D, I, BF)
         cases += [(Tp, f"default g1 [{cfg_label(d1)}] g2 [{cfg_label(d2)}]", None)]
         cases += [(Tp, f"gemm1 {cfg_label(c)}", dict(gemm1=c)) for c in MOE_PREFILL_GEMM1[:n]]
@@ -326,19 +328,6 @@ def run_routing(rep: Report, sz: Sizes):
             same = (ids.sort(-1).values == rids.sort(-1).values).all(-1).float().mean().item()
             rep.add("routing", f"{name} E={E} G={G} T={T} same ids {same:.4f} (torch {ms_ref * 1e3:.0f} us)", ms,
                     torch_us=ms_ref * 1e3, same_ids_frac=same)
-    from mlaserve.kernels.router_logits import router_logits
-
-    for name, D, E in sz.router:  # the router GEMM: Triton (x read as bf16) vs F.linear(x.float(), w) (cuBLAS fp32)
-        w = torch.randn(E, D, device=sz.dev) / D**0.5
-        for T in sz.routing_T:
-            x = torch.randn(T, D, device=sz.dev).to(BF)
-            err = rel(router_logits(x, w), torch.nn.functional.linear(x.float(), w))
-            ms = bench(lambda: router_logits(x, w), sz)  # noqa: B023
-            ms_ref = bench(lambda: torch.nn.functional.linear(x.float(), w), sz)  # noqa: B023
-            small = T <= 64  # bytes of W bound; else fp32 FMAs (the % column is of the bf16 peak)
-            rep.add("router", f"{name} logits T={T} E={E} D={D} (x.float()+F.linear {ms_ref * 1e3:.1f} us)", ms,
-                    w.numel() * 4 + x.numel() * 2 if small else 0.0, 0.0 if small else 2.0 * T * E * D, err=err,
-                    torch_us=ms_ref * 1e3)
 
 
 def run_rope(rep: Report, sz: Sizes):

@@ -220,27 +220,6 @@ def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: i
     return err
 
 
-def check_router_logits(device, dtype, *, T: int, E: int, D: int, config=None):
-    """router_logits against F.linear(x.float(), w) in fp32: relative error ~1e-5 per element of |x| . |w|."""
-    import torch.nn.functional as F
-
-    from mlaserve.kernels.router_logits import router_logits
-
-    x = torch.randn(T + 3, D + 8, device=device).to(dtype)[2:T + 2, 4:D + 4]  # strided rows
-    w = torch.randn(E, D, device=device) / D**0.5
-    out = nan_like((T, E + 5), torch.float32, device)[:, 5:]  # poisoned, strided
-    got = router_logits(x, w, out, config=config)
-    assert got is out and got.dtype == torch.float32 and got.shape == (T, E)
-    ref = F.linear(x.float(), w)
-    scale = F.linear(x.float().abs(), w.abs())  # the sum of |products|: the fp32 rounding scale
-    assert not torch.isnan(got).any(), f"router_logits T={T} E={E} D={D}: unwritten outputs"
-    if T == 0:
-        return 0.0
-    err = ((got - ref).abs() / scale.clamp_min(1e-30)).max().item()
-    assert err < 1e-5, f"router_logits T={T} E={E} D={D} {dtype} {config}: error {err:.2e} of sum |x w|"
-    return err
-
-
 def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int, num_pages: int):
     from mlaserve.kernels.reference import rope_store_kv_ref
     from mlaserve.kernels.rope_kv import rope_store_kv

@@ -19,9 +19,6 @@ class TritonMLABackend(AttentionBackend):
     def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None):
         super().__init__(kv_cache, kv_lora_rank)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
-        # mla_decode's per-(request, head block) arrival counters; its kernel leaves them zeroed. Allocated once,
-        # outside any CUDA graph, and shared by every layer and graph (launches run in stream order).
-        self.decode_counters = torch.zeros(1 << 16, dtype=torch.int32, device=kv_cache.device)
         self._meta_batch: ForwardBatch | None = None
         self._meta_layer = -1
         self._meta: dict = {}
@@ -63,7 +60,7 @@ class TritonMLABackend(AttentionBackend):
     def decode(self, layer_id, q, scale, batch, out):
         nd = batch.num_decode_reqs
         return mla_decode(q, self.kv_cache[layer_id], batch.page_table[:nd], batch.seq_lens[:nd], batch.decode_q_len,
-                          scale, out, num_splits=self.num_splits, counters=self.decode_counters)
+                          scale, out, num_splits=self.num_splits)
 
     def prefill_context(self, layer_id, batch):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]

@@ -13,8 +13,10 @@ import triton.language as tl
 
 from .moe_align import moe_align
 from .moe_config import moe_config
+from .moe_gemv import moe_gemv
 
 NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
+GEMV_MAX_PAIRS = 16  # up to this many pairs the experts run as GEMVs (moe_gemv.py) instead of 16-row dot tiles
 
 
 @triton.jit
@@ -133,8 +135,10 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
 
 
 @triton.jit(do_not_specialize=["expert_offset"])
-def _moe_sum_kernel(Y, TopkIds, Out, D, expert_offset, E_LOCAL, TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Out[t] = sum over k of Y[(t, k)], skipping experts this rank does not own (their rows were never written)."""
+def _moe_sum_kernel(Y, TopkIds, Out, Add, D, expert_offset, E_LOCAL, stride_add, TOPK: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
+    """Out[t] = sum over k of Y[(t, k)], skipping experts this rank does not own (their rows were never written);
+    plus Add[t] (the shared experts' output) after rounding the sum, as `routed + shared` in the dtype rounds."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -143,15 +147,21 @@ def _moe_sum_kernel(Y, TopkIds, Out, D, expert_offset, E_LOCAL, TOPK: tl.constex
         e = tl.load(TopkIds + t * TOPK + k) - expert_offset
         if (e >= 0) & (e < E_LOCAL):
             acc += tl.load(Y + (t * TOPK + k).to(tl.int64) * D + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        acc = acc.to(Out.dtype.element_ty).to(tl.float32) + tl.load(
+            Add + t.to(tl.int64) * stride_add + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(Out + t.to(tl.int64) * D + offs, acc.to(Out.dtype.element_ty), mask=ok)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None) -> torch.Tensor:
+                  topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None,
+                  add: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
-    topk_ids [T, K] int -> [T, D] in x.dtype. config (benchmarks, tests): moe_config overrides, flat or
-    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS)."""
+    topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
+    config (benchmarks, tests): moe_config overrides, flat or
+    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS) and "gemv": bool or
+    moe_gemv tiles (default: T*K <= GEMV_MAX_PAIRS)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -171,6 +181,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     TK = T * K
     config = dict(config or {})
     no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
+    gemv = config.pop("gemv", TK <= GEMV_MAX_PAIRS)
+    if gemv:  # True or a dict of moe_gemv tiles
+        y = moe_gemv(x, w13, w2, topk_weights.reshape(-1), topk_ids.reshape(-1), expert_offset,
+                     gemv if isinstance(gemv, dict) else None)
+        return _sum(y, topk_ids, out, add, expert_offset, E)
     c1, c2 = moe_config(T, K, E, D, I, x.dtype, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
@@ -195,7 +210,19 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align,
         num_warps=c2["num_warps"], num_stages=c2["num_stages"])
+    return _sum(y, topk_ids, out, add, expert_offset, E)
+
+
+def _sum(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None, expert_offset: int,
+         E: int) -> torch.Tensor:
+    """out [T, D] = the per-pair outputs y [T*K, D] summed over k (+ add)."""
+    T, D = out.shape
+    K = topk_ids.shape[-1]
+    if add is not None and (add.shape != (T, D) or add.dtype != out.dtype or add.stride(-1) != 1):
+        raise ValueError(f"add must be [{T}, {D}] {out.dtype} with a unit last stride, got {tuple(add.shape)} "
+                         f"{add.dtype}")
     block_d = min(1024, triton.next_power_of_2(D))
-    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, D, expert_offset, E, TOPK=K, BLOCK_D=block_d,
-                                                    num_warps=4)
+    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, out if add is None else add, D, expert_offset, E,
+                                                    0 if add is None else add.stride(0), TOPK=K, BLOCK_D=block_d,
+                                                    HAS_ADD=add is not None, num_warps=4)
     return out

@@ -81,10 +81,12 @@ def linear_many(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
     `model.to(other device)`) breaks the stack; each layer then runs on its own, with the same result."""
     w0 = linears[0].weight
     rows, ptr, ok = 0, w0.data_ptr(), w0.is_contiguous()
-    for lin in linears:
+    storage = w0.untyped_storage().data_ptr()  # adjacent addresses are not enough: the CUDA caching allocator
+    for lin in linears:  # packs separate tensors back to back
         w = lin.weight
         ok = ok and w.is_contiguous() and w.shape[1] == w0.shape[1] and w.dtype == w0.dtype and (
-            w.data_ptr() == ptr + rows * w0.shape[1] * w0.element_size())
+            w.data_ptr() == ptr + rows * w0.shape[1] * w0.element_size()) and (
+            w.untyped_storage().data_ptr() == storage)
         rows += w.shape[0]
     if not ok:
         return [lin(x) for lin in linears]

@@ -122,9 +122,12 @@ class Experts(nn.Module):
         checked_copy(param, src[self.expert_offset:self.expert_offset + self.num_local, :,
                                 self.tp_rank * n:(self.tp_rank + 1) * n])
 
-    def forward(self, x, topk_weights, topk_ids, impl: str = "torch") -> torch.Tensor:
+    def forward(self, x, topk_weights, topk_ids, impl: str = "torch", add: torch.Tensor | None = None):
+        """-> the routed experts' output [T, D], plus `add` (the shared experts') when given."""
         if impl == "triton":
             from ..kernels.fused_moe import fused_experts
 
-            return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset)
-        return fused_experts_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset)
+            return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset,
+                                 add=add)
+        y = fused_experts_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset)
+        return y if add is None else y + add

@@ -60,9 +60,8 @@ class DeepseekV3MoE(nn.Module):
             weights, ids = route_noaux_tc_fused(self.gate, x)
         else:
             weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
-        y = self.experts(x, weights, ids, impl=self.impl)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        y = self.experts(x, weights, ids, impl=self.impl, add=shared)  # routed + shared, summed in one pass
         return tp.all_reduce(y) if self.reduce else y
 
 

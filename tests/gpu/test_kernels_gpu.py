@@ -142,9 +142,19 @@ def test_fused_moe_expert_parallel_fp32_tiny():
 def test_fused_moe_no_align(T, no_align):
     # each (token, k) pair its own block (default up to NO_ALIGN_MAX_PAIRS = 16 pairs) vs aligned, both forced
     kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
-                       config=dict(no_align=no_align))
+                       config=dict(no_align=no_align, gemv=False))
     kc.check_fused_moe("cuda", BF, T=T, D=7168, I=512, E_total=384, E_local=96, offset=96, K=8,
-                       config=dict(no_align=no_align))
+                       config=dict(no_align=no_align, gemv=False))
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 11])
+def test_fused_moe_gemv(T):
+    # tiny batches as GEMVs (default up to GEMV_MAX_PAIRS = 16 pairs), forced on past it too
+    kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6, config=dict(gemv=True))
+    kc.check_fused_moe("cuda", BF, T=T, D=7168, I=512, E_total=384, E_local=96, offset=96, K=8,
+                       config=dict(gemv=True))
+    kc.check_fused_moe("cuda", torch.float32, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
+                       config=dict(gemv=dict(BLOCK_N1=32, BLOCK_K1=128, BLOCK_N2=32, BLOCK_K2=64, num_warps=8)))
 
 
 def test_fused_moe_per_gemm_configs():
@@ -210,25 +220,6 @@ def test_fused_moe_prefill_graph_replay_multi_program_align():
 @pytest.mark.parametrize("E,G,TG,K", [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)])
 def test_routing_real(E, G, TG, K):
     kc.check_routing("cuda", T=4096, E=E, n_group=G, topk_group=TG, K=K)
-
-
-@pytest.mark.parametrize("T,E,D", [(1, 64, 2048), (3, 64, 2048), (8, 64, 2048), (9, 64, 2048), (64, 64, 2048),
-                                   (300, 64, 2048), (8192, 64, 2048), (1, 384, 7168), (16, 384, 7168),
-                                   (4096, 384, 7168), (5, 256, 7168), (2000, 8, 64)])
-def test_router_logits_real(T, E, D):
-    kc.check_router_logits("cuda", BF, T=T, E=E, D=D)
-
-
-def test_router_logits_fp32_fp16_and_graph():
-    from mlaserve.kernels.router_logits import router_logits
-
-    kc.check_router_logits("cuda", torch.float32, T=100, E=64, D=2048)
-    kc.check_router_logits("cuda", torch.float16, T=2, E=64, D=2048)
-    x, w = torch.randn(4, 2048, device="cuda").to(BF), torch.randn(64, 2048, device="cuda")
-    g, out = kc.cuda_graph(lambda: router_logits(x, w))
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.testing.assert_close(out, torch.nn.functional.linear(x.float(), w), rtol=1e-5, atol=1e-4)
 
 
 def test_routing_cuda_graph():

@@ -49,29 +49,3 @@ def test_bad_input_names_field(kdev):
         mla_decode(q, torch.zeros(2, 16, 40, device=kdev), torch.zeros(2, 1, dtype=torch.int32, device=kdev),
                    torch.ones(2, dtype=torch.int32, device=kdev), 1, 0.1, torch.empty(3, 4, 32, device=kdev))
 
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_combine_in_kernel_or_separate(kdev, fused):
-    # the last split program combines (fused) or a second launch does; both equal the reference
-    check_mla_decode(kdev, torch.float32, H=20, R=32, P=16, q_len=2, ctx_lens=[5, 70, 33], page_size=16,
-                     num_splits=5, config={"MIN_SPLIT_TOKENS": 16, "FUSED_COMBINE": fused}, strided_out=True)
-
-
-def test_fused_combine_leaves_counters_zero_for_the_next_call(kdev):
-    # a persistent counter buffer (as the backend and CUDA graphs hold it) is reused call after call
-    from mlaserve.kernels.mla_decode import mla_decode
-    from mlaserve.kernels.reference import mla_decode_ref
-    from tests.kernel_checks import make_paged, nan_like
-
-    counters = torch.zeros(64, dtype=torch.int32, device=kdev)
-    for seed, lens in ((0, [40, 3]), (1, [17, 64]), (2, [1, 50])):
-        torch.manual_seed(seed)
-        kv, table, seq_lens = make_paged(lens, 16, 40, torch.float32, kdev)
-        q = torch.randn(2, 4, 40, device=kdev)
-        out = nan_like((2, 4, 32), torch.float32, kdev)
-        mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=4, config={"MIN_SPLIT_TOKENS": 16},
-                   counters=counters)
-        assert torch.all(counters == 0)
-        torch.testing.assert_close(out, mla_decode_ref(q, kv, table, seq_lens, 1, 0.1, 32), rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="counters"):
-        mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=4, counters=counters[:1])

@@ -31,3 +31,16 @@ def test_broken_stack_falls_back_to_one_gemm_each():
     ya, yb = linear_many(x, a, b)
     torch.testing.assert_close(ya, a(x))
     torch.testing.assert_close(yb, b(x))
+
+
+def test_adjacent_but_separate_tensors_are_not_a_stack():
+    """Two tensors cut from one buffer but re-pointed to separate storages that happen to sit back to back
+    (the CUDA caching allocator does this) must not be read as one."""
+    a, b = Linear(8, 4), Linear(8, 4)
+    buf = torch.randn(8, 8)
+    a.weight.data = buf[:4].clone()
+    b.weight.data = buf[4:].clone()
+    x = torch.randn(2, 8)
+    ya, yb = linear_many(x, a, b)
+    torch.testing.assert_close(ya, a(x))
+    torch.testing.assert_close(yb, b(x))
