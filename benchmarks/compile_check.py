@@ -142,10 +142,10 @@ def cases(quick: bool):
                 yield f"fused_moe {name} T={T} {dtype}", fused_experts, (
                     torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
                     torch.empty(T, K), torch.zeros(T, K, dtype=torch.int64), 0)
-                if T == 1:  # the dot-tile path the GEMVs replace at tiny batches, and the shared-expert add
-                    yield f"fused_moe {name} T=1 no gemv, add {dtype}", fused_experts, (
+                if T == 1:  # with the shared experts' output added in the sum
+                    yield f"fused_moe {name} T=1 + add {dtype}", fused_experts, (
                         torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
-                        torch.empty(T, K), torch.zeros(T, K, dtype=torch.int64), 0, dict(gemv=False),
+                        torch.empty(T, K), torch.zeros(T, K, dtype=torch.int64), 0, None,
                         torch.empty(T, D, dtype=dtype))
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
@@ -157,9 +157,7 @@ def cases(quick: bool):
         q = torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]
         yield f"rope_q H={H} P={P}", rope_q, (q, cs, cs, q)
     from mlaserve.kernels.gqa_decode import gqa_decode, gqa_store_kv
-    from mlaserve.kernels.rmsnorm import rms_norm
-
-    from mlaserve.kernels.rmsnorm import add_rms_norm
+    from mlaserve.kernels.rmsnorm import add_rms_norm, rms_norm
     from mlaserve.kernels.silu_mul import silu_mul
 
     for D in (512, 2048, 7168):

@@ -134,8 +134,6 @@ def run_moe(rep: Report, sz: Sizes):
 
 
 # decode (BLOCK_M 16: weight streaming): flat configs, both GEMMs; prefill: each GEMM alone, the other at its default
-MOE_GEMV_CFGS = [dict(BLOCK_N1=8, BLOCK_N2=8), dict(BLOCK_N1=32, BLOCK_N2=32), dict(BLOCK_K1=512, BLOCK_K2=256),
-                 dict(BLOCK_K1=128, BLOCK_K2=64), dict(num_warps=8), dict(BLOCK_N1=32, BLOCK_N2=32, num_warps=8)]
 MOE_DECODE_CFGS = [dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
                    dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
                    dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
@@ -176,12 +174,9 @@ def run_moe_sweep(rep: Report, sz: Sizes):
         w2 = (torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF)
         Tp = max(sz.moe_T)
         cases = [(T, "default", None) for T in sz.moe_sweep_decode_T]
-        cases += [(T, f"no_align={v}", dict(no_align=v, gemv=False)) for T in sz.moe_sweep_decode_T[:2]
-                  for v in (True, False)]
-        cases += [(T, f"gemv={v}", dict(gemv=v)) for T in (1, 2, 4) for v in (True, False)]
-        cases += [(1, f"gemv {cfg_label(g)}", dict(gemv=g)) for g in MOE_GEMV_CFGS]
+        cases += [(T, f"no_align={v}", dict(no_align=v)) for T in sz.moe_sweep_decode_T[:2] for v in (True, False)]
         n = sz.moe_sweep_max_cfgs
-        cases += [(T, cfg_label(c), dict(c, gemv=False)) for c in MOE_DECODE_CFGS[:n] for T in sz.moe_sweep_decode_T]
+        cases += [(T, cfg_label(c), c) for c in MOE_DECODE_CFGS[:n] for T in sz.moe_sweep_decode_T]
         d1, d2 = moe_config(Tp, K, E, D, I, BF)
         cases += [(Tp, f"default g1 [{cfg_label(d1)}] g2 [{cfg_label(d2)}]", None)]
         cases += [(Tp, f"gemm1 {cfg_label(c)}", dict(gemm1=c)) for c in MOE_PREFILL_GEMM1[:n]]

@@ -13,10 +13,8 @@ import triton.language as tl
 
 from .moe_align import moe_align
 from .moe_config import moe_config
-from .moe_gemv import moe_gemv
 
 NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
-GEMV_MAX_PAIRS = 16  # up to this many pairs the experts run as GEMVs (moe_gemv.py) instead of 16-row dot tiles
 
 
 @triton.jit
@@ -160,8 +158,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
     topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
     config (benchmarks, tests): moe_config overrides, flat or
-    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS) and "gemv": bool or
-    moe_gemv tiles (default: T*K <= GEMV_MAX_PAIRS)."""
+    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -181,11 +178,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     TK = T * K
     config = dict(config or {})
     no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
-    gemv = config.pop("gemv", TK <= GEMV_MAX_PAIRS)
-    if gemv:  # True or a dict of moe_gemv tiles
-        y = moe_gemv(x, w13, w2, topk_weights.reshape(-1), topk_ids.reshape(-1), expert_offset,
-                     gemv if isinstance(gemv, dict) else None)
-        return _sum(y, topk_ids, out, add, expert_offset, E)
     c1, c2 = moe_config(T, K, E, D, I, x.dtype, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)

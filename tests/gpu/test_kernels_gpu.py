@@ -142,24 +142,14 @@ def test_fused_moe_expert_parallel_fp32_tiny():
 def test_fused_moe_no_align(T, no_align):
     # each (token, k) pair its own block (default up to NO_ALIGN_MAX_PAIRS = 16 pairs) vs aligned, both forced
     kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
-                       config=dict(no_align=no_align, gemv=False))
+                       config=dict(no_align=no_align))
     kc.check_fused_moe("cuda", BF, T=T, D=7168, I=512, E_total=384, E_local=96, offset=96, K=8,
-                       config=dict(no_align=no_align, gemv=False))
-
-
-@pytest.mark.parametrize("T", [1, 2, 4, 11])
-def test_fused_moe_gemv(T):
-    # tiny batches as GEMVs (default up to GEMV_MAX_PAIRS = 16 pairs), forced on past it too
-    kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6, config=dict(gemv=True))
-    kc.check_fused_moe("cuda", BF, T=T, D=7168, I=512, E_total=384, E_local=96, offset=96, K=8,
-                       config=dict(gemv=True))
-    kc.check_fused_moe("cuda", torch.float32, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
-                       config=dict(gemv=dict(BLOCK_N1=32, BLOCK_K1=128, BLOCK_N2=32, BLOCK_K2=64, num_warps=8)))
+                       config=dict(no_align=no_align))
 
 
 def test_fused_moe_per_gemm_configs():
     for cfg in ({"gemm1": dict(BLOCK_N=64, num_warps=4, num_stages=4), "gemm2": dict(BLOCK_N=256, num_stages=3)},
-                {"gemm1": dict(BLOCK_M=64, GROUP_M=16), "gemm2": dict(BLOCK_K=128, num_stages=3)}):
+                {"gemm1": dict(BLOCK_M=64, GROUP_M=16), "gemm2": dict(BLOCK_N=128, BLOCK_K=128, num_stages=3)}):
         kc.check_fused_moe("cuda", BF, T=2048, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6, config=cfg)
     kc.check_fused_moe("cuda", BF, T=8, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
                        config={"gemm1": dict(BLOCK_N=32, BLOCK_K=256, num_stages=3), "gemm2": dict(num_warps=2)})

@@ -83,20 +83,10 @@ def test_fused_moe_multi_program_align(kdev, monkeypatch):
 @pytest.mark.parametrize("no_align", [True, False])
 def test_fused_moe_no_align(kdev, no_align):
     # no_align: each (token, k) pair its own M block, no moe_align; forced both ways on a tiny and an EP case
-    cfg = dict(no_align=no_align, gemv=False)
+    cfg = dict(no_align=no_align)
     check_fused_moe(kdev, torch.float32, T=1, D=40, I=20, E_total=6, E_local=6, offset=0, K=2, config=cfg)
     check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3, config=cfg)
     check_fused_moe(kdev, torch.bfloat16, T=3, D=64, I=32, E_total=8, E_local=8, offset=0, K=2, config=cfg)
-
-
-@pytest.mark.parametrize("gemv", [True, dict(BLOCK_N1=8, BLOCK_K1=32, BLOCK_N2=32, BLOCK_K2=16, num_warps=2)])
-def test_fused_moe_gemv(kdev, gemv):
-    # tiny batches as GEMVs: forced on, also past its default pair count, with EP, D/I not multiples of BLOCK_K
-    cfg = dict(gemv=gemv)
-    check_fused_moe(kdev, torch.float32, T=1, D=40, I=20, E_total=6, E_local=6, offset=0, K=2, config=cfg)
-    check_fused_moe(kdev, torch.float32, T=9, D=32, I=48, E_total=12, E_local=4, offset=4, K=3, config=cfg)
-    check_fused_moe(kdev, torch.bfloat16, T=3, D=64, I=32, E_total=8, E_local=8, offset=0, K=2, config=cfg)
-    check_fused_moe(kdev, torch.bfloat16, T=2, D=96, I=80, E_total=8, E_local=8, offset=0, K=2)  # the default
 
 
 def test_fused_moe_per_gemm_config(kdev):
