@@ -14,7 +14,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.bench_util import code_id  # noqa: E402
 from mlaserve.bench.roofline import decode_bytes, decode_floor_s, prefill_floor_s, total_params  # noqa: E402
 from mlaserve.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mlaserve.types import SamplingParams  # noqa: E402
@@ -151,8 +151,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     res = {"label": a.label, "gpu": gpu, "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
-           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv), **code_id()}
     if a.model and a.make and not os.path.isdir(a.model):
         from mlaserve.models.make_random import make_random
 

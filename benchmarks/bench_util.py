@@ -86,15 +86,29 @@ class Report:
             json.dump(dict(meta=self.meta, status=status, rows=self.rows), f, indent=1)
 
 
+def code_id() -> dict:
+    """git HEAD (as the copy that runs sees it: the device machine's git metadata can be stale) and a hash of
+    mlaserve/**/*.py, which identifies the code measured whatever git says (`git stash`/checkout, then recompute)."""
+    import hashlib
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    h = hashlib.sha1()
+    for f in sorted((root / "mlaserve").rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=root).stdout.strip() or None
+    except Exception:
+        commit = None
+    return dict(commit=commit, source_sha1=h.hexdigest()[:12])
+
+
 def meta(sz: Sizes) -> dict:
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except Exception:
-        commit = None
     gpu = torch.cuda.get_device_name() if sz.dev == "cuda" else "cpu (smoke, interpreter)"
-    return dict(commit=commit, gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+    return dict(**code_id(), gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), ceilings=dict(bw=BW, flops=FLOPS),
                 sizes={k: str(v) for k, v in sz.__dict__.items()})
 
