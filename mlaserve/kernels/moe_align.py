@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-FUSED_COUNT_MAX = 1024  # up to this many (token, k) pairs one program does the whole align
-ALIGN_CHUNK = 512  # pairs per program above it
+FUSED_COUNT_MAX = 1024  # up to this many (token, k) pairs one program does the whole align (at <= 64 experts;
+ALIGN_CHUNK = 512  # pairs per program above it                 both scale down with more experts: see moe_align)
 
 
 @triton.jit
@@ -45,9 +45,9 @@ def _moe_hist_kernel(TopkIds, Partial, TK, expert_offset, E_LOCAL,
     tl.store(Partial + p * E_LOCAL + offs_e, hist, mask=offs_e < E_LOCAL)
 
 
-@triton.jit(do_not_specialize=["TK", "expert_offset", "num_chunks", "max_blocks"])
+@triton.jit(do_not_specialize=["TK", "expert_offset", "num_chunks", "max_blocks", "max_padded"])
 def _moe_align_kernel(TopkIds, Partial, SortedIds, ExpertIds, NumPadded,
-                      TK, expert_offset, E_LOCAL, num_chunks, max_blocks,
+                      TK, expert_offset, E_LOCAL, num_chunks, max_blocks, max_padded,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
                       SINGLE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PAD_E: tl.constexpr):
     """SINGLE: one program, all TK pairs, counting them itself. Else program p owns chunk p of Partial's counts."""
@@ -83,13 +83,19 @@ def _moe_align_kernel(TopkIds, Partial, SortedIds, ExpertIds, NumPadded,
         eid = tl.sum(((ends[None, :] <= x[:, None]) & e_ok[None, :]).to(tl.int32), 1)
         tl.store(ExpertIds + blk, tl.where(x < total, eid, -1), mask=blk < max_blocks)
     # Each expert's padding rows [start + count, end) get the sentinel TK (an invalid pair index).
-    fill_end = starts + cnt
-    for e0 in range(p * PAD_E, E_LOCAL, nprog * PAD_E):
-        sel = (e0 + tl.arange(0, PAD_E))[:, None] == offs_e[None, :]  # [PAD_E, BLOCK_E]: gather by one-hot
-        lo = tl.sum(tl.where(sel, fill_end[None, :], 0), 1)
-        hi = tl.sum(tl.where(sel, ends[None, :], 0), 1)
-        pos = lo[:, None] + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(SortedIds + pos, tl.zeros([PAD_E, BLOCK_M], tl.int32) + TK, mask=pos < hi[:, None])
+    if SINGLE:  # one program: sentinel everywhere first (cheap stores), the pairs overwrite their rows below
+        for i0 in range(0, max_padded, 1024):
+            offs = i0 + tl.arange(0, 1024)
+            tl.store(SortedIds + offs, tl.zeros([1024], tl.int32) + TK, mask=offs < max_padded)
+        tl.debug_barrier()
+    else:  # many programs: each fills the padding of a slice of experts (no ordering between programs needed)
+        fill_end = starts + cnt
+        for e0 in range(p * PAD_E, E_LOCAL, nprog * PAD_E):
+            sel = (e0 + tl.arange(0, PAD_E))[:, None] == offs_e[None, :]  # [PAD_E, BLOCK_E]: gather by one-hot
+            lo = tl.sum(tl.where(sel, fill_end[None, :], 0), 1)
+            hi = tl.sum(tl.where(sel, ends[None, :], 0), 1)
+            pos = lo[:, None] + tl.arange(0, BLOCK_M)[None, :]
+            tl.store(SortedIds + pos, tl.zeros([PAD_E, BLOCK_M], tl.int32) + TK, mask=pos < hi[:, None])
     # This chunk's pairs: row = expert start + pairs before this chunk + rank inside the chunk (one-hot cumsum).
     carry = starts + before
     for s0 in range(0, length, SUB):
@@ -105,7 +111,8 @@ def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m:
               fused_max: int | None = None, chunk: int | None = None):
     """-> (sorted_ids [max_padded] int32, expert_ids [max_blocks] int32 (-1 past the end), num_padded [1] int32).
     max_padded = T*K + min(E_local, T*K) * (block_m - 1) bounds the padded total for any routing; sorted_ids past
-    num_padded are left unwritten. fused_max / chunk (tests) override FUSED_COUNT_MAX / ALIGN_CHUNK."""
+    num_padded hold the sentinel (one program) or are left unwritten (many). fused_max / chunk (tests) override
+    FUSED_COUNT_MAX / ALIGN_CHUNK (both divided by next_pow2(E_local) / 64 when that is above 1)."""
     TK = topk_ids.numel()
     dev = topk_ids.device
     fused_max = FUSED_COUNT_MAX if fused_max is None else fused_max
@@ -122,7 +129,11 @@ def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m:
     ids = topk_ids.reshape(-1)
     block_e = triton.next_power_of_2(E_local)
     sub = max(16, min(128, 4096 // block_e))  # one-hot tiles [SUB, BLOCK_E] of at most 4k-16k elements
-    single = TK <= fused_max
+    # The one-hot work of a pair grows with the expert count: with many experts (Kimi: 384) fewer pairs stay in one
+    # program and the chunks shrink (H200: one program for 512 pairs x 512 one-hot lanes took 86 us).
+    scale = max(1, block_e // 64)
+    single = TK <= fused_max // scale
+    chunk = max(16, chunk // scale)
     warps = 4 if block_e <= 128 else 8
     if single:
         num_chunks, sub = 1, min(sub, max(16, triton.next_power_of_2(TK)))
@@ -135,6 +146,7 @@ def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m:
                                         BLOCK_E=block_e, SUB=sub, CHUNK=chunk, num_warps=warps)
     _moe_align_kernel[(num_chunks,)](
         ids, partial, sorted_ids, expert_ids, num_padded, TK, expert_offset, E_local, num_chunks, max_blocks,
+        max_padded,
         BLOCK_M=block_m, BLOCK_E=block_e, SUB=sub, CHUNK=chunk, SINGLE=single,
         BLOCK_Q=max(4, min(64, 4096 // block_e)), BLOCK_B=64, PAD_E=16, num_warps=warps)
     return sorted_ids, expert_ids, num_padded

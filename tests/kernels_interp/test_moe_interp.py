@@ -64,6 +64,8 @@ def test_moe_align_layout(kdev, fused_count, monkeypatch):
     (37, 3, 24, 10, 7, 8, dict(fused_max=0, chunk=16)),
     (64, 4, 40, 40, 0, 16, dict(fused_max=64, chunk=32)),  # 256 pairs > fused_max: 8 chunks
     (40, 2, 6, 6, 0, 2, dict(fused_max=0, chunk=64)),  # one chunk; many blocks per expert
+    (20, 3, 200, 200, 0, 16, {}),  # many experts (one-hot lanes 256): one program up to 1024 / 4 pairs
+    (100, 3, 260, 200, 60, 16, {}),  # 300 pairs: chunks of 512 / 4 = 128 pairs, 3 programs; EP
 ])
 def test_moe_align_matches_stable_sort(kdev, T, K, E_total, E_local, offset, block_m, kw):
     check_moe_align(kdev, T=T, K=K, E_total=E_total, E_local=E_local, offset=offset, block_m=block_m, **kw)
