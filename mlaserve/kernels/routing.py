@@ -92,6 +92,10 @@ def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
 def route_noaux_tc_fused(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K] fp32, ids [T, K] int64)."""
     c = gate.cfg
-    logits = F.linear(x.float(), gate.weight)  # [T, E] fp32 (cuBLAS; a Triton GEMV measured slower in decode)
+    w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
+    if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (see TopkRouter.bf16_weight)
+        logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
+    else:
+        logits = F.linear(x.float(), gate.weight)  # [T, E] fp32 (cuBLAS; a Triton GEMV measured slower in decode)
     return route_noaux_tc_logits(logits, gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
                                  c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)

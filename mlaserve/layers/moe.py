@@ -57,11 +57,28 @@ class TopkRouter(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.weight = new_param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32)
+        self.weight = new_param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32, loader=self._load)
         self.e_score_correction_bias = new_param(cfg.n_routed_experts, dtype=torch.float32)
+        self._w16, self._w16_key = None, None  # bf16_weight's cache
 
+    def _load(self, param, src) -> None:
+        checked_copy(param, src[:])
+        self._w16_key = None  # `.data` writes do not bump the version counter: forget the bf16 copy explicitly
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)  # [T, E] fp32
+
+    def bf16_weight(self) -> torch.Tensor | None:
+        """The weight as bf16 when that is exact (checkpoints store it in bf16; we keep it in fp32), else None.
+        Then x_bf16 . w_bf16 with fp32 products and accumulation equals F.linear(x.float(), weight) up to the
+        summation order (a bf16 x bf16 product is exact in fp32). Checked once per load (the weight loader resets
+        it) and per weight tensor: the first call syncs, so it must come before CUDA-graph capture (the warm-up
+        forwards do it)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if key != self._w16_key:
+            w16 = self.weight.detach().to(torch.bfloat16)
+            self._w16 = w16 if torch.equal(w16.float(), self.weight.detach()) else None
+            self._w16_key = key
+        return self._w16
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests import kernel_checks as kc
 
@@ -224,6 +225,35 @@ def test_routing_cuda_graph():
     bad = (ids.sort(-1).values != rids.sort(-1).values).any(-1).nonzero().reshape(-1).tolist()
     choice = logits.sigmoid() + bias
     assert all(kc._near_tie(choice[t], 8, 4, 8) for t in bad), f"graph-replayed routing differs at tokens {bad}"
+
+
+@pytest.mark.parametrize("preset", ["moonlight-16b-a3b", "kimi-k2.5"])
+@pytest.mark.parametrize("T", [1, 64, 8192])
+def test_router_bf16_gemm_equals_fp32_and_routes_the_same(preset, T):
+    """route_noaux_tc_fused's router GEMM (bf16 operands, fp32 output) against F.linear(x.float(), w) for a gate
+    loaded from bf16 values, and the routing it feeds against the torch path (near ties aside); graph-capturable."""
+    from mlaserve.config import ModelConfig
+    from mlaserve.kernels.routing import route_noaux_tc_fused
+    from mlaserve.layers.moe import TopkRouter
+    from mlaserve.models.make_random import load_preset
+
+    cfg = ModelConfig.from_hf(load_preset(preset))
+    with torch.device("cuda"):
+        gate = TopkRouter(cfg)
+    w = (torch.randn(cfg.n_routed_experts, cfg.hidden_size, device="cuda") / cfg.hidden_size**0.5).to(BF).float()
+    gate.weight.weight_loader(gate.weight, w)
+    gate.e_score_correction_bias.data.copy_(0.1 * torch.randn(cfg.n_routed_experts, device="cuda"))
+    x = torch.randn(T, cfg.hidden_size, device="cuda").to(BF)
+    w16 = gate.bf16_weight()
+    assert w16 is not None
+    got, ref = torch.mm(x, w16.t(), out_dtype=torch.float32), F.linear(x.float(), gate.weight)
+    scale = F.linear(x.float().abs(), gate.weight.abs())
+    assert ((got - ref).abs() / scale).max().item() < 1e-5
+    rw, rids = gate(x)
+    g, (fw, fids) = kc.cuda_graph(lambda: route_noaux_tc_fused(gate, x))
+    g.replay()
+    same = (fids.sort(-1).values == rids.sort(-1).values).all(-1).float().mean().item()
+    assert same > 0.99, f"{preset} T={T}: only {same:.4f} of tokens route the same"
 
 
 # --- RoPE + KV store ----------------------------------------------------------------------------------------------

@@ -61,3 +61,17 @@ def test_fused_experts_ref_matches_a_token_loop():
     lo = fused_experts_ref(x, w13[:3], w2[:3], weights, ids, expert_offset=0)
     hi = fused_experts_ref(x, w13[3:], w2[3:], weights, ids, expert_offset=3)
     torch.testing.assert_close(lo + hi, want, rtol=1e-5, atol=1e-5)
+
+
+def test_router_bf16_weight_only_when_exact_and_refreshed_after_loads():
+    from mlaserve.config import ModelConfig
+    from mlaserve.layers.moe import TopkRouter
+    from mlaserve.models.make_random import load_preset
+
+    gate = TopkRouter(ModelConfig.from_hf(load_preset("tiny")))
+    gate.weight.data.copy_(torch.randn_like(gate.weight).bfloat16().float())  # as loaded from a bf16 checkpoint
+    w16 = gate.bf16_weight()
+    assert w16 is not None and w16.dtype == torch.bfloat16 and torch.equal(w16.float(), gate.weight)
+    assert gate.bf16_weight() is w16  # cached
+    gate.weight.weight_loader(gate.weight, gate.weight.detach() + 1e-3)  # a load of values bf16 cannot hold
+    assert gate.bf16_weight() is None
