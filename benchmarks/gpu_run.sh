@@ -2,6 +2,7 @@
 # One device call: environment, gpu tests, kernel bench, whole-model bench. Each stage has its own time limit so
 # the call ends inside the device tool's 10 minutes; everything is logged under $OUT.
 #   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2]
+# Env: TESTS / TESTS_K / TESTS_S, KERNEL_ARGS / KERNELS_S, M1_ARGS / M1_S, SPEC_S, M2_S (see each stage).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
@@ -12,7 +13,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
 if [[ $stages == *" tests "* ]]; then
   el "gpu tests"
-  timeout ${TESTS_S:-170} python3 -m pytest -q ${TESTS:-tests/gpu} -p no:cacheprovider -o addopts="" -rfE --timeout 90 \
+  # TESTS: paths (word-split); TESTS_K: a -k expression (kept whole, e.g. TESTS_K="router or align")
+  timeout ${TESTS_S:-170} python3 -m pytest -q ${TESTS:-tests/gpu} ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider -o addopts="" -rfE --timeout 90 \
     2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -25
 fi
 if [[ $stages == *" kernels "* ]]; then
