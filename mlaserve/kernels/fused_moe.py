@@ -172,6 +172,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         raise ValueError(f"x {x.dtype}, w13 {w13.dtype} and w2 {w2.dtype} must share a dtype")
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("x, w13 and w2 need a unit stride in their last dim")
+    if add is not None and (add.shape != (T, D) or add.dtype != x.dtype or add.stride(-1) != 1):
+        raise ValueError(f"add must be [{T}, {D}] {x.dtype} with a unit last stride, got {tuple(add.shape)} "
+                         f"{add.dtype}")
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -202,17 +205,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align,
         num_warps=c2["num_warps"], num_stages=c2["num_stages"])
-    return _sum(y, topk_ids, out, add, expert_offset, E)
-
-
-def _sum(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, add: torch.Tensor | None, expert_offset: int,
-         E: int) -> torch.Tensor:
-    """out [T, D] = the per-pair outputs y [T*K, D] summed over k (+ add)."""
-    T, D = out.shape
-    K = topk_ids.shape[-1]
-    if add is not None and (add.shape != (T, D) or add.dtype != out.dtype or add.stride(-1) != 1):
-        raise ValueError(f"add must be [{T}, {D}] {out.dtype} with a unit last stride, got {tuple(add.shape)} "
-                         f"{add.dtype}")
     block_d = min(1024, triton.next_power_of_2(D))
     _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, out if add is None else add, D, expert_offset, E,
                                                     0 if add is None else add.stride(0), TOPK=K, BLOCK_D=block_d,
