@@ -9,6 +9,7 @@ each beside its floor (bench/roofline.py). Writes JSON to --out and benchmarks/r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -43,24 +44,27 @@ def sync():
 
 
 # ---- mlaserve ----------------------------------------------------------------------------------------
-def ml_ttft(engine, length, vocab, reps=3):
-    """Time from add_request to the first token (one request alone; fresh prompts, so no prefix hit)."""
+def ml_ttft(engine, length, vocab, reps=3, around=contextlib.nullcontext):
+    """Time from add_request to the first token (one request alone; fresh prompts, so no prefix hit);
+    `around()` wraps the last rep alone (a profiler)."""
     times = []
     for r in range(reps + 1):
         p = prompts(1, length, vocab, seed=1000 + r)[0]
         sync()
-        t = time.perf_counter()
-        rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        while engine.has_unfinished():
-            engine.step()
-        sync()
+        with around() if r == reps else contextlib.nullcontext():
+            t = time.perf_counter()
+            rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            sync()
         if r:  # the first is a warm-up
             times.append(time.perf_counter() - t)
         del rid
     return statistics.median(times)
 
 
-def ml_tpot(engine, batch, ctx, vocab, steps=32):
+def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext):
+    """Seconds per decode step and tokens per request-step; `around()` wraps the timed steps alone (a profiler)."""
     ps = prompts(batch, ctx, vocab, seed=batch * 7 + ctx)
     for p in ps:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
@@ -70,12 +74,13 @@ def ml_tpot(engine, batch, ctx, vocab, steps=32):
     for _ in range(3):
         engine.step()
     sync()
-    t = time.perf_counter()
     n_tok = 0
-    for _ in range(steps):
-        n_tok += sum(len(o.new_token_ids) for o in engine.step())
-    sync()
-    dt = time.perf_counter() - t
+    with around():
+        t = time.perf_counter()
+        for _ in range(steps):
+            n_tok += sum(len(o.new_token_ids) for o in engine.step())
+        sync()
+        dt = time.perf_counter() - t
     while engine.has_unfinished():
         engine.step()
     return dt / steps, n_tok / (batch * steps)
@@ -239,24 +244,28 @@ def main():
 
 
 def profile(engine, vocab, prefill_len):
-    """Where the time goes: the top GPU kernels of one long prefill and of 16 batch-1 decode steps."""
+    """Where the time goes: the top GPU kernels of one long prefill, and of 16 batch-1 decode steps alone (the
+    request's prefill and warm-up steps run outside the profiler). Per-step figures divide by the step count."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
     out = {}
-    for name, fn in (("prefill", lambda: ml_ttft(engine, prefill_len, vocab, reps=1)),
-                     ("decode_b1", lambda: ml_tpot(engine, 1, 512, vocab, steps=16))):
-        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            sync()
-        rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
-                       if e.device_time_total > 0), key=lambda r: -r[1])
+    steps = 16
+    for name, n, run in (("prefill", 1, lambda around: ml_ttft(engine, prefill_len, vocab, reps=1, around=around)),
+                         ("decode_b1", steps, lambda around: ml_tpot(engine, 1, 512, vocab, steps, around))):
+        cuda = torch.cuda.is_available()  # CPU: operator times (a check of this function)
+        prof = tprofile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+        run(lambda p=prof: p)
+        rows = sorted(((e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3, e.count)
+                       for e in prof.key_averages() if (e.device_time_total if cuda else e.self_cpu_time_total) > 0),
+                      key=lambda r: -r[1])
         total = sum(r[1] for r in rows)
-        top = [{"name": k[:90], "ms": ms, "count": c} for k, ms, c in rows[:25]]
-        out[name] = {"total_ms": total, "kernels": top}
-        log(f"\nprofile {name}: {total:.1f} ms of GPU time, {sum(r[2] for r in rows)} kernels")
-        for k, ms, c in rows[:15]:
-            log(f"  {ms:8.2f} ms {c:6d}x  {k[:100]}")
+        top = [{"name": k[:90], "ms": ms, "count": c, "us_per_call": 1e3 * ms / c} for k, ms, c in rows[:40]]
+        out[name] = {"total_ms": total, "passes": n, "ms_per_pass": total / n,
+                     "kernels_per_pass": sum(r[2] for r in rows) / n, "kernels": top}
+        log(f"\nprofile {name}: {total / n:.2f} ms of GPU time per pass, {sum(r[2] for r in rows) / n:.0f} kernels")
+        for k, ms, c in rows[:30]:
+            log(f"  {1e3 * ms / n:8.1f} us/pass {c / n:6.1f}x {1e3 * ms / c:7.2f} us  {k[:90]}")
     return out
 
 

@@ -74,14 +74,18 @@ def run_mla_sweep(rep: Report, sz: Sizes):
     kv, table, lens = make_paged([L] * B, 64, R + P, BF, sz.dev, extra_pages=0)
     q = torch.randn(B, H, R + P, device=sz.dev).to(BF)
     out = torch.empty(B, H, R, device=sz.dev, dtype=BF)
-    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=4),
-                dict(BLOCK_N=64, num_warps=8, num_stages=3)]
+    from mlaserve.kernels.reference import mla_decode_ref
+
+    ref = mla_decode_ref(q, kv, table, lens, 1, 0.1, R)
+    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(PARTIAL_DTYPE=BF),
+                dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_N=64, num_warps=8, num_stages=3)]
     for cfg in variants:
         for S in (8, 12, 16, 24):
             try:
                 ms = bench(lambda: mla_decode(q, kv, table, lens, 1, 0.1, out, num_splits=S, config=cfg), sz)  # noqa: B023
-                rep.add("mla_sweep", f"B={B} H={H} ctx={L} {cfg_label(cfg)} splits={S}", ms, B * L * (R + P) * 2,
-                        config=cfg, splits=S)
+                label = cfg_label({k: str(v).replace("torch.", "") for k, v in cfg.items()})
+                rep.add("mla_sweep", f"B={B} H={H} ctx={L} {label} splits={S}", ms, B * L * (R + P) * 2,
+                        err=rel(out, ref), config={k: str(v) for k, v in cfg.items()}, splits=S)
             except Exception as e:  # e.g. out of shared memory
                 print(f"mla_sweep {cfg} splits={S}: {type(e).__name__}: {str(e)[:120]}")
     # Batch 1 (latency bound): how finely to split short and long contexts.
@@ -200,6 +204,67 @@ def run_moe_sweep(rep: Report, sz: Sizes):
         w13 = w2 = inputs = None
         if sz.dev == "cuda":
             torch.cuda.empty_cache()
+
+
+# decode (few rows): the weights of sz.layers layers in turn, timed per layer, so every layer's weights come from
+# HBM as in the engine (one layer's weights replayed alone partly stay in the 50 MB L2 and time too fast)
+MOE_LAYER_CFGS = [dict(gemm2=dict(BLOCK_N=32)), dict(gemm1=dict(BLOCK_N=32), gemm2=dict(BLOCK_N=32)),
+                  dict(num_stages=6), dict(BLOCK_K=256, num_stages=3), dict(num_warps=2, BLOCK_K=128, num_stages=5),
+                  dict(num_warps=8, BLOCK_K=256, num_stages=4), dict(gemm2=dict(BLOCK_N=16, BLOCK_K=256))]
+GEMV_CFGS = [dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4), dict(BLOCK_N=16, BLOCK_K=128, num_stages=6),
+             dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3), dict(BLOCK_N=32, BLOCK_K=256, num_stages=4),
+             dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6), dict(BLOCK_N=16, BLOCK_K=256, num_warps=8,
+                                                                             num_stages=4),
+             dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4), dict(BLOCK_N=16, BLOCK_K=256, num_warps=2,
+                                                                             num_stages=4)]
+
+
+def run_decode_layers(rep: Report, sz: Sizes):
+    import torch.nn.functional as F
+
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.kernels.gemv import gemv
+    from mlaserve.layers.moe import fused_experts_ref
+
+    L = sz.layers
+    for name, (D, I, E, K) in list(sz.moe.items())[:1]:
+        w13 = [(torch.randn(E, 2 * I, D, device=sz.dev) / D**0.5).to(BF) for _ in range(L)]
+        w2 = [(torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF) for _ in range(L)]
+        for T in sz.layers_T:
+            x, ids, w = _moe_inputs(T, D, E, K, sz.dev)
+            n_exp = int(ids.unique().numel())
+            ref = fused_experts_ref(x.float(), w13[0].float(), w2[0].float(), w, ids, 0)
+            for cfg in [None] + MOE_LAYER_CFGS:
+                try:
+                    err = rel(fused_experts(x, w13[0], w2[0], w, ids, 0, config=cfg), ref)
+                    ms = bench(lambda c=cfg: [fused_experts(x, w13[i], w2[i], w, ids, 0, config=c)  # noqa: B023
+                                              for i in range(L)], sz) / L
+                    rep.add("moe_layers", f"{name} T={T} {cfg_label(cfg) if cfg else 'default'}", ms,
+                            n_exp * 3 * D * I * 2, err=err, T=T, config=cfg, layers=L)
+                except Exception as e:  # e.g. out of shared memory
+                    print(f"moe_layers {name} T={T} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            ref = None
+        w13 = w2 = None
+        if sz.dev == "cuda":
+            torch.cuda.empty_cache()
+    for name, N, Kd in sz.gemv_shapes:
+        ws = [(torch.randn(N, Kd, device=sz.dev) / Kd**0.5).to(BF) for _ in range(L)]
+        for M in sz.layers_T:
+            x = torch.randn(M, Kd, device=sz.dev).to(BF)
+            ref = x.float() @ ws[0].float().T
+            nbytes = N * Kd * 2
+            ms = bench(lambda: [F.linear(x, ws[i]) for i in range(L)], sz) / L  # noqa: B023
+            rep.add("gemv", f"{name} M={M} N={N} K={Kd} torch F.linear", ms, nbytes, err=rel(F.linear(x, ws[0]), ref),
+                    M=M, N=N, K=Kd, impl="torch")
+            for cfg in GEMV_CFGS:
+                try:
+                    err = rel(gemv(x, ws[0], config=cfg), ref)
+                    ms = bench(lambda c=cfg: [gemv(x, ws[i], config=c) for i in range(L)], sz) / L  # noqa: B023
+                    rep.add("gemv", f"{name} M={M} {cfg_label(cfg)}", ms, nbytes, err=err, M=M, N=N, K=Kd,
+                            impl="triton", config=cfg)
+                except Exception as e:
+                    print(f"gemv {name} M={M} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+        ws = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -354,8 +419,9 @@ def run_rope(rep: Report, sz: Sizes):
 
 
 SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
-            "mla_sweep": run_mla_sweep, "moe_sweep": run_moe_sweep, "prefill_sweep": run_prefill_sweep}  # sweeps last
-SWEEPS = ("mla_sweep", "moe_sweep", "prefill_sweep")
+            "decode_layers": run_decode_layers, "mla_sweep": run_mla_sweep, "moe_sweep": run_moe_sweep,
+            "prefill_sweep": run_prefill_sweep}  # sweeps last
+SWEEPS = ("decode_layers", "mla_sweep", "moe_sweep", "prefill_sweep")
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,7 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short contexts use fewer splits)
 # (H200, batch 1, H=16: a 512 context in splits of >= 32 / 64 / 128 / 256 tokens 11.4 / 12.7 / 16.1 / 23.2 us)
 MAX_SPLITS = 64
+COMBINE_TILE = 8192  # elements of the combine's [splits, BLOCK_R] fp32 tile (4 warps)
 
 
 @triton.jit(do_not_specialize=["H", "num_splits"])  # varying batch sizes reuse one binary
@@ -89,12 +90,13 @@ def _mla_decode_split_kernel(
         o_ptr = Out + t.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_r[None, :] * stride_or
         tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # PartO [T, H, S, R] fp32 and PartLse [T, H, S] fp32, contiguous; empty splits write only lse = -inf.
+        # PartO [T, H, S, R] (fp32 unless configured) and PartLse [T, H, S] fp32, contiguous; empty splits write
+        # only lse = -inf.
         th = t.to(tl.int64) * H + h
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(PartLse + th * num_splits + split, lse, mask=row_ok)
         po_ptr = PartO + (th * num_splits + split)[:, None] * R + offs_r[None, :]
-        tl.store(po_ptr, o, mask=row_ok[:, None] & (start < end))
+        tl.store(po_ptr, o.to(PartO.dtype.element_ty), mask=row_ok[:, None] & (start < end))
 
 
 @triton.jit(do_not_specialize=["H", "num_splits"])
@@ -102,28 +104,27 @@ def _mla_decode_combine_kernel(
     PartO, PartLse, Out,
     stride_ot, stride_oh, stride_or,
     H, num_splits,
-    R: tl.constexpr,
+    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    """Out[t, h, r-block] = sum_s 2^(lse_s - max) PartO[t, h, s, r-block] / sum_s 2^(lse_s - max). All splits are
+    loaded as one [BLOCK_S, BLOCK_R] tile: one memory round trip, not a chain of 2 * num_splits dependent loads."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     th = t.to(tl.int64) * H + h
-    lse_ptr = PartLse + th * num_splits
-    lse_max = tl.load(lse_ptr)
-    for s in range(1, num_splits):
-        lse_max = tl.maximum(lse_max, tl.load(lse_ptr + s))
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(PartLse + th * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    has = lse > float("-inf")  # empty splits never wrote their partial output
+    lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no visible key at all (seq_len 0): zeros
-    offs_r = tl.arange(0, R)
-    acc = tl.zeros([R], tl.float32)
-    denom = 0.0
-    for s in range(num_splits):
-        lse = tl.load(lse_ptr + s)
-        if lse > float("-inf"):  # empty splits never wrote their partial output
-            w = tl.exp2(lse - lse_max)
-            denom += w
-            acc += w * tl.load(PartO + (th * num_splits + s) * R + offs_r)
+    w = tl.where(has, tl.exp2(lse - lse_max), 0.0)
+    denom = tl.sum(w, 0)
     denom = tl.where(denom > 0.0, denom, 1.0)
+    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    part = tl.load(PartO + (th * num_splits + offs_s)[:, None] * R + offs_r[None, :], mask=has[:, None],
+                   other=0.0).to(tl.float32)
+    o = tl.sum(part * w[:, None], 0) / denom
     o_ptr = Out + t.to(tl.int64) * stride_ot + h * stride_oh + offs_r * stride_or
-    tl.store(o_ptr, (acc / denom).to(Out.dtype.element_ty))
+    tl.store(o_ptr, o.to(Out.dtype.element_ty))
 
 
 def _pow2(n: int) -> int:
@@ -194,7 +195,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         return out
     grid = (triton.cdiv(H, cfg["BLOCK_H"]), S, B)
     if S > 1:
-        part_o = torch.empty(T, H, S, R, dtype=torch.float32, device=q.device)
+        # fp32 partials by default; PARTIAL_DTYPE (benchmarks) trades their bytes for one more rounding
+        part_o = torch.empty(T, H, S, R, dtype=cfg.get("PARTIAL_DTYPE", torch.float32), device=q.device)
         part_lse = torch.empty(T, H, S, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
@@ -213,9 +215,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
-        _mla_decode_combine_kernel[(T, H)](
+        block_s = _pow2(S)
+        block_r = min(R, max(16, COMBINE_TILE // block_s))  # [S, BLOCK_R] fp32: <= 64 registers a thread
+        _mla_decode_combine_kernel[(T, H, R // block_r)](
             part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), H, S,
-            R=R, num_warps=4,
+            R=R, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4,
         )
     return out
 

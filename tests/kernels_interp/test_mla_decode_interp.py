@@ -49,3 +49,9 @@ def test_bad_input_names_field(kdev):
         mla_decode(q, torch.zeros(2, 16, 40, device=kdev), torch.zeros(2, 1, dtype=torch.int32, device=kdev),
                    torch.ones(2, dtype=torch.int32, device=kdev), 1, 0.1, torch.empty(3, 4, 32, device=kdev))
 
+
+
+def test_many_splits_combine_in_r_blocks(kdev):
+    # 40 splits (64-wide split tile) of a 512-wide latent: the combine tiles R in blocks of 128
+    check_mla_decode(kdev, torch.float32, H=2, R=512, P=16, q_len=1, ctx_lens=[700, 50], page_size=16,
+                     num_splits=40, config={"MIN_SPLIT_TOKENS": 16})
