@@ -167,12 +167,6 @@ def cases(quick: bool):
     for I in (1408, 2816, 18432):
         gu = torch.empty(4, 2 * I, dtype=bf)
         yield f"silu_mul I={I}", silu_mul, (gu[:, :I], gu[:, I:])
-    from mlaserve.kernels.gemv import gemv
-
-    for M, N, K in [(1, 3648, 2048), (1, 2048, 2048), (4, 2816, 2048), (16, 2048, 2816), (2, 24576, 1536)]:
-        yield f"gemv M={M} N={N} K={K}", gemv, (torch.empty(M, K, dtype=bf), torch.empty(N, K, dtype=bf))
-    yield "gemv router fp32 out", gemv, (torch.empty(1, 2048, dtype=bf), torch.empty(64, 2048, dtype=bf),
-                                         torch.empty(1, 64))
     for H, KVH, d, q_len, dtype in [(64, 64, 128, 2, bf), (16, 16, 128, 1, bf), (4, 2, 16, 3, torch.float32)]:
         cache = torch.empty(8, 64, 2, KVH, d, dtype=dtype)
         T = 4 * q_len
@@ -189,7 +183,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the main bf16 configs only")
     args = ap.parse_args(argv)
     install()
-    os.environ["MLASERVE_PDL"] = "force"  # the engine's kernels on an H200: launched with PDL (kernels/pdl.py)
     failed = []
     t0 = time.time()
     for label, fn, fn_args in cases(args.quick):

@@ -211,8 +211,7 @@ def run_moe_sweep(rep: Report, sz: Sizes):
 MOE_LAYER_CFGS = [dict(gemm2=dict(BLOCK_N=32)), dict(gemm1=dict(BLOCK_N=32), gemm2=dict(BLOCK_N=32)),
                   dict(num_stages=6), dict(BLOCK_K=256, num_stages=3), dict(num_warps=2, BLOCK_K=128, num_stages=5),
                   dict(num_warps=8, BLOCK_K=256, num_stages=4), dict(gemm2=dict(BLOCK_N=16, BLOCK_K=256))]
-GEMV_CFGS = [dict(), dict(PDL=False), dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
-             dict(BLOCK_N=16, BLOCK_K=128, num_stages=6),
+GEMV_CFGS = [dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4), dict(BLOCK_N=16, BLOCK_K=128, num_stages=6),
              dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3), dict(BLOCK_N=32, BLOCK_K=256, num_stages=4),
              dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6), dict(BLOCK_N=16, BLOCK_K=256, num_warps=8,
                                                                              num_stages=4),
@@ -261,8 +260,7 @@ def run_decode_layers(rep: Report, sz: Sizes):
                 try:
                     err = rel(gemv(x, ws[0], config=cfg), ref)
                     ms = bench(lambda c=cfg: [gemv(x, ws[i], config=c) for i in range(L)], sz) / L  # noqa: B023
-                    rep.add("gemv", f"{name} M={M} {cfg_label(cfg) or 'default (PDL, L2 prefetch)'}", ms, nbytes,
-                            err=err, M=M, N=N, K=Kd,
+                    rep.add("gemv", f"{name} M={M} {cfg_label(cfg)}", ms, nbytes, err=err, M=M, N=N, K=Kd,
                             impl="triton", config=cfg)
                 except Exception as e:
                     print(f"gemv {name} M={M} {cfg}: {type(e).__name__}: {str(e)[:120]}")

@@ -13,7 +13,6 @@ import triton.language as tl
 
 from .moe_align import moe_align
 from .moe_config import moe_config
-from .pdl import pdl, pdl_start
 
 NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 
@@ -63,10 +62,8 @@ def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.c
 def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds,
                       I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      PDL: tl.constexpr):
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr):
     """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e."""
-    pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
@@ -105,10 +102,8 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds,
 def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkIds,
                       D, I, num_m, stride_hm, stride_we, stride_wn, stride_yt, TK, expert_offset, E_LOCAL,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      PDL: tl.constexpr):
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr):
     """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks."""
-    pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
@@ -139,10 +134,9 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
 
 @triton.jit(do_not_specialize=["expert_offset"])
 def _moe_sum_kernel(Y, TopkIds, Out, Add, D, expert_offset, E_LOCAL, stride_add, TOPK: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
     """Out[t] = sum over k of Y[(t, k)], skipping experts this rank does not own (their rows were never written);
     plus Add[t] (the shared experts' output) after rounding the sum, as `routed + shared` in the dtype rounds."""
-    pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -197,23 +191,22 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm)
         rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    p = pdl(x)
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     _moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
         x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, I, D, num_m,
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E,
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"], PDL=p, launch_pdl=p)
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids,
         D, I, num_m, hbuf.stride(0), w2.stride(0), w2.stride(1), y.stride(0), TK, expert_offset, E,
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align,
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"], PDL=p, launch_pdl=p)
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"])
     block_d = min(1024, triton.next_power_of_2(D))
     _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, out if add is None else add, D, expert_offset, E,
                                                     0 if add is None else add.stride(0), TOPK=K, BLOCK_D=block_d,
-                                                    HAS_ADD=add is not None, num_warps=4, PDL=p, launch_pdl=p)
+                                                    HAS_ADD=add is not None, num_warps=4)
     return out

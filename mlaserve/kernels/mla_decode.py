@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl, pdl_start
-
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short contexts use fewer splits)
 # (H200, batch 1, H=16: a 512 context in splits of >= 32 / 64 / 128 / 256 tokens 11.4 / 12.7 / 16.1 / 23.2 us)
@@ -31,9 +29,8 @@ def _mla_decode_split_kernel(
     H, num_splits,
     Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pdl_start(PDL)
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -107,11 +104,10 @@ def _mla_decode_combine_kernel(
     PartO, PartLse, Out,
     stride_ot, stride_oh, stride_or,
     H, num_splits,
-    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Out[t, h, r-block] = sum_s 2^(lse_s - max) PartO[t, h, s, r-block] / sum_s 2^(lse_s - max). All splits are
     loaded as one [BLOCK_S, BLOCK_R] tile: one memory round trip, not a chain of 2 * num_splits dependent loads."""
-    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     th = t.to(tl.int64) * H + h
@@ -198,7 +194,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     if T == 0:
         return out
     grid = (triton.cdiv(H, cfg["BLOCK_H"]), S, B)
-    p = pdl(q)
     if S > 1:
         # fp32 partials by default; PARTIAL_DTYPE (benchmarks) trades their bytes for one more rounding
         part_o = torch.empty(T, H, S, R, dtype=cfg.get("PARTIAL_DTYPE", torch.float32), device=q.device)
@@ -217,14 +212,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
         DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=p, launch_pdl=p,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
         block_s = _pow2(S)
         block_r = min(R, max(16, COMBINE_TILE // block_s))  # [S, BLOCK_R] fp32: <= 64 registers a thread
         _mla_decode_combine_kernel[(T, H, R // block_r)](
             part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), H, S,
-            R=R, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4, PDL=p, launch_pdl=p,
+            R=R, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4,
         )
     return out
 

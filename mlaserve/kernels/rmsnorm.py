@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl, pdl_start
-
 
 @triton.jit
 def _norm_row(x, W, Out, row, stride_o, d, ok, D, eps):
@@ -23,8 +21,7 @@ def _norm_row(x, W, Out, row, stride_o, d, ok, D, eps):
 
 
 @triton.jit
-def _rmsnorm_kernel(X, W, Out, stride_x, stride_o, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+def _rmsnorm_kernel(X, W, Out, stride_x, stride_o, D, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < D
@@ -33,9 +30,7 @@ def _rmsnorm_kernel(X, W, Out, stride_x, stride_o, D, eps, BLOCK: tl.constexpr, 
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, Res, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, D, eps, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
-    pdl_start(PDL)
+def _add_rmsnorm_kernel(X, Res, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, D, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < D
@@ -52,10 +47,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
                          f"{x.dtype} / weight {weight.dtype}")
 
 
-def _launch_args(D: int, x: torch.Tensor) -> dict:
+def _launch_args(D: int) -> dict:
     block = triton.next_power_of_2(D)
-    p = pdl(x)
-    return dict(BLOCK=block, num_warps=min(max(block // 256, 1), 16), PDL=p, launch_pdl=p)
+    return dict(BLOCK=block, num_warps=min(max(block // 256, 1), 16))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     T, D = x.shape
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
-        _rmsnorm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), D, eps, **_launch_args(D, x))
+        _rmsnorm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), D, eps, **_launch_args(D))
     return out
 
 
@@ -80,5 +74,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     s = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
         _add_rmsnorm_kernel[(T,)](x, residual, weight, out, s, x.stride(0), residual.stride(0), out.stride(0),
-                                  s.stride(0), D, eps, **_launch_args(D, x))
+                                  s.stride(0), D, eps, **_launch_args(D))
     return out, s

@@ -9,15 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl, pdl_start
-
 
 @triton.jit
 def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin,
                           stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
                           R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                          PAGE_SIZE: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(Slots + t)
     if slot < 0:  # padding token (CUDA graphs): no slot
@@ -40,9 +37,7 @@ def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin,
 @triton.jit
 def _rope_q_kernel(X, Cos, Sin, Out, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
                    stride_cos, stride_sin,
-                   P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-                   PDL: tl.constexpr):
-    pdl_start(PDL)
+                   P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
     # A [BLOCK_T, BLOCK_H, P] tile per program: whole rows of P (vector loads), cos/sin read once per token.
     # Every pair is read and written by the same program, so out may alias x.
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -91,7 +86,7 @@ def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torc
         kv_cache.stride(0), kv_cache.stride(1), c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         cos.stride(0), sin.stride(0),
         R=R, BLOCK_R=triton.next_power_of_2(R), HALF=P // 2, BLOCK_HALF=triton.next_power_of_2(P // 2),
-        PAGE_SIZE=page_size, num_warps=4 if R >= 256 else 1, PDL=pdl(c_kv), launch_pdl=pdl(c_kv),
+        PAGE_SIZE=page_size, num_warps=4 if R >= 256 else 1,
     )
 
 
@@ -110,6 +105,6 @@ def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     _rope_q_kernel[grid](
         x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
         cos.stride(0), sin.stride(0),
-        P=P, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4, PDL=pdl(x), launch_pdl=pdl(x),
+        P=P, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4,
     )
     return out

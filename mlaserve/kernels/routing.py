@@ -14,16 +14,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .pdl import pdl, pdl_start
-
 
 @triton.jit
 def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, scaling,
                   E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                   USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr):
-    pdl_start(PDL)
+                  BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     row = Logits + t.to(tl.int64) * stride_lt
     offs = tl.arange(0, BLOCK_E)
@@ -88,7 +84,7 @@ def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
         E=E, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, USE_GROUPS=use_groups, NORM=bool(norm_topk_prob),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
         BLOCK_S=max(2, triton.next_power_of_2(E // n_group)), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
-        num_warps=4 if E > 128 else 1, PDL=pdl(logits), launch_pdl=pdl(logits),
+        num_warps=4 if E > 128 else 1,
     )
     return weights, ids
 
@@ -98,12 +94,7 @@ def route_noaux_tc_fused(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     c = gate.cfg
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (see TopkRouter.bf16_weight)
-        from .gemv import gemv, use_gemv
-
-        if use_gemv(x, w16):  # decode: the GEMV prefetches the router weight during the norm before it
-            logits = gemv(x, w16, torch.empty(x.shape[0], w16.shape[0], dtype=torch.float32, device=x.device))
-        else:
-            logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
+        logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
     else:
         logits = F.linear(x.float(), gate.weight)  # [T, E] fp32 (cuBLAS; a Triton GEMV measured slower in decode)
     return route_noaux_tc_logits(logits, gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,

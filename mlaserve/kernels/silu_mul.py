@@ -8,12 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl, pdl_start
-
 
 @triton.jit
-def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, I, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
@@ -33,7 +30,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, I, dtype=gate.dtype, device=gate.device)
     if T:
         block = min(1024, triton.next_power_of_2(I))
-        p = pdl(gate)
         _silu_mul_kernel[(T, triton.cdiv(I, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), I,
-                                                     BLOCK=block, num_warps=4, PDL=p, launch_pdl=p)
+                                                     BLOCK=block, num_warps=4)
     return out

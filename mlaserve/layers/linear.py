@@ -27,17 +27,6 @@ def checked_copy(param: torch.Tensor, t: torch.Tensor) -> None:
     param.data.copy_(t)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T: F.linear, or on a Hopper GPU for decode-sized x the Triton GEMV that prefetches w into L2 while
-    the kernel before it runs (kernels/gemv.py; same products, fp32 sums in another order)."""
-    if x.is_cuda:
-        from ..kernels.gemv import gemv, use_gemv
-
-        if use_gemv(x, w):
-            return gemv(x, w)
-    return F.linear(x, w)
-
-
 def new_param(*shape: int, dtype=None, hf_shape=None, loader=None) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     p.hf_shape = tuple(hf_shape or shape)  # the full, unsharded shape in the checkpoint
@@ -68,7 +57,7 @@ class Linear(nn.Module):
             checked_copy(param, shard_of(src, 0 if self.shard == "col" else 1, self.rank, self.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shard={self.shard}"
@@ -101,7 +90,7 @@ def linear_many(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
         rows += w.shape[0]
     if not ok:
         return [lin(x) for lin in linears]
-    y = linear(x, w0.as_strided((rows, w0.shape[1]), (w0.shape[1], 1)))  # [T, sum(out)]
+    y = F.linear(x, w0.as_strided((rows, w0.shape[1]), (w0.shape[1], 1)))  # [T, sum(out)]
     outs, col = [], 0
     for lin in linears:
         outs.append(y[..., col:col + lin.weight.shape[0]])

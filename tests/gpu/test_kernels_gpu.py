@@ -290,69 +290,6 @@ def test_rope_store_kv_cuda_graph():
     kc.assert_close(cache, rope_store_kv_ref(before, slots, c_kv, k_pe, cos, sin), BF, "rope_store_kv graph")
 
 
-# --- gemv and programmatic dependent launch -------------------------------------------------------------------------
-@pytest.mark.parametrize("M,N,K", [(1, 3648, 2048), (1, 2048, 2816), (4, 2816, 2048), (16, 2048, 2048),
-                                   (3, 64, 2048), (2, 1000, 1408)])
-def test_gemv_real(M, N, K):
-    from mlaserve.kernels.gemv import gemv
-
-    x = torch.randn(M, K, device="cuda").to(BF)
-    w = (torch.randn(N, K, device="cuda") / K**0.5).to(BF)
-    ref = x.float() @ w.float().T
-    out = torch.full((M, N), float("nan"), device="cuda", dtype=BF)
-    kc.assert_close(gemv(x, w, out), ref, BF, f"gemv M={M} N={N} K={K}")
-    o32 = torch.full((M, N), float("nan"), device="cuda")  # the router's fp32 logits
-    gemv(x, w, o32)
-    assert not o32.isnan().any() and ((o32 - ref).abs().max() / ref.abs().max()).item() < 1e-5
-
-
-def _decode_chain(x, res, ws):
-    """A decode layer's Triton kernels in their engine order, each reading the one before: add+norm, router GEMV
-    (fp32 logits), routing, fused MoE, shared experts (GEMV, SiLU*up, GEMV) added in the MoE sum."""
-    from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.kernels.gemv import gemv
-    from mlaserve.kernels.rmsnorm import add_rms_norm
-    from mlaserve.kernels.routing import route_noaux_tc_logits
-    from mlaserve.kernels.silu_mul import silu_mul
-
-    for norm_w, gate, bias, w13, w2, s_gu, s_down in ws:
-        h, res = add_rms_norm(x, res, norm_w, 1e-6)
-        logits = gemv(h, gate, torch.empty(h.shape[0], gate.shape[0], device="cuda"))
-        tw, ids = route_noaux_tc_logits(logits, bias, 6, 1, 1, True, 2.5)
-        gu = gemv(h, s_gu)
-        I = gu.shape[1] // 2
-        shared = gemv(silu_mul(gu[:, :I], gu[:, I:]), s_down)
-        x = fused_experts(h, w13, w2, tw, ids, 0, add=shared)
-    return x, res
-
-
-@pytest.mark.parametrize("T", [1, 3])
-def test_pdl_chain_in_a_graph_equals_launches_without_pdl(monkeypatch, T):
-    """12 layers of the chain, launched with PDL inside a CUDA graph and replayed on new inputs, equal the same
-    kernels launched without PDL (MLASERVE_PDL=0), bit for bit: each kernel waits for its inputs (pdl_start) and
-    only weights are read early (the GEMV's L2 prefetch)."""
-    D, E, I, Is = 2048, 64, 1408, 2816
-    ws = [(1 + 0.1 * torch.randn(D, device="cuda")).to(BF), (torch.randn(E, D, device="cuda") / D**0.5).to(BF),
-          0.1 * torch.randn(E, device="cuda"), (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(BF),
-          (torch.randn(E, D, I, device="cuda") / I**0.5).to(BF), (torch.randn(2 * Is, D, device="cuda") / D**0.5
-                                                                   ).to(BF),
-          (torch.randn(D, Is, device="cuda") / Is**0.5).to(BF)]
-    layers = [tuple(t if i in (0, 2) else t.roll(j, 0).contiguous() for i, t in enumerate(ws)) for j in range(12)]
-    x, res = torch.randn(T, D, device="cuda").to(BF), torch.randn(T, D, device="cuda").to(BF)
-    monkeypatch.setenv("MLASERVE_PDL", "1")
-    g, (gx, gres) = kc.cuda_graph(lambda: _decode_chain(x, res, layers))
-    for _ in range(3):
-        x.copy_(torch.randn(T, D, device="cuda").to(BF))
-        res.copy_(torch.randn(T, D, device="cuda").to(BF))
-        gx.fill_(float("nan"))
-        g.replay()
-        monkeypatch.setenv("MLASERVE_PDL", "0")
-        rx, rres = _decode_chain(x, res, layers)
-        monkeypatch.setenv("MLASERVE_PDL", "1")
-        assert torch.equal(gx, rx) and torch.equal(gres, rres)
-        assert not gx.isnan().any()
-
-
 # --- the model through the Triton backend --------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 def test_model_triton_backend_matches_torch_ref(tiny_ckpt, dtype):
