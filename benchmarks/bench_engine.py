@@ -86,6 +86,25 @@ def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext):
     return dt / steps, n_tok / (batch * steps)
 
 
+def replay_alone_ms(engine, batch, reps=50):
+    """The decode graph of the last ml_tpot batch replayed back to back on its last inputs: the GPU's time per
+    step without the host's (scheduling, input copies, sampling, the token's trip back). TPOT minus this is
+    host time the GPU waits for. None without graphs."""
+    graphs = getattr(engine.runner, "graphs", None)
+    key = ("decode", next((b for b in graphs.bs_list if b >= batch), None)) if graphs is not None else None
+    g = graphs.graphs.get(key) if key else None
+    if g is None or g.graph is None:
+        return None
+    for _ in range(3):
+        g.graph.replay()
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        g.graph.replay()
+    sync()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
 # ---- transformers ------------------------------------------------------------------------------------
 def hf_bench(path, cases, ttft_lengths, vocab):
     from transformers import DeepseekV3ForCausalLM
@@ -214,7 +233,8 @@ def main():
                 s, tok = ml_tpot(engine, b, c, vocab)
                 fl = decode_floor_s(mcfg, b, c)
                 rows.append(dict(figure=f"TPOT b{b} ctx{c}", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl,
-                                 hf_ms=_ms(res, f"tpot_b{b}_ctx{c}_s"), bytes_gb=decode_bytes(mcfg, b, c) / 1e9))
+                                 hf_ms=_ms(res, f"tpot_b{b}_ctx{c}_s"), bytes_gb=decode_bytes(mcfg, b, c) / 1e9,
+                                 replay_ms=replay_alone_ms(engine, b)))
     if a.draft:
         # Plain TPOT first: the speculative engine re-captures the shared runner's graphs for verify width 2.
         base = {b: ml_tpot(engine, b, 512, vocab)[0] for b in (1, 8)}
@@ -235,7 +255,8 @@ def main():
     log(f"{'figure':44s} {'mlaserve ms':>12s} {'floor ms':>9s} {'x floor':>8s} {'transformers ms':>16s}")
     for r in rows:
         log(f"{r['figure']:44s} {r['ms']:12.2f} {r.get('floor_ms') or 0:9.2f} {r.get('ratio') or 0:8.2f} "
-            f"{r['hf_ms'] if r.get('hf_ms') is not None else '-':>16}")
+            f"{r['hf_ms'] if r.get('hf_ms') is not None else '-':>16}"
+            + (f"   (graph replay alone {r['replay_ms']:.2f} ms)" if r.get("replay_ms") else ""))
     name = f"engine_{a.label}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     for d in (a.out, os.path.join(os.path.dirname(__file__), "results")):
         os.makedirs(d, exist_ok=True)

@@ -38,11 +38,9 @@ class Sizes:
     routing_T: tuple = (1, 64, 8192)
     rope_T: tuple = (16, 8192)
     rope_H: tuple = (16, 128)
-    # decode_layers: weights of this many layers in turn (more than L2 holds, as in the engine's layer loop)
+    # moe_layers: weights of this many layers in turn (more than L2 holds, as in the engine's layer loop)
     layers: int = 8
     layers_T: tuple = (1, 2, 4)
-    gemv_shapes: tuple = (("q|kv_a", 3648, 2048), ("o_proj", 2048, 2048), ("shared gate|up", 2816, 2048),
-                          ("shared down", 2048, 2816))
 
 
 def smoke_sizes() -> Sizes:
@@ -51,7 +49,7 @@ def smoke_sizes() -> Sizes:
                  moe_sweep_shapes=("tiny",), moe_sweep_decode_T=(1, 8), moe_sweep_max_cfgs=2,
                  prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24), prefill_sweep=(2, 16, 8, 24, 40, 40),
                  routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,),
-                 layers=2, layers_T=(1,), gemv_shapes=(("tiny", 48, 64),))
+                 layers=2, layers_T=(1,))
 
 
 # prefill_attention_mla tile configs for the sweep (the default, prefill_config's bf16 one, runs first); shared

@@ -206,24 +206,14 @@ def run_moe_sweep(rep: Report, sz: Sizes):
             torch.cuda.empty_cache()
 
 
-# decode (few rows): the weights of sz.layers layers in turn, timed per layer, so every layer's weights come from
-# HBM as in the engine (one layer's weights replayed alone partly stay in the 50 MB L2 and time too fast)
+# decode MoE (few rows): the weights of sz.layers layers in turn, timed per layer, so every layer's weights come
+# from HBM as in the engine (one layer's weights replayed alone could partly stay in the 50 MB L2)
 MOE_LAYER_CFGS = [dict(gemm2=dict(BLOCK_N=32)), dict(gemm1=dict(BLOCK_N=32), gemm2=dict(BLOCK_N=32)),
                   dict(num_stages=6), dict(BLOCK_K=256, num_stages=3), dict(num_warps=2, BLOCK_K=128, num_stages=5),
                   dict(num_warps=8, BLOCK_K=256, num_stages=4), dict(gemm2=dict(BLOCK_N=16, BLOCK_K=256))]
-GEMV_CFGS = [dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4), dict(BLOCK_N=16, BLOCK_K=128, num_stages=6),
-             dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3), dict(BLOCK_N=32, BLOCK_K=256, num_stages=4),
-             dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6), dict(BLOCK_N=16, BLOCK_K=256, num_warps=8,
-                                                                             num_stages=4),
-             dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4), dict(BLOCK_N=16, BLOCK_K=256, num_warps=2,
-                                                                             num_stages=4)]
 
-
-def run_decode_layers(rep: Report, sz: Sizes):
-    import torch.nn.functional as F
-
+def run_moe_layers(rep: Report, sz: Sizes):
     from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.kernels.gemv import gemv
     from mlaserve.layers.moe import fused_experts_ref
 
     L = sz.layers
@@ -247,24 +237,6 @@ def run_decode_layers(rep: Report, sz: Sizes):
         w13 = w2 = None
         if sz.dev == "cuda":
             torch.cuda.empty_cache()
-    for name, N, Kd in sz.gemv_shapes:
-        ws = [(torch.randn(N, Kd, device=sz.dev) / Kd**0.5).to(BF) for _ in range(L)]
-        for M in sz.layers_T:
-            x = torch.randn(M, Kd, device=sz.dev).to(BF)
-            ref = x.float() @ ws[0].float().T
-            nbytes = N * Kd * 2
-            ms = bench(lambda: [F.linear(x, ws[i]) for i in range(L)], sz) / L  # noqa: B023
-            rep.add("gemv", f"{name} M={M} N={N} K={Kd} torch F.linear", ms, nbytes, err=rel(F.linear(x, ws[0]), ref),
-                    M=M, N=N, K=Kd, impl="torch")
-            for cfg in GEMV_CFGS:
-                try:
-                    err = rel(gemv(x, ws[0], config=cfg), ref)
-                    ms = bench(lambda c=cfg: [gemv(x, ws[i], config=c) for i in range(L)], sz) / L  # noqa: B023
-                    rep.add("gemv", f"{name} M={M} {cfg_label(cfg)}", ms, nbytes, err=err, M=M, N=N, K=Kd,
-                            impl="triton", config=cfg)
-                except Exception as e:
-                    print(f"gemv {name} M={M} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-        ws = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -419,9 +391,9 @@ def run_rope(rep: Report, sz: Sizes):
 
 
 SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
-            "decode_layers": run_decode_layers, "mla_sweep": run_mla_sweep, "moe_sweep": run_moe_sweep,
+            "moe_layers": run_moe_layers, "mla_sweep": run_mla_sweep, "moe_sweep": run_moe_sweep,
             "prefill_sweep": run_prefill_sweep}  # sweeps last
-SWEEPS = ("decode_layers", "mla_sweep", "moe_sweep", "prefill_sweep")
+SWEEPS = ("moe_layers", "mla_sweep", "moe_sweep", "prefill_sweep")
 
 
 def main(argv=None) -> int:
