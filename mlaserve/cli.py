@@ -40,6 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step back before launching the next (no overlapped decode)")
     g.add_argument("--prefill-graph-max-tokens", type=int, default=8192, help="largest prefill CUDA graph")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -66,7 +68,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_FIELDS = ("device", "dtype", "page_size", "num_pages", "gpu_memory_utilization", "kv_cache_memory_gb",
                  "max_num_seqs", "max_num_batched_tokens", "chunked_prefill_size", "max_model_len",
-                 "enable_prefix_caching", "enforce_eager", "prefill_graph_max_tokens", "attention_backend",
+                 "enable_prefix_caching", "enforce_eager", "disable_overlap_schedule", "prefill_graph_max_tokens",
+                 "attention_backend",
                  "moe_backend", "load_format", "seed")
 
 

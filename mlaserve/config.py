@@ -343,6 +343,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: max_position_embeddings
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs
+    disable_overlap_schedule: bool = False  # True: read each decode step back before launching the next
     prefill_graph_max_tokens: int = 8192
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     moe_backend: str = "auto"  # "auto" | "torch" | "triton"

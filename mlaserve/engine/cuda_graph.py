@@ -181,11 +181,15 @@ class GraphRunner:
                  len(self.graphs), self.bs_list, self.q, self.prefill_buckets, time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def run(self, key: tuple, decode: list[SeqChunk], prefill: list[SeqChunk]):
-        """Replay the graph for `key` on these chunks -> (logits of the requested rows, aux of real tokens)."""
+    def run(self, key: tuple, decode: list[SeqChunk], prefill: list[SeqChunk],
+            decode_tokens: torch.Tensor | None = None):
+        """Replay the graph for `key` on these chunks -> (logits of the requested rows, aux of real tokens).
+        decode_tokens: the decode chunks' input ids on the device (one each), copied in after the host's."""
         g = self.graphs[key]
         chunks = decode + prefill
         self._fill(key, g, chunks)
+        if decode_tokens is not None:
+            self.input_ids[: len(decode)].copy_(decode_tokens)
         if g.graph is not None:
             g.graph.replay()
             logits, aux = g.logits, g.aux

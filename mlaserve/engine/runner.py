@@ -115,19 +115,31 @@ class ModelRunner:
         return ForwardBatch.build(decode, prefill, self.cfg.page_size, self.device, self.attn)
 
     @torch.inference_mode()
-    def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk],
+                decode_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
-        the EAGLE3 aux hidden states [T, 3D] of every token, or None)."""
+        the EAGLE3 aux hidden states [T, 3D] of every token, or None). decode_tokens [len(decode)] on the device
+        (single rank, one token per decode chunk): the decode chunks' input ids, in place of their token_ids
+        (placeholders of tokens the previous step sampled, not yet read back)."""
         if self.ranks.world_size > 1:
+            if decode_tokens is not None:
+                raise ValueError("decode_tokens: device-side inputs need a single rank")
             tp.broadcast_object(("step", decode, prefill))  # the other ranks run the same forward
-        return self.execute_local(decode, prefill)
+        return self.execute_local(decode, prefill, decode_tokens)
 
     @torch.inference_mode()
-    def execute_local(self, decode: list[SeqChunk], prefill: list[SeqChunk]):
+    def execute_local(self, decode: list[SeqChunk], prefill: list[SeqChunk],
+                      decode_tokens: torch.Tensor | None = None):
+        if decode_tokens is not None and (decode_tokens.shape != (len(decode),) or
+                                          any(len(c.token_ids) != 1 for c in decode)):
+            raise ValueError(f"decode_tokens: need one token per decode chunk ({len(decode)}), got "
+                             f"{tuple(decode_tokens.shape)}")
         key = self.graphs.key_for(decode, prefill) if self.graphs is not None else None
         if key is not None:
-            return self.graphs.run(key, decode, prefill)
+            return self.graphs.run(key, decode, prefill, decode_tokens)
         batch = self.build_batch(decode, prefill)
+        if decode_tokens is not None:  # decode chunks come first, one token each
+            batch.input_ids[: len(decode)].copy_(decode_tokens)
         out = self.model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         return self.model.compute_logits(hidden[batch.logits_indices]), aux

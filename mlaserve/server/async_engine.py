@@ -194,10 +194,11 @@ class AsyncEngine:
                 self._apply_commands()
                 if self.engine.has_unfinished():
                     steps = self.engine.num_steps
-                    self._deliver(self.engine.step())
+                    outs = self.engine.step()
+                    self._deliver(outs)
                     if self.metrics:
                         self.metrics.observe_engine(self.engine.stats())
-                    if self.engine.num_steps == steps:  # nothing was schedulable: do not spin
+                    if not outs and self.engine.num_steps == steps:  # nothing was schedulable: do not spin
                         self._wake.wait(timeout=0.001)
                         self._wake.clear()
                 else:

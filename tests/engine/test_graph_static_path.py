@@ -30,7 +30,7 @@ def test_static_path_matches_eager(tiny_ckpt, n):
     engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
     used = []
     orig = engine.runner.graphs.run
-    engine.runner.graphs.run = lambda key, d, p: (used.append(key), orig(key, d, p))[1]
+    engine.runner.graphs.run = lambda key, d, p, *a: (used.append(key), orig(key, d, p, *a))[1]
     assert _gen(engine, prompts) == ref
     assert any(k[0] == "decode" for k in used) and any(k[0] == "prefill" for k in used)
 
