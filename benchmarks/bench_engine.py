@@ -171,6 +171,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and of decode")
+    ap.add_argument("--no-overlap", action="store_true", help="--disable-overlap-schedule (read each step back)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -213,7 +214,7 @@ def main():
     from mlaserve.engine.engine import LLMEngine
 
     cfg = EngineConfig(model=path, load_format="dummy" if a.dummy else "auto", gpu_memory_utilization=a.gpu_mem,
-                       enable_prefix_caching=False, max_num_seqs=max(batches),
+                       enable_prefix_caching=False, max_num_seqs=max(batches), disable_overlap_schedule=a.no_overlap,
                        max_model_len=max(ctxs + ttfts) + 128)
     sync()
     t = time.perf_counter()
