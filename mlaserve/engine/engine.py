@@ -55,11 +55,24 @@ PLACEHOLDER = -1  # an output token whose value is still on the device (overlapp
 
 @dataclass
 class _InFlight:
-    """A launched step not yet read back: its schedule and the tokens it samples (device tensors)."""
+    """A launched step not yet read back: its schedule, the tokens it samples (on the device) and their copies
+    on the way to pinned host memory (read after `ready` fires, so a later step queued behind does not delay
+    them: a plain .tolist() would wait for everything queued on the stream)."""
 
     out: SchedulerOutput
     tokens: torch.Tensor | None  # [sampled chunks] int64
     logprobs: torch.Tensor | None
+    host: tuple | None = None  # (tokens, logprobs or None) in pinned memory
+    ready: torch.cuda.Event | None = None
+
+    def read(self) -> tuple[list[int], list[float] | None]:
+        if self.tokens is None:
+            return [], None
+        if self.ready is None:
+            return self.tokens.tolist(), self.logprobs.tolist() if self.logprobs is not None else None
+        self.ready.synchronize()
+        tok, lp = self.host
+        return tok.tolist(), lp.tolist() if lp is not None else None
 
 
 @dataclass
@@ -190,7 +203,7 @@ class LLMEngine:
         self.num_steps += 1
         if self.spec_k:
             return self._postprocess_spec(out, logits, aux)
-        step = _InFlight(out, *self._sample(out, logits))
+        step = self._sample(out, logits)
         if self.overlap and not out.prefill:
             self._inflight = step
             return self._overlapped_step()
@@ -209,11 +222,11 @@ class LLMEngine:
             decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
             idx = [rows[id(c.req)] for c in out.decode]
             src = cur.tokens if idx == list(range(len(cur.out.decode))) else cur.tokens[
-                torch.tensor(idx, device=cur.tokens.device)]
+                torch.tensor(idx).to(cur.tokens.device, non_blocking=True)]  # no stream sync
             logits, _ = self.runner.execute(decode, [], decode_tokens=src)
             self.num_steps += 1
             self.num_overlapped_steps += 1
-            self._inflight = _InFlight(out, *self._sample(out, logits))
+            self._inflight = self._sample(out, logits)
         return self._postprocess(cur, filled=self._inflight is not None)
 
     def _next_is_same_decode(self, out: SchedulerOutput) -> bool:
@@ -238,22 +251,27 @@ class LLMEngine:
         start = req.num_computed_tokens
         return SeqChunk(req.tokens(start, start + n), start, req.pages, "last" if sample_ else "none")
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor):
-        """Queue the sampling of the chunks that asked for it -> (tokens [n] int64, logprobs [n] or None), on the
-        device (no host sync)."""
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> _InFlight:
+        """Queue the sampling of the chunks that asked for it (tokens [n] int64, logprobs [n] or None, on the
+        device) and, on CUDA, their copy to pinned host memory: no host sync here."""
         sampled = [c for c in out.chunks if c.sample]
         if not sampled:
-            return None, None
+            return _InFlight(out, None, None)
         rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
         want_lp = any(c.req.params.logprobs is not None for c in sampled)
-        return sample(logits, rows, self.generator, want_lp)
+        step = _InFlight(out, *sample(logits, rows, self.generator, want_lp))
+        if step.tokens.is_cuda:
+            step.host = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                t, non_blocking=True) for t in (step.tokens, step.logprobs))
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
 
     def _postprocess(self, step: _InFlight, filled: bool = False) -> list[StepOutput]:
         """Read the step's tokens back (its one host sync) and append them. filled: the requests already hold a
         PLACEHOLDER for this token and count its input as computed (the next step is in flight)."""
         out = step.out
-        tokens = step.tokens.tolist() if step.tokens is not None else []
-        logprobs = step.logprobs.tolist() if step.logprobs is not None else None
+        tokens, logprobs = step.read()
         results = []
         for c in out.chunks:
             req = c.req

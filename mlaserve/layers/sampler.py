@@ -19,10 +19,16 @@ class SamplingRow:
     generator: torch.Generator | None  # the request's own (seeded) generator, else None
 
 
+def _to(values: list, dev, dtype=None) -> torch.Tensor:
+    """A small host list on `dev` without a stream sync (torch.tensor(..., device=cuda) waits for the stream,
+    which would stall the overlapped decode loop behind the step it just launched)."""
+    return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks, vectorised over rows. logits [B, V] fp32."""
     dev = logits.device
-    temp = torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
+    temp = _to([r.params.temperature for r in rows], dev).unsqueeze(1)
     logits = logits / temp
     V = logits.shape[1]
     top_k = [r.params.top_k if r.params.top_k > 0 else V for r in rows]
@@ -31,14 +37,14 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if min(top_k) < V or min(top_p) < 1.0:
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         rank = torch.arange(V, device=dev).unsqueeze(0)
-        drop = rank >= torch.tensor(top_k, device=dev).unsqueeze(1)
+        drop = rank >= _to(top_k, dev).unsqueeze(1)
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
-        drop |= (probs.cumsum(-1) - probs) >= torch.tensor(top_p, device=dev).unsqueeze(1)
+        drop |= (probs.cumsum(-1) - probs) >= _to(top_p, dev).unsqueeze(1)
         logits = logits.scatter(1, idx, sorted_logits.masked_fill(drop, float("-inf")))
     if max(min_p) > 0:
         probs = logits.softmax(-1)
-        thresh = probs.max(-1, keepdim=True).values * torch.tensor(min_p, device=dev).unsqueeze(1)
+        thresh = probs.max(-1, keepdim=True).values * _to(min_p, dev).unsqueeze(1)
         logits = logits.masked_fill(probs < thresh, float("-inf"))
     return logits
 
@@ -49,7 +55,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     tokens = logits.argmax(-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        sel = torch.tensor(random_rows, device=logits.device)
+        sel = _to(random_rows, logits.device)
         probs = _filter(logits[sel], [rows[i] for i in random_rows]).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; each row draws its own noise.
         noise = torch.empty_like(probs)
