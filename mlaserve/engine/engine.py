@@ -212,40 +212,50 @@ class LLMEngine:
     def _overlapped_step(self) -> list[StepOutput]:
         """Launch the next decode step if it is certain, then read back and postprocess the one in flight."""
         cur, self._inflight = self._inflight, None
-        if self._next_is_same_decode(cur.out):
+        ending = self._next_decode_is_certain(cur.out)
+        if ending is not None:
             rows = {id(c.req): j for j, c in enumerate(cur.out.decode)}
             for c in cur.out.decode:  # the token cur samples: its value stays on the device for now
                 c.req.output_token_ids.append(PLACEHOLDER)
                 c.req.num_computed_tokens += c.num_new
-            out = self.scheduler.schedule()
+            sch = self.scheduler
+            # requests this token ends by length sit the next step out; postprocess finishes them
+            sch.running = [r for r in sch.running if all(r is not e for e in ending)]
+            out = sch.schedule()
             assert not out.prefill and not out.preempted and all(id(c.req) in rows for c in out.decode)
-            decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
-            idx = [rows[id(c.req)] for c in out.decode]
-            src = cur.tokens if idx == list(range(len(cur.out.decode))) else cur.tokens[
-                torch.tensor(idx).to(cur.tokens.device, non_blocking=True)]  # no stream sync
-            logits, _ = self.runner.execute(decode, [], decode_tokens=src)
-            self.num_steps += 1
-            self.num_overlapped_steps += 1
-            self._inflight = self._sample(out, logits)
-        return self._postprocess(cur, filled=self._inflight is not None)
+            if out.decode:
+                decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
+                idx = [rows[id(c.req)] for c in out.decode]
+                src = cur.tokens if idx == list(range(len(cur.out.decode))) else cur.tokens[
+                    torch.tensor(idx).to(cur.tokens.device, non_blocking=True)]  # no stream sync
+                logits, _ = self.runner.execute(decode, [], decode_tokens=src)
+                self.num_steps += 1
+                self.num_overlapped_steps += 1
+                self._inflight = self._sample(out, logits)
+        return self._postprocess(cur, filled=ending is not None)
 
-    def _next_is_same_decode(self, out: SchedulerOutput) -> bool:
-        """The next schedule would feed exactly `out`'s decode requests one token each, whatever they sample:
-        nothing waits to be admitted, every running request decodes in `out`, none ends by length on this
-        token, and their next pages are free without preempting anyone."""
+    def _next_decode_is_certain(self, out: SchedulerOutput) -> list[Request] | None:
+        """None, or the requests whose next token (sampled by `out`) ends them by length, when the next
+        schedule is certain whatever `out` samples: every running request decodes in `out` (one token), no
+        waiting request would be admitted, and the next pages are free without preempting anyone."""
         sch = self.scheduler
-        if out.prefill or sch.waiting or len(out.decode) != len(sch.running) or not out.decode:
-            return False
-        pages = 0
+        if out.prefill or not out.decode or len(out.decode) != len(sch.running):
+            return None
+        ending, pages = [], 0
         for c in out.decode:
             req, p = c.req, c.req.params
             if req.status != RequestStatus.RUNNING or c.num_new != 1 or req.request_id not in self.states:
-                return False
+                return None
             if (p.max_tokens is not None and len(req.output_token_ids) + 1 >= p.max_tokens) or \
                     req.num_tokens + 1 >= self.max_model_len:
-                return False
-            pages += max(0, self.pool.pages_for(req.num_tokens + 1) - len(req.pages))
-        return pages <= self.pool.num_free and len(out.decode) <= self.cfg.max_num_batched_tokens
+                ending.append(req)
+            else:
+                pages += max(0, self.pool.pages_for(req.num_tokens + 1) - len(req.pages))
+        if sch.waiting and len(sch.running) - len(ending) < self.cfg.max_num_seqs:
+            return None  # a waiting request gets admitted: schedule after reading this step back
+        if pages > self.pool.num_free or len(out.decode) > self.cfg.max_num_batched_tokens:
+            return None
+        return ending
 
     def _seq_chunk(self, req: Request, n: int, sample_: bool) -> SeqChunk:
         start = req.num_computed_tokens

@@ -102,3 +102,20 @@ def test_overlap_survives_abort_of_everything_in_flight(tiny_ckpt):
     while engine.has_unfinished():
         toks += [t for o in engine.step() for t in o.new_token_ids]
     assert len(toks) == 6 and rid
+
+
+def test_overlap_stays_on_while_requests_end_by_length(tiny_ckpt):
+    """Requests that reach max_tokens sit the next launched step out instead of stopping the overlap."""
+    outs = []
+    for disable in (True, False):
+        engine = make_engine(tiny_ckpt, page_size=4, disable_overlap_schedule=disable)
+        rids = [engine.add_request([1, 2, 3 + i], SamplingParams(temperature=0, max_tokens=5 + 3 * i,
+                                                                 ignore_eos=True)) for i in range(4)]
+        got = {r: [] for r in rids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[o.request_id] += o.new_token_ids
+        outs.append([got[r] for r in rids])
+    assert outs[0] == outs[1] and [len(t) for t in outs[1]] == [5, 8, 11, 14]
+    stats = engine.stats()
+    assert stats["overlapped_steps"] >= stats["steps"] - 2, stats  # all but the prefill and the first decode
