@@ -78,7 +78,9 @@ def run_mla_sweep(rep: Report, sz: Sizes):
 
     ref = mla_decode_ref(q, kv, table, lens, 1, 0.1, R)
     variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(PARTIAL_DTYPE=BF),
-                dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_N=64, num_warps=8, num_stages=3)]
+                dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_N=64, num_warps=8, num_stages=3),
+                # not yet measured: finer tiles with deeper pipelines (more loads in flight at 2 programs/SM)
+                dict(BLOCK_N=16, num_warps=4, num_stages=5), dict(BLOCK_N=32, num_warps=8, num_stages=3)]
     for cfg in variants:
         for S in (8, 12, 16, 24):
             try:
