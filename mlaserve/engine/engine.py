@@ -5,8 +5,9 @@ so one request's bad input cannot disturb the others.
 
 Overlapped decode. In a steady decode batch the host's share of a step (postprocess: detokenize, stop checks;
 schedule; input copies) would leave the GPU idle, ~0.3 ms at batch 1 and ~0.9 ms at batch 32 on M1. So when a
-decode-only step is in flight and the next one is certain to feed the same requests one token each (no waiting
-request, nobody at max_tokens, pages to spare), the engine launches that next step *before* reading the current
+step is in flight in which every running request samples (decode, or its prompt's last chunk) and the next one is
+certain to feed them one token each (no waiting request to admit, pages to spare; those ending by length on this
+token sit it out), the engine launches that next step *before* reading the current
 one back: each request gets a placeholder token, and the step's input ids are copied on the device from the
 tokens the step before sampled (stream order makes that safe). Then it reads the first step's tokens, fills the
 placeholders and postprocesses while the GPU runs. A request that stops on the earlier step (EOS, stop string)
@@ -204,7 +205,7 @@ class LLMEngine:
         if self.spec_k:
             return self._postprocess_spec(out, logits, aux)
         step = self._sample(out, logits)
-        if self.overlap and not out.prefill:
+        if self.overlap and all(c.sample for c in out.prefill):  # decode next for every request
             self._inflight = step
             return self._overlapped_step()
         return self._postprocess(step)
@@ -214,8 +215,9 @@ class LLMEngine:
         cur, self._inflight = self._inflight, None
         ending = self._next_decode_is_certain(cur.out)
         if ending is not None:
-            rows = {id(c.req): j for j, c in enumerate(cur.out.decode)}
-            for c in cur.out.decode:  # the token cur samples: its value stays on the device for now
+            sampled = [c for c in cur.out.chunks if c.sample]  # the order of cur.tokens
+            rows = {id(c.req): j for j, c in enumerate(sampled)}
+            for c in sampled:  # the token cur samples: its value stays on the device for now
                 c.req.output_token_ids.append(PLACEHOLDER)
                 c.req.num_computed_tokens += c.num_new
             sch = self.scheduler
@@ -226,7 +228,7 @@ class LLMEngine:
             if out.decode:
                 decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
                 idx = [rows[id(c.req)] for c in out.decode]
-                src = cur.tokens if idx == list(range(len(cur.out.decode))) else cur.tokens[
+                src = cur.tokens if idx == list(range(len(sampled))) else cur.tokens[
                     torch.tensor(idx).to(cur.tokens.device, non_blocking=True)]  # no stream sync
                 logits, _ = self.runner.execute(decode, [], decode_tokens=src)
                 self.num_steps += 1
@@ -236,15 +238,19 @@ class LLMEngine:
 
     def _next_decode_is_certain(self, out: SchedulerOutput) -> list[Request] | None:
         """None, or the requests whose next token (sampled by `out`) ends them by length, when the next
-        schedule is certain whatever `out` samples: every running request decodes in `out` (one token), no
-        waiting request would be admitted, and the next pages are free without preempting anyone."""
+        schedule is certain whatever `out` samples: every running request samples in `out` (a decode token, or
+        the last chunk of its prompt) and so decodes one token next, no waiting request would be admitted, and
+        the next pages are free without preempting anyone."""
         sch = self.scheduler
-        if out.prefill or not out.decode or len(out.decode) != len(sch.running):
+        sampled = [c for c in out.chunks if c.sample]
+        if not sampled or len(sampled) != len(out.chunks) or len(sampled) != len(sch.running):
             return None
         ending, pages = [], 0
-        for c in out.decode:
+        decoding = {id(c) for c in out.decode}
+        for c in sampled:
             req, p = c.req, c.req.params
-            if req.status != RequestStatus.RUNNING or c.num_new != 1 or req.request_id not in self.states:
+            if req.status != RequestStatus.RUNNING or req.request_id not in self.states or (
+                    id(c) in decoding and c.num_new != 1):
                 return None
             if (p.max_tokens is not None and len(req.output_token_ids) + 1 >= p.max_tokens) or \
                     req.num_tokens + 1 >= self.max_model_len:
@@ -253,7 +259,7 @@ class LLMEngine:
                 pages += max(0, self.pool.pages_for(req.num_tokens + 1) - len(req.pages))
         if sch.waiting and len(sch.running) - len(ending) < self.cfg.max_num_seqs:
             return None  # a waiting request gets admitted: schedule after reading this step back
-        if pages > self.pool.num_free or len(out.decode) > self.cfg.max_num_batched_tokens:
+        if pages > self.pool.num_free or len(sampled) > self.cfg.max_num_batched_tokens:
             return None
         return ending
 
