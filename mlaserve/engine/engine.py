@@ -220,10 +220,8 @@ class LLMEngine:
             for c in sampled:  # the token cur samples: its value stays on the device for now
                 c.req.output_token_ids.append(PLACEHOLDER)
                 c.req.num_computed_tokens += c.num_new
-            sch = self.scheduler
             # requests this token ends by length sit the next step out; postprocess finishes them
-            sch.running = [r for r in sch.running if all(r is not e for e in ending)]
-            out = sch.schedule()
+            out = self.scheduler.schedule(hold=frozenset(r.request_id for r in ending))
             assert not out.prefill and not out.preempted and all(id(c.req) in rows for c in out.decode)
             if out.decode:
                 decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
@@ -248,12 +246,11 @@ class LLMEngine:
         ending, pages = [], 0
         decoding = {id(c) for c in out.decode}
         for c in sampled:
-            req, p = c.req, c.req.params
+            req = c.req
             if req.status != RequestStatus.RUNNING or req.request_id not in self.states or (
                     id(c) in decoding and c.num_new != 1):
                 return None
-            if (p.max_tokens is not None and len(req.output_token_ids) + 1 >= p.max_tokens) or \
-                    req.num_tokens + 1 >= self.max_model_len:
+            if self._at_length(req, 1):
                 ending.append(req)
             else:
                 pages += max(0, self.pool.pages_for(req.num_tokens + 1) - len(req.pages))
@@ -394,9 +391,7 @@ class LLMEngine:
                 reason, stop_reason = "stop", t
             elif t in st.eos:
                 reason = "stop"
-            elif p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens:
-                reason = "length"
-            elif req.num_tokens >= self.max_model_len:
+            elif self._at_length(req):
                 reason = "length"
             if reason:
                 break
@@ -410,6 +405,12 @@ class LLMEngine:
             del self.states[req.request_id]
         return StepOutput(req.request_id, added, text, reason is not None, reason, stop_reason,
                           logprobs[: len(added)] if logprobs is not None else None, self.usage(req))
+
+    def _at_length(self, req: Request, more: int = 0) -> bool:
+        """The request's output reaches max_tokens, or its length max_model_len, once `more` tokens are added."""
+        p = req.params
+        return (p.max_tokens is not None and len(req.output_token_ids) + more >= p.max_tokens) or \
+            req.num_tokens + more >= self.max_model_len
 
     def usage(self, req: Request) -> Usage:
         return Usage(len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens,

@@ -80,7 +80,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: frozenset[str] = frozenset()) -> SchedulerOutput:
+        """hold: ids of running requests to leave out of this step (they stay running; the overlapped decode
+        holds the ones its in-flight token ends by length, which the engine finishes right after)."""
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         # Pages past the fed tokens, reserved so a verify step's N slots always fit.
@@ -89,6 +91,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in hold:
+                i += 1
+                continue
             remaining = req.num_tokens - req.num_computed_tokens
             decoding = remaining == 1
             n = self.decode_q_len if decoding else min(remaining, budget, self.cfg.chunked_prefill_size)
