@@ -14,6 +14,7 @@ MAX_SPILL bytes of registers (the 8k prefill attention's fastest tiles, measured
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -120,6 +121,13 @@ def cases(quick: bool):
             yield f"mla_decode H={H} q_len={q_len} B={B} {dtype}", mla_decode, (
                 torch.empty(T, H, R + P, dtype=dtype), torch.empty(64, 64, R + P, dtype=dtype),
                 torch.zeros(B, 8, dtype=i32), torch.ones(B, dtype=i32), q_len, 0.1, torch.empty(T, H, R, dtype=dtype))
+            if dtype == bf and R == 512:  # the TMA tile loads, at the stage counts kernels_bench sweeps
+                for stages in (2, 3, 4):
+                    yield f"mla_decode TMA s{stages} H={H} q_len={q_len} B={B}", functools.partial(
+                        mla_decode, config=dict(TMA=True, num_stages=stages)), (
+                        torch.empty(T, H, R + P, dtype=dtype), torch.empty(64, 64, R + P, dtype=dtype),
+                        torch.zeros(B, 8, dtype=i32), torch.ones(B, dtype=i32), q_len, 0.1,
+                        torch.empty(T, H, R, dtype=dtype))
     for Dqk, Dv, dtype in [(192, 128, bf), (24, 24, bf), (24, 24, torch.float32), (192, 128, torch.float32)]:
         cu = torch.tensor([0, 64], dtype=i32)
         yield f"prefill Dqk={Dqk} Dv={Dv} {dtype}", prefill_attention, (

@@ -77,12 +77,16 @@ def run_mla_sweep(rep: Report, sz: Sizes):
     from mlaserve.kernels.reference import mla_decode_ref
 
     ref = mla_decode_ref(q, kv, table, lens, 1, 0.1, R)
-    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(PARTIAL_DTYPE=BF),
-                dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(BLOCK_N=64, num_warps=8, num_stages=3),
-                # not yet measured: finer tiles with deeper pipelines (more loads in flight at 2 programs/SM)
-                dict(BLOCK_N=16, num_warps=4, num_stages=5), dict(BLOCK_N=32, num_warps=8, num_stages=3)]
+    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(PARTIAL_DTYPE=BF)]
+    # TMA tile loads (TAIL=False: the masked last-tile code left out, a probe of what its registers cost; every
+    # context here is whole tiles)
+    for tma in (dict(TMA=True), dict(TMA=True, TAIL=False)):
+        variants += [dict(tma, num_stages=3), dict(tma, num_stages=4), dict(tma, num_warps=8, num_stages=3),
+                     dict(tma, num_stages=3, PARTIAL_DTYPE=BF)]
+    variants += [dict(TMA=True, TAIL=False, num_stages=2), dict(TMA=True, TAIL=False, BLOCK_N=64, num_stages=2),
+                 dict(TMA=True, TAIL=False, BLOCK_N=16, num_stages=6)]
     for cfg in variants:
-        for S in (8, 12, 16, 24):
+        for S in (8, 16):
             try:
                 ms = bench(lambda: mla_decode(q, kv, table, lens, 1, 0.1, out, num_splits=S, config=cfg), sz)  # noqa: B023
                 label = cfg_label({k: str(v).replace("torch.", "") for k, v in cfg.items()})

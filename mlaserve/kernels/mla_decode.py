@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short contexts use fewer splits)
@@ -72,18 +73,33 @@ def _mla_decode_split_kernel(
         row_off = page.to(tl.int64) * stride_kvp + (nxt % PAGE_SIZE) * stride_kvs
         kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]: keys and values
         k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
-        s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PREC)
-        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
-        visible = (pos[None, :] <= last_visible[:, None]) & pos_ok[None, :]
-        s = tl.where(visible, s * scale_log2, float("-inf"))  # [M, N], log2 domain
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc,
+                                     DOT_PREC)
+    _finish(m_i, l_i, acc, t, h, row_ok, start < end, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
+            H, num_splits, R, DIRECT)
 
+
+@triton.jit
+def _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc,
+                 DOT_PREC: tl.constexpr):
+    """One KV tile of the online softmax: kv [N, R] serves as keys (with k_pe [N, P]) and as values."""
+    s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PREC)
+    s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
+    visible = (pos[None, :] <= last_visible[:, None]) & pos_ok[None, :]
+    s = tl.where(visible, s * scale_log2, float("-inf"))  # [M, N], log2 domain
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(m_i, l_i, acc, t, h, row_ok, nonempty, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
+            H, num_splits, R: tl.constexpr, DIRECT: tl.constexpr):
+    offs_r = tl.arange(0, R)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if DIRECT:  # one split: write the output itself
@@ -96,7 +112,76 @@ def _mla_decode_split_kernel(
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(PartLse + th * num_splits + split, lse, mask=row_ok)
         po_ptr = PartO + (th * num_splits + split)[:, None] * R + offs_r[None, :]
-        tl.store(po_ptr, o.to(PartO.dtype.element_ty), mask=row_ok[:, None] & (start < end))
+        tl.store(po_ptr, o.to(PartO.dtype.element_ty), mask=row_ok[:, None] & nonempty)
+
+
+@triton.jit(do_not_specialize=["H", "num_splits"])
+def _mla_decode_split_tma_kernel(
+    Q, KV, KVn, KVp, PageTable, SeqLens, Out, PartO, PartLse,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kvp, stride_kvs,
+    stride_ptb,
+    stride_ot, stride_oh, stride_or,
+    H, num_splits,
+    Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr = True,
+):
+    """The split kernel with whole KV tiles fetched by the tensor-memory accelerator (sm_90): KVn / KVp are
+    descriptors of the cache as [pages * PAGE_SIZE, R + P] rows with [BLOCK_N, R] / [BLOCK_N, P] boxes. A tile
+    never straddles a page (PAGE_SIZE % BLOCK_N == 0, tiles aligned), so it is one box. The last, partial tile of a
+    split uses masked loads instead: rows past the context may hold anything (stale or poisoned pages)."""
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
+    m = tl.arange(0, BLOCK_M)
+    j = m // BLOCK_H
+    h = hb * BLOCK_H + m % BLOCK_H
+    row_ok = (j < Q_LEN) & (h < H)
+    t = b * Q_LEN + j
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, BLOCK_P)
+
+    seq_len = tl.load(SeqLens + b)
+    last_visible = seq_len - Q_LEN + j
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles end here
+
+    q_row = Q + t.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
+    q_nope = tl.load(q_row + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [M, R]
+    q_pe = tl.load(q_row + R + offs_p[None, :], mask=row_ok[:, None] & (offs_p < P)[None, :], other=0.0)  # [M, BP]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, R], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    all_ok = offs_n >= 0
+    pt = PageTable + b * stride_ptb
+    page = tl.load(pt + start // PAGE_SIZE, mask=start < full_end, other=0)
+    row = page * PAGE_SIZE + start % PAGE_SIZE  # the tile's first row; looked up one tile ahead
+    for n0 in range(start, full_end, BLOCK_N):
+        kv = KVn.load([row, 0])  # [N, R]
+        k_pe = KVp.load([row, R])  # [N, P]
+        nxt = n0 + BLOCK_N
+        page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
+        row = page * PAGE_SIZE + nxt % PAGE_SIZE
+        m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, n0 + offs_n, all_ok, last_visible, scale_log2, m_i,
+                                     l_i, acc, DOT_PREC)
+    if TAIL and full_end < end:  # TAIL=False: a timing probe for contexts of whole tiles only (kernels_bench)
+        pos = full_end + offs_n
+        pos_ok = pos < end
+        row_t = tl.load(pt + full_end // PAGE_SIZE) * PAGE_SIZE + full_end % PAGE_SIZE
+        kv_t = tl.where(pos_ok[:, None], KVn.load([row_t, 0]), 0.0)  # V rows past the end: 0, not 0 * NaN
+        kpe_t = KVp.load([row_t, R])  # their scores are masked anyway
+        m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv_t, kpe_t, pos, pos_ok, last_visible, scale_log2, m_i, l_i,
+                                     acc, DOT_PREC)
+    _finish(m_i, l_i, acc, t, h, row_ok, start < end, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
+            H, num_splits, R, DIRECT)
 
 
 @triton.jit(do_not_specialize=["H", "num_splits"])
@@ -125,6 +210,15 @@ def _mla_decode_combine_kernel(
     o = tl.sum(part * w[:, None], 0) / denom
     o_ptr = Out + t.to(tl.int64) * stride_ot + h * stride_oh + offs_r * stride_or
     tl.store(o_ptr, o.to(Out.dtype.element_ty))
+
+
+def _use_tma(cfg: dict, kv_cache: torch.Tensor, P: int) -> bool:
+    """Whole tiles by TMA (config TMA=True; Hopper and later, or the interpreter): needs a contiguous 16-bit cache
+    whose pages hold whole tiles, and a rope part of >= 16 values (a box row of >= 32 bytes)."""
+    if not cfg.get("TMA", False):
+        return False
+    return (kv_cache.is_contiguous() and kv_cache.dtype in (torch.bfloat16, torch.float16) and P >= 16
+            and kv_cache.shape[1] % cfg["BLOCK_N"] == 0)
 
 
 def _pow2(n: int) -> int:
@@ -200,8 +294,15 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         part_lse = torch.empty(T, H, S, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    _mla_decode_split_kernel[grid](
-        q, kv_cache, page_table, seq_lens, out, part_o, part_lse,
+    use_tma = _use_tma(cfg, kv_cache, P)
+    kernel = _mla_decode_split_tma_kernel if use_tma else _mla_decode_split_kernel
+    descs = ()
+    if use_tma:  # descriptors of the cache as rows [pages * page_size, R + P]: the [N, R] latent and [N, P] rope
+        rows = kv_cache.view(-1, D)
+        descs = (TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], R]),
+                 TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], P]))
+    kernel[grid](
+        q, kv_cache, *descs, page_table, seq_lens, out, part_o, part_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
@@ -213,6 +314,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"TAIL": cfg.get("TAIL", True)} if use_tma else {}),
     )
     if S > 1:
         block_s = _pow2(S)

@@ -43,13 +43,21 @@ def test_mla_decode_explicit_splits_strided_out(num_splits):
                         num_splits=num_splits, strided_out=True)
 
 
+@pytest.mark.parametrize("q_len,stages", [(1, 3), (2, 3), (1, 4)])
+def test_mla_decode_tma_real_dims(q_len, stages):
+    # TMA whole tiles + the masked last tile, at the real latent dims (contexts ending mid-tile, on tile edges)
+    kc.check_mla_decode("cuda", BF, H=16, R=512, P=64, q_len=q_len, ctx_lens=_ctx(16, q_len), page_size=64,
+                        config=dict(TMA=True, num_stages=stages))
+
+
 def test_mla_decode_fp32_and_tiny_dims():
     kc.check_mla_decode("cuda", torch.float32, H=16, R=512, P=64, q_len=2, ctx_lens=[2, 700, 3000], page_size=64)
     for dtype in (BF, torch.float32):
         kc.check_mla_decode("cuda", dtype, H=4, R=32, P=8, q_len=2, ctx_lens=[2, 17, 600], page_size=16)
 
 
-def test_mla_decode_cuda_graph_replay_with_new_lengths():
+@pytest.mark.parametrize("config", [None, {"TMA": True}])
+def test_mla_decode_cuda_graph_replay_with_new_lengths(config):
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.reference import mla_decode_ref
 
@@ -58,7 +66,7 @@ def test_mla_decode_cuda_graph_replay_with_new_lengths():
     q = torch.randn(B * q_len, H, R + P, device="cuda").to(BF)
     out = torch.empty(B * q_len, H, R, device="cuda", dtype=BF)
     seq_lens.copy_(torch.tensor([100, 2, 8000, 3000, 64, 65, 4096, 7], dtype=torch.int32))
-    g, _ = kc.cuda_graph(lambda: mla_decode(q, kv, table, seq_lens, q_len, 0.07, out))
+    g, _ = kc.cuda_graph(lambda: mla_decode(q, kv, table, seq_lens, q_len, 0.07, out, config=config))
     for lens in ([101, 3, 8001, 3001, 65, 66, 4097, 8], [8192, 8192, 2, 5000, 300, 1, 16, 2]):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         q.copy_(torch.randn_like(q, dtype=torch.float32).to(BF))

@@ -55,3 +55,31 @@ def test_many_splits_combine_in_r_blocks(kdev):
     # 40 splits (64-wide split tile) of a 512-wide latent: the combine tiles R in blocks of 128
     check_mla_decode(kdev, torch.float32, H=2, R=512, P=16, q_len=1, ctx_lens=[700, 50], page_size=16,
                      num_splits=40, config={"MIN_SPLIT_TOKENS": 16})
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_tma_tiles(kdev, q_len):
+    # whole tiles by tensor descriptors, the partial last tile of each split by masked loads; page size 32 with
+    # 16-token tiles, contexts ending mid-tile, on a tile edge, and inside the first tile
+    check_mla_decode(kdev, torch.bfloat16, H=4, R=32, P=16, q_len=q_len, ctx_lens=[q_len, 16, 47, 100],
+                     page_size=32, num_splits=3, config={"TMA": True, "BLOCK_N": 16, "MIN_SPLIT_TOKENS": 16})
+
+
+def test_tma_ignores_poisoned_rows_past_the_context(kdev):
+    # rows past seq_len in a request's last page (stale or never written) are NaN: the output must not see them
+    from mlaserve.kernels.mla_decode import mla_decode
+    from mlaserve.kernels.reference import mla_decode_ref
+    from tests.kernel_checks import assert_close, make_paged, nan_like
+
+    lens = [37, 70]
+    kv, table, seq_lens = make_paged(lens, 32, 48, torch.bfloat16, kdev)
+    for b, L in enumerate(lens):
+        last = table[b, (L - 1) // 32]
+        kv[last, L % 32:] = float("nan")
+    q = (0.3 * torch.randn(2, 4, 48, device=kdev)).to(torch.bfloat16)
+    ref = mla_decode_ref(q, kv, table, seq_lens, 1, 0.1, 32)
+    for splits, cfg in ((1, {}), (2, {"MIN_SPLIT_TOKENS": 16})):
+        out = nan_like((2, 4, 32), torch.bfloat16, kdev)
+        mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=splits,
+                   config={"TMA": True, "BLOCK_N": 16, **cfg})
+        assert_close(out, ref, torch.bfloat16, f"mla_decode TMA splits={splits} with NaN rows past the context")
