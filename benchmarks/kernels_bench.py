@@ -77,14 +77,8 @@ def run_mla_sweep(rep: Report, sz: Sizes):
     from mlaserve.kernels.reference import mla_decode_ref
 
     ref = mla_decode_ref(q, kv, table, lens, 1, 0.1, R)
-    variants = [dict(BLOCK_N=32, num_warps=4, num_stages=3), dict(PARTIAL_DTYPE=BF)]
-    # TMA tile loads (TAIL=False: the masked last-tile code left out, a probe of what its registers cost; every
-    # context here is whole tiles)
-    for tma in (dict(TMA=True), dict(TMA=True, TAIL=False)):
-        variants += [dict(tma, num_stages=3), dict(tma, num_stages=4), dict(tma, num_warps=8, num_stages=3),
-                     dict(tma, num_stages=3, PARTIAL_DTYPE=BF)]
-    variants += [dict(TMA=True, TAIL=False, num_stages=2), dict(TMA=True, TAIL=False, BLOCK_N=64, num_stages=2),
-                 dict(TMA=True, TAIL=False, BLOCK_N=16, num_stages=6)]
+    variants = [dict(TMA=False), dict(TMA=False, PARTIAL_DTYPE=BF), dict(TMA=True), dict(TMA=True, PARTIAL_DTYPE=BF),
+                dict(TMA=True, num_stages=4), dict(TMA=True, num_warps=8)]
     for cfg in variants:
         for S in (8, 16):
             try:
