@@ -220,9 +220,13 @@ def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: i
     return err
 
 
-def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int, num_pages: int):
+def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int, num_pages: int,
+                        norm: bool = False):
+    """norm: the kv_a_layernorm fused into the store, against layers.norm.RMSNorm's torch form then the store.
+    The fused norm must equal the unfused kernels bit for bit (greedy outputs must not move)."""
     from mlaserve.kernels.reference import rope_store_kv_ref
     from mlaserve.kernels.rope_kv import rope_store_kv
+    from mlaserve.layers.norm import RMSNorm
 
     cache = nan_like((num_pages, page_size, R + P), dtype, device)
     slots = torch.randperm(num_pages * page_size, device=device)[:T]
@@ -233,8 +237,21 @@ def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int
     pos = torch.randint(0, 4096, (T,), device=device).float()
     freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
     cos, sin = freqs.cos() * 1.1, freqs.sin() * 1.1
-    ref = rope_store_kv_ref(cache, slots, c_kv, k_pe, cos, sin)
-    rope_store_kv(cache, slots, c_kv, k_pe, cos, sin)
+    if norm:
+        ln = RMSNorm(R, eps=1e-6, dtype=dtype).to(device)
+        ln.weight.data.copy_(1 + 0.1 * torch.randn(R, device=device))
+        h = c_kv.float()  # RMSNorm's torch form (the module itself takes the GPU kernel on CUDA)
+        normed = ln.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        ref = rope_store_kv_ref(cache, slots, normed, k_pe, cos, sin)
+        rope_store_kv(cache, slots, c_kv, k_pe, cos, sin, ln.weight, 1e-6)
+        if device == "cuda":  # bit for bit against the unfused kernels
+            unfused = cache.clone()
+            rope_store_kv(unfused, slots, ln(c_kv), k_pe, cos, sin)
+            assert torch.equal(unfused.view(-1, R + P)[slots[slots >= 0]],
+                               cache.view(-1, R + P)[slots[slots >= 0]]), "fused kv norm differs from the unfused"
+    else:
+        ref = rope_store_kv_ref(cache, slots, c_kv, k_pe, cos, sin)
+        rope_store_kv(cache, slots, c_kv, k_pe, cos, sin)
     written = torch.zeros(num_pages * page_size, dtype=torch.bool, device=device)
     written[slots[slots >= 0]] = True
     flat, rflat = cache.view(-1, R + P), ref.view(-1, R + P)

@@ -18,8 +18,10 @@ class TorchRefBackend(AttentionBackend):
         pages = batch.page_table[i, :n_pages].long()
         return self.kv_cache[layer_id, pages].reshape(n_pages * self.page_size, -1)[:L]
 
-    def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch):
+    def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch, norm=None):
         R = self.kv_lora_rank
+        if norm is not None:
+            c_kv = norm(c_kv)
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
         ok = batch.slot_mapping >= 0  # negative slots are padding: not stored
         slots = batch.slot_mapping[ok]

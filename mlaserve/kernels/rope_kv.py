@@ -11,17 +11,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin,
+def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
                           stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
                           R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr):
+                          PAGE_SIZE: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(Slots + t)
     if slot < 0:  # padding token (CUDA graphs): no slot
         return
     dst = Cache + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
     r = tl.arange(0, BLOCK_R)
-    c = tl.load(Ckv + t.to(tl.int64) * stride_ct + r * stride_cr, mask=r < R)
+    c = tl.load(Ckv + t.to(tl.int64) * stride_ct + r * stride_cr, mask=r < R, other=0.0)
+    if NORM:  # kv_a_layernorm first, with layers.norm.RMSNorm's rounding (cast before the weight)
+        cf = c.to(tl.float32)
+        y = (cf * tl.rsqrt(tl.sum(cf * cf, axis=0) / R + eps)).to(Ckv.dtype.element_ty)
+        w = tl.load(NormW + r, mask=r < R, other=0.0)
+        c = (w.to(tl.float32) * y.to(tl.float32)).to(Ckv.dtype.element_ty)
     tl.store(dst + r, c.to(Cache.dtype.element_ty), mask=r < R)
     i = tl.arange(0, BLOCK_HALF)
     ok = i < HALF
@@ -65,11 +70,15 @@ def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None
 
 
 def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor) -> None:
+                  cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> None:
     """kv_cache [pages, page_size, R+P]; slot_mapping [T] int64 (page * page_size + offset; < 0 skips);
-    c_kv [T, R], k_pe [T, P] (strided views allowed); cos/sin [T, P/2] fp32. Writes [c_kv | rope(k_pe)]."""
+    c_kv [T, R], k_pe [T, P] (strided views allowed); cos/sin [T, P/2] fp32. Writes [c_kv | rope(k_pe)], or with
+    norm_weight [R] (c_kv's dtype) [rms_norm(c_kv) | rope(k_pe)]: the kv_a_layernorm in the same launch."""
     T, R = c_kv.shape
     P = k_pe.shape[-1]
+    if norm_weight is not None and (norm_weight.shape != (R,) or norm_weight.dtype != c_kv.dtype):
+        raise ValueError(f"norm_weight must be [{R}] {c_kv.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}")
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != R + P or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [pages, page_size, {R + P}], unit last stride")
     if k_pe.shape != (T, P) or P % 2 or slot_mapping.shape != (T,) or slot_mapping.dtype != torch.int64:
@@ -82,11 +91,11 @@ def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torc
     if T == 0:
         return
     _rope_store_kv_kernel[(T,)](
-        kv_cache, slot_mapping, c_kv, k_pe, cos, sin,
+        kv_cache, slot_mapping, c_kv, k_pe, cos, sin, c_kv if norm_weight is None else norm_weight, float(eps),
         kv_cache.stride(0), kv_cache.stride(1), c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         cos.stride(0), sin.stride(0),
         R=R, BLOCK_R=triton.next_power_of_2(R), HALF=P // 2, BLOCK_HALF=triton.next_power_of_2(P // 2),
-        PAGE_SIZE=page_size, num_warps=4 if R >= 256 else 1,
+        PAGE_SIZE=page_size, NORM=norm_weight is not None, num_warps=4 if R >= 256 else 1,
     )
 
 

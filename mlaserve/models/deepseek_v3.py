@@ -113,9 +113,8 @@ class DeepseekV3Attention(nn.Module):
         else:
             q, kv_a = linear_many(x, self.q_proj, self.kv_a_proj_with_mqa)
         q = q.view(T, H, N + self.P)  # [T, H, N+P]
-        # kv_a [T, R+P]
-        c_kv = self.kv_a_layernorm(kv_a[:, :R])  # [T, R]
-        batch.attn.store_kv(self.layer_id, c_kv, kv_a[:, R:], cos, sin, batch)
+        # kv_a [T, R+P]: the cache gets [kv_a_layernorm(c_kv) | rope(k_pe)], normalised inside the store
+        batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm)
 
         out = x.new_empty(T, H * V)  # caller-owned output of both forms
         Td = batch.num_decode_tokens

@@ -268,6 +268,7 @@ def test_router_bf16_gemm_equals_fp32_and_routes_the_same(preset, T):
 @pytest.mark.parametrize("page", [16, 64])
 def test_rope_store_kv_real(page):
     kc.check_rope_store_kv("cuda", BF, T=3000, R=512, P=64, page_size=page, num_pages=8192 // page)
+    kc.check_rope_store_kv("cuda", BF, T=3000, R=512, P=64, page_size=page, num_pages=8192 // page, norm=True)
     kc.check_rope_store_kv("cuda", torch.float32, T=100, R=32, P=8, page_size=page, num_pages=16)
 
 

@@ -10,6 +10,7 @@ from tests.kernel_checks import check_rope_q, check_rope_store_kv
 @pytest.mark.parametrize("R,P,page", [(32, 8, 16), (64, 16, 64)])
 def test_rope_store_kv(kdev, dtype, R, P, page):
     check_rope_store_kv(kdev, dtype, T=11, R=R, P=P, page_size=page, num_pages=3)
+    check_rope_store_kv(kdev, dtype, T=11, R=R, P=P, page_size=page, num_pages=3, norm=True)
 
 
 @pytest.mark.parametrize("alias", [False, True])
