@@ -86,7 +86,7 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
     u_ptr = g_ptr + I * stride_wn
     if HAS_SHARED:
         if e >= E_ROUTED:
-            rows_s = ((e - E_ROUTED) * I + offs_n[None, :]) * stride_sn  # int64: e is
+            rows_s = ((e - E_ROUTED) * I + offs_n[None, :]) * stride_sn  # int64 (e is)
             g_ptr = W1S + rows_s + offs_k[:, None]
             u_ptr = W3S + rows_s + offs_k[:, None]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -170,7 +170,7 @@ def _moe_sum_kernel(Y, TopkIds, Out, Add, D, expert_offset, E_LOCAL, stride_add,
     tl.store(Out + t.to(tl.int64) * D + offs, acc.to(Out.dtype.element_ty), mask=ok)
 
 
-def _check_shared(shared, E: int, I: int, D: int, dtype) -> int:
+def _check_shared(shared, I: int, D: int, dtype) -> int:
     """shared = (gate [S*I, D], up [S*I, D], down [D, S*I]), the shared MLP's rank-local weights -> S."""
     w1, w3, w2 = shared
     S = w1.shape[0] // I
@@ -208,7 +208,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if add is not None and (add.shape != (T, D) or add.dtype != x.dtype or add.stride(-1) != 1):
         raise ValueError(f"add must be [{T}, {D}] {x.dtype} with a unit last stride, got {tuple(add.shape)} "
                          f"{add.dtype}")
-    S = 0 if shared is None else _check_shared(shared, E, I, D, x.dtype)
+    S = 0 if shared is None else _check_shared(shared, I, D, x.dtype)
     w1s, w3s, w2s = shared if S else (w13, w13, w2)  # unused without shared experts (any pointer will do)
     E_all = E + S  # the routed experts, then the shared slots
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)

@@ -61,7 +61,9 @@ class DeepseekV3MoE(nn.Module):
         # Shared-experts fusion (Triton path only; the torch path is the spec): the shared MLP's rank-local
         # intermediate is S = n_shared_experts slots of the routed experts' I_local channels, run as experts
         # E_local .. E_local+S-1 with weight 1.0 (a partition of the intermediate dim: the slots sum to the MLP).
-        # The kernels read the slots in place from the shared MLP's weights, so storage and loading are unchanged.
+        # The kernels read the slots in place from the shared MLP's weights, so storage, loaders and checkpoints are
+        # unchanged and no copy exists. (Storing the slots as experts [E_local + S] instead would leave the dense
+        # path above the threshold no single down GEMM for S > 1: S GEMMs and partial sums, a slower prefill.)
         # Valid when the shards line up: shared experts split over the world, routed ones over moe-TP, which is
         # the world only without EP. The per-rank sum stays a partial for the one all-reduce below.
         self.fuse_shared = 0
