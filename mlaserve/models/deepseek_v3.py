@@ -42,7 +42,9 @@ class DeepseekV3MLP(nn.Module):
 
 # Steps of up to this many tokens run the shared experts inside the fused MoE GEMMs (shared-experts fusion: in decode
 # it replaces the shared MLP's cuBLAS GEMMs, SiLU and split-K reduce); larger steps (prefill) keep them as dense
-# cuBLAS GEMMs, which beat the Triton grouped GEMM at large T. 256 is a guess, not yet tuned on the GPU.
+# cuBLAS GEMMs, which beat the Triton grouped GEMM at large T. 256 is a guess, not yet tuned on the GPU; it is also
+# the smallest prefill-graph bucket and a decode batch size, so a padded graph step and its eager twin take the same
+# path (at q_len 1; with verify widths that do not divide 256 they can differ by bf16 rounding).
 FUSE_SHARED_MAX_TOKENS = 256
 
 
