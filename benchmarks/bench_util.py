@@ -41,6 +41,9 @@ class Sizes:
     # moe_layers: weights of this many layers in turn (more than L2 holds, as in the engine's layer loop)
     layers: int = 8
     layers_T: tuple = (1, 2, 4)
+    # moe_shared: the MoE block with the shared experts fused into the Triton MoE vs not, over `layers` layers
+    shared_preset: str = "moonlight-16b-a3b"
+    shared_T: tuple = (1, 2, 4, 16, 64, 256)
 
 
 def smoke_sizes() -> Sizes:
@@ -49,7 +52,7 @@ def smoke_sizes() -> Sizes:
                  moe_sweep_shapes=("tiny",), moe_sweep_decode_T=(1, 8), moe_sweep_max_cfgs=2,
                  prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24), prefill_sweep=(2, 16, 8, 24, 40, 40),
                  routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,),
-                 layers=2, layers_T=(1,))
+                 layers=2, layers_T=(1,), shared_preset="tiny", shared_T=(1, 3))
 
 
 # prefill_attention_mla tile configs for the sweep (the default, prefill_config's bf16 one, runs first); shared

@@ -155,8 +155,17 @@ def cases(quick: bool):
                         torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
                         torch.empty(T, K), torch.zeros(T, K, dtype=torch.int64), 0, None,
                         torch.empty(T, D, dtype=dtype))
+                if T <= 256:  # shared-experts fusion (DeepseekV3MoE: up to FUSE_SHARED_MAX_TOKENS): S more experts
+                    S = 2 if name == "moonlight" else 1
+                    gu = torch.empty(2 * S * I, D, dtype=dtype)
+                    yield f"fused_moe {name} T={T} + {S} shared {dtype}", fused_experts, (
+                        torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
+                        torch.empty(T, K + S), torch.zeros(T, K + S, dtype=torch.int64), 0, None, None,
+                        (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
+        yield f"routing E={E} G={G} + shared", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG,
+                                                                       True, 2.5, 2 if E == 64 else 1, E)
     for R, P, H in [(512, 64, 16), (512, 64, 128), (32, 8, 4)]:
         cs = torch.empty(4, P // 2)
         yield f"rope_store_kv R={R} P={P}", rope_store_kv, (

@@ -239,6 +239,38 @@ def run_moe_layers(rep: Report, sz: Sizes):
             torch.cuda.empty_cache()
 
 
+def run_moe_shared(rep: Report, sz: Sizes):
+    """The whole MoE block (router GEMM, routing, experts, shared experts) with the shared experts fused into the
+    Triton MoE (DeepseekV3MoE.fuse_shared) against unfused (cuBLAS gate|up, SiLU, down, added in the MoE sum),
+    timed per layer over sz.layers layers' weights in turn; err: fused against unfused."""
+    from mlaserve.config import ModelConfig
+    from mlaserve.distributed.tp import RankInfo
+    from mlaserve.models.deepseek_v3 import DeepseekV3MoE
+    from mlaserve.models.make_random import load_preset
+    from mlaserve.models.weights import init_dummy_weights
+
+    cfg = ModelConfig.from_hf(load_preset(sz.shared_preset))
+    with torch.device(sz.dev):
+        layers = [DeepseekV3MoE(cfg, RankInfo(), BF, "triton") for _ in range(sz.layers)]
+    for i, layer in enumerate(layers):
+        init_dummy_weights(layer, seed=i)
+    S = layers[0].fuse_shared
+    for T in sz.shared_T:
+        x = torch.randn(T, cfg.hidden_size, device=sz.dev).to(BF)
+        unfused = None
+        for fused in (False, True):
+            for layer in layers:
+                layer.fuse_shared = S if fused else 0
+                out = layer(x)  # compiles, and the router's one-time bf16 check (a host sync) before capture
+            unfused = out if unfused is None else unfused
+            ms = bench(lambda: [layer(x) for layer in layers], sz) / len(layers)  # noqa: B023
+            rep.add("moe_shared", f"{sz.shared_preset} T={T} S={S} {'fused' if fused else 'unfused'}", ms,
+                    err=rel(out, unfused) if fused else None, T=T, fused=fused, layers=len(layers))
+    layers = None
+    if sz.dev == "cuda":
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 def run_prefill(rep: Report, sz: Sizes):
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_sdpa
@@ -391,9 +423,9 @@ def run_rope(rep: Report, sz: Sizes):
 
 
 SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
-            "moe_layers": run_moe_layers, "mla_sweep": run_mla_sweep, "moe_sweep": run_moe_sweep,
-            "prefill_sweep": run_prefill_sweep}  # sweeps last
-SWEEPS = ("moe_layers", "mla_sweep", "moe_sweep", "prefill_sweep")
+            "moe_layers": run_moe_layers, "moe_shared": run_moe_shared, "mla_sweep": run_mla_sweep,
+            "moe_sweep": run_moe_sweep, "prefill_sweep": run_prefill_sweep}  # sweeps last
+SWEEPS = ("moe_layers", "moe_shared", "mla_sweep", "moe_sweep", "prefill_sweep")
 
 
 def main(argv=None) -> int:

@@ -5,6 +5,8 @@ fp32 torch reference: ||out - ref|| / ||ref|| below 1e-2 for bf16 and 1e-4 for f
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
@@ -36,6 +38,23 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
 
 def nan_like(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """Inside, torch.empty returns NaN-filled (float) or -1-filled (int) tensors: the poisoned output buffers of APIs
+    that allocate their own outputs, so anything a kernel leaves unwritten shows."""
+    orig = torch.empty
+
+    def empty(*args, **kwargs):
+        t = orig(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = orig
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,15 +213,22 @@ def _near_tie(choice: torch.Tensor, n_group: int, topk_group: int, K: int, eps: 
 
 
 def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: int, norm: bool = True,
-                  scaling: float = 2.5):
+                  scaling: float = 2.5, num_shared: int = 0, shared_id0: int = 0):
+    """num_shared: the S extra columns (ids shared_id0 + s, weight exactly 1.0) after the routed K."""
     from mlaserve.kernels.routing import route_noaux_tc_logits
     from mlaserve.layers.moe import route_noaux_tc
 
     logits = torch.randn(T, E, device=device)
     bias = 0.1 * torch.randn(E, device=device)
-    w, ids = route_noaux_tc_logits(logits, bias, K, n_group, topk_group, norm, scaling)
+    w, ids = route_noaux_tc_logits(logits, bias, K, n_group, topk_group, norm, scaling, num_shared, shared_id0)
     rw, rids = route_noaux_tc(logits, bias, K, n_group, topk_group, norm, scaling)
-    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (T, K)
+    S = num_shared
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (T, K + S)
+    if S:
+        want = torch.arange(shared_id0, shared_id0 + S, device=device).expand(T, S)
+        assert torch.equal(ids[:, K:], want), f"shared ids {ids[:, K:].tolist()[:4]} want {want.tolist()[:4]}"
+        assert torch.equal(w[:, K:], torch.ones(T, S, device=device)), f"shared weights {w[:, K:].tolist()[:4]}"
+        w, ids = w[:, :K], ids[:, :K]
     ids_s, o = ids.sort(-1)  # compare as sets per token
     rids_s, ro = rids.sort(-1)
     bad = (ids_s != rids_s).any(-1).nonzero().reshape(-1).tolist()

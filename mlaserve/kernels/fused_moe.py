@@ -3,6 +3,11 @@ grouped GEMM2 with the top-k weight fused, then the sum over k. No host sync; bu
 
 Align (moe_align.py) lays the owned pairs out per expert in padded blocks of BLOCK_M rows (sentinel T*K in the
 padding) and writes each block's expert; every row's output is independent of the others in its block.
+
+Shared-experts fusion (`shared=`): the shared MLP's rank-local intermediate (S * I channels) is split into S slots of
+I channels, local experts E .. E+S-1, which the routing selects for every token with weight 1.0. The GEMMs read a
+slot's weights in place from the shared MLP's own tensors (other strides than the routed experts' [E, 2I, D] /
+[E, D, I], so a block picks its base pointers by expert id): no copy of the shared weights exists.
 """
 
 from __future__ import annotations
@@ -59,11 +64,14 @@ def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.c
 
 
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds,
+def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S,
                       I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
+                      E_ROUTED, stride_sn,
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr):
-    """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e."""
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
+                      HAS_SHARED: tl.constexpr):
+    """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
+    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up)."""
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
@@ -76,6 +84,11 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds,
     a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :]
     g_ptr = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
     u_ptr = g_ptr + I * stride_wn
+    if HAS_SHARED:
+        if e >= E_ROUTED:
+            rows_s = ((e - E_ROUTED) * I + offs_n[None, :]) * stride_sn  # int64 (e is)
+            g_ptr = W1S + rows_s + offs_k[:, None]
+            u_ptr = W3S + rows_s + offs_k[:, None]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -99,11 +112,14 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds,
 
 
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkIds,
+def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkIds, W2S,
                       D, I, num_m, stride_hm, stride_we, stride_wn, stride_yt, TK, expert_offset, E_LOCAL,
+                      E_ROUTED, stride_sn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr):
-    """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks."""
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
+                      HAS_SHARED: tl.constexpr):
+    """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks.
+    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down)."""
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
@@ -114,6 +130,9 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
     b_ptr = W2 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
+    if HAS_SHARED:
+        if e >= E_ROUTED:
+            b_ptr = W2S + (e - E_ROUTED) * I + offs_n[None, :].to(tl.int64) * stride_sn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
@@ -151,12 +170,26 @@ def _moe_sum_kernel(Y, TopkIds, Out, Add, D, expert_offset, E_LOCAL, stride_add,
     tl.store(Out + t.to(tl.int64) * D + offs, acc.to(Out.dtype.element_ty), mask=ok)
 
 
+def _check_shared(shared, I: int, D: int, dtype) -> int:
+    """shared = (gate [S*I, D], up [S*I, D], down [D, S*I]), the shared MLP's rank-local weights -> S."""
+    w1, w3, w2 = shared
+    S = w1.shape[0] // I
+    if S < 1 or w1.shape != (S * I, D) or w3.shape != (S * I, D) or w2.shape != (D, S * I):
+        raise ValueError(f"shared gate/up/down {tuple(w1.shape)} {tuple(w3.shape)} {tuple(w2.shape)} must be "
+                         f"[S*{I}, {D}] [S*{I}, {D}] [{D}, S*{I}] (S >= 1 slots of the routed experts' I={I})")
+    if any(w.dtype != dtype or w.stride(-1) != 1 for w in shared) or w1.stride(0) != w3.stride(0):
+        raise ValueError(f"shared weights must be {dtype} with a unit last stride, gate and up with one row stride")
+    return S
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None,
-                  add: torch.Tensor | None = None) -> torch.Tensor:
+                  add: torch.Tensor | None = None, shared: tuple | None = None) -> torch.Tensor:
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
     topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
+    shared = (gate [S*I, D], up [S*I, D], down [D, S*I]): S more local experts E_local .. E_local+S-1 (ids
+    offset + E_local + s), slot s being channels [s*I, (s+1)*I) of that MLP, read in place.
     config (benchmarks, tests): moe_config overrides, flat or
     {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS)."""
     T, D = x.shape
@@ -175,38 +208,42 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if add is not None and (add.shape != (T, D) or add.dtype != x.dtype or add.stride(-1) != 1):
         raise ValueError(f"add must be [{T}, {D}] {x.dtype} with a unit last stride, got {tuple(add.shape)} "
                          f"{add.dtype}")
+    S = 0 if shared is None else _check_shared(shared, I, D, x.dtype)
+    w1s, w3s, w2s = shared if S else (w13, w13, w2)  # unused without shared experts (any pointer will do)
+    E_all = E + S  # the routed experts, then the shared slots
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     TK = T * K
     config = dict(config or {})
     no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
-    c1, c2 = moe_config(T, K, E, D, I, x.dtype, **config)
+    c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
     if no_align:  # block m = pair m alone; the align buffers are unused (any pointer will do)
         sorted_ids = expert_ids = num_padded = ids
         rows, num_m = TK, TK
     else:
-        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm)
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E_all, expert_offset, bm)
         rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     _moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
-        x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, I, D, num_m,
-        x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E,
+        x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, w1s, w3s, I, D, num_m,
+        x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
-        EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align,
+        EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
         num_warps=c1["num_warps"], num_stages=c1["num_stages"])
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
-        hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids,
-        D, I, num_m, hbuf.stride(0), w2.stride(0), w2.stride(1), y.stride(0), TK, expert_offset, E,
+        hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s,
+        D, I, num_m, hbuf.stride(0), w2.stride(0), w2.stride(1), y.stride(0), TK, expert_offset, E_all, E,
+        w2s.stride(0) if S else w2.stride(1),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
-        EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align,
+        EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
         num_warps=c2["num_warps"], num_stages=c2["num_stages"])
     block_d = min(1024, triton.next_power_of_2(D))
-    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, out if add is None else add, D, expert_offset, E,
-                                                    0 if add is None else add.stride(0), TOPK=K, BLOCK_D=block_d,
-                                                    HAS_ADD=add is not None, num_warps=4)
+    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, out if add is None else add, D, expert_offset,
+                                                    E_all, 0 if add is None else add.stride(0), TOPK=K,
+                                                    BLOCK_D=block_d, HAS_ADD=add is not None, num_warps=4)
     return out

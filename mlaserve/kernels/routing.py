@@ -5,6 +5,9 @@ sigmoid -> + e_score_correction_bias -> group score = sum of the group's top-2 -
 layers.moe.route_noaux_tc. Ties: every arg-max takes the LOWEST index among equal values (tl.argmax's
 tie_break_left); torch.topk leaves the order of ties unspecified, so exact ties (measure zero for random fp32
 logits) may pick a different but equally-scored expert.
+
+With num_shared = S > 0 the kernel also writes S always-selected columns after the K routed ones: ids
+shared_id0 + s, weight exactly 1.0 (not scaled): the shared experts' slots of fused_experts(shared=...).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, scaling,
+def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, scaling, shared_id0,
                   E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                   USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                  N_SHARED: tl.constexpr = 0):
+    """Row t of Weights/Ids [T, TOP_K + N_SHARED]: the routed top-K, then the N_SHARED shared-expert columns."""
     t = tl.program_id(0)
     row = Logits + t.to(tl.int64) * stride_lt
     offs = tl.arange(0, BLOCK_E)
@@ -57,13 +62,19 @@ def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, scaling,
     if NORM:
         ws = ws / (tl.sum(ws, 0) + 1e-20)
     ws = ws * scaling
-    tl.store(Weights + t * TOP_K + kk, ws, mask=kk < TOP_K)
-    tl.store(Ids + t * TOP_K + kk, ids, mask=kk < TOP_K)
+    if N_SHARED > 0:  # lanes past TOP_K held zeros above, so the norm summed the routed weights only
+        ids = tl.where(kk >= TOP_K, shared_id0 + (kk - TOP_K).to(tl.int64), ids)
+        ws = tl.where(kk >= TOP_K, 1.0, ws)
+    KS: tl.constexpr = TOP_K + N_SHARED
+    tl.store(Weights + t * KS + kk, ws, mask=kk < KS)
+    tl.store(Ids + t * KS + kk, ids, mask=kk < KS)
 
 
 def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                          norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] fp32 -> (weights [T, K] fp32, ids [T, K] int64); the fused form of route_noaux_tc."""
+                          norm_topk_prob: bool, scaling: float, num_shared: int = 0,
+                          shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32 -> (weights [T, K+S] fp32, ids [T, K+S] int64); the fused form of route_noaux_tc, plus
+    S = num_shared columns of ids shared_id0 + s with weight 1.0."""
     T, E = logits.shape
     if logits.dtype != torch.float32 or bias.shape != (E,) or bias.dtype != torch.float32:
         raise ValueError(f"router logits [T, E] and bias [E] must be fp32; got {logits.dtype}, {tuple(bias.shape)}")
@@ -72,25 +83,30 @@ def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     if E > 1024 or E % n_group or top_k > 16 or n_group > 64 or topk_group > n_group:
         raise ValueError(f"routing E={E} (<= 1024, divisible by n_group={n_group}), top_k={top_k} (<= 16), "
                          f"topk_group={topk_group} (<= n_group) out of range")
+    if not 0 <= num_shared <= 16:
+        raise ValueError(f"routing num_shared={num_shared} out of range [0, 16]")
     use_groups = n_group > 1 and topk_group < n_group
     if use_groups and (E // n_group < 2 or topk_group * (E // n_group) < top_k):
         raise ValueError(f"groups of {E // n_group} experts x topk_group={topk_group} cannot hold top_k={top_k}")
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    KS = top_k + num_shared
+    weights = torch.empty(T, KS, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, KS, dtype=torch.int64, device=logits.device)
     if T == 0:
         return weights, ids
     _route_kernel[(T,)](
-        logits, bias, weights, ids, logits.stride(0), float(scaling),
+        logits, bias, weights, ids, logits.stride(0), float(scaling), int(shared_id0),
         E=E, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, USE_GROUPS=use_groups, NORM=bool(norm_topk_prob),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
-        BLOCK_S=max(2, triton.next_power_of_2(E // n_group)), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
-        num_warps=4 if E > 128 else 1,
+        BLOCK_S=max(2, triton.next_power_of_2(E // n_group)), BLOCK_K=max(2, triton.next_power_of_2(KS)),
+        N_SHARED=num_shared, num_warps=4 if E > 128 else 1,
     )
     return weights, ids
 
 
-def route_noaux_tc_fused(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K] fp32, ids [T, K] int64)."""
+def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0,
+                         shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K+S] fp32, ids [T, K+S] int64), S = num_shared
+    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits)."""
     c = gate.cfg
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (see TopkRouter.bf16_weight)
@@ -98,4 +114,4 @@ def route_noaux_tc_fused(gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     else:
         logits = F.linear(x.float(), gate.weight)  # [T, E] fp32 (cuBLAS; a Triton GEMV measured slower in decode)
     return route_noaux_tc_logits(logits, gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-                                 c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+                                 c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, num_shared, shared_id0)

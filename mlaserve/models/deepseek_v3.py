@@ -40,6 +40,14 @@ class DeepseekV3MLP(nn.Module):
         return tp.all_reduce(y) if self.reduce else y
 
 
+# Steps of up to this many tokens run the shared experts inside the fused MoE GEMMs (shared-experts fusion: in decode
+# it replaces the shared MLP's cuBLAS GEMMs, SiLU and split-K reduce); larger steps (prefill) keep them as dense
+# cuBLAS GEMMs, which beat the Triton grouped GEMM at large T. 256 is a guess, not yet tuned on the GPU; it is also
+# the smallest prefill-graph bucket and a decode batch size, so a padded graph step and its eager twin take the same
+# path (at q_len 1; with verify widths that do not divide 256 they can differ by bf16 rounding).
+FUSE_SHARED_MAX_TOKENS = 256
+
+
 class DeepseekV3MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, ranks: RankInfo, dtype, impl: str):
         super().__init__()
@@ -52,12 +60,31 @@ class DeepseekV3MoE(nn.Module):
         self.shared_experts = (
             DeepseekV3MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ranks, dtype,
                           reduce=False) if cfg.n_shared_experts else None)
+        # Shared-experts fusion (Triton path only; the torch path is the spec): the shared MLP's rank-local
+        # intermediate is S = n_shared_experts slots of the routed experts' I_local channels, run as experts
+        # E_local .. E_local+S-1 with weight 1.0 (a partition of the intermediate dim: the slots sum to the MLP).
+        # The kernels read the slots in place from the shared MLP's weights, so storage, loaders and checkpoints are
+        # unchanged and no copy exists. (Storing the slots as experts [E_local + S] instead would leave the dense
+        # path above the threshold no single down GEMM for S > 1: S GEMMs and partial sums, a slower prefill.)
+        # Valid when the shards line up: shared experts split over the world, routed ones over moe-TP, which is
+        # the world only without EP. The per-rank sum stays a partial for the one all-reduce below.
+        self.fuse_shared = 0
+        if impl == "triton" and self.shared_experts is not None and ranks.ep_size == 1:
+            i_local = cfg.moe_intermediate_size // ranks.moe_tp_size
+            if self.shared_experts.gate_proj.out_features == cfg.n_shared_experts * i_local:
+                self.fuse_shared = cfg.n_shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "triton":
             from ..kernels.routing import route_noaux_tc_fused
 
-            weights, ids = route_noaux_tc_fused(self.gate, x)
+            S = self.fuse_shared if x.shape[0] <= FUSE_SHARED_MAX_TOKENS else 0
+            weights, ids = route_noaux_tc_fused(self.gate, x, S, self.experts.expert_offset + self.experts.num_local)
+            if S:  # [T, K+S]: the routing appended the S shared slots (weight 1.0)
+                sh = self.shared_experts
+                y = self.experts(x, weights, ids, impl="triton",
+                                 shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
+                return tp.all_reduce(y) if self.reduce else y
         else:
             weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
         shared = self.shared_experts(x) if self.shared_experts is not None else None

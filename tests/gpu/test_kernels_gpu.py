@@ -264,6 +264,60 @@ def test_router_bf16_gemm_equals_fp32_and_routes_the_same(preset, T):
     assert same > 0.99, f"{preset} T={T}: only {same:.4f} of tokens route the same"
 
 
+def test_routing_shared_columns_real():
+    with kc.poisoned_empty():
+        kc.check_routing("cuda", T=4096, E=64, n_group=1, topk_group=1, K=6, num_shared=2, shared_id0=64)
+
+
+def _moe_layers(preset, device="cuda"):
+    """A bf16 Triton MoE layer at the preset's real shapes and the fp32 torch layer, on the same bf16-exact weights."""
+    from mlaserve.config import ModelConfig
+    from mlaserve.distributed.tp import RankInfo
+    from mlaserve.models.deepseek_v3 import DeepseekV3MoE
+    from mlaserve.models.make_random import load_preset
+    from mlaserve.models.weights import init_dummy_weights
+
+    cfg = ModelConfig.from_hf(load_preset(preset))
+    with torch.device(device):
+        layer = DeepseekV3MoE(cfg, RankInfo(), BF, "triton")
+        ref = DeepseekV3MoE(cfg, RankInfo(), torch.float32, "torch")
+    init_dummy_weights(ref, seed=random.randrange(1 << 30))
+    for (_, p), (_, r) in zip(layer.named_parameters(), ref.named_parameters()):
+        r.data = r.data.to(BF).float()
+        p.weight_loader(p, r.data)
+    return layer, ref
+
+
+@pytest.mark.parametrize("preset", ["moonlight-16b-a3b"])
+def test_moe_layer_shared_fusion_real(preset):
+    """The MoE layer with the shared experts fused into the Triton MoE (T <= FUSE_SHARED_MAX_TOKENS) against the
+    unfused Triton path and the fp32 torch path, bf16, at real shapes; T=300 is above the threshold (unfused)."""
+    layer, ref = _moe_layers(preset)
+    assert layer.fuse_shared == layer.shared_experts.gate_proj.out_features // layer.experts.down_proj.shape[-1]
+    for T in (1, 2, 3, 16, 64, 256, 300):
+        x = torch.randn(T, layer.gate.cfg.hidden_size, device="cuda").to(BF)
+        want = ref(x.float())
+        fused = layer(x)
+        layer.fuse_shared, S = 0, layer.fuse_shared
+        unfused = layer(x)
+        layer.fuse_shared = S
+        kc.assert_close(fused, want, BF, f"{preset} MoE layer T={T} fused vs torch fp32")
+        kc.assert_close(unfused, want, BF, f"{preset} MoE layer T={T} unfused vs torch fp32")
+        kc.assert_close(fused, unfused.float(), BF, f"{preset} MoE layer T={T} fused vs unfused")
+
+
+def test_moe_layer_shared_fusion_cuda_graph():
+    """Decode-shaped (T=1, 4) fused MoE layer captured in a CUDA graph and replayed with new inputs."""
+    layer, ref = _moe_layers("moonlight-16b-a3b")
+    for T in (1, 4):
+        x = torch.randn(T, layer.gate.cfg.hidden_size, device="cuda").to(BF)
+        g, out = kc.cuda_graph(lambda: layer(x))  # noqa: B023
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            g.replay()
+            kc.assert_close(out, ref(x.float()), BF, f"fused MoE layer graph replay T={T}")
+
+
 # --- RoPE + KV store ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("page", [16, 64])
 def test_rope_store_kv_real(page):
