@@ -20,6 +20,7 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short contexts use fewer splits)
 # (H200, batch 1, H=16: a 512 context in splits of >= 32 / 64 / 128 / 256 tokens 11.4 / 12.7 / 16.1 / 23.2 us)
 MAX_SPLITS = 64
+TMA_MIN_PROGRAMS = 4  # request x head-block programs below which the pointer kernel is the default (see mla_decode)
 COMBINE_TILE = 8192  # elements of the combine's [splits, BLOCK_R] fp32 tile (4 warps)
 
 
@@ -297,7 +298,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     if page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a power of two")
     cfg = dict(decode_config(H, q_len, q.dtype), **(config or {}))  # config: tile overrides, MIN_SPLIT_TOKENS
-    cfg.setdefault("TMA", q.is_cuda and _has_tma(q.device.index))
+    # TMA pays a fixed cost per program (descriptor fetch, barriers): with few programs over short contexts (batch
+    # 1 at 512 tokens: one-tile splits) the pointer kernel was faster in the engine, 6.0 vs 7.1 us per layer.
+    cfg.setdefault("TMA", q.is_cuda and B * triton.cdiv(H, cfg["BLOCK_H"]) >= TMA_MIN_PROGRAMS
+                   and _has_tma(q.device.index))
     S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
     if T == 0:
         return out

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rmsnorm import _launch_args as _norm_launch_args
+
 
 @triton.jit
 def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
@@ -95,7 +97,9 @@ def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torc
         kv_cache.stride(0), kv_cache.stride(1), c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         cos.stride(0), sin.stride(0),
         R=R, BLOCK_R=triton.next_power_of_2(R), HALF=P // 2, BLOCK_HALF=triton.next_power_of_2(P // 2),
-        PAGE_SIZE=page_size, NORM=norm_weight is not None, num_warps=4 if R >= 256 else 1,
+        # with the norm: rms_norm's warps, hence its reduction order, so the two paths round alike
+        PAGE_SIZE=page_size, NORM=norm_weight is not None,
+        num_warps=(4 if R >= 256 else 1) if norm_weight is None else _norm_launch_args(R)["num_warps"],
     )
 
 

@@ -41,11 +41,11 @@ class DeepseekV3MLP(nn.Module):
 
 
 # Steps of up to this many tokens run the shared experts inside the fused MoE GEMMs (shared-experts fusion: in decode
-# it replaces the shared MLP's cuBLAS GEMMs, SiLU and split-K reduce); larger steps (prefill) keep them as dense
-# cuBLAS GEMMs, which beat the Triton grouped GEMM at large T. 256 is a guess, not yet tuned on the GPU; it is also
-# the smallest prefill-graph bucket and a decode batch size, so a padded graph step and its eager twin take the same
-# path (at q_len 1; with verify widths that do not divide 256 they can differ by bf16 rounding).
-FUSE_SHARED_MAX_TOKENS = 256
+# it replaces the shared MLP's cuBLAS GEMMs, SiLU and split-K reduce); larger steps keep them as dense cuBLAS GEMMs.
+# H200, Moonlight MoE block over 8 layers' weights (kernels_bench --only moe_shared): fused vs unfused T=1 55.3 vs
+# 62.8 us, T=4 113 vs 123, T=16 194 vs 201, but T=64 284 vs 275 and T=256 383 vs 379. 32 is a decode-graph batch
+# size, so a padded graph step and its eager twin take the same path at verify widths 1 and 2.
+FUSE_SHARED_MAX_TOKENS = 32
 
 
 class DeepseekV3MoE(nn.Module):
