@@ -107,7 +107,7 @@ def cases(quick: bool):
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_mla
     from mlaserve.kernels.rope_kv import rope_q, rope_store_kv
-    from mlaserve.kernels.routing import route_noaux_tc_logits
+    from mlaserve.kernels.routing import route_noaux_tc_logits, router_partials
 
     bf, i32 = torch.bfloat16, torch.int32
     mla = [(16, 1, 16), (16, 2, 16), (64, 1, 16), (64, 2, 32), (128, 1, 1), (4, 2, 3), (16, 4, 8), (20, 1, 5),
@@ -166,6 +166,11 @@ def cases(quick: bool):
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
         yield f"routing E={E} G={G} + shared", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG,
                                                                        True, 2.5, 2 if E == 64 else 1, E)
+    for E, D, G, TG, K in [(64, 2048, 1, 1, 6), (256, 7168, 8, 4, 8)]:  # the decode router: split-K partials
+        part = torch.empty(32, 4, E)
+        x, w = torch.empty(4, D, dtype=bf), torch.empty(E, D, dtype=bf)
+        yield f"router_partials E={E} D={D}", router_partials, (x, w)
+        yield f"routing from partials E={E}", route_noaux_tc_logits, (part, torch.empty(E), K, G, TG, True, 2.5, 2, E)
     for R, P, H in [(512, 64, 16), (512, 64, 128), (32, 8, 4)]:
         cs = torch.empty(4, P // 2)
         yield f"rope_store_kv R={R} P={P}", rope_store_kv, (
