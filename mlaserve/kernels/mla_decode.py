@@ -24,19 +24,11 @@ TMA_MIN_PROGRAMS = 4  # request x head-block programs below which the pointer ke
 COMBINE_TILE = 8192  # elements of the combine's [splits, BLOCK_R] fp32 tile (4 warps)
 
 
-@triton.jit(do_not_specialize=["H", "num_splits"])  # varying batch sizes reuse one binary
-def _mla_decode_split_kernel(
-    Q, KV, PageTable, SeqLens, Out, PartO, PartLse,
-    scale_log2,
-    stride_qt, stride_qh,
-    stride_kvp, stride_kvs,
-    stride_ptb,
-    stride_ot, stride_oh, stride_or,
-    H, num_splits,
-    Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
-):
+@triton.jit
+def _program_rows(Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN: tl.constexpr, R: tl.constexpr,
+                  P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+    """A split program's rows (BLOCK_QL tokens x BLOCK_H heads), their causal limits, its token range and its q."""
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -59,6 +51,28 @@ def _mla_decode_split_kernel(
     q_row = Q + t.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
     q_nope = tl.load(q_row + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [M, R]
     q_pe = tl.load(q_row + R + offs_p[None, :], mask=row_ok[:, None] & (offs_p < P)[None, :], other=0.0)  # [M, BP]
+    return split, b, t, h, row_ok, last_visible, start, end, q_nope, q_pe
+
+
+@triton.jit(do_not_specialize=["H", "num_splits"])  # varying batch sizes reuse one binary
+def _mla_decode_split_kernel(
+    Q, KV, PageTable, SeqLens, Out, PartO, PartLse,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kvp, stride_kvs,
+    stride_ptb,
+    stride_ot, stride_oh, stride_or,
+    H, num_splits,
+    Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
+    split, b, t, h, row_ok, last_visible, start, end, q_nope, q_pe = _program_rows(
+        Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN, R, P, BLOCK_P, BLOCK_H, BLOCK_QL, BLOCK_N,
+        MIN_SPLIT_TILES)
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, BLOCK_P)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -137,29 +151,13 @@ def _mla_decode_split_tma_kernel(
     descriptors of the cache as [pages * PAGE_SIZE, R + P] rows with [BLOCK_N, R] / [BLOCK_N, P] boxes. A tile
     never straddles a page (PAGE_SIZE % BLOCK_N == 0, tiles aligned), so it is one box. The last, partial tile of a
     split uses masked loads instead: rows past the context may hold anything (stale or poisoned pages)."""
-    hb = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2)
     BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
-    m = tl.arange(0, BLOCK_M)
-    j = m // BLOCK_H
-    h = hb * BLOCK_H + m % BLOCK_H
-    row_ok = (j < Q_LEN) & (h < H)
-    t = b * Q_LEN + j
+    split, b, t, h, row_ok, last_visible, start, end, q_nope, q_pe = _program_rows(
+        Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN, R, P, BLOCK_P, BLOCK_H, BLOCK_QL, BLOCK_N,
+        MIN_SPLIT_TILES)
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, BLOCK_P)
-
-    seq_len = tl.load(SeqLens + b)
-    last_visible = seq_len - Q_LEN + j
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles end here
-
-    q_row = Q + t.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
-    q_nope = tl.load(q_row + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [M, R]
-    q_pe = tl.load(q_row + R + offs_p[None, :], mask=row_ok[:, None] & (offs_p < P)[None, :], other=0.0)  # [M, BP]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
