@@ -4,7 +4,7 @@ Each program takes one request, a block of heads (times the q_len tokens of a ve
 the context; the split's token range is computed in-kernel from seq_lens, so a captured CUDA graph stays valid
 as lengths change. Every KV tile is loaded once per head block and serves both QK^T and PV (V = K[:, :R]).
 On Hopper the whole tiles come by TMA (tensor descriptors): at 8k context, B=16, H=16 the split + combine took
-48.6 us against 56.2 us with cp.async pointer loads (H200, kernels_bench mla_sweep).
+49.9-50.2 us in three runs against 54.7-56.1 us with cp.async pointer loads (H200, kernels_bench mla_sweep).
 """
 
 from __future__ import annotations

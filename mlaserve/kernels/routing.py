@@ -143,6 +143,7 @@ def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
 # Decode steps of up to 256 experts: the router GEMM as split-K partials (cuBLAS took 5.2 us at batch 1 for the
 # 0.25 MB Moonlight router); Kimi's 384-expert tile would need 135 KB of shared memory a program: cuBLAS.
 ROUTER_SPLITK_MAX_TOKENS = 32
+ROUTER_SPLITK_MAX_EXPERTS = 256
 ROUTER_BLOCK_K = 64
 ROUTER_SPLITS = 32  # ~8 KB of a 64-expert, 2048-wide weight per program
 
@@ -172,7 +173,9 @@ def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0,
     columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits)."""
     c = gate.cfg
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
-    if w16 is not None and x.shape[0] <= ROUTER_SPLITK_MAX_TOKENS and x.stride(-1) == 1 and w16.shape[0] <= 256:
+    splitk = (w16 is not None and x.shape[0] <= ROUTER_SPLITK_MAX_TOKENS and x.stride(-1) == 1
+              and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS)
+    if splitk:
         logits = router_partials(x, w16)  # [SPLIT, T, E] fp32, summed by the routing kernel
     elif w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32

@@ -75,20 +75,21 @@ class DeepseekV3MoE(nn.Module):
                 self.fuse_shared = cfg.n_shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        S = 0  # shared slots the routing appends (shared-experts fusion)
         if self.impl == "triton":
             from ..kernels.routing import route_noaux_tc_fused
 
             S = self.fuse_shared if x.shape[0] <= FUSE_SHARED_MAX_TOKENS else 0
             weights, ids = route_noaux_tc_fused(self.gate, x, S, self.experts.expert_offset + self.experts.num_local)
-            if S:  # [T, K+S]: the routing appended the S shared slots (weight 1.0)
-                sh = self.shared_experts
-                y = self.experts(x, weights, ids, impl="triton",
-                                 shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
-                return tp.all_reduce(y) if self.reduce else y
         else:
             weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        y = self.experts(x, weights, ids, impl=self.impl, add=shared)  # routed + shared, summed in one pass
+        if S:  # ids [T, K+S]: the shared MLP runs inside the fused MoE as S more experts of weight 1.0
+            sh = self.shared_experts
+            y = self.experts(x, weights, ids, impl="triton",
+                             shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
+        else:
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            y = self.experts(x, weights, ids, impl=self.impl, add=shared)  # routed + shared, summed in one pass
         return tp.all_reduce(y) if self.reduce else y
 
 
