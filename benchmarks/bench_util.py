@@ -44,6 +44,12 @@ class Sizes:
     # moe_shared: the MoE block with the shared experts fused into the Triton MoE vs not, over `layers` layers
     shared_preset: str = "moonlight-16b-a3b"
     shared_T: tuple = (1, 2, 4, 16, 64, 256)
+    # moe_decode: the first moe shape with this many shared slots fused in, tiles swept at these T
+    decode_shared: int = 2
+    decode_T: tuple = (1, 4, 8, 32)
+    # lin_decode: decode-sized dense projections [N, K] (M1's q|kv_a and o_proj)
+    decode_linears: tuple = ((3648, 2048), (2048, 2048))
+    decode_linear_T: tuple = (1, 8, 32)
 
 
 def smoke_sizes() -> Sizes:
@@ -52,7 +58,8 @@ def smoke_sizes() -> Sizes:
                  moe_sweep_shapes=("tiny",), moe_sweep_decode_T=(1, 8), moe_sweep_max_cfgs=2,
                  prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24), prefill_sweep=(2, 16, 8, 24, 40, 40),
                  routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,),
-                 layers=2, layers_T=(1,), shared_preset="tiny", shared_T=(1, 3))
+                 layers=2, layers_T=(1,), shared_preset="tiny", shared_T=(1, 3),
+                 decode_shared=1, decode_T=(1,), decode_linears=((24, 16),), decode_linear_T=(1,))
 
 
 # prefill_attention_mla tile configs for the sweep (the default, prefill_config's bf16 one, runs first); shared

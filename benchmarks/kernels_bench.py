@@ -271,6 +271,68 @@ def run_moe_shared(rep: Report, sz: Sizes):
         torch.cuda.empty_cache()
 
 
+# decode MoE as the engine runs it (shared experts fused in: K + S pairs per token), gemm1 and gemm2 tiles swept
+# apart (the other GEMM on its default), over sz.layers layers' weights in turn (cold L2, as in the engine)
+MOE_DEC_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3), (32, 256, 4, 3),
+                 (16, 256, 4, 3), (16, 256, 4, 4), (32, 64, 4, 6), (16, 128, 2, 4), (32, 128, 2, 4), (64, 64, 4, 6),
+                 (64, 128, 8, 4), (16, 64, 2, 8), (32, 128, 4, 5), (128, 128, 8, 3), (128, 64, 4, 4)]
+
+
+def run_moe_decode(rep: Report, sz: Sizes):
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.kernels.moe_config import moe_config
+
+    L, S, tiles = sz.layers, sz.decode_shared, MOE_DEC_TILES[: sz.moe_sweep_max_cfgs * 2]
+    D, I, E, K = sz.moe[next(iter(sz.moe))]
+    w13 = [(torch.randn(E, 2 * I, D, device=sz.dev) / D**0.5).to(BF) for _ in range(L)]
+    w2 = [(torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF) for _ in range(L)]
+    sh = [((torch.randn(S * I, D, device=sz.dev) / D**0.5).to(BF), (torch.randn(S * I, D, device=sz.dev)
+           / D**0.5).to(BF), (torch.randn(D, S * I, device=sz.dev) / I**0.5).to(BF)) for _ in range(L)]
+    cfgs = [None] + [dict(gemm1=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
+    cfgs += [dict(gemm2=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
+    for T in sz.decode_T:
+        x, ids, w = _moe_inputs(T, D, E, K, sz.dev)
+        ids = torch.cat([ids, torch.arange(E, E + S, device=sz.dev).expand(T, S)], 1)  # the shared slots
+        w = torch.cat([w, torch.ones(T, S, device=sz.dev)], 1)
+        n_exp = int(ids.unique().numel())
+        d1, d2 = moe_config(T, K + S, E + S, D, I, BF)
+        ref = fused_experts(x, w13[0], w2[0], w, ids, 0, shared=sh[0])
+        for cfg in cfgs:
+            label = ("default g1 [" + cfg_label(d1) + "] g2 [" + cfg_label(d2) + "]" if cfg is None else
+                     " ".join(f"{g} {cfg_label(c)}" for g, c in cfg.items()))
+            try:
+                err = rel(fused_experts(x, w13[0], w2[0], w, ids, 0, config=cfg, shared=sh[0]), ref)
+                ms = bench(lambda c=cfg: [fused_experts(x, w13[i], w2[i], w, ids, 0, config=c,  # noqa: B023
+                                                        shared=sh[i]) for i in range(L)], sz) / L
+                rep.add("moe_decode", f"T={T} {label}", ms, n_exp * 3 * D * I * 2, err=err, T=T, config=cfg)
+            except Exception as e:  # e.g. out of shared memory
+                print(f"moe_decode T={T} {label}: {type(e).__name__}: {str(e)[:120]}")
+    w13 = w2 = sh = None
+    if sz.dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_linear_decode(rep: Report, sz: Sizes):
+    """The decode-sized dense projections (M1: q|kv_a [3648, 2048], o_proj [2048, 2048]) as F.linear (the
+    engine's cuBLAS GEMM), torch.mv and W @ x^T, over sz.layers weights in turn."""
+    import torch.nn.functional as F
+
+    L = sz.layers
+    for N, Kd in sz.decode_linears:
+        ws = [(torch.randn(N, Kd, device=sz.dev) / Kd**0.5).to(BF) for _ in range(L)]
+        for T in sz.decode_linear_T:
+            x = torch.randn(T, Kd, device=sz.dev).to(BF)
+            ref = F.linear(x.float(), ws[0].float())
+            variants = {"F.linear": lambda w: F.linear(x, w), "W @ x^T": lambda w: (w @ x.t()).t()}  # noqa: B023
+            if T == 1:
+                variants["torch.mv"] = lambda w: torch.mv(w, x[0])[None]  # noqa: B023
+            for name, fn in variants.items():
+                err = rel(fn(ws[0]), ref)
+                ms = bench(lambda f=fn: [f(w) for w in ws], sz) / L  # noqa: B023
+                rep.add("lin_decode", f"[{N}, {Kd}] T={T} {name}", ms, N * Kd * 2, err=err, T=T)
+        ws = None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 def run_prefill(rep: Report, sz: Sizes):
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_sdpa
@@ -423,9 +485,10 @@ def run_rope(rep: Report, sz: Sizes):
 
 
 SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
-            "moe_layers": run_moe_layers, "moe_shared": run_moe_shared, "mla_sweep": run_mla_sweep,
+            "moe_layers": run_moe_layers, "moe_shared": run_moe_shared, "moe_decode": run_moe_decode,
+            "lin_decode": run_linear_decode, "mla_sweep": run_mla_sweep,
             "moe_sweep": run_moe_sweep, "prefill_sweep": run_prefill_sweep}  # sweeps last
-SWEEPS = ("moe_layers", "moe_shared", "mla_sweep", "moe_sweep", "prefill_sweep")
+SWEEPS = ("moe_layers", "moe_shared", "moe_decode", "lin_decode", "mla_sweep", "moe_sweep", "prefill_sweep")
 
 
 def main(argv=None) -> int:
