@@ -52,7 +52,14 @@ def moe_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, **ove
         bn2 = 64
         while bn2 > 16 and active * -(-D // bn2) < SMS:
             bn2 //= 2
-        c1 = dict(BLOCK_M=16, BLOCK_N=bn1, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        s1 = 4
+        if bn1 == 64 and T * K <= E:
+            # at most ~one row per expert (batch 1 to 8 on Moonlight with its shared slots: 8 x 22 = 176 programs
+            # at N64, 1.3 waves): N32 x 3 stages fits 3 programs per SM, one wave. H200, Moonlight + 2 shared
+            # slots over 8 layers' weights (kernels_bench --only moe_decode): T=1 44.5 -> 42.0 us, T=8 179.2 ->
+            # 176.2 us, T=4 99.5 -> 99.1; at T=32 (no longer <= E) it was 3 us slower.
+            bn1, s1 = 32, 3
+        c1 = dict(BLOCK_M=16, BLOCK_N=bn1, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s1)
         c2 = dict(BLOCK_M=16, BLOCK_N=bn2, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     elif bm == 32:
         c1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
