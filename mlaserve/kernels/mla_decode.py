@@ -3,8 +3,9 @@
 Each program takes one request, a block of heads (times the q_len tokens of a verify block) and one split of
 the context; the split's token range is computed in-kernel from seq_lens, so a captured CUDA graph stays valid
 as lengths change. Every KV tile is loaded once per head block and serves both QK^T and PV (V = K[:, :R]).
-On Hopper the whole tiles come by TMA (tensor descriptors): at 8k context, B=16, H=16 the split + combine took
-49.9-50.2 us in three runs against 54.7-56.1 us with cp.async pointer loads (H200, kernels_bench mla_sweep).
+One split kernel has both load paths, picked by its TMA constexpr. On Hopper the whole tiles come by TMA (tensor
+descriptors): at 8k context, B=16, H=16 the split + combine took 49.9-50.2 us in three runs against 54.7-56.1 us
+with cp.async pointer loads (H200, kernels_bench mla_sweep).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short contexts use fewer splits)
 # (H200, batch 1, H=16: a 512 context in splits of >= 32 / 64 / 128 / 256 tokens 11.4 / 12.7 / 16.1 / 23.2 us)
 MAX_SPLITS = 64
-TMA_MIN_PROGRAMS = 4  # request x head-block programs below which the pointer kernel is the default (see mla_decode)
+TMA_MIN_PROGRAMS = 4  # request x head-block programs below which pointer loads are the default (see mla_decode)
 COMBINE_TILE = 8192  # elements of the combine's [splits, BLOCK_R] fp32 tile (4 warps)
 
 
@@ -56,7 +57,7 @@ def _program_rows(Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN: tl.con
 
 @triton.jit(do_not_specialize=["H", "num_splits"])  # varying batch sizes reuse one binary
 def _mla_decode_split_kernel(
-    Q, KV, PageTable, SeqLens, Out, PartO, PartLse,
+    Q, KV, KVn, KVp, PageTable, SeqLens, Out, PartO, PartLse,
     scale_log2,
     stride_qt, stride_qh,
     stride_kvp, stride_kvs,
@@ -65,8 +66,15 @@ def _mla_decode_split_kernel(
     H, num_splits,
     Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
 ):
+    """One split of one request's context for a block of rows. TMA=False: every tile by masked pointer loads
+    (cp.async) through the page table; KVn / KVp are None. TMA=True (sm_90): whole KV tiles fetched by the
+    tensor-memory accelerator, KVn / KVp being descriptors of the cache as [pages * PAGE_SIZE, R + P] rows with
+    [BLOCK_N, R] / [BLOCK_N, P] boxes. A tile never straddles a page (PAGE_SIZE % BLOCK_N == 0, tiles aligned), so
+    it is one box. The last, partial tile of a split uses masked loads instead: rows past the context may hold
+    anything (stale or poisoned pages). The load paths are constexpr branches around whole loops (not a runtime
+    `if`), so neither variant carries the other's code or registers."""
     BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
     split, b, t, h, row_ok, last_visible, start, end, q_nope, q_pe = _program_rows(
         Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN, R, P, BLOCK_P, BLOCK_H, BLOCK_QL, BLOCK_N,
@@ -77,23 +85,49 @@ def _mla_decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, R], tl.float32)
-    # The page-table lookup runs one tile ahead (row_off is loop-carried), so the KV load's address never waits
-    # on a load of the same iteration and Triton's pipeliner can multi-buffer the KV tiles.
     offs_n = tl.arange(0, BLOCK_N)
     pt = PageTable + b * stride_ptb
-    page = tl.load(pt + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
-    row_off = page.to(tl.int64) * stride_kvp + ((start + offs_n) % PAGE_SIZE) * stride_kvs
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        pos_ok = pos < end
-        kv_row = KV + row_off[:, None]
-        nxt = pos + BLOCK_N
-        page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < end, other=0)
-        row_off = page.to(tl.int64) * stride_kvp + (nxt % PAGE_SIZE) * stride_kvs
-        kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]: keys and values
-        k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
-        m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc,
-                                     DOT_PREC)
+    if TMA:
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles end here
+        all_ok = offs_n >= 0
+        page = tl.load(pt + start // PAGE_SIZE, mask=start < full_end, other=0)
+        row = page * PAGE_SIZE + start % PAGE_SIZE  # the tile's first row; looked up one tile ahead
+        for n0 in range(start, full_end, BLOCK_N):
+            kv = KVn.load([row, 0])  # [N, R]
+            k_pe = KVp.load([row, R])  # [N, P]
+            nxt = n0 + BLOCK_N
+            page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
+            row = page * PAGE_SIZE + nxt % PAGE_SIZE
+            m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, n0 + offs_n, all_ok, last_visible, scale_log2,
+                                         m_i, l_i, acc, DOT_PREC)
+        # The last, partial tile: masked loads (rows past the context may hold anything, stale or poisoned pages).
+        # A loop of 0 or 1 trips, not an `if`, so its loads are cp.async with zero fill straight into shared
+        # memory: under an `if` they pass through registers and the kernel spills.
+        for n0 in range(full_end, end, BLOCK_N):
+            pos = n0 + offs_n
+            pos_ok = pos < end
+            pages = tl.load(pt + pos // PAGE_SIZE, mask=pos_ok, other=0)
+            kv_row = KV + (pages.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs)[:, None]
+            kv_t = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)
+            kpe_t = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
+            m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv_t, kpe_t, pos, pos_ok, last_visible, scale_log2, m_i,
+                                         l_i, acc, DOT_PREC)
+    else:
+        # The page-table lookup runs one tile ahead (row_off is loop-carried), so the KV load's address never
+        # waits on a load of the same iteration and Triton's pipeliner can multi-buffer the KV tiles.
+        page = tl.load(pt + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
+        row_off = page.to(tl.int64) * stride_kvp + ((start + offs_n) % PAGE_SIZE) * stride_kvs
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + offs_n
+            pos_ok = pos < end
+            kv_row = KV + row_off[:, None]
+            nxt = pos + BLOCK_N
+            page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < end, other=0)
+            row_off = page.to(tl.int64) * stride_kvp + (nxt % PAGE_SIZE) * stride_kvs
+            kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]: keys and values
+            k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
+            m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i,
+                                         acc, DOT_PREC)
     _finish(m_i, l_i, acc, t, h, row_ok, start < end, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
             H, num_splits, R, DIRECT)
 
@@ -132,63 +166,6 @@ def _finish(m_i, l_i, acc, t, h, row_ok, nonempty, split, Out, PartO, PartLse, s
         tl.store(PartLse + th * num_splits + split, lse, mask=row_ok)
         po_ptr = PartO + (th * num_splits + split)[:, None] * R + offs_r[None, :]
         tl.store(po_ptr, o.to(PartO.dtype.element_ty), mask=row_ok[:, None] & nonempty)
-
-
-@triton.jit(do_not_specialize=["H", "num_splits"])
-def _mla_decode_split_tma_kernel(
-    Q, KV, KVn, KVp, PageTable, SeqLens, Out, PartO, PartLse,
-    scale_log2,
-    stride_qt, stride_qh,
-    stride_kvp, stride_kvs,
-    stride_ptb,
-    stride_ot, stride_oh, stride_or,
-    H, num_splits,
-    Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """The split kernel with whole KV tiles fetched by the tensor-memory accelerator (sm_90): KVn / KVp are
-    descriptors of the cache as [pages * PAGE_SIZE, R + P] rows with [BLOCK_N, R] / [BLOCK_N, P] boxes. A tile
-    never straddles a page (PAGE_SIZE % BLOCK_N == 0, tiles aligned), so it is one box. The last, partial tile of a
-    split uses masked loads instead: rows past the context may hold anything (stale or poisoned pages)."""
-    BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
-    split, b, t, h, row_ok, last_visible, start, end, q_nope, q_pe = _program_rows(
-        Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN, R, P, BLOCK_P, BLOCK_H, BLOCK_QL, BLOCK_N,
-        MIN_SPLIT_TILES)
-    offs_r = tl.arange(0, R)
-    offs_p = tl.arange(0, BLOCK_P)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles end here
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, R], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    all_ok = offs_n >= 0
-    pt = PageTable + b * stride_ptb
-    page = tl.load(pt + start // PAGE_SIZE, mask=start < full_end, other=0)
-    row = page * PAGE_SIZE + start % PAGE_SIZE  # the tile's first row; looked up one tile ahead
-    for n0 in range(start, full_end, BLOCK_N):
-        kv = KVn.load([row, 0])  # [N, R]
-        k_pe = KVp.load([row, R])  # [N, P]
-        nxt = n0 + BLOCK_N
-        page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
-        row = page * PAGE_SIZE + nxt % PAGE_SIZE
-        m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, n0 + offs_n, all_ok, last_visible, scale_log2, m_i,
-                                     l_i, acc, DOT_PREC)
-    # The last, partial tile: masked loads (rows past the context may hold anything, stale or poisoned pages).
-    # A loop of 0 or 1 trips, not an `if`, so its loads are cp.async with zero fill straight into shared memory:
-    # under an `if` they pass through registers and the kernel spills.
-    for n0 in range(full_end, end, BLOCK_N):
-        pos = n0 + offs_n
-        pos_ok = pos < end
-        pages = tl.load(pt + pos // PAGE_SIZE, mask=pos_ok, other=0)
-        kv_row = KV + (pages.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs)[:, None]
-        kv_t = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)
-        kpe_t = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
-        m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv_t, kpe_t, pos, pos_ok, last_visible, scale_log2, m_i, l_i,
-                                     acc, DOT_PREC)
-    _finish(m_i, l_i, acc, t, h, row_ok, start < end, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
-            H, num_splits, R, DIRECT)
 
 
 @triton.jit(do_not_specialize=["H", "num_splits"])
@@ -297,7 +274,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         raise ValueError(f"page_size={page_size} must be a power of two")
     cfg = dict(decode_config(H, q_len, q.dtype), **(config or {}))  # config: tile overrides, MIN_SPLIT_TOKENS
     # TMA pays a fixed cost per program (descriptor fetch, barriers): with few programs over short contexts (batch
-    # 1 at 512 tokens: one-tile splits) the pointer kernel was faster in the engine, 6.0 vs 7.1 us per layer.
+    # 1 at 512 tokens: one-tile splits) pointer loads were faster in the engine, 6.0 vs 7.1 us per layer.
     cfg.setdefault("TMA", q.is_cuda and B * triton.cdiv(H, cfg["BLOCK_H"]) >= TMA_MIN_PROGRAMS
                    and _has_tma(q.device.index))
     S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
@@ -311,14 +288,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     else:
         part_o = part_lse = out  # unused
     use_tma = _use_tma(cfg, kv_cache, P)
-    kernel = _mla_decode_split_tma_kernel if use_tma else _mla_decode_split_kernel
-    descs = ()
+    kv_n = kv_p = None  # None arguments are constexpr: the pointer variant has no descriptor parameters
     if use_tma:  # descriptors of the cache as rows [pages * page_size, R + P]: the [N, R] latent and [N, P] rope
         rows = kv_cache.view(-1, D)
-        descs = (TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], R]),
-                 TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], P]))
-    kernel[grid](
-        q, kv_cache, *descs, page_table, seq_lens, out, part_o, part_lse,
+        kv_n = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], R])
+        kv_p = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], P])
+    _mla_decode_split_kernel[grid](
+        q, kv_cache, kv_n, kv_p, page_table, seq_lens, out, part_o, part_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
@@ -328,7 +304,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         Q_LEN=q_len, R=R, P=P, BLOCK_P=max(16, P), PAGE_SIZE=page_size,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
         DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
