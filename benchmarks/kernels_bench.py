@@ -439,6 +439,30 @@ def _sdpa_backends(rep, sz, q, k_nope, k_rope, v, scale, base, flops):
             print(f"prefill_sweep sdpa {name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 
 
+def run_launch(rep: Report, sz: Sizes):
+    """What one kernel costs in a CUDA graph whatever its work (the batch-1 decode step is ~400 such kernels in a
+    row): sz.launch_n back-to-back launches of a one-store Triton kernel (1 and 132 programs), and of the batch-1
+    add_rms_norm ([1, 2048] bf16), timed as graph replays, per launch."""
+    import triton
+    import triton.language as tl
+
+    from mlaserve.kernels.rmsnorm import add_rms_norm
+
+    @triton.jit
+    def _one_store(Out):
+        tl.store(Out + tl.program_id(0), 1)
+
+    n = sz.launch_n
+    flag = torch.zeros(132, dtype=torch.int32, device=sz.dev)
+    for programs in (1, 132):
+        ms = bench(lambda p=programs: [_one_store[(p,)](flag, num_warps=1) for _ in range(n)], sz) / n
+        rep.add("launch", f"one-store kernel, {programs} programs", ms, programs=programs)
+    x, r = torch.randn(1, 2048, device=sz.dev).to(BF), torch.randn(1, 2048, device=sz.dev).to(BF)
+    w = torch.ones(2048, device=sz.dev).to(BF)
+    ms = bench(lambda: [add_rms_norm(x, r, w, 1e-6) for _ in range(n)], sz) / n
+    rep.add("launch", "add_rms_norm [1, 2048] bf16", ms, 4 * 2048 * 2)
+
+
 def run_routing(rep: Report, sz: Sizes):
     from mlaserve.kernels.routing import route_noaux_tc_logits
     from mlaserve.layers.moe import route_noaux_tc
@@ -486,7 +510,7 @@ def run_rope(rep: Report, sz: Sizes):
 
 SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
             "moe_layers": run_moe_layers, "moe_shared": run_moe_shared, "moe_decode": run_moe_decode,
-            "lin_decode": run_linear_decode, "mla_sweep": run_mla_sweep,
+            "lin_decode": run_linear_decode, "launch": run_launch, "mla_sweep": run_mla_sweep,
             "moe_sweep": run_moe_sweep, "prefill_sweep": run_prefill_sweep}  # sweeps last
 SWEEPS = ("moe_layers", "moe_shared", "moe_decode", "lin_decode", "mla_sweep", "moe_sweep", "prefill_sweep")
 
