@@ -178,10 +178,6 @@ def cases(quick: bool):
             torch.empty(4, R + P, dtype=bf)[:, R:], cs, cs)
         q = torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]
         yield f"rope_q H={H} P={P}", rope_q, (q, cs, cs, q)
-        yield f"rope_store_kv + norm + rope q H={H} R={R}", rope_store_kv, (
-            torch.empty(8, 64, R + P, dtype=bf), torch.zeros(4, dtype=torch.int64), torch.empty(4, R, dtype=bf),
-            torch.empty(4, R + P, dtype=bf)[:, R:], cs, cs, torch.empty(R, dtype=bf), 1e-6, q,
-            torch.empty(4, H, R + P, dtype=bf)[..., R:])
     from mlaserve.kernels.gqa_decode import gqa_decode, gqa_store_kv
     from mlaserve.kernels.rmsnorm import add_rms_norm, rms_norm
     from mlaserve.kernels.silu_mul import silu_mul

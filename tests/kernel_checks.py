@@ -247,11 +247,9 @@ def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: i
 
 
 def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int, num_pages: int,
-                        norm: bool = False, q_heads: int = 0):
+                        norm: bool = False):
     """norm: the kv_a_layernorm fused into the store, against layers.norm.RMSNorm's torch form then the store.
-    The fused norm must equal the unfused kernels bit for bit (greedy outputs must not move).
-    q_heads: also the decode query's RoPE in the same launch, for the first T - 3 tokens (padding slots included),
-    into a NaN-poisoned strided view; equal to rope_q's (bit for bit on the GPU)."""
+    The fused norm must equal the unfused kernels bit for bit (greedy outputs must not move)."""
     from mlaserve.kernels.reference import rope_store_kv_ref
     from mlaserve.kernels.rope_kv import rope_store_kv
     from mlaserve.layers.norm import RMSNorm
@@ -265,22 +263,13 @@ def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int
     pos = torch.randint(0, 4096, (T,), device=device).float()
     freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
     cos, sin = freqs.cos() * 1.1, freqs.sin() * 1.1
-    qkw = {}
-    if q_heads:
-        from mlaserve.kernels.reference import rope_q_ref
-        from mlaserve.kernels.rope_kv import rope_q
-
-        Tq, H = T - 3, q_heads
-        q_pe = torch.randn(T, H, 16 + P, device=device).to(dtype)[:Tq, :, 16:]  # q[:Td, :, N:]
-        q_out = nan_like((Tq, H, 8 + P), dtype, device)[..., 8:]  # Q[..., R:]
-        qkw = dict(q_pe=q_pe, q_out=q_out)
     if norm:
         ln = RMSNorm(R, eps=1e-6, dtype=dtype).to(device)
         ln.weight.data.copy_(1 + 0.1 * torch.randn(R, device=device))
         h = c_kv.float()  # RMSNorm's torch form (the module itself takes the GPU kernel on CUDA)
         normed = ln.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
         ref = rope_store_kv_ref(cache, slots, normed, k_pe, cos, sin)
-        rope_store_kv(cache, slots, c_kv, k_pe, cos, sin, ln.weight, 1e-6, **qkw)
+        rope_store_kv(cache, slots, c_kv, k_pe, cos, sin, ln.weight, 1e-6)
         if device == "cuda":  # bit for bit against the unfused kernels
             unfused = cache.clone()
             rope_store_kv(unfused, slots, ln(c_kv), k_pe, cos, sin)
@@ -288,12 +277,7 @@ def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int
                                cache.view(-1, R + P)[slots[slots >= 0]]), "fused kv norm differs from the unfused"
     else:
         ref = rope_store_kv_ref(cache, slots, c_kv, k_pe, cos, sin)
-        rope_store_kv(cache, slots, c_kv, k_pe, cos, sin, **qkw)
-    if q_heads:
-        assert_close(q_out, rope_q_ref(q_pe, cos[:Tq], sin[:Tq]), dtype, f"store's rope q T={Tq} H={H} P={P}")
-        if device == "cuda":  # bit for bit against the rope_q kernel it replaces
-            alone = rope_q(q_pe, cos[:Tq], sin[:Tq], torch.empty_like(q_pe))
-            assert torch.equal(alone, q_out), "the store's query RoPE differs from rope_q's"
+        rope_store_kv(cache, slots, c_kv, k_pe, cos, sin)
     written = torch.zeros(num_pages * page_size, dtype=torch.bool, device=device)
     written[slots[slots >= 0]] = True
     flat, rflat = cache.view(-1, R + P), ref.view(-1, R + P)

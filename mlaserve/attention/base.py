@@ -110,11 +110,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def store_kv(self, layer_id: int, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, batch: ForwardBatch, norm=None, q_rope=None) -> None:
+                 sin: torch.Tensor, batch: ForwardBatch, norm=None) -> None:
         """Write [c_kv | rope(k_pe)] for every token of the batch at its slot. c_kv [T, R], k_pe [T, P].
-        norm (an RMSNorm, the kv_a_layernorm): store [norm(c_kv) | rope(k_pe)] instead.
-        q_rope = (q_pe [Td, H, P], out [Td, H, P]): also out = rope_q(q_pe) for the first Td tokens (the decode
-        query's RoPE, in the same launch where the backend can)."""
+        norm (an RMSNorm, the kv_a_layernorm): store [norm(c_kv) | rope(k_pe)] instead."""
 
     @abstractmethod
     def decode(self, layer_id: int, q: torch.Tensor, scale: float, batch: ForwardBatch,

@@ -18,11 +18,8 @@ class TorchRefBackend(AttentionBackend):
         pages = batch.page_table[i, :n_pages].long()
         return self.kv_cache[layer_id, pages].reshape(n_pages * self.page_size, -1)[:L]
 
-    def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch, norm=None, q_rope=None):
+    def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch, norm=None):
         R = self.kv_lora_rank
-        if q_rope is not None:
-            q_pe, q_out = q_rope
-            self.rope_q(q_pe, cos[: q_pe.shape[0]], sin[: q_pe.shape[0]], q_out)
         if norm is not None:
             c_kv = norm(c_kv)
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]

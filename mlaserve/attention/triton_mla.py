@@ -54,12 +54,11 @@ class TritonMLABackend(AttentionBackend):
     def rope_q(self, x, cos, sin, out):
         return rope_q(x, cos, sin, out)
 
-    def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch, norm=None, q_rope=None):
+    def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch, norm=None):
         if norm is not None and norm.weight.dtype != c_kv.dtype:  # the fused norm needs one dtype
             c_kv, norm = norm(c_kv), None
-        q_pe, q_out = q_rope or (None, None)
         rope_store_kv(self.kv_cache[layer_id], batch.slot_mapping, c_kv, k_pe, cos, sin,
-                      None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps, q_pe, q_out)
+                      None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
 
     def decode(self, layer_id, q, scale, batch, out):
         nd = batch.num_decode_reqs

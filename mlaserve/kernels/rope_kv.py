@@ -1,5 +1,4 @@
-"""RoPE over interleaved pairs fused with the latent KV-cache write (and, for decode tokens, the query's RoPE in
-the same launch), and the query RoPE alone (layers.rotary.apply_rope).
+"""RoPE over interleaved pairs fused with the latent KV-cache write, and the query RoPE (layers.rotary.apply_rope).
 
 out[2i] = x[2i] cos[i] - x[2i+1] sin[i];  out[2i+1] = x[2i+1] cos[i] + x[2i] sin[i], computed in fp32.
 """
@@ -13,29 +12,12 @@ import triton.language as tl
 from .rmsnorm import _launch_args as _norm_launch_args
 
 
-@triton.jit(do_not_specialize=["Tq"])
-def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps, Qpe, Qout, Tq, H,
+@triton.jit
+def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
                           stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
-                          stride_qt, stride_qh, stride_qp, stride_ot, stride_oh, stride_op,
                           R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, NORM: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_H: tl.constexpr):
+                          PAGE_SIZE: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
-    i = tl.arange(0, BLOCK_HALF)
-    ok = i < HALF
-    cs = tl.load(Cos + t.to(tl.int64) * stride_cos + i, mask=ok, other=0.0)
-    sn = tl.load(Sin + t.to(tl.int64) * stride_sin + i, mask=ok, other=0.0)
-    if HAS_Q:  # the query's RoPE for the first Tq tokens (decode), graph padding included: [BLOCK_H, BLOCK_HALF]
-        if t < Tq:
-            h = tl.arange(0, BLOCK_H)
-            q_ok = (h < H)[:, None] & ok[None, :]
-            src = Qpe + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh
-            q0 = tl.load(src + (2 * i)[None, :] * stride_qp, mask=q_ok, other=0.0).to(tl.float32)
-            q1 = tl.load(src + (2 * i + 1)[None, :] * stride_qp, mask=q_ok, other=0.0).to(tl.float32)
-            qdst = Qout + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh
-            tl.store(qdst + (2 * i)[None, :] * stride_op,
-                     (q0 * cs[None, :] - q1 * sn[None, :]).to(Qout.dtype.element_ty), mask=q_ok)
-            tl.store(qdst + (2 * i + 1)[None, :] * stride_op,
-                     (q1 * cs[None, :] + q0 * sn[None, :]).to(Qout.dtype.element_ty), mask=q_ok)
     slot = tl.load(Slots + t)
     if slot < 0:  # padding token (CUDA graphs): no slot
         return
@@ -48,9 +30,13 @@ def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps, Qpe, Qou
         w = tl.load(NormW + r, mask=r < R, other=0.0)
         c = (w.to(tl.float32) * y.to(tl.float32)).to(Ckv.dtype.element_ty)
     tl.store(dst + r, c.to(Cache.dtype.element_ty), mask=r < R)
+    i = tl.arange(0, BLOCK_HALF)
+    ok = i < HALF
     src = Kpe + t.to(tl.int64) * stride_kt
     x0 = tl.load(src + (2 * i) * stride_kp, mask=ok, other=0.0).to(tl.float32)
     x1 = tl.load(src + (2 * i + 1) * stride_kp, mask=ok, other=0.0).to(tl.float32)
+    cs = tl.load(Cos + t.to(tl.int64) * stride_cos + i, mask=ok, other=0.0)
+    sn = tl.load(Sin + t.to(tl.int64) * stride_sin + i, mask=ok, other=0.0)
     tl.store(dst + R + 2 * i, (x0 * cs - x1 * sn).to(Cache.dtype.element_ty), mask=ok)
     tl.store(dst + R + 2 * i + 1, (x1 * cs + x0 * sn).to(Cache.dtype.element_ty), mask=ok)
 
@@ -87,20 +73,12 @@ def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None
 
 def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6, q_pe: torch.Tensor | None = None, q_out: torch.Tensor | None = None) -> None:
+                  eps: float = 1e-6) -> None:
     """kv_cache [pages, page_size, R+P]; slot_mapping [T] int64 (page * page_size + offset; < 0 skips);
     c_kv [T, R], k_pe [T, P] (strided views allowed); cos/sin [T, P/2] fp32. Writes [c_kv | rope(k_pe)], or with
-    norm_weight [R] (c_kv's dtype) [rms_norm(c_kv) | rope(k_pe)]: the kv_a_layernorm in the same launch.
-    q_pe [Tq, H, P] (Tq <= T: the batch's first tokens) with q_out [Tq, H, P] (any strides): also
-    q_out = rope(q_pe), as rope_q computes it (the decode query's RoPE in the same launch)."""
+    norm_weight [R] (c_kv's dtype) [rms_norm(c_kv) | rope(k_pe)]: the kv_a_layernorm in the same launch."""
     T, R = c_kv.shape
     P = k_pe.shape[-1]
-    if (q_pe is None) != (q_out is None):
-        raise ValueError("q_pe and q_out go together")
-    Tq, H = (0, 1) if q_pe is None else q_pe.shape[:2]
-    if q_pe is not None and (q_pe.dim() != 3 or Tq > T or q_pe.shape[-1] != P or q_out.shape != q_pe.shape):
-        raise ValueError(f"q_pe and q_out must be [Tq <= {T}, H, {P}], got {tuple(q_pe.shape)} / "
-                         f"{tuple(q_out.shape)}")
     if norm_weight is not None and (norm_weight.shape != (R,) or norm_weight.dtype != c_kv.dtype):
         raise ValueError(f"norm_weight must be [{R}] {c_kv.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}")
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != R + P or kv_cache.stride(-1) != 1:
@@ -114,16 +92,13 @@ def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torc
         raise ValueError(f"page_size={page_size} must be a power of two")
     if T == 0:
         return
-    qs = (0, 0, 0) if q_pe is None else q_pe.stride()
-    os_ = (0, 0, 0) if q_out is None else q_out.stride()
     _rope_store_kv_kernel[(T,)](
         kv_cache, slot_mapping, c_kv, k_pe, cos, sin, c_kv if norm_weight is None else norm_weight, float(eps),
-        c_kv if q_pe is None else q_pe, c_kv if q_out is None else q_out, Tq, H,
         kv_cache.stride(0), kv_cache.stride(1), c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
-        cos.stride(0), sin.stride(0), *qs, *os_,
+        cos.stride(0), sin.stride(0),
         R=R, BLOCK_R=triton.next_power_of_2(R), HALF=P // 2, BLOCK_HALF=triton.next_power_of_2(P // 2),
         # with the norm: rms_norm's warps, hence its reduction order, so the two paths round alike
-        PAGE_SIZE=page_size, NORM=norm_weight is not None, HAS_Q=q_pe is not None, BLOCK_H=triton.next_power_of_2(H),
+        PAGE_SIZE=page_size, NORM=norm_weight is not None,
         num_warps=(4 if R >= 256 else 1) if norm_weight is None else _norm_launch_args(R)["num_warps"],
     )
 

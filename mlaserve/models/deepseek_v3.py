@@ -141,17 +141,13 @@ class DeepseekV3Attention(nn.Module):
         else:
             q, kv_a = linear_many(x, self.q_proj, self.kv_a_proj_with_mqa)
         q = q.view(T, H, N + self.P)  # [T, H, N+P]
-        Td = batch.num_decode_tokens
-        # The decode tokens' absorbed query [Td, H, R+P] = [q_nope @ w_kc | rope(q_pe)]; its RoPE half is written
-        # by the KV store's launch
-        Q = q.new_empty(Td, H, R + self.P) if Td else None
         # kv_a [T, R+P]: the cache gets [kv_a_layernorm(c_kv) | rope(k_pe)], normalised inside the store
-        batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm,
-                            q_rope=(q[:Td, :, N:], Q[..., R:]) if Td else None)
+        batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm)
 
         out = x.new_empty(T, H * V)  # caller-owned output of both forms
+        Td = batch.num_decode_tokens
         if Td:
-            self.forward_absorbed(q[:Td], Q, batch, out[:Td])
+            self.forward_absorbed(q[:Td], cos[:Td], sin[:Td], batch, out[:Td])
         if Td < T:
             self.forward_naive(q[Td:], cos[Td:], sin[Td:], batch, out[Td:])
         out = self.o_proj(out)
@@ -166,10 +162,11 @@ class DeepseekV3Attention(nn.Module):
         T = o_lat.shape[0]
         torch.bmm(o_lat.transpose(0, 1), self.w_vc, out=out.view(T, self.H, self.V).transpose(0, 1))
 
-    def forward_absorbed(self, q, Q, batch, out) -> None:
-        """q [Td, H, N+P]; Q [Td, H, R+P] with rope(q_pe) already in Q[..., R:] (the KV store wrote it)."""
+    def forward_absorbed(self, q, cos, sin, batch, out) -> None:
         T, H, R = q.shape[0], self.H, self.R
+        Q = q.new_empty(T, H, R + self.P)  # [T, H, R+P]: absorbed q_nope | rope(q_pe)
         self.absorb_q(q[..., : self.N], Q)
+        batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., R:])
         o_lat = batch.attn.decode(self.layer_id, Q, self.scale, batch, out=q.new_empty(T, H, R))  # [T, H, R]
         self.absorb_out(o_lat, out)
 

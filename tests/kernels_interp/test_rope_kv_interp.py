@@ -11,21 +11,6 @@ from tests.kernel_checks import check_rope_q, check_rope_store_kv
 def test_rope_store_kv(kdev, dtype, R, P, page):
     check_rope_store_kv(kdev, dtype, T=11, R=R, P=P, page_size=page, num_pages=3)
     check_rope_store_kv(kdev, dtype, T=11, R=R, P=P, page_size=page, num_pages=3, norm=True)
-    check_rope_store_kv(kdev, dtype, T=11, R=R, P=P, page_size=page, num_pages=3, q_heads=5)
-    check_rope_store_kv(kdev, dtype, T=11, R=R, P=P, page_size=page, num_pages=3, norm=True, q_heads=3)
-
-
-def test_rope_store_kv_q_rope_checks(kdev):
-    from mlaserve.kernels.rope_kv import rope_store_kv
-
-    cache = torch.zeros(2, 16, 40, device=kdev)
-    slots = torch.arange(4, device=kdev)
-    c_kv, k_pe, cos = torch.randn(4, 32, device=kdev), torch.randn(4, 8, device=kdev), torch.rand(4, 4, device=kdev)
-    q = torch.randn(5, 2, 8, device=kdev)
-    with pytest.raises(ValueError, match="go together"):
-        rope_store_kv(cache, slots, c_kv, k_pe, cos, cos, q_pe=q[:4])
-    with pytest.raises(ValueError, match="Tq <= 4"):
-        rope_store_kv(cache, slots, c_kv, k_pe, cos, cos, q_pe=q, q_out=q.clone())
 
 
 @pytest.mark.parametrize("alias", [False, True])
