@@ -312,6 +312,10 @@ def run_moe_decode(rep: Report, sz: Sizes):
         torch.cuda.empty_cache()
 
 
+GEMV_CFGS = [(16, 2048, 8), (16, 2048, 4), (8, 2048, 4), (8, 2048, 2), (32, 2048, 8), (32, 2048, 16),
+             (16, 1024, 4), (8, 1024, 4), (32, 1024, 8), (16, 512, 4), (4, 2048, 4), (64, 512, 8)]
+
+
 def run_linear_decode(rep: Report, sz: Sizes):
     """The decode-sized dense projections (M1: q|kv_a [3648, 2048], o_proj [2048, 2048]) as F.linear (the
     engine's cuBLAS GEMM), torch.mv and W @ x^T, over sz.layers weights in turn."""
@@ -325,11 +329,19 @@ def run_linear_decode(rep: Report, sz: Sizes):
             ref = F.linear(x.float(), ws[0].float())
             variants = {"F.linear": lambda w: F.linear(x, w), "W @ x^T": lambda w: (w @ x.t()).t()}  # noqa: B023
             if T == 1:
+                from mlaserve.kernels.gemv import gemv
+
                 variants["torch.mv"] = lambda w: torch.mv(w, x[0])[None]  # noqa: B023
+                for bn, bk, nw in GEMV_CFGS[: sz.moe_sweep_max_cfgs * 2]:
+                    c = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
+                    variants[f"gemv N{bn} K{bk} w{nw}"] = lambda w, c=c: gemv(x, w, c)  # noqa: B023
             for name, fn in variants.items():
-                err = rel(fn(ws[0]), ref)
-                ms = bench(lambda f=fn: [f(w) for w in ws], sz) / L  # noqa: B023
-                rep.add("lin_decode", f"[{N}, {Kd}] T={T} {name}", ms, N * Kd * 2, err=err, T=T)
+                try:
+                    err = rel(fn(ws[0]), ref)
+                    ms = bench(lambda f=fn: [f(w) for w in ws], sz) / L  # noqa: B023
+                    rep.add("lin_decode", f"[{N}, {Kd}] T={T} {name}", ms, N * Kd * 2, err=err, T=T)
+                except Exception as e:  # e.g. out of registers
+                    print(f"lin_decode [{N}, {Kd}] T={T} {name}: {type(e).__name__}: {str(e)[:120]}")
         ws = None
 
 
