@@ -178,6 +178,10 @@ def cases(quick: bool):
             torch.empty(4, R + P, dtype=bf)[:, R:], cs, cs)
         q = torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]
         yield f"rope_q H={H} P={P}", rope_q, (q, cs, cs, q)
+    from mlaserve.kernels.gemv import gemv
+
+    for N, K in [(3648, 2048), (2048, 2048), (1000, 7168)]:
+        yield f"gemv N={N} K={K}", gemv, (torch.empty(1, K, dtype=bf), torch.empty(N, K, dtype=bf))
     from mlaserve.kernels.gqa_decode import gqa_decode, gqa_store_kv
     from mlaserve.kernels.rmsnorm import add_rms_norm, rms_norm
     from mlaserve.kernels.silu_mul import silu_mul

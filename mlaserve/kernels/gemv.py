@@ -3,7 +3,8 @@
 cuBLAS runs the batch-1 projections as 64x8-tile GEMMs that reach a third to a half of the HBM bandwidth on M1's
 [2048, 2048] and [3648, 2048] weights (6.0 / 6.7 us, kernels_bench lin_decode). Here each program owns BLOCK_N
 output columns and loads their [BLOCK_N, BLOCK_K] weight slab as one register tile (BLOCK_K = K: one trip, every
-load in flight together), multiplies by x in fp32 and reduces over K.
+load in flight together), multiplies by x in fp32 and reduces over K. layers.linear sends batch-1 projections of
+up to GEMV_MAX_BYTES of weight here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+GEMV_MAX_BYTES = 16 << 20  # measured up to M1's 15 MB q|kv_a; larger weights stream well through cuBLAS
 
 
 @triton.jit
@@ -31,19 +34,26 @@ def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 
 def gemv_config(N: int, K: int) -> dict:
-    return dict(BLOCK_N=16, BLOCK_K=min(triton.next_power_of_2(K), 2048), num_warps=8)
+    """H200, M1's weights of 8 layers in turn (kernels_bench lin_decode, 2026-11-30): two columns a program, the
+    whole K=2048 row in one trip, 2 warps: [2048, 2048] 3.9 us and [3648, 2048] 5.3 us against cuBLAS's 5.9 / 6.7;
+    4 columns 4.5 / 5.8, 16 columns 5.5 / 6.5 (more, smaller programs keep more loads in flight)."""
+    return dict(BLOCK_N=2, BLOCK_K=min(triton.next_power_of_2(K), 2048), num_warps=2)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [1, K], w [N, K] (unit last strides, one dtype) -> [1, N] in x.dtype; F.linear(x, w) up to fp32
-    summation order."""
+def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K], w [N, K] (unit last strides, one dtype) -> [1, N] in x.dtype (new, or `out`, contiguous);
+    F.linear(x, w) up to fp32 summation order. config (benchmarks, tests): BLOCK_N, BLOCK_K, num_warps."""
     if x.dim() != 2 or x.shape[0] != 1 or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [1, K] and [N, K]")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype:
         raise ValueError("x and w need one dtype and a unit last stride")
     N, K = w.shape
     cfg = dict(gemv_config(N, K), **(config or {}))
-    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    elif out.shape != (1, N) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {N}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    y = out
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, w, y, N, K, w.stride(0), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"])

@@ -57,10 +57,22 @@ class Linear(nn.Module):
             checked_copy(param, shard_of(src, 0 if self.shard == "col" else 1, self.rank, self.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shard={self.shard}"
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T. A batch-1 row times a small weight (decode's q|kv_a and o_proj) goes to the Triton GEMV on the
+    GPU, which streams the weight faster than cuBLAS's GEMM there (kernels/gemv.py); all else to F.linear."""
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == w.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and w.stride(-1) == 1):
+        from ..kernels.gemv import GEMV_MAX_BYTES, gemv
+
+        if w.numel() * w.element_size() <= GEMV_MAX_BYTES:
+            return gemv(x, w)
+    return F.linear(x, w)
 
 
 def stack_rows(*linears: Linear) -> None:
@@ -90,7 +102,7 @@ def linear_many(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
         rows += w.shape[0]
     if not ok:
         return [lin(x) for lin in linears]
-    y = F.linear(x, w0.as_strided((rows, w0.shape[1]), (w0.shape[1], 1)))  # [T, sum(out)]
+    y = linear(x, w0.as_strided((rows, w0.shape[1]), (w0.shape[1], 1)))  # [T, sum(out)]
     outs, col = [], 0
     for lin in linears:
         outs.append(y[..., col:col + lin.weight.shape[0]])

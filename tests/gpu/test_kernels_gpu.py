@@ -367,3 +367,22 @@ def test_model_triton_backend_matches_torch_ref(tiny_ckpt, dtype):
     for moe in ("torch", "triton"):
         errs = check_model_backends(tiny_ckpt, "cuda", dtype, moe)
         print(f"model logits rel err ({dtype}, moe={moe}): {errs}")
+
+
+@pytest.mark.parametrize("N,K", [(3648, 2048), (2048, 2048), (1000, 7168), (576, 1536)])
+def test_gemv_real(N, K):
+    """The batch-1 GEMV on real projection shapes (M1's q|kv_a and o_proj; a multi-trip K; a masked K tile)
+    against fp32, into a NaN-poisoned buffer; inside a CUDA graph it equals its eager launch bit for bit, and
+    layers.linear sends a batch-1 bf16 row to it."""
+    from mlaserve.kernels.gemv import gemv
+    from mlaserve.layers.linear import linear
+
+    x = torch.randn(1, K, device="cuda").to(BF)
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(BF)
+    out = torch.full((1, N), float("nan"), device="cuda", dtype=BF)
+    gemv(x, w, out=out)
+    kc.assert_close(out, F.linear(x.float(), w.float()), BF, f"gemv N={N} K={K}")
+    g, y = kc.cuda_graph(lambda: linear(x, w))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, out)

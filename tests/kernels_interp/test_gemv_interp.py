@@ -1,0 +1,40 @@
+"""The batch-1 GEMV against F.linear in fp32 under the interpreter: even and masked tiles, multi-trip K, strided
+rows, a NaN-poisoned output, and the dispatch rule of layers.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernel_checks import assert_close, nan_like
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K,cfg", [(24, 64, None), (7, 100, None), (10, 96, dict(BLOCK_N=4, BLOCK_K=32)),
+                                     (9, 200, dict(BLOCK_N=2, BLOCK_K=64, num_warps=1))])
+def test_gemv(kdev, dtype, N, K, cfg):
+    from mlaserve.kernels.gemv import gemv
+
+    x = torch.randn(3, K + 5, device=kdev).to(dtype)[1:2, 5:]  # a strided row
+    w = torch.randn(N, K + 3, device=kdev).to(dtype)[:, :K]  # strided rows, unit last stride
+    out = nan_like((1, N), dtype, kdev)
+    assert gemv(x, w, cfg, out=out) is out
+    assert_close(out, F.linear(x.float(), w.float()), dtype, f"gemv N={N} K={K} {cfg}")
+
+
+def test_gemv_checks(kdev):
+    from mlaserve.kernels.gemv import gemv
+
+    x, w = torch.randn(1, 8, device=kdev), torch.randn(4, 8, device=kdev)
+    with pytest.raises(ValueError, match=r"\[1, K\]"):
+        gemv(torch.randn(2, 8, device=kdev), w)
+    with pytest.raises(ValueError, match="one dtype"):
+        gemv(x.double(), w)
+    with pytest.raises(ValueError, match=r"contiguous \[1, 4\]"):
+        gemv(x, w, out=torch.empty(1, 5, device=kdev))
+
+
+def test_linear_dispatch_stays_on_f_linear_off_gpu():
+    from mlaserve.layers.linear import linear
+
+    x, w = torch.randn(1, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, w), F.linear(x, w))  # CPU: F.linear itself
