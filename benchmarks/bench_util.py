@@ -44,6 +44,8 @@ class Sizes:
     # moe_shared: the MoE block with the shared experts fused into the Triton MoE vs not, over `layers` layers
     shared_preset: str = "moonlight-16b-a3b"
     shared_T: tuple = (1, 2, 4, 16, 64, 256)
+    # moe_norm: the MoE sum with the add + norm after it fused in vs not (kernels, and the shared_preset block)
+    norm_T: tuple = (1, 4, 32, 256)
     # moe_decode: the first moe shape with this many shared slots fused in, tiles swept at these T
     decode_shared: int = 2
     decode_T: tuple = (1, 4, 8, 32)
@@ -59,7 +61,7 @@ def smoke_sizes() -> Sizes:
                  moe_sweep_shapes=("tiny",), moe_sweep_decode_T=(1, 8), moe_sweep_max_cfgs=2,
                  prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24), prefill_sweep=(2, 16, 8, 24, 40, 40),
                  routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,),
-                 layers=2, layers_T=(1,), shared_preset="tiny", shared_T=(1, 3),
+                 layers=2, layers_T=(1,), shared_preset="tiny", shared_T=(1, 3), norm_T=(1, 5),
                  decode_shared=1, decode_T=(1,), decode_linears=((24, 16),), decode_linear_T=(1,), launch_n=2)
 
 

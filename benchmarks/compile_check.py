@@ -190,6 +190,13 @@ def cases(quick: bool):
         yield f"rms_norm D={D}", rms_norm, (torch.empty(4, D, dtype=bf), torch.empty(D, dtype=bf), 1e-6)
         yield f"add_rms_norm D={D}", add_rms_norm, (torch.empty(4, D, dtype=bf), torch.empty(4, D, dtype=bf),
                                                     torch.empty(D, dtype=bf), 1e-6)
+    from mlaserve.kernels.moe_sum import moe_sum
+
+    for D, K in ((2048, 6), (7168, 8), (64, 2)):  # the MoE's sum over k with the next add + norm fused in
+        for dtype in (bf, torch.float32):
+            yield f"moe_sum+norm D={D} K={K} {dtype}", moe_sum, (
+                torch.empty(4 * K, D, dtype=dtype), torch.zeros(4, K, dtype=torch.int64), 0, 64,
+                torch.empty(4, D, dtype=dtype), (torch.empty(D, dtype=dtype), 1e-6, torch.empty(4, D, dtype=dtype)))
     for I in (1408, 2816, 18432):
         gu = torch.empty(4, 2 * I, dtype=bf)
         yield f"silu_mul I={I}", silu_mul, (gu[:, :I], gu[:, I:])

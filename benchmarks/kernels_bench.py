@@ -271,6 +271,55 @@ def run_moe_shared(rep: Report, sz: Sizes):
         torch.cuda.empty_cache()
 
 
+def run_moe_norm(rep: Report, sz: Sizes):
+    """The add + RMSNorm after the MoE fused into its sum over top-k (one kernel) against the sum then add_rms_norm
+    (two): the kernels alone on the moe shapes' per-(token, k) rows, then the MoE block plus the norm after it
+    (DeepseekV3MoE(x, norm, residual), fuse_norm on/off) per layer over sz.layers layers' weights in turn.
+    err: fused against unfused (0: bit-equal, as it must be)."""
+    from mlaserve.config import ModelConfig
+    from mlaserve.distributed.tp import RankInfo
+    from mlaserve.kernels.moe_sum import moe_sum
+    from mlaserve.kernels.rmsnorm import add_rms_norm
+    from mlaserve.layers.norm import RMSNorm
+    from mlaserve.models.deepseek_v3 import DeepseekV3MoE
+    from mlaserve.models.make_random import load_preset
+    from mlaserve.models.weights import init_dummy_weights
+
+    for name, (D, _, E, K) in sz.moe.items():
+        w = (1 + 0.1 * torch.randn(D, device=sz.dev)).to(BF)
+        for T in sz.norm_T:
+            y, ids = torch.randn(T * K, D, device=sz.dev).to(BF), torch.rand(T, E, device=sz.dev).topk(K, -1).indices
+            res, add = torch.randn(T, D, device=sz.dev).to(BF), torch.randn(T, D, device=sz.dev).to(BF)
+            ref = add_rms_norm(moe_sum(y, ids, 0, E, add), res, w, 1e-6)
+            err = rel(moe_sum(y, ids, 0, E, add, norm=(w, 1e-6, res))[0], ref[0])
+            for fused in (False, True):
+                fn = ((lambda: moe_sum(y, ids, 0, E, add, norm=(w, 1e-6, res))) if fused else  # noqa: B023
+                      (lambda: add_rms_norm(moe_sum(y, ids, 0, E, add), res, w, 1e-6)))  # noqa: B023
+                rep.add("moe_norm", f"{name} sum+add+norm T={T} {'fused' if fused else 'two kernels'}",
+                        bench(fn, sz), (T * K + 4 * T) * D * 2, err=err if fused else None, T=T, fused=fused)
+    cfg = ModelConfig.from_hf(load_preset(sz.shared_preset))
+    with torch.device(sz.dev):
+        layers = [DeepseekV3MoE(cfg, RankInfo(), BF, "triton") for _ in range(sz.layers)]
+        norms = [RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=BF) for _ in range(sz.layers)]
+    for i, (layer, norm) in enumerate(zip(layers, norms)):
+        init_dummy_weights(layer, seed=i)
+        norm.weight.data.normal_(1.0, 0.1)
+    for T in sz.norm_T:
+        x, res = (torch.randn(T, cfg.hidden_size, device=sz.dev).to(BF) for _ in range(2))
+        unfused = None
+        for fused in (False, True):
+            for layer, norm in zip(layers, norms):
+                layer.fuse_norm = fused
+                out = layer(x, norm, res)[0]  # compiles, and the router's one-time bf16 check before capture
+            unfused = out if unfused is None else unfused
+            ms = bench(lambda: [layer(x, norm, res) for layer, norm in zip(layers, norms)], sz) / len(layers)  # noqa: B023
+            rep.add("moe_norm", f"{sz.shared_preset} block+norm T={T} {'fused' if fused else 'unfused'}", ms,
+                    err=rel(out, unfused) if fused else None, T=T, fused=fused, layers=len(layers))
+    layers = None
+    if sz.dev == "cuda":
+        torch.cuda.empty_cache()
+
+
 # decode MoE as the engine runs it (shared experts fused in: K + S pairs per token), gemm1 and gemm2 tiles swept
 # apart (the other GEMM on its default), over sz.layers layers' weights in turn (cold L2, as in the engine)
 MOE_DEC_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3), (32, 256, 4, 3),
@@ -521,10 +570,11 @@ def run_rope(rep: Report, sz: Sizes):
 
 
 SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
-            "moe_layers": run_moe_layers, "moe_shared": run_moe_shared, "moe_decode": run_moe_decode,
-            "lin_decode": run_linear_decode, "launch": run_launch, "mla_sweep": run_mla_sweep,
+            "moe_layers": run_moe_layers, "moe_shared": run_moe_shared, "moe_norm": run_moe_norm,
+            "moe_decode": run_moe_decode, "lin_decode": run_linear_decode, "launch": run_launch,
+            "mla_sweep": run_mla_sweep,
             "moe_sweep": run_moe_sweep, "prefill_sweep": run_prefill_sweep}  # sweeps last
-SWEEPS = ("moe_layers", "moe_shared", "moe_decode", "lin_decode", "mla_sweep", "moe_sweep", "prefill_sweep")
+SWEEPS = ("moe_layers", "moe_shared", "moe_norm", "moe_decode", "lin_decode", "mla_sweep", "moe_sweep", "prefill_sweep")
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,6 @@
 """Fused MoE experts: align (token, k) pairs into per-expert blocks, grouped GEMM1 with SiLU(gate)*up fused,
-grouped GEMM2 with the top-k weight fused, then the sum over k. No host sync; buffers sized from shapes only.
+grouped GEMM2 with the top-k weight fused, then the sum over k (moe_sum.py; optionally with the add + RMSNorm that
+follows the MoE block fused in). No host sync; buffers sized from shapes only.
 
 Align (moe_align.py) lays the owned pairs out per expert in padded blocks of BLOCK_M rows (sentinel T*K in the
 padding) and writes each block's expert; every row's output is independent of the others in its block.
@@ -18,6 +19,7 @@ import triton.language as tl
 
 from .moe_align import moe_align
 from .moe_config import moe_config
+from .moe_sum import moe_sum
 
 NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 
@@ -151,25 +153,6 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["expert_offset"])
-def _moe_sum_kernel(Y, TopkIds, Out, Add, D, expert_offset, E_LOCAL, stride_add, TOPK: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
-    """Out[t] = sum over k of Y[(t, k)], skipping experts this rank does not own (their rows were never written);
-    plus Add[t] (the shared experts' output) after rounding the sum, as `routed + shared` in the dtype rounds."""
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ok = offs < D
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for k in tl.static_range(TOPK):
-        e = tl.load(TopkIds + t * TOPK + k) - expert_offset
-        if (e >= 0) & (e < E_LOCAL):
-            acc += tl.load(Y + (t * TOPK + k).to(tl.int64) * D + offs, mask=ok, other=0.0).to(tl.float32)
-    if HAS_ADD:
-        acc = acc.to(Out.dtype.element_ty).to(tl.float32) + tl.load(
-            Add + t.to(tl.int64) * stride_add + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + t.to(tl.int64) * D + offs, acc.to(Out.dtype.element_ty), mask=ok)
-
-
 def _check_shared(shared, I: int, D: int, dtype) -> int:
     """shared = (gate [S*I, D], up [S*I, D], down [D, S*I]), the shared MLP's rank-local weights -> S."""
     w1, w3, w2 = shared
@@ -184,12 +167,14 @@ def _check_shared(shared, I: int, D: int, dtype) -> int:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None,
-                  add: torch.Tensor | None = None, shared: tuple | None = None) -> torch.Tensor:
+                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None):
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
     topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
     shared = (gate [S*I, D], up [S*I, D], down [D, S*I]): S more local experts E_local .. E_local+S-1 (ids
     offset + E_local + s), slot s being channels [s*I, (s+1)*I) of that MLP, read in place.
+    norm = (weight [D], eps, residual [T, D]): the add + RMSNorm that follows the MoE, fused into its sum over k
+    (moe_sum.py) -> (norm(out + residual), out + residual), bit-equal to add_rms_norm(out, residual, weight, eps).
     config (benchmarks, tests): moe_config overrides, flat or
     {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS)."""
     T, D = x.shape
@@ -205,15 +190,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         raise ValueError(f"x {x.dtype}, w13 {w13.dtype} and w2 {w2.dtype} must share a dtype")
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("x, w13 and w2 need a unit stride in their last dim")
-    if add is not None and (add.shape != (T, D) or add.dtype != x.dtype or add.stride(-1) != 1):
-        raise ValueError(f"add must be [{T}, {D}] {x.dtype} with a unit last stride, got {tuple(add.shape)} "
-                         f"{add.dtype}")
     S = 0 if shared is None else _check_shared(shared, I, D, x.dtype)
     w1s, w3s, w2s = shared if S else (w13, w13, w2)  # unused without shared experts (any pointer will do)
     E_all = E + S  # the routed experts, then the shared slots
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
-        return out
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E_all, add, norm)  # checks `add`/`norm`; empty
     TK = T * K
     config = dict(config or {})
     no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
@@ -242,8 +223,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
         num_warps=c2["num_warps"], num_stages=c2["num_stages"])
-    block_d = min(1024, triton.next_power_of_2(D))
-    _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, out if add is None else add, D, expert_offset,
-                                                    E_all, 0 if add is None else add.stride(0), TOPK=K,
-                                                    BLOCK_D=block_d, HAS_ADD=add is not None, num_warps=4)
-    return out
+    return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)

@@ -30,15 +30,22 @@ def _rmsnorm_kernel(X, W, Out, stride_x, stride_o, D, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _add_norm_row(x, Res, W, Out, Sum, row, stride_r, stride_o, stride_s, d, ok, D, eps):
+    """x: one row in fp32 (already rounded to the dtype). Stores s = x + residual rounded to the dtype (the new
+    residual stream), then norm(s). Also the tail of the MoE's fused sum over top-k (moe_sum.py)."""
+    r = tl.load(Res + row * stride_r + d, mask=ok, other=0.0).to(tl.float32)
+    s = (x + r).to(Sum.dtype.element_ty)
+    tl.store(Sum + row * stride_s + d, s, mask=ok)
+    _norm_row(s.to(tl.float32), W, Out, row, stride_o, d, ok, D, eps)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(X, Res, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, D, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < D
     x = tl.load(X + row * stride_x + d, mask=ok, other=0.0).to(tl.float32)
-    r = tl.load(Res + row * stride_r + d, mask=ok, other=0.0).to(tl.float32)
-    s = (x + r).to(Sum.dtype.element_ty)
-    tl.store(Sum + row * stride_s + d, s, mask=ok)
-    _norm_row(s.to(tl.float32), W, Out, row, stride_o, d, ok, D, eps)
+    _add_norm_row(x, Res, W, Out, Sum, row, stride_r, stride_o, stride_s, d, ok, D, eps)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -48,6 +55,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _launch_args(D: int) -> dict:
+    """One program per row: BLOCK and num_warps fix the layout of the row, so the order of the norm's reduction.
+    Every kernel that must round as these norms do launches with these (rope_kv.py, moe_sum.py)."""
     block = triton.next_power_of_2(D)
     return dict(BLOCK=block, num_warps=min(max(block // 256, 1), 16))
 

@@ -13,17 +13,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = new_param(dim, dtype=dtype)
 
+    def uses_kernel(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        """Whether forward runs the Triton kernel (kernels/rmsnorm.py) rather than the torch form. A kernel that
+        fuses this norm in (the MoE's sum, DeepseekV3MoE) may do so only then: it rounds as that kernel does."""
+        return (x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype
+                and (residual is None or residual.dtype == x.dtype))
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """-> norm(x); with `residual`: (norm(x + residual), x + residual)."""
-        fused = x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype
+        kernel = self.uses_kernel(x, residual)
         if residual is not None:
-            if fused and residual.dtype == x.dtype:
+            if kernel:
                 from ..kernels.rmsnorm import add_rms_norm
 
                 return add_rms_norm(x, residual, self.weight, self.eps)
             s = x + residual
             return self(s), s
-        if fused:  # one kernel on the GPU
+        if kernel:  # one kernel on the GPU
             from ..kernels.rmsnorm import rms_norm
 
             return rms_norm(x, self.weight, self.eps)

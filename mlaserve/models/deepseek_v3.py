@@ -35,9 +35,11 @@ class DeepseekV3MLP(nn.Module):
         stack_rows(self.gate_proj, self.up_proj)  # gate and up by one GEMM
         self.reduce = reduce and ranks.world_size > 1  # a replicated copy (the EAGLE3 draft) never reduces
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
+        """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual)."""
         y = self.down_proj(silu_mul(*linear_many(x, self.gate_proj, self.up_proj)))
-        return tp.all_reduce(y) if self.reduce else y
+        y = tp.all_reduce(y) if self.reduce else y
+        return y if norm is None else norm(y, residual)
 
 
 # Steps of up to this many tokens run the shared experts inside the fused MoE GEMMs (shared-experts fusion: in decode
@@ -73,8 +75,13 @@ class DeepseekV3MoE(nn.Module):
             i_local = cfg.moe_intermediate_size // ranks.moe_tp_size
             if self.shared_experts.gate_proj.out_features == cfg.n_shared_experts * i_local:
                 self.fuse_shared = cfg.n_shared_experts
+        # The add + norm after the block fused into the fused MoE's sum over top-k (Triton path, one rank: with TP
+        # the all-reduce comes between the sum and the add), where that norm runs its own kernel (the fused one
+        # rounds as that kernel does, so the two paths agree bit for bit).
+        self.fuse_norm = impl == "triton" and not self.reduce
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
+        """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual)."""
         S = 0  # shared slots the routing appends (shared-experts fusion)
         if self.impl == "triton":
             from ..kernels.routing import route_noaux_tc_fused
@@ -85,12 +92,14 @@ class DeepseekV3MoE(nn.Module):
             weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
         if S:  # ids [T, K+S]: the shared MLP runs inside the fused MoE as S more experts of weight 1.0
             sh = self.shared_experts
-            y = self.experts(x, weights, ids, impl="triton",
-                             shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
-        else:
-            shared = self.shared_experts(x) if self.shared_experts is not None else None
-            y = self.experts(x, weights, ids, impl=self.impl, add=shared)  # routed + shared, summed in one pass
-        return tp.all_reduce(y) if self.reduce else y
+            kw = dict(impl="triton", shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
+        else:  # routed + shared, summed in one pass
+            kw = dict(impl=self.impl, add=self.shared_experts(x) if self.shared_experts is not None else None)
+        if norm is not None and self.fuse_norm and norm.uses_kernel(x, residual):  # sum over k, add, norm: 1 kernel
+            return self.experts(x, weights, ids, norm=(norm.weight, norm.eps, residual), **kw)
+        y = self.experts(x, weights, ids, **kw)
+        y = tp.all_reduce(y) if self.reduce else y
+        return y if norm is None else norm(y, residual)
 
 
 class DeepseekV3Attention(nn.Module):
@@ -182,6 +191,11 @@ class DeepseekV3Attention(nn.Module):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
+    """Attention and MLP (or MoE), each added to the residual stream. The layer's input_layernorm is applied by
+    whoever produces its input (the model before layer 0, else the previous layer), and each layer ends with the
+    norm after it: every residual add is fused into the norm that follows it, and on one rank the Triton MoE's
+    sum over top-k into that add + norm too."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype, moe_impl: str):
         super().__init__()
         self.self_attn = DeepseekV3Attention(cfg, layer_id, ranks, dtype)
@@ -190,15 +204,12 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def forward(self, h, residual, cos, sin, batch):
-        """h: the previous layer's output, residual: the stream it adds to (None: h is the stream itself).
-        -> (this layer's output, the stream); each add is fused into the norm that follows it."""
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm(h, residual)
+    def forward(self, x, residual, cos, sin, batch, next_norm: RMSNorm):
+        """x = input_layernorm(residual), residual: the stream entering this layer; next_norm: the norm after it
+        (the next layer's input_layernorm, or the model's final norm). -> (next_norm(stream), stream), the stream
+        leaving this layer."""
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, batch), residual)
-        return self.mlp(x), residual
+        return self.mlp(x, next_norm, residual)
 
 
 class DeepseekV3Model(nn.Module):
@@ -228,20 +239,18 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.aux_layer_ids: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
-        h = self.model.embed_tokens(input_ids)  # [T, D]
+        residual = self.model.embed_tokens(input_ids)  # [T, D]: the stream entering layer 0
         cos, sin = self.model.rotary(positions)  # [T, P/2] each, fp32
-        aux, residual = {}, None
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        norms = [layer.input_layernorm for layer in layers] + [self.model.norm]  # norms[i]: the one before layer i
+        x, aux = norms[0](residual), {}
+        for i, layer in enumerate(layers):
             if i in self.aux_layer_ids:
-                if residual is not None:  # the stream entering layer i, materialised
-                    h, residual = h + residual, None
-                aux[i] = h
-            h, residual = layer(h, residual, cos, sin, batch)
-        if len(self.model.layers) in self.aux_layer_ids:
-            h, residual = h + residual, None
-            aux[len(self.model.layers)] = h
-        h = self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
-        return (h, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)) if self.aux_layer_ids else h
+                aux[i] = residual  # the stream entering layer i
+            x, residual = layer(x, residual, cos, sin, batch, norms[i + 1])
+        if len(layers) in self.aux_layer_ids:
+            aux[len(layers)] = residual  # the final pre-norm stream
+        return (x, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)) if self.aux_layer_ids else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
