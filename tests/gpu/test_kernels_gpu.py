@@ -1,7 +1,6 @@
 """The Triton kernels at real model sizes on CUDA: the interpreter tests' checks, plus CUDA-graph replays with
 changed lengths and routings. Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_kernels_gpu.py"""
 
-import os
 import random
 
 import pytest
@@ -10,18 +9,8 @@ import torch.nn.functional as F
 
 from tests import kernel_checks as kc
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _gpu(request):
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 is set: run the gpu tests in their own pytest process")
-    seed = random.randrange(1 << 30)  # fresh inputs each run; the seed is printed on failure
-    torch.manual_seed(seed)
-    print(f"\n[{request.node.name}] device={torch.cuda.get_device_name()} seed={seed}")
 
 
 def _ctx(B, q_len, max_len=8192):

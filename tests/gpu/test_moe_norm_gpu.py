@@ -4,7 +4,6 @@ unwritten output shows), in the MoE layer (eager and CUDA graph) and in the whol
 Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_moe_norm_gpu.py"""
 
 import functools
-import os
 import random
 
 import pytest
@@ -12,19 +11,9 @@ import torch
 
 from tests import kernel_checks as kc
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
 EPS = 1e-6
-
-
-@pytest.fixture(autouse=True)
-def _gpu(request):
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 is set: run the gpu tests in their own pytest process")
-    seed = random.randrange(1 << 30)  # fresh inputs each run; the seed is printed on failure
-    torch.manual_seed(seed)
-    print(f"\n[{request.node.name}] device={torch.cuda.get_device_name()} seed={seed}")
 
 
 def _rms_ref(s, w):

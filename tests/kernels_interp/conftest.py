@@ -72,3 +72,12 @@ def _seed(request):
     """Random inputs, reproducible per test."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
+
+
+@pytest.fixture(scope="session")
+def two_shared_ckpt(tmp_path_factory):
+    """tiny with two shared experts (as Moonlight has): the shared-experts fusion and the fused MoE sum + norm."""
+    from mlaserve.models.make_random import make_random
+
+    return make_random("tiny", str(tmp_path_factory.mktemp("two_shared")), seed=2, dtype="float32", progress=False,
+                       overrides={"n_shared_experts": 2})

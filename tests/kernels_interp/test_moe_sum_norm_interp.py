@@ -133,14 +133,6 @@ def test_moe_layer_norm_fused_equals_unfused(kdev, monkeypatch, dtype):
     assert not torch_layer.fuse_norm
 
 
-@pytest.fixture(scope="module")
-def two_shared_ckpt(tmp_path_factory):
-    from mlaserve.models.make_random import make_random
-
-    return make_random("tiny", str(tmp_path_factory.mktemp("two_shared")), seed=3, dtype="float32", progress=False,
-                       overrides={"n_shared_experts": 2})
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_fused_norm_equals_unfused_and_before(kdev, monkeypatch, two_shared_ckpt, dtype):
     """The model with the Triton MoE (norm kernels on CPU too): the fused norm == fuse_norm off == the flow before

@@ -148,15 +148,6 @@ def test_moe_layer_no_fusion_with_ep_or_torch(kdev):
     assert moe_layer(0, torch.float32, "triton").fuse_shared == 0
 
 
-@pytest.fixture(scope="module")
-def two_shared_ckpt(tmp_path_factory):
-    """tiny with two shared experts (as Moonlight has)."""
-    from mlaserve.models.make_random import make_random
-
-    return make_random("tiny", str(tmp_path_factory.mktemp("two_shared")), seed=2, dtype="float32", progress=False,
-                       overrides={"n_shared_experts": 2})
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_logits_fused_equal_unfused(kdev, monkeypatch, two_shared_ckpt, dtype):
     """A loaded random checkpoint: the model's logits with the shared experts fused == with today's unfused path
