@@ -48,12 +48,16 @@ def load_model(ckpt: str, device, dtype, moe_impl: str):
 def run_steps(model, device, backend: str = "torch", forward=None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """model_backend_check's two steps on a fresh cache -> per step (logits rows' hidden, aux or None)."""
     from mlaserve.attention.torch_ref import TorchRefBackend
-    from mlaserve.attention.triton_mla import TritonMLABackend
 
     cfg = model.config
     dtype = model.lm_head.weight.dtype
     cache = torch.zeros(cfg.num_hidden_layers, 8, PAGE, cfg.kv_cache_dim, dtype=dtype, device=device)
-    attn = (TritonMLABackend if backend == "triton" else TorchRefBackend)(cache, cfg.kv_lora_rank)
+    if backend == "triton":  # imported only here: CI's CPU machines have no triton
+        from mlaserve.attention.triton_mla import TritonMLABackend
+
+        attn = TritonMLABackend(cache, cfg.kv_lora_rank)
+    else:
+        attn = TorchRefBackend(cache, cfg.kv_lora_rank)
     out = []
     with torch.no_grad():
         for batch in _batches(attn, device, cfg.vocab_size, torch.Generator().manual_seed(0)):

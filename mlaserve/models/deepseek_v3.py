@@ -131,6 +131,7 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = Linear(self.R, heads * (self.N + self.V), **col)
         self.o_proj = Linear(heads * self.V, cfg.hidden_size, shard="row", rank=ranks.rank,
                              size=ranks.world_size, dtype=dtype)
+        self.side_stream = None  # a CUDA stream, given by DeepseekV3ForCausalLM: see forward_decode_forked
 
     # Per-head views of kv_b_proj.weight [H*(N+V), R]; no copies.
     @property
@@ -150,17 +151,35 @@ class DeepseekV3Attention(nn.Module):
         else:
             q, kv_a = linear_many(x, self.q_proj, self.kv_a_proj_with_mqa)
         q = q.view(T, H, N + self.P)  # [T, H, N+P]
-        # kv_a [T, R+P]: the cache gets [kv_a_layernorm(c_kv) | rope(k_pe)], normalised inside the store
-        batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm)
-
         out = x.new_empty(T, H * V)  # caller-owned output of both forms
         Td = batch.num_decode_tokens
-        if Td:
-            self.forward_absorbed(q[:Td], cos[:Td], sin[:Td], batch, out[:Td])
-        if Td < T:
-            self.forward_naive(q[Td:], cos[Td:], sin[Td:], batch, out[Td:])
+        if self.side_stream is not None and Td == T and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.forward_decode_forked(q, kv_a, cos, sin, batch, out)
+        else:
+            # kv_a [T, R+P]: the cache gets [kv_a_layernorm(c_kv) | rope(k_pe)], normalised inside the store
+            batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm)
+            if Td:
+                self.forward_absorbed(q[:Td], cos[:Td], sin[:Td], batch, out[:Td])
+            if Td < T:
+                self.forward_naive(q[Td:], cos[Td:], sin[Td:], batch, out[Td:])
         out = self.o_proj(out)
         return tp.all_reduce(out) if self.reduce else out
+
+    def forward_decode_forked(self, q, kv_a, cos, sin, batch, out) -> None:
+        """forward's decode-only form as captured in a CUDA graph: the KV store and the query's RoPE run on the
+        side stream beside absorb_q's GEMM (three short kernels of a batch-1 step, ~7 us in a row). They write
+        disjoint outputs (cache slots, Q[..., R:], Q[..., :R]) and allocate nothing here, and the branches join
+        before attention reads them. The same kernels on the same inputs as the unforked path: equal results."""
+        T, H, R = q.shape[0], self.H, self.R
+        Q = q.new_empty(T, H, R + self.P)  # allocated on this stream, before the fork
+        main, side = torch.cuda.current_stream(), self.side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm)
+            batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., R:])
+        self.absorb_q(q[..., : self.N], Q)
+        main.wait_stream(side)
+        self.attend_absorbed(Q, batch, out)
 
     def absorb_q(self, q_nope: torch.Tensor, Q: torch.Tensor) -> None:
         """Q[..., :R] = q_nope @ w_kc per head, written in place. q_nope [T, H, N], Q [T, H, R+P]."""
@@ -176,7 +195,11 @@ class DeepseekV3Attention(nn.Module):
         Q = q.new_empty(T, H, R + self.P)  # [T, H, R+P]: absorbed q_nope | rope(q_pe)
         self.absorb_q(q[..., : self.N], Q)
         batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., R:])
-        o_lat = batch.attn.decode(self.layer_id, Q, self.scale, batch, out=q.new_empty(T, H, R))  # [T, H, R]
+        self.attend_absorbed(Q, batch, out)
+
+    def attend_absorbed(self, Q, batch, out) -> None:
+        """Q [Td, H, R+P] -> out [Td, H*V]: latent attention, then the value absorption."""
+        o_lat = batch.attn.decode(self.layer_id, Q, self.scale, batch, out=Q.new_empty(Q.shape[0], self.H, self.R))
         self.absorb_out(o_lat, out)
 
     def forward_naive(self, q, cos, sin, batch, out) -> None:
@@ -237,8 +260,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, rank=ranks.rank, size=ranks.world_size,
                                       dtype=dtype)
         self.aux_layer_ids: tuple[int, ...] = ()
+        # One side stream the attention layers share: captured decode steps run the KV store beside the query's GEMM
+        self.side_stream: torch.cuda.Stream | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
+        if input_ids.is_cuda and self.side_stream is None:  # the first CUDA step (before any graph capture)
+            self.side_stream = torch.cuda.Stream(input_ids.device)
+            for layer in self.model.layers:
+                layer.self_attn.side_stream = self.side_stream
         residual = self.model.embed_tokens(input_ids)  # [T, D]: the stream entering layer 0
         cos, sin = self.model.rotary(positions)  # [T, P/2] each, fp32
         layers = self.model.layers

@@ -76,6 +76,28 @@ def test_graphs_equal_eager_and_reference(tiny_ckpt, dtype):
         assert same >= len(ref) - 2, (same, len(ref))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graphs_fork_the_kv_store(tiny_ckpt, monkeypatch, dtype):
+    """Captured decode steps run the KV store and the query's RoPE on the side stream (forward_decode_forked), eager
+    steps never do; the greedy tokens are the eager ones."""
+    from mlaserve.models.deepseek_v3 import DeepseekV3Attention
+
+    calls = []
+    forked = DeepseekV3Attention.forward_decode_forked
+
+    def spy(self, *args):
+        calls.append(torch.cuda.is_current_stream_capturing())
+        return forked(self, *args)
+
+    monkeypatch.setattr(DeepseekV3Attention, "forward_decode_forked", spy)
+    prompts = _prompts(6, seed=3)
+    eager, _ = _greedy(dict(dtype=dtype, enforce_eager=True), tiny_ckpt, prompts)
+    assert not calls
+    graphs, _ = _greedy(dict(dtype=dtype), tiny_ckpt, prompts)
+    assert calls and all(calls)
+    assert graphs == eager
+
+
 def test_graphs_with_speculation(tiny_ckpt, tmp_path):
     from mlaserve.models.make_random_draft import make_random_draft
 
