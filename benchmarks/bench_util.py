@@ -52,6 +52,7 @@ class Sizes:
     # lin_decode: decode-sized dense projections [N, K] (M1's q|kv_a and o_proj)
     decode_linears: tuple = ((3648, 2048), (2048, 2048))
     decode_linear_T: tuple = (1, 8, 32)
+    decode_max_cfgs: int = 16  # moe_decode tiles per GEMM, lin_decode GEMV tiles
     launch_n: int = 200  # launch: kernels per timed graph
 
 
@@ -62,7 +63,8 @@ def smoke_sizes() -> Sizes:
                  prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24), prefill_sweep=(2, 16, 8, 24, 40, 40),
                  routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,),
                  layers=2, layers_T=(1,), shared_preset="tiny", shared_T=(1, 3), norm_T=(1, 5),
-                 decode_shared=1, decode_T=(1,), decode_linears=((24, 16),), decode_linear_T=(1,), launch_n=2)
+                 decode_shared=1, decode_T=(1,), decode_linears=((24, 16),), decode_linear_T=(1,), decode_max_cfgs=2,
+                 launch_n=2)
 
 
 # prefill_attention_mla tile configs for the sweep (the default, prefill_config's bf16 one, runs first); shared

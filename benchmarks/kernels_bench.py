@@ -331,7 +331,7 @@ def run_moe_decode(rep: Report, sz: Sizes):
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.kernels.moe_config import moe_config
 
-    L, S, tiles = sz.layers, sz.decode_shared, MOE_DEC_TILES[: sz.moe_sweep_max_cfgs * 2]
+    L, S, tiles = sz.layers, sz.decode_shared, MOE_DEC_TILES[: sz.decode_max_cfgs]
     D, I, E, K = sz.moe[next(iter(sz.moe))]
     w13 = [(torch.randn(E, 2 * I, D, device=sz.dev) / D**0.5).to(BF) for _ in range(L)]
     w2 = [(torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF) for _ in range(L)]
@@ -381,7 +381,7 @@ def run_linear_decode(rep: Report, sz: Sizes):
                 from mlaserve.kernels.gemv import gemv
 
                 variants["torch.mv"] = lambda w: torch.mv(w, x[0])[None]  # noqa: B023
-                for bn, bk, nw in GEMV_CFGS[: sz.moe_sweep_max_cfgs * 2]:
+                for bn, bk, nw in GEMV_CFGS[: sz.decode_max_cfgs]:
                     c = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
                     variants[f"gemv N{bn} K{bk} w{nw}"] = lambda w, c=c: gemv(x, w, c)  # noqa: B023
             for name, fn in variants.items():
