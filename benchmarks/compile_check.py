@@ -88,7 +88,22 @@ def _record_launch(self):
 CURRENT_CASE = [""]
 
 
+def _pdl_on_everywhere() -> None:
+    """The engine launches with PDL on sm_90 (mlaserve/kernels/pdl.py); the wrappers here get CPU tensors, for
+    which pdl_args says no: make every kernel module's pdl_args say yes, so the griddepcontrol code compiles."""
+    import importlib
+    import pkgutil
+
+    import mlaserve.kernels as kernels
+
+    for m in pkgutil.iter_modules(kernels.__path__):
+        mod = importlib.import_module(f"mlaserve.kernels.{m.name}")
+        if hasattr(mod, "pdl_args"):
+            mod.pdl_args = lambda t: dict(PDL=True, launch_pdl=True)
+
+
 def install() -> None:
+    _pdl_on_everywhere()
     triton.runtime.driver.set_active(_Sm90Driver())
     CompiledKernel.run = property(_record_launch)
     CompiledKernel.launch_metadata = lambda self, *args: None

@@ -20,6 +20,7 @@ import triton.language as tl
 from .moe_align import moe_align
 from .moe_config import moe_config
 from .moe_sum import moe_sum
+from .pdl import pdl_args, pdl_start
 
 NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 
@@ -71,9 +72,10 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
                       E_ROUTED, stride_sn,
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up)."""
+    pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
@@ -119,9 +121,10 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
                       E_ROUTED, stride_sn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down)."""
+    pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
@@ -214,7 +217,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"])
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl_args(x))
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s,
@@ -222,5 +225,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         w2s.stride(0) if S else w2.stride(1),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"])
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl_args(x))
     return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)

@@ -13,21 +13,27 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_release, pdl_wait
+
 GEMV_MAX_BYTES = 16 << 20  # measured up to M1's 15 MB q|kv_a; larger weights stream well through cuBLAS
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_release(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN:
             w = tl.load(W + n.to(tl.int64)[:, None] * stride_wn + (k0 + k)[None, :])
+            pdl_wait(PDL)  # the weight tile is in flight before x is ready (pdl.py); later waits return at once
             x = tl.load(X + k0 + k)
         else:
             ok = (n < N)[:, None] & ((k0 + k) < K)[None, :]
             w = tl.load(W + n.to(tl.int64)[:, None] * stride_wn + (k0 + k)[None, :], mask=ok, other=0.0)
+            pdl_wait(PDL)
             x = tl.load(X + k0 + k, mask=(k0 + k) < K, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     tl.store(Y + n, acc.to(Y.dtype.element_ty), mask=n < N)
@@ -53,8 +59,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torc
         out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     elif out.shape != (1, N) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [1, {N}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    y = out
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x, w, y, N, K, w.stride(0), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"])
-    return y
+        x, w, out, N, K, w.stride(0), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], **pdl_args(x))
+    return out

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .pdl import pdl_args, pdl_start
+
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short contexts use fewer splits)
 # (H200, batch 1, H=16: a 512 context in splits of >= 32 / 64 / 128 / 256 tokens 11.4 / 12.7 / 16.1 / 23.2 us)
@@ -67,6 +69,7 @@ def _mla_decode_split_kernel(
     Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One split of one request's context for a block of rows. TMA=False: every tile by masked pointer loads
     (cp.async) through the page table; KVn / KVp are None. TMA=True (sm_90): whole KV tiles fetched by the
@@ -75,6 +78,7 @@ def _mla_decode_split_kernel(
     it is one box. The last, partial tile of a split uses masked loads instead: rows past the context may hold
     anything (stale or poisoned pages). The load paths are constexpr branches around whole loops (not a runtime
     `if`), so neither variant carries the other's code or registers."""
+    pdl_start(PDL)
     BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
     split, b, t, h, row_ok, last_visible, start, end, q_nope, q_pe = _program_rows(
         Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN, R, P, BLOCK_P, BLOCK_H, BLOCK_QL, BLOCK_N,
@@ -174,9 +178,11 @@ def _mla_decode_combine_kernel(
     stride_ot, stride_oh, stride_or,
     H, num_splits,
     R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Out[t, h, r-block] = sum_s 2^(lse_s - max) PartO[t, h, s, r-block] / sum_s 2^(lse_s - max). All splits are
     loaded as one [BLOCK_S, BLOCK_R] tile: one memory round trip, not a chain of 2 * num_splits dependent loads."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     th = t.to(tl.int64) * H + h
@@ -305,14 +311,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
         DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q),
     )
     if S > 1:
         block_s = _pow2(S)
         block_r = min(R, max(16, COMBINE_TILE // block_s))  # [S, BLOCK_R] fp32: <= 64 registers a thread
         _mla_decode_combine_kernel[(T, H, R // block_r)](
             part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), H, S,
-            R=R, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4,
+            R=R, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4, **pdl_args(q),
         )
     return out
 

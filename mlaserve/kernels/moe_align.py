@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_start
+
 FUSED_COUNT_MAX = 1024  # up to this many (token, k) pairs one program does the whole align (at <= 64 experts;
 ALIGN_CHUNK = 512  # pairs per program above it                 both scale down with more experts: see moe_align)
 
@@ -37,8 +39,9 @@ def _chunk_hist(TopkIds, start, length, TK, expert_offset, E_LOCAL, BLOCK_E: tl.
 
 @triton.jit(do_not_specialize=["TK", "expert_offset"])
 def _moe_hist_kernel(TopkIds, Partial, TK, expert_offset, E_LOCAL,
-                     BLOCK_E: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr):
+                     BLOCK_E: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Partial[p, e] = number of pairs of chunk p routed to local expert e."""
+    pdl_start(PDL)
     p = tl.program_id(0)
     hist = _chunk_hist(TopkIds, p * CHUNK, CHUNK, TK, expert_offset, E_LOCAL, BLOCK_E, SUB)
     offs_e = tl.arange(0, BLOCK_E)
@@ -49,8 +52,10 @@ def _moe_hist_kernel(TopkIds, Partial, TK, expert_offset, E_LOCAL,
 def _moe_align_kernel(TopkIds, Partial, SortedIds, ExpertIds, NumPadded,
                       TK, expert_offset, E_LOCAL, num_chunks, max_blocks, max_padded,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
-                      SINGLE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PAD_E: tl.constexpr):
+                      SINGLE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PAD_E: tl.constexpr,
+                      PDL: tl.constexpr):
     """SINGLE: one program, all TK pairs, counting them itself. Else program p owns chunk p of Partial's counts."""
+    pdl_start(PDL)
     p = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_e = tl.arange(0, BLOCK_E)
@@ -144,10 +149,10 @@ def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m:
         num_chunks = triton.cdiv(TK, chunk)
         partial = torch.empty(num_chunks, E_local, dtype=torch.int32, device=dev)
         _moe_hist_kernel[(num_chunks,)](ids, partial, TK, expert_offset, E_local,
-                                        BLOCK_E=block_e, SUB=sub, CHUNK=chunk, num_warps=warps)
+                                        BLOCK_E=block_e, SUB=sub, CHUNK=chunk, num_warps=warps, **pdl_args(ids))
     _moe_align_kernel[(num_chunks,)](
         ids, partial, sorted_ids, expert_ids, num_padded, TK, expert_offset, E_local, num_chunks, max_blocks,
         max_padded,
         BLOCK_M=block_m, BLOCK_E=block_e, SUB=sub, CHUNK=chunk, SINGLE=single,
-        BLOCK_Q=max(4, min(64, 4096 // block_e)), BLOCK_B=64, PAD_E=16, num_warps=warps)
+        BLOCK_Q=max(4, min(64, 4096 // block_e)), BLOCK_B=64, PAD_E=16, num_warps=warps, **pdl_args(ids))
     return sorted_ids, expert_ids, num_padded

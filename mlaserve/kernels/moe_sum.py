@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_start
 from .rmsnorm import _add_norm_row, _check, _launch_args
 
 
@@ -37,8 +38,9 @@ def _topk_sum_row(Y, TopkIds, Add, t, offs, ok, D, expert_offset, E_LOCAL, strid
 
 @triton.jit(do_not_specialize=["expert_offset"])
 def _moe_sum_kernel(Y, TopkIds, Out, Add, D, expert_offset, E_LOCAL, stride_add, TOPK: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr, PDL: tl.constexpr):
     """Out[t] = the MoE output row t; programs (token, BLOCK_D columns)."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -48,9 +50,11 @@ def _moe_sum_kernel(Y, TopkIds, Out, Add, D, expert_offset, E_LOCAL, stride_add,
 
 @triton.jit(do_not_specialize=["expert_offset"])
 def _moe_sum_norm_kernel(Y, TopkIds, Add, Res, W, Out, Sum, D, expert_offset, E_LOCAL, stride_add, stride_r,
-                         stride_o, stride_s, eps, TOPK: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr):
+                         stride_o, stride_s, eps, TOPK: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr,
+                         PDL: tl.constexpr):
     """Sum[t] = round(moe_out[t] + Res[t]), Out[t] = norm(Sum[t]); one program per token, the whole row.
     moe_out[t] is rounded to the dtype as _moe_sum_kernel stores it; the rest is _add_rmsnorm_kernel's row."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     d = tl.arange(0, BLOCK)
     ok = d < D
@@ -79,7 +83,7 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int, num_loc
         if T:
             _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, D=D, expert_offset=expert_offset,
                                                          E_LOCAL=num_local, TOPK=K, BLOCK_D=block_d, num_warps=4,
-                                                         **add_args)
+                                                         **add_args, **pdl_args(y))
         return out
     weight, eps, residual = norm
     if weight.shape != (D,) or residual.shape != (T, D):
@@ -94,5 +98,5 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int, num_loc
         _moe_sum_norm_kernel[(T,)](y, topk_ids, Res=residual, W=weight, Out=out, Sum=s, D=D,
                                    expert_offset=expert_offset, E_LOCAL=num_local, stride_r=residual.stride(0),
                                    stride_o=out.stride(0), stride_s=s.stride(0), eps=eps, TOPK=K, **add_args,
-                                   **_launch_args(D))
+                                   **_launch_args(D), **pdl_args(y))
     return out, s

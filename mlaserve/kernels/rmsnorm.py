@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_start
+
 
 @triton.jit
 def _norm_row(x, W, Out, row, stride_o, d, ok, D, eps):
@@ -21,7 +23,8 @@ def _norm_row(x, W, Out, row, stride_o, d, ok, D, eps):
 
 
 @triton.jit
-def _rmsnorm_kernel(X, W, Out, stride_x, stride_o, D, eps, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(X, W, Out, stride_x, stride_o, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < D
@@ -40,7 +43,9 @@ def _add_norm_row(x, Res, W, Out, Sum, row, stride_r, stride_o, stride_s, d, ok,
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, Res, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, D, eps, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(X, Res, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, D, eps, BLOCK: tl.constexpr,
+PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < D
@@ -67,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     T, D = x.shape
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
-        _rmsnorm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), D, eps, **_launch_args(D))
+        _rmsnorm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), D, eps, **_launch_args(D), **pdl_args(x))
     return out
 
 
@@ -83,5 +88,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     s = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
         _add_rmsnorm_kernel[(T,)](x, residual, weight, out, s, x.stride(0), residual.stride(0), out.stride(0),
-                                  s.stride(0), D, eps, **_launch_args(D))
+                                  s.stride(0), D, eps, **_launch_args(D), **pdl_args(x))
     return out, s

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_start
 from .rmsnorm import _launch_args as _norm_launch_args
 
 
@@ -16,7 +17,8 @@ from .rmsnorm import _launch_args as _norm_launch_args
 def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
                           stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
                           R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, NORM: tl.constexpr):
+                          PAGE_SIZE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0)
     slot = tl.load(Slots + t)
     if slot < 0:  # padding token (CUDA graphs): no slot
@@ -44,7 +46,9 @@ def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
 @triton.jit
 def _rope_q_kernel(X, Cos, Sin, Out, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
                    stride_cos, stride_sin,
-                   P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+                   P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_start(PDL)
     # A [BLOCK_T, BLOCK_H, P] tile per program: whole rows of P (vector loads), cos/sin read once per token.
     # Every pair is read and written by the same program, so out may alias x.
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -100,6 +104,7 @@ def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torc
         # with the norm: rms_norm's warps, hence its reduction order, so the two paths round alike
         PAGE_SIZE=page_size, NORM=norm_weight is not None,
         num_warps=(4 if R >= 256 else 1) if norm_weight is None else _norm_launch_args(R)["num_warps"],
+        **pdl_args(c_kv),
     )
 
 
@@ -118,6 +123,6 @@ def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     _rope_q_kernel[grid](
         x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
         cos.stride(0), sin.stride(0),
-        P=P, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4,
+        P=P, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4, **pdl_args(x),
     )
     return out

@@ -17,12 +17,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_start
+
 
 @triton.jit
 def _router_partial_kernel(X, W, Part, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
-                           E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                           E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr):
     """Part[s, t, :] = x[t, chunk s] . w[:, chunk s] in fp32 (bf16 products are exact in fp32). Split-K over many
     programs: one program streaming the whole router weight is latency-bound (a few KB in flight)."""
+    pdl_start(PDL)
     tb = tl.program_id(0)
     split = tl.program_id(1)
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -52,9 +56,10 @@ def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, stride_ls, scaling, sha
                   E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                   USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-                  N_SHARED: tl.constexpr = 0, SPLIT: tl.constexpr = 1):
+                  N_SHARED: tl.constexpr = 0, SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Row t of Weights/Ids [T, TOP_K + N_SHARED]: the routed top-K, then the N_SHARED shared-expert columns.
     SPLIT > 1: Logits holds split-K partials [SPLIT, T, E] (stride_ls apart), summed here."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     row = Logits + t.to(tl.int64) * stride_lt
     offs = tl.arange(0, BLOCK_E)
@@ -135,7 +140,7 @@ def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
         E=E, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, USE_GROUPS=use_groups, NORM=bool(norm_topk_prob),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
         BLOCK_S=max(2, triton.next_power_of_2(E // n_group)), BLOCK_K=max(2, triton.next_power_of_2(KS)),
-        N_SHARED=num_shared, SPLIT=split, num_warps=4 if E > 128 else 1,
+        N_SHARED=num_shared, SPLIT=split, num_warps=4 if E > 128 else 1, **pdl_args(logits),
     )
     return weights, ids
 
@@ -163,7 +168,8 @@ def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         block_t = 16  # tl.dot's smallest M; decode steps are a block or two
         _router_partial_kernel[(triton.cdiv(T, block_t), split)](
             x, w, part, T, D, x.stride(0), w.stride(0), part.stride(0), part.stride(1), kb_per_split,
-            E=E, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_K=ROUTER_BLOCK_K, num_warps=4)
+            E=E, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_K=ROUTER_BLOCK_K, num_warps=4,
+            **pdl_args(x))
     return part
 
 

@@ -8,9 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_start
+
 
 @triton.jit
-def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
@@ -31,5 +34,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if T:
         block = min(1024, triton.next_power_of_2(I))
         _silu_mul_kernel[(T, triton.cdiv(I, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), I,
-                                                     BLOCK=block, num_warps=4)
+                                                     BLOCK=block, num_warps=4, **pdl_args(gate))
     return out

@@ -1,0 +1,55 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel is launched while the one before it still runs.
+
+A batch-1 decode step is a dependent chain of ~400 short kernels, and each pays a launch gap plus a cold start
+(~1-2 us on the H200, benchmarks/pdl_probe.py). With PDL every kernel of ours releases its dependents as it starts
+(`griddepcontrol.launch_dependents`), so the next kernel's programs are already resident when it ends; they may
+load what no kernel writes (weights) and then block in `griddepcontrol.wait` until every grid they depend on has
+finished and its writes are visible.
+
+The rule that makes this safe, kept by every kernel launched with `pdl_args`: before `pdl_wait` it reads only
+weights and writes nothing. A kernel passes its wait only once its predecessors finished, and they passed their
+own waits, so everything launched before it has finished. Kernels launched without PDL (cuBLAS, torch) wait for
+their predecessors in full, as always. MLASERVE_PDL=0 turns it off (for A/B timing).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@functools.cache
+def _pdl_on(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and os.environ.get("MLASERVE_PDL", "1") != "0"
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device."""
+    on = t.is_cuda and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return dict(PDL=on, launch_pdl=on)
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel launch now (its programs take free SM slots and wait there)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Block until the kernels this one depends on have finished and their writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """Release, then wait: the prologue of a kernel with nothing to load before its inputs are ready."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
