@@ -52,7 +52,10 @@ class Sizes:
     # lin_decode: decode-sized dense projections [N, K] (M1's q|kv_a and o_proj)
     decode_linears: tuple = ((3648, 2048), (2048, 2048))
     decode_linear_T: tuple = (1, 8, 32)
-    decode_max_cfgs: int = 16  # moe_decode tiles per GEMM, lin_decode GEMV tiles
+    decode_max_cfgs: int = 16  # moe_decode tiles per GEMM, lin_decode GEMV tiles, absorb head_gemv tiles
+    # absorb: the absorbed projections' bmm vs head_gemv (M1's 16 heads; Kimi-K2.5 at attention TP4 has 16 too)
+    absorb_heads: int = 16
+    absorb_T: tuple = (1, 2)
     launch_n: int = 200  # launch: kernels per timed graph
 
 
@@ -64,6 +67,7 @@ def smoke_sizes() -> Sizes:
                  routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,),
                  layers=2, layers_T=(1,), shared_preset="tiny", shared_T=(1, 3), norm_T=(1, 5),
                  decode_shared=1, decode_T=(1,), decode_linears=((24, 16),), decode_linear_T=(1,), decode_max_cfgs=2,
+                 absorb_heads=2, absorb_T=(1,),
                  launch_n=2)
 
 

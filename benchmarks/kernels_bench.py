@@ -394,6 +394,42 @@ def run_linear_decode(rep: Report, sz: Sizes):
         ws = None
 
 
+HEAD_GEMV_BN = {"q": (8, 16, 32, 64), "out": (2, 4, 8, 16)}
+
+
+def run_absorb(rep: Report, sz: Sizes):
+    """MLA's absorbed projections in small decode steps (M1: 16 heads, w_kc [16, 128, 512] and the transposed
+    w_vc view [16, 512, 128] of one kv_b_proj weight): torch.bmm into the strided views (the projection contract)
+    against head_gemv's tiles, over sz.layers weights in turn."""
+    from mlaserve.kernels.head_gemv import head_gemv
+
+    H, N, V, R = sz.absorb_heads, 128, 128, 512
+    if sz.dev != "cuda":
+        N, V, R = 16, 8, 32
+    ws = [(torch.randn(H * (N + V), R, device=sz.dev) / R**0.5).to(BF).view(H, N + V, R) for _ in range(sz.layers)]
+    for T in sz.absorb_T:
+        for side, K, M in (("q", N, R), ("out", R, V)):
+            mats = [w[:, :N] if side == "q" else w[:, N:].transpose(1, 2) for w in ws]  # [H, K, M]
+            x = torch.randn(T, H, K, device=sz.dev).to(BF)
+            y = torch.empty(T, H, M, device=sz.dev, dtype=BF)
+            ref = torch.bmm(x.float().transpose(0, 1), mats[0].float()).transpose(0, 1)
+            variants = {"bmm": lambda m: torch.bmm(x.transpose(0, 1), m, out=y.transpose(0, 1))}  # noqa: B023
+            for bn in HEAD_GEMV_BN[side][: sz.decode_max_cfgs]:
+                for nw in (1, 2, 4):
+                    c = dict(BLOCK_N=min(bn, M), num_warps=nw)
+                    variants[f"head_gemv N{c['BLOCK_N']} w{nw}"] = lambda m, c=c: head_gemv(x, m, y, c)  # noqa: B023
+            for name, fn in variants.items():
+                try:
+                    y.fill_(float("nan"))
+                    fn(mats[0])
+                    err = rel(y, ref)
+                    ms = bench(lambda f=fn: [f(m) for m in mats], sz) / len(mats)  # noqa: B023
+                    rep.add("absorb", f"{side} [{H}, {K}, {M}] T={T} {name}", ms, H * K * M * 2, err=err, T=T)
+                except Exception as e:  # e.g. out of registers
+                    print(f"absorb {side} T={T} {name}: {type(e).__name__}: {str(e)[:120]}")
+    ws = None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 def run_prefill(rep: Report, sz: Sizes):
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_sdpa
@@ -571,10 +607,11 @@ def run_rope(rep: Report, sz: Sizes):
 
 SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
             "moe_layers": run_moe_layers, "moe_shared": run_moe_shared, "moe_norm": run_moe_norm,
-            "moe_decode": run_moe_decode, "lin_decode": run_linear_decode, "launch": run_launch,
+            "moe_decode": run_moe_decode, "lin_decode": run_linear_decode, "absorb": run_absorb, "launch": run_launch,
             "mla_sweep": run_mla_sweep,
             "moe_sweep": run_moe_sweep, "prefill_sweep": run_prefill_sweep}  # sweeps last
-SWEEPS = ("moe_layers", "moe_shared", "moe_norm", "moe_decode", "lin_decode", "mla_sweep", "moe_sweep", "prefill_sweep")
+SWEEPS = ("moe_layers", "moe_shared", "moe_norm", "moe_decode", "lin_decode", "absorb", "mla_sweep", "moe_sweep",
+          "prefill_sweep")
 
 
 def main(argv=None) -> int:

@@ -102,6 +102,17 @@ class DeepseekV3MoE(nn.Module):
         return y if norm is None else norm(y, residual)
 
 
+def _head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> bool:
+    """out = x @ m per head by one Triton kernel when the step is a few decode tokens on the GPU (cuBLAS's bmm
+    streams these 2 MB weights at ~0.6 TB/s there: kernels/head_gemv.py); False: the caller runs torch.bmm."""
+    from ..kernels.head_gemv import head_gemv, head_gemv_serves  # triton: imported on CUDA only
+
+    if not head_gemv_serves(x, m):
+        return False
+    head_gemv(x, m, out)
+    return True
+
+
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention. The KV cache holds [c_kv | rope(k_pe)] (R+P values) per token."""
 
@@ -143,7 +154,7 @@ class DeepseekV3Attention(nn.Module):
         return self.kv_b_proj.weight.view(self.H, self.N + self.V, self.R)[:, self.N:].transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        T, H, N, R, V = x.shape[0], self.H, self.N, self.R, self.V
+        T, H, N, V = x.shape[0], self.H, self.N, self.V
         # One GEMM for the two projections of x (column views of one output; q is then a strided view)
         if self.q_lora_rank:
             q_a, kv_a = linear_many(x, self.q_a_proj, self.kv_a_proj_with_mqa)
@@ -156,8 +167,7 @@ class DeepseekV3Attention(nn.Module):
         if self.side_stream is not None and Td == T and q.is_cuda and torch.cuda.is_current_stream_capturing():
             self.forward_decode_forked(q, kv_a, cos, sin, batch, out)
         else:
-            # kv_a [T, R+P]: the cache gets [kv_a_layernorm(c_kv) | rope(k_pe)], normalised inside the store
-            batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm)
+            self.store_kv(kv_a, cos, sin, batch)
             if Td:
                 self.forward_absorbed(q[:Td], cos[:Td], sin[:Td], batch, out[:Td])
             if Td < T:
@@ -165,37 +175,46 @@ class DeepseekV3Attention(nn.Module):
         out = self.o_proj(out)
         return tp.all_reduce(out) if self.reduce else out
 
+    def store_kv(self, kv_a, cos, sin, batch) -> None:
+        """kv_a [T, R+P]: the cache gets [kv_a_layernorm(c_kv) | rope(k_pe)], normalised inside the store."""
+        R = self.R
+        batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm)
+
     def forward_decode_forked(self, q, kv_a, cos, sin, batch, out) -> None:
-        """forward's decode-only form as captured in a CUDA graph: the KV store and the query's RoPE run on the
-        side stream beside absorb_q's GEMM (three short kernels of a batch-1 step, ~7 us in a row). They write
-        disjoint outputs (cache slots, Q[..., R:], Q[..., :R]) and allocate nothing here, and the branches join
-        before attention reads them. The same kernels on the same inputs as the unforked path: equal results."""
-        T, H, R = q.shape[0], self.H, self.R
-        Q = q.new_empty(T, H, R + self.P)  # allocated on this stream, before the fork
+        """forward's decode-only form as captured in a CUDA graph: the KV store runs on the side stream beside
+        absorb_q's GEMM and the query's RoPE (three short kernels of a batch-1 step in a row otherwise; the store
+        is the longest). They write disjoint outputs (cache slots; Q), the side stream allocates nothing, and the
+        branches join before attention reads them. The same kernels on the same inputs as the unforked path."""
         main, side = torch.cuda.current_stream(), self.side_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm)
-            batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., R:])
-        self.absorb_q(q[..., : self.N], Q)
+            self.store_kv(kv_a, cos, sin, batch)
+        Q = self.absorbed_q(q, cos, sin, batch)
         main.wait_stream(side)
         self.attend_absorbed(Q, batch, out)
 
     def absorb_q(self, q_nope: torch.Tensor, Q: torch.Tensor) -> None:
         """Q[..., :R] = q_nope @ w_kc per head, written in place. q_nope [T, H, N], Q [T, H, R+P]."""
+        if q_nope.is_cuda and _head_gemv(q_nope, self.w_kc, Q[..., : self.R]):
+            return
         torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=Q[..., : self.R].transpose(0, 1))
 
     def absorb_out(self, o_lat: torch.Tensor, out: torch.Tensor) -> None:
         """out = o_lat @ w_vc per head, written in place. o_lat [T, H, R], out [T, H*V]."""
         T = o_lat.shape[0]
+        if o_lat.is_cuda and _head_gemv(o_lat, self.w_vc, out.view(T, self.H, self.V)):
+            return
         torch.bmm(o_lat.transpose(0, 1), self.w_vc, out=out.view(T, self.H, self.V).transpose(0, 1))
 
     def forward_absorbed(self, q, cos, sin, batch, out) -> None:
-        T, H, R = q.shape[0], self.H, self.R
-        Q = q.new_empty(T, H, R + self.P)  # [T, H, R+P]: absorbed q_nope | rope(q_pe)
+        self.attend_absorbed(self.absorbed_q(q, cos, sin, batch), batch, out)
+
+    def absorbed_q(self, q, cos, sin, batch) -> torch.Tensor:
+        """q [T, H, N+P] -> Q [T, H, R+P]: absorbed q_nope | rope(q_pe), both written into Q in place."""
+        Q = q.new_empty(q.shape[0], self.H, self.R + self.P)
         self.absorb_q(q[..., : self.N], Q)
-        batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., R:])
-        self.attend_absorbed(Q, batch, out)
+        batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., self.R:])
+        return Q
 
     def attend_absorbed(self, Q, batch, out) -> None:
         """Q [Td, H, R+P] -> out [Td, H*V]: latent attention, then the value absorption."""

@@ -375,3 +375,30 @@ def test_gemv_real(N, K):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, out)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_head_gemv_real(H, T):
+    """The absorbed projections' few-token kernel on real head shapes (16: M1, Kimi-K2.5 at attention TP4; 128:
+    DeepSeek-V3 at TP1), both weight layouts, into strided views of NaN-poisoned buffers, against fp32; inside a
+    CUDA graph it equals its eager launch bit for bit."""
+    from mlaserve.kernels.head_gemv import head_gemv
+
+    N, V, R, P = 128, 128, 512, 64
+    w = (torch.randn(H * (N + V), R, device="cuda") / R**0.5).to(BF).view(H, N + V, R)
+    w_kc, w_vc = w[:, :N], w[:, N:].transpose(1, 2)
+    q = torch.randn(T, H, N + P, device="cuda").to(BF)
+    o_lat = torch.randn(T, H, R, device="cuda").to(BF)
+    Q = torch.full((T, H, R + P), float("nan"), device="cuda", dtype=BF)
+    out = torch.full((T, H * V), float("nan"), device="cuda", dtype=BF)
+    head_gemv(q[..., :N], w_kc, Q[..., :R])
+    head_gemv(o_lat, w_vc, out.view(T, H, V))
+    kc.assert_close(Q[..., :R], torch.einsum("thn,hnr->thr", q[..., :N].float(), w_kc.float()), BF, "absorb_q")
+    assert Q[..., R:].isnan().all()
+    kc.assert_close(out.view(T, H, V), torch.einsum("thr,hrv->thv", o_lat.float(), w_vc.float()), BF, "absorb_out")
+    Q2, out2 = torch.full_like(Q, float("nan")), torch.full_like(out, float("nan"))
+    g, _ = kc.cuda_graph(lambda: (head_gemv(q[..., :N], w_kc, Q2[..., :R]), head_gemv(o_lat, w_vc, out2.view(T, H, V))))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(Q2[..., :R], Q[..., :R]) and torch.equal(out2, out)
