@@ -197,6 +197,15 @@ def cases(quick: bool):
 
     for N, K in [(3648, 2048), (2048, 2048), (1000, 7168)]:
         yield f"gemv N={N} K={K}", gemv, (torch.empty(1, K, dtype=bf), torch.empty(N, K, dtype=bf))
+    from mlaserve.kernels.head_gemv import head_gemv
+
+    for H in (16, 128):  # the absorbed projections, w_kc [H, 128, 512] and the transposed w_vc view [H, 512, 128]
+        w = torch.empty(H, 256, 512, dtype=bf)
+        for T in (1, 2):
+            yield f"head_gemv q H={H} T={T}", head_gemv, (
+                torch.empty(T, H, 192, dtype=bf)[..., :128], w[:, :128], torch.empty(T, H, 576, dtype=bf)[..., :512])
+            yield f"head_gemv out H={H} T={T}", head_gemv, (
+                torch.empty(T, H, 512, dtype=bf), w[:, 128:].transpose(1, 2), torch.empty(T, H, 128, dtype=bf))
     from mlaserve.kernels.gqa_decode import gqa_decode, gqa_store_kv
     from mlaserve.kernels.rmsnorm import add_rms_norm, rms_norm
     from mlaserve.kernels.silu_mul import silu_mul

@@ -1,8 +1,8 @@
 """On a Hopper GPU, kernels launched with programmatic dependent launch (kernels/pdl.py) give bit for bit what they
-give without it: a decoder-layer-shaped chain of the real kernels at Moonlight widths (GEMV, add + RMSNorm, the
-KV store with RoPE, query RoPE, MLA decode, router, routing, fused MoE with the next norm), eager and as replays of
-one CUDA graph, with every intermediate freshly allocated NaN-poisoned; and the engine's greedy tokens.
-The chain includes kernels launched without PDL (torch.bmm at T=8, the cuBLAS GEMMs, the poisoning fills).
+give without it: a decoder-layer-shaped chain of the real kernels at Moonlight widths (GEMVs, the KV store with
+RoPE, head GEMVs, query RoPE, MLA decode, add + RMSNorm, router, routing, fused MoE with the next norm), eager and
+as replays of one CUDA graph, with every intermediate freshly allocated NaN-poisoned; and the engine's greedy
+tokens. The chain includes kernels launched without PDL (torch.bmm at T=8, the cuBLAS GEMMs, the poisoning fills).
 Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_pdl_gpu.py"""
 
 import pytest
