@@ -58,6 +58,8 @@ class GraphRunner:
         self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
+        # decode graphs fork the KV store onto it (one stream for all layers and graphs: they never run at once)
+        self.side_stream = torch.cuda.Stream(dev) if use_graphs and torch.device(dev).type == "cuda" else None
 
     # ---- eligibility -----------------------------------------------------------------------------------
     def key_for(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple | None:
@@ -87,7 +89,8 @@ class GraphRunner:
             logits_indices=self.logits_indices[:n_logits], num_decode_reqs=nd,
             decode_q_len=self.q if kind == "decode" else 0,
             seq_lens_cpu=[0] * n_reqs, query_lens_cpu=[0] * n_reqs, attn=self.runner.attn,
-            max_query_len=self.q if kind == "decode" else size, context_is_new=kind == "prefill")
+            max_query_len=self.q if kind == "decode" else size, context_is_new=kind == "prefill",
+            side_stream=self.side_stream if kind == "decode" else None)
 
     def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk]) -> None:
         """Write the real chunks into the static buffers, and padding after them."""

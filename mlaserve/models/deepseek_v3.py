@@ -142,7 +142,6 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = Linear(self.R, heads * (self.N + self.V), **col)
         self.o_proj = Linear(heads * self.V, cfg.hidden_size, shard="row", rank=ranks.rank,
                              size=ranks.world_size, dtype=dtype)
-        self.side_stream = None  # a CUDA stream, given by DeepseekV3ForCausalLM: see forward_decode_forked
 
     # Per-head views of kv_b_proj.weight [H*(N+V), R]; no copies.
     @property
@@ -164,7 +163,7 @@ class DeepseekV3Attention(nn.Module):
         q = q.view(T, H, N + self.P)  # [T, H, N+P]
         out = x.new_empty(T, H * V)  # caller-owned output of both forms
         Td = batch.num_decode_tokens
-        if self.side_stream is not None and Td == T and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        if batch.side_stream is not None and Td == T and q.is_cuda and torch.cuda.is_current_stream_capturing():
             self.forward_decode_forked(q, kv_a, cos, sin, batch, out)
         else:
             self.store_kv(kv_a, cos, sin, batch)
@@ -185,7 +184,7 @@ class DeepseekV3Attention(nn.Module):
         absorb_q's GEMM and the query's RoPE (three short kernels of a batch-1 step in a row otherwise; the store
         is the longest). They write disjoint outputs (cache slots; Q), the side stream allocates nothing, and the
         branches join before attention reads them. The same kernels on the same inputs as the unforked path."""
-        main, side = torch.cuda.current_stream(), self.side_stream
+        main, side = torch.cuda.current_stream(), batch.side_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
             self.store_kv(kv_a, cos, sin, batch)
@@ -279,14 +278,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, rank=ranks.rank, size=ranks.world_size,
                                       dtype=dtype)
         self.aux_layer_ids: tuple[int, ...] = ()
-        # One side stream the attention layers share: captured decode steps run the KV store beside the query's GEMM
-        self.side_stream: torch.cuda.Stream | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
-        if input_ids.is_cuda and self.side_stream is None:  # the first CUDA step (before any graph capture)
-            self.side_stream = torch.cuda.Stream(input_ids.device)
-            for layer in self.model.layers:
-                layer.self_attn.side_stream = self.side_stream
         residual = self.model.embed_tokens(input_ids)  # [T, D]: the stream entering layer 0
         cos, sin = self.model.rotary(positions)  # [T, P/2] each, fp32
         layers = self.model.layers
