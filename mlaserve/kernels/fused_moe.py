@@ -13,8 +13,6 @@ slot's weights in place from the shared MLP's own tensors (other strides than th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +20,7 @@ import triton.language as tl
 from .moe_align import moe_align
 from .moe_config import moe_config
 from .moe_sum import moe_sum
-from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait, prefetch_l2
+from .pdl import pdl_args, pdl_start
 
 NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 
@@ -69,33 +67,16 @@ def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.c
 
 
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S, W2S, stride_s2,
+def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S,
                       I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
                       E_ROUTED, stride_sn,
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                      PREFETCH_W2: tl.constexpr = False, BLOCK_D: tl.constexpr = 16):
+                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
-    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up).
-    PREFETCH = S > 0 (NO_ALIGN, PDL): pairs in the last S columns of a token's ids are shared slot j = column -
-    (TOPK - S), whose weights are known before routing is: their programs pull their W1S/W3S rows (PREFETCH_W2: and
-    their BLOCK_N columns of W2S, for GEMM2) into L2 while the kernels before this one (norm, router, routing) run."""
-    pdl_release(PDL)
+    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up)."""
+    pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    if PREFETCH > 0:
-        j = pid_m % TOPK - (TOPK - PREFETCH)
-        if j >= 0:
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            kk = tl.arange(0, BLOCK_D) * 64  # a 128-byte line (bf16) per address
-            ok = (n < I)[:, None] & (kk < D)[None, :]
-            rows = (j * I + n).to(tl.int64)[:, None] * stride_sn + kk[None, :]
-            prefetch_l2(W1S + rows, ok, W1S)
-            prefetch_l2(W3S + rows, ok, W3S)
-            if PREFETCH_W2:
-                d = tl.arange(0, BLOCK_D * 64)
-                prefetch_l2(W2S + d.to(tl.int64) * stride_s2 + j * I + pid_n * BLOCK_N, d < D, W2S)
-    pdl_wait(PDL)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
     e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
@@ -187,12 +168,6 @@ def _check_shared(shared, I: int, D: int, dtype) -> int:
     return S
 
 
-def prefetch_level() -> int:
-    """MLASERVE_MOE_PREFETCH: 0 off; 1 the shared slots' GEMM1 weights; 2 (default) those and their GEMM2 weights
-    (_moe_gemm1_kernel's PREFETCH: an L2 prefetch before the PDL wait, in steps of <= NO_ALIGN_MAX_PAIRS pairs)."""
-    return int(os.environ.get("MLASERVE_MOE_PREFETCH", "2"))
-
-
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None,
                   add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None):
@@ -237,15 +212,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
-    pdl = pdl_args(x)
-    level = prefetch_level() if pdl["PDL"] and no_align and S else 0
     _moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
-        x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, w1s, w3s, w2s, w2s.stride(0), I, D, num_m,
+        x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, w1s, w3s, I, D, num_m,
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl,
-        PREFETCH=S if level else 0, PREFETCH_W2=level >= 2, BLOCK_D=triton.next_power_of_2(triton.cdiv(D, 64)))
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl_args(x))
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s,
@@ -253,5 +225,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         w2s.stride(0) if S else w2.stride(1),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl)
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl_args(x))
     return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)

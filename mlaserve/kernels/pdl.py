@@ -7,10 +7,9 @@ load what no kernel writes (weights) and then block in `griddepcontrol.wait` unt
 finished and its writes are visible.
 
 The rule that makes this safe, kept by every kernel launched with `pdl_args`: before `pdl_wait` it reads only
-weights (or prefetches them into L2: `prefetch_l2`) and writes nothing. A kernel passes its wait only once its
-predecessors finished, and they passed their own waits, so everything launched before it has finished. Kernels
-launched without PDL (cuBLAS, torch) wait for their predecessors in full, as always. MLASERVE_PDL=0 turns it off
-(for A/B timing).
+weights and writes nothing. A kernel passes its wait only once its predecessors finished, and they passed their
+own waits, so everything launched before it has finished. Kernels launched without PDL (cuBLAS, torch) wait for
+their predecessors in full, as always. MLASERVE_PDL=0 turns it off (for A/B timing).
 """
 
 from __future__ import annotations
@@ -54,12 +53,3 @@ def pdl_start(PDL: tl.constexpr):
     """Release, then wait: the prologue of a kernel with nothing to load before its inputs are ready."""
     pdl_release(PDL)
     pdl_wait(PDL)
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask, base):
-    """A hint: pull the lines at ptrs into L2, kept there in preference to streaming data (evict_last); masked lanes
-    fetch `base` (a valid address) instead. Results never depend on it."""
-    p = tl.where(mask, ptrs, base)
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // dummy $0", "=r,l", [p], dtype=tl.int32,
-                              is_pure=False, pack=1)

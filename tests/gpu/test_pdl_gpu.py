@@ -141,28 +141,3 @@ def test_engine_greedy_with_and_without_pdl(set_pdl, tiny_ckpt):
     on, llm = _greedy(dict(dtype="bfloat16"), tiny_ckpt, prompts, max_tokens=24)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
     assert on == off
-
-
-@pytest.mark.parametrize("T", [1, 2])
-def test_moe_shared_prefetch_changes_nothing(set_pdl, monkeypatch, T):
-    """The fused MoE's L2 prefetch of the shared slots' weights before its PDL wait (MLASERVE_MOE_PREFETCH 1, 2)
-    gives the results without it bit for bit, eager and in a CUDA graph (Moonlight widths, 2 shared slots)."""
-    from mlaserve.kernels.fused_moe import fused_experts
-
-    set_pdl(True)
-    _, (w13, w2, shared), _ = _weights(1)
-    x = torch.randn(T, D, device="cuda").to(BF)
-    ids = torch.cat([torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]),
-                     torch.arange(E, E + S, device="cuda").expand(T, S)], 1)
-    wts = torch.cat([torch.rand(T, K, device="cuda"), torch.ones(T, S, device="cuda")], 1)
-    outs = []
-    for level in ("0", "1", "2"):
-        monkeypatch.setenv("MLASERVE_MOE_PREFETCH", level)
-        with kc.poisoned_empty():
-            outs.append(fused_experts(x, w13, w2, wts, ids, shared=shared))
-        g, y = kc.cuda_graph(lambda: fused_experts(x, w13, w2, wts, ids, shared=shared))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, outs[-1]), level
-    assert not outs[0].isnan().any()
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
