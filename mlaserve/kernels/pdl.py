@@ -10,6 +10,9 @@ The rule that makes this safe, kept by every kernel launched with `pdl_args`: be
 weights and writes nothing. A kernel passes its wait only once its predecessors finished, and they passed their
 own waits, so everything launched before it has finished. Kernels launched without PDL (cuBLAS, torch) wait for
 their predecessors in full, as always. MLASERVE_PDL=0 turns it off (for A/B timing).
+
+Tensor parallelism runs without it for now: eager TP2 with PDL passed the NCCL parity test, but TP under CUDA
+graphs with PDL has not been verified on GPUs (benchmarks/tp_graph_check.py is that check; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..distributed import tp
+
 
 @functools.cache
 def _pdl_on(device_index: int) -> bool:
@@ -29,8 +34,9 @@ def _pdl_on(device_index: int) -> bool:
 
 
 def pdl_args(t: torch.Tensor) -> dict:
-    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device."""
-    on = t.is_cuda and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device (one-GPU runs only)."""
+    on = (t.is_cuda and tp.rank_info().world_size == 1
+          and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device()))
     return dict(PDL=on, launch_pdl=on)
 
 

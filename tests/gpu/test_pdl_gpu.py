@@ -130,6 +130,18 @@ def test_pdl_off_by_env(set_pdl):
     assert pdl_args(x.cpu())["PDL"] is False
 
 
+def test_pdl_off_under_tensor_parallelism(set_pdl, monkeypatch):
+    """TP ranks launch without PDL until TP under CUDA graphs with PDL is verified (kernels/pdl.py)."""
+    from mlaserve.distributed import tp
+    from mlaserve.kernels.pdl import pdl_args
+
+    set_pdl(True)
+    x = torch.zeros(1, device="cuda")
+    assert pdl_args(x)["PDL"]
+    monkeypatch.setattr(tp, "rank_info", lambda: tp.RankInfo(rank=0, world_size=2, moe_tp_size=2))
+    assert pdl_args(x) == dict(PDL=False, launch_pdl=False)
+
+
 def test_engine_greedy_with_and_without_pdl(set_pdl, tiny_ckpt):
     """Decode graphs captured with PDL give the tokens of graphs captured without it (tiny model, bf16)."""
     from tests.gpu.test_engine_gpu import _greedy, _prompts
