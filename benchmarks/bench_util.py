@@ -157,3 +157,10 @@ def cfg_label(cfg: dict) -> str:
 
 def rel(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def moe_inputs(T, D, E, K, dev):
+    """x [T, D] bf16, ids [T, K] (K distinct experts per token), weights [T, K] fp32."""
+    x = torch.randn(T, D, device=dev).to(BF)
+    ids = torch.rand(T, E, device=dev).topk(K, -1).indices
+    return x, ids, torch.rand(T, K, device=dev)

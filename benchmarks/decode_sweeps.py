@@ -1,0 +1,142 @@
+"""kernels_bench's decode-step sweeps (sections moe_decode, lin_decode, absorb, launch): the kernels of a batch-1..32
+decode step timed over several layers' weights in turn, as the engine reads them, against their alternatives.
+
+    PYTHONPATH=$PWD python benchmarks/kernels_bench.py --only moe_decode,lin_decode,absorb,launch
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.bench_util import BF, Report, Sizes, bench, cfg_label, moe_inputs, rel
+
+MOE_DEC_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3), (32, 256, 4, 3),
+                 (16, 256, 4, 3), (16, 256, 4, 4), (32, 64, 4, 6), (16, 128, 2, 4), (32, 128, 2, 4), (64, 64, 4, 6),
+                 (64, 128, 8, 4), (16, 64, 2, 8), (32, 128, 4, 5), (128, 128, 8, 3), (128, 64, 4, 4)]
+
+
+def run_moe_decode(rep: Report, sz: Sizes):
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.kernels.moe_config import moe_config
+
+    L, S, tiles = sz.layers, sz.decode_shared, MOE_DEC_TILES[: sz.decode_max_cfgs]
+    D, I, E, K = sz.moe[next(iter(sz.moe))]
+    w13 = [(torch.randn(E, 2 * I, D, device=sz.dev) / D**0.5).to(BF) for _ in range(L)]
+    w2 = [(torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF) for _ in range(L)]
+    sh = [((torch.randn(S * I, D, device=sz.dev) / D**0.5).to(BF), (torch.randn(S * I, D, device=sz.dev)
+           / D**0.5).to(BF), (torch.randn(D, S * I, device=sz.dev) / I**0.5).to(BF)) for _ in range(L)]
+    cfgs = [None] + [dict(gemm1=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
+    cfgs += [dict(gemm2=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
+    for T in sz.decode_T:
+        x, ids, w = moe_inputs(T, D, E, K, sz.dev)
+        ids = torch.cat([ids, torch.arange(E, E + S, device=sz.dev).expand(T, S)], 1)  # the shared slots
+        w = torch.cat([w, torch.ones(T, S, device=sz.dev)], 1)
+        n_exp = int(ids.unique().numel())
+        d1, d2 = moe_config(T, K + S, E + S, D, I, BF)
+        ref = fused_experts(x, w13[0], w2[0], w, ids, 0, shared=sh[0])
+        for cfg in cfgs:
+            label = ("default g1 [" + cfg_label(d1) + "] g2 [" + cfg_label(d2) + "]" if cfg is None else
+                     " ".join(f"{g} {cfg_label(c)}" for g, c in cfg.items()))
+            try:
+                err = rel(fused_experts(x, w13[0], w2[0], w, ids, 0, config=cfg, shared=sh[0]), ref)
+                ms = bench(lambda c=cfg: [fused_experts(x, w13[i], w2[i], w, ids, 0, config=c,  # noqa: B023
+                                                        shared=sh[i]) for i in range(L)], sz) / L
+                rep.add("moe_decode", f"T={T} {label}", ms, n_exp * 3 * D * I * 2, err=err, T=T, config=cfg)
+            except Exception as e:  # e.g. out of shared memory
+                print(f"moe_decode T={T} {label}: {type(e).__name__}: {str(e)[:120]}")
+    w13 = w2 = sh = None
+    if sz.dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+GEMV_CFGS = [(4, 2048, 4), (4, 2048, 2), (4, 2048, 8), (2, 2048, 2), (2, 2048, 4), (1, 2048, 1), (1, 2048, 2),
+             (4, 1024, 2), (2, 1024, 1), (8, 2048, 8), (8, 1024, 2), (4, 512, 1)]
+
+
+def run_linear_decode(rep: Report, sz: Sizes):
+    """The decode-sized dense projections (M1: q|kv_a [3648, 2048], o_proj [2048, 2048]) as F.linear (the
+    engine's cuBLAS GEMM), torch.mv and W @ x^T, over sz.layers weights in turn."""
+    import torch.nn.functional as F
+
+    L = sz.layers
+    for N, Kd in sz.decode_linears:
+        ws = [(torch.randn(N, Kd, device=sz.dev) / Kd**0.5).to(BF) for _ in range(L)]
+        for T in sz.decode_linear_T:
+            x = torch.randn(T, Kd, device=sz.dev).to(BF)
+            ref = F.linear(x.float(), ws[0].float())
+            variants = {"F.linear": lambda w: F.linear(x, w), "W @ x^T": lambda w: (w @ x.t()).t()}  # noqa: B023
+            if T == 1:
+                from mlaserve.kernels.gemv import gemv
+
+                variants["torch.mv"] = lambda w: torch.mv(w, x[0])[None]  # noqa: B023
+                for bn, bk, nw in GEMV_CFGS[: sz.decode_max_cfgs]:
+                    c = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
+                    variants[f"gemv N{bn} K{bk} w{nw}"] = lambda w, c=c: gemv(x, w, c)  # noqa: B023
+            for name, fn in variants.items():
+                try:
+                    err = rel(fn(ws[0]), ref)
+                    ms = bench(lambda f=fn: [f(w) for w in ws], sz) / L  # noqa: B023
+                    rep.add("lin_decode", f"[{N}, {Kd}] T={T} {name}", ms, N * Kd * 2, err=err, T=T)
+                except Exception as e:  # e.g. out of registers
+                    print(f"lin_decode [{N}, {Kd}] T={T} {name}: {type(e).__name__}: {str(e)[:120]}")
+        ws = None
+
+
+HEAD_GEMV_BN = {"q": (8, 16, 32, 64), "out": (2, 4, 8, 16)}
+
+
+def run_absorb(rep: Report, sz: Sizes):
+    """MLA's absorbed projections in small decode steps (M1: 16 heads, w_kc [16, 128, 512] and the transposed
+    w_vc view [16, 512, 128] of one kv_b_proj weight): torch.bmm into the strided views (the projection contract)
+    against head_gemv's tiles, over sz.layers weights in turn."""
+    from mlaserve.kernels.head_gemv import head_gemv
+
+    H, N, V, R = sz.absorb_heads, 128, 128, 512
+    if sz.dev != "cuda":
+        N, V, R = 16, 8, 32
+    ws = [(torch.randn(H * (N + V), R, device=sz.dev) / R**0.5).to(BF).view(H, N + V, R) for _ in range(sz.layers)]
+    for T in sz.absorb_T:
+        for side, K, M in (("q", N, R), ("out", R, V)):
+            mats = [w[:, :N] if side == "q" else w[:, N:].transpose(1, 2) for w in ws]  # [H, K, M]
+            x = torch.randn(T, H, K, device=sz.dev).to(BF)
+            y = torch.empty(T, H, M, device=sz.dev, dtype=BF)
+            ref = torch.bmm(x.float().transpose(0, 1), mats[0].float()).transpose(0, 1)
+            variants = {"bmm": lambda m: torch.bmm(x.transpose(0, 1), m, out=y.transpose(0, 1))}  # noqa: B023
+            for bn in HEAD_GEMV_BN[side][: sz.decode_max_cfgs]:
+                for nw in (1, 2, 4):
+                    c = dict(BLOCK_N=min(bn, M), num_warps=nw)
+                    variants[f"head_gemv N{c['BLOCK_N']} w{nw}"] = lambda m, c=c: head_gemv(x, m, y, c)  # noqa: B023
+            for name, fn in variants.items():
+                try:
+                    y.fill_(float("nan"))
+                    fn(mats[0])
+                    err = rel(y, ref)
+                    ms = bench(lambda f=fn: [f(m) for m in mats], sz) / len(mats)  # noqa: B023
+                    rep.add("absorb", f"{side} [{H}, {K}, {M}] T={T} {name}", ms, H * K * M * 2, err=err, T=T)
+                except Exception as e:  # e.g. out of registers
+                    print(f"absorb {side} T={T} {name}: {type(e).__name__}: {str(e)[:120]}")
+    ws = None
+
+
+def run_launch(rep: Report, sz: Sizes):
+    """What one kernel costs in a CUDA graph whatever its work (the batch-1 decode step is ~400 such kernels in a
+    row): sz.launch_n back-to-back launches of a one-store Triton kernel (1 and 132 programs), and of the batch-1
+    add_rms_norm ([1, 2048] bf16), timed as graph replays, per launch."""
+    import triton
+    import triton.language as tl
+
+    from mlaserve.kernels.rmsnorm import add_rms_norm
+
+    @triton.jit
+    def _one_store(Out):
+        tl.store(Out + tl.program_id(0), 1)
+
+    n = sz.launch_n
+    flag = torch.zeros(132, dtype=torch.int32, device=sz.dev)
+    for programs in (1, 132):
+        ms = bench(lambda p=programs: [_one_store[(p,)](flag, num_warps=1) for _ in range(n)], sz) / n
+        rep.add("launch", f"one-store kernel, {programs} programs", ms, programs=programs)
+    x, r = torch.randn(1, 2048, device=sz.dev).to(BF), torch.randn(1, 2048, device=sz.dev).to(BF)
+    w = torch.ones(2048, device=sz.dev).to(BF)
+    ms = bench(lambda: [add_rms_norm(x, r, w, 1e-6) for _ in range(n)], sz) / n
+    rep.add("launch", "add_rms_norm [1, 2048] bf16", ms, 4 * 2048 * 2)
