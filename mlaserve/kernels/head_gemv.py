@@ -16,7 +16,9 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_release, pdl_wait
 
-HEAD_GEMV_MAX_TOKENS = 4  # decode steps of up to 4 tokens (batch 1-4, or an EAGLE3 verify of width 2 at batch 1)
+# decode steps of 1-2 tokens (batch 1-2, or an EAGLE3 verify of width 2 at batch 1): the sizes timed against bmm
+# (kernels_bench absorb, T=1 and 2); the kernel itself serves any T, larger steps keep torch.bmm until timed
+HEAD_GEMV_MAX_TOKENS = 2
 
 
 @triton.jit
@@ -43,7 +45,7 @@ def head_gemv_config(K: int, N: int) -> dict:
 
 
 def head_gemv_serves(x: torch.Tensor, m: torch.Tensor) -> bool:
-    """Whether the model's absorbed projections send x [T, H, K] @ m [H, K, N] here: a CUDA decode step of <= 4
+    """Whether the model's absorbed projections send x [T, H, K] @ m [H, K, N] here: a CUDA decode step of <= 2
     tokens in bf16/fp16 with power-of-two K and N (all DeepSeek-V3-family heads: 128 and 512)."""
     T, _, K = x.shape
     N = m.shape[-1]
@@ -53,7 +55,7 @@ def head_gemv_serves(x: torch.Tensor, m: torch.Tensor) -> bool:
 
 def head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [T, H, K], m [H, K, N] (any strides), out [T, H, N] (unit last stride; a view is fine) -> out, written in
-    place: out[t, h] = x[t, h] @ m[h] with fp32 sums (torch.bmm's result up to summation order). T <= 4;
+    place: out[t, h] = x[t, h] @ m[h] with fp32 sums (torch.bmm's result up to summation order). T <= 2;
     K and N powers of two, N divisible by BLOCK_N."""
     T, H, K = x.shape
     N = m.shape[-1]

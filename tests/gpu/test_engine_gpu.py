@@ -25,7 +25,7 @@ def _greedy(llm_kwargs, ckpt, prompts, max_tokens=16, spec=None):
 
 @pytest.mark.parametrize("T", [16, 1])
 def test_projection_contract_launches_only_gemms(T):
-    """T=16: the two torch.bmm GEMMs; T=1 (decode steps of <= 4 tokens): the head GEMV kernel, twice. Either way
+    """T=16: the two torch.bmm GEMMs; T=1 (decode steps of <= 2 tokens): the head GEMV kernel, twice. Either way
     no copy and no elementwise kernel, and the GEMM writes only its part of the caller's buffers."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -378,7 +378,7 @@ def test_gemv_real(N, K):
 
 
 @pytest.mark.parametrize("H", [16, 128])
-@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("T", [1, 2])
 def test_head_gemv_real(H, T):
     """The absorbed projections' few-token kernel on real head shapes (16: M1, Kimi-K2.5 at attention TP4; 128:
     DeepSeek-V3 at TP1), both weight layouts, into strided views of NaN-poisoned buffers, against fp32; inside a

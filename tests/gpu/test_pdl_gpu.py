@@ -61,20 +61,20 @@ def _chain(x, res, layers, moe, attn):
     kv, table, lens, slots, cos, sin = attn
     T = x.shape[0]
     w13, w2, shared = moe
-    for w in layers:  # as DeepseekV3Attention + DeepseekV3MoE run them (head_gemv up to 4 tokens, then bmm)
+    for w in layers:  # as DeepseekV3Attention + DeepseekV3MoE run them (head_gemv up to 2 tokens, then bmm)
         q = linear(x, w["wq"]).view(T, H, N + P)  # the GEMV at T=1
         kv_a = linear(x, w["wkv"])
         rope_store_kv(kv, slots, kv_a[:, :R], kv_a[:, R:], cos, sin, norm_weight=w["nkv"])
         Q = torch.empty(T, H, R + P, device="cuda", dtype=BF)
         w_kc, w_vc = w["wkv_b"][:, :N], w["wkv_b"][:, N:].transpose(1, 2)
-        if T <= 4:
+        if T <= 2:
             head_gemv(q[..., :N], w_kc, Q[..., :R])
         else:
             torch.bmm(q[..., :N].transpose(0, 1), w_kc, out=Q[..., :R].transpose(0, 1))
         rope_q(q[..., N:], cos, sin, out=Q[..., R:])
         o = mla_decode(Q, kv, table, lens, 1, 192**-0.5, torch.empty(T, H, R, device="cuda", dtype=BF))
         out = torch.empty(T, H * V, device="cuda", dtype=BF)
-        if T <= 4:
+        if T <= 2:
             head_gemv(o, w_vc, out.view(T, H, V))
         else:
             torch.bmm(o.transpose(0, 1), w_vc, out=out.view(T, H, V).transpose(0, 1))

@@ -1,6 +1,6 @@
 """The absorbed projections' few-token kernel (head_gemv) against torch.bmm in fp32 under the interpreter: both
 weight layouts the model uses (w_kc and the transposed w_vc view of one kv_b_proj weight), outputs written into
-strided views of caller-owned, NaN-poisoned buffers, 1-4 tokens."""
+strided views of caller-owned, NaN-poisoned buffers, 1-2 tokens."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ def _views(kdev, dtype, H=4, N=16, V=8, R=32):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("T", [1, 2])
 def test_head_gemv_absorb_q_into_view(kdev, dtype, T):
     from mlaserve.kernels.head_gemv import head_gemv
 
@@ -31,7 +31,7 @@ def test_head_gemv_absorb_q_into_view(kdev, dtype, T):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,cfg", [(1, None), (3, None), (2, dict(BLOCK_N=2, num_warps=1))])
+@pytest.mark.parametrize("T,cfg", [(1, None), (2, None), (2, dict(BLOCK_N=2, num_warps=1))])
 def test_head_gemv_absorb_out_into_view(kdev, dtype, T, cfg):
     from mlaserve.kernels.head_gemv import head_gemv
 
@@ -49,8 +49,8 @@ def test_head_gemv_checks(kdev):
 
     w_kc, _ = _views(kdev, torch.float32)
     H, N, R = w_kc.shape
-    with pytest.raises(ValueError, match="1..4 tokens"):
-        head_gemv(torch.randn(5, H, N, device=kdev), w_kc, torch.empty(5, H, R, device=kdev))
+    with pytest.raises(ValueError, match="1..2 tokens"):
+        head_gemv(torch.randn(3, H, N, device=kdev), w_kc, torch.empty(3, H, R, device=kdev))
     with pytest.raises(ValueError, match=r"\[T, H, K\]"):
         head_gemv(torch.randn(1, H, N + 1, device=kdev), w_kc, torch.empty(1, H, R, device=kdev))
     with pytest.raises(ValueError, match="one dtype"):
