@@ -103,8 +103,8 @@ class DeepseekV3MoE(nn.Module):
 
 
 def _head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> bool:
-    """out = x @ m per head by one Triton kernel when the step is a few decode tokens on the GPU (cuBLAS's bmm
-    streams these 2 MB weights at ~0.6 TB/s there: kernels/head_gemv.py); False: the caller runs torch.bmm."""
+    """out = x @ m per head by one Triton kernel when the step is 1-2 decode tokens on the GPU (cuBLAS's bmm
+    streams these 2 MB weights at 0.7-0.8 TB/s there: kernels/head_gemv.py); False: the caller runs torch.bmm."""
     from ..kernels.head_gemv import head_gemv, head_gemv_serves  # triton: imported on CUDA only
 
     if not head_gemv_serves(x, m):
