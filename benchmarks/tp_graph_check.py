@@ -3,6 +3,9 @@ NCCL all-reduces: greedy tokens of attn-TP2 x MoE-TP2 (and attn-TP2 x EP2) again
 and bf16 (batch-1 GEMVs and head GEMVs on; reported: TP changes the bf16 rounding of the reductions).
 
     PYTHONPATH=$PWD python benchmarks/tp_graph_check.py [--quick] [cpu]    # writes $OUT/tp_graph_check.json
+
+PDL is off on TP ranks unless MLASERVE_PDL=all (kernels/pdl.py): run it both ways to tell whether PDL matters.
+Each stage prints its wall time as it ends, so a slow or stuck stage shows (session 6 saw two runs time out).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,8 +26,13 @@ from mlaserve.models.make_random import make_random  # noqa: E402
 def greedy(ckpt, dtype, device, **par):
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 200))] for _ in range(8)]
-    llm = LLM(ckpt, device=device, dtype=dtype, num_pages=1024, page_size=64, **par)
+    t0 = time.time()
+    # a few small graphs (decode batch sizes up to 8, prefill buckets up to 1,024 tokens): a short capture
+    llm = LLM(ckpt, device=device, dtype=dtype, num_pages=1024, page_size=64, max_num_seqs=8,
+              prefill_graph_max_tokens=1024, **par)
+    print(f"  {dtype} {par or 'one GPU'}: engine up in {time.time() - t0:.1f} s", flush=True)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    print(f"  generated in {time.time() - t0:.1f} s", flush=True)
     graphs = bool(getattr(llm.engine.runner, "graphs", None) and llm.engine.runner.graphs.graphs)
     llm.close()
     return [o.token_ids for o in outs], graphs
@@ -51,7 +60,7 @@ def main() -> int:
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "tp_graph_check.json"), "w") as f:
-        json.dump(dict(rows=rows, ok=ok), f, indent=1)
+        json.dump(dict(rows=rows, ok=ok, pdl=os.environ.get("MLASERVE_PDL", "1")), f, indent=1)
     print("fp32 TP2 == TP1:", ok)
     return 0 if ok else 1
 

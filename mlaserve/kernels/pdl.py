@@ -12,7 +12,8 @@ own waits, so everything launched before it has finished. Kernels launched witho
 their predecessors in full, as always. MLASERVE_PDL=0 turns it off (for A/B timing).
 
 Tensor parallelism runs without it for now: eager TP2 with PDL passed the NCCL parity test, but TP under CUDA
-graphs with PDL has not been verified on GPUs (benchmarks/tp_graph_check.py is that check; docs/performance.md).
+graphs with PDL has not been verified on GPUs (benchmarks/tp_graph_check.py is that check, with MLASERVE_PDL=all
+turning PDL on for TP ranks too; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _pdl_on(device_index: int) -> bool:
 
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device (one-GPU runs only)."""
-    on = (t.is_cuda and tp.rank_info().world_size == 1
+    on = (t.is_cuda and (tp.rank_info().world_size == 1 or os.environ.get("MLASERVE_PDL") == "all")
           and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device()))
     return dict(PDL=on, launch_pdl=on)
 
