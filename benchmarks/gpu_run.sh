@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment, gpu tests, kernel bench, whole-model bench. Each stage has its own time limit so
 # the call ends inside the device tool's 10 minutes; everything is logged under $OUT.
-#   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2]
-# Env: TESTS / TESTS_K / TESTS_S, KERNEL_ARGS / KERNELS_S, M1_ARGS / M1_S, SPEC_S, M2_S (see each stage).
+#   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2] [tp]
+# Env: TESTS / TESTS_K / TESTS_S, KERNEL_ARGS / KERNELS_S, M1_ARGS / M1_S, SPEC_S, M2_S, TP_S / TP_ARGS (see each stage).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
@@ -36,6 +36,15 @@ if [[ $stages == *" m2 "* ]]; then
   el "M2 engine bench (dummy weights)"
   timeout ${M2_S:-200} python3 benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy --label m2 --gpu-mem 0.95 \
     --batches 1,8 --contexts 512 --ttft 512,8192 2>&1 | tee "$OUT/m2.log" | tail -12
+fi
+if [[ $stages == *" tp "* ]]; then  # on nvidia-h200-x2: TP2 under CUDA graphs, PDL off (default) then on for TP ranks
+  el "TP2 under graphs"
+  timeout ${TP_S:-120} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/tp/test_tp_parity.py -k nccl 2>&1 | tail -2
+  for pdl in 1 all; do
+    el "tp_graph_check MLASERVE_PDL=$pdl"
+    MLASERVE_PDL=$pdl OUT=$OUT/tp-pdl-$pdl timeout ${TP_S:-120} python3 benchmarks/tp_graph_check.py ${TP_ARGS:---quick} 2>&1 \
+      | grep -vE "Loading|it/s" | tail -8
+  done
 fi
 find benchmarks/results -maxdepth 1 -name "*.json" -newer "$OUT/env.txt" -exec cp {} "$OUT/" \; 2>/dev/null
 el "done"
