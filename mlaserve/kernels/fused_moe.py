@@ -212,12 +212,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
+    pdl = pdl_args(x)  # the two GEMMs launch alike
     _moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
         x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, w1s, w3s, I, D, num_m,
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl_args(x))
+        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s,
@@ -225,5 +226,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         w2s.stride(0) if S else w2.stride(1),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl_args(x))
+        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl)
     return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)

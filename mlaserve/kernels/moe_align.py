@@ -141,6 +141,7 @@ def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m:
     if triton.cdiv(TK, max(16, chunk // scale)) <= 64:  # but never past 64 chunks: every program sums all the
         chunk = max(16, chunk // scale)                  # chunk counts (Kimi 8k prefill: 1024 chunks took 0.8 ms)
     warps = 4 if block_e <= 128 else 8
+    pdl = pdl_args(ids)
     if single:
         num_chunks, sub = 1, min(sub, max(16, triton.next_power_of_2(TK)))
         partial = num_padded  # unused
@@ -149,10 +150,10 @@ def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m:
         num_chunks = triton.cdiv(TK, chunk)
         partial = torch.empty(num_chunks, E_local, dtype=torch.int32, device=dev)
         _moe_hist_kernel[(num_chunks,)](ids, partial, TK, expert_offset, E_local,
-                                        BLOCK_E=block_e, SUB=sub, CHUNK=chunk, num_warps=warps, **pdl_args(ids))
+                                        BLOCK_E=block_e, SUB=sub, CHUNK=chunk, num_warps=warps, **pdl)
     _moe_align_kernel[(num_chunks,)](
         ids, partial, sorted_ids, expert_ids, num_padded, TK, expert_offset, E_local, num_chunks, max_blocks,
         max_padded,
         BLOCK_M=block_m, BLOCK_E=block_e, SUB=sub, CHUNK=chunk, SINGLE=single,
-        BLOCK_Q=max(4, min(64, 4096 // block_e)), BLOCK_B=64, PAD_E=16, num_warps=warps, **pdl_args(ids))
+        BLOCK_Q=max(4, min(64, 4096 // block_e)), BLOCK_B=64, PAD_E=16, num_warps=warps, **pdl)
     return sorted_ids, expert_ids, num_padded
