@@ -292,7 +292,26 @@ def profile(engine, vocab, prefill_len):
         log(f"\nprofile {name}: {total / n:.2f} ms of GPU time per pass, {sum(r[2] for r in rows) / n:.0f} kernels")
         for k, ms, c in rows[:30]:
             log(f"  {1e3 * ms / n:8.1f} us/pass {c / n:6.1f}x {1e3 * ms / c:7.2f} us  {k[:90]}")
+        if cuda and name.startswith("decode"):
+            out[name]["chain"] = chain = critical_path(prof, n)
+            log(f"  critical path of {name} (each kernel's end minus the previous kernel's end, any stream):")
+            for r in chain[:24]:
+                log(f"  {r['us_per_pass']:8.1f} us/pass {r['count_per_pass']:6.1f}x {r['us_per_call']:7.2f} us  {r['name']}")
     return out
+
+
+def critical_path(prof, passes):
+    """Under PDL a kernel's profiled duration includes its wait for the one before, so durations overlap and
+    overstate. What a kernel adds to the step is its end minus the previous kernel's end (in end order over all
+    streams): these sum to the profiled span. The first kernel of a step also takes the gap since the last step."""
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.end)
+    acc: dict[str, list[float]] = {}
+    for prev, e in zip(ev, ev[1:]):
+        acc.setdefault(e.name[:90], []).append(e.time_range.end - prev.time_range.end)
+    rows = [{"name": k, "us_per_pass": sum(v) / passes, "count_per_pass": len(v) / passes,
+             "us_per_call": sum(v) / len(v)} for k, v in acc.items()]
+    return sorted(rows, key=lambda r: -r["us_per_pass"])
 
 
 def _ms(res, key):
