@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .pdl import pdl_args, pdl_start
+from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short contexts use fewer splits)
@@ -28,10 +28,10 @@ COMBINE_TILE = 8192  # elements of the combine's [splits, BLOCK_R] fp32 tile (4 
 
 
 @triton.jit
-def _program_rows(Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN: tl.constexpr, R: tl.constexpr,
-                  P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr,
+def _program_rows(SeqLens, H, num_splits, Q_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr,
                   BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
-    """A split program's rows (BLOCK_QL tokens x BLOCK_H heads), their causal limits, its token range and its q."""
+    """A split program's rows (BLOCK_QL tokens x BLOCK_H heads), their causal limits and its token range: from the
+    step inputs (SeqLens) only, so it may run before the PDL wait (pdl.py)."""
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -41,20 +41,24 @@ def _program_rows(Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN: tl.con
     h = hb * BLOCK_H + m % BLOCK_H
     row_ok = (j < Q_LEN) & (h < H)
     t = b * Q_LEN + j
-    offs_r = tl.arange(0, R)
-    offs_p = tl.arange(0, BLOCK_P)
-
     seq_len = tl.load(SeqLens + b)
     last_visible = seq_len - Q_LEN + j  # [M]: causal inside the verify block
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    return split, b, t, h, row_ok, last_visible, start, end
 
+
+@triton.jit
+def _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The program's rows of q: (q_nope [M, R], q_pe [M, BLOCK_P]). Activations: after the PDL wait."""
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, BLOCK_P)
     q_row = Q + t.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
     q_nope = tl.load(q_row + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [M, R]
     q_pe = tl.load(q_row + R + offs_p[None, :], mask=row_ok[:, None] & (offs_p < P)[None, :], other=0.0)  # [M, BP]
-    return split, b, t, h, row_ok, last_visible, start, end, q_nope, q_pe
+    return q_nope, q_pe
 
 
 @triton.jit(do_not_specialize=["H", "num_splits"])  # varying batch sizes reuse one binary
@@ -78,11 +82,13 @@ def _mla_decode_split_kernel(
     it is one box. The last, partial tile of a split uses masked loads instead: rows past the context may hold
     anything (stale or poisoned pages). The load paths are constexpr branches around whole loops (not a runtime
     `if`), so neither variant carries the other's code or registers."""
-    pdl_start(PDL)
+    # Before the PDL wait: the rows, the token range and the first page lookup read only the step's inputs
+    # (SeqLens, PageTable: copied from the host before the forward, written by no kernel of the step; pdl.py).
+    # The KV tiles may include this step's new rows (the store just wrote them): loaded after the wait.
+    pdl_release(PDL)
     BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
-    split, b, t, h, row_ok, last_visible, start, end, q_nope, q_pe = _program_rows(
-        Q, SeqLens, stride_qt, stride_qh, H, num_splits, Q_LEN, R, P, BLOCK_P, BLOCK_H, BLOCK_QL, BLOCK_N,
-        MIN_SPLIT_TILES)
+    split, b, t, h, row_ok, last_visible, start, end = _program_rows(
+        SeqLens, H, num_splits, Q_LEN, BLOCK_H, BLOCK_QL, BLOCK_N, MIN_SPLIT_TILES)
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, BLOCK_P)
 
@@ -96,6 +102,8 @@ def _mla_decode_split_kernel(
         all_ok = offs_n >= 0
         page = tl.load(pt + start // PAGE_SIZE, mask=start < full_end, other=0)
         row = page * PAGE_SIZE + start % PAGE_SIZE  # the tile's first row; looked up one tile ahead
+        pdl_wait(PDL)
+        q_nope, q_pe = _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R, P, BLOCK_P)
         for n0 in range(start, full_end, BLOCK_N):
             kv = KVn.load([row, 0])  # [N, R]
             k_pe = KVp.load([row, R])  # [N, P]
@@ -121,6 +129,8 @@ def _mla_decode_split_kernel(
         # waits on a load of the same iteration and Triton's pipeliner can multi-buffer the KV tiles.
         page = tl.load(pt + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
         row_off = page.to(tl.int64) * stride_kvp + ((start + offs_n) % PAGE_SIZE) * stride_kvs
+        pdl_wait(PDL)
+        q_nope, q_pe = _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R, P, BLOCK_P)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
             pos_ok = pos < end

@@ -7,9 +7,12 @@ load what no kernel writes (weights) and then block in `griddepcontrol.wait` unt
 finished and its writes are visible.
 
 The rule that makes this safe, kept by every kernel launched with `pdl_args`: before `pdl_wait` it reads only
-weights and writes nothing. A kernel passes its wait only once its predecessors finished, and they passed their
-own waits, so everything launched before it has finished. Kernels launched without PDL (cuBLAS, torch) wait for
-their predecessors in full, as always. MLASERVE_PDL=0 turns it off (for A/B timing).
+weights and the step's inputs that were copied from the host before the forward (seq_lens, page table, slot
+mapping: written by no kernel of the step; data written by any kernel, however early in the step, is not safe,
+since a programmatic edge does not flush its writes before the wait), and writes nothing. A kernel passes its wait
+only once its predecessors finished, and they passed their own waits, so everything launched before it has
+finished. Kernels launched without PDL (cuBLAS, torch) wait for their predecessors in full, as always.
+MLASERVE_PDL=0 turns it off (for A/B timing).
 
 Tensor parallelism runs without it for now: eager TP2 with PDL passed the NCCL parity test, but TP under CUDA
 graphs with PDL has not been verified on GPUs (benchmarks/tp_graph_check.py is that check, with MLASERVE_PDL=all

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, pdl_start
+from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
 from .rmsnorm import _launch_args as _norm_launch_args
 
 
@@ -18,12 +18,13 @@ def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
                           stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
                           R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                           PAGE_SIZE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+    pdl_release(PDL)
     t = tl.program_id(0)
-    slot = tl.load(Slots + t)
+    slot = tl.load(Slots + t)  # a step input (copied from the host before the forward): read before the wait
     if slot < 0:  # padding token (CUDA graphs): no slot
         return
     dst = Cache + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
+    pdl_wait(PDL)
     r = tl.arange(0, BLOCK_R)
     c = tl.load(Ckv + t.to(tl.int64) * stride_ct + r * stride_cr, mask=r < R, other=0.0)
     if NORM:  # kv_a_layernorm first, with layers.norm.RMSNorm's rounding (cast before the weight)
