@@ -296,7 +296,8 @@ def profile(engine, vocab, prefill_len):
             out[name]["chain"] = chain = critical_path(prof, n)
             log(f"  critical path of {name} (each kernel's end minus the previous kernel's end, any stream):")
             for r in chain[:24]:
-                log(f"  {r['us_per_pass']:8.1f} us/pass {r['count_per_pass']:6.1f}x {r['us_per_call']:7.2f} us  {r['name']}")
+                log(f"  {r['us_per_pass']:8.1f} us/pass {r['count_per_pass']:6.1f}x {r['us_per_call']:7.2f} us  "
+                    f"{r['name']}")
     return out
 
 
