@@ -8,7 +8,6 @@ Padding is harmless by construction: padded requests have seq_len = q_len, a zer
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -60,8 +59,7 @@ class GraphRunner:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         # decode graphs fork the KV store onto it (one stream for all layers and graphs: they never run at once)
-        self.side_stream = (torch.cuda.Stream(dev) if use_graphs and torch.device(dev).type == "cuda"
-                            and os.environ.get("MLASERVE_DECODE_FORK", "1") != "0" else None)
+        self.side_stream = torch.cuda.Stream(dev) if use_graphs and torch.device(dev).type == "cuda" else None
 
     # ---- eligibility -----------------------------------------------------------------------------------
     def key_for(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple | None:
