@@ -18,10 +18,11 @@ import triton
 import triton.language as tl
 
 from .moe_align import moe_align
-from .moe_config import NO_ALIGN_MAX_PAIRS, moe_config
+from .moe_config import moe_config
 from .moe_sum import moe_sum
 from .pdl import pdl_args, pdl_start
-from .semaphore import arrive_last
+
+NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 
 
 @triton.jit
@@ -65,13 +66,19 @@ def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.c
     return skip
 
 
-@triton.jit
-def _gemm1_tile(pid_m, pid_n, X, W13, Hbuf, SortedIds, ExpertIds, TopkIds, W1S, W3S, I, D, stride_xt, stride_we,
-                stride_wn, stride_hm, TK, expert_offset, E_ROUTED, stride_sn,
-                TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded rows m of block pid_m.
+@triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
+def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S,
+                      I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
+                      E_ROUTED, stride_sn,
+                      TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
+                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+    """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up)."""
+    pdl_start(PDL)
+    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
+        return
     e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
     row_ok = ids < TK
     tok = (ids // TOPK).to(tl.int64)
@@ -109,29 +116,18 @@ def _gemm1_tile(pid_m, pid_n, X, W13, Hbuf, SortedIds, ExpertIds, TopkIds, W1S, 
 
 
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S,
-                      I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
+def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkIds, W2S,
+                      D, I, num_m, stride_hm, stride_we, stride_wn, stride_yt, TK, expert_offset, E_LOCAL,
                       E_ROUTED, stride_sn,
-                      TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
                       HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
-    """GEMM1 over every (row block, column block) tile: _gemm1_tile."""
+    """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks.
+    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down)."""
     pdl_start(PDL)
-    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
-    _gemm1_tile(pid_m, pid_n, X, W13, Hbuf, SortedIds, ExpertIds, TopkIds, W1S, W3S, I, D, stride_xt, stride_we,
-                stride_wn, stride_hm, TK, expert_offset, E_ROUTED, stride_sn,
-                TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, NO_ALIGN, HAS_SHARED)
-
-
-@triton.jit
-def _gemm2_tile(pid_m, pid_n, Hbuf, W2, Y, SortedIds, ExpertIds, TopkW, TopkIds, W2S, D, I, stride_hm, stride_we,
-                stride_wn, stride_yt, TK, expert_offset, E_ROUTED, stride_sn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of block pid_m (expert e).
-    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down)."""
     e, ids, offs_m, _ = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
     row_ok = ids < TK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,61 +156,6 @@ def _gemm2_tile(pid_m, pid_n, Hbuf, W2, Y, SortedIds, ExpertIds, TopkW, TopkIds,
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkIds, W2S,
-                      D, I, num_m, stride_hm, stride_we, stride_wn, stride_yt, TK, expert_offset, E_LOCAL,
-                      E_ROUTED, stride_sn,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
-    """GEMM2 over every (row block, column block) tile: _gemm2_tile."""
-    pdl_start(PDL)
-    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
-    if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
-        return
-    _gemm2_tile(pid_m, pid_n, Hbuf, W2, Y, SortedIds, ExpertIds, TopkW, TopkIds, W2S, D, I, stride_hm, stride_we,
-                stride_wn, stride_yt, TK, expert_offset, E_ROUTED, stride_sn,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, NO_ALIGN, HAS_SHARED)
-
-
-@triton.jit(do_not_specialize=["TK", "expert_offset"])
-def _moe_decode_kernel(X, W13, Hbuf, W2, Y, TopkW, TopkIds, W1S, W3S, W2S, Flags,
-                       I, D, stride_xt, stride_we1, stride_wn1, stride_hm, stride_we2, stride_wn2, stride_yt,
-                       TK, expert_offset, E_LOCAL, E_ROUTED, stride_sn1, stride_sn2,
-                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_K2: tl.constexpr, DOT_PREC: tl.constexpr,
-                       HAS_SHARED: tl.constexpr, MAX_PAIRS: tl.constexpr, PDL: tl.constexpr):
-    """Both GEMMs of a step of few (token, k) pairs (NO_ALIGN: block m = pair m) in one launch. Programs
-    [0, TK * n1) are GEMM1 tiles; each, once its Hbuf tile is stored, arrives at its pair's flag. The rest are GEMM2
-    tiles; each spins until its pair's n1 GEMM1 tiles have arrived (gpu-scope release/acquire), so a pair's down
-    projection starts while other pairs' GEMM1 tiles still stream. Blocks are dispatched in index order, so every
-    GEMM1 tile is resident or done before any GEMM2 tile can spin: no deadlock. The last GEMM2 tile of a pair
-    (arrive_last on Flags[MAX_PAIRS + m]) resets the pair's flag to 0 for the next launch."""
-    pdl_start(PDL)
-    pid = tl.program_id(0)
-    n1 = tl.cdiv(I, BN1)
-    n2 = tl.cdiv(D, BN2)
-    if pid < TK * n1:
-        pid_m = pid // n1
-        if not _skip_block(pid_m, TopkIds, TopkIds, expert_offset, E_LOCAL, BLOCK_M, True):
-            _gemm1_tile(pid_m, pid % n1, X, W13, Hbuf, TopkIds, TopkIds, TopkIds, W1S, W3S, I, D, stride_xt,
-                        stride_we1, stride_wn1, stride_hm, TK, expert_offset, E_ROUTED, stride_sn1,
-                        TOPK, BLOCK_M, BN1, BLOCK_K, EVEN_K1, DOT_PREC, True, HAS_SHARED)
-            tl.debug_barrier()  # every thread's Hbuf stores before the arrival
-            tl.atomic_add(Flags + pid_m, 1, sem="release", scope="gpu")
-    else:
-        pid_m = (pid - TK * n1) // n2
-        if not _skip_block(pid_m, TopkIds, TopkIds, expert_offset, E_LOCAL, BLOCK_M, True):
-            while tl.atomic_add(Flags + pid_m, 0, sem="acquire", scope="gpu") < n1:
-                pass
-            tl.debug_barrier()  # the whole program reads Hbuf after the acquire
-            _gemm2_tile(pid_m, (pid - TK * n1) % n2, Hbuf, W2, Y, TopkIds, TopkIds, TopkW, TopkIds, W2S, D, I,
-                        stride_hm, stride_we2, stride_wn2, stride_yt, TK, expert_offset, E_ROUTED, stride_sn2,
-                        BLOCK_M, BN2, BLOCK_K, EVEN_K2, DOT_PREC, True, HAS_SHARED)
-            if arrive_last(Flags + MAX_PAIRS + pid_m, n2):
-                tl.atomic_xchg(Flags + pid_m, 0, sem="relaxed", scope="gpu")
-
-
 def _check_shared(shared, I: int, D: int, dtype) -> int:
     """shared = (gate [S*I, D], up [S*I, D], down [D, S*I]), the shared MLP's rank-local weights -> S."""
     w1, w3, w2 = shared
@@ -229,8 +170,7 @@ def _check_shared(shared, I: int, D: int, dtype) -> int:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None,
-                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None,
-                  flags: torch.Tensor | None = None):
+                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None):
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
     topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
@@ -239,9 +179,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     norm = (weight [D], eps, residual [T, D]): the add + RMSNorm that follows the MoE, fused into its sum over k
     (moe_sum.py) -> (norm(out + residual), out + residual), bit-equal to add_rms_norm(out, residual, weight, eps).
     config (benchmarks, tests): moe_config overrides, flat or
-    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS).
-    flags (int32 [>= 2 * NO_ALIGN_MAX_PAIRS], zeros; every launch leaves them zeros): steps of <= NO_ALIGN_MAX_PAIRS
-    pairs run both GEMMs as one kernel (_moe_decode_kernel); None: two launches."""
+    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -275,20 +213,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     pdl = pdl_args(x)  # the two GEMMs launch alike
-    if flags is not None and no_align:
-        if flags.dtype != torch.int32 or flags.numel() < 2 * NO_ALIGN_MAX_PAIRS or flags.device != x.device:
-            raise ValueError(f"flags must be int32 with >= {2 * NO_ALIGN_MAX_PAIRS} entries on {x.device} "
-                             f"(decode_flags), got {flags.dtype} {tuple(flags.shape)} on {flags.device}")
-        y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
-        bk = c1["BLOCK_K"]
-        _moe_decode_kernel[(TK * (triton.cdiv(I, c1["BLOCK_N"]) + triton.cdiv(D, c2["BLOCK_N"])),)](
-            x, w13, hbuf, w2, y, topk_weights.reshape(-1), ids, w1s, w3s, w2s, flags,
-            I, D, x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-            TK, expert_offset, E_all, E, w1s.stride(0), w2s.stride(0) if S else w2.stride(1),
-            TOPK=K, BLOCK_M=bm, BN1=c1["BLOCK_N"], BN2=c2["BLOCK_N"], BLOCK_K=bk, EVEN_K1=D % bk == 0,
-            EVEN_K2=I % bk == 0, DOT_PREC=prec, HAS_SHARED=S > 0, MAX_PAIRS=NO_ALIGN_MAX_PAIRS,
-            num_warps=c1["num_warps"], num_stages=min(c1["num_stages"], c2["num_stages"]), **pdl)
-        return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)
     _moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
         x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, w1s, w3s, I, D, num_m,
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),

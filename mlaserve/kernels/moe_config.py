@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 SMS = 132  # H100/H200; the fill heuristic only needs the order of magnitude
 
 

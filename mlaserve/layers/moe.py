@@ -6,13 +6,10 @@ versions that the GPU path swaps in and that are tested against these.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.moe_config import NO_ALIGN_MAX_PAIRS
 from .activation import silu_and_mul
 from .linear import checked_copy, new_param, shard_of
 
@@ -111,12 +108,6 @@ class Experts(nn.Module):
                                       hf_shape=(num_experts, 2 * inter, hidden), loader=self._load_fused_w13)
         self.down_proj = new_param(self.num_local, hidden, i_local, dtype=dtype,
                                    hf_shape=(num_experts, hidden, inter), loader=self._load_fused_w2)
-        # The Triton path's one-launch decode (kernels/fused_moe.py _moe_decode_kernel): pair flags and arrival
-        # counters, zeros that every launch leaves zeros, so graphs replay them. Not a checkpoint tensor.
-        # MLASERVE_MOE_ONE_LAUNCH=0: none, two launches (A/B timing).
-        one_launch = os.environ.get("MLASERVE_MOE_ONE_LAUNCH", "1") != "0"
-        self.register_buffer("decode_flags", torch.zeros(2 * NO_ALIGN_MAX_PAIRS, dtype=torch.int32)
-                             if one_launch else None, persistent=False)
 
     # --- loading: per-expert HF keys, or transformers 5's fused form ---------------------------------
     def expert_shape(self, which: str) -> tuple[int, int]:
@@ -158,7 +149,7 @@ class Experts(nn.Module):
             from ..kernels.fused_moe import fused_experts
 
             return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset,
-                                 add=add, shared=shared, norm=norm, flags=self.decode_flags)
+                                 add=add, shared=shared, norm=norm)
         if shared is not None or norm is not None:
             raise ValueError("Experts: shared-experts fusion (shared=...) and the fused norm (norm=...) need "
                              "impl='triton'")

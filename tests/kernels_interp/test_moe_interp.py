@@ -164,37 +164,3 @@ def test_shared_output_added_in_the_sum(kdev, dtype):
     assert torch.equal(out[0], shared[0])
     with pytest.raises(ValueError, match="add"):
         fused_experts(x, w13, w2, w, ids, 0, add=shared[:2])
-
-
-@pytest.mark.parametrize("T,D,I,E_total,E_local,offset,K,shared", [
-    (1, 40, 20, 6, 6, 0, 2, 0),  # uneven K tiles of both GEMMs
-    (1, 64, 32, 8, 8, 0, 6, 2),  # Moonlight's decode pattern in small: top-6 plus 2 shared slots
-    (3, 32, 48, 12, 4, 4, 3, 1),  # EP: pairs of other ranks' experts are skipped by both halves
-    (2, 64, 32, 8, 8, 0, 2, 0),
-])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_one_launch(kdev, dtype, T, D, I, E_total, E_local, offset, K, shared):
-    """The one-launch decode path (flags given: GEMM1 and GEMM2 tiles in one grid, GEMM2 tiles waiting on their
-    pair's flag) equals the two launches bit for bit, over several calls on one flags buffer left at zeros."""
-    from mlaserve.kernels.fused_moe import fused_experts
-
-    flags = torch.zeros(32, dtype=torch.int32, device=kdev)
-    for _ in range(3):  # fresh inputs each call, the same flags
-        x = torch.randn(T, D, device=kdev).to(dtype)
-        w13 = (torch.randn(E_local, 2 * I, D, device=kdev) / D**0.5).to(dtype)
-        w2 = (torch.randn(E_local, D, I, device=kdev) / I**0.5).to(dtype)
-        ids = torch.stack([torch.randperm(E_total, device=kdev)[:K] for _ in range(T)])
-        w = torch.rand(T, K, device=kdev) + 0.1
-        kw = {}
-        if shared:  # S slots of I channels: ids offset + E_local + s with weight 1.0
-            sh = [(torch.randn(*s, device=kdev) / s[1] ** 0.5).to(dtype)
-                  for s in ((shared * I, D), (shared * I, D), (D, shared * I))]
-            kw = dict(shared=tuple(sh))
-            ids = torch.cat([ids, offset + E_local + torch.arange(shared, device=kdev).expand(T, shared)], 1)
-            w = torch.cat([w, torch.ones(T, shared, device=kdev)], 1)
-        two = fused_experts(x, w13, w2, w, ids, offset, **kw)
-        one = fused_experts(x, w13, w2, w, ids, offset, flags=flags, **kw)
-        assert torch.equal(one, two), f"one launch != two launches: {(one.float() - two.float()).abs().max()}"
-        assert flags.tolist() == [0] * 32
-    with pytest.raises(ValueError, match="flags must be int32"):
-        fused_experts(x, w13, w2, w, ids, offset, flags=flags[:8], **kw)
