@@ -34,7 +34,9 @@ def greedy(ckpt, dtype, device, **par):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     print(f"  generated in {time.time() - t0:.1f} s", flush=True)
     graphs = bool(getattr(llm.engine.runner, "graphs", None) and llm.engine.runner.graphs.graphs)
+    t1 = time.time()
     llm.close()
+    print(f"  closed in {time.time() - t1:.1f} s", flush=True)  # session 7: TP closes used to hang (stop_rank0)
     return [o.token_ids for o in outs], graphs
 
 
