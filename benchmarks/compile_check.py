@@ -197,7 +197,7 @@ def cases(quick: bool):
 
     for N, K in [(3648, 2048), (2048, 2048), (1000, 7168)]:
         yield f"gemv N={N} K={K}", gemv, (torch.empty(1, K, dtype=bf), torch.empty(N, K, dtype=bf))
-    from mlaserve.kernels.head_gemv import head_gemv
+    from mlaserve.kernels.head_gemv import absorb_q_rope, head_gemv
 
     for H in (16, 128):  # the absorbed projections, w_kc [H, 128, 512] and the transposed w_vc view [H, 512, 128]
         w = torch.empty(H, 256, 512, dtype=bf)
@@ -206,6 +206,9 @@ def cases(quick: bool):
                 torch.empty(T, H, 192, dtype=bf)[..., :128], w[:, :128], torch.empty(T, H, 576, dtype=bf)[..., :512])
             yield f"head_gemv out H={H} T={T}", head_gemv, (
                 torch.empty(T, H, 512, dtype=bf), w[:, 128:].transpose(1, 2), torch.empty(T, H, 128, dtype=bf))
+            yield f"absorb_q_rope H={H} T={T}", absorb_q_rope, (  # q: a view of the projection output
+                torch.empty(T, H * 192 + 576, dtype=bf)[:, : H * 192].view(T, H, 192), w[:, :128],
+                torch.empty(T, 32), torch.empty(T, 32), torch.empty(T, H, 576, dtype=bf))
     from mlaserve.kernels.gqa_decode import gqa_decode, gqa_store_kv
     from mlaserve.kernels.rmsnorm import add_rms_norm, rms_norm
     from mlaserve.kernels.silu_mul import silu_mul

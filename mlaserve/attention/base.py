@@ -100,6 +100,10 @@ class ForwardBatch:
 class AttentionBackend(ABC):
     """Owns the paged latent cache [layers, pages, page_size, R+P] and computes MLA attention over it."""
 
+    # rope_q is kernels/rope_kv.rope_q: the model may rotate the query inside its absorbed projection's launch
+    # instead (kernels/head_gemv.absorb_q_rope, bit for bit the same); a subclass overriding rope_q sets it False
+    rope_q_is_triton = False
+
     def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int):
         self.kv_cache = kv_cache
         self.kv_lora_rank = kv_lora_rank

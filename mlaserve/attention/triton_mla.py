@@ -16,6 +16,8 @@ from .base import AttentionBackend, ForwardBatch
 
 
 class TritonMLABackend(AttentionBackend):
+    rope_q_is_triton = True
+
     def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None):
         super().__init__(kv_cache, kv_lora_rank)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)

@@ -5,8 +5,7 @@ At batch 1 cuBLAS takes 2.7-3.0 us for each 2 MB per-head weight (M1, H200: 0.7-
 idle); this kernel 1.2-1.3 us. Each program owns BLOCK_N output columns of one head and loads its whole
 [K, BLOCK_N] slab of M[h] as one register tile, issued before it waits for x (pdl.py), then serves every token
 of the step from it. The contract is kept: the output is written straight into the caller's view, with no copy
-and no temporary.
-"""
+and no temporary. absorb_q_rope runs the query's absorption and its RoPE (rope_kv.rope_q's tile) in one launch."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_args, pdl_release, pdl_wait
+from .rope_kv import _check_cos_sin, _rope_q_tile
 
 # decode steps of 1-2 tokens (batch 1-2, or an EAGLE3 verify of width 2 at batch 1): the sizes timed against bmm
 # (kernels_bench absorb, T=1 and 2); the kernel itself serves any T, larger steps keep torch.bmm until timed
@@ -22,18 +22,44 @@ HEAD_GEMV_MAX_TOKENS = 2
 
 
 @triton.jit
-def _head_gemv_kernel(X, M, Y, stride_xt, stride_xh, stride_mh, stride_mk, stride_mn, stride_yt, stride_yh,
-                      T: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    h = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _head_gemv_program(X, M, Y, h, col, stride_xt, stride_xh, stride_mh, stride_mk, stride_mn, stride_yt, stride_yh,
+                       T: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """Output columns [col * BLOCK_N, +BLOCK_N) of head h for every token: the slab first, then the wait."""
+    n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, K)
-    pdl_release(PDL)
     m = tl.load(M + h.to(tl.int64) * stride_mh + k[:, None] * stride_mk + n[None, :] * stride_mn)  # [K, BLOCK_N]
     pdl_wait(PDL)
     for t in tl.static_range(T):
         x = tl.load(X + t * stride_xt + h * stride_xh + k)  # [K]
         y = tl.sum(m.to(tl.float32) * x.to(tl.float32)[:, None], axis=0)
         tl.store(Y + t * stride_yt + h * stride_yh + n, y.to(Y.dtype.element_ty))
+
+
+@triton.jit
+def _head_gemv_kernel(X, M, Y, stride_xt, stride_xh, stride_mh, stride_mk, stride_mn, stride_yt, stride_yh,
+                      T: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    pdl_release(PDL)
+    _head_gemv_program(X, M, Y, tl.program_id(0), tl.program_id(1), stride_xt, stride_xh, stride_mh, stride_mk,
+                       stride_mn, stride_yt, stride_yh, T, K, BLOCK_N, PDL)
+
+
+@triton.jit
+def _absorb_q_rope_kernel(X, M, Y, Xpe, Cos, Sin, Ype, H, stride_xt, stride_xh, stride_mh, stride_mk, stride_mn,
+                          stride_yt, stride_yh, stride_cos, stride_sin,
+                          T: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    # grid (H, N / BLOCK_N + 1): columns < N / BLOCK_N are head_gemv's programs; the last one rotates the head's
+    # q_pe for every token with rope_q's tile (q and cos/sin are written in the step: read only after the wait)
+    h = tl.program_id(0)
+    col = tl.program_id(1)
+    pdl_release(PDL)
+    if col < N // BLOCK_N:
+        _head_gemv_program(X, M, Y, h, col, stride_xt, stride_xh, stride_mh, stride_mk, stride_mn, stride_yt,
+                           stride_yh, T, K, BLOCK_N, PDL)
+    else:
+        pdl_wait(PDL)
+        _rope_q_tile(Xpe, Cos, Sin, Ype, tl.arange(0, BLOCK_T), h + tl.arange(0, 1), T, H, stride_xt, stride_xh, 1,
+                     stride_yt, stride_yh, 1, stride_cos, stride_sin, P, BLOCK_T, 1, BLOCK_P)
 
 
 def head_gemv_config(K: int, N: int) -> dict:
@@ -53,10 +79,7 @@ def head_gemv_serves(x: torch.Tensor, m: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and not K & (K - 1) and not N & (N - 1))
 
 
-def head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [T, H, K], m [H, K, N] (any strides), out [T, H, N] (unit last stride; a view is fine) -> out, written in
-    place: out[t, h] = x[t, h] @ m[h] with fp32 sums (torch.bmm's result up to summation order). T <= 2;
-    K and N powers of two, N divisible by BLOCK_N."""
+def _checked_config(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, config: dict | None) -> dict:
     T, H, K = x.shape
     N = m.shape[-1]
     if m.shape != (H, K, N) or out.shape != (T, H, N):
@@ -70,7 +93,43 @@ def head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, config: dict 
     bn = cfg["BLOCK_N"]
     if K & (K - 1) or N & (N - 1) or N % bn:
         raise ValueError(f"head_gemv needs power-of-two K={K}, N={N} and N divisible by BLOCK_N={bn}")
+    return cfg
+
+
+def head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [T, H, K], m [H, K, N] (any strides), out [T, H, N] (unit last stride; a view is fine) -> out, written in
+    place: out[t, h] = x[t, h] @ m[h] with fp32 sums (torch.bmm's result up to summation order). T <= 2;
+    K and N powers of two, N divisible by BLOCK_N."""
+    cfg = _checked_config(x, m, out, config)
+    T, H, K = x.shape
+    N, bn = m.shape[-1], cfg["BLOCK_N"]
     _head_gemv_kernel[(H, N // bn)](
         x, m, out, x.stride(0), x.stride(1), m.stride(0), m.stride(1), m.stride(2), out.stride(0), out.stride(1),
         T=T, K=K, N=N, BLOCK_N=bn, num_warps=cfg["num_warps"], **pdl_args(x))
     return out
+
+
+def absorb_q_rope(q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, Q: torch.Tensor,
+                  config: dict | None = None) -> torch.Tensor:
+    """q [T, H, N+P] (unit last stride; a view is fine), w_kc [H, N, R], cos/sin [T, P/2] fp32 -> Q [T, H, R+P]
+    (unit last stride), written in place in one launch: Q[..., :R] = head_gemv(q[..., :N], w_kc) and
+    Q[..., R:] = rope_q(q[..., N:], cos, sin), bit for bit what the two kernels give."""
+    if q.dim() != 3 or w_kc.dim() != 3:
+        raise ValueError(f"q {tuple(q.shape)} must be [T, H, N+P] and w_kc {tuple(w_kc.shape)} [H, N, R]")
+    T, H, NP = q.shape
+    N, R = w_kc.shape[-2:]
+    P = NP - N
+    if P <= 0 or P % 2 or Q.shape != (T, H, R + P):
+        raise ValueError(f"q {tuple(q.shape)}, w_kc {tuple(w_kc.shape)}, Q {tuple(Q.shape)}: need [T, H, N+P], "
+                         f"[H, N, R], [T, H, R+P] with P > 0 even")
+    x, out = q[..., :N], Q[..., :R]
+    cfg = _checked_config(x, w_kc, out, config)
+    _check_cos_sin(cos, sin, T, P)
+    bn = cfg["BLOCK_N"]
+    _absorb_q_rope_kernel[(H, R // bn + 1)](
+        x, w_kc, out, q[..., N:], cos, sin, Q[..., R:], H, q.stride(0), q.stride(1), w_kc.stride(0), w_kc.stride(1),
+        w_kc.stride(2), Q.stride(0), Q.stride(1), cos.stride(0), sin.stride(0),
+        T=T, K=N, N=R, BLOCK_N=bn, P=P, BLOCK_P=triton.next_power_of_2(P),
+        BLOCK_T=triton.next_power_of_2(T), num_warps=cfg["num_warps"],
+        **pdl_args(q))
+    return Q

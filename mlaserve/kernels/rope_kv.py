@@ -14,6 +14,12 @@ from .rmsnorm import _launch_args as _norm_launch_args
 
 
 @triton.jit
+def _rotate_pairs(x0, x1, cs, sn):
+    """The rotation of every RoPE here (fp32 in, fp32 out): (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin)."""
+    return x0 * cs - x1 * sn, x1 * cs + x0 * sn
+
+
+@triton.jit
 def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
                           stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
                           R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -40,20 +46,18 @@ def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
     x1 = tl.load(src + (2 * i + 1) * stride_kp, mask=ok, other=0.0).to(tl.float32)
     cs = tl.load(Cos + t.to(tl.int64) * stride_cos + i, mask=ok, other=0.0)
     sn = tl.load(Sin + t.to(tl.int64) * stride_sin + i, mask=ok, other=0.0)
-    tl.store(dst + R + 2 * i, (x0 * cs - x1 * sn).to(Cache.dtype.element_ty), mask=ok)
-    tl.store(dst + R + 2 * i + 1, (x1 * cs + x0 * sn).to(Cache.dtype.element_ty), mask=ok)
+    y0, y1 = _rotate_pairs(x0, x1, cs, sn)
+    tl.store(dst + R + 2 * i, y0.to(Cache.dtype.element_ty), mask=ok)
+    tl.store(dst + R + 2 * i + 1, y1.to(Cache.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _rope_q_kernel(X, Cos, Sin, Out, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
-                   stride_cos, stride_sin,
-                   P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-                   PDL: tl.constexpr):
-    pdl_start(PDL)
-    # A [BLOCK_T, BLOCK_H, P] tile per program: whole rows of P (vector loads), cos/sin read once per token.
-    # Every pair is read and written by the same program, so out may alias x.
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _rope_q_tile(X, Cos, Sin, Out, t, h, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
+                 stride_cos, stride_sin,
+                 P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The query RoPE of tokens t [BLOCK_T] x heads h [BLOCK_H] (masked to < T, < H): a [BLOCK_T, BLOCK_H, P] tile
+    of whole rows of P (vector loads), cos/sin read once per token. Shared by rope_q and head_gemv.absorb_q_rope.
+    Every pair is read and written by the same program, so out may alias x."""
     p = tl.arange(0, BLOCK_P)
     t64 = t.to(tl.int64)
     ok = (t < T)[:, None, None] & (h < H)[None, :, None] & (p < P)[None, None, :]
@@ -64,9 +68,22 @@ def _rope_q_kernel(X, Cos, Sin, Out, T, H, stride_xt, stride_xh, stride_xp, stri
     cs_ok = (t < T)[:, None] & (i < P // 2)[None, :]
     cs = tl.load(Cos + t64[:, None] * stride_cos + i[None, :], mask=cs_ok, other=0.0)[:, None, :]
     sn = tl.load(Sin + t64[:, None] * stride_sin + i[None, :], mask=cs_ok, other=0.0)[:, None, :]
-    y = tl.reshape(tl.join(x0 * cs - x1 * sn, x1 * cs + x0 * sn), (BLOCK_T, BLOCK_H, BLOCK_P))
+    y0, y1 = _rotate_pairs(x0, x1, cs, sn)
+    y = tl.reshape(tl.join(y0, y1), (BLOCK_T, BLOCK_H, BLOCK_P))
     tl.store(Out + t64[:, None, None] * stride_ot + h[None, :, None] * stride_oh + p[None, None, :] * stride_op,
              y.to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_q_kernel(X, Cos, Sin, Out, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
+                   stride_cos, stride_sin,
+                   P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_start(PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    _rope_q_tile(X, Cos, Sin, Out, t, h, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
+                 stride_cos, stride_sin, P, BLOCK_T, BLOCK_H, BLOCK_P)
 
 
 def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None:

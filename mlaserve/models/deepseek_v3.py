@@ -113,6 +113,17 @@ def _head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> bool:
     return True
 
 
+def _absorb_q_rope(q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, Q: torch.Tensor) -> bool:
+    """Q = [q_nope @ w_kc | rope(q_pe)] by one Triton launch where head_gemv serves q_nope (the Triton backend's
+    rope_q is then the launch's other half: kernels/head_gemv.absorb_q_rope); False: the caller runs both."""
+    from ..kernels.head_gemv import absorb_q_rope, head_gemv_serves  # triton: imported on CUDA only
+
+    if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
+        return False
+    absorb_q_rope(q, w_kc, cos, sin, Q)
+    return True
+
+
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention. The KV cache holds [c_kv | rope(k_pe)] (R+P values) per token."""
 
@@ -181,9 +192,10 @@ class DeepseekV3Attention(nn.Module):
 
     def forward_decode_forked(self, q, kv_a, cos, sin, batch, out) -> None:
         """forward's decode-only form as captured in a CUDA graph: the KV store runs on the side stream beside
-        absorb_q's GEMM and the query's RoPE (three short kernels of a batch-1 step in a row otherwise; the store
-        is the longest). They write disjoint outputs (cache slots; Q), the side stream allocates nothing, and the
-        branches join before attention reads them. The same kernels on the same inputs as the unforked path."""
+        absorbed_q (at batch 1-2 with the Triton backend one launch, absorb_q_rope; else absorb_q's GEMM and the
+        query's RoPE), which would run in a row with it otherwise (the store is the longest). They write disjoint
+        outputs (cache slots; Q), the side stream allocates nothing, and the branches join before attention reads
+        them. The same kernels on the same inputs as the unforked path."""
         main, side = torch.cuda.current_stream(), batch.side_stream
         side.wait_stream(main)
         with torch.cuda.stream(side):
@@ -211,6 +223,8 @@ class DeepseekV3Attention(nn.Module):
     def absorbed_q(self, q, cos, sin, batch) -> torch.Tensor:
         """q [T, H, N+P] -> Q [T, H, R+P]: absorbed q_nope | rope(q_pe), both written into Q in place."""
         Q = q.new_empty(q.shape[0], self.H, self.R + self.P)
+        if q.is_cuda and batch.attn.rope_q_is_triton and _absorb_q_rope(q, self.w_kc, cos, sin, Q):
+            return Q  # a 1-2 token step: both halves in one launch
         self.absorb_q(q[..., : self.N], Q)
         batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., self.R:])
         return Q

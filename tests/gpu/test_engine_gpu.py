@@ -66,6 +66,56 @@ def test_projection_contract_launches_only_gemms(T):
     assert torch.allclose(out.float(), ref_o, rtol=2e-2, atol=2e-2 * ref_o.abs().max().item())
 
 
+@pytest.mark.parametrize("T", [1, 2, 3])
+def test_absorbed_q_launches(T):
+    """absorbed_q with the Triton backend: at T=1-2 one kernel, absorb_q_rope (the absorption and the query's
+    RoPE), bit for bit head_gemv then rope_q; at T=3 the bmm GEMM, then rope_q. No copy either way, and nothing
+    of Q is left unwritten."""
+    from types import SimpleNamespace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from mlaserve.attention.triton_mla import TritonMLABackend
+    from mlaserve.config import ModelConfig
+    from mlaserve.distributed.tp import RankInfo
+    from mlaserve.kernels.head_gemv import head_gemv
+    from mlaserve.kernels.rope_kv import rope_q
+    from mlaserve.layers.rotary import RotaryEmbedding
+    from mlaserve.models.deepseek_v3 import DeepseekV3Attention
+    from mlaserve.models.make_random import load_preset
+
+    cfg = ModelConfig.from_hf(load_preset("moonlight-16b-a3b"))
+    with torch.device("cuda"):
+        attn = DeepseekV3Attention(cfg, 0, RankInfo(), torch.bfloat16)
+    attn.kv_b_proj.weight.data.normal_()
+    H, N, R, P = attn.H, attn.N, attn.R, attn.P
+    batch = SimpleNamespace(attn=TritonMLABackend(torch.empty(1, 1, 64, R + P, device="cuda", dtype=torch.bfloat16),
+                                                  R))  # absorbed_q reads only the backend
+    q = torch.randn(T, H * (N + P), device="cuda", dtype=torch.bfloat16).view(T, H, N + P)
+    cos, sin = RotaryEmbedding(cfg.rope, P).cuda()(torch.arange(100, 100 + T, device="cuda"))
+    for _ in range(3):
+        attn.absorbed_q(q, cos, sin, batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        Q = attn.absorbed_q(q, cos, sin, batch)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    print("kernels:", kernels)
+    if T <= 2:
+        assert kernels == ["_absorb_q_rope_kernel"], kernels
+    else:
+        assert "_rope_q_kernel" in kernels and "_absorb_q_rope_kernel" not in kernels, kernels
+        assert all("copy" not in k.lower() and "elementwise" not in k.lower() for k in kernels), kernels
+    two = torch.full_like(Q, float("nan"))
+    if T <= 2:
+        head_gemv(q[..., :N], attn.w_kc, two[..., :R])
+    else:
+        torch.bmm(q[..., :N].transpose(0, 1), attn.w_kc, out=two[..., :R].transpose(0, 1))
+    rope_q(q[..., N:], cos, sin, two[..., R:])
+    torch.cuda.synchronize()
+    assert not Q.isnan().any() and torch.equal(Q, two)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_equal_eager_and_reference(tiny_ckpt, dtype):
     prompts = _prompts(12)

@@ -402,3 +402,38 @@ def test_head_gemv_real(H, T):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(Q2[..., :R], Q[..., :R]) and torch.equal(out2, out)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("T", [1, 2])
+def test_absorb_q_rope_real(H, T):
+    """The query's absorption and RoPE in one launch (what DeepseekV3Attention.absorbed_q runs at batch 1-2 with
+    the Triton backend) on real head shapes: q a view of the projection output beside kv_a, Q NaN-poisoned, Kimi's
+    YaRN cos/sin at random positions. Bit for bit head_gemv then rope_q, close to fp32, and inside a CUDA graph
+    equal to its eager launch."""
+    from mlaserve.config import ModelConfig
+    from mlaserve.kernels.head_gemv import absorb_q_rope, head_gemv
+    from mlaserve.kernels.reference import rope_q_ref
+    from mlaserve.kernels.rope_kv import rope_q
+    from mlaserve.layers.rotary import RotaryEmbedding
+    from mlaserve.models.make_random import load_preset
+
+    N, V, R, P = 128, 128, 512, 64
+    w_kc = (torch.randn(H * (N + V), R, device="cuda") / R**0.5).to(BF).view(H, N + V, R)[:, :N]
+    q = torch.randn(T, H * (N + P) + R + P, device="cuda").to(BF)[:, : H * (N + P)].view(T, H, N + P)
+    rotary = RotaryEmbedding(ModelConfig.from_hf(load_preset("kimi-k2.5")).rope, P).cuda()
+    cos, sin = rotary(torch.randint(0, 200_000, (T,), device="cuda"))
+    Q = torch.full((T, H, R + P), float("nan"), device="cuda", dtype=BF)
+    assert absorb_q_rope(q, w_kc, cos, sin, Q) is Q
+    two = torch.full_like(Q, float("nan"))
+    head_gemv(q[..., :N], w_kc, two[..., :R])
+    rope_q(q[..., N:], cos, sin, two[..., R:])
+    torch.cuda.synchronize()
+    assert not Q.isnan().any() and torch.equal(Q, two), "absorb_q_rope differs from head_gemv + rope_q"
+    kc.assert_close(Q[..., :R], torch.einsum("thn,hnr->thr", q[..., :N].float(), w_kc.float()), BF, "absorb")
+    kc.assert_close(Q[..., R:], rope_q_ref(q[..., N:], cos, sin), BF, "rope")
+    Q2 = torch.full_like(Q, float("nan"))
+    g, _ = kc.cuda_graph(lambda: absorb_q_rope(q, w_kc, cos, sin, Q2))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(Q2, Q)

@@ -1,8 +1,9 @@
 """On a Hopper GPU, kernels launched with programmatic dependent launch (kernels/pdl.py) give bit for bit what they
 give without it: a decoder-layer-shaped chain of the real kernels at Moonlight widths (GEMVs, the KV store with
-RoPE, head GEMVs, query RoPE, MLA decode, add + RMSNorm, router, routing, fused MoE with the next norm), eager and
-as replays of one CUDA graph, with every intermediate freshly allocated NaN-poisoned; and the engine's greedy
-tokens. The chain includes kernels launched without PDL (torch.bmm at T=8, the cuBLAS GEMMs, the poisoning fills).
+RoPE, head GEMVs (at T=1 the query's with its RoPE in the same launch), query RoPE, MLA decode, add + RMSNorm,
+router, routing, fused MoE with the next norm), eager and as replays of one CUDA graph, with every intermediate
+freshly allocated NaN-poisoned; and the engine's greedy tokens. The chain includes kernels launched without PDL
+(torch.bmm at T=8, the cuBLAS GEMMs, the poisoning fills).
 Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_pdl_gpu.py"""
 
 import pytest
@@ -51,7 +52,7 @@ def _weights(T):
 def _chain(x, res, layers, moe, attn):
     """A decode step's kernels in a decode step's order, per layer."""
     from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.kernels.head_gemv import head_gemv
+    from mlaserve.kernels.head_gemv import absorb_q_rope, head_gemv
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.rmsnorm import add_rms_norm
     from mlaserve.kernels.rope_kv import rope_q, rope_store_kv
@@ -61,17 +62,17 @@ def _chain(x, res, layers, moe, attn):
     kv, table, lens, slots, cos, sin = attn
     T = x.shape[0]
     w13, w2, shared = moe
-    for w in layers:  # as DeepseekV3Attention + DeepseekV3MoE run them (head_gemv up to 2 tokens, then bmm)
+    for w in layers:  # as DeepseekV3Attention + DeepseekV3MoE run them (head GEMVs up to 2 tokens, then bmm)
         q = linear(x, w["wq"]).view(T, H, N + P)  # the GEMV at T=1
         kv_a = linear(x, w["wkv"])
         rope_store_kv(kv, slots, kv_a[:, :R], kv_a[:, R:], cos, sin, norm_weight=w["nkv"])
         Q = torch.empty(T, H, R + P, device="cuda", dtype=BF)
         w_kc, w_vc = w["wkv_b"][:, :N], w["wkv_b"][:, N:].transpose(1, 2)
-        if T <= 2:
-            head_gemv(q[..., :N], w_kc, Q[..., :R])
+        if T <= 2:  # the absorption and the query's RoPE in one launch
+            absorb_q_rope(q, w_kc, cos, sin, Q)
         else:
             torch.bmm(q[..., :N].transpose(0, 1), w_kc, out=Q[..., :R].transpose(0, 1))
-        rope_q(q[..., N:], cos, sin, out=Q[..., R:])
+            rope_q(q[..., N:], cos, sin, out=Q[..., R:])
         o = mla_decode(Q, kv, table, lens, 1, 192**-0.5, torch.empty(T, H, R, device="cuda", dtype=BF))
         out = torch.empty(T, H * V, device="cuda", dtype=BF)
         if T <= 2:
