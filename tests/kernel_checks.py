@@ -73,7 +73,9 @@ def make_paged(ctx_lens: list[int], page_size: int, D: int, dtype, device, extra
 
 
 def check_mla_decode(device, dtype, *, H: int, R: int, P: int, q_len: int, ctx_lens: list[int], page_size: int,
-                     num_splits=None, config=None, strided_out: bool = False, q_scale: float = 0.3):
+                     num_splits=None, config=None, strided_out: bool = False, q_scale: float = 0.3, counters=None):
+    """counters: the fused combine's arrival counters (checked to be back at 0). The partial buffers mla_decode
+    allocates are NaN-poisoned too."""
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.reference import mla_decode_ref
 
@@ -85,10 +87,14 @@ def check_mla_decode(device, dtype, *, H: int, R: int, P: int, q_len: int, ctx_l
         out = nan_like((T, H, R + 16), dtype, device)[..., :R]
     else:
         out = nan_like((T, H, R), dtype, device)
-    mla_decode(q, kv, table, seq_lens, q_len, scale, out, num_splits=num_splits, config=config)
+    with poisoned_empty():
+        mla_decode(q, kv, table, seq_lens, q_len, scale, out, num_splits=num_splits, config=config, counters=counters)
     ref = mla_decode_ref(q, kv, table, seq_lens, q_len, scale, R)
-    return assert_close(out, ref, dtype, f"mla_decode H={H} R={R} P={P} q_len={q_len} ctx={ctx_lens[:4]}.. "
-                                         f"page={page_size} splits={num_splits} {dtype}")
+    what = (f"mla_decode H={H} R={R} P={P} q_len={q_len} ctx={ctx_lens[:4]}.. page={page_size} splits={num_splits} "
+            f"{dtype} fused={counters is not None}")
+    if counters is not None:
+        assert not counters.any(), f"{what}: arrival counters not reset: {counters.tolist()}"
+    return assert_close(out, ref, dtype, what)
 
 
 def check_prefill(device, dtype, *, H: int, Dqk: int, Dv: int, q_lens: list[int], k_lens: list[int],

@@ -3,13 +3,17 @@
 Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots) is derived on the device once per
 forward and reused by the following layers; only sizes come from the batch's host lists. A forward is recognised by
 layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
+Decode combines its splits inside the split kernel (arrival counters, one buffer made here for up to max_decode_reqs
+requests); MLASERVE_MLA_FUSED_COMBINE=0 runs the separate combine kernel instead (for A/B timing).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..kernels.mla_decode import mla_decode
+from ..kernels.mla_decode import MAX_Q_LEN, decode_groups, mla_decode
 from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.rope_kv import rope_q, rope_store_kv
 from .base import AttentionBackend, ForwardBatch
@@ -18,9 +22,16 @@ from .base import AttentionBackend, ForwardBatch
 class TritonMLABackend(AttentionBackend):
     rope_q_is_triton = True
 
-    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None):
+    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None,
+                 max_decode_reqs: int = 0, num_heads: int = 0):
         super().__init__(kv_cache, kv_lora_rank)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
+        # One (request, head block) counter each, for any verify width; made here, never inside a graph capture.
+        # A batch with more groups (or 0 here: sizes unknown) takes the two-kernel path.
+        self.counters: torch.Tensor | None = None
+        if max_decode_reqs > 0 and num_heads > 0 and os.environ.get("MLASERVE_MLA_FUSED_COMBINE", "1") != "0":
+            n = max(decode_groups(max_decode_reqs, num_heads, q) for q in range(1, MAX_Q_LEN + 1))
+            self.counters = torch.zeros(n, dtype=torch.int32, device=kv_cache.device)
         self._meta_batch: ForwardBatch | None = None
         self._meta_layer = -1
         self._meta: dict = {}
@@ -63,9 +74,11 @@ class TritonMLABackend(AttentionBackend):
                       None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
 
     def decode(self, layer_id, q, scale, batch, out):
-        nd = batch.num_decode_reqs
-        return mla_decode(q, self.kv_cache[layer_id], batch.page_table[:nd], batch.seq_lens[:nd], batch.decode_q_len,
-                          scale, out, num_splits=self.num_splits)
+        nd, q_len, cnt = batch.num_decode_reqs, batch.decode_q_len, self.counters
+        if cnt is not None and decode_groups(nd, q.shape[1], q_len) > cnt.numel():
+            cnt = None
+        return mla_decode(q, self.kv_cache[layer_id], batch.page_table[:nd], batch.seq_lens[:nd], q_len,
+                          scale, out, num_splits=self.num_splits, counters=cnt)
 
     def prefill_context(self, layer_id, batch):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]

@@ -91,11 +91,15 @@ class Eagle3Proposer:
         if cfg.mla is not None:
             cache = torch.zeros(1, pages, self.page_size, cfg.mla.kv_cache_dim, dtype=runner.dtype,
                                 device=self.device)
-            if gpu:  # triton is imported only where it runs
-                from ..attention.triton_mla import TritonMLABackend as Backend
+            if gpu:  # triton is imported only where it runs; the draft's graphs decode up to max_num_seqs requests
+                from ..attention.triton_mla import TritonMLABackend
+
+                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank, max_decode_reqs=runner.cfg.max_num_seqs,
+                                             num_heads=cfg.mla.num_attention_heads)
             else:
-                from ..attention.torch_ref import TorchRefBackend as Backend
-            self.attn = Backend(cache, cfg.mla.kv_lora_rank)
+                from ..attention.torch_ref import TorchRefBackend
+
+                self.attn = TorchRefBackend(cache, cfg.mla.kv_lora_rank)
         else:
             from ..attention.mha_ref import PagedMHARef
 

@@ -83,3 +83,49 @@ def test_tma_ignores_poisoned_rows_past_the_context(kdev):
         mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=splits,
                    config={"TMA": True, "BLOCK_N": 16, **cfg})
         assert_close(out, ref, torch.bfloat16, f"mla_decode TMA splits={splits} with NaN rows past the context")
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_fused_combine(kdev, q_len):
+    # The last split program of each (request, head block) combines: S from 2 up to more than the used splits
+    # (16-token splits of contexts <= 70: at most 5 used), B 1 and 3 with a seq_len-0 padding row, H=20 (a partly
+    # masked head block; two blocks at q_len 2). One counter buffer serves every launch and is left at 0.
+    from mlaserve.kernels.semaphore import arrival_counters
+
+    cnt = arrival_counters(3 * 20, kdev)
+    for ctx in ([70], [33, 0, 5]):
+        ctx = [c + q_len if c else 0 for c in ctx]
+        for splits in (2, 5, 9):
+            check_mla_decode(kdev, torch.float32, H=20, R=32, P=8, q_len=q_len, ctx_lens=ctx, page_size=16,
+                             num_splits=splits, config={"MIN_SPLIT_TOKENS": 16}, counters=cnt)
+
+
+def test_fused_combine_tma_bf16_strided(kdev):
+    from mlaserve.kernels.semaphore import arrival_counters
+
+    cnt = arrival_counters(8, kdev)
+    for _ in range(2):
+        check_mla_decode(kdev, torch.bfloat16, H=4, R=32, P=16, q_len=2, ctx_lens=[2, 47, 100], page_size=32,
+                         num_splits=3, config={"TMA": True, "BLOCK_N": 16, "MIN_SPLIT_TOKENS": 16}, counters=cnt,
+                         strided_out=True)
+
+
+def test_fused_combine_r512_chunks(kdev):
+    # R=512 at M=16 rows: the combine tile [16, 512] in one chunk; at q_len 2 (M=32 rows) two R chunks of 256
+    from mlaserve.kernels.semaphore import arrival_counters
+
+    cnt = arrival_counters(4, kdev)
+    for q_len, block_h in ((1, 16), (2, 16)):  # H=2 in a 16-head block (14 rows masked)
+        check_mla_decode(kdev, torch.float32, H=2, R=512, P=16, q_len=q_len, ctx_lens=[300, 50], page_size=16,
+                         num_splits=12, config={"MIN_SPLIT_TOKENS": 16, "BLOCK_H": block_h}, counters=cnt)
+
+
+def test_fused_combine_bad_counters(kdev):
+    from mlaserve.kernels.mla_decode import mla_decode
+
+    q, out = torch.zeros(2, 20, 40, device=kdev), torch.empty(2, 20, 32, device=kdev)
+    kv, table, lens = (torch.zeros(2, 16, 40, device=kdev), torch.zeros(2, 1, dtype=torch.int32, device=kdev),
+                       torch.ones(2, dtype=torch.int32, device=kdev))
+    for bad in (torch.zeros(1, dtype=torch.int32, device=kdev), torch.zeros(2, dtype=torch.int64, device=kdev)):
+        with pytest.raises(ValueError, match="counters"):  # 2 requests x 1 head block of 32 rows
+            mla_decode(q, kv, table, lens, 1, 0.1, out, num_splits=2, counters=bad)
