@@ -1,4 +1,5 @@
-"""DeepSeek-V3 `noaux_tc` routing after the router GEMM, in one Triton kernel (one program per token).
+"""DeepSeek-V3 `noaux_tc` routing after the router GEMM, in Triton: one program per token, or for decode steps
+fused into the split-K router GEMM (the last split program of a token block to finish routes it).
 
 sigmoid -> + e_score_correction_bias -> group score = sum of the group's top-2 -> keep the best topk_group groups
 -> top-K experts by biased score among them -> weights = unbiased scores, normalised, scaled. Same maths as
@@ -6,49 +7,95 @@ layers.moe.route_noaux_tc. Ties: every arg-max takes the LOWEST index among equa
 tie_break_left); torch.topk leaves the order of ties unspecified, so exact ties (measure zero for random fp32
 logits) may pick a different but equally-scored expert.
 
-With num_shared = S > 0 the kernel also writes S always-selected columns after the K routed ones: ids
+With num_shared = S > 0 the kernels also write S always-selected columns after the K routed ones: ids
 shared_id0 + s, weight exactly 1.0 (not scaled): the shared experts' slots of fused_experts(shared=...).
+MLASERVE_ROUTER_FUSED=0 turns the fused router + routing kernel off (two kernels again, for A/B timing).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, pdl_start
+from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
+from .semaphore import arrive_last
 
 
 @triton.jit
-def _router_partial_kernel(X, W, Part, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
-                           E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PDL: tl.constexpr):
-    """Part[s, t, :] = x[t, chunk s] . w[:, chunk s] in fp32 (bf16 products are exact in fp32). Split-K over many
-    programs: one program streaming the whole router weight is latency-bound (a few KB in flight)."""
-    pdl_start(PDL)
-    tb = tl.program_id(0)
-    split = tl.program_id(1)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    e = tl.arange(0, BLOCK_E)
-    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for kb in range(KB_PER_SPLIT):
-        k = (split * KB_PER_SPLIT + kb) * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = tl.load(X + t.to(tl.int64)[:, None] * stride_xt + k[None, :], mask=(t < T)[:, None] & (k < D)[None, :],
-                    other=0.0)
-        w = tl.load(W + e[:, None] * stride_we + k[None, :], mask=(e < E)[:, None] & (k < D)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(Part + split * stride_ps + t.to(tl.int64)[:, None] * stride_pt + e[None, :], acc,
-             mask=(t < T)[:, None] & (e < E)[None, :])
-
-
-@triton.jit
-def _logits(row, idx, mask, stride_ls, SPLIT: tl.constexpr):
-    """The router logits at idx: the sum of SPLIT partials, always in the same order (both layouts below agree)."""
-    v = tl.load(row + idx, mask=mask, other=0.0).to(tl.float32)
+def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr, CACHE: tl.constexpr):
+    """The router logits at ptrs: the sum of SPLIT partials, always in the same order (every caller agrees)."""
+    v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE)
     for s in tl.static_range(1, SPLIT):
-        v += tl.load(row + s * stride_ls + idx, mask=mask, other=0.0)
+        v += tl.load(ptrs + s * stride_ls, mask=mask, other=0.0, cache_modifier=CACHE)
     return v
+
+
+@triton.jit
+def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, Bias, Weights, Ids, scaling, shared_id0,
+                E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr,
+                CACHE: tl.constexpr):
+    """Routes tokens t [R] (int64; t_ok [R] masks them): rows t of Weights/Ids [T, TOP_K + N_SHARED]. Each token's
+    result depends on its logits only (arg-maxes, sums of one non-zero, the norm's sum accumulated in k order), so
+    any R and any num_warps give the same bits: the one-token kernel and the fused one agree exactly."""
+    offs = tl.arange(0, BLOCK_E)
+    rows = Logits + t * stride_lt  # [R]
+    ok = t_ok[:, None] & (offs < E)[None, :]
+    score = tl.sigmoid(_logits(rows[:, None] + offs[None, :], ok, stride_ls, SPLIT, CACHE))  # [R, E]
+    bias = tl.load(Bias + offs, mask=offs < E, other=0.0)
+    choice = tl.where((offs < E)[None, :], score + bias[None, :], float("-inf"))
+    if USE_GROUPS:
+        GS: tl.constexpr = E // N_GROUP
+        g = tl.arange(0, BLOCK_G)
+        s = tl.arange(0, BLOCK_S)
+        if BLOCK_G * BLOCK_S == BLOCK_E and GS == BLOCK_S:  # E and the group count powers of two: a view
+            c2 = tl.reshape(choice, [t.shape[0], BLOCK_G, BLOCK_S])  # [R, G, S]
+        else:  # the grouped view loaded again (the same sum, so the same values)
+            ok2 = (g < N_GROUP)[:, None] & (s < GS)[None, :]
+            idx2 = g[:, None] * GS + s[None, :]  # [G, S]
+            c2 = tl.sigmoid(_logits(rows[:, None, None] + idx2[None, :, :], t_ok[:, None, None] & ok2[None, :, :],
+                                    stride_ls, SPLIT, CACHE))
+            c2 = tl.where(ok2[None, :, :], c2 + tl.load(Bias + idx2, mask=ok2, other=0.0)[None, :, :],
+                          float("-inf"))  # [R, G, S]
+        top1 = tl.max(c2, 2)
+        first = tl.argmax(c2, 2)
+        top2 = tl.max(tl.where(s[None, None, :] == first[:, :, None], float("-inf"), c2), 2)
+        gscore = tl.where((g < N_GROUP)[None, :], top1 + top2, float("-inf"))  # [R, G]
+        in_kept = tl.zeros([t.shape[0], BLOCK_E], tl.int32) != 0  # expert in a kept group? [R, E]
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(gscore, 1)  # [R]
+            in_kept = in_kept | ((offs // GS)[None, :] == best[:, None])
+            gscore = tl.where(g[None, :] == best[:, None], float("-inf"), gscore)
+        choice = tl.where(in_kept, choice, float("-inf"))
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([t.shape[0], BLOCK_K], tl.int64)
+    ws = tl.zeros([t.shape[0], BLOCK_K], tl.float32)
+    total = tl.zeros([t.shape[0]], tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.argmax(choice, 1)  # [R]
+        hit = offs[None, :] == best[:, None]
+        wk = tl.sum(tl.where(hit, score, 0.0), 1)  # one non-zero: exact
+        ids = tl.where(kk[None, :] == k, best.to(tl.int64)[:, None], ids)
+        ws = tl.where(kk[None, :] == k, wk[:, None], ws)
+        total += wk  # in k order: no reduction tree whose shape depends on the layout
+        choice = tl.where(hit, float("-inf"), choice)
+    if NORM:
+        ws = ws / (total[:, None] + 1e-20)
+    ws = ws * scaling
+    if N_SHARED > 0:  # the norm summed the routed weights only
+        ids = tl.where(kk[None, :] >= TOP_K, shared_id0 + (kk - TOP_K).to(tl.int64)[None, :], ids)
+        ws = tl.where(kk[None, :] >= TOP_K, 1.0, ws)
+    KS: tl.constexpr = TOP_K + N_SHARED
+    out = t[:, None] * KS + kk[None, :]
+    mask = t_ok[:, None] & (kk < KS)[None, :]
+    tl.store(Weights + out, ws, mask=mask)
+    tl.store(Ids + out, ids, mask=mask)
 
 
 @triton.jit
@@ -57,52 +104,99 @@ def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, stride_ls, scaling, sha
                   USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                   N_SHARED: tl.constexpr = 0, SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """Row t of Weights/Ids [T, TOP_K + N_SHARED]: the routed top-K, then the N_SHARED shared-expert columns.
-    SPLIT > 1: Logits holds split-K partials [SPLIT, T, E] (stride_ls apart), summed here."""
+    """One program per token. SPLIT > 1: Logits holds split-K partials [SPLIT, T, E] (stride_ls apart)."""
     pdl_start(PDL)
-    t = tl.program_id(0)
-    row = Logits + t.to(tl.int64) * stride_lt
-    offs = tl.arange(0, BLOCK_E)
-    ok = offs < E
-    score = tl.sigmoid(_logits(row, offs, ok, stride_ls, SPLIT))
-    choice = tl.where(ok, score + tl.load(Bias + offs, mask=ok, other=0.0), float("-inf"))
-    if USE_GROUPS:
-        GS: tl.constexpr = E // N_GROUP
-        g = tl.arange(0, BLOCK_G)
-        s = tl.arange(0, BLOCK_S)
-        ok2 = (g < N_GROUP)[:, None] & (s < GS)[None, :]
-        idx2 = g[:, None] * GS + s[None, :]
-        c2 = tl.sigmoid(_logits(row, idx2, ok2, stride_ls, SPLIT))
-        c2 = tl.where(ok2, c2 + tl.load(Bias + idx2, mask=ok2, other=0.0), float("-inf"))  # [G, S]
-        top1 = tl.max(c2, 1)
-        first = tl.argmax(c2, 1)
-        top2 = tl.max(tl.where(s[None, :] == first[:, None], float("-inf"), c2), 1)
-        gscore = tl.where(g < N_GROUP, top1 + top2, float("-inf"))
-        keep = g < 0
-        for _ in tl.static_range(TOPK_GROUP):
-            best = tl.argmax(gscore, 0)
-            keep = keep | (g == best)
-            gscore = tl.where(g == best, float("-inf"), gscore)
-        # expert -> kept?  via a [E, G] comparison (G <= 8)
-        in_kept = tl.sum(((offs // GS)[:, None] == g[None, :]) & keep[None, :], 1) > 0
-        choice = tl.where(in_kept, choice, float("-inf"))
-    kk = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_K], tl.int64)
-    ws = tl.zeros([BLOCK_K], tl.float32)
-    for k in tl.static_range(TOP_K):
-        best = tl.argmax(choice, 0)
-        ids = tl.where(kk == k, best.to(tl.int64), ids)
-        ws = tl.where(kk == k, tl.sum(tl.where(offs == best, score, 0.0), 0), ws)
-        choice = tl.where(offs == best, float("-inf"), choice)
-    if NORM:
-        ws = ws / (tl.sum(ws, 0) + 1e-20)
-    ws = ws * scaling
-    if N_SHARED > 0:  # lanes past TOP_K held zeros above, so the norm summed the routed weights only
-        ids = tl.where(kk >= TOP_K, shared_id0 + (kk - TOP_K).to(tl.int64), ids)
-        ws = tl.where(kk >= TOP_K, 1.0, ws)
-    KS: tl.constexpr = TOP_K + N_SHARED
-    tl.store(Weights + t * KS + kk, ws, mask=kk < KS)
-    tl.store(Ids + t * KS + kk, ids, mask=kk < KS)
+    t = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    _route_rows(Logits, t, t >= 0, stride_lt, stride_ls, Bias, Weights, Ids, scaling, shared_id0, E, N_GROUP,
+                TOPK_GROUP, TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S, BLOCK_K, N_SHARED, SPLIT, "")
+
+
+@triton.jit
+def _w_tile(W, kb, D, stride_we, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Router weight tile [BLOCK_E, BLOCK_K] of K block kb (zeros past E and D)."""
+    e = tl.arange(0, BLOCK_E)
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(W + e[:, None] * stride_we + k[None, :], mask=(e < E)[:, None] & (k < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _x_tile(X, t, kb, T, D, stride_xt, BLOCK_K: tl.constexpr):
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(X + t.to(tl.int64)[:, None] * stride_xt + k[None, :], mask=(t < T)[:, None] & (k < D)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _router_partial(X, W, Part, w0, tb, split, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
+                    E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Part[split, block tb, :] = x[block tb, chunk split] . w[:, chunk split]^T in fp32 (bf16 products are exact in
+    fp32); w0 is the chunk's first weight tile. Both router kernels run this, so their partials agree bit for bit."""
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    kb0 = split * KB_PER_SPLIT
+    acc = tl.dot(_x_tile(X, t, kb0, T, D, stride_xt, BLOCK_K), tl.trans(w0), tl.zeros([BLOCK_T, BLOCK_E], tl.float32))
+    for kb in range(kb0 + 1, kb0 + KB_PER_SPLIT):
+        w = _w_tile(W, kb, D, stride_we, E, BLOCK_E, BLOCK_K)
+        acc = tl.dot(_x_tile(X, t, kb, T, D, stride_xt, BLOCK_K), tl.trans(w), acc)
+    e = tl.arange(0, BLOCK_E)
+    tl.store(Part + split * stride_ps + t.to(tl.int64)[:, None] * stride_pt + e[None, :], acc,
+             mask=(t < T)[:, None] & (e < E)[None, :])
+
+
+@triton.jit
+def _router_partial_kernel(X, W, Part, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
+                           E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr):
+    """Grid (token blocks, SPLIT): split-K over many programs; one program streaming the whole router weight is
+    latency-bound (a few KB in flight)."""
+    pdl_release(PDL)
+    split = tl.program_id(1)
+    w0 = _w_tile(W, split * KB_PER_SPLIT, D, stride_we, E, BLOCK_E, BLOCK_K)  # a weight: before the wait
+    pdl_wait(PDL)
+    _router_partial(X, W, Part, w0, tl.program_id(0), split, T, D, stride_xt, stride_we, stride_ps, stride_pt,
+                    KB_PER_SPLIT, E, BLOCK_T, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _router_route_kernel(X, W, Part, Bias, Weights, Ids, Counters, T, D, stride_xt, stride_we, stride_ps, stride_pt,
+                         KB_PER_SPLIT, scaling, shared_id0, E: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, ROWS: tl.constexpr,
+                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                         USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr,
+                         PDL: tl.constexpr):
+    """_router_partial_kernel, then the last of a token block's SPLIT programs to finish routes the block's tokens
+    (ROWS at a time) from the partials, as _route_kernel does: one launch instead of two."""
+    pdl_release(PDL)
+    tb = tl.program_id(0)
+    split = tl.program_id(1)
+    w0 = _w_tile(W, split * KB_PER_SPLIT, D, stride_we, E, BLOCK_N, BLOCK_KD)  # a weight: before the wait
+    pdl_wait(PDL)  # x and the counters only after it
+    _router_partial(X, W, Part, w0, tb, split, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
+                    E, BLOCK_T, BLOCK_N, BLOCK_KD)
+    if arrive_last(Counters + tb, SPLIT):
+        t0 = tb * BLOCK_T
+        for r in range(t0, tl.minimum(T, t0 + BLOCK_T), ROWS):
+            t = tl.arange(0, ROWS).to(tl.int64) + r  # ROWS divides BLOCK_T
+            _route_rows(Part, t, t < T, stride_pt, stride_ps, Bias, Weights, Ids, scaling,
+                        shared_id0, E, N_GROUP, TOPK_GROUP, TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S,
+                        BLOCK_K, N_SHARED, SPLIT, ".cg")
+
+
+def _routing_meta(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                  num_shared: int) -> dict:
+    """Checks a routing config; -> the routing constexprs of _route_rows."""
+    if E > 1024 or E % n_group or top_k > 16 or n_group > 64 or topk_group > n_group:
+        raise ValueError(f"routing E={E} (<= 1024, divisible by n_group={n_group}), top_k={top_k} (<= 16), "
+                         f"topk_group={topk_group} (<= n_group) out of range")
+    if not 0 <= num_shared <= 16:
+        raise ValueError(f"routing num_shared={num_shared} out of range [0, 16]")
+    use_groups = n_group > 1 and topk_group < n_group
+    if use_groups and (E // n_group < 2 or topk_group * (E // n_group) < top_k):
+        raise ValueError(f"groups of {E // n_group} experts x topk_group={topk_group} cannot hold top_k={top_k}")
+    return dict(N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, USE_GROUPS=use_groups, NORM=bool(norm_topk_prob),
+                BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+                BLOCK_S=max(2, triton.next_power_of_2(E // n_group)),
+                BLOCK_K=max(2, triton.next_power_of_2(top_k + num_shared)), N_SHARED=num_shared)
 
 
 def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
@@ -122,26 +216,14 @@ def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
         raise ValueError(f"router logits [T, E] and bias [E] must be fp32; got {logits.dtype}, {tuple(bias.shape)}")
     if logits.stride(-1) != 1:
         raise ValueError("router logits need a unit last stride")
-    if E > 1024 or E % n_group or top_k > 16 or n_group > 64 or topk_group > n_group:
-        raise ValueError(f"routing E={E} (<= 1024, divisible by n_group={n_group}), top_k={top_k} (<= 16), "
-                         f"topk_group={topk_group} (<= n_group) out of range")
-    if not 0 <= num_shared <= 16:
-        raise ValueError(f"routing num_shared={num_shared} out of range [0, 16]")
-    use_groups = n_group > 1 and topk_group < n_group
-    if use_groups and (E // n_group < 2 or topk_group * (E // n_group) < top_k):
-        raise ValueError(f"groups of {E // n_group} experts x topk_group={topk_group} cannot hold top_k={top_k}")
+    meta = _routing_meta(E, top_k, n_group, topk_group, norm_topk_prob, num_shared)
     KS = top_k + num_shared
     weights = torch.empty(T, KS, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, KS, dtype=torch.int64, device=logits.device)
     if T == 0:
         return weights, ids
-    _route_kernel[(T,)](
-        logits, bias, weights, ids, logits.stride(0), T * E, float(scaling), int(shared_id0),
-        E=E, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, USE_GROUPS=use_groups, NORM=bool(norm_topk_prob),
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
-        BLOCK_S=max(2, triton.next_power_of_2(E // n_group)), BLOCK_K=max(2, triton.next_power_of_2(KS)),
-        N_SHARED=num_shared, SPLIT=split, num_warps=4 if E > 128 else 1, **pdl_args(logits),
-    )
+    _route_kernel[(T,)](logits, bias, weights, ids, logits.stride(0), T * E, float(scaling), int(shared_id0),
+                        E=E, SPLIT=split, num_warps=4 if E > 128 else 1, **meta, **pdl_args(logits))
     return weights, ids
 
 
@@ -149,12 +231,35 @@ def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
 # 0.25 MB Moonlight router); Kimi's 384-expert tile would need 135 KB of shared memory a program: cuBLAS.
 ROUTER_SPLITK_MAX_TOKENS = 32
 ROUTER_SPLITK_MAX_EXPERTS = 256
+ROUTER_BLOCK_T = 16  # tl.dot's smallest M; decode steps are a block or two
 ROUTER_BLOCK_K = 64
 ROUTER_SPLITS = 32  # ~8 KB of a 64-expert, 2048-wide weight per program
+# Small steps route inside the router kernel (route_splitk with counters): a token block's last program routes its
+# tokens in rounds of _fused_rows(E) (a [rows, E] tile of up to 512 logits: more spill registers on sm_90, with
+# every split's partial in flight), where the one-token-per-program kernel spreads them over SMs; at most
+# ROUTER_FUSED_MAX_ROUNDS rounds, so DeepSeek-V3's 256 experts fuse up to 4 tokens, Moonlight's 64 up to 32.
+ROUTER_FUSED_MAX_TOKENS = ROUTER_SPLITK_MAX_TOKENS
+ROUTER_FUSED_MAX_ROUNDS = 2
+ROUTER_FUSED_COUNTERS = triton.cdiv(ROUTER_FUSED_MAX_TOKENS, ROUTER_BLOCK_T)  # what a router's owner allocates
 
 
-def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, D] bf16, w [E, D] bf16 -> split-K partial logits [SPLIT, T, E] fp32 (their sum is x . w^T)."""
+def _fused_rows(T: int, E: int) -> int:
+    return min(triton.next_power_of_2(min(T, ROUTER_BLOCK_T)), max(1, 512 // triton.next_power_of_2(E)))
+
+
+@functools.cache
+def _fused_env() -> bool:
+    return os.environ.get("MLASERVE_ROUTER_FUSED", "1") != "0"
+
+
+def router_fused_serves(T: int, E: int) -> bool:
+    """Whether route_noaux_tc_fused, given counters, routes a split-K step of T tokens x E experts in one kernel."""
+    return (_fused_env() and 0 < T <= ROUTER_FUSED_MAX_TOKENS
+            and triton.cdiv(min(T, ROUTER_BLOCK_T), _fused_rows(T, E)) <= ROUTER_FUSED_MAX_ROUNDS)
+
+
+def _splitk_args(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """Checks the router operands; -> (K blocks per split, splits, partials buffer [SPLIT, T, E] fp32)."""
     T, D = x.shape
     E = w.shape[0]
     if w.shape[1] != D or x.dtype != w.dtype or w.stride(-1) != 1 or x.stride(-1) != 1 or E > 1024:
@@ -163,29 +268,77 @@ def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n_kb = triton.cdiv(D, ROUTER_BLOCK_K)
     kb_per_split = triton.cdiv(n_kb, ROUTER_SPLITS)
     split = triton.cdiv(n_kb, kb_per_split)
-    part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+    return kb_per_split, split, torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+
+
+def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, D] bf16, w [E, D] bf16 -> split-K partial logits [SPLIT, T, E] fp32 (their sum is x . w^T)."""
+    kb_per_split, split, part = _splitk_args(x, w)
+    T, D = x.shape
+    E = w.shape[0]
     if T:
-        block_t = 16  # tl.dot's smallest M; decode steps are a block or two
-        _router_partial_kernel[(triton.cdiv(T, block_t), split)](
+        _router_partial_kernel[(triton.cdiv(T, ROUTER_BLOCK_T), split)](
             x, w, part, T, D, x.stride(0), w.stride(0), part.stride(0), part.stride(1), kb_per_split,
-            E=E, BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_K=ROUTER_BLOCK_K, num_warps=4,
-            **pdl_args(x))
+            E=E, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_K=ROUTER_BLOCK_K,
+            num_warps=4, **pdl_args(x))
     return part
 
 
-def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0,
-                         shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_counters(counters: torch.Tensor, x: torch.Tensor, n: int = 0) -> None:
+    if counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != x.device or counters.numel() < n:
+        raise ValueError(f"router counters {counters.dtype} {tuple(counters.shape)} on {counters.device}: need "
+                         f"int32 [>= {max(n, 1)}] zeros on {x.device} (one per {ROUTER_BLOCK_T}-token block)")
+
+
+def route_splitk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, scaling: float, num_shared: int = 0, shared_id0: int = 0,
+                 counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...), bit for bit. With
+    counters (int32 [>= cdiv(T, 16)], zeros, left zeros; reused by every launch) one kernel does both."""
+    if counters is None:
+        return route_noaux_tc_logits(router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob,
+                                     scaling, num_shared, shared_id0)
+    T, D = x.shape
+    E = w.shape[0]
+    n_blocks = triton.cdiv(T, ROUTER_BLOCK_T)
+    _check_counters(counters, x, n_blocks)
+    if bias.shape != (E,) or bias.dtype != torch.float32:
+        raise ValueError(f"router bias {tuple(bias.shape)} {bias.dtype}: need [E={E}] fp32")
+    meta = _routing_meta(E, top_k, n_group, topk_group, norm_topk_prob, num_shared)
+    kb_per_split, split, part = _splitk_args(x, w)
+    if split > 64:
+        raise ValueError(f"router D={D}: {split} split-K partials, more than 64")
+    KS = top_k + num_shared
+    weights = torch.empty(T, KS, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, KS, dtype=torch.int64, device=x.device)
+    if T:
+        _router_route_kernel[(n_blocks, split)](
+            x, w, part, bias, weights, ids, counters, T, D, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
+            kb_per_split, float(scaling), int(shared_id0), E=E, BLOCK_T=ROUTER_BLOCK_T,
+            BLOCK_N=max(16, triton.next_power_of_2(E)), BLOCK_KD=ROUTER_BLOCK_K,
+            ROWS=_fused_rows(T, E), SPLIT=split, num_warps=4, **meta, **pdl_args(x))
+    return weights, ids
+
+
+def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0, shared_id0: int = 0,
+                         counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K+S] fp32, ids [T, K+S] int64), S = num_shared
-    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits)."""
+    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits). counters: the
+    caller's ROUTER_FUSED_COUNTERS int32 zeros (allocated once, outside graph capture): then the small decode steps
+    of router_fused_serves run the router and the routing as one kernel (route_splitk)."""
     c = gate.cfg
+    if counters is not None:
+        _check_counters(counters, x)
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
-    splitk = (w16 is not None and x.shape[0] <= ROUTER_SPLITK_MAX_TOKENS and x.stride(-1) == 1
-              and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS)
-    if splitk:
-        logits = router_partials(x, w16)  # [SPLIT, T, E] fp32, summed by the routing kernel
-    elif w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
+    args = (gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
+            c.routed_scaling_factor, num_shared, shared_id0)
+    T = x.shape[0]
+    if (w16 is not None and T <= ROUTER_SPLITK_MAX_TOKENS and x.stride(-1) == 1
+            and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS):  # the router GEMM as split-K partials
+        fused = counters is not None and router_fused_serves(T, w16.shape[0])
+        return route_splitk(x, w16, *args, counters=counters if fused else None)
+    if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
     else:
         logits = F.linear(x.float(), gate.weight)  # [T, E] fp32 (cuBLAS; a Triton GEMV measured slower in decode)
-    return route_noaux_tc_logits(logits, gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-                                 c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, num_shared, shared_id0)
+    return route_noaux_tc_logits(logits, *args)
