@@ -63,9 +63,9 @@ def ml_ttft(engine, length, vocab, reps=3, around=contextlib.nullcontext):
     return statistics.median(times)
 
 
-def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext):
-    """-> (seconds per decode step, tokens per request-step, share of the timed steps launched overlapped);
-    `around()` wraps the timed steps alone (a profiler)."""
+def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext, replay=False):
+    """-> (seconds per decode step, tokens per request-step, share of the timed steps launched overlapped,
+    replay_alone_ms if `replay` else None); `around()` wraps the timed steps alone (a profiler)."""
     ps = prompts(batch, ctx, vocab, seed=batch * 7 + ctx)
     for p in ps:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
@@ -84,13 +84,16 @@ def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext):
         sync()
         dt = time.perf_counter() - t
     overlapped = (engine.num_overlapped_steps - ov0) / steps
+    # while the requests still run: the graph's inputs are this batch's last step (each graph views its own layout
+    # of the packed input buffers, so a later, smaller step would leave other graphs' views meaningless)
+    replay_ms = replay_alone_ms(engine, batch) if replay else None
     while engine.has_unfinished():
         engine.step()
-    return dt / steps, n_tok / (batch * steps), overlapped
+    return dt / steps, n_tok / (batch * steps), overlapped, replay_ms
 
 
 def replay_alone_ms(engine, batch, reps=50):
-    """The decode graph of the last ml_tpot batch replayed back to back on its last inputs: the GPU's time per
+    """The decode graph of a running ml_tpot batch replayed back to back on its last inputs: the GPU's time per
     step without the host's (scheduling, input copies, sampling, the token's trip back). TPOT minus this is
     host time the GPU waits for. None without graphs."""
     graphs = getattr(engine.runner, "graphs", None)
@@ -234,18 +237,18 @@ def main():
                              hf_ms=_ms(res, f"prefill_{n}_s")))
         for b in batches:
             for c in ctxs:
-                s, tok, overlapped = ml_tpot(engine, b, c, vocab)
+                s, tok, overlapped, replay_ms = ml_tpot(engine, b, c, vocab, replay=True)
                 fl = decode_floor_s(mcfg, b, c)
                 rows.append(dict(figure=f"TPOT b{b} ctx{c}", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl,
                                  hf_ms=_ms(res, f"tpot_b{b}_ctx{c}_s"), bytes_gb=decode_bytes(mcfg, b, c) / 1e9,
-                                 replay_ms=replay_alone_ms(engine, b), overlapped=overlapped))
+                                 replay_ms=replay_ms, overlapped=overlapped))
     if a.draft:
         # Plain TPOT first: the speculative engine re-captures the shared runner's graphs for verify width 2.
         base = {b: ml_tpot(engine, b, 512, vocab)[0] for b in (1, 8)}
         spec = SpecConfig(draft_model=a.draft, num_steps=1, num_draft_tokens=2)
         engine_spec = LLMEngine(cfg, runner=engine.runner, spec=spec)
         for b in (1, 8):
-            s, tok, _ = ml_tpot(engine_spec, b, 512, vocab)
+            s, tok, _, _ = ml_tpot(engine_spec, b, 512, vocab)
             st = engine_spec.stats()
             rows.append(dict(figure=f"TPOT b{b} ctx512 EAGLE3 K=1 N=2 (random draft)", ms=s / tok * 1e3,
                              step_ms=s * 1e3, tokens_per_step=tok, plain_ms=base[b] * 1e3,

@@ -41,10 +41,8 @@ def start_rank0(engine_cfg: EngineConfig, par: ParallelConfig, model_cfg: ModelC
 
 
 def stop_rank0(workers: Workers) -> None:
-    """After rank 0 has told the others to stop: leave the group while they leave it, then reap them. The other
-    order deadlocks with NCCL (H200s, session 7): a worker's destroy_process_group waits for rank 0's, rank 0 waits
-    for the worker to exit, the worker is terminated after the timeout, and rank 0's destroy then blocks on a dead
-    peer."""
+    """After rank 0 has told the others to stop (and freed its graphs): leave the group while they leave theirs,
+    then reap them, so a communicator teardown that needs every rank finds them all still there."""
     shutdown_rank()
     workers.close()
 
