@@ -48,20 +48,14 @@ class GraphRunner:
         dev = runner.device
         max_reqs = max(self.bs_list[-1], PREFILL_MAX_REQS + 1)
         max_tokens = max(self.bs_list[-1] * self.q, max(self.prefill_buckets, default=0))
-        # A step's inputs in two packed buffers, so a step ships them in two copies (and the page table in a third),
-        # not seven: each copy is a few us of the step on the GPU (H200 profile, session 7). Each graph's batch
-        # views its own layout: int64 [ids | positions | slots | logits rows], int32 [seq_lens | query_start_loc].
-        n64, n32 = 3 * max_tokens + max(max_tokens, PREFILL_MAX_REQS), 2 * max_reqs + 1
-        self.packed64 = torch.zeros(n64, dtype=torch.int64, device=dev)
-        self.packed32 = torch.zeros(n32, dtype=torch.int32, device=dev)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(max_tokens, **i64)
+        self.positions = torch.zeros(max_tokens, **i64)
+        self.slot_mapping = torch.full((max_tokens,), -1, **i64)
+        self.logits_indices = torch.zeros(max_tokens, **i64)
+        self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
-        # Pinned host staging, two sets in turn: with the overlap schedule the host fills step N+1 while step N's
-        # copies may still be queued, so a set is rewritten only after the event of its last copy.
-        pin = torch.device(dev).type == "cuda"
-        self._staging = [(torch.zeros(n64, dtype=torch.int64, pin_memory=pin),
-                          torch.zeros(n32, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
-        self._staged = [None, None]  # CUDA events: each set's last copy
-        self._turn = 0
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         # decode graphs fork the KV store onto it (one stream for all layers and graphs: they never run at once)
@@ -88,11 +82,11 @@ class GraphRunner:
             n_reqs, n_tok, n_logits, nd = size, size * self.q, size * self.q, size
         else:
             n_reqs, n_tok, n_logits, nd = PREFILL_MAX_REQS + 1, size, PREFILL_MAX_REQS, 0
-        i64, i32 = self.packed64, self.packed32
         return ForwardBatch(
-            input_ids=i64[:n_tok], positions=i64[n_tok:2 * n_tok], slot_mapping=i64[2 * n_tok:3 * n_tok],
-            seq_lens=i32[:n_reqs], query_start_loc=i32[n_reqs:2 * n_reqs + 1], page_table=self.page_table[:n_reqs],
-            logits_indices=i64[3 * n_tok:3 * n_tok + n_logits], num_decode_reqs=nd,
+            input_ids=self.input_ids[:n_tok], positions=self.positions[:n_tok],
+            slot_mapping=self.slot_mapping[:n_tok], seq_lens=self.seq_lens[:n_reqs],
+            query_start_loc=self.query_start_loc[:n_reqs + 1], page_table=self.page_table[:n_reqs],
+            logits_indices=self.logits_indices[:n_logits], num_decode_reqs=nd,
             decode_q_len=self.q if kind == "decode" else 0,
             seq_lens_cpu=[0] * n_reqs, query_lens_cpu=[0] * n_reqs, attn=self.runner.attn,
             max_query_len=self.q if kind == "decode" else size, context_is_new=kind == "prefill",
@@ -149,20 +143,14 @@ class GraphRunner:
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
-        n, r, m = g.n_tokens, g.n_reqs, len(rows)  # the graph's batch views this layout (_batch)
-        h64, h32 = self._staging[self._turn]
-        if self._staged[self._turn] is not None:
-            self._staged[self._turn].synchronize()  # this set's previous copy has run (normally long ago)
-        a, b = h64.numpy(), h32.numpy()
-        a[:n], a[n:2 * n], a[2 * n:3 * n], a[3 * n:3 * n + m] = ids, pos, slots, rows
-        b[:r], b[r:2 * r + 1] = lens, starts
-        self.packed64[:3 * n + m].copy_(h64[:3 * n + m], non_blocking=True)
-        self.packed32[:2 * r + 1].copy_(h32[:2 * r + 1], non_blocking=True)
-        self.page_table[:r, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
-        if self.packed64.is_cuda:
-            self._staged[self._turn] = ev = self._staged[self._turn] or torch.cuda.Event()
-            ev.record()
-        self._turn ^= 1
+        n_tok = g.n_tokens
+        self.input_ids[:n_tok].copy_(torch.as_tensor(ids, dtype=torch.int64), non_blocking=True)
+        self.positions[:n_tok].copy_(torch.as_tensor(pos, dtype=torch.int64), non_blocking=True)
+        self.slot_mapping[:n_tok].copy_(torch.as_tensor(slots, dtype=torch.int64), non_blocking=True)
+        self.seq_lens[: g.n_reqs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.query_start_loc[: g.n_reqs + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
+        self.page_table[: g.n_reqs, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        self.logits_indices[: len(rows)].copy_(torch.tensor(rows), non_blocking=True)
         g.batch.seq_lens_cpu[:] = lens  # host mirrors, for eager replay (reference backends) only
         g.batch.query_lens_cpu[:] = qlens
 
@@ -204,7 +192,7 @@ class GraphRunner:
         chunks = decode + prefill
         self._fill(key, g, chunks)
         if decode_tokens is not None:
-            g.batch.input_ids[: len(decode)].copy_(decode_tokens)
+            self.input_ids[: len(decode)].copy_(decode_tokens)
         if g.graph is not None:
             g.graph.replay()
             logits, aux = g.logits, g.aux
