@@ -41,8 +41,8 @@ def run_model(ckpt: str, device, dtype, backend: str, moe_impl: str, seed: int =
     model.to(device).eval()
     cache = torch.zeros(cfg.num_hidden_layers, 8, PAGE, cfg.kv_cache_dim, dtype=dtype, device=device)
     if backend == "triton":
-        sizes = dict(max_decode_reqs=4, num_heads=cfg.num_attention_heads) if fused_combine else {}
-        attn = TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=num_splits, **sizes)
+        attn = TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=num_splits, max_decode_reqs=4,
+                                num_heads=cfg.num_attention_heads, fused_combine=fused_combine)
     else:
         attn = TorchRefBackend(cache, cfg.kv_lora_rank)
     logits = []

@@ -3,8 +3,9 @@
 Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots) is derived on the device once per
 forward and reused by the following layers; only sizes come from the batch's host lists. A forward is recognised by
 layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
-Decode combines its splits inside the split kernel (arrival counters, one buffer made here for up to max_decode_reqs
-requests); MLASERVE_MLA_FUSED_COMBINE=0 runs the separate combine kernel instead (for A/B timing).
+Decode combines its splits in a second kernel. MLASERVE_MLA_FUSED_COMBINE=1 combines them inside the split kernel
+instead (arrival counters, one buffer made here for up to max_decode_reqs requests): bit-equal and gpu-tested, but
+not yet timed in the engine, and at batch 1 one program reads every partial (docs/kernels.md), so it is opt-in.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ class TritonMLABackend(AttentionBackend):
     rope_q_is_triton = True
 
     def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None,
-                 max_decode_reqs: int = 0, num_heads: int = 0):
+                 max_decode_reqs: int = 0, num_heads: int = 0, fused_combine: bool | None = None):
         super().__init__(kv_cache, kv_lora_rank)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
         # One (request, head block) counter each, for any verify width; made here, never inside a graph capture.
-        # A batch with more groups (or 0 here: sizes unknown) takes the two-kernel path.
+        # A batch with more groups (or 0 here: sizes unknown) takes the two-kernel path. fused_combine None: the env.
+        if fused_combine is None:
+            fused_combine = os.environ.get("MLASERVE_MLA_FUSED_COMBINE", "0") == "1"
         self.counters: torch.Tensor | None = None
-        if max_decode_reqs > 0 and num_heads > 0 and os.environ.get("MLASERVE_MLA_FUSED_COMBINE", "1") != "0":
+        if max_decode_reqs > 0 and num_heads > 0 and fused_combine:
             n = max(decode_groups(max_decode_reqs, num_heads, q) for q in range(1, MAX_Q_LEN + 1))
             self.counters = torch.zeros(n, dtype=torch.int32, device=kv_cache.device)
         self._meta_batch: ForwardBatch | None = None

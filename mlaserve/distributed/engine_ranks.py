@@ -41,10 +41,8 @@ def start_rank0(engine_cfg: EngineConfig, par: ParallelConfig, model_cfg: ModelC
 
 
 def stop_rank0(workers: Workers) -> None:
-    """After rank 0 has told the others to stop (and freed its graphs): leave the group while they leave theirs,
-    then reap them, so a communicator teardown that needs every rank finds them all still there."""
-    shutdown_rank()
     workers.close()
+    shutdown_rank()
 
 
 def run_follower_node(engine_cfg: EngineConfig, par: ParallelConfig) -> int:

@@ -146,11 +146,6 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices]), aux
 
     def shutdown(self) -> None:
-        """Rank 0: tell the other ranks to stop, then free the CUDA graphs. Graphs that captured NCCL all-reduces
-        hold the communicator: on two H200s (session 7) rank 0's destroy_process_group never returned while they
-        lived (the workers drop theirs when their loop returns)."""
+        """Rank 0: tell the other ranks to stop."""
         if self.ranks.world_size > 1 and self.ranks.rank == 0:
             tp.broadcast_object(None)
-            self.graphs = None
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()

@@ -14,11 +14,12 @@ def test_model_logits_match_torch_ref(kdev, tiny_ckpt, dtype, moe_impl, fused):
 
 def test_decode_counters_sized_once_with_fallback(kdev, monkeypatch):
     # one counter per (request, head block) for any verify width, made at construction; a batch with more groups,
-    # or MLASERVE_MLA_FUSED_COMBINE=0, passes counters=None (the two-kernel path)
+    # or without MLASERVE_MLA_FUSED_COMBINE=1 (the default), passes counters=None (the two-kernel path)
     from mlaserve.attention import triton_mla
     from mlaserve.attention.base import ForwardBatch, SeqChunk
 
     cache = torch.zeros(1, 6, 16, 40, device=kdev)
+    monkeypatch.setenv("MLASERVE_MLA_FUSED_COMBINE", "1")
     tri = triton_mla.TritonMLABackend(cache, 32, max_decode_reqs=2, num_heads=20)
     assert tri.counters.dtype == torch.int32 and tri.counters.numel() == 2 * 20 and not tri.counters.any()
     seen = []
@@ -28,7 +29,7 @@ def test_decode_counters_sized_once_with_fallback(kdev, monkeypatch):
         T = n * q_len
         tri.decode(0, torch.zeros(T, 20, 40, device=kdev), 0.1, batch, torch.empty(T, 20, 32, device=kdev))
     assert seen[0] is tri.counters and seen[1] is tri.counters and seen[2] is None
-    monkeypatch.setenv("MLASERVE_MLA_FUSED_COMBINE", "0")
+    monkeypatch.delenv("MLASERVE_MLA_FUSED_COMBINE")
     assert triton_mla.TritonMLABackend(cache, 32, max_decode_reqs=2, num_heads=20).counters is None
     assert triton_mla.TritonMLABackend(cache, 32).counters is None  # sizes unknown
 
