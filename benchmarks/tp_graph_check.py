@@ -10,6 +10,7 @@ Each stage prints its wall time as it ends, so a slow or stuck stage shows (sess
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import random
@@ -35,8 +36,12 @@ def greedy(ckpt, dtype, device, **par):
     print(f"  generated in {time.time() - t0:.1f} s", flush=True)
     graphs = bool(getattr(llm.engine.runner, "graphs", None) and llm.engine.runner.graphs.graphs)
     t1 = time.time()
+    # session 7: on two H200s TP2 generated and then LLM.close() never returned: if it hangs again, print rank 0's
+    # stacks after 30 s and exit, so the device call shows where
+    faulthandler.dump_traceback_later(30, exit=True)
     llm.close()
-    print(f"  closed in {time.time() - t1:.1f} s", flush=True)  # session 7: TP closes used to hang (stop_rank0)
+    faulthandler.cancel_dump_traceback_later()
+    print(f"  closed in {time.time() - t1:.1f} s", flush=True)
     return [o.token_ids for o in outs], graphs
 
 
