@@ -100,14 +100,16 @@ class ForwardBatch:
 class AttentionBackend(ABC):
     """Owns the paged latent cache [layers, pages, page_size, R+P] and computes MLA attention over it."""
 
-    # rope_q is kernels/rope_kv.rope_q: the model may rotate the query inside its absorbed projection's launch
-    # instead (kernels/head_gemv.absorb_q_rope, bit for bit the same); a subclass overriding rope_q sets it False
-    rope_q_is_triton = False
-
     def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int):
         self.kv_cache = kv_cache
         self.kv_lora_rank = kv_lora_rank
         self.page_size = kv_cache.shape[2]
+
+    def absorb_q_rope(self, q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      Q: torch.Tensor) -> bool:
+        """Q = [q_nope @ w_kc | rope_q(q_pe)] in one launch where the backend has one (q [T, H, N+P], w_kc [H, N, R],
+        Q [T, H, R+P]); False: the caller runs the absorption and rope_q itself."""
+        return False
 
     def rope_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The query's RoPE: x [T, H, P] -> out (any strided view, may alias x)."""

@@ -4,8 +4,9 @@ Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots
 forward and reused by the following layers; only sizes come from the batch's host lists. A forward is recognised by
 layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
 Decode combines its splits in a second kernel. MLASERVE_MLA_FUSED_COMBINE=1 combines them inside the split kernel
-instead (arrival counters, one buffer made here for up to max_decode_reqs requests): bit-equal and gpu-tested, but
-not yet timed in the engine, and at batch 1 one program reads every partial (docs/kernels.md), so it is opt-in.
+instead (arrival counters, one buffer made here for up to max_decode_reqs requests): close to the two kernels and
+gpu-tested, but not yet timed in the engine, and at batch 1 one program reads every partial (docs/kernels.md), so it
+is opt-in. absorb_q_rope: the query's absorption and its RoPE in one launch for 1-2 token steps.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 
 import torch
 
+from ..kernels.head_gemv import absorb_q_rope, head_gemv_serves
 from ..kernels.mla_decode import MAX_Q_LEN, decode_groups, mla_decode
 from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.rope_kv import rope_q, rope_store_kv
@@ -21,8 +23,6 @@ from .base import AttentionBackend, ForwardBatch
 
 
 class TritonMLABackend(AttentionBackend):
-    rope_q_is_triton = True
-
     def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None,
                  max_decode_reqs: int = 0, num_heads: int = 0, fused_combine: bool | None = None):
         super().__init__(kv_cache, kv_lora_rank)
@@ -66,6 +66,13 @@ class TritonMLABackend(AttentionBackend):
         self._meta_batch = batch
         self._meta = dict(cu_q=cu_q, cu_k=cu_k, slots=slots, max_q_len=max(batch.query_lens_cpu[nd:], default=0))
         return self._meta
+
+    def absorb_q_rope(self, q, w_kc, cos, sin, Q):
+        """1-2 token steps (head_gemv_serves): kernels/head_gemv.absorb_q_rope, bit for bit head_gemv + rope_q."""
+        if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
+            return False
+        absorb_q_rope(q, w_kc, cos, sin, Q)
+        return True
 
     def rope_q(self, x, cos, sin, out):
         return rope_q(x, cos, sin, out)

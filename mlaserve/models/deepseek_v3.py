@@ -123,17 +123,6 @@ def _head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> bool:
     return True
 
 
-def _absorb_q_rope(q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, Q: torch.Tensor) -> bool:
-    """Q = [q_nope @ w_kc | rope(q_pe)] by one Triton launch where head_gemv serves q_nope (the Triton backend's
-    rope_q is then the launch's other half: kernels/head_gemv.absorb_q_rope); False: the caller runs both."""
-    from ..kernels.head_gemv import absorb_q_rope, head_gemv_serves  # triton: imported on CUDA only
-
-    if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
-        return False
-    absorb_q_rope(q, w_kc, cos, sin, Q)
-    return True
-
-
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention. The KV cache holds [c_kv | rope(k_pe)] (R+P values) per token."""
 
@@ -233,8 +222,8 @@ class DeepseekV3Attention(nn.Module):
     def absorbed_q(self, q, cos, sin, batch) -> torch.Tensor:
         """q [T, H, N+P] -> Q [T, H, R+P]: absorbed q_nope | rope(q_pe), both written into Q in place."""
         Q = q.new_empty(q.shape[0], self.H, self.R + self.P)
-        if q.is_cuda and batch.attn.rope_q_is_triton and _absorb_q_rope(q, self.w_kc, cos, sin, Q):
-            return Q  # a 1-2 token step: both halves in one launch
+        if batch.attn.absorb_q_rope(q, self.w_kc, cos, sin, Q):
+            return Q  # the backend ran both halves in one launch (Triton: 1-2 token steps)
         self.absorb_q(q[..., : self.N], Q)
         batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., self.R:])
         return Q

@@ -95,6 +95,9 @@ class FakeBackend:
     def __init__(self, o_lat, rec):
         self.o_lat, self.rec = o_lat, rec
 
+    def absorb_q_rope(self, q, w_kc, cos, sin, Q):  # no one-launch form: the model runs absorb_q and rope_q
+        return False
+
     def rope_q(self, x, cos, sin, out):  # the reference RoPE writes Q[..., R:] with out= (recorded)
         from mlaserve.layers.rotary import apply_rope
 
