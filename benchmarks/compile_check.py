@@ -184,6 +184,12 @@ def cases(quick: bool):
                         torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
                         torch.empty(T, K + S), torch.zeros(T, K + S, dtype=torch.int64), 0, None, None,
                         (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
+                    if T == 1 and dtype == bf and name != "tiny":  # experiment: TMA weights (MLASERVE_MOE_TMA=1)
+                        yield f"fused_moe {name} T=1 + {S} shared, TMA weights", fused_experts, (  # 8 experts: real
+                            torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),  # tiles, less RAM
+                            torch.empty(8, D, I, dtype=dtype), torch.empty(T, K + S),
+                            torch.zeros(T, K + S, dtype=torch.int64), 0, dict(tma=True), None,
+                            (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
         yield f"routing E={E} G={G} + shared", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG,

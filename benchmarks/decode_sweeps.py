@@ -27,6 +27,11 @@ def run_moe_decode(rep: Report, sz: Sizes):
            / D**0.5).to(BF), (torch.randn(D, S * I, device=sz.dev) / I**0.5).to(BF)) for _ in range(L)]
     cfgs = [None] + [dict(gemm1=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
     cfgs += [dict(gemm2=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
+    # TMA weight tiles (branch s7-moe-tma, untimed): 80 / 120 KB of shared memory at the default stages (compile_check),
+    # so fewer stages keep 2-3 programs on an SM
+    cfgs += [dict(tma=True), dict(tma=True, gemm1=dict(num_stages=2), gemm2=dict(num_stages=3)),
+             dict(tma=True, gemm1=dict(num_stages=2), gemm2=dict(num_stages=2)),
+             dict(tma=True, gemm1=dict(num_stages=2, BLOCK_N=64), gemm2=dict(num_stages=2, BLOCK_N=128))]
     for T in sz.decode_T:
         x, ids, w = moe_inputs(T, D, E, K, sz.dev)
         ids = torch.cat([ids, torch.arange(E, E + S, device=sz.dev).expand(T, S)], 1)  # the shared slots
@@ -36,7 +41,7 @@ def run_moe_decode(rep: Report, sz: Sizes):
         ref = fused_experts(x, w13[0], w2[0], w, ids, 0, shared=sh[0])
         for cfg in cfgs:
             label = ("default g1 [" + cfg_label(d1) + "] g2 [" + cfg_label(d2) + "]" if cfg is None else
-                     " ".join(f"{g} {cfg_label(c)}" for g, c in cfg.items()))
+                     " ".join(f"{g} {cfg_label(c)}" if isinstance(c, dict) else f"{g}={c}" for g, c in cfg.items()))
             try:
                 err = rel(fused_experts(x, w13[0], w2[0], w, ids, 0, config=cfg, shared=sh[0]), ref)
                 ms = bench(lambda c=cfg: [fused_experts(x, w13[i], w2[i], w, ids, 0, config=c,  # noqa: B023

@@ -13,9 +13,12 @@ slot's weights in place from the shared MLP's own tensors (other strides than th
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .moe_align import moe_align
 from .moe_config import moe_config
@@ -66,13 +69,35 @@ def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.c
     return skip
 
 
+@triton.jit
+def _gemm1_tma(a_ptr, row_ok, DG, DU, rg, ru, acc_g, acc_u, D, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """GEMM1's K loop over TMA weight tiles: gate rows rg.., up rows ru.. (D % BLOCK_K == 0)."""
+    for k0 in range(0, D, BLOCK_K):
+        a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0)
+        g = DG.load([rg, k0])  # [N, K]
+        u = DU.load([ru, k0])
+        acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
+        acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gemm2_tma(a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0)."""
+    for k0 in range(0, I, BLOCK_K):
+        a = tl.load(a_ptr + k0)
+        b = DW.load([r0, c0 + k0])  # [N, K]
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S,
+def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S, G13, G1S, G3S,
                       I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
                       E_ROUTED, stride_sn,
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
     """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up)."""
     pdl_start(PDL)
@@ -95,7 +120,19 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
             u_ptr = W3S + rows_s + offs_k[:, None]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    if TMA:  # whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots')
+        n0 = pid_n * BLOCK_N
+        if HAS_SHARED:
+            if e >= E_ROUTED:
+                rs = ((e - E_ROUTED) * I + n0).to(tl.int32)
+                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
+            else:
+                rg = (e * 2 * I + n0).to(tl.int32)
+                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
+        else:
+            rg = (e * 2 * I + n0).to(tl.int32)
+            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
+    for k0 in range(0, 0 if TMA else D, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptr, mask=n_ok[None, :], other=0.0)
@@ -116,12 +153,12 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
 
 
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkIds, W2S,
+def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkIds, W2S, G2, G2S,
                       D, I, num_m, stride_hm, stride_we, stride_wn, stride_yt, TK, expert_offset, E_LOCAL,
                       E_ROUTED, stride_sn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
     """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down)."""
     pdl_start(PDL)
@@ -139,7 +176,16 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
         if e >= E_ROUTED:
             b_ptr = W2S + (e - E_ROUTED) * I + offs_n[None, :].to(tl.int64) * stride_sn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    if TMA:  # whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G2: w2 as [E * D, I] rows; G2S: the slots' [D, S * I])
+        n0 = pid_n * BLOCK_N
+        if HAS_SHARED:
+            if e >= E_ROUTED:
+                acc = _gemm2_tma(a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC)
+            else:
+                acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC)
+        else:
+            acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC)
+    for k0 in range(0, 0 if TMA else I, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptr)
             b = tl.load(b_ptr, mask=n_ok[None, :], other=0.0)
@@ -154,6 +200,21 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
     acc = acc * w[:, None]
     y_ptr = Y + ids.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _tma_default(x: torch.Tensor, bm: int) -> bool:
+    """Experiment (session 7, untimed): TMA weight tiles for the decode GEMMs, on with MLASERVE_MOE_TMA=1."""
+    return (os.environ.get("MLASERVE_MOE_TMA") == "1" and bm == 16 and x.is_cuda
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def _tma_fits(w13, w2, shared, c1: dict, c2: dict, D: int, I: int) -> bool:
+    """Whole tiles never straddle two experts (or slots), and every weight is row-contiguous and 16-byte aligned."""
+    ws = [w13, w2] + list(shared or [])
+    return (D % c1["BLOCK_K"] == 0 and I % c1["BLOCK_N"] == 0 and D % c2["BLOCK_N"] == 0 and I % c2["BLOCK_K"] == 0
+            and w13.is_contiguous() and w2.is_contiguous()
+            and all(w.stride(-1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+                    for w in ws))
 
 
 def _check_shared(shared, I: int, D: int, dtype) -> int:
@@ -179,7 +240,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     norm = (weight [D], eps, residual [T, D]): the add + RMSNorm that follows the MoE, fused into its sum over k
     (moe_sum.py) -> (norm(out + residual), out + residual), bit-equal to add_rms_norm(out, residual, weight, eps).
     config (benchmarks, tests): moe_config overrides, flat or
-    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS)."""
+    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS) and "tma": bool
+    (weight tiles by TMA; default: MLASERVE_MOE_TMA=1 on sm_90+ for the decode tiles, BLOCK_M 16)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -201,6 +263,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     TK = T * K
     config = dict(config or {})
     no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
+    tma = config.pop("tma", None)
     c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
@@ -213,18 +276,29 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     pdl = pdl_args(x)  # the two GEMMs launch alike
+    g13 = g1s = g3s = g2 = g2s = None  # None arguments are constexpr: the pointer kernels have no descriptors
+    if tma if tma is not None else _tma_default(x, bm):
+        if not _tma_fits(w13, w2, shared if S else None, c1, c2, D, I):
+            raise ValueError(f"tma: the weights' shapes (D={D}, I={I}) must be multiples of the tiles "
+                             f"(gemm1 {c1['BLOCK_N']}x{c1['BLOCK_K']}, gemm2 {c2['BLOCK_N']}x{c2['BLOCK_K']}) and the "
+                             "weights row-contiguous and 16-byte aligned")
+        b1, b2 = [c1["BLOCK_N"], c1["BLOCK_K"]], [c2["BLOCK_N"], c2["BLOCK_K"]]
+        g13, g2 = TensorDescriptor.from_tensor(w13.view(-1, D), b1), TensorDescriptor.from_tensor(w2.view(-1, I), b2)
+        if S:
+            g1s, g3s = TensorDescriptor.from_tensor(w1s, b1), TensorDescriptor.from_tensor(w3s, b1)
+            g2s = TensorDescriptor.from_tensor(w2s, b2)
     _moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
-        x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, w1s, w3s, I, D, num_m,
+        x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, w1s, w3s, g13, g1s, g3s, I, D, num_m,
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
-        EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
+        EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g13 is not None,
         num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
-        hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s,
+        hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s, g2, g2s,
         D, I, num_m, hbuf.stride(0), w2.stride(0), w2.stride(1), y.stride(0), TK, expert_offset, E_all, E,
         w2s.stride(0) if S else w2.stride(1),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
-        EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0,
+        EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g2 is not None,
         num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl)
     return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)

@@ -241,6 +241,24 @@ def test_fused_moe_cuda_graph_replay_with_new_routing(T):
         kc.assert_close(out, ref, BF, "fused_moe graph replay")
 
 
+@pytest.mark.parametrize("T,D,I,E,K,S", [(1, 2048, 1408, 64, 6, 2), (2, 2048, 1408, 64, 6, 2),
+                                         (1, 7168, 512, 384, 8, 1)])
+def test_fused_moe_tma_weights_equal_pointer_loads(T, D, I, E, K, S):
+    """Experiment (MLASERVE_MOE_TMA): TMA weight tiles == cp.async pointer loads bit for bit at real decode shapes."""
+    from mlaserve.kernels.fused_moe import fused_experts
+
+    x = torch.randn(T, D, device="cuda").to(BF)
+    w13 = (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(BF)
+    w2 = (torch.randn(E, D, I, device="cuda") / I**0.5).to(BF)
+    sh = tuple((torch.randn(*s, device="cuda") / s[1] ** 0.5).to(BF) for s in ((S * I, D), (S * I, D), (D, S * I)))
+    ids = torch.cat([torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]),
+                     E + torch.arange(S, device="cuda").expand(T, S)], 1)
+    w = torch.cat([torch.rand(T, K, device="cuda"), torch.ones(T, S, device="cuda")], 1)
+    with kc.poisoned_empty():
+        tma = fused_experts(x, w13, w2, w, ids, 0, config=dict(tma=True), shared=sh)
+    assert torch.equal(tma, fused_experts(x, w13, w2, w, ids, 0, config=dict(tma=False), shared=sh))
+
+
 @pytest.mark.parametrize("T,K,E,E_local,offset,bm", [(1, 6, 64, 64, 0, 16), (64, 6, 64, 64, 0, 16),
                                                      (170, 6, 64, 64, 0, 32), (171, 6, 64, 64, 0, 32),
                                                      (8192, 6, 64, 64, 0, 128), (8192, 8, 384, 384, 0, 128),

@@ -164,3 +164,28 @@ def test_shared_output_added_in_the_sum(kdev, dtype):
     assert torch.equal(out[0], shared[0])
     with pytest.raises(ValueError, match="add"):
         fused_experts(x, w13, w2, w, ids, 0, add=shared[:2])
+
+
+@pytest.mark.parametrize("T,D,I,E,K,S", [(1, 64, 32, 8, 2, 0), (1, 64, 32, 8, 6, 2), (3, 128, 64, 8, 2, 1)])
+def test_fused_moe_tma_weights(kdev, T, D, I, E, K, S):
+    """Experiment (MLASERVE_MOE_TMA): the GEMMs' weight tiles by TMA descriptors equal the pointer loads bit for bit
+    in bf16, routed experts and shared slots; shapes the tiles do not divide are refused."""
+    from mlaserve.kernels.fused_moe import fused_experts
+
+    dt = torch.bfloat16
+    x = torch.randn(T, D, device=kdev).to(dt)
+    w13 = (torch.randn(E, 2 * I, D, device=kdev) / D**0.5).to(dt)
+    w2 = (torch.randn(E, D, I, device=kdev) / I**0.5).to(dt)
+    ids = torch.stack([torch.randperm(E, device=kdev)[:K] for _ in range(T)])
+    w = torch.rand(T, K, device=kdev) + 0.1
+    kw = {}
+    if S:
+        kw = dict(shared=tuple((torch.randn(*s, device=kdev) / s[1] ** 0.5).to(dt)
+                               for s in ((S * I, D), (S * I, D), (D, S * I))))
+        ids = torch.cat([ids, E + torch.arange(S, device=kdev).expand(T, S)], 1)
+        w = torch.cat([w, torch.ones(T, S, device=kdev)], 1)
+    cfg = dict(BLOCK_N=16, BLOCK_K=32)
+    ptr = fused_experts(x, w13, w2, w, ids, 0, config=dict(cfg, tma=False), **kw)
+    assert torch.equal(fused_experts(x, w13, w2, w, ids, 0, config=dict(cfg, tma=True), **kw), ptr)
+    with pytest.raises(ValueError, match="tma"):
+        fused_experts(x, w13, w2, w, ids, 0, config=dict(BLOCK_N=16, BLOCK_K=256, tma=True), **kw)
