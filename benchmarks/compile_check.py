@@ -184,7 +184,7 @@ def cases(quick: bool):
                         torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
                         torch.empty(T, K + S), torch.zeros(T, K + S, dtype=torch.int64), 0, None, None,
                         (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
-                    if T == 1 and dtype == bf and name != "tiny":  # experiment: TMA weights (MLASERVE_MOE_TMA=1)
+                    if T == 1 and dtype == bf and name != "tiny":  # TMA weights (the sm_90 decode default)
                         yield f"fused_moe {name} T=1 + {S} shared, TMA weights", fused_experts, (  # 8 experts: real
                             torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),  # tiles, less RAM
                             torch.empty(8, D, I, dtype=dtype), torch.empty(T, K + S),

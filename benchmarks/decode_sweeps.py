@@ -27,9 +27,8 @@ def run_moe_decode(rep: Report, sz: Sizes):
            / D**0.5).to(BF), (torch.randn(D, S * I, device=sz.dev) / I**0.5).to(BF)) for _ in range(L)]
     cfgs = [None] + [dict(gemm1=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
     cfgs += [dict(gemm2=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
-    # TMA weight tiles (branch s7-moe-tma, untimed): 80 / 120 KB of shared memory at the default stages (compile_check),
-    # so fewer stages keep 2-3 programs on an SM
-    cfgs += [dict(tma=True), dict(tma=True, gemm1=dict(num_stages=2), gemm2=dict(num_stages=3)),
+    # TMA weight tiles (the default on sm_90, at 2 / 3 stages: moe_config.py) against the pointer loads, and stages
+    cfgs += [dict(tma=False), dict(tma=True, gemm1=dict(num_stages=3), gemm2=dict(num_stages=4)),
              dict(tma=True, gemm1=dict(num_stages=2), gemm2=dict(num_stages=2)),
              dict(tma=True, gemm1=dict(num_stages=2, BLOCK_N=64), gemm2=dict(num_stages=2, BLOCK_N=128))]
     for T in sz.decode_T:

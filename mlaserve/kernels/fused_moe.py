@@ -203,9 +203,10 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
 
 
 def _tma_default(x: torch.Tensor, bm: int) -> bool:
-    """Experiment (session 7, untimed): TMA weight tiles for the decode GEMMs, on with MLASERVE_MOE_TMA=1."""
-    return (os.environ.get("MLASERVE_MOE_TMA") == "1" and bm == 16 and x.is_cuda
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    """TMA weight tiles for the decode (BLOCK_M 16) GEMMs in bf16/fp16 on sm_90+; MLASERVE_MOE_TMA=0 turns them off.
+    The weight streaming is the whole cost there: M1 batch 1 TPOT 2.12 -> 2.02 ms on an H200 (moe_config.py)."""
+    return (os.environ.get("MLASERVE_MOE_TMA", "1") != "0" and bm == 16 and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 def _tma_fits(w13, w2, shared, c1: dict, c2: dict, D: int, I: int) -> bool:
@@ -241,7 +242,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     (moe_sum.py) -> (norm(out + residual), out + residual), bit-equal to add_rms_norm(out, residual, weight, eps).
     config (benchmarks, tests): moe_config overrides, flat or
     {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS) and "tma": bool
-    (weight tiles by TMA; default: MLASERVE_MOE_TMA=1 on sm_90+ for the decode tiles, BLOCK_M 16)."""
+    (weight tiles by TMA; default: on for the bf16/fp16 decode tiles, BLOCK_M 16, on sm_90+ where whole tiles fit;
+    MLASERVE_MOE_TMA=0 turns it off)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -265,6 +267,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
     tma = config.pop("tma", None)
     c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
+    fits = _tma_fits(w13, w2, shared if S else None, c1, c2, D, I)
+    if tma and not fits:
+        raise ValueError(f"tma: the weights' shapes (D={D}, I={I}) must be multiples of the tiles "
+                         f"(gemm1 {c1['BLOCK_N']}x{c1['BLOCK_K']}, gemm2 {c2['BLOCK_N']}x{c2['BLOCK_K']}) and the "
+                         "weights row-contiguous and 16-byte aligned")
+    tma = tma if tma is not None else fits and _tma_default(x, c1["BLOCK_M"])
+    if tma:  # the same tiles, fewer stages
+        c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, tma=True, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
     if no_align:  # block m = pair m alone; the align buffers are unused (any pointer will do)
@@ -277,11 +287,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     pdl = pdl_args(x)  # the two GEMMs launch alike
     g13 = g1s = g3s = g2 = g2s = None  # None arguments are constexpr: the pointer kernels have no descriptors
-    if tma if tma is not None else _tma_default(x, bm):
-        if not _tma_fits(w13, w2, shared if S else None, c1, c2, D, I):
-            raise ValueError(f"tma: the weights' shapes (D={D}, I={I}) must be multiples of the tiles "
-                             f"(gemm1 {c1['BLOCK_N']}x{c1['BLOCK_K']}, gemm2 {c2['BLOCK_N']}x{c2['BLOCK_K']}) and the "
-                             "weights row-contiguous and 16-byte aligned")
+    if tma:
         b1, b2 = [c1["BLOCK_N"], c1["BLOCK_K"]], [c2["BLOCK_N"], c2["BLOCK_K"]]
         g13, g2 = TensorDescriptor.from_tensor(w13.view(-1, D), b1), TensorDescriptor.from_tensor(w2.view(-1, I), b2)
         if S:

@@ -19,10 +19,11 @@ SMS = 132  # H100/H200; the fill heuristic only needs the order of magnitude
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 
-def moe_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, **override) -> tuple[dict, dict]:
+def moe_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, tma: bool = False,
+               **override) -> tuple[dict, dict]:
     """-> (gemm1 config, gemm2 config). Both share BLOCK_M (the alignment block). `override` (benchmarks, tests)
     replaces keys: flat keys in both, then gemm1={...} / gemm2={...} in one; a BLOCK_M given for one GEMM applies to
-    both (they must not disagree)."""
+    both (they must not disagree). tma: the weight tiles come by TMA (fused_moe.py), which changes the stages."""
     o1, o2 = dict(override.pop("gemm1", None) or {}), dict(override.pop("gemm2", None) or {})
     for where, o in (("", override), ("gemm1.", o1), ("gemm2.", o2)):
         bad = [k for k in o if k not in KEYS]
@@ -59,8 +60,14 @@ def moe_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, **ove
             # slots over 8 layers' weights (kernels_bench --only moe_decode): T=1 44.5 -> 42.0 us, T=8 179.2 ->
             # 176.2 us, T=4 99.5 -> 99.1; at T=32 (no longer <= E) it was 3 us slower.
             bn1, s1 = 32, 3
+        s2 = 4
+        if tma:
+            # TMA tiles land in shared memory twice as wide as the pointer loads' (compile_check: 80 / 120 KB at
+            # 3 / 4 stages), so fewer stages keep 2-3 programs per SM. H200, M1 engine at batch 1 ctx 512 (session
+            # 8, router unfused): TPOT 2.12 -> 2.02 ms with TMA at 2 / 3 stages, 2.04 at 3 / 3; batch 8 and 32 equal.
+            s1, s2 = 2, 3
         c1 = dict(BLOCK_M=16, BLOCK_N=bn1, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s1)
-        c2 = dict(BLOCK_M=16, BLOCK_N=bn2, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        c2 = dict(BLOCK_M=16, BLOCK_N=bn2, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s2)
     elif bm == 32:
         c1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
         c2 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)

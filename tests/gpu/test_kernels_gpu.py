@@ -244,7 +244,8 @@ def test_fused_moe_cuda_graph_replay_with_new_routing(T):
 @pytest.mark.parametrize("T,D,I,E,K,S", [(1, 2048, 1408, 64, 6, 2), (2, 2048, 1408, 64, 6, 2),
                                          (1, 7168, 512, 384, 8, 1)])
 def test_fused_moe_tma_weights_equal_pointer_loads(T, D, I, E, K, S):
-    """Experiment (MLASERVE_MOE_TMA): TMA weight tiles == cp.async pointer loads bit for bit at real decode shapes."""
+    """TMA weight tiles (the sm_90 decode default) == cp.async pointer loads bit for bit at real decode shapes; a shape
+    the tiles do not divide falls back to the pointer loads unless TMA is asked for."""
     from mlaserve.kernels.fused_moe import fused_experts
 
     x = torch.randn(T, D, device="cuda").to(BF)
@@ -256,7 +257,15 @@ def test_fused_moe_tma_weights_equal_pointer_loads(T, D, I, E, K, S):
     w = torch.cat([torch.rand(T, K, device="cuda"), torch.ones(T, S, device="cuda")], 1)
     with kc.poisoned_empty():
         tma = fused_experts(x, w13, w2, w, ids, 0, config=dict(tma=True), shared=sh)
-    assert torch.equal(tma, fused_experts(x, w13, w2, w, ids, 0, config=dict(tma=False), shared=sh))
+    ptr = fused_experts(x, w13, w2, w, ids, 0, config=dict(tma=False), shared=sh)
+    assert torch.equal(tma, ptr)
+    assert torch.equal(fused_experts(x, w13, w2, w, ids, 0, shared=sh), ptr)  # the default
+    odd = (w13[:, :, :D - 8].contiguous(), w2[:, :D - 8].contiguous())  # D - 8: no whole 128-wide K tiles
+    out = fused_experts(x[:, :D - 8].contiguous(), *odd, w, ids, 0, shared=(sh[0][:, :D - 8].contiguous(),
+                        sh[1][:, :D - 8].contiguous(), sh[2][:D - 8].contiguous()))
+    assert torch.equal(out, fused_experts(x[:, :D - 8].contiguous(), *odd, w, ids, 0, config=dict(tma=False),
+                                          shared=(sh[0][:, :D - 8].contiguous(), sh[1][:, :D - 8].contiguous(),
+                                                  sh[2][:D - 8].contiguous())))
 
 
 @pytest.mark.parametrize("T,K,E,E_local,offset,bm", [(1, 6, 64, 64, 0, 16), (64, 6, 64, 64, 0, 16),

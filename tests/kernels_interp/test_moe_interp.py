@@ -168,7 +168,7 @@ def test_shared_output_added_in_the_sum(kdev, dtype):
 
 @pytest.mark.parametrize("T,D,I,E,K,S", [(1, 64, 32, 8, 2, 0), (1, 64, 32, 8, 6, 2), (3, 128, 64, 8, 2, 1)])
 def test_fused_moe_tma_weights(kdev, T, D, I, E, K, S):
-    """Experiment (MLASERVE_MOE_TMA): the GEMMs' weight tiles by TMA descriptors equal the pointer loads bit for bit
+    """TMA (the sm_90 decode default): the GEMMs' weight tiles by TMA descriptors equal the pointer loads bit for bit
     in bf16, routed experts and shared slots; shapes the tiles do not divide are refused."""
     from mlaserve.kernels.fused_moe import fused_experts
 
