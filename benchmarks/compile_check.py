@@ -122,7 +122,7 @@ def cases(quick: bool):
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_mla
     from mlaserve.kernels.rope_kv import rope_q, rope_store_kv
-    from mlaserve.kernels.routing import route_noaux_tc_logits, route_splitk, router_partials
+    from mlaserve.kernels.routing import route_noaux_tc_logits, router_partials
 
     bf, i32 = torch.bfloat16, torch.int32
     mla = [(16, 1, 16), (16, 2, 16), (64, 1, 16), (64, 2, 32), (128, 1, 1), (4, 2, 3), (16, 4, 8), (20, 1, 5),
@@ -199,10 +199,6 @@ def cases(quick: bool):
         x, w = torch.empty(4, D, dtype=bf), torch.empty(E, D, dtype=bf)
         yield f"router_partials E={E} D={D}", router_partials, (x, w)
         yield f"routing from partials E={E}", route_noaux_tc_logits, (part, torch.empty(E), K, G, TG, True, 2.5, 2, E)
-        for T in (1, 32 if E == 64 else 4):  # the fused router + routing: 1 row, and its largest steps
-            x, cnt = torch.empty(T, D, dtype=bf), torch.zeros(2, dtype=torch.int32)
-            yield f"router+routing fused E={E} T={T}", route_splitk, (x, w, torch.empty(E), K, G, TG, True, 2.5,
-                                                                       2 if E == 64 else 1, E, cnt)
     for R, P, H in [(512, 64, 16), (512, 64, 128), (32, 8, 4)]:
         cs = torch.empty(4, P // 2)
         yield f"rope_store_kv R={R} P={P}", rope_store_kv, (

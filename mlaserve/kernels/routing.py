@@ -1,5 +1,5 @@
-"""DeepSeek-V3 `noaux_tc` routing after the router GEMM, in Triton: one program per token, or for decode steps
-fused into the split-K router GEMM (the last split program of a token block to finish routes it).
+"""DeepSeek-V3 `noaux_tc` routing after the router GEMM, in Triton: one program per token; decode steps feed it
+split-K router partials (router_partials), summed in the kernel.
 
 sigmoid -> + e_score_correction_bias -> group score = sum of the group's top-2 -> keep the best topk_group groups
 -> top-K experts by biased score among them -> weights = unbiased scores, normalised, scaled. Same maths as
@@ -9,13 +9,9 @@ logits) may pick a different but equally-scored expert.
 
 With num_shared = S > 0 the kernels also write S always-selected columns after the K routed ones: ids
 shared_id0 + s, weight exactly 1.0 (not scaled): the shared experts' slots of fused_experts(shared=...).
-MLASERVE_ROUTER_FUSED=0 turns the fused router + routing kernel off (two kernels again, for A/B timing).
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -23,15 +19,14 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
-from .semaphore import arrive_last
 
 
 @triton.jit
-def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr, CACHE: tl.constexpr):
-    """The router logits at ptrs: the sum of SPLIT partials, always in the same order (every caller agrees)."""
-    v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=CACHE)
+def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr):
+    """The router logits at ptrs: the sum of SPLIT partials, always in the same order (both views below agree)."""
+    v = tl.load(ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):
-        v += tl.load(ptrs + s * stride_ls, mask=mask, other=0.0, cache_modifier=CACHE)
+        v += tl.load(ptrs + s * stride_ls, mask=mask, other=0.0)
     return v
 
 
@@ -39,15 +34,14 @@ def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr, CACHE: tl.constexpr):
 def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, Bias, Weights, Ids, scaling, shared_id0,
                 E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                 USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr,
-                CACHE: tl.constexpr):
+                BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr):
     """Routes tokens t [R] (int64; t_ok [R] masks them): rows t of Weights/Ids [T, TOP_K + N_SHARED]. Each token's
     result depends on its logits only (arg-maxes, sums of one non-zero, the norm's sum accumulated in k order), so
-    any R and any num_warps give the same bits: the one-token kernel and the fused one agree exactly."""
+    any R and any num_warps give the same bits."""
     offs = tl.arange(0, BLOCK_E)
     rows = Logits + t * stride_lt  # [R]
     ok = t_ok[:, None] & (offs < E)[None, :]
-    score = tl.sigmoid(_logits(rows[:, None] + offs[None, :], ok, stride_ls, SPLIT, CACHE))  # [R, E]
+    score = tl.sigmoid(_logits(rows[:, None] + offs[None, :], ok, stride_ls, SPLIT))  # [R, E]
     bias = tl.load(Bias + offs, mask=offs < E, other=0.0)
     choice = tl.where((offs < E)[None, :], score + bias[None, :], float("-inf"))
     if USE_GROUPS:
@@ -60,7 +54,7 @@ def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, Bias, Weights, Ids, scali
             ok2 = (g < N_GROUP)[:, None] & (s < GS)[None, :]
             idx2 = g[:, None] * GS + s[None, :]  # [G, S]
             c2 = tl.sigmoid(_logits(rows[:, None, None] + idx2[None, :, :], t_ok[:, None, None] & ok2[None, :, :],
-                                    stride_ls, SPLIT, CACHE))
+                                    stride_ls, SPLIT))
             c2 = tl.where(ok2[None, :, :], c2 + tl.load(Bias + idx2, mask=ok2, other=0.0)[None, :, :],
                           float("-inf"))  # [R, G, S]
         top1 = tl.max(c2, 2)
@@ -108,7 +102,7 @@ def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, stride_ls, scaling, sha
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     _route_rows(Logits, t, t >= 0, stride_lt, stride_ls, Bias, Weights, Ids, scaling, shared_id0, E, N_GROUP,
-                TOPK_GROUP, TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S, BLOCK_K, N_SHARED, SPLIT, "")
+                TOPK_GROUP, TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S, BLOCK_K, N_SHARED, SPLIT)
 
 
 @triton.jit
@@ -130,7 +124,7 @@ def _x_tile(X, t, kb, T, D, stride_xt, BLOCK_K: tl.constexpr):
 def _router_partial(X, W, Part, w0, tb, split, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
                     E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """Part[split, block tb, :] = x[block tb, chunk split] . w[:, chunk split]^T in fp32 (bf16 products are exact in
-    fp32); w0 is the chunk's first weight tile. Both router kernels run this, so their partials agree bit for bit."""
+    fp32); w0 is the chunk's first weight tile, loaded by the caller before its PDL wait."""
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     kb0 = split * KB_PER_SPLIT
     acc = tl.dot(_x_tile(X, t, kb0, T, D, stride_xt, BLOCK_K), tl.trans(w0), tl.zeros([BLOCK_T, BLOCK_E], tl.float32))
@@ -154,32 +148,6 @@ def _router_partial_kernel(X, W, Part, T, D, stride_xt, stride_we, stride_ps, st
     pdl_wait(PDL)
     _router_partial(X, W, Part, w0, tl.program_id(0), split, T, D, stride_xt, stride_we, stride_ps, stride_pt,
                     KB_PER_SPLIT, E, BLOCK_T, BLOCK_E, BLOCK_K)
-
-
-@triton.jit
-def _router_route_kernel(X, W, Part, Bias, Weights, Ids, Counters, T, D, stride_xt, stride_we, stride_ps, stride_pt,
-                         KB_PER_SPLIT, scaling, shared_id0, E: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_KD: tl.constexpr, ROWS: tl.constexpr,
-                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                         USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr,
-                         PDL: tl.constexpr):
-    """_router_partial_kernel, then the last of a token block's SPLIT programs to finish routes the block's tokens
-    (ROWS at a time) from the partials, as _route_kernel does: one launch instead of two."""
-    pdl_release(PDL)
-    tb = tl.program_id(0)
-    split = tl.program_id(1)
-    w0 = _w_tile(W, split * KB_PER_SPLIT, D, stride_we, E, BLOCK_N, BLOCK_KD)  # a weight: before the wait
-    pdl_wait(PDL)  # x and the counters only after it
-    _router_partial(X, W, Part, w0, tb, split, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
-                    E, BLOCK_T, BLOCK_N, BLOCK_KD)
-    if arrive_last(Counters + tb, SPLIT):
-        t0 = tb * BLOCK_T
-        for r in range(t0, tl.minimum(T, t0 + BLOCK_T), ROWS):
-            t = tl.arange(0, ROWS).to(tl.int64) + r  # ROWS divides BLOCK_T
-            _route_rows(Part, t, t < T, stride_pt, stride_ps, Bias, Weights, Ids, scaling,
-                        shared_id0, E, N_GROUP, TOPK_GROUP, TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S,
-                        BLOCK_K, N_SHARED, SPLIT, ".cg")
 
 
 def _routing_meta(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
@@ -234,28 +202,6 @@ ROUTER_SPLITK_MAX_EXPERTS = 256
 ROUTER_BLOCK_T = 16  # tl.dot's smallest M; decode steps are a block or two
 ROUTER_BLOCK_K = 64
 ROUTER_SPLITS = 32  # ~8 KB of a 64-expert, 2048-wide weight per program
-# Small steps route inside the router kernel (route_splitk with counters): a token block's last program routes its
-# tokens in rounds of _fused_rows(E) (a [rows, E] tile of up to 512 logits: more spill registers on sm_90, with
-# every split's partial in flight), where the one-token-per-program kernel spreads them over SMs; at most
-# ROUTER_FUSED_MAX_ROUNDS rounds, so DeepSeek-V3's 256 experts fuse up to 4 tokens, Moonlight's 64 up to 32.
-ROUTER_FUSED_MAX_TOKENS = ROUTER_SPLITK_MAX_TOKENS
-ROUTER_FUSED_MAX_ROUNDS = 2
-ROUTER_FUSED_COUNTERS = triton.cdiv(ROUTER_FUSED_MAX_TOKENS, ROUTER_BLOCK_T)  # what a router's owner allocates
-
-
-def _fused_rows(T: int, E: int) -> int:
-    return min(triton.next_power_of_2(min(T, ROUTER_BLOCK_T)), max(1, 512 // triton.next_power_of_2(E)))
-
-
-@functools.cache
-def _fused_env() -> bool:
-    return os.environ.get("MLASERVE_ROUTER_FUSED", "1") != "0"
-
-
-def router_fused_serves(T: int, E: int) -> bool:
-    """Whether route_noaux_tc_fused, given counters, routes a split-K step of T tokens x E experts in one kernel."""
-    return (_fused_env() and 0 < T <= ROUTER_FUSED_MAX_TOKENS
-            and triton.cdiv(min(T, ROUTER_BLOCK_T), _fused_rows(T, E)) <= ROUTER_FUSED_MAX_ROUNDS)
 
 
 def _splitk_args(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, torch.Tensor]:
@@ -284,59 +230,26 @@ def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def _check_counters(counters: torch.Tensor, x: torch.Tensor, n: int = 0) -> None:
-    if counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != x.device or counters.numel() < n:
-        raise ValueError(f"router counters {counters.dtype} {tuple(counters.shape)} on {counters.device}: need "
-                         f"int32 [>= {max(n, 1)}] zeros on {x.device} (one per {ROUTER_BLOCK_T}-token block)")
-
-
 def route_splitk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, scaling: float, num_shared: int = 0, shared_id0: int = 0,
-                 counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...), bit for bit. With
-    counters (int32 [>= cdiv(T, 16)], zeros, left zeros; reused by every launch) one kernel does both."""
-    if counters is None:
-        return route_noaux_tc_logits(router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob,
-                                     scaling, num_shared, shared_id0)
-    T, D = x.shape
-    E = w.shape[0]
-    n_blocks = triton.cdiv(T, ROUTER_BLOCK_T)
-    _check_counters(counters, x, n_blocks)
-    if bias.shape != (E,) or bias.dtype != torch.float32:
-        raise ValueError(f"router bias {tuple(bias.shape)} {bias.dtype}: need [E={E}] fp32")
-    meta = _routing_meta(E, top_k, n_group, topk_group, norm_topk_prob, num_shared)
-    kb_per_split, split, part = _splitk_args(x, w)
-    if split > 64:
-        raise ValueError(f"router D={D}: {split} split-K partials, more than 64")
-    KS = top_k + num_shared
-    weights = torch.empty(T, KS, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, KS, dtype=torch.int64, device=x.device)
-    if T:
-        _router_route_kernel[(n_blocks, split)](
-            x, w, part, bias, weights, ids, counters, T, D, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
-            kb_per_split, float(scaling), int(shared_id0), E=E, BLOCK_T=ROUTER_BLOCK_T,
-            BLOCK_N=max(16, triton.next_power_of_2(E)), BLOCK_KD=ROUTER_BLOCK_K,
-            ROWS=_fused_rows(T, E), SPLIT=split, num_warps=4, **meta, **pdl_args(x))
-    return weights, ids
+                 norm_topk_prob: bool, scaling: float, num_shared: int = 0,
+                 shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...): two launches."""
+    return route_noaux_tc_logits(router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
+                                 num_shared, shared_id0)
 
 
-def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0, shared_id0: int = 0,
-                         counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0,
+                         shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K+S] fp32, ids [T, K+S] int64), S = num_shared
-    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits). counters: the
-    caller's ROUTER_FUSED_COUNTERS int32 zeros (allocated once, outside graph capture): then the small decode steps
-    of router_fused_serves run the router and the routing as one kernel (route_splitk)."""
+    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits)."""
     c = gate.cfg
-    if counters is not None:
-        _check_counters(counters, x)
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
     args = (gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
             c.routed_scaling_factor, num_shared, shared_id0)
     T = x.shape[0]
     if (w16 is not None and T <= ROUTER_SPLITK_MAX_TOKENS and x.stride(-1) == 1
             and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS):  # the router GEMM as split-K partials
-        fused = counters is not None and router_fused_serves(T, w16.shape[0])
-        return route_splitk(x, w16, *args, counters=counters if fused else None)
+        return route_splitk(x, w16, *args)
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
     else:

@@ -55,15 +55,6 @@ class DeepseekV3MoE(nn.Module):
         super().__init__()
         self.impl = impl  # "torch" (reference) | "triton" (fused kernels)
         self.gate = TopkRouter(cfg)
-        # The fused router + routing kernel's arrival counters (kernels/routing.py, route_splitk): made here, on the
-        # device the model is built on (the runner builds it under `with torch.device(...)`), never in forward or
-        # during graph capture. A non-persistent buffer: .to() moves it; checkpoints neither hold nor expect it.
-        counters = None
-        if impl == "triton":
-            from ..kernels.routing import ROUTER_FUSED_COUNTERS
-
-            counters = torch.zeros(ROUTER_FUSED_COUNTERS, dtype=torch.int32)
-        self.register_buffer("route_counters", counters, persistent=False)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                tp_rank=ranks.moe_tp_rank, tp_size=ranks.moe_tp_size,
                                ep_rank=ranks.ep_rank, ep_size=ranks.ep_size, dtype=dtype)
@@ -96,8 +87,7 @@ class DeepseekV3MoE(nn.Module):
             from ..kernels.routing import route_noaux_tc_fused
 
             S = self.fuse_shared if x.shape[0] <= FUSE_SHARED_MAX_TOKENS else 0
-            weights, ids = route_noaux_tc_fused(self.gate, x, S, self.experts.expert_offset + self.experts.num_local,
-                                                counters=self.route_counters)
+            weights, ids = route_noaux_tc_fused(self.gate, x, S, self.experts.expert_offset + self.experts.num_local)
         else:
             weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
         if S:  # ids [T, K+S]: the shared MLP runs inside the fused MoE as S more experts of weight 1.0

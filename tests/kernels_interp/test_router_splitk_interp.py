@@ -70,46 +70,17 @@ def _check_against_reference(w, ids, x, wt, bias, K, G, TG, S, shared_id0):
 # at small D; D = 2176 gives 17 splits of two K blocks each.
 @pytest.mark.parametrize("E,K,G,TG,S,D", [(64, 6, 1, 1, 0, 384), (64, 6, 1, 1, 2, 2176), (256, 8, 8, 4, 0, 256),
                                           (256, 8, 8, 4, 1, 320)])
-def test_fused_router_routing_equals_two_kernels(kdev, E, K, G, TG, S, D):
-    """route_splitk with counters (one kernel: the last split program of a token block routes it) against the
-    router_partials + routing kernels, bit for bit, and against the torch reference; poisoned outputs and partials;
-    one counter buffer over every launch, zeros after each."""
-    from mlaserve.kernels.routing import ROUTER_FUSED_COUNTERS, route_splitk, router_fused_serves
+def test_route_splitk_against_reference(kdev, E, K, G, TG, S, D):
+    """route_splitk (router_partials + the routing kernel) against the torch reference at decode sizes; poisoned
+    outputs and partials."""
+    from mlaserve.kernels.routing import route_splitk
     from tests import kernel_checks as kc
 
-    limit = max(T for T in range(1, 33) if router_fused_serves(T, E))
-    assert limit == (32 if E == 64 else 4)
-    counters = torch.zeros(ROUTER_FUSED_COUNTERS, dtype=torch.int32, device=kdev)
     wt = (torch.randn(E, D, device=kdev) / D**0.5).to(torch.bfloat16)
-    for T in sorted({1, 2, 5, limit}):
+    for T in sorted({1, 2, 5, 32 if E == 64 else 4}):
         x = torch.randn(T, D, device=kdev).to(torch.bfloat16)
         bias = 0.1 * torch.randn(E, device=kdev)
-        args = (x, wt, bias, K, G, TG, True, 2.5, S, E)
         with kc.poisoned_empty():
-            w1, i1 = route_splitk(*args, counters=counters)
-            w2, i2 = route_splitk(*args)
-        assert counters.tolist() == [0] * ROUTER_FUSED_COUNTERS, f"T={T}: counters left at {counters.tolist()}"
-        assert w1.shape == i1.shape == (T, K + S) and not w1.isnan().any() and (i1 >= 0).all()
-        assert torch.equal(i1, i2), f"T={T}: fused ids differ from the two-kernel path"
-        assert torch.equal(w1, w2), f"T={T}: fused weights differ from the two-kernel path"
-        _check_against_reference(w1, i1, x, wt, bias, K, G, TG, S, E)
-
-
-def test_fused_router_routing_bad_counters_and_switch(kdev, monkeypatch):
-    from mlaserve.kernels import routing
-
-    x = torch.zeros(17, 64, dtype=torch.bfloat16, device=kdev)
-    w = torch.zeros(8, 64, dtype=torch.bfloat16, device=kdev)
-    b = torch.zeros(8, device=kdev)
-    for bad in (torch.zeros(2, dtype=torch.int64, device=kdev), torch.zeros(1, dtype=torch.int32, device=kdev)):
-        with pytest.raises(ValueError, match="router counters"):
-            routing.route_splitk(x, w, b, 2, 1, 1, True, 1.0, counters=bad)
-    assert routing.router_fused_serves(1, 64) and not routing.router_fused_serves(0, 64)
-    assert not routing.router_fused_serves(routing.ROUTER_FUSED_MAX_TOKENS + 1, 64)
-    monkeypatch.setenv("MLASERVE_ROUTER_FUSED", "0")
-    routing._fused_env.cache_clear()
-    try:
-        assert not routing.router_fused_serves(1, 64)
-    finally:
-        monkeypatch.undo()
-        routing._fused_env.cache_clear()
+            w, ids = route_splitk(x, wt, bias, K, G, TG, True, 2.5, S, E)
+        assert w.shape == ids.shape == (T, K + S) and not w.isnan().any() and (ids >= 0).all()
+        _check_against_reference(w, ids, x, wt, bias, K, G, TG, S, E)
