@@ -136,13 +136,6 @@ def cases(quick: bool):
             yield f"mla_decode H={H} q_len={q_len} B={B} {dtype}", mla_decode, (
                 torch.empty(T, H, R + P, dtype=dtype), torch.empty(64, 64, R + P, dtype=dtype),
                 torch.zeros(B, 8, dtype=i32), torch.ones(B, dtype=i32), q_len, 0.1, torch.empty(T, H, R, dtype=dtype))
-            if dtype == bf and R == 512:  # the fused combine (arrival counters), pointer loads and TMA tiles
-                for tma in (False, True):
-                    yield f"mla_decode fused TMA={tma} H={H} q_len={q_len} B={B}", functools.partial(
-                        mla_decode, config=dict(TMA=tma), counters=torch.zeros(B * H, dtype=i32)), (
-                        torch.empty(T, H, R + P, dtype=dtype), torch.empty(64, 64, R + P, dtype=dtype),
-                        torch.zeros(B, 8, dtype=i32), torch.ones(B, dtype=i32), q_len, 0.1,
-                        torch.empty(T, H, R, dtype=dtype))
             if dtype == bf and R == 512:  # the TMA tile loads, at the stage counts kernels_bench sweeps
                 for stages in (2, 3, 4):
                     yield f"mla_decode TMA s{stages} H={H} q_len={q_len} B={B}", functools.partial(

@@ -28,7 +28,7 @@ def _batches(attn, device, vocab: int, gen: torch.Generator):
 
 
 def run_model(ckpt: str, device, dtype, backend: str, moe_impl: str, seed: int = 0,
-              num_splits: int | None = None, fused_combine: bool = True) -> list[torch.Tensor]:
+              num_splits: int | None = None) -> list[torch.Tensor]:
     from mlaserve.attention.torch_ref import TorchRefBackend
     from mlaserve.attention.triton_mla import TritonMLABackend
     from mlaserve.config import ModelConfig
@@ -41,8 +41,7 @@ def run_model(ckpt: str, device, dtype, backend: str, moe_impl: str, seed: int =
     model.to(device).eval()
     cache = torch.zeros(cfg.num_hidden_layers, 8, PAGE, cfg.kv_cache_dim, dtype=dtype, device=device)
     if backend == "triton":
-        attn = TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=num_splits, max_decode_reqs=4,
-                                num_heads=cfg.num_attention_heads, fused_combine=fused_combine)
+        attn = TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=num_splits)
     else:
         attn = TorchRefBackend(cache, cfg.kv_lora_rank)
     logits = []
@@ -57,15 +56,14 @@ def _row_errs(o: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return (o - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)
 
 
-def check_model_backends(ckpt: str, device, dtype, moe_impl: str, num_splits: int | None = None,
-                         fused_combine: bool = True) -> list[float]:
+def check_model_backends(ckpt: str, device, dtype, moe_impl: str, num_splits: int | None = None) -> list[float]:
     """fp32: the Triton path's logits within 1e-4 (relative) of the reference's.
     bf16: both bf16 paths (Triton, torch) are measured per logit row against the fp32 reference. A near-tie expert
     choice flipped by rounding moves a whole row by O(0.1..1) in EITHER path, at random rows, so the check is on
     the typical row (median below max(2e-2, 1.5 x the torch path's median)) and on how many rows are far off
     (> 5e-2: at most max(20%, 2 x the torch path's share))."""
     ref = run_model(ckpt, device, torch.float32, "torch", "torch")
-    out = run_model(ckpt, device, dtype, "triton", moe_impl, num_splits=num_splits, fused_combine=fused_combine)
+    out = run_model(ckpt, device, dtype, "triton", moe_impl, num_splits=num_splits)
     same = run_model(ckpt, device, dtype, "torch", "torch") if dtype != torch.float32 else None
     errs = []
     for step, (o, r) in enumerate(zip(out, ref)):

@@ -3,38 +3,25 @@
 Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots) is derived on the device once per
 forward and reused by the following layers; only sizes come from the batch's host lists. A forward is recognised by
 layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
-Decode combines its splits in a second kernel. MLASERVE_MLA_FUSED_COMBINE=1 combines them inside the split kernel
-instead (arrival counters, one buffer made here for up to max_decode_reqs requests): close to the two kernels and
-gpu-tested, but not yet timed in the engine, and at batch 1 one program reads every partial (docs/kernels.md), so it
-is opt-in. absorb_q_rope: the query's absorption and its RoPE in one launch for 1-2 token steps.
+Decode is mla_decode's split kernel, then its combine kernel. absorb_q_rope: the query's absorption and its RoPE
+in one launch for 1-2 token steps.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..kernels.head_gemv import absorb_q_rope, head_gemv_serves
-from ..kernels.mla_decode import MAX_Q_LEN, decode_groups, mla_decode
+from ..kernels.mla_decode import mla_decode
 from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.rope_kv import rope_q, rope_store_kv
 from .base import AttentionBackend, ForwardBatch
 
 
 class TritonMLABackend(AttentionBackend):
-    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None,
-                 max_decode_reqs: int = 0, num_heads: int = 0, fused_combine: bool | None = None):
+    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None):
         super().__init__(kv_cache, kv_lora_rank)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
-        # One (request, head block) counter each, for any verify width; made here, never inside a graph capture.
-        # A batch with more groups (or 0 here: sizes unknown) takes the two-kernel path. fused_combine None: the env.
-        if fused_combine is None:
-            fused_combine = os.environ.get("MLASERVE_MLA_FUSED_COMBINE", "0") == "1"
-        self.counters: torch.Tensor | None = None
-        if max_decode_reqs > 0 and num_heads > 0 and fused_combine:
-            n = max(decode_groups(max_decode_reqs, num_heads, q) for q in range(1, MAX_Q_LEN + 1))
-            self.counters = torch.zeros(n, dtype=torch.int32, device=kv_cache.device)
         self._meta_batch: ForwardBatch | None = None
         self._meta_layer = -1
         self._meta: dict = {}
@@ -84,11 +71,9 @@ class TritonMLABackend(AttentionBackend):
                       None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
 
     def decode(self, layer_id, q, scale, batch, out):
-        nd, q_len, cnt = batch.num_decode_reqs, batch.decode_q_len, self.counters
-        if cnt is not None and decode_groups(nd, q.shape[1], q_len) > cnt.numel():
-            cnt = None
-        return mla_decode(q, self.kv_cache[layer_id], batch.page_table[:nd], batch.seq_lens[:nd], q_len,
-                          scale, out, num_splits=self.num_splits, counters=cnt)
+        nd = batch.num_decode_reqs
+        return mla_decode(q, self.kv_cache[layer_id], batch.page_table[:nd], batch.seq_lens[:nd], batch.decode_q_len,
+                          scale, out, num_splits=self.num_splits)
 
     def prefill_context(self, layer_id, batch):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]

@@ -94,8 +94,7 @@ class ModelRunner:
         if kind == "triton":
             from ..attention.triton_mla import TritonMLABackend
 
-            return TritonMLABackend(self.kv_cache, self.model_cfg.kv_lora_rank, max_decode_reqs=self.cfg.max_num_seqs,
-                                    num_heads=self.model_cfg.num_attention_heads // self.ranks.world_size)
+            return TritonMLABackend(self.kv_cache, self.model_cfg.kv_lora_rank)
         from ..attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend(self.kv_cache, self.model_cfg.kv_lora_rank)

@@ -5,8 +5,7 @@ the context; the split's token range is computed in-kernel from seq_lens, so a c
 as lengths change. Every KV tile is loaded once per head block and serves both QK^T and PV (V = K[:, :R]).
 One split kernel has both load paths, picked by its TMA constexpr. On Hopper the whole tiles come by TMA (tensor
 descriptors): at 8k context, B=16, H=16 the split + combine took 49.9-50.2 us in three runs against 54.7-56.1 us
-with cp.async pointer loads (H200, kernels_bench mla_sweep). Given arrival counters, the last split program of each
-(request, head block) does the combine itself (semaphore.py): one launch a layer instead of two.
+with cp.async pointer loads (H200, kernels_bench mla_sweep). The combine is a second kernel (mla_combine.py).
 """
 
 from __future__ import annotations
@@ -18,9 +17,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .mla_combine import COMBINE_TILE, _combine_group, _mla_decode_combine_kernel
+from .mla_combine import COMBINE_TILE, _mla_decode_combine_kernel
 from .pdl import pdl_args, pdl_release, pdl_wait
-from .semaphore import arrive_last
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short contexts use fewer splits)
@@ -33,8 +31,8 @@ TMA_MIN_PROGRAMS = 4  # request x head-block programs below which pointer loads 
 @triton.jit
 def _program_rows(SeqLens, H, num_splits, Q_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr,
                   BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
-    """A split program's rows (BLOCK_QL tokens x BLOCK_H heads), their causal limits, its token range and how many
-    splits of its request are non-empty: from the step inputs (SeqLens) only, so it may run before the PDL wait."""
+    """A split program's rows (BLOCK_QL tokens x BLOCK_H heads), their causal limits and its token range: from the
+    step inputs (SeqLens) only, so it may run before the PDL wait (pdl.py)."""
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -50,8 +48,7 @@ def _program_rows(SeqLens, H, num_splits, Q_LEN: tl.constexpr, BLOCK_H: tl.const
     tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    n_used = tl.minimum(tl.cdiv(n_tiles, tiles_per_split), num_splits)  # splits 0 .. n_used-1 are non-empty
-    return split, b, t, h, row_ok, last_visible, start, end, n_used
+    return split, b, t, h, row_ok, last_visible, start, end
 
 
 @triton.jit
@@ -67,7 +64,7 @@ def _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R: tl.constexpr, P: tl.con
 
 @triton.jit(do_not_specialize=["H", "num_splits"])  # varying batch sizes reuse one binary
 def _mla_decode_split_kernel(
-    Q, KV, KVn, KVp, PageTable, SeqLens, Out, PartO, PartLse, Counter,
+    Q, KV, KVn, KVp, PageTable, SeqLens, Out, PartO, PartLse,
     scale_log2,
     stride_qt, stride_qh,
     stride_kvp, stride_kvs,
@@ -77,7 +74,7 @@ def _mla_decode_split_kernel(
     Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-    FUSED: tl.constexpr, COMBINE_R: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One split of one request's context for a block of rows. TMA=False: every tile by masked pointer loads
     (cp.async) through the page table; KVn / KVp are None. TMA=True (sm_90): whole KV tiles fetched by the
@@ -85,14 +82,13 @@ def _mla_decode_split_kernel(
     [BLOCK_N, R] / [BLOCK_N, P] boxes. A tile never straddles a page (PAGE_SIZE % BLOCK_N == 0, tiles aligned), so
     it is one box. The last, partial tile of a split uses masked loads instead: rows past the context may hold
     anything (stale or poisoned pages). The load paths are constexpr branches around whole loops (not a runtime
-    `if`), so neither variant carries the other's code or registers. FUSED (splits > 1, Counter [groups] int32): the
-    last split program of each (request, head block) to finish combines the group's partials (_combine_group)."""
+    `if`), so neither variant carries the other's code or registers."""
     # Before the PDL wait: the rows, the token range and the first page lookup read only the step's inputs
     # (SeqLens, PageTable: copied from the host before the forward, written by no kernel of the step; pdl.py).
     # The KV tiles may include this step's new rows (the store just wrote them): loaded after the wait.
     pdl_release(PDL)
     BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
-    split, b, t, h, row_ok, last_visible, start, end, n_used = _program_rows(
+    split, b, t, h, row_ok, last_visible, start, end = _program_rows(
         SeqLens, H, num_splits, Q_LEN, BLOCK_H, BLOCK_QL, BLOCK_N, MIN_SPLIT_TILES)
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, BLOCK_P)
@@ -149,12 +145,6 @@ def _mla_decode_split_kernel(
                                          acc, DOT_PREC)
     _finish(m_i, l_i, acc, t, h, row_ok, start < end, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
             H, num_splits, R, DIRECT)
-    if FUSED:
-        # After the wait (the counters are written by kernels: the previous launch's last programs reset them).
-        # Group (b, head block): the num_splits programs of one request's rows; every one arrives, empty or not.
-        if arrive_last(Counter + b * tl.num_programs(0) + tl.program_id(0), num_splits):
-            _combine_group(PartO, PartLse, Out, t, h, row_ok, n_used, stride_ot, stride_oh, stride_or, H,
-                           num_splits, R, BLOCK_M, COMBINE_R, 3)
 
 
 @triton.jit
@@ -231,11 +221,6 @@ def num_sms(device: torch.device) -> int:
     return 132  # H100/H200; only the interpreter gets here
 
 
-def decode_groups(B: int, H: int, q_len: int) -> int:
-    """Arrival counters the fused combine needs: one per (request, head block)."""
-    return B * triton.cdiv(H, decode_config(H, q_len, torch.bfloat16)["BLOCK_H"])
-
-
 def default_num_splits(B: int, H: int, q_len: int, device: torch.device, dtype=torch.bfloat16) -> int:
     """Splits for two waves of programs over the SMs (132 on H200): two resident programs per SM hide each other's
     load latency (measured at 8k context, B=16, H=16: 16 splits 54.5 us, 8 splits 68 us, 32 splits 67 us); more
@@ -247,12 +232,10 @@ def default_num_splits(B: int, H: int, q_len: int, device: torch.device, dtype=t
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                q_len: int, scale: float, out: torch.Tensor, num_splits: int | None = None,
-               config: dict | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+               config: dict | None = None) -> torch.Tensor:
     """q [T, H, R+P], kv_cache [pages, page_size, R+P], page_table [B, max_pages] int32, seq_lens [B] int32
     (context including this step's q_len tokens), T = B * q_len -> out [T, H, R] (any strides).
-    Token j of a request's block sees positions 0 .. seq_len - q_len + j. Rows with nothing visible get 0.
-    counters: zeroed int32 arrival counters (semaphore.arrival_counters), >= decode_groups(B, H, q_len) of them,
-    left zeroed: the split kernel combines its own partials (one launch, not two). None: a second, combine kernel."""
+    Token j of a request's block sees positions 0 .. seq_len - q_len + j. Rows with nothing visible get 0."""
     T, H, D = q.shape
     B = seq_lens.shape[0]
     R = out.shape[-1]
@@ -282,14 +265,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     cfg.setdefault("TMA", q.is_cuda and B * triton.cdiv(H, cfg["BLOCK_H"]) >= TMA_MIN_PROGRAMS
                    and _has_tma(q.device.index))
     S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
-    grid = (triton.cdiv(H, cfg["BLOCK_H"]), S, B)
-    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous()
-                                 or counters.numel() < B * grid[0] or counters.device != q.device):
-        raise ValueError(f"counters: need a contiguous int32 vector of >= B * head blocks = {B} * {grid[0]} zeroed "
-                         f"entries on {q.device}, got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
     if T == 0:
         return out
-    fused = counters is not None and S > 1
+    grid = (triton.cdiv(H, cfg["BLOCK_H"]), S, B)
     if S > 1:
         # fp32 partials by default; PARTIAL_DTYPE (benchmarks) trades their bytes for one more rounding
         part_o = torch.empty(T, H, S, R, dtype=cfg.get("PARTIAL_DTYPE", torch.float32), device=q.device)
@@ -303,9 +281,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         kv_n = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], R])
         kv_p = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], P])
     pdl = pdl_args(q)  # the split and combine kernels launch alike
-    bm = cfg["BLOCK_QL"] * cfg["BLOCK_H"]
     _mla_decode_split_kernel[grid](
-        q, kv_cache, kv_n, kv_p, page_table, seq_lens, out, part_o, part_lse, counters if fused else None,
+        q, kv_cache, kv_n, kv_p, page_table, seq_lens, out, part_o, part_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
@@ -316,10 +293,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
         DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma,
-        FUSED=fused, COMBINE_R=min(R, max(16, COMBINE_TILE // bm)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
-    if S > 1 and not fused:
+    if S > 1:
         block_s = _pow2(S)
         block_r = min(R, max(16, COMBINE_TILE // block_s))  # [S, BLOCK_R] fp32: <= 64 registers a thread
         _mla_decode_combine_kernel[(T, H, R // block_r)](

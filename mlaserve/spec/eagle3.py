@@ -91,11 +91,10 @@ class Eagle3Proposer:
         if cfg.mla is not None:
             cache = torch.zeros(1, pages, self.page_size, cfg.mla.kv_cache_dim, dtype=runner.dtype,
                                 device=self.device)
-            if gpu:  # triton is imported only where it runs; the draft's graphs decode up to max_num_seqs requests
+            if gpu:  # triton is imported only where it runs
                 from ..attention.triton_mla import TritonMLABackend
 
-                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank, max_decode_reqs=runner.cfg.max_num_seqs,
-                                             num_heads=cfg.mla.num_attention_heads)
+                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank)
             else:
                 from ..attention.torch_ref import TorchRefBackend
 

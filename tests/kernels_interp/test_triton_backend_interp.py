@@ -6,32 +6,9 @@ import torch
 from tests.model_backend_check import check_model_backends
 
 
-@pytest.mark.parametrize("dtype,moe_impl,fused", [(torch.float32, "triton", True), (torch.bfloat16, "triton", False)])
-def test_model_logits_match_torch_ref(kdev, tiny_ckpt, dtype, moe_impl, fused):
-    # few splits: the interpreter is slow; fused: the split kernel combines (arrival counters), else two kernels
-    check_model_backends(tiny_ckpt, kdev, dtype, moe_impl, num_splits=2, fused_combine=fused)
-
-
-def test_decode_counters_sized_once_with_fallback(kdev, monkeypatch):
-    # one counter per (request, head block) for any verify width, made at construction; a batch with more groups,
-    # or without MLASERVE_MLA_FUSED_COMBINE=1 (the default), passes counters=None (the two-kernel path)
-    from mlaserve.attention import triton_mla
-    from mlaserve.attention.base import ForwardBatch, SeqChunk
-
-    cache = torch.zeros(1, 6, 16, 40, device=kdev)
-    monkeypatch.setenv("MLASERVE_MLA_FUSED_COMBINE", "1")
-    tri = triton_mla.TritonMLABackend(cache, 32, max_decode_reqs=2, num_heads=20)
-    assert tri.counters.dtype == torch.int32 and tri.counters.numel() == 2 * 20 and not tri.counters.any()
-    seen = []
-    monkeypatch.setattr(triton_mla, "mla_decode", lambda *a, counters=None, **k: seen.append(counters))
-    for n, q_len in ((2, 1), (2, 20), (3, 20)):  # q_len 20: 20 head blocks of one head (32-token verify tiles)
-        batch = ForwardBatch.build([SeqChunk([1] * q_len, 5, [i, 4]) for i in range(n)], [], 16, kdev)
-        T = n * q_len
-        tri.decode(0, torch.zeros(T, 20, 40, device=kdev), 0.1, batch, torch.empty(T, 20, 32, device=kdev))
-    assert seen[0] is tri.counters and seen[1] is tri.counters and seen[2] is None
-    monkeypatch.delenv("MLASERVE_MLA_FUSED_COMBINE")
-    assert triton_mla.TritonMLABackend(cache, 32, max_decode_reqs=2, num_heads=20).counters is None
-    assert triton_mla.TritonMLABackend(cache, 32).counters is None  # sizes unknown
+@pytest.mark.parametrize("dtype,moe_impl", [(torch.float32, "triton"), (torch.bfloat16, "triton")])
+def test_model_logits_match_torch_ref(kdev, tiny_ckpt, dtype, moe_impl):
+    check_model_backends(tiny_ckpt, kdev, dtype, moe_impl, num_splits=2)  # few splits: the interpreter is slow
 
 
 def test_prefill_context_matches_ref_and_refreshes_per_forward(kdev):
