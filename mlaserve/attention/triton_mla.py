@@ -6,7 +6,8 @@ layer ids rising on the same ForwardBatch object, so a batch object refilled in 
 Decode combines its splits in a second kernel. MLASERVE_MLA_FUSED_COMBINE=1 combines them inside the split kernel
 instead (arrival counters, one buffer made here for up to max_decode_reqs requests): close to the two kernels and
 gpu-tested, but not yet timed in the engine, and at batch 1 one program reads every partial (docs/kernels.md), so it
-is opt-in. absorb_q_rope: the query's absorption and its RoPE in one launch for 1-2 token steps.
+is opt-in. absorb_q_rope: the query's absorption and its RoPE in one launch for 1-2 token steps;
+absorb_q_rope_store_kv: the same launch also writes the step's KV-cache rows (decode-only steps).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 
 import torch
 
-from ..kernels.head_gemv import absorb_q_rope, head_gemv_serves
+from ..kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv, head_gemv_serves
 from ..kernels.mla_decode import MAX_Q_LEN, decode_groups, mla_decode
 from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.rope_kv import rope_q, rope_store_kv
@@ -72,6 +73,17 @@ class TritonMLABackend(AttentionBackend):
         if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
             return False
         absorb_q_rope(q, w_kc, cos, sin, Q)
+        return True
+
+    def absorb_q_rope_store_kv(self, layer_id, q, w_kc, c_kv, k_pe, cos, sin, Q, batch, norm=None):
+        """1-2 token steps (head_gemv_serves) whose norm weight has c_kv's dtype: kernels/head_gemv.
+        absorb_q_rope_store_kv, the KV store as one more program of absorb_q_rope's launch (no side stream)."""
+        if norm is not None and norm.weight.dtype != c_kv.dtype:  # the fused norm needs one dtype
+            return False
+        if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
+            return False
+        absorb_q_rope_store_kv(q, w_kc, cos, sin, Q, self.kv_cache[layer_id], batch.slot_mapping, c_kv, k_pe,
+                               None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
         return True
 
     def rope_q(self, x, cos, sin, out):
