@@ -7,7 +7,8 @@ Decode combines its splits in a second kernel. MLASERVE_MLA_FUSED_COMBINE=1 comb
 instead (arrival counters, one buffer made here for up to max_decode_reqs requests): close to the two kernels and
 gpu-tested, but not yet timed in the engine, and at batch 1 one program reads every partial (docs/kernels.md), so it
 is opt-in. absorb_q_rope: the query's absorption and its RoPE in one launch for 1-2 token steps;
-absorb_q_rope_store_kv: the same launch also writes the step's KV-cache rows (decode-only steps).
+absorb_q_rope_store_kv: the same launch also writes the step's KV-cache rows (decode-only steps;
+MLASERVE_ABSORB_STORE=0 turns it off).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class TritonMLABackend(AttentionBackend):
         if max_decode_reqs > 0 and num_heads > 0 and fused_combine:
             n = max(decode_groups(max_decode_reqs, num_heads, q) for q in range(1, MAX_Q_LEN + 1))
             self.counters = torch.zeros(n, dtype=torch.int32, device=kv_cache.device)
+        # absorb_q_rope_store_kv: the KV store inside absorb_q_rope's launch (MLASERVE_ABSORB_STORE=0: off, for A/B)
+        self.absorb_store = os.environ.get("MLASERVE_ABSORB_STORE", "1") != "0"
         self._meta_batch: ForwardBatch | None = None
         self._meta_layer = -1
         self._meta: dict = {}
@@ -78,7 +81,7 @@ class TritonMLABackend(AttentionBackend):
     def absorb_q_rope_store_kv(self, layer_id, q, w_kc, c_kv, k_pe, cos, sin, Q, batch, norm=None):
         """1-2 token steps (head_gemv_serves) whose norm weight has c_kv's dtype: kernels/head_gemv.
         absorb_q_rope_store_kv, the KV store as one more program of absorb_q_rope's launch (no side stream)."""
-        if norm is not None and norm.weight.dtype != c_kv.dtype:  # the fused norm needs one dtype
+        if not self.absorb_store or (norm is not None and norm.weight.dtype != c_kv.dtype):  # one dtype for the norm
             return False
         if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
             return False
