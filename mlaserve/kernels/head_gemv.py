@@ -5,7 +5,8 @@ At batch 1 cuBLAS takes 2.7-3.0 us for each 2 MB per-head weight (M1, H200: 0.7-
 idle); this kernel 1.2-1.3 us. Each program owns BLOCK_N output columns of one head and loads its whole
 [K, BLOCK_N] slab of M[h] as one register tile, issued before it waits for x (pdl.py), then serves every token
 of the step from it. The contract is kept: the output is written straight into the caller's view, with no copy
-and no temporary. absorb_q_rope runs the query's absorption and its RoPE (rope_kv.rope_q's tile) in one launch."""
+and no temporary. absorb_q_rope runs the query's absorption and its RoPE (rope_kv.rope_q's tile) in one launch;
+absorb_q_rope_store_kv also the step's KV store (rope_kv.rope_store_kv's row), as one more program."""
 
 from __future__ import annotations
 
