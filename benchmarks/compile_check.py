@@ -203,7 +203,7 @@ def cases(quick: bool):
 
     for N, K in [(3648, 2048), (2048, 2048), (1000, 7168)]:
         yield f"gemv N={N} K={K}", gemv, (torch.empty(1, K, dtype=bf), torch.empty(N, K, dtype=bf))
-    from mlaserve.kernels.head_gemv import absorb_q_rope, head_gemv
+    from mlaserve.kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv, head_gemv
 
     for H in (16, 128):  # the absorbed projections, w_kc [H, 128, 512] and the transposed w_vc view [H, 512, 128]
         w = torch.empty(H, 256, 512, dtype=bf)
@@ -215,6 +215,11 @@ def cases(quick: bool):
             yield f"absorb_q_rope H={H} T={T}", absorb_q_rope, (  # q: a view of the projection output
                 torch.empty(T, H * 192 + 576, dtype=bf)[:, : H * 192].view(T, H, 192), w[:, :128],
                 torch.empty(T, 32), torch.empty(T, 32), torch.empty(T, H, 576, dtype=bf))
+            proj = torch.empty(T, H * 192 + 576, dtype=bf)  # [q | kv_a]: the KV store in the same launch
+            yield f"absorb_q_rope_store_kv H={H} T={T}", absorb_q_rope_store_kv, (
+                proj[:, : H * 192].view(T, H, 192), w[:, :128], torch.empty(T, 32), torch.empty(T, 32),
+                torch.empty(T, H, 576, dtype=bf), torch.empty(8, 64, 576, dtype=bf), torch.zeros(T, dtype=torch.int64),
+                proj[:, H * 192: H * 192 + 512], proj[:, H * 192 + 512:], torch.empty(512, dtype=bf), 1e-6)
     from mlaserve.kernels.gqa_decode import gqa_decode, gqa_store_kv
     from mlaserve.kernels.rmsnorm import add_rms_norm, rms_norm
     from mlaserve.kernels.silu_mul import silu_mul

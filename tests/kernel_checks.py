@@ -288,6 +288,58 @@ def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int
     return assert_close(flat[written], rflat[written], dtype, f"rope_store_kv T={T} R={R} P={P} {dtype}")
 
 
+def check_absorb_q_rope_store_kv(device, dtype, *, T: int, H: int, N: int, R: int, P: int, norm: bool, pad: bool,
+                                 page_size: int = 16, num_pages: int = 4, V: int = 8):
+    """head_gemv.absorb_q_rope_store_kv (one launch) against absorb_q_rope (Q, bit for bit) and rope_store_kv (the
+    cache rows): q and kv_a column views of one projection output, Q and the cache NaN-poisoned, the last token a
+    padding slot (-1) when pad. Without the norm the rows equal rope_store_kv's; with it they are checked to a
+    tight tolerance against the torch form (layers.norm.RMSNorm, then the reference store): the fused program
+    reduces the sum of squares with one warp, rope_store_kv with rms_norm's, which may round differently on a GPU
+    (the interpreter sums alike, so there the rows are also compared bit for bit). Returns (Q, cache) for replays."""
+    from mlaserve.kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv
+    from mlaserve.kernels.reference import rope_store_kv_ref
+    from mlaserve.kernels.rope_kv import rope_store_kv
+
+    w_kc = (torch.randn(H * (N + V), R, device=device) / R**0.5).to(dtype).view(H, N + V, R)[:, :N]
+    proj = torch.randn(T, H * (N + P) + R + P, device=device).to(dtype)  # [q | kv_a] of one GEMM
+    q, kv_a = proj[:, : H * (N + P)].view(T, H, N + P), proj[:, H * (N + P):]
+    c_kv, k_pe = kv_a[:, :R], kv_a[:, R:]
+    pos = torch.randint(0, 4096, (T,), device=device).float()
+    freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.randperm(num_pages * page_size, device=device)[:T]
+    if pad:
+        slots[-1] = -1
+    weight = (1 + 0.1 * torch.randn(R, device=device)).to(dtype) if norm else None
+    Q = nan_like((T, H, R + P), dtype, device)
+    cache = nan_like((num_pages, page_size, R + P), dtype, device)
+    assert absorb_q_rope_store_kv(q, w_kc, cos, sin, Q, cache, slots, c_kv, k_pe, weight, 1e-6) is Q
+    Q2, cache2 = nan_like(Q.shape, dtype, device), nan_like(cache.shape, dtype, device)
+    absorb_q_rope(q, w_kc, cos, sin, Q2)
+    rope_store_kv(cache2, slots, c_kv, k_pe, cos, sin, weight, 1e-6)
+    what = f"absorb_q_rope_store_kv T={T} H={H} norm={norm} pad={pad} {dtype}"
+    assert not Q.isnan().any() and torch.equal(Q, Q2), f"{what}: Q differs from absorb_q_rope"
+    written = torch.zeros(num_pages * page_size, dtype=torch.bool, device=device)
+    written[slots[slots >= 0]] = True
+    flat, flat2 = cache.view(-1, R + P), cache2.view(-1, R + P)
+    assert flat[~written].isnan().all(), f"{what}: wrote a slot it should have skipped"
+    assert not flat[written].isnan().any(), f"{what}: a row left unwritten"
+    if not norm or device == "cpu":
+        assert torch.equal(flat[written], flat2[written]), f"{what}: rows differ from rope_store_kv"
+    else:  # for the record (pytest -s): how often the one-warp sum rounds apart from rope_store_kv's
+        n = int((flat[written] != flat2[written]).sum())
+        print(f"{what}: {n} of {flat[written].numel()} cache values differ from rope_store_kv's")
+    if norm:
+        h = c_kv.float()
+        normed = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        ref = rope_store_kv_ref(cache, slots, normed, k_pe, cos, sin).view(-1, R + P)
+        # two units in the last place: a sum of squares summed in another order may move the normalised value
+        # by one before the weight, and the product's rounding by one more (rope_store_kv's rows do the same)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(flat[written], ref[written], rtol=2 * eps, atol=eps, msg=what)
+    return Q, cache
+
+
 def check_rope_q(device, dtype, *, T: int, H: int, P: int, alias: bool, head_major: bool = False):
     """x = q[..., N:] (a strided view); out is x (in place, the prefill form) or a view of another buffer (the
     decode form's Q[..., R:]). head_major: x is a [H, T, P] buffer transposed (token stride < head stride)."""

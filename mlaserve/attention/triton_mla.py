@@ -4,14 +4,17 @@ Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots
 forward and reused by the following layers; only sizes come from the batch's host lists. A forward is recognised by
 layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
 Decode is mla_decode's split kernel, then its combine kernel. absorb_q_rope: the query's absorption and its RoPE
-in one launch for 1-2 token steps.
+in one launch for 1-2 token steps; absorb_q_rope_store_kv: the same launch also writes the step's KV-cache rows
+(decode-only steps; MLASERVE_ABSORB_STORE=0 turns it off).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..kernels.head_gemv import absorb_q_rope, head_gemv_serves
+from ..kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv, head_gemv_serves
 from ..kernels.mla_decode import mla_decode
 from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.rope_kv import rope_q, rope_store_kv
@@ -22,6 +25,8 @@ class TritonMLABackend(AttentionBackend):
     def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None):
         super().__init__(kv_cache, kv_lora_rank)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
+        # absorb_q_rope_store_kv: the KV store inside absorb_q_rope's launch (MLASERVE_ABSORB_STORE=0: off, for A/B)
+        self.absorb_store = os.environ.get("MLASERVE_ABSORB_STORE", "1") != "0"
         self._meta_batch: ForwardBatch | None = None
         self._meta_layer = -1
         self._meta: dict = {}
@@ -59,6 +64,17 @@ class TritonMLABackend(AttentionBackend):
         if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
             return False
         absorb_q_rope(q, w_kc, cos, sin, Q)
+        return True
+
+    def absorb_q_rope_store_kv(self, layer_id, q, w_kc, c_kv, k_pe, cos, sin, Q, batch, norm=None):
+        """1-2 token steps (head_gemv_serves) whose norm weight has c_kv's dtype: kernels/head_gemv.
+        absorb_q_rope_store_kv, the KV store as one more program of absorb_q_rope's launch (no side stream)."""
+        if not self.absorb_store or (norm is not None and norm.weight.dtype != c_kv.dtype):  # one dtype for the norm
+            return False
+        if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
+            return False
+        absorb_q_rope_store_kv(q, w_kc, cos, sin, Q, self.kv_cache[layer_id], batch.slot_mapping, c_kv, k_pe,
+                               None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
         return True
 
     def rope_q(self, x, cos, sin, out):

@@ -5,7 +5,8 @@ At batch 1 cuBLAS takes 2.7-3.0 us for each 2 MB per-head weight (M1, H200: 0.7-
 idle); this kernel 1.2-1.3 us. Each program owns BLOCK_N output columns of one head and loads its whole
 [K, BLOCK_N] slab of M[h] as one register tile, issued before it waits for x (pdl.py), then serves every token
 of the step from it. The contract is kept: the output is written straight into the caller's view, with no copy
-and no temporary. absorb_q_rope runs the query's absorption and its RoPE (rope_kv.rope_q's tile) in one launch."""
+and no temporary. absorb_q_rope runs the query's absorption and its RoPE (rope_kv.rope_q's tile) in one launch;
+absorb_q_rope_store_kv also the step's KV store (rope_kv.rope_store_kv's row), as one more program."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_args, pdl_release, pdl_wait
-from .rope_kv import _check_cos_sin, _rope_q_tile
+from .rope_kv import _check_cos_sin, _check_store_kv, _rope_q_tile, _store_kv_row
 
 # decode steps of 1-2 tokens (batch 1-2, or an EAGLE3 verify of width 2 at batch 1): the sizes timed against bmm
 # (kernels_bench absorb, T=1 and 2); the kernel itself serves any T, larger steps keep torch.bmm until timed
@@ -44,22 +45,50 @@ def _head_gemv_kernel(X, M, Y, stride_xt, stride_xh, stride_mh, stride_mk, strid
 
 
 @triton.jit
+def _store_kv_program(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps, stride_cp, stride_cs, stride_ct, stride_cr,
+                      stride_kt, stride_kp, stride_cos, stride_sin, T: tl.constexpr, BLOCK_T: tl.constexpr,
+                      R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                      NORM: tl.constexpr, PDL: tl.constexpr):
+    """rope_store_kv for every token of the step in one program (T <= 2): the slots (step inputs) before the wait."""
+    tt = tl.arange(0, BLOCK_T)
+    slots = tl.load(Slots + tt, mask=tt < T, other=-1)  # [BLOCK_T]
+    pdl_wait(PDL)
+    for t in tl.static_range(T):
+        slot = tl.sum(tl.where(tt == t, slots, 0), axis=0)
+        if slot >= 0:  # padding tokens (CUDA graphs, slot -1) have no slot
+            _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, NormW, eps, tl.full((), t, tl.int32), slot, stride_cp,
+                          stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin, R, R, HALF,
+                          BLOCK_HALF, PAGE_SIZE, NORM)
+
+
+@triton.jit
 def _absorb_q_rope_kernel(X, M, Y, Xpe, Cos, Sin, Ype, H, stride_xt, stride_xh, stride_mh, stride_mk, stride_mn,
                           stride_yt, stride_yh, stride_cos, stride_sin,
+                          Cache, Slots, Ckv, Kpe, NormW, eps, stride_cp, stride_cs, stride_ct, stride_cr, stride_kt,
+                          stride_kp,
                           T: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                          BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-    # grid (H, N / BLOCK_N + 1): columns < N / BLOCK_N are head_gemv's programs; the last one rotates the head's
-    # q_pe for every token with rope_q's tile (q and cos/sin are written in the step: read only after the wait)
+                          BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr, STORE: tl.constexpr,
+                          NORM: tl.constexpr, PDL: tl.constexpr):
+    # grid (H + STORE, N / BLOCK_N + 1): for h < H, columns < N / BLOCK_N are head_gemv's programs and the last
+    # one rotates the head's q_pe for every token with rope_q's tile (q and cos/sin are written in the step: read
+    # only after the wait). With STORE, program (H, 0) writes the step's KV-cache rows (rope_store_kv's, with
+    # N = R); the rest of row H returns at once.
     h = tl.program_id(0)
     col = tl.program_id(1)
     pdl_release(PDL)
-    if col < N // BLOCK_N:
-        _head_gemv_program(X, M, Y, h, col, stride_xt, stride_xh, stride_mh, stride_mk, stride_mn, stride_yt,
-                           stride_yh, T, K, BLOCK_N, PDL)
-    else:
-        pdl_wait(PDL)
-        _rope_q_tile(Xpe, Cos, Sin, Ype, tl.arange(0, BLOCK_T), h + tl.arange(0, 1), T, H, stride_xt, stride_xh, 1,
-                     stride_yt, stride_yh, 1, stride_cos, stride_sin, P, BLOCK_T, 1, BLOCK_P)
+    if h < H:
+        if col < N // BLOCK_N:
+            _head_gemv_program(X, M, Y, h, col, stride_xt, stride_xh, stride_mh, stride_mk, stride_mn, stride_yt,
+                               stride_yh, T, K, BLOCK_N, PDL)
+        else:
+            pdl_wait(PDL)
+            _rope_q_tile(Xpe, Cos, Sin, Ype, tl.arange(0, BLOCK_T), h + tl.arange(0, 1), T, H, stride_xt, stride_xh,
+                         1, stride_yt, stride_yh, 1, stride_cos, stride_sin, P, BLOCK_T, 1, BLOCK_P)
+    elif STORE:
+        if col == 0:
+            _store_kv_program(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps, stride_cp, stride_cs, stride_ct,
+                              stride_cr, stride_kt, stride_kp, stride_cos, stride_sin, T, BLOCK_T, N, P // 2,
+                              BLOCK_P // 2, PAGE_SIZE, NORM, PDL)
 
 
 def head_gemv_config(K: int, N: int) -> dict:
@@ -114,6 +143,28 @@ def absorb_q_rope(q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: t
     """q [T, H, N+P] (unit last stride; a view is fine), w_kc [H, N, R], cos/sin [T, P/2] fp32 -> Q [T, H, R+P]
     (unit last stride), written in place in one launch: Q[..., :R] = head_gemv(q[..., :N], w_kc) and
     Q[..., R:] = rope_q(q[..., N:], cos, sin), bit for bit what the two kernels give."""
+    return _absorb_q_rope(q, w_kc, cos, sin, Q, config, None)
+
+
+def absorb_q_rope_store_kv(q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, Q: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                           norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                           config: dict | None = None) -> torch.Tensor:
+    """absorb_q_rope and rope_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight, eps) of one decode
+    step in one launch: one more program writes the cache rows, so the store needs no kernel (or stream) of its
+    own. Q is bit for bit absorb_q_rope's; the cache rows are rope_store_kv's, except that with the norm its sum
+    of squares is reduced by one warp (rope_store_kv: rms_norm's warps), so they may differ in the last bit."""
+    if c_kv.dim() != 2 or q.dim() != 3 or w_kc.dim() != 3 or c_kv.shape != (q.shape[0], w_kc.shape[-1]):
+        raise ValueError(f"c_kv {tuple(c_kv.shape)} must be [T, R] for q {tuple(q.shape)} [T, H, N+P] and w_kc "
+                         f"{tuple(w_kc.shape)} [H, N, R]")
+    if k_pe.shape[-1] != q.shape[-1] - w_kc.shape[1]:
+        raise ValueError(f"k_pe {tuple(k_pe.shape)} must be [T, P] with q's P = {q.shape[-1] - w_kc.shape[1]}")
+    _check_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight)
+    return _absorb_q_rope(q, w_kc, cos, sin, Q, config, (kv_cache, slot_mapping, c_kv, k_pe, norm_weight, eps))
+
+
+def _absorb_q_rope(q, w_kc, cos, sin, Q, config, store) -> torch.Tensor:
+    """The launch of both entry points; store: (kv_cache, slot_mapping, c_kv, k_pe, norm_weight, eps), checked."""
     if q.dim() != 3 or w_kc.dim() != 3:
         raise ValueError(f"q {tuple(q.shape)} must be [T, H, N+P] and w_kc {tuple(w_kc.shape)} [H, N, R]")
     T, H, NP = q.shape
@@ -126,10 +177,18 @@ def absorb_q_rope(q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: t
     cfg = _checked_config(x, w_kc, out, config)
     _check_cos_sin(cos, sin, T, P)
     bn = cfg["BLOCK_N"]
-    _absorb_q_rope_kernel[(H, R // bn + 1)](
+    if store is None:  # the store's arguments are never read: any tensor, zero strides
+        cache, slots, c_kv, k_pe, norm_weight, eps = Q, Q, Q, Q, None, 0.0
+        cache_strides, ckv_strides, kpe_strides = (0, 0), (0, 0), (0, 0)
+    else:
+        cache, slots, c_kv, k_pe, norm_weight, eps = store
+        cache_strides, ckv_strides, kpe_strides = cache.stride()[:2], c_kv.stride(), k_pe.stride()
+    _absorb_q_rope_kernel[(H + (store is not None), R // bn + 1)](
         x, w_kc, out, q[..., N:], cos, sin, Q[..., R:], H, q.stride(0), q.stride(1), w_kc.stride(0), w_kc.stride(1),
         w_kc.stride(2), Q.stride(0), Q.stride(1), cos.stride(0), sin.stride(0),
-        T=T, K=N, N=R, BLOCK_N=bn, P=P, BLOCK_P=triton.next_power_of_2(P),
-        BLOCK_T=triton.next_power_of_2(T), num_warps=cfg["num_warps"],
-        **pdl_args(q))
+        cache, slots, c_kv, k_pe, c_kv if norm_weight is None else norm_weight, float(eps), *cache_strides,
+        *ckv_strides, *kpe_strides,
+        T=T, K=N, N=R, BLOCK_N=bn, P=P, BLOCK_P=triton.next_power_of_2(P), BLOCK_T=triton.next_power_of_2(T),
+        PAGE_SIZE=cache.shape[1] if store is not None else 1, STORE=store is not None,
+        NORM=norm_weight is not None, num_warps=cfg["num_warps"], **pdl_args(q))
     return Q

@@ -20,17 +20,13 @@ def _rotate_pairs(x0, x1, cs, sn):
 
 
 @triton.jit
-def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
-                          stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
-                          R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    pdl_release(PDL)
-    t = tl.program_id(0)
-    slot = tl.load(Slots + t)  # a step input (copied from the host before the forward): read before the wait
-    if slot < 0:  # padding token (CUDA graphs): no slot
-        return
+def _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, NormW, eps, t, slot,
+                  stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
+                  R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, NORM: tl.constexpr):
+    """Token t's cache row at slot (>= 0): [c_kv, or kv_a_layernorm(c_kv) with NORM | rope(k_pe)]. Reads the step's
+    activations: call it after pdl_wait. Shared by rope_store_kv and head_gemv.absorb_q_rope_store_kv."""
     dst = Cache + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
-    pdl_wait(PDL)
     r = tl.arange(0, BLOCK_R)
     c = tl.load(Ckv + t.to(tl.int64) * stride_ct + r * stride_cr, mask=r < R, other=0.0)
     if NORM:  # kv_a_layernorm first, with layers.norm.RMSNorm's rounding (cast before the weight)
@@ -49,6 +45,21 @@ def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
     y0, y1 = _rotate_pairs(x0, x1, cs, sn)
     tl.store(dst + R + 2 * i, y0.to(Cache.dtype.element_ty), mask=ok)
     tl.store(dst + R + 2 * i + 1, y1.to(Cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
+                          stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
+                          R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_release(PDL)
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t)  # a step input (copied from the host before the forward): read before the wait
+    if slot < 0:  # padding token (CUDA graphs): no slot
+        return
+    pdl_wait(PDL)
+    _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, NormW, eps, t, slot, stride_cp, stride_cs, stride_ct, stride_cr,
+                  stride_kt, stride_kp, stride_cos, stride_sin, R, BLOCK_R, HALF, BLOCK_HALF, PAGE_SIZE, NORM)
 
 
 @triton.jit
@@ -93,12 +104,11 @@ def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None
         raise ValueError("cos/sin need a unit last stride")
 
 
-def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6) -> None:
-    """kv_cache [pages, page_size, R+P]; slot_mapping [T] int64 (page * page_size + offset; < 0 skips);
-    c_kv [T, R], k_pe [T, P] (strided views allowed); cos/sin [T, P/2] fp32. Writes [c_kv | rope(k_pe)], or with
-    norm_weight [R] (c_kv's dtype) [rms_norm(c_kv) | rope(k_pe)]: the kv_a_layernorm in the same launch."""
+def _check_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor | None) -> None:
+    """rope_store_kv's inputs (also head_gemv.absorb_q_rope_store_kv's)."""
+    if c_kv.dim() != 2:
+        raise ValueError(f"c_kv {tuple(c_kv.shape)} must be [T, R]")
     T, R = c_kv.shape
     P = k_pe.shape[-1]
     if norm_weight is not None and (norm_weight.shape != (R,) or norm_weight.dtype != c_kv.dtype):
@@ -109,9 +119,19 @@ def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torc
         raise ValueError(f"k_pe [{T}, P even] and slot_mapping [{T}] int64 expected, got {tuple(k_pe.shape)} "
                          f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
     _check_cos_sin(cos, sin, T, P)
-    page_size = kv_cache.shape[1]
-    if page_size & (page_size - 1):
-        raise ValueError(f"page_size={page_size} must be a power of two")
+    if kv_cache.shape[1] & (kv_cache.shape[1] - 1):
+        raise ValueError(f"page_size={kv_cache.shape[1]} must be a power of two")
+
+
+def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> None:
+    """kv_cache [pages, page_size, R+P]; slot_mapping [T] int64 (page * page_size + offset; < 0 skips);
+    c_kv [T, R], k_pe [T, P] (strided views allowed); cos/sin [T, P/2] fp32. Writes [c_kv | rope(k_pe)], or with
+    norm_weight [R] (c_kv's dtype) [rms_norm(c_kv) | rope(k_pe)]: the kv_a_layernorm in the same launch."""
+    _check_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight)
+    T, R = c_kv.shape
+    P, page_size = k_pe.shape[-1], kv_cache.shape[1]
     if T == 0:
         return
     _rope_store_kv_kernel[(T,)](

@@ -163,7 +163,9 @@ class DeepseekV3Attention(nn.Module):
         q = q.view(T, H, N + self.P)  # [T, H, N+P]
         out = x.new_empty(T, H * V)  # caller-owned output of both forms
         Td = batch.num_decode_tokens
-        if batch.side_stream is not None and Td == T and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        if Td == T and self.forward_decode_fused(q, kv_a, cos, sin, batch, out):
+            pass  # the KV store, absorb_q and the query's RoPE ran as one launch (eager and captured alike)
+        elif batch.side_stream is not None and Td == T and q.is_cuda and torch.cuda.is_current_stream_capturing():
             self.forward_decode_forked(q, kv_a, cos, sin, batch, out)
         else:
             self.store_kv(kv_a, cos, sin, batch)
@@ -178,6 +180,18 @@ class DeepseekV3Attention(nn.Module):
         """kv_a [T, R+P]: the cache gets [kv_a_layernorm(c_kv) | rope(k_pe)], normalised inside the store."""
         R = self.R
         batch.attn.store_kv(self.layer_id, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm)
+
+    def forward_decode_fused(self, q, kv_a, cos, sin, batch, out) -> bool:
+        """forward's decode-only form where the backend runs the KV store inside absorbed_q's launch (Triton, 1-2
+        tokens: no side-stream fork, whose join before attention would keep the MLA kernel from launching early
+        (PDL)); False: nothing was done."""
+        R = self.R
+        Q = q.new_empty(q.shape[0], self.H, R + self.P)
+        if not batch.attn.absorb_q_rope_store_kv(self.layer_id, q, self.w_kc, kv_a[:, :R], kv_a[:, R:], cos, sin, Q,
+                                                 batch, norm=self.kv_a_layernorm):
+            return False
+        self.attend_absorbed(Q, batch, out)
+        return True
 
     def forward_decode_forked(self, q, kv_a, cos, sin, batch, out) -> None:
         """forward's decode-only form as captured in a CUDA graph: the KV store runs on the side stream beside

@@ -134,23 +134,41 @@ def test_graphs_equal_eager_and_reference(tiny_ckpt, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_graphs_fork_the_kv_store(tiny_ckpt, monkeypatch, dtype):
-    """Captured decode steps run the KV store on the side stream (forward_decode_forked), eager
-    steps never do; the greedy tokens are the eager ones."""
+    """Captured decode steps run the KV store on the side stream (forward_decode_forked), eager steps never do,
+    except that steps of 1-2 tokens in bf16 run it inside absorb_q_rope's launch (forward_decode_fused), eager and
+    captured alike, and never fork; the greedy tokens are the eager ones."""
     from mlaserve.models.deepseek_v3 import DeepseekV3Attention
 
-    calls = []
-    forked = DeepseekV3Attention.forward_decode_forked
+    calls, fused_calls = [], []
+    forked, fused = DeepseekV3Attention.forward_decode_forked, DeepseekV3Attention.forward_decode_fused
 
     def spy(self, *args):
-        calls.append(torch.cuda.is_current_stream_capturing())
+        calls.append((torch.cuda.is_current_stream_capturing(), args[0].shape[0]))
         return forked(self, *args)
 
+    def spy_fused(self, *args):
+        took = fused(self, *args)
+        fused_calls.append((torch.cuda.is_current_stream_capturing(), args[0].shape[0], took))
+        return took
+
     monkeypatch.setattr(DeepseekV3Attention, "forward_decode_forked", spy)
+    monkeypatch.setattr(DeepseekV3Attention, "forward_decode_fused", spy_fused)
     prompts = _prompts(6, seed=3)
     eager, _ = _greedy(dict(dtype=dtype, enforce_eager=True), tiny_ckpt, prompts)
     assert not calls
     graphs, _ = _greedy(dict(dtype=dtype), tiny_ckpt, prompts)
-    assert calls and all(calls)
+    assert calls and all(capturing for capturing, _ in calls)
+    assert graphs == eager
+    if dtype == "float32":  # head_gemv serves bf16/fp16 only
+        assert not any(took for *_, took in fused_calls)
+        return
+    assert all(T > 2 for _, T in calls), calls  # the graphs of 1-2 tokens never fork
+    # two requests: batch-2 decode steps, fused in the eager engine and in the captured graph alike
+    fused_calls.clear()
+    eager, _ = _greedy(dict(dtype=dtype, enforce_eager=True), tiny_ckpt, prompts[:2])
+    graphs, _ = _greedy(dict(dtype=dtype), tiny_ckpt, prompts[:2])
+    taken = {(capturing, T) for capturing, T, took in fused_calls if took}
+    assert {(False, 2), (True, 1), (True, 2)} <= taken, sorted(set(fused_calls))
     assert graphs == eager
 
 

@@ -493,3 +493,39 @@ def test_absorb_q_rope_real(H, T):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(Q2, Q)
+
+
+@pytest.mark.parametrize("H", [16, 64])
+@pytest.mark.parametrize("T,pad", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_absorb_q_rope_store_kv_real(H, T, pad, norm):
+    """The KV store (kv_a_layernorm + RoPE of k_pe into the paged cache) as one more program of absorb_q_rope's
+    launch (DeepseekV3Attention.forward_decode_fused at batch 1-2) on real shapes, page size 64: Q bit for bit
+    absorb_q_rope's, the rows rope_store_kv's (without the norm; with it within two bf16 ulps of the torch form,
+    as the one-warp sum may round apart from rms_norm's), skipped and padding slots untouched; a CUDA graph
+    replay equals the eager launch."""
+    from mlaserve.kernels.head_gemv import absorb_q_rope_store_kv
+
+    R, P, N = 512, 64, 128
+    Q, cache = kc.check_absorb_q_rope_store_kv("cuda", BF, T=T, H=H, N=N, R=R, P=P, norm=norm, pad=pad, page_size=64,
+                                               num_pages=8, V=128)
+    # the same launch again, captured, on fresh inputs and slots: replay == eager
+    w_kc = torch.randn(H, N + 128, R, device="cuda").to(BF)[:, :N]
+    proj = torch.randn(T, H * (N + P) + R + P, device="cuda").to(BF)
+    q, kv_a = proj[:, : H * (N + P)].view(T, H, N + P), proj[:, H * (N + P):]
+    cos, sin = torch.randn(T, P // 2, device="cuda"), torch.randn(T, P // 2, device="cuda")
+    slots = torch.randperm(8 * 64, device="cuda")[:T]
+    weight = torch.randn(R, device="cuda").to(BF) if norm else None
+
+    def launch(Qb, cb):
+        return absorb_q_rope_store_kv(q, w_kc, cos, sin, Qb, cb, slots, kv_a[:, :R], kv_a[:, R:], weight, 1e-6)
+
+    Q1, c1 = torch.full_like(Q, float("nan")), torch.full_like(cache, float("nan"))
+    launch(Q1, c1)
+    Q2, c2 = torch.full_like(Q, float("nan")), torch.full_like(cache, float("nan"))
+    g, _ = kc.cuda_graph(lambda: launch(Q2, c2))
+    Q2.fill_(float("nan"))  # what the warm-up wrote: gone
+    c2.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(Q2, Q1) and torch.equal(c2.nan_to_num(7.0), c1.nan_to_num(7.0))
