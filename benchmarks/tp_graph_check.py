@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlaserve import LLM, SamplingParams  # noqa: E402
@@ -29,6 +31,8 @@ def greedy(ckpt, dtype, device, **par):
     prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 200))] for _ in range(8)]
     t0 = time.time()
     # a few small graphs (decode batch sizes up to 8, prefill buckets up to 1,024 tokens): a short capture
+    if par and os.environ.get("TPCHECK_NO_OVERLAP") == "1":  # diagnosis: read each decode step back first
+        par = dict(par, disable_overlap_schedule=True)
     llm = LLM(ckpt, device=device, dtype=dtype, num_pages=1024, page_size=64, max_num_seqs=8,
               prefill_graph_max_tokens=1024, **par)
     print(f"  {dtype} {par or 'one GPU'}: engine up in {time.time() - t0:.1f} s", flush=True)
@@ -36,6 +40,12 @@ def greedy(ckpt, dtype, device, **par):
     print(f"  generated in {time.time() - t0:.1f} s", flush=True)
     graphs = bool(getattr(llm.engine.runner, "graphs", None) and llm.engine.runner.graphs.graphs)
     t1 = time.time()
+    # session 8: close still hung with the NCCL communicator aborted; first see whether the GPU itself is idle (an
+    # all-reduce that the other rank never joins would keep this synchronize waiting)
+    faulthandler.dump_traceback_later(20, exit=True)
+    torch.cuda.synchronize() if device == "cuda" else None
+    faulthandler.cancel_dump_traceback_later()
+    print(f"  GPU idle after {time.time() - t1:.1f} s", flush=True)
     # session 7: on two H200s TP2 generated and then LLM.close() never returned: if it hangs again, print rank 0's
     # stacks after 30 s and exit, so the device call shows where
     faulthandler.dump_traceback_later(30, exit=True)

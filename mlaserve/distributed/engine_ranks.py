@@ -41,8 +41,10 @@ def start_rank0(engine_cfg: EngineConfig, par: ParallelConfig, model_cfg: ModelC
 
 
 def stop_rank0(workers: Workers) -> None:
-    workers.close()
+    """After rank 0 told the others to stop: leave the group while they leave theirs (a teardown that needs every
+    rank finds them there), then reap them. Each teardown is bounded (rendezvous.TEARDOWN_TIMEOUT_S)."""
     shutdown_rank()
+    workers.close()
 
 
 def run_follower_node(engine_cfg: EngineConfig, par: ParallelConfig) -> int:

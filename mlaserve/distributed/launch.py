@@ -166,9 +166,12 @@ class Workers:
             if p.exitcode is None:
                 p.kill()
                 p.join()
-        for c in self._alive:
-            c.close()
-        self._alive = []
+        alive, self._alive = self._alive, []  # the watch thread may get here too (close after a timeout)
+        for c in alive:
+            try:
+                c.close()
+            except OSError:
+                pass
 
     def watch(self, on_failure: Callable[[RankFailed], None] | None = None) -> threading.Thread:
         """Watch the ranks from a daemon thread (for a launcher that is itself rank 0 and busy running it):

@@ -6,7 +6,9 @@ InitArgs; `init_rank` is what every rank, spawned or not, calls to join.
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +18,12 @@ import torch.distributed as dist
 from ..config import ParallelConfig
 from . import tp
 from .tp import RankInfo
+
+log = logging.getLogger("mlaserve.distributed")
+# How long a rank waits for its process group's teardown. On two H200s NCCL's teardown after TP2 under CUDA graphs
+# never returned (sessions 7-8: with both GPUs idle, with the graphs freed first, and as an abort of the
+# communicator), so a closing engine must not wait on it forever: it leaves the rest to process exit.
+TEARDOWN_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,10 @@ def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
     if par.world_size == 1:
         tp.set_group(None, info)
         return info
+    if dist.is_initialized():
+        raise RuntimeError("this process still holds a process group whose teardown did not finish (see the warning "
+                           "logged when the last engine closed); start the next tensor-parallel engine in a new "
+                           "process")
     dist.init_process_group(init.backend, init_method=init.init_method, world_size=par.world_size,
                             rank=info.rank, timeout=timedelta(seconds=init.timeout_s), device_id=device_id)
     cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=init.metadata_timeout_s))
@@ -69,8 +81,19 @@ def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
     return info
 
 
-def shutdown_rank() -> None:
-    """Leave the group and reset tp's state (to one rank)."""
+def shutdown_rank(timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:
+    """Leave the group and reset tp's state (to one rank) -> whether the group's teardown finished. It runs in a
+    daemon thread waited on for timeout_s (TEARDOWN_TIMEOUT_S says why); one still running is left to process exit,
+    and this process cannot join another group."""
+    done = True
     if dist.is_initialized():
-        dist.destroy_process_group()
+        t = threading.Thread(target=dist.destroy_process_group, name="process-group-teardown", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        done = not t.is_alive()
+        if not done:
+            log.warning("the process group's teardown (torch.distributed.destroy_process_group) did not finish in "
+                        "%.0f s; leaving it to process exit (a known NCCL hang after CUDA graphs with all-reduces)",
+                        timeout_s)
     tp.set_group(None, RankInfo())
+    return done

@@ -40,3 +40,26 @@ def test_two_nodes_meet_at_dist_init_addr():
     node(0)
     other.join(60)
     assert out == {0: [(0, 0, 0, 3.0, "from 0")], 1: [(1, 0, 1, 3.0, "from 0")]}
+
+
+def test_teardown_that_never_returns_is_bounded(monkeypatch):
+    """NCCL's teardown after TP under CUDA graphs never returned on two H200s: shutdown_rank gives up after its
+    timeout (tp state reset, False returned), and joining another group in this process is refused by name."""
+    import time
+
+    from mlaserve.distributed import rendezvous, tp
+    from mlaserve.distributed.tp import RankInfo
+
+    hang = threading.Event()
+    monkeypatch.setattr(rendezvous.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(rendezvous.dist, "destroy_process_group", hang.wait)  # blocks until the test ends
+    tp.set_group(None, RankInfo(rank=1, world_size=2))
+    t0 = time.monotonic()
+    try:
+        assert rendezvous.shutdown_rank(timeout_s=0.2) is False
+        assert time.monotonic() - t0 < 5 and tp.rank_info().world_size == 1
+        with pytest.raises(RuntimeError, match="teardown did not finish"):
+            init_rank(0, make_init_args(TP2))
+    finally:
+        hang.set()
+        tp.set_group(None, RankInfo())
