@@ -38,6 +38,22 @@ def prompts(n, length, vocab, seed):
     return [[rng.randrange(lo, vocab - lo) for _ in range(length)] for _ in range(n)]
 
 
+def gpu_state() -> dict | None:
+    """SM clock, temperature and power now (nvidia-smi): session 8 saw batch 1 read ~7 % slower, GPU time included,
+    after transformers' sweep than without it; a throttled SM clock would show here."""
+    import subprocess
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        q = subprocess.run(["nvidia-smi", "-i", str(torch.cuda.current_device()), "--format=csv,noheader,nounits",
+                            "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"],
+                           capture_output=True, text=True, timeout=10).stdout.strip().split(", ")
+        return dict(sm_mhz=float(q[0]), mem_mhz=float(q[1]), temp_c=float(q[2]), power_w=float(q[3]), throttle=q[4])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -237,11 +253,13 @@ def main():
                              hf_ms=_ms(res, f"prefill_{n}_s")))
         for b in batches:
             for c in ctxs:
+                before = gpu_state()
                 s, tok, overlapped, replay_ms = ml_tpot(engine, b, c, vocab, replay=True)
                 fl = decode_floor_s(mcfg, b, c)
                 rows.append(dict(figure=f"TPOT b{b} ctx{c}", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl,
                                  hf_ms=_ms(res, f"tpot_b{b}_ctx{c}_s"), bytes_gb=decode_bytes(mcfg, b, c) / 1e9,
-                                 replay_ms=replay_ms, overlapped=overlapped))
+                                 replay_ms=replay_ms, overlapped=overlapped, gpu_before=before,
+                                 gpu_after=gpu_state()))
     if a.draft:
         # Plain TPOT first: the speculative engine re-captures the shared runner's graphs for verify width 2.
         base = {b: ml_tpot(engine, b, 512, vocab)[0] for b in (1, 8)}
@@ -264,7 +282,9 @@ def main():
         log(f"{r['figure']:44s} {r['ms']:12.2f} {r.get('floor_ms') or 0:9.2f} {r.get('ratio') or 0:8.2f} "
             f"{r['hf_ms'] if r.get('hf_ms') is not None else '-':>16}"
             + (f"   (graph replay alone {r['replay_ms']:.2f} ms, {100 * r['overlapped']:.0f}% overlapped)"
-               if r.get("replay_ms") else ""))
+               if r.get("replay_ms") else "")
+            + (f" [SM {r['gpu_after']['sm_mhz']:.0f} MHz, {r['gpu_after']['temp_c']:.0f} C]"
+               if r.get("gpu_after") else ""))
     name = f"engine_{a.label}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     for d in (a.out, os.path.join(os.path.dirname(__file__), "results")):
         os.makedirs(d, exist_ok=True)
