@@ -21,8 +21,10 @@ from .tp import RankInfo
 
 log = logging.getLogger("mlaserve.distributed")
 # How long a rank waits for its process group's teardown. On two H200s NCCL's teardown after TP2 under CUDA graphs
-# never returned (sessions 7-8: with both GPUs idle, with the graphs freed first, and as an abort of the
-# communicator), so a closing engine must not wait on it forever: it leaves the rest to process exit.
+# never returned (sessions 7-8: with both GPUs idle, and as an abort of the communicator too): live graphs with
+# NCCL kernels in them block ncclCommDestroy (pytorch/pytorch#115388), so every rank now resets its graphs first
+# (ModelRunner.release_graphs; not yet run on GPUs). Should anything else hold the communicator, a closing engine
+# still must not wait forever: it leaves the rest to process exit.
 TEARDOWN_TIMEOUT_S = 15.0
 
 

@@ -23,6 +23,7 @@ def worker_loop(info: RankInfo, engine_cfg: EngineConfig) -> str:
     while True:
         msg = tp.broadcast_object(None)
         if msg is None:
+            runner.release_graphs()  # before the group's teardown (ModelRunner.release_graphs)
             return f"rank {info.rank}: {steps} steps"
         if msg[0] == "step":
             runner.execute_local(msg[1], msg[2])

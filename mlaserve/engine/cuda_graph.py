@@ -161,6 +161,16 @@ class GraphRunner:
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         return model.compute_logits(hidden[batch.logits_indices]), aux
 
+    def release(self) -> None:
+        """Destroy every captured graph now (not when the last reference goes): a graph holding NCCL all-reduces
+        keeps ncclCommDestroy waiting forever (pytorch/pytorch#115388), so TP ranks call this before leaving."""
+        for g in self.graphs.values():
+            if g.graph is not None:
+                g.graph.reset()
+                g.graph = None
+        self.graphs.clear()
+        self.pool = None
+
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()

@@ -145,6 +145,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices]), aux
 
     def shutdown(self) -> None:
-        """Rank 0: tell the other ranks to stop."""
+        """Rank 0: tell the other ranks to stop, then destroy the graphs (release_graphs says why)."""
         if self.ranks.world_size > 1 and self.ranks.rank == 0:
             tp.broadcast_object(None)
+            self.release_graphs()
+
+    def release_graphs(self) -> None:
+        """Destroy the captured graphs before the process group goes: graphs with NCCL all-reduces in them keep
+        ncclCommDestroy (and an abort) waiting forever (pytorch/pytorch#115388; seen on two H200s in sessions 7-8)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -35,6 +35,19 @@ def test_static_path_matches_eager(tiny_ckpt, n):
     assert any(k[0] == "decode" for k in used) and any(k[0] == "prefill" for k in used)
 
 
+def test_release_graphs_then_eager(tiny_ckpt):
+    """release_graphs (TP ranks call it before leaving the group) drops every graph; the runner then runs eagerly
+    and generates the same tokens."""
+    prompts = _prompts(2)
+    ref = _gen(make_engine(tiny_ckpt, page_size=16), prompts)
+    engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, prefill_graph_max_tokens=512)
+    engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
+    graphs = engine.runner.graphs
+    engine.runner.release_graphs()
+    assert engine.runner.graphs is None and not graphs.graphs
+    assert _gen(engine, prompts) == ref
+
+
 def test_static_path_with_speculation(tiny_ckpt, tmp_path):
     from mlaserve.config import EngineConfig, SpecConfig
     from mlaserve.engine.engine import LLMEngine
