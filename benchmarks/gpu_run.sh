@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment, gpu tests, kernel bench, whole-model bench. Each stage has its own time limit so
 # the call ends inside the device tool's 10 minutes; everything is logged under $OUT.
-#   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2] [tp]
-# Env: TESTS / TESTS_K / TESTS_S, KERNEL_ARGS / KERNELS_S, M1_ARGS / M1_S, SPEC_S, M2_S, TP_S / TP_ARGS (see each stage).
+#   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2] [tp] [ncu]
+# Env: TESTS / TESTS_K / TESTS_S, KERNEL_ARGS / KERNELS_S, M1_ARGS / M1_S, SPEC_S, M2_S, TP_S / TP_ARGS, NCU_S (see each stage).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
@@ -45,6 +45,15 @@ if [[ $stages == *" tp "* ]]; then  # on nvidia-h200-x2: TP2 under CUDA graphs, 
     MLASERVE_PDL=$pdl OUT=$OUT/tp-pdl-$pdl timeout ${TP_S:-120} python3 benchmarks/tp_graph_check.py ${TP_ARGS:---quick} 2>&1 \
       | grep -vE "Loading|it/s" | tail -8
   done
+fi
+if [[ $stages == *" ncu "* ]]; then  # why the batch-1 MoE GEMMs stream at ~70 %: Nsight Compute's counters
+  el "MoE T=1 probe + ncu"
+  for t in 1 0; do timeout 60 python3 benchmarks/moe_ncu_probe.py --tma $t 2>&1 | tail -1; done
+  timeout ${NCU_S:-150} ncu --kernel-name regex:_moe_gemm --launch-skip 16 --launch-count 4 --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis_Chart \
+    python3 benchmarks/moe_ncu_probe.py --reps 3 > "$OUT/ncu_moe.txt" 2>&1
+  grep -E "_moe_gemm|DRAM Throughput|Memory Throughput|Duration|Achieved Occupancy|Stall|Warp Cycles" \
+    "$OUT/ncu_moe.txt" | head -40
 fi
 find benchmarks/results -maxdepth 1 -name "*.json" -newer "$OUT/env.txt" -exec cp {} "$OUT/" \; 2>/dev/null
 el "done"
