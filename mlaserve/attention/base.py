@@ -112,11 +112,11 @@ class AttentionBackend(ABC):
         return False
 
     def absorb_q_rope_store_kv(self, layer_id: int, q: torch.Tensor, w_kc: torch.Tensor, c_kv: torch.Tensor,
-                               k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, Q: torch.Tensor,
-                               batch: ForwardBatch, norm=None) -> bool:
+                               k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                               norm=None) -> torch.Tensor | None:
         """absorb_q_rope and store_kv(layer_id, c_kv, k_pe, cos, sin, batch, norm) of a decode-only step in one launch
-        where the backend has one; False: nothing was done, the caller runs both its own way."""
-        return False
+        where the backend has one -> Q [T, H, R+P]; None: nothing was done, the caller runs both its own way."""
+        return None
 
     def rope_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The query's RoPE: x [T, H, P] -> out (any strided view, may alias x)."""

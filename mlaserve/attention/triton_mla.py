@@ -66,16 +66,16 @@ class TritonMLABackend(AttentionBackend):
         absorb_q_rope(q, w_kc, cos, sin, Q)
         return True
 
-    def absorb_q_rope_store_kv(self, layer_id, q, w_kc, c_kv, k_pe, cos, sin, Q, batch, norm=None):
+    def absorb_q_rope_store_kv(self, layer_id, q, w_kc, c_kv, k_pe, cos, sin, batch, norm=None):
         """1-2 token steps (head_gemv_serves) whose norm weight has c_kv's dtype: kernels/head_gemv.
         absorb_q_rope_store_kv, the KV store as one more program of absorb_q_rope's launch (no side stream)."""
         if not self.absorb_store or (norm is not None and norm.weight.dtype != c_kv.dtype):  # one dtype for the norm
-            return False
+            return None
         if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
-            return False
-        absorb_q_rope_store_kv(q, w_kc, cos, sin, Q, self.kv_cache[layer_id], batch.slot_mapping, c_kv, k_pe,
-                               None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
-        return True
+            return None
+        Q = q.new_empty(q.shape[0], q.shape[1], w_kc.shape[-1] + k_pe.shape[-1])  # [T, H, R+P]
+        return absorb_q_rope_store_kv(q, w_kc, cos, sin, Q, self.kv_cache[layer_id], batch.slot_mapping, c_kv, k_pe,
+                                      None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
 
     def rope_q(self, x, cos, sin, out):
         return rope_q(x, cos, sin, out)

@@ -186,9 +186,9 @@ class DeepseekV3Attention(nn.Module):
         tokens: no side-stream fork, whose join before attention would keep the MLA kernel from launching early
         (PDL)); False: nothing was done."""
         R = self.R
-        Q = q.new_empty(q.shape[0], self.H, R + self.P)
-        if not batch.attn.absorb_q_rope_store_kv(self.layer_id, q, self.w_kc, kv_a[:, :R], kv_a[:, R:], cos, sin, Q,
-                                                 batch, norm=self.kv_a_layernorm):
+        Q = batch.attn.absorb_q_rope_store_kv(self.layer_id, q, self.w_kc, kv_a[:, :R], kv_a[:, R:], cos, sin, batch,
+                                              norm=self.kv_a_layernorm)
+        if Q is None:
             return False
         self.attend_absorbed(Q, batch, out)
         return True

@@ -50,8 +50,9 @@ def test_decode_steps_store_kv_inside_absorb_q_rope(kdev, tiny_ckpt, monkeypatch
 
     def run(use_fused: bool):
         def spy(self, *args, **kw):
-            calls.append(use_fused and fused(self, *args, **kw))
-            return calls[-1]
+            Q = fused(self, *args, **kw) if use_fused else None
+            calls.append(Q is not None)
+            return Q
 
         monkeypatch.setattr(triton_mla.TritonMLABackend, "absorb_q_rope_store_kv", spy)
         cache = torch.zeros(cfg.num_hidden_layers, 4, 16, cfg.kv_cache_dim, dtype=torch.bfloat16, device=kdev)
