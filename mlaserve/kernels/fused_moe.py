@@ -267,12 +267,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
     tma = config.pop("tma", None)
     c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
-    fits = _tma_fits(w13, w2, shared if S else None, c1, c2, D, I)
-    if tma and not fits:
+    if tma is None:  # the default: the sm_90 decode tiles, where whole tiles fit (else the pointer loads)
+        tma = _tma_default(x, c1["BLOCK_M"]) and _tma_fits(w13, w2, shared if S else None, c1, c2, D, I)
+    elif tma and not _tma_fits(w13, w2, shared if S else None, c1, c2, D, I):
         raise ValueError(f"tma: the weights' shapes (D={D}, I={I}) must be multiples of the tiles "
                          f"(gemm1 {c1['BLOCK_N']}x{c1['BLOCK_K']}, gemm2 {c2['BLOCK_N']}x{c2['BLOCK_K']}) and the "
                          "weights row-contiguous and 16-byte aligned")
-    tma = tma if tma is not None else fits and _tma_default(x, c1["BLOCK_M"])
     if tma:  # the same tiles, fewer stages
         c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, tma=True, **config)
     bm = c1["BLOCK_M"]
