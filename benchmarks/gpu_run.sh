@@ -2,7 +2,7 @@
 # One device call: environment, gpu tests, kernel bench, whole-model bench. Each stage has its own time limit so
 # the call ends inside the device tool's 10 minutes; everything is logged under $OUT.
 #   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2] [tp] [ncu]
-# Env: TESTS / TESTS_K / TESTS_S, KERNEL_ARGS / KERNELS_S, M1_ARGS / M1_S, SPEC_S, M2_S, TP_S / TP_ARGS, NCU_S (see each stage).
+# Env: TESTS / TESTS_K / TESTS_S, KERNEL_ARGS / KERNELS_S, M1_ARGS / M1_S, SPEC_S, M2_S, TP_S / TP_ARGS, PROBE_S / PROBE_ARGS / NCU_S (see each stage).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
@@ -47,8 +47,9 @@ if [[ $stages == *" tp "* ]]; then  # on nvidia-h200-x2: TP2 under CUDA graphs, 
   done
 fi
 if [[ $stages == *" ncu "* ]]; then  # why the batch-1 MoE GEMMs stream at ~70 %: Nsight Compute's counters
-  el "MoE T=1 probe + ncu"
-  for t in 1 0; do timeout 60 python3 benchmarks/moe_ncu_probe.py --tma $t 2>&1 | tail -1; done
+  el "MoE T=1 probe (graphs, 26 layers' weights) + ncu"
+  timeout ${PROBE_S:-200} python3 benchmarks/moe_ncu_probe.py --sweep --layers 26 --reps 30 ${PROBE_ARGS} 2>&1 \
+    | tee "$OUT/moe_probe.log" | grep -vE "Warning|warn" | tail -16
   timeout ${NCU_S:-150} ncu --kernel-name regex:_moe_gemm --launch-skip 16 --launch-count 4 --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis_Chart \
     python3 benchmarks/moe_ncu_probe.py --reps 3 > "$OUT/ncu_moe.txt" 2>&1
