@@ -3,6 +3,8 @@ it, layer after layer: why GEMM1 / GEMM2 stream at ~70 % of the bandwidth in the
 
     PYTHONPATH=$PWD python benchmarks/moe_ncu_probe.py [--tma 0|1] [--reps 40]        # eager, CUDA events
     PYTHONPATH=$PWD python benchmarks/moe_ncu_probe.py --sweep [--layers 26]           # CUDA graphs, variants
+    PYTHONPATH=$PWD python benchmarks/moe_ncu_probe.py --chain --layers 26 --reps 20   # after the router, PDL on/off
+    PYTHONPATH=$PWD python benchmarks/moe_ncu_probe.py --prefetch --layers 26 --reps 20  # shared experts into L2
     ncu --kernel-name regex:_moe_gemm --launch-skip 16 --launch-count 4 --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis_Chart \\
         python3 benchmarks/moe_ncu_probe.py --reps 3                                  # the counters
@@ -10,6 +12,8 @@ it, layer after layer: why GEMM1 / GEMM2 stream at ~70 % of the bandwidth in the
 --sweep captures one graph of `--layers` layers' MoE (each layer its own weights, the engine's footprint at 26) and
 times its replays, per variant: the experts fixed (as kernels_bench) or drawn afresh for every layer before every
 replay (as decode routes), TMA tiles or pointer loads, other tiles. One replay is profiled per kernel.
+--chain and --prefetch put an attention stand-in before each layer's MoE (chain_sweep, prefetch_sweep).
+Session 9's results: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -20,14 +24,50 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlaserve.kernels.fused_moe import fused_experts  # noqa: E402
+from mlaserve.kernels.pdl import pdl_args, pdl_release, pdl_wait  # noqa: E402
 
 BF = torch.bfloat16
 D, I, E, K, S = 2048, 1408, 64, 6, 2
 GB = (K + S) * 3 * I * D * 2 / 1e9  # the 8 experts' gate, up and down weights read by one layer at T=1
+
+
+# The L2 prefetch tried in session 9 (--prefetch): measured no gain, so it stays here, not in the engine.
+PF_CHUNK = 16 << 10  # bytes a bulk prefetch; 34.6 MB of Moonlight's shared experts -> ~2.1k chunks, 67 programs
+
+
+def prefetch_plan(tensors: list[torch.Tensor], chunk: int = PF_CHUNK) -> torch.Tensor:
+    """[n, 2] int64 (address, bytes) covering each contiguous tensor in 16-byte-aligned chunks of <= chunk."""
+    rows = []
+    for t in tensors:
+        start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        lo, hi = start // 16 * 16, -(-(start + nbytes) // 16) * 16
+        rows += [(a, min(chunk, hi - a)) for a in range(lo, hi, chunk)]
+    return torch.tensor(rows, dtype=torch.int64, device=tensors[0].device)
+
+
+@triton.jit
+def _l2_prefetch_kernel(Plan, n, PER_PROG: tl.constexpr, PDL: tl.constexpr):
+    """One `cp.async.bulk.prefetch.L2.global` of one plan chunk per thread, before the PDL wait (weights only)."""
+    pdl_release(PDL)
+    i = tl.program_id(0) * PER_PROG + tl.arange(0, PER_PROG)
+    ok = i < n
+    addr = tl.load(Plan + 2 * i, mask=ok, other=0)
+    nbytes = tl.load(Plan + 2 * i + 1, mask=ok, other=0).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+    pdl_wait(PDL)
+
+
+def l2_prefetch(plan: torch.Tensor) -> None:
+    n = plan.shape[0]
+    _l2_prefetch_kernel[(triton.cdiv(n, 32),)](plan, n, PER_PROG=32, num_warps=1, **pdl_args(plan))
 
 
 def weights(L: int, g: torch.Generator):
@@ -124,6 +164,123 @@ def sweep(a) -> None:
             json.dump(dict(layers=a.layers, floor_us=floor, rows=rows), f, indent=1)
 
 
+def prefetch_sweep(a) -> None:
+    """Each layer: an attention stand-in (an 8 MB GEMV by cuBLAS, then a spin of --window-us), then the MoE; the
+    shared experts' weights prefetched into L2 (l2_prefetch) before the window, after it, or not at all. The MoE's
+    time is the layer's minus the stand-in's alone (with the prefetch launch when it has one)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = weights(a.layers, g)
+    L = a.layers
+    o_w = [torch.empty(D, D, device="cuda", dtype=BF).normal_(0, D**-0.5, generator=g) for _ in range(L)]
+    h = torch.randn(1, D, device="cuda", generator=g).to(BF)
+    x = torch.randn(L, 1, D, device="cuda", generator=g).to(BF)
+    w = torch.cat([torch.rand(L, 1, K, device="cuda", generator=g), torch.ones(L, 1, S, device="cuda")], -1)
+    bank = draw_ids(L, a.reps, g)
+    ids = bank[0].clone()
+    plans = {"g1+g2": [prefetch_plan([sh[0], sh[1], sh[2]]) for _, _, sh in ws],
+             "g1": [prefetch_plan([sh[0], sh[1]]) for _, _, sh in ws]}
+    cycles = int(a.window_us * 1.98e3)
+
+    def layer(i, pf, where, moe):
+        if pf and where == "early":
+            l2_prefetch(plans[pf][i])
+        torch.nn.functional.linear(h, o_w[i])
+        torch.cuda._sleep(cycles)
+        if pf and where == "late":
+            l2_prefetch(plans[pf][i])
+        if moe:
+            w13, w2, sh = ws[i]
+            fused_experts(x[i], w13, w2, w[i], ids[i], 0, shared=sh)
+
+    print(f"prefetch: {L} layers, window = 8 MB GEMV + {a.window_us} us spin; MoE floor {GB / 4.3 * 1e3:.1f} us, "
+          f"without the shared experts {GB * K / (K + S) / 4.3 * 1e3:.1f} us")
+    rows = []
+    for pf in (None, "g1+g2", "g1"):
+        for where in ((None,) if pf is None else ("early", "late")):
+            base = time_layers(lambda i, pf=pf, where=where: layer(i, pf, where, False), L, ids, bank, a.reps)
+            full = time_layers(lambda i, pf=pf, where=where: layer(i, pf, where, True), L, ids, bank, a.reps)
+            name = "none" if pf is None else f"{pf} {where}"
+            print(f"{name:14s} layer {full:7.1f} us, window alone {base:6.1f}, MoE {full - base:6.1f} us "
+                  f"({100 * GB / (full - base) * 1e3 / 4.3:.0f} % of 4.3 TB/s)")
+            rows.append(dict(prefetch=pf, where=where, layer_us=full, window_us=base, moe_us=full - base))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "moe_probe_prefetch.json"), "w") as f:
+            json.dump(dict(layers=L, window_spin_us=a.window_us, rows=rows), f, indent=1)
+
+
+def time_layers(layer, L: int, ids: torch.Tensor, bank: torch.Tensor, reps: int, before=None) -> float:
+    """Median us a layer over replays of one graph of `layer(i)` for i < L; ids refilled from bank (and
+    `before()` run) ahead of each replay."""
+    def step():
+        for i in range(L):
+            layer(i)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    t = []
+    for r in range(reps):
+        ids.copy_(bank[r % bank.shape[0]])
+        if before:
+            before()
+        ev[0].record()
+        graph.replay()
+        ev[1].record()
+        ev[1].synchronize()
+        t.append(ev[0].elapsed_time(ev[1]) * 1e3 / L)
+    return sorted(t)[len(t) // 2]
+
+
+def chain_sweep(a) -> None:
+    """Each layer: an attention stand-in (an 8 MB GEMV by cuBLAS, then a spin of --window-us), then optionally the
+    decode router (router partials + routing, as the engine runs them), then the MoE with the add + RMSNorm fused
+    into its sum, as the engine runs it. The MoE's time is the layer's minus the same layer without it; with the
+    routing kernels before it, the MoE waits on them through PDL (in the engine), with fixed experts not."""
+    from mlaserve.kernels import pdl
+    from mlaserve.kernels.routing import route_splitk
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = weights(a.layers, g)
+    L = a.layers
+    o_w = [torch.empty(D, D, device="cuda", dtype=BF).normal_(0, D**-0.5, generator=g) for _ in range(L)]
+    r_w = [torch.empty(E, D, device="cuda", dtype=BF).normal_(0, D**-0.5, generator=g) for _ in range(L)]
+    bias = torch.zeros(E, device="cuda")
+    h = torch.randn(1, D, device="cuda", generator=g).to(BF)
+    x = torch.randn(L, 1, D, device="cuda", generator=g).to(BF)
+    res = torch.randn(L, 1, D, device="cuda", generator=g).to(BF)
+    nw = torch.ones(D, device="cuda", dtype=BF)
+    w = torch.cat([torch.rand(L, 1, K, device="cuda", generator=g), torch.ones(L, 1, S, device="cuda")], -1)
+    bank = draw_ids(L, a.reps, g)
+    ids = bank[0].clone()
+    cycles = int(a.window_us * 1.98e3)
+
+    def layer(i, route, moe):
+        torch.nn.functional.linear(h, o_w[i])
+        torch.cuda._sleep(cycles)
+        tw, ti = (route_splitk(x[i], r_w[i], bias, K, 1, 1, True, 2.446, S, E) if route else (w[i], ids[i]))
+        if moe:
+            w13, w2, sh = ws[i]
+            fused_experts(x[i], w13, w2, tw, ti, 0, shared=sh, norm=(nw, 1e-6, res[i]))
+
+    print(f"chain: {L} layers, window = 8 MB GEMV + {a.window_us} us spin; MoE floor {GB / 4.3 * 1e3:.1f} us")
+    rows = []
+    for pdl_on in (True, False):
+        pdl._pdl_on = (lambda i: torch.cuda.get_device_capability(i)[0] >= 9) if pdl_on else (lambda i: False)
+        for route in (False, True):
+            base, full = (time_layers(lambda i, route=route, moe=moe: layer(i, route, moe), L, ids, bank, a.reps,
+                                      lambda: x.normal_(generator=g)) for moe in (False, True))  # fresh routes
+            name = f"{'routed' if route else 'fixed ids'}, PDL {'on' if pdl_on else 'off'}"
+            print(f"{name:22s} layer {full:7.1f} us, without the MoE {base:6.1f}, MoE {full - base:6.1f} us "
+                  f"({100 * GB / (full - base) * 1e3 / 4.3:.0f} % of 4.3 TB/s)")
+            rows.append(dict(pdl=pdl_on, routed=route, layer_us=full, base_us=base, moe_us=full - base))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "moe_probe_chain.json"), "w") as f:
+            json.dump(dict(layers=L, window_spin_us=a.window_us, rows=rows), f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tma", type=int, default=None, help="force TMA weight tiles on (1) or off (0)")
@@ -131,7 +288,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--sweep", action="store_true", help="graph-timed variants (see the docstring)")
     ap.add_argument("--only", default="", help="--sweep: variants whose name contains one of these (comma list)")
+    ap.add_argument("--chain", action="store_true", help="the MoE after the router, as the engine (chain_sweep)")
+    ap.add_argument("--prefetch", action="store_true", help="L2 prefetch of the shared experts (prefetch_sweep)")
+    ap.add_argument("--window-us", type=float, default=10.0)
     a = ap.parse_args()
+    if a.chain:
+        return chain_sweep(a)
+    if a.prefetch:
+        return prefetch_sweep(a)
     if a.sweep:
         return sweep(a)
     g = torch.Generator(device="cuda").manual_seed(0)
