@@ -9,12 +9,19 @@ Large weights are stride-0 expanded views, so real shapes cost no memory.
 
 Exits non-zero if a kernel fails to compile, needs more than 227 KB of shared memory, or spills more than
 MAX_SPILL bytes of registers (the 8k prefill attention's fastest tiles, measured on the H200, spill 40 B).
+
+A refactor of kernel code is proven on CPU by identical PTX (debug lines and labels stripped), case by case:
+
+    PYTHONPATH=$PWD python benchmarks/compile_check.py --sigs /tmp/before.json          # on the old code
+    PYTHONPATH=$PWD python benchmarks/compile_check.py --against /tmp/before.json       # on the new: differences
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -35,6 +42,7 @@ from triton.compiler.compiler import CompiledKernel  # noqa: E402
 MAX_SHARED = 232448  # bytes per block on sm_90
 MAX_SPILL = 64  # bytes; a few spilled registers in a compute-bound loop measured harmless (see the docstring)
 RESULTS: list[dict] = []
+SIGS: dict[str, str] = {}  # "case :: kernel" -> PTX signature (--sigs / --against)
 
 
 class _Sm90Driver:
@@ -72,9 +80,16 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else 0
 
 
+def ptx_signature(ptx: str) -> str:
+    """sha1 of the PTX without its debug information (line table, labels, comments), which moves with the source."""
+    body = "\n".join(ln for ln in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp)", ln))
+    return hashlib.sha1(re.sub(r"\.section\s+\.debug.*", "", body, flags=re.S).encode()).hexdigest()[:16]
+
+
 def _record_launch(self):
     md = self.metadata
     key = (self.name, self.hash)
+    SIGS[f"{CURRENT_CASE[0]} :: {self.name}"] = ptx_signature(self.asm["ptx"])
     if all(r["key"] != key for r in RESULTS):
         regs, spills = _ptxas_usage(self.asm["ptx"])
         ptx = self.asm["ptx"]
@@ -252,6 +267,8 @@ def cases(quick: bool):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the main bf16 configs only")
+    ap.add_argument("--sigs", help="write every (case, kernel)'s PTX signature to this JSON file")
+    ap.add_argument("--against", help="compare the PTX signatures with this --sigs file; differences fail")
     args = ap.parse_args(argv)
     install()
     failed = []
@@ -272,6 +289,15 @@ def main(argv=None) -> int:
         if bad:
             failed.append(f"{r['name']} ({r['case']}): shared {r['shared']} B, spills {r['spills']} B")
     print(f"{len(RESULTS)} kernels compiled for sm_90 in {time.time() - t0:.0f} s")
+    if args.sigs:
+        with open(args.sigs, "w") as f:
+            json.dump(SIGS, f, indent=1, sort_keys=True)
+    if args.against:
+        with open(args.against) as f:
+            old = json.load(f)
+        diff = sorted(k for k in old.keys() | SIGS.keys() if old.get(k) != SIGS.get(k))
+        print(f"PTX against {args.against}: {len(SIGS) - len(diff)} of {len(SIGS)} (case, kernel) pairs identical")
+        failed += [f"PTX differs: {k}" for k in diff]
     for f in failed:
         print("FAIL", f)
     return 1 if failed else 0
