@@ -82,57 +82,10 @@ def _gemm1_tma(a_ptr, row_ok, DG, DU, rg, ru, acc_g, acc_u, D, BLOCK_K: tl.const
 
 
 @triton.jit
-def _gemm2_tma(a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0)."""
-    for k0 in range(0, I, BLOCK_K):
-        a = tl.load(a_ptr + k0)
-        b = DW.load([r0, c0 + k0])  # [N, K]
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
-    return acc
-
-
-@triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S, G13, G1S, G3S,
-                      I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
-                      E_ROUTED, stride_sn,
-                      TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
-    """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
-    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up)."""
-    pdl_start(PDL)
-    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
-        return
-    e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
-    row_ok = ids < TK
-    tok = (ids // TOPK).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :]
-    g_ptr = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
-    u_ptr = g_ptr + I * stride_wn
-    if HAS_SHARED:
-        if e >= E_ROUTED:
-            rows_s = ((e - E_ROUTED) * I + offs_n[None, :]) * stride_sn  # int64 (e is)
-            g_ptr = W1S + rows_s + offs_k[:, None]
-            u_ptr = W3S + rows_s + offs_k[:, None]
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if TMA:  # whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots')
-        n0 = pid_n * BLOCK_N
-        if HAS_SHARED:
-            if e >= E_ROUTED:
-                rs = ((e - E_ROUTED) * I + n0).to(tl.int32)
-                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
-            else:
-                rg = (e * 2 * I + n0).to(tl.int32)
-                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
-        else:
-            rg = (e * 2 * I + n0).to(tl.int32)
-            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
-    for k0 in range(0, 0 if TMA else D, BLOCK_K):
+def _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """GEMM1's K loop over masked pointer loads: gate and up tiles as [K, N] views."""
+    for k0 in range(0, D, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptr, mask=n_ok[None, :], other=0.0)
@@ -147,6 +100,80 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
         a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gemm2_tma(a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0)."""
+    for k0 in range(0, I, BLOCK_K):
+        a = tl.load(a_ptr + k0)
+        b = DW.load([r0, c0 + k0])  # [N, K]
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """GEMM2's K loop over masked pointer loads: the down tile as a [K, N] view."""
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr)
+            b = tl.load(b_ptr, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < I - k0
+            a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
+def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S, G13, G1S, G3S,
+                      I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
+                      E_ROUTED, stride_sn,
+                      TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
+                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+    """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
+    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up).
+    TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots')."""
+    pdl_start(PDL)
+    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
+        return
+    e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
+    row_ok = ids < TK
+    tok = (ids // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :]
+    slot = False  # a shared slot's block (without HAS_SHARED a compile-time False: no slot branches)
+    if HAS_SHARED:
+        slot = e >= E_ROUTED
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TMA:
+        n0 = pid_n * BLOCK_N
+        if slot:
+            rs = ((e - E_ROUTED) * I + n0).to(tl.int32)
+            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
+        else:
+            rg = (e * 2 * I + n0).to(tl.int32)
+            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
+    else:
+        g_ptr = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
+        u_ptr = g_ptr + I * stride_wn
+        if slot:
+            rows_s = ((e - E_ROUTED) * I + offs_n[None, :]) * stride_sn  # int64 (e is)
+            g_ptr = W1S + rows_s + offs_k[:, None]
+            u_ptr = W3S + rows_s + offs_k[:, None]
+        acc_g, acc_u = _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK_K, EVEN_K,
+                                  DOT_PREC)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     h_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=store[:, None] & n_ok[None, :])
@@ -160,7 +187,8 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
                       HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
     """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks.
-    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down)."""
+    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down).
+    TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G2: w2 as [E * D, I] rows; G2S: the slots' [D, S * I])."""
     pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
@@ -171,31 +199,21 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
     n_ok = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
-    b_ptr = W2 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
+    slot = False  # a shared slot's block (without HAS_SHARED a compile-time False: no slot branches)
     if HAS_SHARED:
-        if e >= E_ROUTED:
-            b_ptr = W2S + (e - E_ROUTED) * I + offs_n[None, :].to(tl.int64) * stride_sn + offs_k[:, None]
+        slot = e >= E_ROUTED
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if TMA:  # whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G2: w2 as [E * D, I] rows; G2S: the slots' [D, S * I])
+    if TMA:
         n0 = pid_n * BLOCK_N
-        if HAS_SHARED:
-            if e >= E_ROUTED:
-                acc = _gemm2_tma(a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC)
-            else:
-                acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC)
+        if slot:
+            acc = _gemm2_tma(a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC)
         else:
             acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC)
-    for k0 in range(0, 0 if TMA else I, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptr)
-            b = tl.load(b_ptr, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < I - k0
-            a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        a_ptr += BLOCK_K
-        b_ptr += BLOCK_K
+    else:
+        b_ptr = W2 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
+        if slot:
+            b_ptr = W2S + (e - E_ROUTED) * I + offs_n[None, :].to(tl.int64) * stride_sn + offs_k[:, None]
+        acc = _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K, EVEN_K, DOT_PREC)
     w = tl.load(TopkW + ids, mask=row_ok, other=0.0)
     acc = acc * w[:, None]
     y_ptr = Y + ids.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
