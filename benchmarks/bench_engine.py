@@ -194,8 +194,9 @@ def main():
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and of decode")
     ap.add_argument("--hf-last", action="store_true",
-                    help="run transformers after mlaserve, not before (session 8: mlaserve's batch 1 read ~7 %% "
-                         "slower after transformers' sweep)")
+                    help="run transformers after mlaserve, not before (whichever runs second in the process is "
+                         "slower at batch 1: session 9, mlaserve 2.11 vs 2.01 ms, transformers 128 vs 86 ms; "
+                         "docs/performance.md's table runs mlaserve first)")
     ap.add_argument("--no-overlap", action="store_true", help="--disable-overlap-schedule (read each step back)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)

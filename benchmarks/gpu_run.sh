@@ -24,7 +24,7 @@ if [[ $stages == *" kernels "* ]]; then
 fi
 if [[ $stages == *" m1 "* ]]; then
   el "M1 engine bench (+ transformers)"
-  timeout ${M1_S:-300} python3 benchmarks/bench_engine.py --model /tmp/m1 --make moonlight-16b-a3b ${M1_ARGS:---hf --profile} \
+  timeout ${M1_S:-300} python3 benchmarks/bench_engine.py --model /tmp/m1 --make moonlight-16b-a3b ${M1_ARGS:---hf --hf-last --profile} \
     --label m1 2>&1 | tee "$OUT/m1.log" | grep -v "it/s\]" | tail -48
 fi
 if [[ $stages == *" spec "* ]]; then
