@@ -193,6 +193,10 @@ def cases(quick: bool):
                         torch.empty(T, K + S), torch.zeros(T, K + S, dtype=torch.int64), 0, None, None,
                         (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
                     if T == 1 and dtype == bf and name != "tiny":  # TMA weights (the sm_90 decode default)
+                        yield f"fused_moe {name} T=1, TMA weights", fused_experts, (  # no shared: no slot descriptors
+                            torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),
+                            torch.empty(8, D, I, dtype=dtype), torch.empty(T, K),
+                            torch.zeros(T, K, dtype=torch.int64), 0, dict(tma=True))
                         yield f"fused_moe {name} T=1 + {S} shared, TMA weights", fused_experts, (  # 8 experts: real
                             torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),  # tiles, less RAM
                             torch.empty(8, D, I, dtype=dtype), torch.empty(T, K + S),

@@ -152,26 +152,31 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = X + tok[:, None] * stride_xt + offs_k[None, :]
-    slot = False  # a shared slot's block (without HAS_SHARED a compile-time False: no slot branches)
-    if HAS_SHARED:
-        slot = e >= E_ROUTED
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if TMA:
+        # The routed call appears twice: without shared experts G1S / G3S are None, so the slot branch must not
+        # exist at all (a constexpr HAS_SHARED), and a descriptor cannot be chosen at run time (it would leave the
+        # kernel's parameter space).
         n0 = pid_n * BLOCK_N
-        if slot:
-            rs = ((e - E_ROUTED) * I + n0).to(tl.int32)
-            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
+        if HAS_SHARED:
+            if e >= E_ROUTED:
+                rs = ((e - E_ROUTED) * I + n0).to(tl.int32)
+                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
+            else:
+                rg = (e * 2 * I + n0).to(tl.int32)
+                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
         else:
             rg = (e * 2 * I + n0).to(tl.int32)
             acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
     else:
         g_ptr = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
         u_ptr = g_ptr + I * stride_wn
-        if slot:
-            rows_s = ((e - E_ROUTED) * I + offs_n[None, :]) * stride_sn  # int64 (e is)
-            g_ptr = W1S + rows_s + offs_k[:, None]
-            u_ptr = W3S + rows_s + offs_k[:, None]
+        if HAS_SHARED:
+            if e >= E_ROUTED:
+                rows_s = ((e - E_ROUTED) * I + offs_n[None, :]) * stride_sn  # int64 (e is)
+                g_ptr = W1S + rows_s + offs_k[:, None]
+                u_ptr = W3S + rows_s + offs_k[:, None]
         acc_g, acc_u = _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK_K, EVEN_K,
                                   DOT_PREC)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -199,20 +204,21 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
     n_ok = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)
     a_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :]
-    slot = False  # a shared slot's block (without HAS_SHARED a compile-time False: no slot branches)
-    if HAS_SHARED:
-        slot = e >= E_ROUTED
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if TMA:
+    if TMA:  # the routed call twice, as in GEMM1
         n0 = pid_n * BLOCK_N
-        if slot:
-            acc = _gemm2_tma(a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC)
+        if HAS_SHARED:
+            if e >= E_ROUTED:
+                acc = _gemm2_tma(a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC)
+            else:
+                acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC)
         else:
             acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC)
     else:
         b_ptr = W2 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
-        if slot:
-            b_ptr = W2S + (e - E_ROUTED) * I + offs_n[None, :].to(tl.int64) * stride_sn + offs_k[:, None]
+        if HAS_SHARED:
+            if e >= E_ROUTED:
+                b_ptr = W2S + (e - E_ROUTED) * I + offs_n[None, :].to(tl.int64) * stride_sn + offs_k[:, None]
         acc = _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K, EVEN_K, DOT_PREC)
     w = tl.load(TopkW + ids, mask=row_ok, other=0.0)
     acc = acc * w[:, None]
