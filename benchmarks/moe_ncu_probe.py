@@ -91,26 +91,11 @@ def time_graph(ws, cfg, random_ids: bool, reps: int, g) -> dict:
     bank = draw_ids(L, reps if random_ids else 1, g)
     ids = bank[0].clone()
 
-    def step():
-        for i, (w13, w2, sh) in enumerate(ws):
-            fused_experts(x[i], w13, w2, w[i], ids[i], 0, config=cfg, shared=sh)
-    step()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for r in range(reps):
-        ids.copy_(bank[r % bank.shape[0]])
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / L)
-    times.sort()
+    def layer(i):
+        w13, w2, sh = ws[i]
+        fused_experts(x[i], w13, w2, w[i], ids[i], 0, config=cfg, shared=sh)
+    graph = capture(layer, L)
+    times = replays(graph, L, ids, bank, reps)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
@@ -147,7 +132,8 @@ def sweep(a) -> None:
     floor = GB / 4.3 * 1e3
     print(f"M1 MoE T=1, {a.layers} layers' weights; floor {floor:.1f} us a layer (gemm1 {floor * 2 / 3:.1f}, "
           f"gemm2 {floor / 3:.1f})")
-    print(f"{'variant':28s} {'us/layer':>9s} {'best':>7s} {'% bw':>5s}  gemm1 / gemm2 / sum (profiled us)")
+    print(f"{'variant':28s} {'us/layer':>9s} {'best':>7s} {'% bw':>5s}  gemm1 / gemm2 / sum, profiled us "
+          "(under PDL each includes its wait)")
     rows = []
     for name, cfg, rnd in variants:
         try:
@@ -208,9 +194,8 @@ def prefetch_sweep(a) -> None:
             json.dump(dict(layers=L, window_spin_us=a.window_us, rows=rows), f, indent=1)
 
 
-def time_layers(layer, L: int, ids: torch.Tensor, bank: torch.Tensor, reps: int, before=None) -> float:
-    """Median us a layer over replays of one graph of `layer(i)` for i < L; ids refilled from bank (and
-    `before()` run) ahead of each replay."""
+def capture(layer, L: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of layer(i) for i < L (run once eagerly first: compiles), replayed thrice to warm up."""
     def step():
         for i in range(L):
             layer(i)
@@ -221,6 +206,11 @@ def time_layers(layer, L: int, ids: torch.Tensor, bank: torch.Tensor, reps: int,
         step()
     for _ in range(3):
         graph.replay()
+    return graph
+
+
+def replays(graph, L: int, ids: torch.Tensor, bank: torch.Tensor, reps: int, before=None) -> list[float]:
+    """Sorted us a layer of `reps` replays; ids refilled from bank (and `before()` run) ahead of each."""
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     t = []
     for r in range(reps):
@@ -232,7 +222,13 @@ def time_layers(layer, L: int, ids: torch.Tensor, bank: torch.Tensor, reps: int,
         ev[1].record()
         ev[1].synchronize()
         t.append(ev[0].elapsed_time(ev[1]) * 1e3 / L)
-    return sorted(t)[len(t) // 2]
+    return sorted(t)
+
+
+def time_layers(layer, L: int, ids: torch.Tensor, bank: torch.Tensor, reps: int, before=None) -> float:
+    """Median us a layer over replays of one graph of layer(i) for i < L."""
+    t = replays(capture(layer, L), L, ids, bank, reps, before)
+    return t[len(t) // 2]
 
 
 def chain_sweep(a) -> None:
