@@ -185,13 +185,8 @@ def prefetch_sweep(a) -> None:
         for where in ((None,) if pf is None else ("early", "late")):
             base = time_layers(lambda i, pf=pf, where=where: layer(i, pf, where, False), L, ids, bank, a.reps)
             full = time_layers(lambda i, pf=pf, where=where: layer(i, pf, where, True), L, ids, bank, a.reps)
-            name = "none" if pf is None else f"{pf} {where}"
-            print(f"{name:14s} layer {full:7.1f} us, window alone {base:6.1f}, MoE {full - base:6.1f} us "
-                  f"({100 * GB / (full - base) * 1e3 / 4.3:.0f} % of 4.3 TB/s)")
-            rows.append(dict(prefetch=pf, where=where, layer_us=full, window_us=base, moe_us=full - base))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "moe_probe_prefetch.json"), "w") as f:
-            json.dump(dict(layers=L, window_spin_us=a.window_us, rows=rows), f, indent=1)
+            rows.append(moe_row("none" if pf is None else f"{pf} {where}", base, full, prefetch=pf, where=where))
+    dump("moe_probe_prefetch.json", a, rows)
 
 
 def capture(layer, L: int) -> torch.cuda.CUDAGraph:
@@ -223,6 +218,20 @@ def replays(graph, L: int, ids: torch.Tensor, bank: torch.Tensor, reps: int, bef
         ev[1].synchronize()
         t.append(ev[0].elapsed_time(ev[1]) * 1e3 / L)
     return sorted(t)
+
+
+def moe_row(name: str, base: float, full: float, **keys) -> dict:
+    """Print and return one row: the layer's us with the MoE (full) and without it (base)."""
+    moe = full - base
+    print(f"{name:22s} layer {full:7.1f} us, without the MoE {base:6.1f}, MoE {moe:6.1f} us "
+          f"({100 * GB / moe * 1e3 / 4.3:.0f} % of 4.3 TB/s)")
+    return dict(keys, layer_us=full, base_us=base, moe_us=moe)
+
+
+def dump(name: str, a, rows: list) -> None:
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
+            json.dump(dict(layers=a.layers, window_spin_us=a.window_us, rows=rows), f, indent=1)
 
 
 def time_layers(layer, L: int, ids: torch.Tensor, bank: torch.Tensor, reps: int, before=None) -> float:
@@ -269,12 +278,8 @@ def chain_sweep(a) -> None:
             base, full = (time_layers(lambda i, route=route, moe=moe: layer(i, route, moe), L, ids, bank, a.reps,
                                       lambda: x.normal_(generator=g)) for moe in (False, True))  # fresh routes
             name = f"{'routed' if route else 'fixed ids'}, PDL {'on' if pdl_on else 'off'}"
-            print(f"{name:22s} layer {full:7.1f} us, without the MoE {base:6.1f}, MoE {full - base:6.1f} us "
-                  f"({100 * GB / (full - base) * 1e3 / 4.3:.0f} % of 4.3 TB/s)")
-            rows.append(dict(pdl=pdl_on, routed=route, layer_us=full, base_us=base, moe_us=full - base))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "moe_probe_chain.json"), "w") as f:
-            json.dump(dict(layers=L, window_spin_us=a.window_us, rows=rows), f, indent=1)
+            rows.append(moe_row(name, base, full, pdl=pdl_on, routed=route))
+    dump("moe_probe_chain.json", a, rows)
 
 
 def main() -> None:
