@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
+from tqdm import tqdm
+
 from ..config import ParallelConfig
 from .rendezvous import InitArgs, init_rank, make_init_args, shutdown_rank
 
@@ -57,6 +59,9 @@ def run_worker(local_rank: int, init: InitArgs, target: Callable, args: tuple, c
     """A spawned rank's entry point: join, run `target(rank_info, *args)`, send ("ok", result) or
     ("error", time, message, traceback) to the launcher over `conn`."""
     _exit_with_parent(alive)
+    # tqdm's default lock is a multiprocessing semaphore whose cleanup is a finalizer, which os._exit below skips:
+    # the resource tracker would report it leaked at every close. A rank's bars need only a thread lock.
+    tqdm.set_lock(threading.RLock())
     rank = init.parallel.global_rank(local_rank)
     try:
         result = target(init_rank(local_rank, init), *args)

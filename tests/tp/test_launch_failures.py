@@ -1,5 +1,8 @@
 """A rank that raises, dies or hangs fails the launch fast with a clear message; nothing waits forever."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -75,3 +78,17 @@ def test_abort_says_why_and_exits(monkeypatch, capsys):
     launch_mod.abort(RankFailed("rank 3 exited with code -9 (SIGKILL): ...", 3, -9, "--- rank 3 ---\n"))
     assert codes == [1]
     assert "mlaserve: rank 3 exited with code -9 (SIGKILL)" in capsys.readouterr().err
+
+
+def test_clean_close_leaks_no_semaphore():
+    """Ranks leave by os._exit (no interpreter teardown), which skips the finalizer of tqdm's default
+    multiprocessing lock: the resource tracker then warned of a leaked semaphore at every TP close."""
+    code = ("from mlaserve.config import ParallelConfig\n"
+            "from mlaserve.distributed.launch import launch\n"
+            "from tests.tp import ranks\n"
+            "print(launch(ParallelConfig(2, 2, 1), ranks.progress_bar, timeout_s=120, start_method='spawn'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 1]"
+    assert "leaked" not in out.stderr, out.stderr
