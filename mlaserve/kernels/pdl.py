@@ -14,9 +14,11 @@ only once its predecessors finished, and they passed their own waits, so everyth
 finished. Kernels launched without PDL (cuBLAS, torch) wait for their predecessors in full, as always.
 MLASERVE_PDL=0 turns it off (for A/B timing).
 
-Tensor parallelism runs without it for now: eager TP2 with PDL passed the NCCL parity test, but TP under CUDA
-graphs with PDL has not been verified on GPUs (benchmarks/tp_graph_check.py is that check, with MLASERVE_PDL=all
-turning PDL on for TP ranks too; docs/performance.md).
+Tensor parallelism runs without it for now. Eager TP2 with PDL passed the NCCL parity test, and so did TP2
+under CUDA graphs (session 9: `MLASERVE_PDL=all python benchmarks/tp_graph_check.py --quick` on two H200s,
+MLASERVE_PDL=all turning PDL on for TP ranks too; docs/performance.md). NCCL's kernels never release their
+dependents early, so the rule above holds around them. What is missing is a timing: TP with PDL stays off until
+an A/B shows it helps.
 """
 
 from __future__ import annotations
