@@ -91,15 +91,22 @@ def run_mla_sweep(rep: Report, sz: Sizes):
                         err=rel(out, ref), config={k: str(v) for k, v in cfg.items()}, splits=S)
             except Exception as e:  # e.g. out of shared memory
                 print(f"mla_sweep {cfg} splits={S}: {type(e).__name__}: {str(e)[:120]}")
-    # Batch 1 (latency bound): how finely to split short and long contexts.
+    # Batch 1 (latency bound): how finely to split short and long contexts, and (session 9's open question: the
+    # split kernel is ~7 us of a 512-token batch-1 layer) the tile and warps of a split at the engine's 512.
+    b1 = [dict(MIN_SPLIT_TOKENS=mst) for mst in (32, 64, 128, 256)]
+    b1_512 = [dict(MIN_SPLIT_TOKENS=16, BLOCK_N=16), dict(MIN_SPLIT_TOKENS=16, BLOCK_N=16, num_warps=8),
+              dict(MIN_SPLIT_TOKENS=32, num_warps=8), dict(MIN_SPLIT_TOKENS=32, num_stages=2),
+              dict(MIN_SPLIT_TOKENS=32, PARTIAL_DTYPE=BF)]
     for L1 in ((512, 8192) if sz.dev == "cuda" else sz.mla_ctx[:1]):
         kv, table, lens = make_paged([L1], 64, R + P, BF, sz.dev, extra_pages=0)
         q1 = torch.randn(1, H, R + P, device=sz.dev).to(BF)
         o1 = torch.empty(1, H, R, device=sz.dev, dtype=BF)
-        for mst in (32, 64, 128, 256):
-            cfg = dict(MIN_SPLIT_TOKENS=mst)
+        ref1 = mla_decode_ref(q1, kv, table, lens, 1, 0.1, R)
+        for cfg in b1 + (b1_512 if L1 <= 512 else []):
             ms = bench(lambda: mla_decode(q1, kv, table, lens, 1, 0.1, o1, config=cfg), sz)  # noqa: B023
-            rep.add("mla_sweep", f"B=1 H={H} ctx={L1} {cfg_label(cfg)}", ms, L1 * (R + P) * 2, config=cfg)
+            label = cfg_label({k: str(v).replace("torch.", "") for k, v in cfg.items()})
+            rep.add("mla_sweep", f"B=1 H={H} ctx={L1} {label}", ms, L1 * (R + P) * 2, err=rel(o1, ref1),
+                    config={k: str(v) for k, v in cfg.items()})
 
 
 # ---------------------------------------------------------------------------------------------------------------
