@@ -151,8 +151,9 @@ def bench(fn, sz: Sizes) -> float:
 
 
 def cfg_label(cfg: dict) -> str:
+    """"BLOCK_N": 32, "num_warps": 4, "PARTIAL_DTYPE": torch.bfloat16 -> "N32 w4 PARTIAL_DTYPEbfloat16"."""
     short = {"BLOCK_M": "M", "BLOCK_N": "N", "BLOCK_K": "K", "num_warps": "w", "num_stages": "s"}
-    return " ".join(f"{short.get(k, k)}{v}" for k, v in cfg.items())
+    return " ".join(f"{short.get(k, k)}{str(v).replace('torch.', '')}" for k, v in cfg.items())
 
 
 def rel(out, ref) -> float:

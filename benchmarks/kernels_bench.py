@@ -86,8 +86,7 @@ def run_mla_sweep(rep: Report, sz: Sizes):
         for S in (8, 16):
             try:
                 ms = bench(lambda: mla_decode(q, kv, table, lens, 1, 0.1, out, num_splits=S, config=cfg), sz)  # noqa: B023
-                label = cfg_label({k: str(v).replace("torch.", "") for k, v in cfg.items()})
-                rep.add("mla_sweep", f"B={B} H={H} ctx={L} {label} splits={S}", ms, B * L * (R + P) * 2,
+                rep.add("mla_sweep", f"B={B} H={H} ctx={L} {cfg_label(cfg)} splits={S}", ms, B * L * (R + P) * 2,
                         err=rel(out, ref), config={k: str(v) for k, v in cfg.items()}, splits=S)
             except Exception as e:  # e.g. out of shared memory
                 print(f"mla_sweep {cfg} splits={S}: {type(e).__name__}: {str(e)[:120]}")
@@ -104,8 +103,7 @@ def run_mla_sweep(rep: Report, sz: Sizes):
         ref1 = mla_decode_ref(q1, kv, table, lens, 1, 0.1, R)
         for cfg in b1 + (b1_512 if L1 <= 512 else []):
             ms = bench(lambda: mla_decode(q1, kv, table, lens, 1, 0.1, o1, config=cfg), sz)  # noqa: B023
-            label = cfg_label({k: str(v).replace("torch.", "") for k, v in cfg.items()})
-            rep.add("mla_sweep", f"B=1 H={H} ctx={L1} {label}", ms, L1 * (R + P) * 2, err=rel(o1, ref1),
+            rep.add("mla_sweep", f"B=1 H={H} ctx={L1} {cfg_label(cfg)}", ms, L1 * (R + P) * 2, err=rel(o1, ref1),
                     config={k: str(v) for k, v in cfg.items()})
 
 
