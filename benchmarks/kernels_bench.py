@@ -95,7 +95,8 @@ def run_mla_sweep(rep: Report, sz: Sizes):
     b1 = [dict(MIN_SPLIT_TOKENS=mst) for mst in (32, 64, 128, 256)]
     b1_512 = [dict(MIN_SPLIT_TOKENS=16, BLOCK_N=16), dict(MIN_SPLIT_TOKENS=16, BLOCK_N=16, num_warps=8),
               dict(MIN_SPLIT_TOKENS=32, num_warps=8), dict(MIN_SPLIT_TOKENS=32, num_stages=2),
-              dict(MIN_SPLIT_TOKENS=32, PARTIAL_DTYPE=BF)]
+              dict(MIN_SPLIT_TOKENS=32, PARTIAL_DTYPE=BF), dict(MIN_SPLIT_TOKENS=32, TMA=True),
+              dict(MIN_SPLIT_TOKENS=16, BLOCK_N=16, PARTIAL_DTYPE=BF), dict(MIN_SPLIT_TOKENS=32, num_stages=1)]
     for L1 in ((512, 8192) if sz.dev == "cuda" else sz.mla_ctx[:1]):
         kv, table, lens = make_paged([L1], 64, R + P, BF, sz.dev, extra_pages=0)
         q1 = torch.randn(1, H, R + P, device=sz.dev).to(BF)

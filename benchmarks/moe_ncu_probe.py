@@ -272,13 +272,18 @@ def chain_sweep(a) -> None:
 
     print(f"chain: {L} layers, window = 8 MB GEMV + {a.window_us} us spin; MoE floor {GB / 4.3 * 1e3:.1f} us")
     rows = []
-    for pdl_on in (True, False):
+    # PDL on with GEMM2's early reads (fused_moe PREWAIT), on without them, off; twice, interleaved
+    variants = [(True, "1"), (True, "0"), (False, "1")] * 2
+    for pdl_on, prewait in variants:
         pdl._pdl_on = (lambda i: torch.cuda.get_device_capability(i)[0] >= 9) if pdl_on else (lambda i: False)
+        os.environ["MLASERVE_MOE_PREWAIT"] = prewait
         for route in (False, True):
             base, full = (time_layers(lambda i, route=route, moe=moe: layer(i, route, moe), L, ids, bank, a.reps,
                                       lambda: x.normal_(generator=g)) for moe in (False, True))  # fresh routes
-            name = f"{'routed' if route else 'fixed ids'}, PDL {'on' if pdl_on else 'off'}"
-            rows.append(moe_row(name, base, full, pdl=pdl_on, routed=route))
+            name = (f"{'routed' if route else 'fixed ids'}, PDL {'on' if pdl_on else 'off'}"
+                    f"{', GEMM2 prewait' if pdl_on and prewait == '1' else ''}")
+            rows.append(moe_row(name, base, full, pdl=pdl_on, routed=route, prewait=pdl_on and prewait == "1"))
+    os.environ.pop("MLASERVE_MOE_PREWAIT")
     dump("moe_probe_chain.json", a, rows)
 
 

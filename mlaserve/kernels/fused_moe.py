@@ -23,7 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .moe_align import moe_align
 from .moe_config import moe_config
 from .moe_sum import moe_sum
-from .pdl import pdl_args, pdl_start
+from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
 
 NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 
@@ -43,17 +43,18 @@ def _pid_to_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 def _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK,
                 BLOCK_M: tl.constexpr, NO_ALIGN: tl.constexpr):
     """-> (expert, pair index of each row (TK: padding), Hbuf row of each row, whether GEMM1 stores the row).
-    NO_ALIGN: block pid_m is pair pid_m alone (row 0; the other rows alias its Hbuf row and are never stored)."""
+    NO_ALIGN: block pid_m is pair pid_m alone (row 0; the other rows alias its Hbuf row and are never stored).
+    Loads through L2 (.cg): GEMM2 makes them before its PDL wait (_moe_gemm2_kernel)."""
     offs = tl.arange(0, BLOCK_M)
     if NO_ALIGN:
-        e = tl.load(TopkIds + pid_m) - expert_offset
+        e = tl.load(TopkIds + pid_m, cache_modifier=".cg") - expert_offset
         ids = tl.where(offs == 0, pid_m, TK)
         rows = pid_m + tl.zeros([BLOCK_M], tl.int32)
         store = offs == 0
     else:
-        e = tl.load(ExpertIds + pid_m)
+        e = tl.load(ExpertIds + pid_m, cache_modifier=".cg")
         rows = pid_m * BLOCK_M + offs
-        ids = tl.load(SortedIds + rows)
+        ids = tl.load(SortedIds + rows, cache_modifier=".cg")
         store = offs >= 0  # padding rows too (zeros): GEMM2 reads them
     return e.to(tl.int64), ids, rows, store
 
@@ -62,10 +63,10 @@ def _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK,
 def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.constexpr, NO_ALIGN: tl.constexpr):
     """Past the padded total; NO_ALIGN: the pair's expert is not owned by this rank."""
     if NO_ALIGN:
-        e = tl.load(TopkIds + pid_m) - expert_offset
+        e = tl.load(TopkIds + pid_m, cache_modifier=".cg") - expert_offset
         skip = (e < 0) | (e >= E_LOCAL)
     else:
-        skip = pid_m * BLOCK_M >= tl.load(NumPadded)
+        skip = pid_m * BLOCK_M >= tl.load(NumPadded, cache_modifier=".cg")
     return skip
 
 
@@ -104,9 +105,18 @@ def _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK
 
 
 @triton.jit
-def _gemm2_tma(a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0)."""
-    for k0 in range(0, I, BLOCK_K):
+def _gemm2_tma(a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PREWAIT: tl.constexpr,
+               PDL: tl.constexpr):
+    """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0). PREWAIT: the kernel has
+    not waited yet; the first tile (a weight) is fetched before the PDL wait and Hbuf (GEMM1's output) read after
+    it. The sums run in the same order either way."""
+    k_first = 0
+    if PREWAIT:
+        b = DW.load([r0, c0])  # [N, K]
+        pdl_wait(PDL)
+        acc = tl.dot(tl.load(a_ptr), tl.trans(b), acc, input_precision=DOT_PREC)
+        k_first = BLOCK_K
+    for k0 in range(k_first, I, BLOCK_K):
         a = tl.load(a_ptr + k0)
         b = DW.load([r0, c0 + k0])  # [N, K]
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
@@ -137,11 +147,16 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
                       E_ROUTED, stride_sn,
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr):
     """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up).
-    TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots')."""
-    pdl_start(PDL)
+    TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots').
+    PREWAIT: wait, then release, so GEMM2's programs launch only once the routing is complete (_moe_gemm2_kernel)."""
+    if PREWAIT:
+        pdl_wait(PDL)
+        pdl_release(PDL)
+    else:
+        pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
@@ -190,11 +205,17 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
                       E_ROUTED, stride_sn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr):
     """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down).
-    TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G2: w2 as [E * D, I] rows; G2S: the slots' [D, S * I])."""
-    pdl_start(PDL)
+    TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G2: w2 as [E * D, I] rows; G2S: the slots' [D, S * I]).
+    PREWAIT: the block's rows and expert (routing / align outputs), and with TMA its first weight tile, are read
+    before the PDL wait. That is safe because GEMM1 releases this kernel only after its own wait, so the routing
+    was complete when these programs launched; they read it through L2 (.cg). It overlaps this kernel's first
+    weight round trip with GEMM1's tail (pdl.py)."""
+    pdl_release(PDL)
+    if not PREWAIT:
+        pdl_wait(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
         return
@@ -209,12 +230,15 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
         n0 = pid_n * BLOCK_N
         if HAS_SHARED:
             if e >= E_ROUTED:
-                acc = _gemm2_tma(a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC)
+                acc = _gemm2_tma(a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC,
+                                 PREWAIT, PDL)
             else:
-                acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC)
+                acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL)
         else:
-            acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC)
+            acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL)
     else:
+        if PREWAIT:  # the pointer loads fetch no tile early
+            pdl_wait(PDL)
         b_ptr = W2 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
         if HAS_SHARED:
             if e >= E_ROUTED:
@@ -310,6 +334,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     pdl = pdl_args(x)  # the two GEMMs launch alike
+    prewait = pdl["PDL"] and os.environ.get("MLASERVE_MOE_PREWAIT", "1") != "0"  # GEMM2's early reads (A/B switch)
     g13 = g1s = g3s = g2 = g2s = None  # None arguments are constexpr: the pointer kernels have no descriptors
     if tma:
         b1, b2 = [c1["BLOCK_N"], c1["BLOCK_K"]], [c2["BLOCK_N"], c2["BLOCK_K"]]
@@ -322,7 +347,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g13 is not None,
-        num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl)
+        PREWAIT=prewait, num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s, g2, g2s,
@@ -330,5 +355,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         w2s.stride(0) if S else w2.stride(1),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g2 is not None,
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl)
+        PREWAIT=prewait, num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl)
     return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)
