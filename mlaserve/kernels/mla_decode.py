@@ -26,6 +26,7 @@ MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short conte
 MAX_SPLITS = 64
 MAX_Q_LEN = 32  # tokens of a verify block
 TMA_MIN_PROGRAMS = 4  # request x head-block programs below which pointer loads are the default (see mla_decode)
+FEW_PROGRAM_STAGES = 2  # their pipeline depth (see mla_decode)
 
 
 @triton.jit
@@ -262,8 +263,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     cfg = dict(decode_config(H, q_len, q.dtype), **(config or {}))  # config: tile overrides, MIN_SPLIT_TOKENS
     # TMA pays a fixed cost per program (descriptor fetch, barriers): with few programs over short contexts (batch
     # 1 at 512 tokens: one-tile splits) pointer loads were faster in the engine, 6.0 vs 7.1 us per layer.
-    cfg.setdefault("TMA", q.is_cuda and B * triton.cdiv(H, cfg["BLOCK_H"]) >= TMA_MIN_PROGRAMS
-                   and _has_tma(q.device.index))
+    few = B * triton.cdiv(H, cfg["BLOCK_H"]) < TMA_MIN_PROGRAMS
+    cfg.setdefault("TMA", q.is_cuda and not few and _has_tma(q.device.index))
     S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
     if T == 0:
         return out
@@ -275,6 +276,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     else:
         part_o = part_lse = out  # unused
     use_tma = _use_tma(cfg, kv_cache, P)
+    if few and not use_tma and q.dtype != torch.float32 and "num_stages" not in (config or {}):
+        # batch 1-3: a 512 context is one 32-token tile a split; 2 stages (one tile ahead) instead of 3.
+        # H200, B=1 H=16 ctx 512, split + combine (kernels_bench mla_sweep, session 10): 7.4 us against 8.9.
+        cfg["num_stages"] = FEW_PROGRAM_STAGES
     kv_n = kv_p = None  # None arguments are constexpr: the pointer variant has no descriptor parameters
     if use_tma:  # descriptors of the cache as rows [pages * page_size, R + P]: the [N, R] latent and [N, P] rope
         rows = kv_cache.view(-1, D)
