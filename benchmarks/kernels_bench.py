@@ -90,11 +90,11 @@ def run_mla_sweep(rep: Report, sz: Sizes):
                         err=rel(out, ref), config={k: str(v) for k, v in cfg.items()}, splits=S)
             except Exception as e:  # e.g. out of shared memory
                 print(f"mla_sweep {cfg} splits={S}: {type(e).__name__}: {str(e)[:120]}")
-    # Batch 1 (latency bound): how finely to split short and long contexts, and the tile, warps and stages of a
-    # split at the engine's 512 (session 10: 2 stages, now the default at batch 1-3, 7.4 us against 3 stages' 8.9).
-    b1 = [dict(MIN_SPLIT_TOKENS=mst) for mst in (32, 64, 128, 256)] + [dict(num_stages=3)]
-    b1_512 = [dict(MIN_SPLIT_TOKENS=16, BLOCK_N=16), dict(MIN_SPLIT_TOKENS=16, BLOCK_N=16, num_stages=3),
-              dict(num_warps=8), dict(num_stages=1), dict(PARTIAL_DTYPE=BF), dict(TMA=True)]
+    # Batch 1 (latency bound): the batch 1-3 tiles (mla_decode.FEW_PROGRAMS: 16-token tiles and splits, 2 stages)
+    # against session 9's (32-token tiles and splits, 3 stages), coarser splits, and (at 512) warps and partials.
+    b1 = [{}, dict(BLOCK_N=32, MIN_SPLIT_TOKENS=32, num_stages=3), dict(BLOCK_N=32, MIN_SPLIT_TOKENS=32),
+          dict(num_stages=3), dict(MIN_SPLIT_TOKENS=64), dict(MIN_SPLIT_TOKENS=256)]
+    b1_512 = [dict(num_warps=8), dict(num_stages=1), dict(PARTIAL_DTYPE=BF), dict(TMA=True)]
     for L1 in ((512, 8192) if sz.dev == "cuda" else sz.mla_ctx[:1]):
         kv, table, lens = make_paged([L1], 64, R + P, BF, sz.dev, extra_pages=0)
         q1 = torch.randn(1, H, R + P, device=sz.dev).to(BF)

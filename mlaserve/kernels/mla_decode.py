@@ -26,7 +26,7 @@ MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short conte
 MAX_SPLITS = 64
 MAX_Q_LEN = 32  # tokens of a verify block
 TMA_MIN_PROGRAMS = 4  # request x head-block programs below which pointer loads are the default (see mla_decode)
-FEW_PROGRAM_STAGES = 2  # their pipeline depth (see mla_decode)
+FEW_PROGRAMS = dict(BLOCK_N=16, MIN_SPLIT_TOKENS=16, num_stages=2)  # their tiles (see mla_decode)
 
 
 @triton.jit
@@ -276,10 +276,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     else:
         part_o = part_lse = out  # unused
     use_tma = _use_tma(cfg, kv_cache, P)
-    if few and not use_tma and q.dtype != torch.float32 and "num_stages" not in (config or {}):
-        # batch 1-3: a 512 context is one 32-token tile a split; 2 stages (one tile ahead) instead of 3.
-        # H200, B=1 H=16 ctx 512, split + combine (kernels_bench mla_sweep, session 10): 7.4 us against 8.9.
-        cfg["num_stages"] = FEW_PROGRAM_STAGES
+    if few and not use_tma and q.dtype != torch.float32:
+        # batch 1-3 (latency bound): 16-token tiles and splits (a 512 context in 32 splits), 2 stages (one tile
+        # ahead). H200, B=1 H=16, split + combine (kernels_bench mla_sweep, session 10): ctx 512 6.4 us against 8.3
+        # with 32-token tiles and 8.9 with those at 3 stages; ctx 8192: 2 stages 16.9 us against 3 stages' 17.5.
+        cfg = {**cfg, **FEW_PROGRAMS, **(config or {})}
     kv_n = kv_p = None  # None arguments are constexpr: the pointer variant has no descriptor parameters
     if use_tma:  # descriptors of the cache as rows [pages * page_size, R + P]: the [N, R] latent and [N, P] rope
         rows = kv_cache.view(-1, D)
