@@ -129,16 +129,6 @@ def big(*shape, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.empty(1, *shape[1:], dtype=dtype).expand(*shape)
 
 
-def _routed_moe(logits, K, S, x, w13, w2, shared):
-    """The decode MoE as the model runs it: the route kernel, then fused_experts with its RouteSource."""
-    from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.kernels.routing import route_noaux_tc_logits
-
-    E = logits.shape[-1]
-    w, ids, src = route_noaux_tc_logits(logits, torch.empty(E), K, 1, 1, True, 2.5, S, E, with_source=True)
-    return fused_experts(x, w13, w2, w, ids, 0, dict(tma=True), None, shared, None, src)
-
-
 def cases(quick: bool):
     from benchmarks.bench_util import PREFILL_SWEEP
 
@@ -211,12 +201,6 @@ def cases(quick: bool):
                             torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),  # tiles, less RAM
                             torch.empty(8, D, I, dtype=dtype), torch.empty(T, K + S),
                             torch.zeros(T, K + S, dtype=torch.int64), 0, dict(tma=True), None,
-                            (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
-                        # GEMM1 routing its pairs itself (route=): Moonlight's split-K partials, Kimi's [T, E] logits
-                        yield f"fused_moe {name} T=1 + {S} shared, TMA weights, early route", _routed_moe, (
-                            torch.empty(32, T, E) if E <= 256 else torch.empty(T, E), K, S,
-                            torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),
-                            torch.empty(8, D, I, dtype=dtype),
                             (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)

@@ -90,10 +90,10 @@ def run_mla_sweep(rep: Report, sz: Sizes):
                         err=rel(out, ref), config={k: str(v) for k, v in cfg.items()}, splits=S)
             except Exception as e:  # e.g. out of shared memory
                 print(f"mla_sweep {cfg} splits={S}: {type(e).__name__}: {str(e)[:120]}")
-    # Batch 1 (latency bound): the batch 1-3 tiles (mla_decode.FEW_PROGRAMS: 16-token tiles and splits, 2 stages)
-    # against session 9's (32-token tiles and splits, 3 stages), coarser splits, and (at 512) warps and partials.
-    b1 = [{}, dict(BLOCK_N=32, MIN_SPLIT_TOKENS=32, num_stages=3), dict(BLOCK_N=32, MIN_SPLIT_TOKENS=32),
-          dict(num_stages=3), dict(MIN_SPLIT_TOKENS=64), dict(MIN_SPLIT_TOKENS=256)]
+    # Batch 1 (latency bound): the batch 1-3 tiles (mla_decode.FEW_PROGRAMS: 2 stages) against session 9's 3
+    # stages, 16-token tiles and splits, coarser splits, and (at 512) warps and partials.
+    b1 = [{}, dict(num_stages=3), dict(BLOCK_N=16, MIN_SPLIT_TOKENS=16), dict(MIN_SPLIT_TOKENS=64),
+          dict(MIN_SPLIT_TOKENS=256)]
     b1_512 = [dict(num_warps=8), dict(num_stages=1), dict(PARTIAL_DTYPE=BF), dict(TMA=True)]
     for L1 in ((512, 8192) if sz.dev == "cuda" else sz.mla_ctx[:1]):
         kv, table, lens = make_paged([L1], 64, R + P, BF, sz.dev, extra_pages=0)

@@ -24,7 +24,6 @@ from .moe_align import moe_align
 from .moe_config import moe_config
 from .moe_sum import moe_sum
 from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
-from .routing import RouteSource, route_topk
 
 NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 
@@ -49,36 +48,15 @@ def _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK,
     offs = tl.arange(0, BLOCK_M)
     if NO_ALIGN:
         e = tl.load(TopkIds + pid_m, cache_modifier=".cg") - expert_offset
-        ids, rows, store = _pair_rows(pid_m, TK, BLOCK_M)
+        ids = tl.where(offs == 0, pid_m, TK)
+        rows = pid_m + tl.zeros([BLOCK_M], tl.int32)
+        store = offs == 0
     else:
         e = tl.load(ExpertIds + pid_m, cache_modifier=".cg")
         rows = pid_m * BLOCK_M + offs
         ids = tl.load(SortedIds + rows, cache_modifier=".cg")
         store = offs >= 0  # padding rows too (zeros): GEMM2 reads them
     return e.to(tl.int64), ids, rows, store
-
-
-@triton.jit
-def _pair_rows(pid_m, TK, BLOCK_M: tl.constexpr):
-    """NO_ALIGN's block pid_m: pair pid_m in row 0; the other rows alias its Hbuf row and are never stored."""
-    offs = tl.arange(0, BLOCK_M)
-    return tl.where(offs == 0, pid_m, TK), pid_m + tl.zeros([BLOCK_M], tl.int32), offs == 0
-
-
-@triton.jit
-def _early_expert(pid_m, Logits, RBias, stride_lt, stride_ls, shared_id0, expert_offset, TOPK: tl.constexpr,
-                  R_E: tl.constexpr, R_N_GROUP: tl.constexpr, R_TOPK_GROUP: tl.constexpr, R_TOP_K: tl.constexpr,
-                  R_USE_GROUPS: tl.constexpr, R_NORM: tl.constexpr, R_BLOCK_E: tl.constexpr,
-                  R_BLOCK_G: tl.constexpr, R_BLOCK_S: tl.constexpr, R_BLOCK_K: tl.constexpr,
-                  R_N_SHARED: tl.constexpr, R_SPLIT: tl.constexpr):
-    """Pair pid_m's local expert, routed here from the router logits with the route kernel's own code
-    (routing.route_topk: the same bits as the ids it writes)."""
-    t = (pid_m // TOPK).to(tl.int64) + tl.arange(0, 1)
-    ids, _ = route_topk(Logits, t, t >= 0, stride_lt, stride_ls, RBias, 1.0, shared_id0, R_E, R_N_GROUP,
-                        R_TOPK_GROUP, R_TOP_K, R_USE_GROUPS, R_NORM, R_BLOCK_E, R_BLOCK_G, R_BLOCK_S, R_BLOCK_K,
-                        R_N_SHARED, R_SPLIT)  # [1, R_BLOCK_K]
-    kk = tl.arange(0, R_BLOCK_K)
-    return tl.sum(tl.where(kk[None, :] == pid_m % TOPK, ids, 0)) - expert_offset
 
 
 @triton.jit
@@ -93,24 +71,9 @@ def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.c
 
 
 @triton.jit
-def _gemm1_tma(a_ptr, row_ok, DG, DU, rg, ru, acc_g, acc_u, D, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-               EARLY: tl.constexpr, PDL: tl.constexpr, g0_ptr=None, u0_ptr=None):
-    """GEMM1's K loop over TMA weight tiles: gate rows rg.., up rows ru.. (D % BLOCK_K == 0). EARLY: the kernel has
-    not waited yet, and its input x is complete (_moe_gemm1_kernel): the first K step runs before the PDL wait,
-    then the kernel waits and releases GEMM2. Its tiles come by pointer loads from g0_ptr / u0_ptr ([N, K] of
-    the same rows): outside the pipelined loop each TMA load would wait for its own barrier, one round trip
-    after the other. The sums run in the same order either way."""
-    k_first = 0
-    if EARLY:
-        g = tl.load(g0_ptr)
-        u = tl.load(u0_ptr)
-        a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
-        pdl_wait(PDL)
-        pdl_release(PDL)
-        k_first = BLOCK_K
-    for k0 in range(k_first, D, BLOCK_K):
+def _gemm1_tma(a_ptr, row_ok, DG, DU, rg, ru, acc_g, acc_u, D, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """GEMM1's K loop over TMA weight tiles: gate rows rg.., up rows ru.. (D % BLOCK_K == 0)."""
+    for k0 in range(0, D, BLOCK_K):
         a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0)
         g = DG.load([rg, k0])  # [N, K]
         u = DU.load([ru, k0])
@@ -184,41 +147,20 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
                       E_ROUTED, stride_sn,
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr,
-                      Logits=None, RBias=None, stride_lt=0, stride_ls=0, shared_id0=0, EARLY: tl.constexpr = False,
-                      R_E: tl.constexpr = 0, R_N_GROUP: tl.constexpr = 0, R_TOPK_GROUP: tl.constexpr = 0,
-                      R_TOP_K: tl.constexpr = 0, R_USE_GROUPS: tl.constexpr = False, R_NORM: tl.constexpr = False,
-                      R_BLOCK_E: tl.constexpr = 0, R_BLOCK_G: tl.constexpr = 0, R_BLOCK_S: tl.constexpr = 0,
-                      R_BLOCK_K: tl.constexpr = 0, R_N_SHARED: tl.constexpr = 0, R_SPLIT: tl.constexpr = 1):
+                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr):
     """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up).
     TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots').
-    PREWAIT: wait, then release, so GEMM2's programs launch only once the routing is complete (_moe_gemm2_kernel).
-    EARLY (NO_ALIGN, TMA, PREWAIT; fused_experts' `route=`): launched by the route kernel after its own wait, so
-    the router logits (Logits, with routing.route_topk's R_* constexprs) and x were complete at launch (pdl.py).
-    Each program routes its pair itself from the logits, then runs its first K step, all before its wait: the
-    routing kernel's time and this kernel's first weight round trip overlap."""
-    tl.static_assert(not EARLY or (NO_ALIGN and TMA and PREWAIT), "EARLY needs NO_ALIGN, TMA and PREWAIT")
-    if EARLY:
-        pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-        e = _early_expert(pid_m, Logits, RBias, stride_lt, stride_ls, shared_id0, expert_offset, TOPK, R_E, R_N_GROUP,
-                          R_TOPK_GROUP, R_TOP_K, R_USE_GROUPS, R_NORM, R_BLOCK_E, R_BLOCK_G, R_BLOCK_S, R_BLOCK_K,
-                          R_N_SHARED, R_SPLIT)
-        if (e < 0) | (e >= E_LOCAL):  # not this rank's: still wait, so GEMM2 never starts before the routing ends
-            pdl_wait(PDL)
-            return
-        ids, offs_m, store = _pair_rows(pid_m, TK, BLOCK_M)
+    PREWAIT: wait, then release, so GEMM2's programs launch only once the routing is complete (_moe_gemm2_kernel)."""
+    if PREWAIT:
+        pdl_wait(PDL)
+        pdl_release(PDL)
     else:
-        if PREWAIT:
-            pdl_wait(PDL)
-            pdl_release(PDL)
-        else:
-            pdl_start(PDL)
-        pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-        if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
-            return
-        e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M,
-                                            NO_ALIGN)
+        pdl_start(PDL)
+    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
+        return
+    e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
     row_ok = ids < TK
     tok = (ids // TOPK).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -232,23 +174,16 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
         # exist at all (a constexpr HAS_SHARED), and a descriptor cannot be chosen at run time (it would leave the
         # kernel's parameter space).
         n0 = pid_n * BLOCK_N
-        tile = offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [N, K]: EARLY's first tiles
         if HAS_SHARED:
             if e >= E_ROUTED:
                 rs = ((e - E_ROUTED) * I + n0).to(tl.int32)
-                s0 = ((e - E_ROUTED) * I + offs_n[:, None]) * stride_sn + offs_k[None, :]
-                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC,
-                                          EARLY, PDL, W1S + s0, W3S + s0)
+                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
             else:
                 rg = (e * 2 * I + n0).to(tl.int32)
-                g0 = W13 + e * stride_we + tile
-                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC,
-                                          EARLY, PDL, g0, g0 + I * stride_wn)
+                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
         else:
             rg = (e * 2 * I + n0).to(tl.int32)
-            g0 = W13 + e * stride_we + tile
-            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC,
-                                      EARLY, PDL, g0, g0 + I * stride_wn)
+            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
     else:
         g_ptr = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
         u_ptr = g_ptr + I * stride_wn
@@ -345,8 +280,7 @@ def _check_shared(shared, I: int, D: int, dtype) -> int:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None,
-                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None,
-                  route: RouteSource | None = None):
+                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None):
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
     topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
@@ -357,12 +291,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     config (benchmarks, tests): moe_config overrides, flat or
     {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS) and "tma": bool
     (weight tiles by TMA; default: on for the bf16/fp16 decode tiles, BLOCK_M 16, on sm_90+ where whole tiles fit;
-    MLASERVE_MOE_TMA=0 turns it off), and "prewait": bool (the kernels' reads before their PDL waits, the order
-    of route= below included; default: with PDL; tests set it without PDL, where it only reorders the code).
-    route: what the route kernel that wrote topk_ids routed from (routing's `with_source=True`), launched just
-    before this call with x and its logits written before it. Where GEMM1 runs per pair with TMA tiles under PDL,
-    its programs then route their pairs themselves and start before the routing kernel ends (EARLY above); the
-    ids are the same bits. Otherwise it is ignored. MLASERVE_MOE_EARLY=0 turns it off (A/B)."""
+    MLASERVE_MOE_TMA=0 turns it off), and "prewait": bool (GEMM2's reads before its PDL wait; default: under PDL
+    with no_align; tests set it without PDL, where it only reorders the code)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -406,14 +336,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     pdl = pdl_args(x)  # the two GEMMs launch alike
-    if prewait is None:  # GEMM2's early reads (and GEMM1's EARLY) under PDL; MLASERVE_MOE_PREWAIT=0: off (A/B)
-        prewait = pdl["PDL"] and os.environ.get("MLASERVE_MOE_PREWAIT", "1") != "0"
-    early = {}  # GEMM1 routes its pairs itself (EARLY), given the route kernel's source
-    if (route is not None and prewait and no_align and tma and route.logits.shape[0] == T
-            and os.environ.get("MLASERVE_MOE_EARLY", "1") != "0"):
-        early = dict(Logits=route.logits, RBias=route.bias, stride_lt=route.logits.stride(0),
-                     stride_ls=route.stride_ls, shared_id0=route.shared_id0, EARLY=True,
-                     **{f"R_{k}": v for k, v in route.meta.items()})
+    if prewait is None:
+        # GEMM2's reads before its wait: under PDL, for the per-pair blocks of decode steps of 1-2 tokens (M1 on an
+        # H200, session 10: batch 1 TPOT -0.02 ms; at batch 32, aligned blocks, +0.1 ms). MLASERVE_MOE_PREWAIT=0: off.
+        prewait = pdl["PDL"] and no_align and os.environ.get("MLASERVE_MOE_PREWAIT", "1") != "0"
     g13 = g1s = g3s = g2 = g2s = None  # None arguments are constexpr: the pointer kernels have no descriptors
     if tma:
         b1, b2 = [c1["BLOCK_N"], c1["BLOCK_K"]], [c2["BLOCK_N"], c2["BLOCK_K"]]
@@ -426,7 +352,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g13 is not None,
-        PREWAIT=prewait, num_warps=c1["num_warps"], num_stages=c1["num_stages"], **early, **pdl)
+        PREWAIT=prewait, num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s, g2, g2s,

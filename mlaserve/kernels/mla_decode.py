@@ -26,7 +26,7 @@ MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short conte
 MAX_SPLITS = 64
 MAX_Q_LEN = 32  # tokens of a verify block
 TMA_MIN_PROGRAMS = 4  # request x head-block programs below which pointer loads are the default (see mla_decode)
-FEW_PROGRAMS = dict(BLOCK_N=16, MIN_SPLIT_TOKENS=16, num_stages=2)  # their tiles (see mla_decode)
+FEW_PROGRAMS = dict(num_stages=2)  # their pipeline (see mla_decode)
 
 
 @triton.jit
@@ -277,9 +277,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         part_o = part_lse = out  # unused
     use_tma = _use_tma(cfg, kv_cache, P)
     if few and not use_tma and q.dtype != torch.float32:
-        # batch 1-3 (latency bound): 16-token tiles and splits (a 512 context in 32 splits), 2 stages (one tile
-        # ahead). H200, B=1 H=16, split + combine (kernels_bench mla_sweep, session 10): ctx 512 6.4 us against 8.3
-        # with 32-token tiles and 8.9 with those at 3 stages; ctx 8192: 2 stages 16.9 us against 3 stages' 17.5.
+        # batch 1-3 (latency bound): 2 stages (one tile ahead). H200, B=1 H=16, split + combine (kernels_bench
+        # mla_sweep, session 10): ctx 512 8.3 us against 8.9 at 3 stages, ctx 8192 16.9 against 17.5. 16-token tiles
+        # and splits took 6.4 us at 512 but lost at 8k in the engine (batch 1 TPOT 2.35 -> 2.50 ms): the tile is
+        # static under CUDA graphs, the context is not.
         cfg = {**cfg, **FEW_PROGRAMS, **(config or {})}
     kv_n = kv_p = None  # None arguments are constexpr: the pointer variant has no descriptor parameters
     if use_tma:  # descriptors of the cache as rows [pages * page_size, R + P]: the [N, R] latent and [N, P] rope

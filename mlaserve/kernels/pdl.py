@@ -13,12 +13,10 @@ since a programmatic edge does not flush its writes before the wait), and writes
 only once its predecessors finished, and they passed their own waits, so everything launched before it has
 finished. Kernels launched without PDL (cuBLAS, torch) wait for their predecessors in full, as always.
 
-One amendment, for a kernel whose predecessor releases it only after passing its own wait: everything launched
-before that predecessor had finished when the kernel launched, so the kernel may also read those kernels' outputs
-before its wait, through L2 (`.cg` loads: an SM's L1 may hold stale lines of a reused buffer). Two pairs use it
-(fused_moe.py): the route kernel releases the MoE's GEMM1, whose programs route their own pairs from the router
-logits and run their first K step on x before waiting; GEMM1 releases GEMM2, which reads the routing and its
-first weight tile before waiting. Writes still come only after the wait.
+One amendment, for a kernel whose predecessor releases it only after passing its own wait (the MoE's GEMM1, which
+releases GEMM2): everything launched before that predecessor had finished when the kernel launched, so the kernel
+may also read those kernels' outputs before its wait, through L2 (`.cg` loads: an SM's L1 may hold stale lines of
+a reused buffer). GEMM2 reads the routing that way, and fetches its first weight tile with it (fused_moe.py).
 MLASERVE_PDL=0 turns it off (for A/B timing).
 
 Tensor parallelism runs without it for now. Eager TP2 with PDL passed the NCCL parity test, and so did TP2

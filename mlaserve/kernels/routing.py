@@ -13,23 +13,20 @@ shared_id0 + s, weight exactly 1.0 (not scaled): the shared experts' slots of fu
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, pdl_release, pdl_wait
+from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
 
 
 @triton.jit
 def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr):
-    """The router logits at ptrs: the sum of SPLIT partials, always in the same order (both views below agree).
-    Loaded through L2 (.cg): the MoE's GEMM1 reads them before its PDL wait (route_topk)."""
-    v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    """The router logits at ptrs: the sum of SPLIT partials, always in the same order (both views below agree)."""
+    v = tl.load(ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):
-        v += tl.load(ptrs + s * stride_ls, mask=mask, other=0.0, cache_modifier=".cg")
+        v += tl.load(ptrs + s * stride_ls, mask=mask, other=0.0)
     return v
 
 
@@ -38,26 +35,9 @@ def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, Bias, Weights, Ids, scali
                 E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                 USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr):
-    """Routes tokens t [R] (int64; t_ok [R] masks them): rows t of Weights/Ids [T, TOP_K + N_SHARED]."""
-    ids, ws = route_topk(Logits, t, t_ok, stride_lt, stride_ls, Bias, scaling, shared_id0, E, N_GROUP, TOPK_GROUP,
-                         TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S, BLOCK_K, N_SHARED, SPLIT)
-    kk = tl.arange(0, BLOCK_K)
-    KS: tl.constexpr = TOP_K + N_SHARED
-    out = t[:, None] * KS + kk[None, :]
-    mask = t_ok[:, None] & (kk < KS)[None, :]
-    tl.store(Weights + out, ws, mask=mask)
-    tl.store(Ids + out, ids, mask=mask)
-
-
-@triton.jit
-def route_topk(Logits, t, t_ok, stride_lt, stride_ls, Bias, scaling, shared_id0,
-               E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-               USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr):
-    """-> (ids [R, BLOCK_K] int64, weights [R, BLOCK_K] fp32) of tokens t [R] (int64; t_ok [R] masks them), columns
-    past TOP_K + N_SHARED unused. Each token's result depends on its logits only (arg-maxes, sums of one non-zero,
-    the norm's sum accumulated in k order), so any R and any num_warps give the same bits: the MoE's GEMM1
-    recomputes its pair's expert with it (fused_moe.py, `route=`) and gets the route kernel's ids."""
+    """Routes tokens t [R] (int64; t_ok [R] masks them): rows t of Weights/Ids [T, TOP_K + N_SHARED]. Each token's
+    result depends on its logits only (arg-maxes, sums of one non-zero, the norm's sum accumulated in k order), so
+    any R and any num_warps give the same bits."""
     offs = tl.arange(0, BLOCK_E)
     rows = Logits + t * stride_lt  # [R]
     ok = t_ok[:, None] & (offs < E)[None, :]
@@ -105,7 +85,11 @@ def route_topk(Logits, t, t_ok, stride_lt, stride_ls, Bias, scaling, shared_id0,
     if N_SHARED > 0:  # the norm summed the routed weights only
         ids = tl.where(kk[None, :] >= TOP_K, shared_id0 + (kk - TOP_K).to(tl.int64)[None, :], ids)
         ws = tl.where(kk[None, :] >= TOP_K, 1.0, ws)
-    return ids, ws
+    KS: tl.constexpr = TOP_K + N_SHARED
+    out = t[:, None] * KS + kk[None, :]
+    mask = t_ok[:, None] & (kk < KS)[None, :]
+    tl.store(Weights + out, ws, mask=mask)
+    tl.store(Ids + out, ids, mask=mask)
 
 
 @triton.jit
@@ -114,11 +98,8 @@ def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, stride_ls, scaling, sha
                   USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                   N_SHARED: tl.constexpr = 0, SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """One program per token. SPLIT > 1: Logits holds split-K partials [SPLIT, T, E] (stride_ls apart).
-    Wait, then release: the MoE's GEMM1 launches only once the logits and its input are complete, so it may read
-    them before its own wait (pdl.py; fused_moe.py, `route=`)."""
-    pdl_wait(PDL)
-    pdl_release(PDL)
+    """One program per token. SPLIT > 1: Logits holds split-K partials [SPLIT, T, E] (stride_ls apart)."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     _route_rows(Logits, t, t >= 0, stride_lt, stride_ls, Bias, Weights, Ids, scaling, shared_id0, E, N_GROUP,
                 TOPK_GROUP, TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S, BLOCK_K, N_SHARED, SPLIT)
@@ -186,23 +167,12 @@ def _routing_meta(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_p
                 BLOCK_K=max(2, triton.next_power_of_2(top_k + num_shared)), N_SHARED=num_shared)
 
 
-class RouteSource(NamedTuple):
-    """What one route kernel routed from: its logits as it reads them ([T, E] rows stride(0) apart, SPLIT split-K
-    partials stride_ls apart), the bias, the first shared id and its constexprs (E, SPLIT and _routing_meta's).
-    fused_experts(route=...) lets the MoE's GEMM1 route its own pairs from it (fused_moe.py)."""
-    logits: torch.Tensor
-    stride_ls: int
-    bias: torch.Tensor
-    shared_id0: int
-    meta: dict
-
-
 def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                          norm_topk_prob: bool, scaling: float, num_shared: int = 0, shared_id0: int = 0,
-                          with_source: bool = False):
+                          norm_topk_prob: bool, scaling: float, num_shared: int = 0,
+                          shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 -> (weights [T, K+S] fp32, ids [T, K+S] int64); the fused form of route_noaux_tc, plus
     S = num_shared columns of ids shared_id0 + s with weight 1.0. logits may also be split-K partials [SPLIT, T, E]
-    (router_partials), summed in the kernel. with_source: -> (weights, ids, RouteSource)."""
+    (router_partials), summed in the kernel."""
     split = 1
     if logits.dim() == 3:
         split = logits.shape[0]
@@ -218,11 +188,10 @@ def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     KS = top_k + num_shared
     weights = torch.empty(T, KS, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, KS, dtype=torch.int64, device=logits.device)
-    if T:
-        _route_kernel[(T,)](logits, bias, weights, ids, logits.stride(0), T * E, float(scaling), int(shared_id0),
-                            E=E, SPLIT=split, num_warps=4 if E > 128 else 1, **meta, **pdl_args(logits))
-    if with_source:
-        return weights, ids, RouteSource(logits, T * E, bias, int(shared_id0), dict(meta, E=E, SPLIT=split))
+    if T == 0:
+        return weights, ids
+    _route_kernel[(T,)](logits, bias, weights, ids, logits.stride(0), T * E, float(scaling), int(shared_id0),
+                        E=E, SPLIT=split, num_warps=4 if E > 128 else 1, **meta, **pdl_args(logits))
     return weights, ids
 
 
@@ -262,18 +231,17 @@ def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def route_splitk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, scaling: float, num_shared: int = 0, shared_id0: int = 0,
-                 with_source: bool = False):
+                 norm_topk_prob: bool, scaling: float, num_shared: int = 0,
+                 shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...): two launches."""
     return route_noaux_tc_logits(router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
-                                 num_shared, shared_id0, with_source)
+                                 num_shared, shared_id0)
 
 
-def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0, shared_id0: int = 0,
-                         with_source: bool = False):
+def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0,
+                         shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K+S] fp32, ids [T, K+S] int64), S = num_shared
-    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits); with_source:
-    plus the RouteSource."""
+    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits)."""
     c = gate.cfg
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
     args = (gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
@@ -281,9 +249,9 @@ def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0, shared_id0:
     T = x.shape[0]
     if (w16 is not None and T <= ROUTER_SPLITK_MAX_TOKENS and x.stride(-1) == 1
             and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS):  # the router GEMM as split-K partials
-        return route_splitk(x, w16, *args, with_source=with_source)
+        return route_splitk(x, w16, *args)
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
     else:
         logits = F.linear(x.float(), gate.weight)  # [T, E] fp32 (cuBLAS; a Triton GEMV measured slower in decode)
-    return route_noaux_tc_logits(logits, *args, with_source=with_source)
+    return route_noaux_tc_logits(logits, *args)

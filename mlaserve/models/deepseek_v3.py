@@ -87,15 +87,13 @@ class DeepseekV3MoE(nn.Module):
             from ..kernels.routing import route_noaux_tc_fused
 
             S = self.fuse_shared if x.shape[0] <= FUSE_SHARED_MAX_TOKENS else 0
-            # src: what the routing read, so the MoE's first GEMM may route its pairs itself (fused_experts(route=))
-            weights, ids, src = route_noaux_tc_fused(self.gate, x, S, self.experts.expert_offset
-                                                     + self.experts.num_local, with_source=True)
+            weights, ids = route_noaux_tc_fused(self.gate, x, S, self.experts.expert_offset + self.experts.num_local)
         else:
             weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
         if S:  # ids [T, K+S]: the shared MLP runs inside the fused MoE as S more experts of weight 1.0
             sh = self.shared_experts
-            kw = dict(impl="triton", shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight), route=src)
-        else:  # routed + shared, summed in one pass (the shared MLP's kernels come between routing and experts)
+            kw = dict(impl="triton", shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
+        else:  # routed + shared, summed in one pass
             kw = dict(impl=self.impl, add=self.shared_experts(x) if self.shared_experts is not None else None)
         if norm is not None and self.fuse_norm and norm.uses_kernel(x, residual):  # sum over k, add, norm: 1 kernel
             return self.experts(x, weights, ids, norm=(norm.weight, norm.eps, residual), **kw)
