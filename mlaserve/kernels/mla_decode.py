@@ -26,7 +26,8 @@ MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short conte
 MAX_SPLITS = 64
 MAX_Q_LEN = 32  # tokens of a verify block
 TMA_MIN_PROGRAMS = 4  # request x head-block programs below which pointer loads are the default (see mla_decode)
-FEW_PROGRAMS = dict(num_stages=2)  # their pipeline (see mla_decode)
+FEW_PROGRAMS = dict(BLOCK_N=16, MIN_SPLIT_TOKENS=16, num_stages=2)  # their tiles (see mla_decode)
+FEW_MAX_SPLITS = 128  # and their split cap (default_num_splits)
 
 
 @triton.jit
@@ -228,7 +229,8 @@ def default_num_splits(B: int, H: int, q_len: int, device: torch.device, dtype=t
     only add partial-output traffic. Short contexts use fewer splits in-kernel (>= MIN_SPLIT_TOKENS each)."""
     cfg = decode_config(H, q_len, dtype)
     programs = B * triton.cdiv(H, cfg["BLOCK_H"])
-    return max(1, min(MAX_SPLITS, 2 * num_sms(device) // programs))
+    few = programs < TMA_MIN_PROGRAMS and dtype != torch.float32  # batch 1-3: short splits (mla_decode)
+    return max(1, min(FEW_MAX_SPLITS if few else MAX_SPLITS, 2 * num_sms(device) // programs))
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -277,10 +279,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         part_o = part_lse = out  # unused
     use_tma = _use_tma(cfg, kv_cache, P)
     if few and not use_tma and q.dtype != torch.float32:
-        # batch 1-3 (latency bound): 2 stages (one tile ahead). H200, B=1 H=16, split + combine (kernels_bench
-        # mla_sweep, session 10): ctx 512 8.3 us against 8.9 at 3 stages, ctx 8192 16.9 against 17.5. 16-token tiles
-        # and splits took 6.4 us at 512 but lost at 8k in the engine (batch 1 TPOT 2.35 -> 2.50 ms): the tile is
-        # static under CUDA graphs, the context is not.
+        # batch 1-3 (latency bound): 16-token tiles and splits, 2 stages (one tile ahead), up to 128 splits. H200,
+        # B=1 H=16, split + combine, against 32-token tiles at 2 stages and <= 64 splits (session 10, ab2 log):
+        # ctx 512 7.1 / 8.5 us, 2k 8.2 / 9.2, 8k 14.6 / 17.0; M1 batch 1 TPOT ctx 512 1.93 / 1.98 ms, 8k 2.21 /
+        # 2.39. (3 stages: 10.0 us at 512. 16-token tiles with only 64 splits lost at 8k: 21.9 us, 2.50 ms.)
         cfg = {**cfg, **FEW_PROGRAMS, **(config or {})}
     kv_n = kv_p = None  # None arguments are constexpr: the pointer variant has no descriptor parameters
     if use_tma:  # descriptors of the cache as rows [pages * page_size, R + P]: the [N, R] latent and [N, P] rope
