@@ -226,7 +226,8 @@ def num_sms(device: torch.device) -> int:
 def default_num_splits(B: int, H: int, q_len: int, device: torch.device, dtype=torch.bfloat16) -> int:
     """Splits for two waves of programs over the SMs (132 on H200): two resident programs per SM hide each other's
     load latency (measured at 8k context, B=16, H=16: 16 splits 54.5 us, 8 splits 68 us, 32 splits 67 us); more
-    only add partial-output traffic. Short contexts use fewer splits in-kernel (>= MIN_SPLIT_TOKENS each)."""
+    only add partial-output traffic. Short contexts use fewer splits in-kernel (>= MIN_SPLIT_TOKENS each). Batch
+    1-3 (fewer than TMA_MIN_PROGRAMS programs) split up to FEW_MAX_SPLITS ways, with their short tiles (mla_decode)."""
     cfg = decode_config(H, q_len, dtype)
     programs = B * triton.cdiv(H, cfg["BLOCK_H"])
     few = programs < TMA_MIN_PROGRAMS and dtype != torch.float32  # batch 1-3: short splits (mla_decode)
