@@ -171,6 +171,24 @@ def check_fused_moe(device, dtype, *, T: int, D: int, I: int, E_total: int, E_lo
                                          f"{dtype}")
 
 
+def decode_moe_inputs(device, *, T: int, D: int, I: int, E: int, K: int, S: int, dtype=torch.bfloat16):
+    """A decode step's fused-MoE operands: x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights / ids [T, K + S] (K
+    distinct routed experts, then the S shared slots E.. with weight 1.0), and kw = dict(shared=(gate, up, down))
+    when S > 0, as fused_experts takes them."""
+    x = torch.randn(T, D, device=device).to(dtype)
+    w13 = (torch.randn(E, 2 * I, D, device=device) / D**0.5).to(dtype)
+    w2 = (torch.randn(E, D, I, device=device) / I**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E, device=device)[:K] for _ in range(T)])
+    w = torch.rand(T, K, device=device) + 0.1
+    kw = {}
+    if S:
+        kw = dict(shared=tuple((torch.randn(*s, device=device) / s[1] ** 0.5).to(dtype)
+                               for s in ((S * I, D), (S * I, D), (D, S * I))))
+        ids = torch.cat([ids, E + torch.arange(S, device=device).expand(T, S)], 1)
+        w = torch.cat([w, torch.ones(T, S, device=device)], 1)
+    return x, w13, w2, w, ids, kw
+
+
 def moe_align_ref(topk_ids: torch.Tensor, E_local: int, offset: int, block_m: int) -> tuple[list[int], list[int]]:
     """The expected layout: each local expert's pairs in index order, padded with T*K to a multiple of block_m."""
     flat, TK = topk_ids.reshape(-1).cpu(), topk_ids.numel()

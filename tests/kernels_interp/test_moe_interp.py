@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel_checks import check_fused_moe, check_moe_align, check_routing
+from tests.kernel_checks import check_fused_moe, check_moe_align, check_routing, decode_moe_inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -172,18 +172,7 @@ def test_fused_moe_tma_weights(kdev, T, D, I, E, K, S):
     in bf16, routed experts and shared slots; shapes the tiles do not divide are refused."""
     from mlaserve.kernels.fused_moe import fused_experts
 
-    dt = torch.bfloat16
-    x = torch.randn(T, D, device=kdev).to(dt)
-    w13 = (torch.randn(E, 2 * I, D, device=kdev) / D**0.5).to(dt)
-    w2 = (torch.randn(E, D, I, device=kdev) / I**0.5).to(dt)
-    ids = torch.stack([torch.randperm(E, device=kdev)[:K] for _ in range(T)])
-    w = torch.rand(T, K, device=kdev) + 0.1
-    kw = {}
-    if S:
-        kw = dict(shared=tuple((torch.randn(*s, device=kdev) / s[1] ** 0.5).to(dt)
-                               for s in ((S * I, D), (S * I, D), (D, S * I))))
-        ids = torch.cat([ids, E + torch.arange(S, device=kdev).expand(T, S)], 1)
-        w = torch.cat([w, torch.ones(T, S, device=kdev)], 1)
+    x, w13, w2, w, ids, kw = decode_moe_inputs(kdev, T=T, D=D, I=I, E=E, K=K, S=S)
     cfg = dict(BLOCK_N=16, BLOCK_K=32)
     ptr = fused_experts(x, w13, w2, w, ids, 0, config=dict(cfg, tma=False), **kw)
     assert torch.equal(fused_experts(x, w13, w2, w, ids, 0, config=dict(cfg, tma=True), **kw), ptr)
