@@ -17,7 +17,8 @@ One amendment, for a kernel whose predecessor releases it only after passing its
 releases GEMM2): everything launched before that predecessor had finished when the kernel launched, so the kernel
 may also read those kernels' outputs before its wait, through L2 (`.cg` loads: an SM's L1 may hold stale lines of
 a reused buffer). GEMM2 reads the routing that way, and fetches its first weight tile with it (fused_moe.py).
-MLASERVE_PDL=0 turns it off (for A/B timing).
+
+MLASERVE_PDL=0 turns PDL off (for A/B timing).
 
 Tensor parallelism runs without it for now. Eager TP2 with PDL passed the NCCL parity test, and so did TP2
 under CUDA graphs (session 9: `MLASERVE_PDL=all python benchmarks/tp_graph_check.py --quick` on two H200s,
