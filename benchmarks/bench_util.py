@@ -51,7 +51,7 @@ class Sizes:
     decode_T: tuple = (1, 4, 8, 32)
     # lin_decode: decode-sized dense projections [N, K] (M1's q|kv_a and o_proj)
     decode_linears: tuple = ((3648, 2048), (2048, 2048))
-    decode_linear_T: tuple = (1, 8, 32)
+    decode_linear_T: tuple = (1, 2, 4, 8, 32)
     decode_max_cfgs: int = 16  # moe_decode tiles per GEMM, lin_decode GEMV tiles, absorb head_gemv tiles
     # absorb: the absorbed projections' bmm vs head_gemv (M1's 16 heads; Kimi-K2.5 at attention TP4 has 16 too)
     absorb_heads: int = 16

@@ -69,13 +69,16 @@ def run_linear_decode(rep: Report, sz: Sizes):
             x = torch.randn(T, Kd, device=sz.dev).to(BF)
             ref = F.linear(x.float(), ws[0].float())
             variants = {"F.linear": lambda w: F.linear(x, w), "W @ x^T": lambda w: (w @ x.t()).t()}  # noqa: B023
-            if T == 1:
-                from mlaserve.kernels.gemv import gemv
+            from mlaserve.kernels.gemv import GEMV_MAX_TOKENS, gemv
 
+            if T == 1:
                 variants["torch.mv"] = lambda w: torch.mv(w, x[0])[None]  # noqa: B023
                 for bn, bk, nw in GEMV_CFGS[: sz.decode_max_cfgs]:
                     c = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
                     variants[f"gemv N{bn} K{bk} w{nw}"] = lambda w, c=c: gemv(x, w, c)  # noqa: B023
+            elif T <= GEMV_MAX_TOKENS:  # several rows from one weight tile: the default tile, and 4 columns
+                variants["gemv default"] = lambda w: gemv(x, w)  # noqa: B023
+                variants["gemv N4 K2048 w4"] = lambda w: gemv(x, w, dict(BLOCK_N=4, BLOCK_K=2048, num_warps=4))  # noqa: B023
             for name, fn in variants.items():
                 try:
                     err = rel(fn(ws[0]), ref)

@@ -1,4 +1,4 @@
-"""y = x @ W^T for one row of x (batch-1 decode): a weight-streaming GEMV that issues all its loads at once.
+"""y = x @ W^T for a few rows of x (batch-1 decode): a weight-streaming GEMV that issues all its loads at once.
 
 cuBLAS runs the batch-1 projections as 64x8-tile GEMMs that reach a third to a half of the HBM bandwidth on M1's
 [2048, 2048] and [3648, 2048] weights (6.0 / 6.7 us, kernels_bench lin_decode). Here each program owns BLOCK_N
@@ -16,27 +16,36 @@ import triton.language as tl
 from .pdl import pdl_args, pdl_release, pdl_wait
 
 GEMV_MAX_BYTES = 16 << 20  # measured up to M1's 15 MB q|kv_a; larger weights stream well through cuBLAS
+GEMV_MAX_TOKENS = 8  # rows of x a launch serves (the engine sends 1: layers.linear)
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                 PDL: tl.constexpr):
+def _gemv_kernel(X, W, Y, N, K, stride_xt, stride_wn, stride_yt, T: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+    """Y[t, n-block] = X[t] . W[n-block]^T for the T rows of X, from one weight tile per K step (the rows reuse it;
+    each row's sum over K runs as the one-row kernel's does, so T=1 is unchanged)."""
     pdl_release(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    rows = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN:
             w = tl.load(W + n.to(tl.int64)[:, None] * stride_wn + (k0 + k)[None, :])
             pdl_wait(PDL)  # the weight tile is in flight before x is ready (pdl.py); later waits return at once
-            x = tl.load(X + k0 + k)
         else:
             ok = (n < N)[:, None] & ((k0 + k) < K)[None, :]
             w = tl.load(W + n.to(tl.int64)[:, None] * stride_wn + (k0 + k)[None, :], mask=ok, other=0.0)
             pdl_wait(PDL)
-            x = tl.load(X + k0 + k, mask=(k0 + k) < K, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(Y + n, acc.to(Y.dtype.element_ty), mask=n < N)
+        for t in tl.static_range(T):
+            if EVEN:
+                x = tl.load(X + t * stride_xt + k0 + k)
+            else:
+                x = tl.load(X + t * stride_xt + k0 + k, mask=(k0 + k) < K, other=0.0)
+            y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+            acc = tl.where((rows == t)[:, None], acc + y[None, :], acc)
+    y_ptr = Y + rows[:, None] * stride_yt + n[None, :]
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(rows < T)[:, None] & (n < N)[None, :])
 
 
 def gemv_config(N: int, K: int) -> dict:
@@ -47,19 +56,23 @@ def gemv_config(N: int, K: int) -> dict:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K], w [N, K] (unit last strides, one dtype) -> [1, N] in x.dtype (new, or `out`, contiguous);
-    F.linear(x, w) up to fp32 summation order. config (benchmarks, tests): BLOCK_N, BLOCK_K, num_warps."""
-    if x.dim() != 2 or x.shape[0] != 1 or w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [1, K] and [N, K]")
+    """x [T, K] (T <= GEMV_MAX_TOKENS), w [N, K] (unit last strides, one dtype) -> [T, N] in x.dtype (new, or
+    `out`, contiguous); F.linear(x, w) up to fp32 summation order. config (benchmarks, tests): BLOCK_N, BLOCK_K,
+    num_warps."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_TOKENS or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [T, K] (1 <= T <= {GEMV_MAX_TOKENS}) "
+                         "and [N, K]")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype:
         raise ValueError("x and w need one dtype and a unit last stride")
+    T = x.shape[0]
     N, K = w.shape
     cfg = dict(gemv_config(N, K), **(config or {}))
     if out is None:
-        out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    elif out.shape != (1, N) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [1, {N}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+        out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    elif out.shape != (T, N) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{T}, {N}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x, w, out, N, K, w.stride(0), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], **pdl_args(x))
+        x, w, out, N, K, x.stride(0), w.stride(0), out.stride(0), T=T, BLOCK_T=triton.next_power_of_2(T),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
+        num_warps=cfg["num_warps"], **pdl_args(x))
     return out

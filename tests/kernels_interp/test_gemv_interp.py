@@ -1,5 +1,5 @@
-"""The batch-1 GEMV against F.linear in fp32 under the interpreter: even and masked tiles, multi-trip K, strided
-rows, a NaN-poisoned output, and the dispatch rule of layers.linear."""
+"""The decode GEMV against F.linear in fp32 under the interpreter: 1, 3 and 8 rows, even and masked tiles,
+multi-trip K, strided rows, a NaN-poisoned output, and the dispatch rule of layers.linear."""
 
 import pytest
 import torch
@@ -9,24 +9,27 @@ from tests.kernel_checks import assert_close, nan_like
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3, 8])
 @pytest.mark.parametrize("N,K,cfg", [(24, 64, None), (7, 100, None), (10, 96, dict(BLOCK_N=4, BLOCK_K=32)),
                                      (9, 200, dict(BLOCK_N=2, BLOCK_K=64, num_warps=1))])
-def test_gemv(kdev, dtype, N, K, cfg):
+def test_gemv(kdev, dtype, T, N, K, cfg):
     from mlaserve.kernels.gemv import gemv
 
-    x = torch.randn(3, K + 5, device=kdev).to(dtype)[1:2, 5:]  # a strided row
+    x = torch.randn(T + 2, K + 5, device=kdev).to(dtype)[1:T + 1, 5:]  # strided rows
     w = torch.randn(N, K + 3, device=kdev).to(dtype)[:, :K]  # strided rows, unit last stride
-    out = nan_like((1, N), dtype, kdev)
+    out = nan_like((T, N), dtype, kdev)
     assert gemv(x, w, cfg, out=out) is out
-    assert_close(out, F.linear(x.float(), w.float()), dtype, f"gemv N={N} K={K} {cfg}")
+    assert_close(out, F.linear(x.float(), w.float()), dtype, f"gemv T={T} N={N} K={K} {cfg}")
+    if T > 1:  # each row exactly as the one-row launch computes it
+        assert torch.equal(out[1], gemv(x[1:2], w, cfg)[0])
 
 
 def test_gemv_checks(kdev):
     from mlaserve.kernels.gemv import gemv
 
     x, w = torch.randn(1, 8, device=kdev), torch.randn(4, 8, device=kdev)
-    with pytest.raises(ValueError, match=r"\[1, K\]"):
-        gemv(torch.randn(2, 8, device=kdev), w)
+    with pytest.raises(ValueError, match=r"\[T, K\] \(1 <= T <= 8\)"):
+        gemv(torch.randn(9, 8, device=kdev), w)
     with pytest.raises(ValueError, match="one dtype"):
         gemv(x.double(), w)
     with pytest.raises(ValueError, match=r"contiguous \[1, 4\]"):
