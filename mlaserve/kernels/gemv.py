@@ -3,8 +3,10 @@
 cuBLAS runs the batch-1 projections as 64x8-tile GEMMs that reach a third to a half of the HBM bandwidth on M1's
 [2048, 2048] and [3648, 2048] weights (6.0 / 6.7 us, kernels_bench lin_decode). Here each program owns BLOCK_N
 output columns and loads their [BLOCK_N, BLOCK_K] weight slab as one register tile (BLOCK_K = K: one trip, every
-load in flight together), multiplies by x in fp32 and reduces over K. layers.linear sends batch-1 projections of
-up to GEMV_MAX_BYTES of weight here.
+load in flight together), multiplies by x in fp32 and reduces over K, for each of up to GEMV_MAX_TOKENS rows of x.
+layers.linear sends batch-1 projections of up to GEMV_MAX_BYTES of weight here. Against cuBLAS (H200, session 10)
+it also wins at 2 rows (6.0 / 6.7 and 3.0 / 6.0 us for the two M1 weights) but not from 4 or 8 rows up for
+q|kv_a; the engine sends 2-row steps here only once an engine A/B has timed them.
 """
 
 from __future__ import annotations
