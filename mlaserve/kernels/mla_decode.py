@@ -228,10 +228,14 @@ def default_num_splits(B: int, H: int, q_len: int, device: torch.device, dtype=t
     load latency (measured at 8k context, B=16, H=16: 16 splits 54.5 us, 8 splits 68 us, 32 splits 67 us); more
     only add partial-output traffic. Short contexts use fewer splits in-kernel (>= MIN_SPLIT_TOKENS each). Batch
     1-3 (fewer than TMA_MIN_PROGRAMS programs) split up to FEW_MAX_SPLITS ways, with their short tiles (mla_decode)."""
-    cfg = decode_config(H, q_len, dtype)
-    programs = B * triton.cdiv(H, cfg["BLOCK_H"])
-    few = programs < TMA_MIN_PROGRAMS and dtype != torch.float32  # batch 1-3: short splits (mla_decode)
-    return max(1, min(FEW_MAX_SPLITS if few else MAX_SPLITS, 2 * num_sms(device) // programs))
+    programs = B * triton.cdiv(H, decode_config(H, q_len, dtype)["BLOCK_H"])
+    return max(1, min(FEW_MAX_SPLITS if _few(programs, dtype) else MAX_SPLITS, 2 * num_sms(device) // programs))
+
+
+def _few(programs: int, dtype: torch.dtype) -> bool:
+    """Batch 1-3 (at 16 heads): fewer request x head-block programs than TMA_MIN_PROGRAMS, in a 16-bit dtype. They
+    take pointer loads by default, FEW_PROGRAMS' tiles and up to FEW_MAX_SPLITS splits (mla_decode)."""
+    return programs < TMA_MIN_PROGRAMS and dtype != torch.float32
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -266,8 +270,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     cfg = dict(decode_config(H, q_len, q.dtype), **(config or {}))  # config: tile overrides, MIN_SPLIT_TOKENS
     # TMA pays a fixed cost per program (descriptor fetch, barriers): with few programs over short contexts (batch
     # 1 at 512 tokens: one-tile splits) pointer loads were faster in the engine, 6.0 vs 7.1 us per layer.
-    few = B * triton.cdiv(H, cfg["BLOCK_H"]) < TMA_MIN_PROGRAMS
-    cfg.setdefault("TMA", q.is_cuda and not few and _has_tma(q.device.index))
+    programs = B * triton.cdiv(H, cfg["BLOCK_H"])
+    cfg.setdefault("TMA", q.is_cuda and programs >= TMA_MIN_PROGRAMS and _has_tma(q.device.index))
     S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
     if T == 0:
         return out
@@ -279,7 +283,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     else:
         part_o = part_lse = out  # unused
     use_tma = _use_tma(cfg, kv_cache, P)
-    if few and not use_tma and q.dtype != torch.float32:
+    if _few(programs, q.dtype) and not use_tma:
         # batch 1-3 (latency bound): 16-token tiles and splits, 2 stages (one tile ahead), up to 128 splits. H200,
         # B=1 H=16, split + combine, against 32-token tiles at 2 stages and <= 64 splits (session 10, ab2 log):
         # ctx 512 7.1 / 8.5 us, 2k 8.2 / 9.2, 8k 14.6 / 17.0; M1 batch 1 TPOT ctx 512 1.93 / 1.98 ms, 8k 2.21 /
