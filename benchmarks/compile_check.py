@@ -203,11 +203,11 @@ def cases(quick: bool):
                             torch.zeros(T, K + S, dtype=torch.int64), 0, dict(tma=True), None,
                             (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
                         # batch 1 in the engine: GEMM1's shared slots before the wait, GEMM2's first 3 tiles
-                        yield f"fused_moe {name} T=1 + {S} shared, TMA, early shared, prewait 3, skew", fused_experts, (
+                        yield f"fused_moe {name} T=1 + {S} shared, TMA, early shared, prewait 3", fused_experts, (
                             torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),
                             torch.empty(8, D, I, dtype=dtype), torch.empty(T, K + S),
                             torch.zeros(T, K + S, dtype=torch.int64), 0,
-                            dict(tma=True, no_align=True, early_shared=True, prewait=3, skew=True), None,
+                            dict(tma=True, no_align=True, early_shared=True, prewait=3), None,
                             (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)

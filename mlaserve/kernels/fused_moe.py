@@ -71,24 +71,11 @@ def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.c
 
 
 @triton.jit
-def _k_skew(n_k, SKEW: tl.constexpr):
-    """SKEW: the K block this program starts its loop at (then it wraps around): programs that start together
-    read different columns of their weight rows instead of the same ones in lockstep."""
-    if SKEW:
-        return tl.program_id(0) % n_k
-    return 0
-
-
-@triton.jit
 def _gemm1_tma(a_ptr, row_ok, DG, DU, rg, ru, acc_g, acc_u, D, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-               CG: tl.constexpr = False, SKEW: tl.constexpr = False):
+               CG: tl.constexpr = False):
     """GEMM1's K loop over TMA weight tiles: gate rows rg.., up rows ru.. (D % BLOCK_K == 0). CG: x through L2 only
-    (read before the PDL wait: an SM's L1 may hold stale lines of a reused buffer, pdl.py). SKEW: _k_skew."""
-    n_k = D // BLOCK_K
-    s = _k_skew(n_k, SKEW)
+    (read before the PDL wait: an SM's L1 may hold stale lines of a reused buffer, pdl.py)."""
     for k0 in range(0, D, BLOCK_K):
-        if SKEW:
-            k0 = (k0 // BLOCK_K + s) % n_k * BLOCK_K
         if CG:
             a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         else:
@@ -129,30 +116,25 @@ def _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK
 
 @triton.jit
 def _gemm2_tma(a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PREWAIT: tl.constexpr,
-               PDL: tl.constexpr, SKEW: tl.constexpr = False):
+               PDL: tl.constexpr):
     """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0). PREWAIT (0-3, at most
     I / BLOCK_K): the kernel has not waited yet; the first PREWAIT tiles (weights) are fetched before the PDL wait
-    and Hbuf (GEMM1's output) read after it. The sums run in the same order either way. SKEW: _k_skew."""
-    n_k = I // BLOCK_K
-    s = _k_skew(n_k, SKEW)
+    and Hbuf (GEMM1's output) read after it. The sums run in the same order either way."""
+    k_first = 0
     if PREWAIT >= 1:
-        k_a = s % n_k * BLOCK_K
-        b = DW.load([r0, c0 + k_a])  # [N, K]
+        b = DW.load([r0, c0])  # [N, K]
         if PREWAIT >= 2:
-            k_b = (s + 1) % n_k * BLOCK_K
-            b1 = DW.load([r0, c0 + k_b])
+            b1 = DW.load([r0, c0 + BLOCK_K])
         if PREWAIT >= 3:
-            k_c = (s + 2) % n_k * BLOCK_K
-            b2 = DW.load([r0, c0 + k_c])
+            b2 = DW.load([r0, c0 + 2 * BLOCK_K])
         pdl_wait(PDL)
-        acc = tl.dot(tl.load(a_ptr + k_a), tl.trans(b), acc, input_precision=DOT_PREC)
+        acc = tl.dot(tl.load(a_ptr), tl.trans(b), acc, input_precision=DOT_PREC)
         if PREWAIT >= 2:
-            acc = tl.dot(tl.load(a_ptr + k_b), tl.trans(b1), acc, input_precision=DOT_PREC)
+            acc = tl.dot(tl.load(a_ptr + BLOCK_K), tl.trans(b1), acc, input_precision=DOT_PREC)
         if PREWAIT >= 3:
-            acc = tl.dot(tl.load(a_ptr + k_c), tl.trans(b2), acc, input_precision=DOT_PREC)
-    for k0 in range(PREWAIT * BLOCK_K, I, BLOCK_K):
-        if SKEW:
-            k0 = (k0 // BLOCK_K + s) % n_k * BLOCK_K
+            acc = tl.dot(tl.load(a_ptr + 2 * BLOCK_K), tl.trans(b2), acc, input_precision=DOT_PREC)
+        k_first = PREWAIT * BLOCK_K
+    for k0 in range(k_first, I, BLOCK_K):
         a = tl.load(a_ptr + k0)
         b = DW.load([r0, c0 + k0])  # [N, K]
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
@@ -181,7 +163,7 @@ def _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K: tl.constexpr, EVEN_K
 def _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e, tok, row_ok, pid_n, I, D, stride_xt, stride_we, stride_wn,
              E_ROUTED, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, TMA: tl.constexpr,
-             CG: tl.constexpr, SKEW: tl.constexpr):
+             CG: tl.constexpr):
     """silu(x[tok] . gate) * (x[tok] . up) [BLOCK_M, BLOCK_N] in fp32 for expert e's columns of block pid_n."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -197,16 +179,14 @@ def _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e, tok, row_ok, pid_n, I, D, strid
         if HAS_SHARED:
             if e >= E_ROUTED:
                 rs = ((e - E_ROUTED) * I + n0).to(tl.int32)
-                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC, CG,
-                                          SKEW)
+                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC, CG)
             else:
                 rg = (e * 2 * I + n0).to(tl.int32)
                 acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC,
-                                          CG, SKEW)
+                                          CG)
         else:
             rg = (e * 2 * I + n0).to(tl.int32)
-            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC, CG,
-                                      SKEW)
+            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC, CG)
     else:
         g_ptr = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
         u_ptr = g_ptr + I * stride_wn
@@ -237,7 +217,7 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
                       HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr,
-                      EARLY_SHARED: tl.constexpr, N_SHARED: tl.constexpr, SKEW: tl.constexpr, PDL: tl.constexpr):
+                      EARLY_SHARED: tl.constexpr, N_SHARED: tl.constexpr, PDL: tl.constexpr):
     """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up).
     TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots').
@@ -257,7 +237,7 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
             e_slot = (E_ROUTED + slot).to(tl.int64)
             h = _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e_slot, tok, row_ok, pid_n, I, D, stride_xt, stride_we,
                          stride_wn, E_ROUTED, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, HAS_SHARED,
-                         TMA, True, SKEW)
+                         TMA, True)
             _gemm1_wait(PREWAIT, PDL)
             if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
                 return
@@ -266,7 +246,7 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
             if e != e_slot:  # not the routing's layout after all: the general path, after the wait
                 h = _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e, (ids // TOPK).to(tl.int64), ids < TK, pid_n, I, D,
                              stride_xt, stride_we, stride_wn, E_ROUTED, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                             DOT_PREC, HAS_SHARED, TMA, False, SKEW)
+                             DOT_PREC, HAS_SHARED, TMA, False)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             h_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
             tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=store[:, None] & (offs_n < I)[None, :])
@@ -278,7 +258,7 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
     row_ok = ids < TK
     h = _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e, (ids // TOPK).to(tl.int64), row_ok, pid_n, I, D, stride_xt,
                  stride_we, stride_wn, E_ROUTED, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, HAS_SHARED,
-                 TMA, False, SKEW)
+                 TMA, False)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=store[:, None] & (offs_n < I)[None, :])
@@ -290,8 +270,7 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
                       E_ROUTED, stride_sn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr, SKEW: tl.constexpr,
-                      PDL: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr):
     """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down).
     TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G2: w2 as [E * D, I] rows; G2S: the slots' [D, S * I]).
@@ -317,12 +296,11 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
         if HAS_SHARED:
             if e >= E_ROUTED:
                 acc = _gemm2_tma(a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC,
-                                 PREWAIT, PDL, SKEW)
+                                 PREWAIT, PDL)
             else:
-                acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL,
-                                 SKEW)
+                acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL)
         else:
-            acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL, SKEW)
+            acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL)
     else:
         if PREWAIT:  # the pointer loads fetch no tile early
             pdl_wait(PDL)
@@ -416,7 +394,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     tma = config.pop("tma", None)
     prewait = config.pop("prewait", None)
     early_shared = config.pop("early_shared", None)
-    skew = config.pop("skew", None)
     c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
     if tma is None:  # the default: the sm_90 decode tiles, where whole tiles fit (else the pointer loads)
         tma = _tma_default(x, c1["BLOCK_M"]) and _tma_fits(w13, w2, shared if S else None, c1, c2, D, I)
@@ -424,8 +401,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         raise ValueError(f"tma: the weights' shapes (D={D}, I={I}) must be multiples of the tiles "
                          f"(gemm1 {c1['BLOCK_N']}x{c1['BLOCK_K']}, gemm2 {c2['BLOCK_N']}x{c2['BLOCK_K']}) and the "
                          "weights row-contiguous and 16-byte aligned")
-    if skew is None:  # TMA K loops started at a block per program (_k_skew); MLASERVE_MOE_SKEW=1: on (A/B)
-        skew = tma and os.environ.get("MLASERVE_MOE_SKEW", "0") != "0"
     if tma:  # the same tiles, fewer stages
         c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, tma=True, **config)
     bm = c1["BLOCK_M"]
@@ -463,7 +438,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g13 is not None,
-        PREWAIT=prewait > 0, EARLY_SHARED=bool(early_shared), N_SHARED=S, SKEW=bool(skew), num_warps=c1["num_warps"],
+        PREWAIT=prewait > 0, EARLY_SHARED=bool(early_shared), N_SHARED=S, num_warps=c1["num_warps"],
         num_stages=c1["num_stages"], **pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
@@ -472,5 +447,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         w2s.stride(0) if S else w2.stride(1),
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g2 is not None,
-        PREWAIT=prewait, SKEW=bool(skew), num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl)
+        PREWAIT=prewait, num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl)
     return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)
