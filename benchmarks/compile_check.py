@@ -202,13 +202,6 @@ def cases(quick: bool):
                             torch.empty(8, D, I, dtype=dtype), torch.empty(T, K + S),
                             torch.zeros(T, K + S, dtype=torch.int64), 0, dict(tma=True), None,
                             (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
-                        # batch 1 in the engine: GEMM1's shared slots before the wait, GEMM2's first 3 tiles
-                        yield f"fused_moe {name} T=1 + {S} shared, TMA, early shared, prewait 3", fused_experts, (
-                            torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),
-                            torch.empty(8, D, I, dtype=dtype), torch.empty(T, K + S),
-                            torch.zeros(T, K + S, dtype=torch.int64), 0,
-                            dict(tma=True, no_align=True, early_shared=True, prewait=3), None,
-                            (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
         yield f"routing E={E} G={G} + shared", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG,
@@ -217,7 +210,6 @@ def cases(quick: bool):
         part = torch.empty(32, 4, E)
         x, w = torch.empty(4, D, dtype=bf), torch.empty(E, D, dtype=bf)
         yield f"router_partials E={E} D={D}", router_partials, (x, w)
-        yield f"router_partials E={E} D={D} late release", router_partials, (x, w, True)
         yield f"routing from partials E={E}", route_noaux_tc_logits, (part, torch.empty(E), K, G, TG, True, 2.5, 2, E)
     for R, P, H in [(512, 64, 16), (512, 64, 128), (32, 8, 4)]:
         cs = torch.empty(4, P // 2)

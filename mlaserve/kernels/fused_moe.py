@@ -71,15 +71,10 @@ def _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M: tl.c
 
 
 @triton.jit
-def _gemm1_tma(a_ptr, row_ok, DG, DU, rg, ru, acc_g, acc_u, D, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-               CG: tl.constexpr = False):
-    """GEMM1's K loop over TMA weight tiles: gate rows rg.., up rows ru.. (D % BLOCK_K == 0). CG: x through L2 only
-    (read before the PDL wait: an SM's L1 may hold stale lines of a reused buffer, pdl.py)."""
+def _gemm1_tma(a_ptr, row_ok, DG, DU, rg, ru, acc_g, acc_u, D, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """GEMM1's K loop over TMA weight tiles: gate rows rg.., up rows ru.. (D % BLOCK_K == 0)."""
     for k0 in range(0, D, BLOCK_K):
-        if CG:
-            a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        else:
-            a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0)
+        a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0)
         g = DG.load([rg, k0])  # [N, K]
         u = DU.load([ru, k0])
         acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
@@ -89,15 +84,10 @@ def _gemm1_tma(a_ptr, row_ok, DG, DU, rg, ru, acc_g, acc_u, D, BLOCK_K: tl.const
 
 @triton.jit
 def _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, CG: tl.constexpr = False):
-    """GEMM1's K loop over masked pointer loads: gate and up tiles as [K, N] views. CG: x through L2 only."""
+               EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """GEMM1's K loop over masked pointer loads: gate and up tiles as [K, N] views."""
     for k0 in range(0, D, BLOCK_K):
-        if CG:  # before the PDL wait (_gemm1_tma)
-            k_ok = offs_k < D - k0
-            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-            g = tl.load(g_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptr, mask=n_ok[None, :], other=0.0)
             u = tl.load(u_ptr, mask=n_ok[None, :], other=0.0)
@@ -117,23 +107,15 @@ def _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK
 @triton.jit
 def _gemm2_tma(a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PREWAIT: tl.constexpr,
                PDL: tl.constexpr):
-    """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0). PREWAIT (0-3, at most
-    I / BLOCK_K): the kernel has not waited yet; the first PREWAIT tiles (weights) are fetched before the PDL wait
-    and Hbuf (GEMM1's output) read after it. The sums run in the same order either way."""
+    """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0). PREWAIT: the kernel has
+    not waited yet; the first tile (a weight) is fetched before the PDL wait and Hbuf (GEMM1's output) read after
+    it. The sums run in the same order either way."""
     k_first = 0
-    if PREWAIT >= 1:
+    if PREWAIT:
         b = DW.load([r0, c0])  # [N, K]
-        if PREWAIT >= 2:
-            b1 = DW.load([r0, c0 + BLOCK_K])
-        if PREWAIT >= 3:
-            b2 = DW.load([r0, c0 + 2 * BLOCK_K])
         pdl_wait(PDL)
         acc = tl.dot(tl.load(a_ptr), tl.trans(b), acc, input_precision=DOT_PREC)
-        if PREWAIT >= 2:
-            acc = tl.dot(tl.load(a_ptr + BLOCK_K), tl.trans(b1), acc, input_precision=DOT_PREC)
-        if PREWAIT >= 3:
-            acc = tl.dot(tl.load(a_ptr + 2 * BLOCK_K), tl.trans(b2), acc, input_precision=DOT_PREC)
-        k_first = PREWAIT * BLOCK_K
+        k_first = BLOCK_K
     for k0 in range(k_first, I, BLOCK_K):
         a = tl.load(a_ptr + k0)
         b = DW.load([r0, c0 + k0])  # [N, K]
@@ -159,12 +141,28 @@ def _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K: tl.constexpr, EVEN_K
     return acc
 
 
-@triton.jit
-def _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e, tok, row_ok, pid_n, I, D, stride_xt, stride_we, stride_wn,
-             E_ROUTED, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SHARED: tl.constexpr, TMA: tl.constexpr,
-             CG: tl.constexpr):
-    """silu(x[tok] . gate) * (x[tok] . up) [BLOCK_M, BLOCK_N] in fp32 for expert e's columns of block pid_n."""
+@triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
+def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S, G13, G1S, G3S,
+                      I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
+                      E_ROUTED, stride_sn,
+                      TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
+                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr):
+    """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
+    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up).
+    TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots').
+    PREWAIT: wait, then release, so GEMM2's programs launch only once the routing is complete (_moe_gemm2_kernel)."""
+    if PREWAIT:
+        pdl_wait(PDL)
+        pdl_release(PDL)
+    else:
+        pdl_start(PDL)
+    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
+        return
+    e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
+    row_ok = ids < TK
+    tok = (ids // TOPK).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
@@ -179,14 +177,13 @@ def _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e, tok, row_ok, pid_n, I, D, strid
         if HAS_SHARED:
             if e >= E_ROUTED:
                 rs = ((e - E_ROUTED) * I + n0).to(tl.int32)
-                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC, CG)
+                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G1S, G3S, rs, rs, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
             else:
                 rg = (e * 2 * I + n0).to(tl.int32)
-                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC,
-                                          CG)
+                acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
         else:
             rg = (e * 2 * I + n0).to(tl.int32)
-            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC, CG)
+            acc_g, acc_u = _gemm1_tma(a_ptr, row_ok, G13, G13, rg, rg + I, acc_g, acc_u, D, BLOCK_K, DOT_PREC)
     else:
         g_ptr = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N] view
         u_ptr = g_ptr + I * stride_wn
@@ -196,72 +193,10 @@ def _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e, tok, row_ok, pid_n, I, D, strid
                 g_ptr = W1S + rows_s + offs_k[:, None]
                 u_ptr = W3S + rows_s + offs_k[:, None]
         acc_g, acc_u = _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK_K, EVEN_K,
-                                  DOT_PREC, CG)
-    return acc_g * tl.sigmoid(acc_g) * acc_u
-
-
-@triton.jit
-def _gemm1_wait(PREWAIT: tl.constexpr, PDL: tl.constexpr):
-    """PREWAIT: wait, then release (GEMM2 may read the routing before its own wait); else release, then wait."""
-    if PREWAIT:
-        pdl_wait(PDL)
-        pdl_release(PDL)
-    else:
-        pdl_start(PDL)
-
-
-@triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S, G13, G1S, G3S,
-                      I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
-                      E_ROUTED, stride_sn,
-                      TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr,
-                      EARLY_SHARED: tl.constexpr, N_SHARED: tl.constexpr, PDL: tl.constexpr):
-    """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
-    HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up).
-    TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots').
-    PREWAIT: wait, then release, so GEMM2's programs launch only once the routing is complete (_moe_gemm2_kernel).
-    EARLY_SHARED (NO_ALIGN and HAS_SHARED; the caller guarantees x was complete when this kernel launched, see
-    fused_experts' x_ready): the programs of pairs in the last N_SHARED columns of topk_ids (where the routing puts
-    the shared slots, weight 1.0) compute their whole tile from x (through L2) and the slot's weights before the
-    PDL wait, while the routing still runs. After the wait they check the pair's expert and recompute in the rare
-    case it is not that slot; only then do they store."""
-    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    if EARLY_SHARED:
-        slot = pid_m % TOPK - (TOPK - N_SHARED)
-        if slot >= 0:
-            offs = tl.arange(0, BLOCK_M)
-            row_ok = offs == 0  # NO_ALIGN: row 0 is the pair (_block_rows)
-            tok = tl.where(row_ok, pid_m // TOPK, 0).to(tl.int64)
-            e_slot = (E_ROUTED + slot).to(tl.int64)
-            h = _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e_slot, tok, row_ok, pid_n, I, D, stride_xt, stride_we,
-                         stride_wn, E_ROUTED, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, HAS_SHARED,
-                         TMA, True)
-            _gemm1_wait(PREWAIT, PDL)
-            if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
-                return
-            e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M,
-                                                NO_ALIGN)
-            if e != e_slot:  # not the routing's layout after all: the general path, after the wait
-                h = _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e, (ids // TOPK).to(tl.int64), ids < TK, pid_n, I, D,
-                             stride_xt, stride_we, stride_wn, E_ROUTED, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                             DOT_PREC, HAS_SHARED, TMA, False)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            h_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
-            tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=store[:, None] & (offs_n < I)[None, :])
-            return
-    _gemm1_wait(PREWAIT, PDL)
-    if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
-        return
-    e, ids, offs_m, store = _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M, NO_ALIGN)
-    row_ok = ids < TK
-    h = _gemm1_h(X, W13, W1S, W3S, G13, G1S, G3S, e, (ids // TOPK).to(tl.int64), row_ok, pid_n, I, D, stride_xt,
-                 stride_we, stride_wn, E_ROUTED, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PREC, HAS_SHARED,
-                 TMA, False)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                                  DOT_PREC)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
     h_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=store[:, None] & (offs_n < I)[None, :])
+    tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=store[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
@@ -315,12 +250,6 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def early_shared_serves(T: int, pairs_per_token: int) -> bool:
-    """Whether a step of T tokens runs GEMM1's shared slots before its PDL wait when the caller keeps x ready
-    (per-pair blocks; MLASERVE_MOE_EARLY_SHARED=0 turns it off): the model then launches the routing for it."""
-    return T * pairs_per_token <= NO_ALIGN_MAX_PAIRS and os.environ.get("MLASERVE_MOE_EARLY_SHARED", "0") != "0"
-
-
 def _tma_default(x: torch.Tensor, bm: int) -> bool:
     """TMA weight tiles for the decode (BLOCK_M 16) GEMMs in bf16/fp16 on sm_90+; MLASERVE_MOE_TMA=0 turns them off.
     The weight streaming is the whole cost there: M1 batch 1 TPOT 2.12 -> 2.02 ms on an H200 (moe_config.py)."""
@@ -351,8 +280,7 @@ def _check_shared(shared, I: int, D: int, dtype) -> int:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None,
-                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None,
-                  x_ready: bool = False):
+                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None):
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
     topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
@@ -363,13 +291,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     config (benchmarks, tests): moe_config overrides, flat or
     {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS) and "tma": bool
     (weight tiles by TMA; default: on for the bf16/fp16 decode tiles, BLOCK_M 16, on sm_90+ where whole tiles fit;
-    MLASERVE_MOE_TMA=0 turns it off), "prewait": bool or 0-3 (GEMM2's reads before its PDL wait, and how many TMA
-    weight tiles; default: under PDL with no_align, MLASERVE_MOE_PREWAIT tiles, 1 unless set; tests set it
-    without PDL, where it only reorders the code) and "early_shared": bool (default: x_ready under PDL with
-    no_align, TMA and shared slots; MLASERVE_MOE_EARLY_SHARED=0 turns it off).
-    x_ready: the caller guarantees x was complete when GEMM1 launched, i.e. the kernel before GEMM1 was launched
-    by one that released it only after its own PDL wait (routing.router_partials(late_release=True)); GEMM1's
-    shared-slot programs then run before their wait (_moe_gemm1_kernel's EARLY_SHARED)."""
+    MLASERVE_MOE_TMA=0 turns it off), and "prewait": bool (GEMM2's reads before its PDL wait; default: under PDL
+    with no_align; tests set it without PDL, where it only reorders the code)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -393,7 +316,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
     tma = config.pop("tma", None)
     prewait = config.pop("prewait", None)
-    early_shared = config.pop("early_shared", None)
     c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
     if tma is None:  # the default: the sm_90 decode tiles, where whole tiles fit (else the pointer loads)
         tma = _tma_default(x, c1["BLOCK_M"]) and _tma_fits(w13, w2, shared if S else None, c1, c2, D, I)
@@ -416,16 +338,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     pdl = pdl_args(x)  # the two GEMMs launch alike
     if prewait is None:
         # GEMM2's reads before its wait: under PDL, for the per-pair blocks of decode steps of 1-2 tokens (M1 on an
-        # H200, session 10: batch 1 TPOT -0.02 ms; at batch 32, aligned blocks, +0.1 ms). MLASERVE_MOE_PREWAIT: how
-        # many TMA weight tiles (0: off).
-        prewait = int(os.environ.get("MLASERVE_MOE_PREWAIT", "1")) if pdl["PDL"] and no_align else 0
-    prewait = min(int(prewait), 3, I // c2["BLOCK_K"])  # True: one tile
-    if early_shared is None:
-        # GEMM1's shared-slot programs before their wait (see x_ready); MLASERVE_MOE_EARLY_SHARED=0: off
-        early_shared = (x_ready and pdl["PDL"] and no_align and tma and S > 0
-                        and os.environ.get("MLASERVE_MOE_EARLY_SHARED", "0") != "0")
-    elif early_shared and not (no_align and S > 0):
-        raise ValueError("early_shared needs shared slots and per-pair blocks (no_align)")
+        # H200, session 10: batch 1 TPOT -0.02 ms; at batch 32, aligned blocks, +0.1 ms). MLASERVE_MOE_PREWAIT=0: off.
+        prewait = pdl["PDL"] and no_align and os.environ.get("MLASERVE_MOE_PREWAIT", "1") != "0"
     g13 = g1s = g3s = g2 = g2s = None  # None arguments are constexpr: the pointer kernels have no descriptors
     if tma:
         b1, b2 = [c1["BLOCK_N"], c1["BLOCK_K"]], [c2["BLOCK_N"], c2["BLOCK_K"]]
@@ -438,8 +352,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
         TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
         EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g13 is not None,
-        PREWAIT=prewait > 0, EARLY_SHARED=bool(early_shared), N_SHARED=S, num_warps=c1["num_warps"],
-        num_stages=c1["num_stages"], **pdl)
+        PREWAIT=prewait, num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s, g2, g2s,

@@ -139,17 +139,13 @@ def _router_partial(X, W, Part, w0, tb, split, T, D, stride_xt, stride_we, strid
 @triton.jit
 def _router_partial_kernel(X, W, Part, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
                            E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                           LATE_RELEASE: tl.constexpr, PDL: tl.constexpr):
+                           PDL: tl.constexpr):
     """Grid (token blocks, SPLIT): split-K over many programs; one program streaming the whole router weight is
-    latency-bound (a few KB in flight). LATE_RELEASE: release the next kernel (the routing) only after the wait,
-    so that x is complete whenever the kernel after the routing launches (fused_experts' x_ready)."""
-    if not LATE_RELEASE:
-        pdl_release(PDL)
+    latency-bound (a few KB in flight)."""
+    pdl_release(PDL)
     split = tl.program_id(1)
     w0 = _w_tile(W, split * KB_PER_SPLIT, D, stride_we, E, BLOCK_E, BLOCK_K)  # a weight: before the wait
     pdl_wait(PDL)
-    if LATE_RELEASE:
-        pdl_release(PDL)
     _router_partial(X, W, Part, w0, tl.program_id(0), split, T, D, stride_xt, stride_we, stride_ps, stride_pt,
                     KB_PER_SPLIT, E, BLOCK_T, BLOCK_E, BLOCK_K)
 
@@ -221,9 +217,8 @@ def _splitk_args(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, torch.Tens
     return kb_per_split, split, torch.empty(split, T, E, dtype=torch.float32, device=x.device)
 
 
-def router_partials(x: torch.Tensor, w: torch.Tensor, late_release: bool = False) -> torch.Tensor:
-    """x [T, D] bf16, w [E, D] bf16 -> split-K partial logits [SPLIT, T, E] fp32 (their sum is x . w^T).
-    late_release: under PDL the next kernel launches only once this one has passed its wait (x complete)."""
+def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, D] bf16, w [E, D] bf16 -> split-K partial logits [SPLIT, T, E] fp32 (their sum is x . w^T)."""
     kb_per_split, split, part = _splitk_args(x, w)
     T, D = x.shape
     E = w.shape[0]
@@ -231,24 +226,22 @@ def router_partials(x: torch.Tensor, w: torch.Tensor, late_release: bool = False
         _router_partial_kernel[(triton.cdiv(T, ROUTER_BLOCK_T), split)](
             x, w, part, T, D, x.stride(0), w.stride(0), part.stride(0), part.stride(1), kb_per_split,
             E=E, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_K=ROUTER_BLOCK_K,
-            LATE_RELEASE=late_release, num_warps=4, **pdl_args(x))
+            num_warps=4, **pdl_args(x))
     return part
 
 
 def route_splitk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                  norm_topk_prob: bool, scaling: float, num_shared: int = 0,
-                 shared_id0: int = 0, late_release: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...): two launches."""
-    return route_noaux_tc_logits(router_partials(x, w, late_release), bias, top_k, n_group, topk_group,
-                                 norm_topk_prob, scaling, num_shared, shared_id0)
+    return route_noaux_tc_logits(router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
+                                 num_shared, shared_id0)
 
 
-def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0, shared_id0: int = 0,
-                         x_ready: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0,
+                         shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K+S] fp32, ids [T, K+S] int64), S = num_shared
-    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits).
-    x_ready: x must be complete by the time the kernel after the routing launches (the split-K partials release
-    the routing only after their wait; the cuBLAS router GEMM, launched without PDL, always ends first)."""
+    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits)."""
     c = gate.cfg
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
     args = (gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
@@ -256,7 +249,7 @@ def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0, shared_id0:
     T = x.shape[0]
     if (w16 is not None and T <= ROUTER_SPLITK_MAX_TOKENS and x.stride(-1) == 1
             and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS):  # the router GEMM as split-K partials
-        return route_splitk(x, w16, *args, late_release=x_ready)
+        return route_splitk(x, w16, *args)
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
     else:

@@ -140,17 +140,16 @@ class Experts(nn.Module):
                                 self.tp_rank * n:(self.tp_rank + 1) * n])
 
     def forward(self, x, topk_weights, topk_ids, impl: str = "torch", add: torch.Tensor | None = None,
-                shared: tuple | None = None, norm: tuple | None = None, x_ready: bool = False):
+                shared: tuple | None = None, norm: tuple | None = None):
         """-> the routed experts' output [T, D], plus `add` (the shared experts') when given. Triton only: `shared`,
         the shared MLP's (gate, up, down) weights, run as S more experts whose ids the routing appended; `norm` =
-        (weight, eps, residual), the add + RMSNorm after the MoE fused into its sum -> (normed, output + residual);
-        x_ready: the routing was launched so that x is complete when the experts' first kernel launches
+        (weight, eps, residual), the add + RMSNorm after the MoE fused into its sum -> (normed, output + residual)
         (kernels.fused_moe.fused_experts)."""
         if impl == "triton":
             from ..kernels.fused_moe import fused_experts
 
             return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset,
-                                 add=add, shared=shared, norm=norm, x_ready=x_ready)
+                                 add=add, shared=shared, norm=norm)
         if shared is not None or norm is not None:
             raise ValueError("Experts: shared-experts fusion (shared=...) and the fused norm (norm=...) need "
                              "impl='triton'")

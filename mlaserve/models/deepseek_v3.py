@@ -84,21 +84,15 @@ class DeepseekV3MoE(nn.Module):
         """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual)."""
         S = 0  # shared slots the routing appends (shared-experts fusion)
         if self.impl == "triton":
-            from ..kernels.fused_moe import early_shared_serves
             from ..kernels.routing import route_noaux_tc_fused
 
             S = self.fuse_shared if x.shape[0] <= FUSE_SHARED_MAX_TOKENS else 0
-            # decode steps of 1-2 tokens: the routing keeps x complete by the time the experts launch, so their
-            # shared slots run while it routes (fused_moe's x_ready)
-            x_ready = S > 0 and x.is_cuda and early_shared_serves(x.shape[0], self.gate.cfg.num_experts_per_tok + S)
-            weights, ids = route_noaux_tc_fused(self.gate, x, S, self.experts.expert_offset + self.experts.num_local,
-                                                x_ready=x_ready)
+            weights, ids = route_noaux_tc_fused(self.gate, x, S, self.experts.expert_offset + self.experts.num_local)
         else:
             weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
         if S:  # ids [T, K+S]: the shared MLP runs inside the fused MoE as S more experts of weight 1.0
             sh = self.shared_experts
-            kw = dict(impl="triton", shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight),
-                      x_ready=x_ready)
+            kw = dict(impl="triton", shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
         else:  # routed + shared, summed in one pass
             kw = dict(impl=self.impl, add=self.shared_experts(x) if self.shared_experts is not None else None)
         if norm is not None and self.fuse_norm and norm.uses_kernel(x, residual):  # sum over k, add, norm: 1 kernel
