@@ -85,15 +85,24 @@ def draw_ids(L: int, n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def time_graph(ws, cfg, random_ids: bool, reps: int, g) -> dict:
+    """cfg: fused_experts' config, plus "routed_only": the 8 experts all routed (K + S distinct routed ids, no
+    shared slots), the same bytes without the shared-slot branch (whose second weight pipeline doubles the
+    kernels' shared memory: compile_check)."""
     L = len(ws)
+    cfg = dict(cfg or {})
+    routed_only = cfg.pop("routed_only", False)
     x = torch.randn(L, 1, D, device="cuda", generator=g).to(BF)
     w = torch.cat([torch.rand(L, 1, K, device="cuda", generator=g), torch.ones(L, 1, S, device="cuda")], -1)
-    bank = draw_ids(L, reps if random_ids else 1, g)
+    if routed_only:
+        n = reps if random_ids else 1
+        bank = torch.rand(n, L, E, device="cuda", generator=g).argsort(-1)[..., :K + S][:, :, None].contiguous()
+    else:
+        bank = draw_ids(L, reps if random_ids else 1, g)
     ids = bank[0].clone()
 
     def layer(i):
         w13, w2, sh = ws[i]
-        fused_experts(x[i], w13, w2, w[i], ids[i], 0, config=cfg, shared=sh)
+        fused_experts(x[i], w13, w2, w[i], ids[i], 0, config=cfg or None, shared=None if routed_only else sh)
     graph = capture(layer, L)
     times = replays(graph, L, ids, bank, reps)
     from torch.profiler import ProfilerActivity, profile
@@ -126,6 +135,13 @@ def sweep(a) -> None:
         ("tma g2 N128 s2", dict(t2, gemm2=dict(BLOCK_N=128, num_stages=2)), True),
         ("tma g2 K256 s2", dict(t2, gemm2=dict(BLOCK_K=256, num_stages=2)), True),
         ("tma w8 both", dict(t2, num_warps=8), True),
+        # session 11: is the stage count held back by the shared-slot branch's second pipeline (2x shared memory)?
+        ("routed-only default", dict(routed_only=True), True),
+        ("routed-only g1 s3 g2 s4", dict(t2, routed_only=True, gemm1=dict(num_stages=3), gemm2=dict(num_stages=4)),
+         True),
+        ("routed-only g1 s4 g2 s4", dict(t2, routed_only=True, gemm1=dict(num_stages=4), gemm2=dict(num_stages=4)),
+         True),
+        ("routed-only g1 s4 g2 s3", dict(t2, routed_only=True, gemm1=dict(num_stages=4)), True),
     ]
     if a.only:
         variants = [v for v in variants if any(s in v[0] for s in a.only.split(","))]
