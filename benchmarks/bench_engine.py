@@ -278,6 +278,8 @@ def main():
                              accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1)))
     if a.profile and not a.spec_only:
         res["profile"] = profile(engine, vocab, max(ttfts))
+    if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)
+        res["profile_eagle3"] = profile(engine_spec, vocab, 0, "decode_b1_eagle3")
     if a.hf and a.hf_last:  # transformers after mlaserve, once mlaserve's memory is back (its KV cache is most)
         engine = engine_spec = None  # noqa: F841
         gc.collect()
@@ -305,16 +307,19 @@ def main():
             json.dump(res, f, indent=1)
 
 
-def profile(engine, vocab, prefill_len):
-    """Where the time goes: the top GPU kernels of one long prefill, and of 16 batch-1 decode steps alone (the
-    request's prefill and warm-up steps run outside the profiler). Per-step figures divide by the step count."""
+def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
+    """Where the time goes: the top GPU kernels of one long prefill (unless prefill_len is 0), and of 16 batch-1
+    decode steps alone (the request's prefill and warm-up steps run outside the profiler). Per-step figures divide
+    by the step count. A decode profile also splits the steps' span into GPU-busy and idle time (the host's)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
     out = {}
     steps = 16
-    for name, n, run in (("prefill", 1, lambda around: ml_ttft(engine, prefill_len, vocab, reps=1, around=around)),
-                         ("decode_b1", steps, lambda around: ml_tpot(engine, 1, 512, vocab, steps, around))):
+    runs = [("prefill", 1, lambda around: ml_ttft(engine, prefill_len, vocab, reps=1, around=around))]
+    runs = (runs if prefill_len else []) + [
+        (decode_name, steps, lambda around: ml_tpot(engine, 1, 512, vocab, steps, around))]
+    for name, n, run in runs:
         cuda = torch.cuda.is_available()  # CPU: operator times (a check of this function)
         prof = tprofile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
         run(lambda p=prof: p)
@@ -329,12 +334,32 @@ def profile(engine, vocab, prefill_len):
         for k, ms, c in rows[:30]:
             log(f"  {1e3 * ms / n:8.1f} us/pass {c / n:6.1f}x {1e3 * ms / c:7.2f} us  {k[:90]}")
         if cuda and name.startswith("decode"):
+            busy, span = gpu_busy(prof)
+            out[name].update(busy_us_per_pass=busy / n, span_us_per_pass=span / n)
+            log(f"  GPU busy {busy / n:.1f} us of a {span / n:.1f} us step span (idle, waiting for the host: "
+                f"{(span - busy) / n:.1f} us)")
             out[name]["chain"] = chain = critical_path(prof, n)
             log(f"  critical path of {name} (each kernel's end minus the previous kernel's end, any stream):")
             for r in chain[:24]:
                 log(f"  {r['us_per_pass']:8.1f} us/pass {r['count_per_pass']:6.1f}x {r['us_per_call']:7.2f} us  "
                     f"{r['name']}")
     return out
+
+
+def gpu_busy(prof) -> tuple[float, float]:
+    """-> (us during which at least one GPU op ran, us from the first op's start to the last one's end)."""
+    iv = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not iv:
+        return 0.0, 0.0
+    busy, (cur_s, cur_e) = 0.0, iv[0]
+    for s, e in iv[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + cur_e - cur_s, iv[-1][1] - iv[0][0]
 
 
 def critical_path(prof, passes):

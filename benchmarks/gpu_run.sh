@@ -2,7 +2,7 @@
 # One device call: environment, gpu tests, kernel bench, whole-model bench. Each stage has its own time limit so
 # the call ends inside the device tool's 10 minutes; everything is logged under $OUT.
 #   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2] [tp] [ncu]
-# Env: TESTS / TESTS_K / TESTS_S, KERNEL_ARGS / KERNELS_S, M1_ARGS / M1_S, SPEC_S, M2_S, TP_S / TP_ARGS, PROBE_S / PROBE_ARGS / NCU_S (see each stage).
+# Env: TESTS / TESTS_K / TESTS_S, KERNEL_ARGS / KERNELS_S, M1_ARGS / M1_S, SPEC_S / SPEC_ARGS (e.g. --profile) / SPEC_TAIL, M2_S, TP_S / TP_ARGS, PROBE_S / PROBE_ARGS / NCU_S (see each stage).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
@@ -30,7 +30,8 @@ fi
 if [[ $stages == *" spec "* ]]; then
   el "M1 EAGLE3 bench"
   timeout ${SPEC_S:-200} python3 benchmarks/bench_engine.py --model /tmp/m1 --make moonlight-16b-a3b \
-    --draft /tmp/m1-draft --spec-only --batches 1,8 --label m1-eagle3 2>&1 | tee "$OUT/spec.log" | tail -12
+    --draft /tmp/m1-draft --spec-only --batches 1,8 ${SPEC_ARGS} --label m1-eagle3 2>&1 | tee "$OUT/spec.log" \
+    | grep -vE "it/s" | tail -${SPEC_TAIL:-12}
 fi
 if [[ $stages == *" m2 "* ]]; then
   el "M2 engine bench (dummy weights)"
