@@ -51,9 +51,11 @@ if [[ $stages == *" ncu "* ]]; then  # why the batch-1 MoE GEMMs stream at ~70 %
   el "MoE T=1 probe (graphs, 26 layers' weights) + ncu"
   timeout ${PROBE_S:-200} python3 benchmarks/moe_ncu_probe.py --sweep --layers 26 --reps 30 ${PROBE_ARGS} 2>&1 \
     | tee "$OUT/moe_probe.log" | grep -vE "Warning|warn" | tail -16
-  timeout ${NCU_S:-150} ncu --kernel-name regex:_moe_gemm --launch-skip 16 --launch-count 4 --section SpeedOfLight \
+  # NCU_KERNELS / NCU_PROBE_ARGS, e.g. NCU_KERNELS="regex:_moe_gemm1|nvjet" NCU_PROBE_ARGS="--stages 3,3 --lm-head"
+  timeout ${NCU_S:-150} ncu --kernel-name ${NCU_KERNELS:-regex:_moe_gemm} --launch-skip ${NCU_SKIP:-16} \
+    --launch-count ${NCU_COUNT:-4} --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis_Chart \
-    python3 benchmarks/moe_ncu_probe.py --reps 3 > "$OUT/ncu_moe.txt" 2>&1
+    python3 benchmarks/moe_ncu_probe.py --reps 3 ${NCU_PROBE_ARGS} > "$OUT/ncu_moe.txt" 2>&1
   grep -E "_moe_gemm|DRAM Throughput|Memory Throughput|Duration|Achieved Occupancy|Stall|Warp Cycles" \
     "$OUT/ncu_moe.txt" | head -40
 fi

@@ -1,7 +1,7 @@
 """The batch-1 fused MoE (M1: Moonlight's 64 experts top-6 plus 2 shared slots, D 2048, I 1408) as decode reads
 it, layer after layer: why GEMM1 / GEMM2 stream at ~70 % of the bandwidth in the engine and 78 % in kernels_bench.
 
-    PYTHONPATH=$PWD python benchmarks/moe_ncu_probe.py [--tma 0|1] [--reps 40]        # eager, CUDA events
+    PYTHONPATH=$PWD python benchmarks/moe_ncu_probe.py [--tma 0|1] [--reps 40] [--stages 3,3] [--lm-head]  # eager
     PYTHONPATH=$PWD python benchmarks/moe_ncu_probe.py --sweep [--layers 26]           # CUDA graphs, variants
     PYTHONPATH=$PWD python benchmarks/moe_ncu_probe.py --chain --layers 26 --reps 20   # after the router, PDL on/off
     PYTHONPATH=$PWD python benchmarks/moe_ncu_probe.py --prefetch --layers 26 --reps 20  # shared experts into L2
@@ -313,6 +313,10 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true", help="the MoE after the router, as the engine (chain_sweep)")
     ap.add_argument("--prefetch", action="store_true", help="L2 prefetch of the shared experts (prefetch_sweep)")
     ap.add_argument("--window-us", type=float, default=10.0)
+    ap.add_argument("--stages", default="", help="eager mode: GEMM1,GEMM2 num_stages (e.g. 3,3) for an ncu "
+                    "comparison with the default 2,3")
+    ap.add_argument("--lm-head", action="store_true", help="eager mode: also run M1's lm_head GEMV (cuBLAS, "
+                    "163840 x 2048 bf16), the streaming kernel the MoE's rate is compared with")
     a = ap.parse_args()
     if a.chain:
         return chain_sweep(a)
@@ -325,7 +329,15 @@ def main() -> None:
     x = torch.randn(1, D, device="cuda", generator=g).to(BF)
     ids = draw_ids(1, 1, g)[0, 0]
     w = torch.cat([torch.rand(1, K, device="cuda", generator=g), torch.ones(1, S, device="cuda")], 1)
-    cfg = None if a.tma is None else dict(tma=bool(a.tma))
+    cfg = {} if a.tma is None else dict(tma=bool(a.tma))
+    if a.stages:
+        s1, s2 = (int(v) for v in a.stages.split(","))
+        cfg.update(gemm1=dict(num_stages=s1), gemm2=dict(num_stages=s2))
+    cfg = cfg or None
+    if a.lm_head:  # 671 MB: cuBLAS streams it at ~4.3 TB/s in the engine (bench_engine --profile)
+        head = torch.empty(163840, D, device="cuda", dtype=BF).normal_(0, D**-0.5, generator=g)
+        for _ in range(3):
+            torch.nn.functional.linear(x, head)
     run = [lambda w13=w13, w2=w2, sh=sh: fused_experts(x, w13, w2, w, ids, 0, config=cfg, shared=sh)
            for w13, w2, sh in ws]
     for f in run:  # compile, warm up
