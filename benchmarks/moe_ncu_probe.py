@@ -77,8 +77,11 @@ def weights(L: int, g: torch.Generator):
              rnd(D, S * I, fan=S * I))) for _ in range(L)]
 
 
-def draw_ids(L: int, n: int, g: torch.Generator) -> torch.Tensor:
-    """[n, L, 1, K + S]: K distinct routed experts per layer, then the shared slots E, E+1."""
+def draw_ids(L: int, n: int, g: torch.Generator, routed_only: bool = False) -> torch.Tensor:
+    """[n, L, 1, K + S]: K distinct routed experts per layer, then the shared slots E, E+1; routed_only: K + S
+    distinct routed experts (the same bytes, no shared slots)."""
+    if routed_only:
+        return torch.rand(n, L, E, device="cuda", generator=g).argsort(-1)[..., :K + S][:, :, None].contiguous()
     routed = torch.rand(n, L, E, device="cuda", generator=g).argsort(-1)[..., :K]
     shared = torch.arange(E, E + S, device="cuda").expand(n, L, S)
     return torch.cat([routed, shared], -1)[:, :, None].contiguous()
@@ -93,11 +96,7 @@ def time_graph(ws, cfg, random_ids: bool, reps: int, g) -> dict:
     routed_only = cfg.pop("routed_only", False)
     x = torch.randn(L, 1, D, device="cuda", generator=g).to(BF)
     w = torch.cat([torch.rand(L, 1, K, device="cuda", generator=g), torch.ones(L, 1, S, device="cuda")], -1)
-    if routed_only:
-        n = reps if random_ids else 1
-        bank = torch.rand(n, L, E, device="cuda", generator=g).argsort(-1)[..., :K + S][:, :, None].contiguous()
-    else:
-        bank = draw_ids(L, reps if random_ids else 1, g)
+    bank = draw_ids(L, reps if random_ids else 1, g, routed_only)
     ids = bank[0].clone()
 
     def layer(i):

@@ -18,7 +18,8 @@ import triton.language as tl
 from .pdl import pdl_args, pdl_release, pdl_wait
 
 GEMV_MAX_BYTES = 16 << 20  # measured up to M1's 15 MB q|kv_a; larger weights stream well through cuBLAS
-GEMV_MAX_TOKENS = 8  # rows of x a launch serves (the engine sends 1-2: layers.linear)
+GEMV_MAX_TOKENS = 8  # rows of x a launch serves
+GEMV_SERVE_TOKENS = 2  # rows of the steps layers.linear sends here (gemv_serves): the sizes that beat cuBLAS
 
 
 @triton.jit
@@ -48,6 +49,15 @@ def _gemv_kernel(X, W, Y, N, K, stride_xt, stride_wn, stride_yt, T: tl.constexpr
             acc = tl.where((rows == t)[:, None], acc + y[None, :], acc)
     y_ptr = Y + rows[:, None] * stride_yt + n[None, :]
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(rows < T)[:, None] & (n < N)[None, :])
+
+
+def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether layers.linear sends x @ w^T here: a CUDA step of 1..GEMV_SERVE_TOKENS rows in bf16/fp16 with unit
+    last strides, times a weight of <= GEMV_MAX_BYTES (decode's q|kv_a and o_proj at batch 1-2, EAGLE3's verify
+    of width 2 at batch 1)."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_SERVE_TOKENS and x.dtype == w.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and w.stride(-1) == 1
+            and w.numel() * w.element_size() <= GEMV_MAX_BYTES)
 
 
 def gemv_config(N: int, K: int) -> dict:

@@ -67,11 +67,10 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T. One or two rows times a small weight (decode's q|kv_a and o_proj at batch 1-2, EAGLE3's verify of
     width 2 at batch 1) go to the Triton GEMV on the GPU, which streams the weight faster than cuBLAS's GEMM there
     (kernels/gemv.py); all else to F.linear."""
-    if (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= 2 and x.dtype == w.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and w.stride(-1) == 1):
-        from ..kernels.gemv import GEMV_MAX_BYTES, gemv
+    if x.is_cuda:  # triton is imported only where it runs
+        from ..kernels.gemv import gemv, gemv_serves
 
-        if w.numel() * w.element_size() <= GEMV_MAX_BYTES:
+        if gemv_serves(x, w):
             return gemv(x, w)
     return F.linear(x, w)
 

@@ -41,3 +41,19 @@ def test_linear_dispatch_stays_on_f_linear_off_gpu():
 
     x, w = torch.randn(1, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
     assert torch.equal(linear(x, w), F.linear(x, w))  # CPU: F.linear itself
+
+
+def test_gemv_serves_rule(kdev):
+    """layers.linear's dispatch rule: CUDA steps of 1-2 rows in bf16/fp16 times weights of <= GEMV_MAX_BYTES."""
+    from mlaserve.kernels.gemv import GEMV_MAX_BYTES, GEMV_SERVE_TOKENS, gemv_serves
+
+    bf = torch.bfloat16
+    w = torch.empty(64, 32, dtype=bf, device=kdev)
+    cuda = torch.device(kdev).type == "cuda"
+    for T in range(1, GEMV_SERVE_TOKENS + 1):
+        assert gemv_serves(torch.empty(T, 32, dtype=bf, device=kdev), w) == cuda
+    assert not gemv_serves(torch.empty(GEMV_SERVE_TOKENS + 1, 32, dtype=bf, device=kdev), w)
+    assert not gemv_serves(torch.empty(1, 32, device=kdev), w.float())  # fp32
+    assert not gemv_serves(torch.empty(1, 64, dtype=bf, device=kdev)[:, ::2], w)  # strided x
+    big = torch.empty(1, 32, dtype=bf, device=kdev).expand(GEMV_MAX_BYTES // 2 // 32 + 1, 32)  # > the byte limit
+    assert not gemv_serves(torch.empty(1, 32, dtype=bf, device=kdev), big)
