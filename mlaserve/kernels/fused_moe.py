@@ -25,7 +25,6 @@ from .moe_config import moe_config
 from .moe_gemv import moe_gemv
 from .moe_sum import moe_sum
 from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
-from .rmsnorm import add_rms_norm
 
 NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 
@@ -265,14 +264,11 @@ def _gemv_default(x: torch.Tensor, no_align: bool):
     "n1:w1:n2:w2" sets rows per program and warps of gemv1 / gemv2 (A/B timing)."""
     spec = os.environ.get("MLASERVE_MOE_GEMV", "1")
     if spec == "0" or not (no_align and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
-        return False, False
-    sum_k = spec.startswith("sum")
-    spec = spec.removeprefix("sum").removeprefix(",")
+        return False
     if ":" not in spec:
-        return True, sum_k
+        return True
     n1, w1, n2, w2 = map(int, spec.split(":"))
-    return dict(gemv1=dict(BLOCK_N=n1, num_warps=w1), **{"gemv2_sum" if sum_k else "gemv2": dict(
-        BLOCK_N=n2, num_warps=w2)}), sum_k
+    return dict(gemv1=dict(BLOCK_N=n1, num_warps=w1), gemv2=dict(BLOCK_N=n2, num_warps=w2))
 
 
 def _tma_fits(w13, w2, shared, c1: dict, c2: dict, D: int, I: int) -> bool:
@@ -335,22 +331,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     tma = config.pop("tma", None)
     prewait = config.pop("prewait", None)
     gemv = config.pop("gemv", None)  # True/False, or moe_gemv's {"gemv1": {...}, "gemv2": {...}} overrides
-    gemv_sum = config.pop("gemv_sum", None)
     if gemv is None:
-        gemv, gemv_sum_default = _gemv_default(x, no_align)
-        gemv_sum = gemv_sum_default if gemv_sum is None else gemv_sum
+        gemv = _gemv_default(x, no_align)
     if gemv:
         if not no_align:
             raise ValueError(f"gemv: the GEMV form serves per-pair blocks only (T*K={TK} <= {NO_ALIGN_MAX_PAIRS})")
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
-        cfg = gemv if isinstance(gemv, dict) else None
-        if gemv_sum and add is None:  # gemv2 sums the pairs itself: no moe_sum; the norm after it stands alone
-            y = torch.empty(T, D, dtype=x.dtype, device=x.device)
-            moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S, hbuf, y, pdl_args(x),
-                     cfg, sum_k=True)
-            return y if norm is None else add_rms_norm(y, norm[2], norm[0], norm[1])
         y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
-        moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S, hbuf, y, pdl_args(x), cfg)
+        moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S, hbuf, y, pdl_args(x),
+                 gemv if isinstance(gemv, dict) else None)
         return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)
     c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
     if tma is None:  # the default: the sm_90 decode tiles, where whole tiles fit (else the pointer loads)

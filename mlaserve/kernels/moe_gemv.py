@@ -125,58 +125,16 @@ def _moe_gemv2_kernel(Hbuf, W2, W2S, Y, TopkW, TopkIds, T, D, I, stride_hm, stri
     tl.store(Y + p * stride_yt + d, (acc * tw).to(Y.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit(do_not_specialize=["T", "expert_offset"])
-def _moe_gemv2_sum_kernel(Hbuf, W2, W2S, Y, TopkW, TopkIds, T, D, I, stride_hm, stride_we, stride_wn, stride_sn,
-                          stride_yt, expert_offset, E_LOCAL, E_ROUTED,
-                          TOPK: tl.constexpr, BLOCK_P: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Y[t, d-block] = sum over the token's pairs k of topk_weight[t, k] * (Hbuf[(t, k)] . down[e_k, d]): gemv2 and
-    the sum over k in one program, whose [BLOCK_P * BLOCK_N, K] tile holds row d of every pair's expert (row r:
-    pair r // BLOCK_N, column d0 + r % BLOCK_N). Pairs of experts this rank does not own add nothing. The pair
-    sums run in fp32 and are rounded once."""
-    pdl_release(PDL)
-    nb = tl.cdiv(D, BLOCK_N)
-    tok = tl.program_id(0) // nb
-    d0 = (tl.program_id(0) % nb) * BLOCK_N
-    r = tl.arange(0, BLOCK_P * BLOCK_N)
-    kp = r // BLOCK_N
-    d = d0 + r % BLOCK_N
-    p = tok * TOPK + kp
-    # before the wait: the routing (complete when gemv1 released this kernel; through L2) and the first K trip
-    e = tl.load(TopkIds + p, mask=kp < TOPK, other=0, cache_modifier=".cg").to(tl.int64) - expert_offset
-    own = (kp < TOPK) & (e >= 0) & (e < E_LOCAL) & (d < D)
-    e = tl.where(own, e, 0)
-    w_ptr = _rows(W2, W2S, e, d, stride_we, stride_wn, stride_sn, 0, I, E_ROUTED, S > 0)
-    k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr[:, None] + k[None, :], mask=own[:, None] & (k < I)[None, :], other=0.0)
-    tw = tl.load(TopkW + p, mask=own, other=0.0, cache_modifier=".cg")
-    pdl_wait(PDL)
-    h_ptr = Hbuf + p.to(tl.int64)[:, None] * stride_hm
-    h = tl.load(h_ptr + k[None, :], mask=own[:, None] & (k < I)[None, :], other=0.0).to(tl.float32)
-    acc = tl.sum(w.to(tl.float32) * h, 1)
-    for k0 in range(BLOCK_K, I, BLOCK_K):
-        kk = k0 + k
-        ok = own[:, None] & (kk < I)[None, :]
-        h = tl.load(h_ptr + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-        acc += tl.sum(tl.load(w_ptr[:, None] + kk[None, :], mask=ok, other=0.0).to(tl.float32) * h, 1)
-    y = tl.sum(tl.reshape(acc * tw, [BLOCK_P, BLOCK_N]), 0)  # [BLOCK_N]: the pairs summed
-    dn = d0 + tl.arange(0, BLOCK_N)
-    tl.store(Y + tok * stride_yt + dn, y.to(Y.dtype.element_ty), mask=dn < D)
-
-
 def moe_gemv_config(D: int, I: int) -> dict:
     """Rows per program and the K trip of each GEMV: gemv.py's two rows (gate and up: four) with the whole row in
-    one trip up to 2048 columns (longer rows loop), 2-4 warps. gemv2_sum: one row of every pair a program."""
-    bk1, bk2 = min(triton.next_power_of_2(D), 2048), min(triton.next_power_of_2(I), 2048)
-    return dict(gemv1=dict(BLOCK_N=2, BLOCK_K=bk1, num_warps=4), gemv2=dict(BLOCK_N=4, BLOCK_K=bk2, num_warps=2),
-                gemv2_sum=dict(BLOCK_N=1, BLOCK_K=bk2, num_warps=8))
+    one trip up to 2048 columns (longer rows loop), 2-4 warps."""
+    return dict(gemv1=dict(BLOCK_N=2, BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4),
+                gemv2=dict(BLOCK_N=4, BLOCK_K=min(triton.next_power_of_2(I), 2048), num_warps=2))
 
 
-def moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S, hbuf, y, pdl, config=None,
-             sum_k: bool = False):
-    """fused_experts' two GEMMs as GEMVs, into hbuf [TK, I] and y (its buffers; the caller checked every shape):
-    y [TK, D], a row per pair; sum_k: y [T, D], the pairs summed (gemv2_sum). w1s / w3s / w2s: the shared slots'
-    weights (any tensor when S == 0)."""
+def moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S, hbuf, y, pdl, config=None):
+    """fused_experts' two GEMMs as GEMVs, into hbuf [TK, I] and y [TK, D] (its buffers; the caller checked every
+    shape). w1s / w3s / w2s: the shared slots' weights (any tensor when S == 0)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
@@ -184,20 +142,13 @@ def moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S
     cfg = moe_gemv_config(D, I)
     for key, val in (config or {}).items():
         cfg[key] = dict(cfg[key], **val)
-    c1, c2 = cfg["gemv1"], cfg["gemv2_sum" if sum_k else "gemv2"]
+    c1, c2 = cfg["gemv1"], cfg["gemv2"]
     ids = topk_ids.reshape(-1)
     sn1 = w1s.stride(0) if S else 0
     _moe_gemv1_kernel[(T * TOPK * triton.cdiv(I, c1["BLOCK_N"]),)](
         x, w13, w1s, w3s, hbuf, ids, T, D, I, x.stride(0), w13.stride(0), w13.stride(1), sn1, hbuf.stride(0),
         expert_offset, E + S, E, TOPK=TOPK, S=S, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"],
         num_warps=c1["num_warps"], **pdl)
-    if sum_k:
-        _moe_gemv2_sum_kernel[(T * triton.cdiv(D, c2["BLOCK_N"]),)](
-            hbuf, w2, w2s, y, topk_weights.reshape(-1), ids, T, D, I, hbuf.stride(0), w2.stride(0), w2.stride(1),
-            w2s.stride(0) if S else 0, y.stride(0), expert_offset, E + S, E, TOPK=TOPK,
-            BLOCK_P=triton.next_power_of_2(TOPK), S=S, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"],
-            num_warps=c2["num_warps"], **pdl)
-        return
     _moe_gemv2_kernel[(T * TOPK * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf, w2, w2s, y, topk_weights.reshape(-1), ids, T, D, I, hbuf.stride(0), w2.stride(0), w2.stride(1),
         w2s.stride(0) if S else 0, y.stride(0), expert_offset, E + S, E, TOPK=TOPK, S=S, BLOCK_N=c2["BLOCK_N"],

@@ -26,10 +26,9 @@ def inputs(kdev, dtype, T, D, I, E, K, S, offset, seed=0):
     return x, w13, w2, gate, up, down, ids, w
 
 
-@pytest.mark.parametrize("sum_k", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,S,offset", [(1, 2, 0), (2, 1, 0), (1, 0, 0), (2, 2, 4)])
-def test_gemv_form_matches_reference(kdev, dtype, T, S, offset, sum_k):
+def test_gemv_form_matches_reference(kdev, dtype, T, S, offset):
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.layers.moe import fused_experts_ref
 
@@ -39,18 +38,16 @@ def test_gemv_form_matches_reference(kdev, dtype, T, S, offset, sum_k):
     ids_all = torch.cat([ids, torch.arange(S, device=kdev).expand(T, S) + offset + E], 1)
     w_all = torch.cat([w, torch.ones(T, S, device=kdev)], 1)
     with poisoned_empty():
-        out = fused_experts(x, w13, w2, w_all, ids_all, offset, shared=shared, config=dict(gemv=True, gemv_sum=sum_k))
+        out = fused_experts(x, w13, w2, w_all, ids_all, offset, shared=shared, config=dict(gemv=True))
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, offset)
     if S:
         ref = ref + shared_mlp(x, gate, up, down)
-    assert_close(out, ref, dtype, f"moe gemv T={T} S={S} offset={offset} sum_k={sum_k} {dtype}")
+    assert_close(out, ref, dtype, f"moe gemv T={T} S={S} offset={offset} {dtype}")
 
 
-@pytest.mark.parametrize("sum_k", [False, True])
-@pytest.mark.parametrize("cfg", [dict(gemv1=dict(BLOCK_K=16), gemv2=dict(BLOCK_K=8), gemv2_sum=dict(BLOCK_K=8)),
-                                 dict(gemv1=dict(BLOCK_N=4), gemv2=dict(BLOCK_N=8), gemv2_sum=dict(BLOCK_N=4))])
-def test_gemv_form_trips_and_tiles(kdev, cfg, sum_k):
-    # K in 3 / 3 trips; more rows per program
+@pytest.mark.parametrize("cfg", [dict(gemv1=dict(BLOCK_K=16), gemv2=dict(BLOCK_K=8)),  # K in 3 / 3 trips
+                                 dict(gemv1=dict(BLOCK_N=4), gemv2=dict(BLOCK_N=8))])  # rows per program
+def test_gemv_form_trips_and_tiles(kdev, cfg):
     # D=40 and I=20 are not multiples of the trips or the row blocks: masked tails in both GEMVs
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.layers.moe import fused_experts_ref
@@ -60,14 +57,12 @@ def test_gemv_form_trips_and_tiles(kdev, cfg, sum_k):
     ids_all = torch.cat([ids, torch.arange(S, device=kdev).expand(T, S) + E], 1)
     w_all = torch.cat([w, torch.ones(T, S, device=kdev)], 1)
     with poisoned_empty():
-        out = fused_experts(x, w13, w2, w_all, ids_all, 0, shared=(gate, up, down),
-                            config=dict(gemv=cfg, gemv_sum=sum_k))
+        out = fused_experts(x, w13, w2, w_all, ids_all, 0, shared=(gate, up, down), config=dict(gemv=cfg))
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, 0) + shared_mlp(x, gate, up, down)
-    assert_close(out, ref, torch.float32, f"moe gemv {cfg} sum_k={sum_k}")
+    assert_close(out, ref, torch.float32, f"moe gemv {cfg}")
 
 
-@pytest.mark.parametrize("sum_k", [False, True])
-def test_gemv_form_wrong_guess_reloads(kdev, sum_k):
+def test_gemv_form_wrong_guess_reloads(kdev):
     # ids not in the routing's layout: a shared slot in a routed column and a routed expert in the last (shared)
     # column. The shared column's rows loaded before the wait are the wrong ones and must be replaced.
     from mlaserve.kernels.fused_moe import fused_experts
@@ -79,15 +74,14 @@ def test_gemv_form_wrong_guess_reloads(kdev, sum_k):
     ids = torch.tensor([[E, 2]], device=kdev)  # the slot first, routed expert 2 where the slot's column is
     w = torch.tensor([[1.0, 0.7]], device=kdev)
     with poisoned_empty():
-        out = fused_experts(x, w13, w2, w, ids, 0, shared=(gate, up, down), config=dict(gemv=True, gemv_sum=sum_k))
+        out = fused_experts(x, w13, w2, w, ids, 0, shared=(gate, up, down), config=dict(gemv=True))
     s13, s2 = slots(gate, up, down, S)
     ref = fused_experts_ref(x, torch.cat([w13, s13]), torch.cat([w2, s2]), w, ids, 0)
     assert_close(out, ref, torch.float32, "moe gemv, guess wrong")
 
 
-@pytest.mark.parametrize("sum_k", [False, True])
-def test_gemv_form_norm_fused(kdev, sum_k):
-    # the add + RMSNorm after the MoE: fused into moe_sum, or (sum_k) add_rms_norm after the summing gemv2
+def test_gemv_form_norm_fused(kdev):
+    # the add + RMSNorm after the MoE fused into the sum, as the engine runs it at batch 1
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.kernels.rmsnorm import add_rms_norm
 
@@ -99,9 +93,9 @@ def test_gemv_form_norm_fused(kdev, sum_k):
     nw = (1 + 0.1 * torch.randn(D)).to(kdev).to(torch.bfloat16)
     residual = torch.randn(T, D).to(kdev).to(torch.bfloat16)
     sh = (gate, up, down)
-    cfg = dict(gemv=True, gemv_sum=sum_k)
-    normed, summed = fused_experts(x, w13, w2, w_all, ids_all, 0, shared=sh, norm=(nw, 1e-6, residual), config=cfg)
-    y = fused_experts(x, w13, w2, w_all, ids_all, 0, shared=sh, config=cfg)
+    normed, summed = fused_experts(x, w13, w2, w_all, ids_all, 0, shared=sh, norm=(nw, 1e-6, residual),
+                                   config=dict(gemv=True))
+    y = fused_experts(x, w13, w2, w_all, ids_all, 0, shared=sh, config=dict(gemv=True))
     ref_normed, ref_summed = add_rms_norm(y, residual, nw, 1e-6)
     torch.testing.assert_close(summed, ref_summed, rtol=0, atol=0)
     torch.testing.assert_close(normed, ref_normed, rtol=0, atol=0)
@@ -114,17 +108,3 @@ def test_gemv_form_needs_per_pair_blocks(kdev):
     x, w13, w2, _, _, _, ids, w = inputs(kdev, torch.float32, T, D, I, E, K, 0, 0)
     with pytest.raises(ValueError, match="per-pair"):
         fused_experts(x, w13, w2, w, ids.clamp(max=E - 1), 0, config=dict(gemv=True))
-
-
-def test_gemv_form_sum_with_add_keeps_moe_sum(kdev):
-    # `add` (the shared MLP's output when it is not fused) rounds after the routed sum: the per-pair rows + moe_sum
-    from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.layers.moe import fused_experts_ref
-
-    T, D, I, E, K = 2, 32, 16, 6, 3
-    x, w13, w2, _, _, _, ids, w = inputs(kdev, torch.bfloat16, T, D, I, E, K, 0, 0, seed=4)
-    add = torch.randn(T, D).to(kdev).to(torch.bfloat16)
-    with poisoned_empty():
-        out = fused_experts(x, w13, w2, w, ids, 0, add=add, config=dict(gemv=True, gemv_sum=True))
-    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, 0) + add.float()
-    assert_close(out, ref, torch.bfloat16, "moe gemv + add")
