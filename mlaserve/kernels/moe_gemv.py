@@ -43,6 +43,15 @@ def _pair_of(q, T, TOPK: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
+def _program(N, T, TOPK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's pair, token, guessed shared slot (_pair_of) and its BLOCK_N of the N output rows (+ mask)."""
+    nb = tl.cdiv(N, BLOCK_N)
+    p, tok, j = _pair_of(tl.program_id(0) // nb, T, TOPK, S)
+    rows = (tl.program_id(0) % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return p, tok, j, rows, rows < N
+
+
+@triton.jit
 def _rows(W, WS, e, rows, stride_we, stride_wn, stride_sn, row0, col0, E_ROUTED, HAS_SHARED: tl.constexpr):
     """Pointers to the first element of each of `rows` of expert e's matrix: routed experts W[e, rows, :]; with
     HAS_SHARED, e >= E_ROUTED is slot j = e - E_ROUTED of WS: its rows j * row0 + rows from column j * col0 (gate and
@@ -59,10 +68,7 @@ def _moe_gemv1_kernel(X, W13, W1S, W3S, Hbuf, TopkIds, T, D, I, stride_xt, strid
                       stride_hm, expert_offset, E_LOCAL, E_ROUTED,
                       TOPK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PDL: tl.constexpr):
-    nb = tl.cdiv(I, BLOCK_N)
-    p, tok, j = _pair_of(tl.program_id(0) // nb, T, TOPK, S)
-    n = (tl.program_id(0) % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < I
+    p, tok, j, n, n_ok = _program(I, T, TOPK, S, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     k_ok = k < D
     # before the wait: a shared column's slot rows (gate rows j*I + n of W1S, up rows of W3S), first K trip
@@ -101,10 +107,7 @@ def _moe_gemv2_kernel(Hbuf, W2, W2S, Y, TopkW, TopkIds, T, D, I, stride_hm, stri
                       TOPK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PDL: tl.constexpr):
     pdl_release(PDL)
-    nb = tl.cdiv(D, BLOCK_N)
-    p, tok, j = _pair_of(tl.program_id(0) // nb, T, TOPK, S)
-    d = (tl.program_id(0) % nb) * BLOCK_N + tl.arange(0, BLOCK_N)
-    d_ok = d < D
+    p, tok, j, d, d_ok = _program(D, T, TOPK, S, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     k_ok = k < I
     # before the wait: the routing (complete when gemv1 released this kernel; through L2) and the first K trip
