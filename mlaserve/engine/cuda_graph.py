@@ -8,6 +8,7 @@ Padding is harmless by construction: padded requests have seq_len = q_len, a zer
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -184,7 +185,10 @@ class GraphRunner:
                     self._forward(batch)
                 torch.cuda.synchronize()
                 g.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g.graph, pool=self.pool):
+                # MLASERVE_CAPTURE_MODE (debugging): torch's capture_error_mode, "global" by default; "relaxed" tells
+                # whether a failed capture came from a host call that global mode forbids (docs/kernels.md, moe_gemv)
+                mode = os.environ.get("MLASERVE_CAPTURE_MODE", "global")
+                with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode=mode):
                     g.logits, g.aux = self._forward(batch)
                 self.pool = g.graph.pool()
             self.graphs[key] = g
