@@ -7,8 +7,9 @@ Padding is harmless by construction: padded requests have seq_len = q_len, a zer
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,23 @@ log = logging.getLogger("mlaserve.cuda_graph")
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 PREFILL_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic GC off while graphs are captured, after a full collection. A dead engine left in a reference
+    cycle (an earlier LLM in the same process) still owns CUDA graphs; if the GC frees them mid-capture, their
+    destruction (CUDAGraph.reset, its pool's memory) is a CUDA call that global-mode capture forbids, and the capture
+    fails at its next launch. Seen in the gpu suite: "operation not permitted when stream is capturing (function
+    reset)" warnings, then cuBLAS's next launch failing (docs/kernels.md, moe_gemv)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -175,6 +193,12 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
+        with gc_paused() if self.use_graphs else contextlib.nullcontext():
+            self._capture_all()
+        log.info("captured %d CUDA graphs (decode batch sizes %s x q_len %d; prefill buckets %s) in %.1fs",
+                 len(self.graphs), self.bs_list, self.q, self.prefill_buckets, time.perf_counter() - t0)
+
+    def _capture_all(self) -> None:
         keys = [("decode", b) for b in self.bs_list] + [("prefill", t) for t in self.prefill_buckets]
         for key in sorted(keys, key=lambda k: -k[1] * (self.q if k[0] == "decode" else 1)):
             batch = self._batch(key)
@@ -185,17 +209,12 @@ class GraphRunner:
                     self._forward(batch)
                 torch.cuda.synchronize()
                 g.graph = torch.cuda.CUDAGraph()
-                # MLASERVE_CAPTURE_MODE (debugging): torch's capture_error_mode, "global" by default; "relaxed" tells
-                # whether a failed capture came from a host call that global mode forbids (docs/kernels.md, moe_gemv)
-                mode = os.environ.get("MLASERVE_CAPTURE_MODE", "global")
-                with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode=mode):
+                with torch.cuda.graph(g.graph, pool=self.pool):
                     g.logits, g.aux = self._forward(batch)
                 self.pool = g.graph.pool()
             self.graphs[key] = g
         if self.use_graphs:
             torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs (decode batch sizes %s x q_len %d; prefill buckets %s) in %.1fs",
-                 len(self.graphs), self.bs_list, self.q, self.prefill_buckets, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def run(self, key: tuple, decode: list[SeqChunk], prefill: list[SeqChunk],

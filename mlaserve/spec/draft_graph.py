@@ -8,11 +8,13 @@ once the verify's tokens are, so the host fills static buffers and replays one g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from ..attention.base import ForwardBatch
+from ..engine.cuda_graph import gc_paused
 
 log = logging.getLogger("mlaserve.spec")
 
@@ -62,6 +64,11 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        with gc_paused() if self.use_graphs else contextlib.nullcontext():  # see cuda_graph.gc_paused
+            self._capture_all()
+        log.info("captured %d draft graphs (batch sizes %s, %d draft steps)", len(self.graphs), self.bs_list, self.K)
+
+    def _capture_all(self) -> None:
         for B in reversed(self.bs_list):
             batches = self._batches(B)
             self._fill(B, batches, [])
@@ -76,7 +83,6 @@ class DraftGraphs:
                 out = self._forward(B, batches)
             self.pool = g.pool()
             self.graphs[B] = (g, batches, out)
-        log.info("captured %d draft graphs (batch sizes %s, %d draft steps)", len(self.graphs), self.bs_list, self.K)
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.bs_list if b >= n), None)
