@@ -307,8 +307,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     config (benchmarks, tests): moe_config overrides, flat or
     {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS) and "tma": bool
     (weight tiles by TMA; default: on for the bf16/fp16 decode tiles, BLOCK_M 16, on sm_90+ where whole tiles fit;
-    MLASERVE_MOE_TMA=0 turns it off), and "prewait": bool (GEMM2's reads before its PDL wait; default: under PDL
-    with no_align; tests set it without PDL, where it only reorders the code)."""
+    MLASERVE_MOE_TMA=0 turns it off), "prewait": bool (GEMM2's reads before its PDL wait; default: under PDL
+    with no_align; tests set it without PDL, where it only reorders the code), and "gemv": bool or moe_gemv's
+    {"gemv1": {...}, "gemv2": {...}} tiles (the GEMVs of moe_gemv.py instead of the tiled GEMMs, no_align steps
+    only; default: MLASERVE_MOE_GEMV, off)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
