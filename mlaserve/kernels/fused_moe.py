@@ -260,13 +260,16 @@ def _tma_default(x: torch.Tensor, bm: int) -> bool:
 
 def _gemv_default(x: torch.Tensor, no_align: bool):
     """The GEMV form (moe_gemv.py) for per-pair blocks (1-2 token steps) of 16-bit steps on the GPU, when
-    MLASERVE_MOE_GEMV=1 turns it on ("n1:w1:n2:w2": rows per program and warps of gemv1 / gemv2, for A/B timing).
+    MLASERVE_MOE_GEMV=1 turns it on ("n1:w1:n2:w2": rows per program and warps of gemv1 / gemv2; "split": gemv2's
+    first K trip as two loads; for A/B timing).
     M1 on an H200 (session 12): batch 1 TPOT 1.94 -> 1.86 ms, batch 2 2.99 -> 2.79. Off by default until a failed
     CUDA-graph capture seen with it in the gpu suite is confirmed fixed (most likely the cyclic GC destroying an
     earlier engine's graphs mid-capture, now paused by engine.cuda_graph.gc_paused; docs/kernels.md, moe_gemv)."""
     spec = os.environ.get("MLASERVE_MOE_GEMV", "0")
     if spec == "0" or not (no_align and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
+    if spec == "split":  # moe_gemv_config's split_k (A/B timing)
+        return dict(split_k=True)
     if ":" not in spec:
         return True
     n1, w1, n2, w2 = map(int, spec.split(":"))

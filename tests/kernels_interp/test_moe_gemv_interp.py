@@ -108,3 +108,25 @@ def test_gemv_form_needs_per_pair_blocks(kdev):
     x, w13, w2, _, _, _, ids, w = inputs(kdev, torch.float32, T, D, I, E, K, 0, 0)
     with pytest.raises(ValueError, match="per-pair"):
         fused_experts(x, w13, w2, w, ids.clamp(max=E - 1), 0, config=dict(gemv=True))
+
+
+@pytest.mark.parametrize("I,cfg", [(20, {}), (20, dict(gemv2=dict(BLOCK_K=8))), (24, dict(gemv2=dict(BLOCK_N=8)))])
+def test_gemv_form_split_first_trip(kdev, I, cfg):
+    # split_k: gemv2's first trip of a non-power-of-two row as two loads (I=20: 16 + 4; with BLOCK_K=8: 8 + 4, then
+    # trips from 12); the config's BLOCK_K2 is derived for the default trip and kept under a BLOCK_K override
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.kernels.moe_gemv import moe_gemv_config
+    from mlaserve.layers.moe import fused_experts_ref
+
+    assert moe_gemv_config(2048, 1408, split_k=True)["gemv2"] == dict(BLOCK_N=4, BLOCK_K=1024, BLOCK_K2=512,
+                                                                          num_warps=2)
+    assert moe_gemv_config(2048, 2048, split_k=True)["gemv2"]["BLOCK_K2"] == 0  # a power of two: one load
+    T, D, E, K, S = 2, 32, 5, 2, 2
+    x, w13, w2, gate, up, down, ids, w = inputs(kdev, torch.float32, T, D, I, E, K, S, 0, seed=5)
+    ids_all = torch.cat([ids, torch.arange(S, device=kdev).expand(T, S) + E], 1)
+    w_all = torch.cat([w, torch.ones(T, S, device=kdev)], 1)
+    with poisoned_empty():
+        out = fused_experts(x, w13, w2, w_all, ids_all, 0, shared=(gate, up, down),
+                            config=dict(gemv=dict(split_k=True, **cfg)))
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, 0) + shared_mlp(x, gate, up, down)
+    assert_close(out, ref, torch.float32, f"moe gemv split_k I={I} {cfg}")
