@@ -11,6 +11,7 @@ with cp.async pointer loads (H200, kernels_bench mla_sweep). The combine is a se
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -50,7 +51,7 @@ def _program_rows(SeqLens, H, num_splits, Q_LEN: tl.constexpr, BLOCK_H: tl.const
     tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    return split, b, t, h, row_ok, last_visible, start, end
+    return split, b, t, h, row_ok, last_visible, start, end, seq_len - Q_LEN
 
 
 @triton.jit
@@ -76,7 +77,7 @@ def _mla_decode_split_kernel(
     Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """One split of one request's context for a block of rows. TMA=False: every tile by masked pointer loads
     (cp.async) through the page table; KVn / KVp are None. TMA=True (sm_90): whole KV tiles fetched by the
@@ -90,7 +91,7 @@ def _mla_decode_split_kernel(
     # The KV tiles may include this step's new rows (the store just wrote them): loaded after the wait.
     pdl_release(PDL)
     BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
-    split, b, t, h, row_ok, last_visible, start, end = _program_rows(
+    split, b, t, h, row_ok, last_visible, start, end, new_from = _program_rows(
         SeqLens, H, num_splits, Q_LEN, BLOCK_H, BLOCK_QL, BLOCK_N, MIN_SPLIT_TILES)
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, BLOCK_P)
@@ -130,11 +131,32 @@ def _mla_decode_split_kernel(
     else:
         # The page-table lookup runs one tile ahead (row_off is loop-carried), so the KV load's address never
         # waits on a load of the same iteration and Triton's pipeliner can multi-buffer the KV tiles.
-        page = tl.load(pt + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
-        row_off = page.to(tl.int64) * stride_kvp + ((start + offs_n) % PAGE_SIZE) * stride_kvs
+        pos = start + offs_n
+        pos_ok = pos < end
+        page = tl.load(pt + pos // PAGE_SIZE, mask=pos_ok, other=0)
+        row_off = page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs
+        loop_start = start
+        if PREFETCH:
+            # The split's first tile is loaded before the wait (its HBM latency overlaps the previous kernel), except
+            # its rows of this step's new tokens (pos >= seq_len - Q_LEN, which the store may be writing now): those
+            # are re-read after the wait into the same registers (`other` keeps the rest), so the tile is what a
+            # load after the wait gives. It is attended peeled from the loop, which stays branch-free.
+            kv_row = KV + row_off[:, None]
+            kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]
+            k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
+            loop_start = start + BLOCK_N
+            page = tl.load(pt + (pos + BLOCK_N) // PAGE_SIZE, mask=pos + BLOCK_N < end, other=0)
+            row_off = page.to(tl.int64) * stride_kvp + ((pos + BLOCK_N) % PAGE_SIZE) * stride_kvs
         pdl_wait(PDL)
         q_nope, q_pe = _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R, P, BLOCK_P)
-        for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            fresh = pos_ok & (pos >= new_from)  # [N]: usually one row of one split; none elsewhere (no traffic)
+            kv = tl.load(kv_row + offs_r[None, :], mask=fresh[:, None], other=kv)
+            k_pe = tl.load(kv_row + R + offs_p[None, :], mask=fresh[:, None] & (offs_p < P)[None, :], other=k_pe)
+            if start < end:  # an empty split attends nothing, as the loop below would not
+                m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i,
+                                             acc, DOT_PREC)
+        for n0 in range(loop_start, end, BLOCK_N):
             pos = n0 + offs_n
             pos_ok = pos < end
             kv_row = KV + row_off[:, None]
@@ -188,6 +210,12 @@ def _finish(m_i, l_i, acc, t, h, row_ok, nonempty, split, Out, PartO, PartLse, s
 @functools.cache
 def _has_tma(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.cache
+def _prefetch_default() -> bool:
+    """Each split's first KV tile loaded before the PDL wait (config PREFETCH; MLASERVE_MLA_PREFETCH=0: off, A/B)."""
+    return os.environ.get("MLASERVE_MLA_PREFETCH", "1") != "0"
 
 
 def _use_tma(cfg: dict, kv_cache: torch.Tensor, P: int) -> bool:
@@ -272,6 +300,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     # 1 at 512 tokens: one-tile splits) pointer loads were faster in the engine, 6.0 vs 7.1 us per layer.
     programs = B * triton.cdiv(H, cfg["BLOCK_H"])
     cfg.setdefault("TMA", q.is_cuda and programs >= TMA_MIN_PROGRAMS and _has_tma(q.device.index))
+    cfg.setdefault("PREFETCH", _prefetch_default())
     S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
     if T == 0:
         return out
@@ -306,7 +335,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         Q_LEN=q_len, R=R, P=P, BLOCK_P=max(16, P), PAGE_SIZE=page_size,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
         DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma, PREFETCH=bool(cfg["PREFETCH"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if S > 1:
