@@ -104,11 +104,20 @@ def _mla_decode_split_kernel(
     if TMA:
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles end here
         all_ok = offs_n >= 0
-        page = tl.load(pt + start // PAGE_SIZE, mask=start < full_end, other=0)
-        row = page * PAGE_SIZE + start % PAGE_SIZE  # the tile's first row; looked up one tile ahead
+        if PREFETCH:  # the first tile (whole or partial) by pointer loads before the wait, as below
+            pos0, ok0, row0, kv, k_pe = _first_tile(KV, pt, start, end, stride_kvp, stride_kvs, R, P, BLOCK_P,
+                                                    PAGE_SIZE, BLOCK_N)
+        loop_start = start + BLOCK_N if PREFETCH else start
+        page = tl.load(pt + loop_start // PAGE_SIZE, mask=loop_start < full_end, other=0)
+        row = page * PAGE_SIZE + loop_start % PAGE_SIZE  # the tile's first row; looked up one tile ahead
         pdl_wait(PDL)
         q_nope, q_pe = _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R, P, BLOCK_P)
-        for n0 in range(start, full_end, BLOCK_N):
+        if PREFETCH:
+            kv, k_pe = _fresh_rows(row0, pos0, ok0, new_from, kv, k_pe, R, P, BLOCK_P)
+            if start < end:
+                m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos0, ok0, last_visible, scale_log2, m_i, l_i,
+                                             acc, DOT_PREC)
+        for n0 in range(loop_start, full_end, BLOCK_N):
             kv = KVn.load([row, 0])  # [N, R]
             k_pe = KVp.load([row, R])  # [N, P]
             nxt = n0 + BLOCK_N
@@ -119,7 +128,7 @@ def _mla_decode_split_kernel(
         # The last, partial tile: masked loads (rows past the context may hold anything, stale or poisoned pages).
         # A loop of 0 or 1 trips, not an `if`, so its loads are cp.async with zero fill straight into shared
         # memory: under an `if` they pass through registers and the kernel spills.
-        for n0 in range(full_end, end, BLOCK_N):
+        for n0 in range(tl.maximum(full_end, loop_start), end, BLOCK_N):
             pos = n0 + offs_n
             pos_ok = pos < end
             pages = tl.load(pt + pos // PAGE_SIZE, mask=pos_ok, other=0)
@@ -131,30 +140,19 @@ def _mla_decode_split_kernel(
     else:
         # The page-table lookup runs one tile ahead (row_off is loop-carried), so the KV load's address never
         # waits on a load of the same iteration and Triton's pipeliner can multi-buffer the KV tiles.
-        pos = start + offs_n
-        pos_ok = pos < end
-        page = tl.load(pt + pos // PAGE_SIZE, mask=pos_ok, other=0)
-        row_off = page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs
-        loop_start = start
         if PREFETCH:
-            # The split's first tile is loaded before the wait (its HBM latency overlaps the previous kernel), except
-            # its rows of this step's new tokens (pos >= seq_len - Q_LEN, which the store may be writing now): those
-            # are re-read after the wait into the same registers (`other` keeps the rest), so the tile is what a
-            # load after the wait gives. It is attended peeled from the loop, which stays branch-free.
-            kv_row = KV + row_off[:, None]
-            kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]
-            k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
-            loop_start = start + BLOCK_N
-            page = tl.load(pt + (pos + BLOCK_N) // PAGE_SIZE, mask=pos + BLOCK_N < end, other=0)
-            row_off = page.to(tl.int64) * stride_kvp + ((pos + BLOCK_N) % PAGE_SIZE) * stride_kvs
+            pos0, ok0, row0, kv, k_pe = _first_tile(KV, pt, start, end, stride_kvp, stride_kvs, R, P, BLOCK_P,
+                                                    PAGE_SIZE, BLOCK_N)
+        loop_start = start + BLOCK_N if PREFETCH else start
+        pos = loop_start + offs_n
+        page = tl.load(pt + pos // PAGE_SIZE, mask=pos < end, other=0)
+        row_off = page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs
         pdl_wait(PDL)
         q_nope, q_pe = _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R, P, BLOCK_P)
         if PREFETCH:
-            fresh = pos_ok & (pos >= new_from)  # [N]: usually one row of one split; none elsewhere (no traffic)
-            kv = tl.load(kv_row + offs_r[None, :], mask=fresh[:, None], other=kv)
-            k_pe = tl.load(kv_row + R + offs_p[None, :], mask=fresh[:, None] & (offs_p < P)[None, :], other=k_pe)
+            kv, k_pe = _fresh_rows(row0, pos0, ok0, new_from, kv, k_pe, R, P, BLOCK_P)
             if start < end:  # an empty split attends nothing, as the loop below would not
-                m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i,
+                m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos0, ok0, last_visible, scale_log2, m_i, l_i,
                                              acc, DOT_PREC)
         for n0 in range(loop_start, end, BLOCK_N):
             pos = n0 + offs_n
@@ -169,6 +167,32 @@ def _mla_decode_split_kernel(
                                          acc, DOT_PREC)
     _finish(m_i, l_i, acc, t, h, row_ok, start < end, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
             H, num_splits, R, DIRECT)
+
+
+@triton.jit
+def _first_tile(KV, pt, start, end, stride_kvp, stride_kvs, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """PREFETCH, before the PDL wait: the split's first tile (its HBM latency overlaps the previous kernel). Rows of
+    this step's new tokens may be stale (the store may be writing them now): _fresh_rows re-reads them after it."""
+    pos = start + tl.arange(0, BLOCK_N)
+    pos_ok = pos < end
+    page = tl.load(pt + pos // PAGE_SIZE, mask=pos_ok, other=0)
+    kv_row = KV + (page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs)[:, None]
+    offs_p = tl.arange(0, BLOCK_P)
+    kv = tl.load(kv_row + tl.arange(0, R)[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]
+    k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)  # [N, BP]
+    return pos, pos_ok, kv_row, kv, k_pe
+
+
+@triton.jit
+def _fresh_rows(kv_row, pos, pos_ok, new_from, kv, k_pe, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
+    """After the wait: the first tile's rows pos >= seq_len - Q_LEN re-read into the same registers (`other` keeps
+    the rest; usually one row of one split, no traffic elsewhere), so the tile is what a load after the wait gives."""
+    fresh = pos_ok & (pos >= new_from)
+    offs_p = tl.arange(0, BLOCK_P)
+    kv = tl.load(kv_row + tl.arange(0, R)[None, :], mask=fresh[:, None], other=kv)
+    k_pe = tl.load(kv_row + R + offs_p[None, :], mask=fresh[:, None] & (offs_p < P)[None, :], other=k_pe)
+    return kv, k_pe
 
 
 @triton.jit

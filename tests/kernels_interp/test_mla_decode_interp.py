@@ -91,9 +91,13 @@ def test_prefetch_first_tile_bit_equal(kdev, dtype, page_size, q_len):
     # PREFETCH (each split's first KV tile loaded before the PDL wait, its new-token rows re-read after it) must give
     # the very bits of the loads-after-the-wait kernel: contexts of one token, inside / on / just past the first
     # tile (BLOCK_N 32 bf16, 16 fp32), one-tile and multi-tile splits (the loop from the second tile), a split
-    # starting on the new token's tile, and empty splits (9 splits; 5 with the default one-tile minimum)
+    # starting on the new token's tile, and empty splits (9 splits; 5 with the default one-tile minimum); the TMA
+    # variant (first tile by pointer loads, whole tiles after it by descriptors, the partial one masked)
     ctx = [max(q_len, n) for n in (1, 31, 32, 33, 70, 161)]
-    for splits, cfg in ((9, {}), (1, {}), (3, {"MIN_SPLIT_TOKENS": 64}), (5, {"MIN_SPLIT_TOKENS": 16})):
+    cfgs = [(9, {}), (1, {}), (3, {"MIN_SPLIT_TOKENS": 64}), (5, {"MIN_SPLIT_TOKENS": 16})]
+    if dtype == torch.bfloat16:
+        cfgs += [(4, {"TMA": True, "BLOCK_N": 16, "MIN_SPLIT_TOKENS": 32})]
+    for splits, cfg in cfgs:
         check_mla_decode(kdev, dtype, H=4, R=32, P=8 if dtype == torch.float32 else 16, q_len=q_len, ctx_lens=ctx,
                          page_size=page_size, num_splits=splits, config={"PREFETCH": True, **cfg}, prefetch_ab=True)
 
@@ -125,8 +129,9 @@ def test_prefetch_padding_rows_and_env(kdev, monkeypatch):
         md._prefetch_default.cache_clear()
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("q_len", [1, 2])
-def test_prefetch_rereads_rows_the_store_writes_during_the_wait(kdev, monkeypatch, q_len):
+def test_prefetch_rereads_rows_the_store_writes_during_the_wait(kdev, monkeypatch, q_len, tma):
     # The race PREFETCH must survive, replayed in the interpreter (programs run one after another): each program's
     # start (pdl_release) puts stale NaN in this step's new-token rows, its pdl_wait writes the fresh rows, as the
     # previous kernel's KV store would. The output must be the fresh cache's, bit-equal to loading after the wait.
@@ -150,7 +155,8 @@ def test_prefetch_rereads_rows_the_store_writes_during_the_wait(kdev, monkeypatc
     outs = []
     for on in (True, False):
         out = nan_like((len(ctx) * q_len, 4, 32), torch.bfloat16, kdev)
-        md.mla_decode(q, kv, table, seq_lens, q_len, 0.1, out, num_splits=4, config={"PREFETCH": on})
+        md.mla_decode(q, kv, table, seq_lens, q_len, 0.1, out, num_splits=4,
+                      config={"PREFETCH": on, **({"TMA": True, "BLOCK_N": 16} if tma else {})})
         outs.append(out)
     assert not torch.isnan(outs[0]).any(), "a stale (pre-wait) new-token row reached the output"
     assert torch.equal(*outs)
