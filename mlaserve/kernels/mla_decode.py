@@ -85,10 +85,15 @@ def _mla_decode_split_kernel(
     [BLOCK_N, R] / [BLOCK_N, P] boxes. A tile never straddles a page (PAGE_SIZE % BLOCK_N == 0, tiles aligned), so
     it is one box. The last, partial tile of a split uses masked loads instead: rows past the context may hold
     anything (stale or poisoned pages). The load paths are constexpr branches around whole loops (not a runtime
-    `if`), so neither variant carries the other's code or registers."""
-    # Before the PDL wait: the rows, the token range and the first page lookup read only the step's inputs
-    # (SeqLens, PageTable: copied from the host before the forward, written by no kernel of the step; pdl.py).
-    # The KV tiles may include this step's new rows (the store just wrote them): loaded after the wait.
+    `if`), so neither variant carries the other's code or registers. PREFETCH: the split's first tile is loaded
+    before the PDL wait and attended peeled from the loop (which then starts at the second tile), by pointer loads
+    in both variants; its rows of this step's new tokens are re-read after the wait (_fresh_rows)."""
+    # Before the PDL wait: the rows, the token range and the page lookups read only the step's inputs (SeqLens,
+    # PageTable: copied from the host before the forward, written by no kernel of the step; pdl.py). With PREFETCH
+    # also the first KV tile: its rows before seq_len - Q_LEN were written by earlier steps, whose kernels all
+    # finished before this step's inputs were copied; the new rows (the store may be writing them now) are re-read
+    # after the wait. That holds where one forward writes only the decode tokens' own rows before this kernel reads
+    # them; a graph chaining several decode steps (the EAGLE draft) turns PREFETCH off. Other tiles: after the wait.
     pdl_release(PDL)
     BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
     split, b, t, h, row_ok, last_visible, start, end, new_from = _program_rows(
