@@ -192,11 +192,13 @@ def _first_tile(KV, pt, start, end, stride_kvp, stride_kvs, R: tl.constexpr, P: 
 @triton.jit
 def _fresh_rows(kv_row, pos, pos_ok, new_from, kv, k_pe, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
     """After the wait: the first tile's rows pos >= seq_len - Q_LEN re-read into the same registers (`other` keeps
-    the rest; usually one row of one split, no traffic elsewhere), so the tile is what a load after the wait gives."""
+    the rest; usually one row of one split, no traffic elsewhere), so the tile is what a load after the wait gives.
+    From L2 (.cg): the loads before the wait may have left the stale row in this SM's L1, which is not coherent."""
     fresh = pos_ok & (pos >= new_from)
     offs_p = tl.arange(0, BLOCK_P)
-    kv = tl.load(kv_row + tl.arange(0, R)[None, :], mask=fresh[:, None], other=kv)
-    k_pe = tl.load(kv_row + R + offs_p[None, :], mask=fresh[:, None] & (offs_p < P)[None, :], other=k_pe)
+    kv = tl.load(kv_row + tl.arange(0, R)[None, :], mask=fresh[:, None], other=kv, cache_modifier=".cg")
+    k_pe = tl.load(kv_row + R + offs_p[None, :], mask=fresh[:, None] & (offs_p < P)[None, :], other=k_pe,
+                   cache_modifier=".cg")
     return kv, k_pe
 
 
