@@ -244,9 +244,13 @@ def _has_tma(device_index: int | None) -> bool:
 
 
 @functools.cache
-def _prefetch_default() -> bool:
-    """Each split's first KV tile loaded before the PDL wait (config PREFETCH; MLASERVE_MLA_PREFETCH=0: off, A/B)."""
-    return os.environ.get("MLASERVE_MLA_PREFETCH", "1") != "0"
+def _prefetch_default(few: bool) -> bool:
+    """Each split's first KV tile loaded before the PDL wait (config PREFETCH). Off by default: session 8 measured no
+    gain at batch 1 and a loss at batch 8 / 32 (docs/performance.md). MLASERVE_MLA_PREFETCH=1 turns it on, "few"
+    only for batch 1-3 (_few: one-tile splits at a 512 context since session 10, so the whole split is fetched
+    early), for A/B timing."""
+    spec = os.environ.get("MLASERVE_MLA_PREFETCH", "0")
+    return spec == "1" or (spec == "few" and few)
 
 
 def _use_tma(cfg: dict, kv_cache: torch.Tensor, P: int) -> bool:
@@ -331,7 +335,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     # 1 at 512 tokens: one-tile splits) pointer loads were faster in the engine, 6.0 vs 7.1 us per layer.
     programs = B * triton.cdiv(H, cfg["BLOCK_H"])
     cfg.setdefault("TMA", q.is_cuda and programs >= TMA_MIN_PROGRAMS and _has_tma(q.device.index))
-    cfg.setdefault("PREFETCH", _prefetch_default())
+    cfg.setdefault("PREFETCH", _prefetch_default(_few(programs, q.dtype)))
     S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
     if T == 0:
         return out

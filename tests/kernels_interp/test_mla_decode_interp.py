@@ -104,7 +104,7 @@ def test_prefetch_first_tile_bit_equal(kdev, dtype, page_size, q_len):
 
 def test_prefetch_padding_rows_and_env(kdev, monkeypatch):
     # a padding request (seq_len 0: one empty split for all) stays zeros with the first tile prefetched; the
-    # engine's A/B switch MLASERVE_MLA_PREFETCH=0 turns the default off
+    # engine's A/B switch MLASERVE_MLA_PREFETCH: off by default, "few" for batch 1-3, "1" everywhere
     from mlaserve.kernels import mla_decode as md
     from tests.kernel_checks import make_paged, nan_like
 
@@ -118,13 +118,14 @@ def test_prefetch_padding_rows_and_env(kdev, monkeypatch):
         assert torch.all(out[1] == 0) and not torch.isnan(out[0]).any()
         outs.append(out)
     assert torch.equal(*outs)
-    md._prefetch_default.cache_clear()
     try:
-        monkeypatch.setenv("MLASERVE_MLA_PREFETCH", "0")
-        assert md._prefetch_default() is False
-        monkeypatch.setenv("MLASERVE_MLA_PREFETCH", "1")
-        md._prefetch_default.cache_clear()
-        assert md._prefetch_default() is True
+        for spec, want in ((None, (False, False)), ("few", (True, False)), ("1", (True, True))):
+            md._prefetch_default.cache_clear()  # it reads the environment once
+            if spec is None:
+                monkeypatch.delenv("MLASERVE_MLA_PREFETCH", raising=False)  # off by default (session 8: no gain)
+            else:
+                monkeypatch.setenv("MLASERVE_MLA_PREFETCH", spec)
+            assert (md._prefetch_default(True), md._prefetch_default(False)) == want, spec
     finally:
         md._prefetch_default.cache_clear()
 
