@@ -133,7 +133,8 @@ def _mla_decode_split_kernel(
         # The last, partial tile: masked loads (rows past the context may hold anything, stale or poisoned pages).
         # A loop of 0 or 1 trips, not an `if`, so its loads are cp.async with zero fill straight into shared
         # memory: under an `if` they pass through registers and the kernel spills.
-        for n0 in range(tl.maximum(full_end, loop_start), end, BLOCK_N):
+        tail_start = tl.maximum(full_end, loop_start) if PREFETCH else full_end  # (a constexpr choice)
+        for n0 in range(tail_start, end, BLOCK_N):
             pos = n0 + offs_n
             pos_ok = pos < end
             pages = tl.load(pt + pos // PAGE_SIZE, mask=pos_ok, other=0)
