@@ -83,3 +83,81 @@ def test_tma_ignores_poisoned_rows_past_the_context(kdev):
         mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=splits,
                    config={"TMA": True, "BLOCK_N": 16, **cfg})
         assert_close(out, ref, torch.bfloat16, f"mla_decode TMA splits={splits} with NaN rows past the context")
+
+
+@pytest.mark.parametrize("dtype,page_size", [(torch.bfloat16, 16), (torch.bfloat16, 64), (torch.float32, 16)])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_prefetch_first_tile_bit_equal(kdev, dtype, page_size, q_len):
+    # PREFETCH (each split's first KV tile loaded before the PDL wait, its new-token rows re-read after it) must give
+    # the very bits of the loads-after-the-wait kernel: contexts of one token, inside / on / just past the first
+    # tile (BLOCK_N 32 bf16, 16 fp32), one-tile and multi-tile splits (the loop from the second tile), a split
+    # starting on the new token's tile, and empty splits (9 splits; 5 with the default one-tile minimum); the TMA
+    # variant (first tile by pointer loads, whole tiles after it by descriptors, the partial one masked)
+    ctx = [max(q_len, n) for n in (1, 31, 32, 33, 70, 161)]
+    cfgs = [(9, {}), (1, {}), (3, {"MIN_SPLIT_TOKENS": 64}), (5, {"MIN_SPLIT_TOKENS": 16})]
+    if dtype == torch.bfloat16:
+        cfgs += [(4, {"TMA": True, "BLOCK_N": 16, "MIN_SPLIT_TOKENS": 32})]
+    for splits, cfg in cfgs:
+        check_mla_decode(kdev, dtype, H=4, R=32, P=8 if dtype == torch.float32 else 16, q_len=q_len, ctx_lens=ctx,
+                         page_size=page_size, num_splits=splits, config={"PREFETCH": True, **cfg}, prefetch_ab=True)
+
+
+def test_prefetch_padding_rows_and_env(kdev, monkeypatch):
+    # a padding request (seq_len 0: one empty split for all) stays zeros with the first tile prefetched; the
+    # engine's A/B switch MLASERVE_MLA_PREFETCH: off by default, "few" for batch 1-3, "1" everywhere
+    from mlaserve.kernels import mla_decode as md
+    from tests.kernel_checks import make_paged, nan_like
+
+    kv, table, seq_lens = make_paged([33, 1], 16, 48, torch.bfloat16, kdev)
+    seq_lens[1] = 0
+    q = torch.randn(2, 4, 48, device=kdev).to(torch.bfloat16)
+    outs = []
+    for on in (True, False):
+        out = nan_like((2, 4, 32), torch.bfloat16, kdev)
+        md.mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=3, config={"PREFETCH": on})
+        assert torch.all(out[1] == 0) and not torch.isnan(out[0]).any()
+        outs.append(out)
+    assert torch.equal(*outs)
+    try:
+        for spec, want in ((None, (False, False)), ("few", (True, False)), ("1", (True, True))):
+            md._prefetch_default.cache_clear()  # it reads the environment once
+            if spec is None:
+                monkeypatch.delenv("MLASERVE_MLA_PREFETCH", raising=False)  # off by default (session 8: no gain)
+            else:
+                monkeypatch.setenv("MLASERVE_MLA_PREFETCH", spec)
+            assert (md._prefetch_default(True), md._prefetch_default(False)) == want, spec
+    finally:
+        md._prefetch_default.cache_clear()
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_prefetch_rereads_rows_the_store_writes_during_the_wait(kdev, monkeypatch, q_len, tma):
+    # The race PREFETCH must survive, replayed in the interpreter (programs run one after another): each program's
+    # start (pdl_release) puts stale NaN in this step's new-token rows, its pdl_wait writes the fresh rows, as the
+    # previous kernel's KV store would. The output must be the fresh cache's, bit-equal to loading after the wait.
+    if kdev != "cpu":
+        pytest.skip("replays the store's race through the interpreter's PDL hooks")
+    from mlaserve.kernels import mla_decode as md
+    from tests.kernel_checks import make_paged, nan_like
+
+    ctx = [q_len, 31, 32, 33, 64 + q_len - 1, 97]
+    kv, table, seq_lens = make_paged(ctx, 16, 48, torch.bfloat16, kdev)
+    new_rows = [(int(table[b, p // 16]), p % 16) for b, L in enumerate(ctx) for p in range(L - q_len, L)]
+    fresh = {r: kv[r].clone() for r in new_rows}
+
+    def write(stale: bool):
+        for r in new_rows:
+            kv[r] = float("nan") if stale else fresh[r]
+
+    monkeypatch.setattr(md, "pdl_release", lambda PDL: write(stale=True))
+    monkeypatch.setattr(md, "pdl_wait", lambda PDL: write(stale=False))
+    q = (0.3 * torch.randn(len(ctx) * q_len, 4, 48, device=kdev)).to(torch.bfloat16)
+    outs = []
+    for on in (True, False):
+        out = nan_like((len(ctx) * q_len, 4, 32), torch.bfloat16, kdev)
+        md.mla_decode(q, kv, table, seq_lens, q_len, 0.1, out, num_splits=4,
+                      config={"PREFETCH": on, **({"TMA": True, "BLOCK_N": 16} if tma else {})})
+        outs.append(out)
+    assert not torch.isnan(outs[0]).any(), "a stale (pre-wait) new-token row reached the output"
+    assert torch.equal(*outs)
