@@ -26,12 +26,15 @@ PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request)
 
 
 @contextlib.contextmanager
-def gc_paused():
+def gc_paused(on: bool = True):
     """Python's cyclic GC off while graphs are captured, after a full collection. A dead engine left in a reference
     cycle (an earlier LLM in the same process) still owns CUDA graphs; if the GC frees them mid-capture, their
     destruction (CUDAGraph.reset, its pool's memory) is a CUDA call that global-mode capture forbids, and the capture
     fails at its next launch. Seen in the gpu suite: "operation not permitted when stream is capturing (function
-    reset)" warnings, then cuBLAS's next launch failing (docs/kernels.md, moe_gemv)."""
+    reset)" warnings, then cuBLAS's next launch failing (docs/kernels.md, moe_gemv). on=False: nothing (no graphs)."""
+    if not on:
+        yield
+        return
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
@@ -193,7 +196,7 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
-        with gc_paused() if self.use_graphs else contextlib.nullcontext():
+        with gc_paused(self.use_graphs):
             self._capture_all()
         log.info("captured %d CUDA graphs (decode batch sizes %s x q_len %d; prefill buckets %s) in %.1fs",
                  len(self.graphs), self.bs_list, self.q, self.prefill_buckets, time.perf_counter() - t0)

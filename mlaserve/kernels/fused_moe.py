@@ -13,6 +13,7 @@ slot's weights in place from the shared MLP's own tensors (other strides than th
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -258,22 +259,28 @@ def _tma_default(x: torch.Tensor, bm: int) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
-def _gemv_default(x: torch.Tensor, no_align: bool):
+@functools.cache
+def _gemv_env() -> bool | dict:
+    """MLASERVE_MOE_GEMV, parsed once: "0" (default) off, "1" on, "split" on with moe_gemv_config's split_k,
+    "n1:w1:n2:w2" on with rows per program and warps of gemv1 / gemv2 (A/B timing)."""
+    spec = os.environ.get("MLASERVE_MOE_GEMV", "0")
+    if spec in ("0", "1"):
+        return spec == "1"
+    if spec == "split":
+        return dict(split_k=True)
+    n1, w1, n2, w2 = map(int, spec.split(":"))
+    return dict(gemv1=dict(BLOCK_N=n1, num_warps=w1), gemv2=dict(BLOCK_N=n2, num_warps=w2))
+
+
+def _gemv_default(x: torch.Tensor, no_align: bool) -> bool | dict:
     """The GEMV form (moe_gemv.py) for per-pair blocks (1-2 token steps) of 16-bit steps on the GPU, when
-    MLASERVE_MOE_GEMV=1 turns it on ("n1:w1:n2:w2": rows per program and warps of gemv1 / gemv2; "split": gemv2's
-    first K trip as two loads; for A/B timing).
+    MLASERVE_MOE_GEMV turns it on (_gemv_env).
     M1 on an H200 (session 12): batch 1 TPOT 1.94 -> 1.86 ms, batch 2 2.99 -> 2.79. Off by default until a failed
     CUDA-graph capture seen with it in the gpu suite is confirmed fixed (most likely the cyclic GC destroying an
     earlier engine's graphs mid-capture, now paused by engine.cuda_graph.gc_paused; docs/kernels.md, moe_gemv)."""
-    spec = os.environ.get("MLASERVE_MOE_GEMV", "0")
-    if spec == "0" or not (no_align and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+    if not (no_align and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if spec == "split":  # moe_gemv_config's split_k (A/B timing)
-        return dict(split_k=True)
-    if ":" not in spec:
-        return True
-    n1, w1, n2, w2 = map(int, spec.split(":"))
-    return dict(gemv1=dict(BLOCK_N=n1, num_warps=w1), gemv2=dict(BLOCK_N=n2, num_warps=w2))
+    return _gemv_env()
 
 
 def _tma_fits(w13, w2, shared, c1: dict, c2: dict, D: int, I: int) -> bool:

@@ -8,7 +8,6 @@ once the verify's tokens are, so the host fills static buffers and replays one g
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -64,7 +63,7 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        with gc_paused() if self.use_graphs else contextlib.nullcontext():  # see cuda_graph.gc_paused
+        with gc_paused(self.use_graphs):  # see cuda_graph.gc_paused
             self._capture_all()
         log.info("captured %d draft graphs (batch sizes %s, %d draft steps)", len(self.graphs), self.bs_list, self.K)
 

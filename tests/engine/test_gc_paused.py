@@ -13,6 +13,8 @@ def test_gc_off_inside_and_restored():
     with gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
+    with gc_paused(False):  # no graphs to capture: nothing changes
+        assert gc.isenabled()
     with pytest.raises(RuntimeError), gc_paused():
         raise RuntimeError("capture failed")
     assert gc.isenabled()

@@ -130,3 +130,23 @@ def test_gemv_form_split_first_trip(kdev, I, cfg):
                             config=dict(gemv=dict(split_k=True, **cfg)))
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, 0) + shared_mlp(x, gate, up, down)
     assert_close(out, ref, torch.float32, f"moe gemv split_k I={I} {cfg}")
+
+
+def test_gemv_env_forms(monkeypatch):
+    # MLASERVE_MOE_GEMV, parsed once per process: off by default; "1"; "split"; "n1:w1:n2:w2"
+    from mlaserve.kernels import fused_moe as fm
+
+    want = {None: False, "0": False, "1": True, "split": {"split_k": True},
+            "1:2:8:4": {"gemv1": {"BLOCK_N": 1, "num_warps": 2}, "gemv2": {"BLOCK_N": 8, "num_warps": 4}}}
+    try:
+        for spec, parsed in want.items():
+            fm._gemv_env.cache_clear()
+            if spec is None:
+                monkeypatch.delenv("MLASERVE_MOE_GEMV", raising=False)
+            else:
+                monkeypatch.setenv("MLASERVE_MOE_GEMV", spec)
+            assert fm._gemv_env() == parsed, spec
+        x = torch.zeros(1, 4)  # a CPU tensor: never the GEMV form by default, whatever the switch says
+        assert fm._gemv_default(x, True) is False
+    finally:
+        fm._gemv_env.cache_clear()
