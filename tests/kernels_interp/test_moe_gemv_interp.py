@@ -134,6 +134,7 @@ def test_gemv_form_split_first_trip(kdev, I, cfg):
 
 def test_gemv_env_forms(monkeypatch):
     # MLASERVE_MOE_GEMV, parsed once per process: off by default; "1"; "split"; "n1:w1:n2:w2"
+    pytest.importorskip("triton")
     from mlaserve.kernels import fused_moe as fm
 
     want = {None: False, "0": False, "1": True, "split": {"split_k": True},
