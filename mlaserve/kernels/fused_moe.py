@@ -261,9 +261,9 @@ def _tma_default(x: torch.Tensor, bm: int) -> bool:
 
 @functools.cache
 def _gemv_env() -> bool | dict:
-    """MLASERVE_MOE_GEMV, parsed once: "0" (default) off, "1" on, "split" on with moe_gemv_config's split_k,
+    """MLASERVE_MOE_GEMV, parsed once: "0" off, "1" (default) on, "split" on with moe_gemv_config's split_k,
     "n1:w1:n2:w2" on with rows per program and warps of gemv1 / gemv2 (A/B timing)."""
-    spec = os.environ.get("MLASERVE_MOE_GEMV", "0")
+    spec = os.environ.get("MLASERVE_MOE_GEMV", "1")
     if spec in ("0", "1"):
         return spec == "1"
     if spec == "split":
@@ -274,10 +274,10 @@ def _gemv_env() -> bool | dict:
 
 def _gemv_default(x: torch.Tensor, no_align: bool) -> bool | dict:
     """The GEMV form (moe_gemv.py) for per-pair blocks (1-2 token steps) of 16-bit steps on the GPU, when
-    MLASERVE_MOE_GEMV turns it on (_gemv_env).
-    M1 on an H200 (session 12): batch 1 TPOT 1.94 -> 1.86 ms, batch 2 2.99 -> 2.79. Off by default until a failed
-    CUDA-graph capture seen with it in the gpu suite is confirmed fixed (most likely the cyclic GC destroying an
-    earlier engine's graphs mid-capture, now paused by engine.cuda_graph.gc_paused; docs/kernels.md, moe_gemv)."""
+    MLASERVE_MOE_GEMV=0 turns it off (_gemv_env).
+    M1 on an H200 (session 12): batch 1 TPOT 1.94 -> 1.86 ms, batch 2 2.99 -> 2.79. On by default since session 13,
+    when the gpu suite passed with it (the capture failure it once showed was the cyclic GC destroying an earlier
+    engine's graphs mid-capture, now paused by engine.cuda_graph.gc_paused; docs/kernels.md, moe_gemv)."""
     if not (no_align and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     return _gemv_env()
@@ -320,7 +320,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     MLASERVE_MOE_TMA=0 turns it off), "prewait": bool (GEMM2's reads before its PDL wait; default: under PDL
     with no_align; tests set it without PDL, where it only reorders the code), and "gemv": bool or moe_gemv's
     {"gemv1": {...}, "gemv2": {...}} tiles (the GEMVs of moe_gemv.py instead of the tiled GEMMs, no_align steps
-    only; default: MLASERVE_MOE_GEMV, off)."""
+    only; default: MLASERVE_MOE_GEMV, on)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2

@@ -133,11 +133,11 @@ def test_gemv_form_split_first_trip(kdev, I, cfg):
 
 
 def test_gemv_env_forms(monkeypatch):
-    # MLASERVE_MOE_GEMV, parsed once per process: off by default; "1"; "split"; "n1:w1:n2:w2"
+    # MLASERVE_MOE_GEMV, parsed once per process: on by default; "0"; "split"; "n1:w1:n2:w2"
     pytest.importorskip("triton")
     from mlaserve.kernels import fused_moe as fm
 
-    want = {None: False, "0": False, "1": True, "split": {"split_k": True},
+    want = {None: True, "0": False, "1": True, "split": {"split_k": True},
             "1:2:8:4": {"gemv1": {"BLOCK_N": 1, "num_warps": 2}, "gemv2": {"BLOCK_N": 8, "num_warps": 4}}}
     try:
         for spec, parsed in want.items():
