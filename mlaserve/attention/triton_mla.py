@@ -22,13 +22,9 @@ from .base import AttentionBackend, ForwardBatch
 
 
 class TritonMLABackend(AttentionBackend):
-    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None,
-                 prefetch_kv: bool | None = None):
+    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None):
         super().__init__(kv_cache, kv_lora_rank)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
-        # mla_decode's PREFETCH (None: its default) reads every KV row but the step's new tokens before the PDL wait:
-        # off where one graph writes more rows than those before the decode reads them (the EAGLE draft's chain)
-        self.decode_config = None if prefetch_kv is None else {"PREFETCH": prefetch_kv}
         # absorb_q_rope_store_kv: the KV store inside absorb_q_rope's launch (MLASERVE_ABSORB_STORE=0: off, for A/B)
         self.absorb_store = os.environ.get("MLASERVE_ABSORB_STORE", "1") != "0"
         self._meta_batch: ForwardBatch | None = None
@@ -93,7 +89,7 @@ class TritonMLABackend(AttentionBackend):
     def decode(self, layer_id, q, scale, batch, out):
         nd = batch.num_decode_reqs
         return mla_decode(q, self.kv_cache[layer_id], batch.page_table[:nd], batch.seq_lens[:nd], batch.decode_q_len,
-                          scale, out, num_splits=self.num_splits, config=self.decode_config)
+                          scale, out, num_splits=self.num_splits)
 
     def prefill_context(self, layer_id, batch):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]

@@ -11,7 +11,6 @@ with cp.async pointer loads (H200, kernels_bench mla_sweep). The combine is a se
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -51,7 +50,7 @@ def _program_rows(SeqLens, H, num_splits, Q_LEN: tl.constexpr, BLOCK_H: tl.const
     tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    return split, b, t, h, row_ok, last_visible, start, end, seq_len - Q_LEN
+    return split, b, t, h, row_ok, last_visible, start, end
 
 
 @triton.jit
@@ -77,7 +76,7 @@ def _mla_decode_split_kernel(
     Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One split of one request's context for a block of rows. TMA=False: every tile by masked pointer loads
     (cp.async) through the page table; KVn / KVp are None. TMA=True (sm_90): whole KV tiles fetched by the
@@ -85,18 +84,13 @@ def _mla_decode_split_kernel(
     [BLOCK_N, R] / [BLOCK_N, P] boxes. A tile never straddles a page (PAGE_SIZE % BLOCK_N == 0, tiles aligned), so
     it is one box. The last, partial tile of a split uses masked loads instead: rows past the context may hold
     anything (stale or poisoned pages). The load paths are constexpr branches around whole loops (not a runtime
-    `if`), so neither variant carries the other's code or registers. PREFETCH: the split's first tile is loaded
-    before the PDL wait and attended peeled from the loop (which then starts at the second tile), by pointer loads
-    in both variants; its rows of this step's new tokens are re-read after the wait (_fresh_rows)."""
-    # Before the PDL wait: the rows, the token range and the page lookups read only the step's inputs (SeqLens,
-    # PageTable: copied from the host before the forward, written by no kernel of the step; pdl.py). With PREFETCH
-    # also the first KV tile: its rows before seq_len - Q_LEN were written by earlier steps, whose kernels all
-    # finished before this step's inputs were copied; the new rows (the store may be writing them now) are re-read
-    # after the wait. That holds where one forward writes only the decode tokens' own rows before this kernel reads
-    # them; a graph chaining several decode steps (the EAGLE draft) turns PREFETCH off. Other tiles: after the wait.
+    `if`), so neither variant carries the other's code or registers."""
+    # Before the PDL wait: the rows, the token range and the first page lookup read only the step's inputs
+    # (SeqLens, PageTable: copied from the host before the forward, written by no kernel of the step; pdl.py).
+    # The KV tiles may include this step's new rows (the store just wrote them): loaded after the wait.
     pdl_release(PDL)
     BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
-    split, b, t, h, row_ok, last_visible, start, end, new_from = _program_rows(
+    split, b, t, h, row_ok, last_visible, start, end = _program_rows(
         SeqLens, H, num_splits, Q_LEN, BLOCK_H, BLOCK_QL, BLOCK_N, MIN_SPLIT_TILES)
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, BLOCK_P)
@@ -109,20 +103,11 @@ def _mla_decode_split_kernel(
     if TMA:
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles end here
         all_ok = offs_n >= 0
-        if PREFETCH:  # the first tile (whole or partial) by pointer loads before the wait, as below
-            pos0, ok0, row0, kv, k_pe = _first_tile(KV, pt, start, end, stride_kvp, stride_kvs, R, P, BLOCK_P,
-                                                    PAGE_SIZE, BLOCK_N)
-        loop_start = start + BLOCK_N if PREFETCH else start
-        page = tl.load(pt + loop_start // PAGE_SIZE, mask=loop_start < full_end, other=0)
-        row = page * PAGE_SIZE + loop_start % PAGE_SIZE  # the tile's first row; looked up one tile ahead
+        page = tl.load(pt + start // PAGE_SIZE, mask=start < full_end, other=0)
+        row = page * PAGE_SIZE + start % PAGE_SIZE  # the tile's first row; looked up one tile ahead
         pdl_wait(PDL)
         q_nope, q_pe = _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R, P, BLOCK_P)
-        if PREFETCH:
-            kv, k_pe = _fresh_rows(row0, pos0, ok0, new_from, kv, k_pe, R, P, BLOCK_P)
-            if start < end:
-                m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos0, ok0, last_visible, scale_log2, m_i, l_i,
-                                             acc, DOT_PREC)
-        for n0 in range(loop_start, full_end, BLOCK_N):
+        for n0 in range(start, full_end, BLOCK_N):
             kv = KVn.load([row, 0])  # [N, R]
             k_pe = KVp.load([row, R])  # [N, P]
             nxt = n0 + BLOCK_N
@@ -133,8 +118,7 @@ def _mla_decode_split_kernel(
         # The last, partial tile: masked loads (rows past the context may hold anything, stale or poisoned pages).
         # A loop of 0 or 1 trips, not an `if`, so its loads are cp.async with zero fill straight into shared
         # memory: under an `if` they pass through registers and the kernel spills.
-        tail_start = tl.maximum(full_end, loop_start) if PREFETCH else full_end  # (a constexpr choice)
-        for n0 in range(tail_start, end, BLOCK_N):
+        for n0 in range(full_end, end, BLOCK_N):
             pos = n0 + offs_n
             pos_ok = pos < end
             pages = tl.load(pt + pos // PAGE_SIZE, mask=pos_ok, other=0)
@@ -146,21 +130,11 @@ def _mla_decode_split_kernel(
     else:
         # The page-table lookup runs one tile ahead (row_off is loop-carried), so the KV load's address never
         # waits on a load of the same iteration and Triton's pipeliner can multi-buffer the KV tiles.
-        if PREFETCH:
-            pos0, ok0, row0, kv, k_pe = _first_tile(KV, pt, start, end, stride_kvp, stride_kvs, R, P, BLOCK_P,
-                                                    PAGE_SIZE, BLOCK_N)
-        loop_start = start + BLOCK_N if PREFETCH else start
-        pos = loop_start + offs_n
-        page = tl.load(pt + pos // PAGE_SIZE, mask=pos < end, other=0)
-        row_off = page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs
+        page = tl.load(pt + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
+        row_off = page.to(tl.int64) * stride_kvp + ((start + offs_n) % PAGE_SIZE) * stride_kvs
         pdl_wait(PDL)
         q_nope, q_pe = _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R, P, BLOCK_P)
-        if PREFETCH:
-            kv, k_pe = _fresh_rows(row0, pos0, ok0, new_from, kv, k_pe, R, P, BLOCK_P)
-            if start < end:  # an empty split attends nothing, as the loop below would not
-                m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos0, ok0, last_visible, scale_log2, m_i, l_i,
-                                             acc, DOT_PREC)
-        for n0 in range(loop_start, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
             pos_ok = pos < end
             kv_row = KV + row_off[:, None]
@@ -173,34 +147,6 @@ def _mla_decode_split_kernel(
                                          acc, DOT_PREC)
     _finish(m_i, l_i, acc, t, h, row_ok, start < end, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
             H, num_splits, R, DIRECT)
-
-
-@triton.jit
-def _first_tile(KV, pt, start, end, stride_kvp, stride_kvs, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """PREFETCH, before the PDL wait: the split's first tile (its HBM latency overlaps the previous kernel). Rows of
-    this step's new tokens may be stale (the store may be writing them now): _fresh_rows re-reads them after it."""
-    pos = start + tl.arange(0, BLOCK_N)
-    pos_ok = pos < end
-    page = tl.load(pt + pos // PAGE_SIZE, mask=pos_ok, other=0)
-    kv_row = KV + (page.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs)[:, None]
-    offs_p = tl.arange(0, BLOCK_P)
-    kv = tl.load(kv_row + tl.arange(0, R)[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]
-    k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)  # [N, BP]
-    return pos, pos_ok, kv_row, kv, k_pe
-
-
-@triton.jit
-def _fresh_rows(kv_row, pos, pos_ok, new_from, kv, k_pe, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
-    """After the wait: the first tile's rows pos >= seq_len - Q_LEN re-read into the same registers (`other` keeps
-    the rest; usually one row of one split, no traffic elsewhere), so the tile is what a load after the wait gives.
-    From L2 (.cg): the loads before the wait may have left the stale row in this SM's L1, which is not coherent."""
-    fresh = pos_ok & (pos >= new_from)
-    offs_p = tl.arange(0, BLOCK_P)
-    kv = tl.load(kv_row + tl.arange(0, R)[None, :], mask=fresh[:, None], other=kv, cache_modifier=".cg")
-    k_pe = tl.load(kv_row + R + offs_p[None, :], mask=fresh[:, None] & (offs_p < P)[None, :], other=k_pe,
-                   cache_modifier=".cg")
-    return kv, k_pe
 
 
 @triton.jit
@@ -242,16 +188,6 @@ def _finish(m_i, l_i, acc, t, h, row_ok, nonempty, split, Out, PartO, PartLse, s
 @functools.cache
 def _has_tma(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-@functools.cache
-def _prefetch_default(few: bool) -> bool:
-    """Each split's first KV tile loaded before the PDL wait (config PREFETCH). Off by default: session 8 measured no
-    gain at batch 1 and a loss at batch 8 / 32 (docs/performance.md). MLASERVE_MLA_PREFETCH=1 turns it on, "few"
-    only for batch 1-3 (_few: one-tile splits at a 512 context since session 10, so the whole split is fetched
-    early), for A/B timing."""
-    spec = os.environ.get("MLASERVE_MLA_PREFETCH", "0")
-    return spec == "1" or (spec == "few" and few)
 
 
 def _use_tma(cfg: dict, kv_cache: torch.Tensor, P: int) -> bool:
@@ -336,7 +272,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     # 1 at 512 tokens: one-tile splits) pointer loads were faster in the engine, 6.0 vs 7.1 us per layer.
     programs = B * triton.cdiv(H, cfg["BLOCK_H"])
     cfg.setdefault("TMA", q.is_cuda and programs >= TMA_MIN_PROGRAMS and _has_tma(q.device.index))
-    cfg.setdefault("PREFETCH", _prefetch_default(_few(programs, q.dtype)))
     S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
     if T == 0:
         return out
@@ -371,7 +306,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         Q_LEN=q_len, R=R, P=P, BLOCK_P=max(16, P), PAGE_SIZE=page_size,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
         DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma, PREFETCH=bool(cfg["PREFETCH"]),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     if S > 1:

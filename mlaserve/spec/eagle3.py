@@ -94,8 +94,7 @@ class Eagle3Proposer:
             if gpu:  # triton is imported only where it runs
                 from ..attention.triton_mla import TritonMLABackend
 
-                # prefetch_kv off: the draft graph's chained steps read rows its earlier kernels wrote (pdl.py)
-                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank, prefetch_kv=False)
+                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank)
             else:
                 from ..attention.torch_ref import TorchRefBackend
 
