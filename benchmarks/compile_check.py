@@ -205,11 +205,10 @@ def cases(quick: bool):
     for name, D, I, K, S in [("moonlight", 2048, 1408, 6, 2), ("kimi-tp4", 7168, 512, 8, 1)]:
         gu = torch.empty(2 * S * I, D, dtype=bf)
         for T in (1, 2) if name == "moonlight" else (1,):  # the GEMV form of per-pair steps (moe_gemv.py)
-            for gemv in (True, dict(split_k=True)):
-                yield f"fused_moe {name} T={T} + {S} shared, GEMV form {gemv}", fused_experts, (
-                    torch.empty(T, D, dtype=bf), big(64, 2 * I, D, dtype=bf), big(64, D, I, dtype=bf),
-                    torch.empty(T, K + S), torch.zeros(T, K + S, dtype=torch.int64), 0, dict(gemv=gemv), None,
-                    (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=bf)))
+            yield f"fused_moe {name} T={T} + {S} shared, GEMV form", fused_experts, (
+                torch.empty(T, D, dtype=bf), big(64, 2 * I, D, dtype=bf), big(64, D, I, dtype=bf),
+                torch.empty(T, K + S), torch.zeros(T, K + S, dtype=torch.int64), 0, dict(gemv=True), None,
+                (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=bf)))
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
         yield f"routing E={E} G={G} + shared", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG,

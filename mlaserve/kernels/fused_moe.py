@@ -261,13 +261,11 @@ def _tma_default(x: torch.Tensor, bm: int) -> bool:
 
 @functools.cache
 def _gemv_env() -> bool | dict:
-    """MLASERVE_MOE_GEMV, parsed once: "0" off, "1" (default) on, "split" on with moe_gemv_config's split_k,
+    """MLASERVE_MOE_GEMV, parsed once: "0" off, "1" (default) on,
     "n1:w1:n2:w2" on with rows per program and warps of gemv1 / gemv2 (A/B timing)."""
     spec = os.environ.get("MLASERVE_MOE_GEMV", "1")
     if spec in ("0", "1"):
         return spec == "1"
-    if spec == "split":
-        return dict(split_k=True)
     n1, w1, n2, w2 = map(int, spec.split(":"))
     return dict(gemv1=dict(BLOCK_N=n1, num_warps=w1), gemv2=dict(BLOCK_N=n2, num_warps=w2))
 

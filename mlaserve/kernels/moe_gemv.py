@@ -105,31 +105,22 @@ def _moe_gemv1_kernel(X, W13, W1S, W3S, Hbuf, TopkIds, T, D, I, stride_xt, strid
 def _moe_gemv2_kernel(Hbuf, W2, W2S, Y, TopkW, TopkIds, T, D, I, stride_hm, stride_we, stride_wn, stride_sn,
                       stride_yt, expert_offset, E_LOCAL, E_ROUTED,
                       TOPK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_K2: tl.constexpr, PDL: tl.constexpr):
-    """BLOCK_K2 > 0: the first trip is two loads, [BLOCK_N, BLOCK_K] and [BLOCK_N, BLOCK_K2] (a row of 1408 as 1024 +
-    512 rather than one 2048-wide tile, 31 % of it masked), both before the wait; later trips as usual."""
+                      PDL: tl.constexpr):
     pdl_release(PDL)
     p, tok, j, d, d_ok = _program(D, T, TOPK, S, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     k_ok = k < I
-    k2 = BLOCK_K + tl.arange(0, max(BLOCK_K2, 1))
-    k2_ok = (k2 < I) & (BLOCK_K2 > 0)
     # before the wait: the routing (complete when gemv1 released this kernel; through L2) and the first K trip
     e = tl.load(TopkIds + p, cache_modifier=".cg").to(tl.int64) - expert_offset
     if (e < 0) | (e >= E_LOCAL):
         return
     w_ptr = _rows(W2, W2S, e, d, stride_we, stride_wn, stride_sn, 0, I, E_ROUTED, S > 0)
     w = tl.load(w_ptr[:, None] + k[None, :], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
-    if BLOCK_K2 > 0:
-        w2 = tl.load(w_ptr[:, None] + k2[None, :], mask=d_ok[:, None] & k2_ok[None, :], other=0.0)
     tw = tl.load(TopkW + p, cache_modifier=".cg")
     pdl_wait(PDL)
     h = tl.load(Hbuf + p * stride_hm + k, mask=k_ok, other=0.0).to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * h[None, :], 1)
-    if BLOCK_K2 > 0:
-        h2 = tl.load(Hbuf + p * stride_hm + k2, mask=k2_ok, other=0.0).to(tl.float32)
-        acc += tl.sum(w2.to(tl.float32) * h2[None, :], 1)
-    for k0 in range(BLOCK_K + BLOCK_K2, I, BLOCK_K):
+    for k0 in range(BLOCK_K, I, BLOCK_K):
         kk = k0 + k
         h = tl.load(Hbuf + p * stride_hm + kk, mask=kk < I, other=0.0).to(tl.float32)
         wk = tl.load(w_ptr[:, None] + kk[None, :], mask=d_ok[:, None] & (kk < I)[None, :], other=0.0)
@@ -137,29 +128,24 @@ def _moe_gemv2_kernel(Hbuf, W2, W2S, Y, TopkW, TopkIds, T, D, I, stride_hm, stri
     tl.store(Y + p * stride_yt + d, (acc * tw).to(Y.dtype.element_ty), mask=d_ok)
 
 
-def moe_gemv_config(D: int, I: int, split_k: bool = False) -> dict:
+def moe_gemv_config(D: int, I: int) -> dict:
     """Rows per program and the K trip of each GEMV: gemv.py's two rows (gate and up: four) with the whole row in
-    one trip up to 2048 columns (longer rows loop), 2-4 warps. split_k: gemv2's first trip of a row shorter than
-    2048 and not a power of two as two power-of-two loads (Moonlight's 1408: 1024 + 512), fewer masked registers."""
-    bk2, bk2b = min(triton.next_power_of_2(I), 2048), 0
-    if split_k and bk2 > I:
-        bk2 //= 2
-        bk2b = triton.next_power_of_2(I - bk2)
+    one trip up to 2048 columns (longer rows loop), 2-4 warps. (gemv2's first trip of Moonlight's 1408-wide rows as
+    1024 + 512 loads, 80 registers instead of 125, was slower: 1.90 against 1.87 ms at batch 1, session 13.)"""
     return dict(gemv1=dict(BLOCK_N=2, BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4),
-                gemv2=dict(BLOCK_N=4, BLOCK_K=bk2, BLOCK_K2=bk2b, num_warps=2))
+                gemv2=dict(BLOCK_N=4, BLOCK_K=min(triton.next_power_of_2(I), 2048), num_warps=2))
 
 
 def moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S, hbuf, y, pdl, config=None):
     """fused_experts' two GEMMs as GEMVs, into hbuf [TK, I] and y [TK, D] (its buffers; the caller checked every
     shape). w1s / w3s / w2s: the shared slots' weights (any tensor when S == 0). config: {"gemv1": {...}, "gemv2":
-    {...}} tile overrides, and "split_k" (moe_gemv_config)."""
+    {...}} tile overrides."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
     TOPK = topk_ids.shape[-1]
-    config = dict(config or {})
-    cfg = moe_gemv_config(D, I, bool(config.pop("split_k", False)))
-    for key, val in config.items():
+    cfg = moe_gemv_config(D, I)
+    for key, val in (config or {}).items():
         cfg[key] = dict(cfg[key], **val)
     c1, c2 = cfg["gemv1"], cfg["gemv2"]
     ids = topk_ids.reshape(-1)
@@ -171,4 +157,4 @@ def moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S
     _moe_gemv2_kernel[(T * TOPK * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf, w2, w2s, y, topk_weights.reshape(-1), ids, T, D, I, hbuf.stride(0), w2.stride(0), w2.stride(1),
         w2s.stride(0) if S else 0, y.stride(0), expert_offset, E + S, E, TOPK=TOPK, S=S, BLOCK_N=c2["BLOCK_N"],
-        BLOCK_K=c2["BLOCK_K"], BLOCK_K2=c2.get("BLOCK_K2", 0), num_warps=c2["num_warps"], **pdl)
+        BLOCK_K=c2["BLOCK_K"], num_warps=c2["num_warps"], **pdl)
