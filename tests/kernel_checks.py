@@ -389,3 +389,26 @@ def cuda_graph(fn):
     with torch.cuda.graph(g):
         result = fn()
     return g, result
+
+
+def check_rope_cos_sin(device, *, T: int, half: int, scale: float, pos_dtype=torch.int64, exact: bool = False):
+    """rope_cos_sin against RotaryEmbedding's torch form (positions up to 2^20, YaRN-like frequencies); exact:
+    bit-equal (compiled: tl.cos/tl.sin are CUDA's precise cosf/sinf, which torch's kernels call)."""
+    from mlaserve.kernels.rope_kv import rope_cos_sin
+
+    pos = torch.randint(0, 1 << 20, (T,), device=device).to(pos_dtype)
+    inv_freq = (torch.rand(half, device=device) * 10.0 ** -torch.linspace(0, 6, half, device=device)).float()
+    freqs = pos.float().unsqueeze(-1) * inv_freq
+    ref_c, ref_s = freqs.cos() * scale, freqs.sin() * scale
+    with poisoned_empty():
+        c, s = rope_cos_sin(pos, inv_freq, scale)
+    what = f"rope_cos_sin T={T} half={half} scale={scale} {pos_dtype}"
+    assert c.shape == s.shape == (T, half) and c.dtype == s.dtype == torch.float32, what
+    if exact:
+        bad = (c != ref_c) | (s != ref_s)
+        first = bad.nonzero()[0].tolist() if bad.any() else None
+        assert not bad.any(), f"{what}: {int(bad.sum())} values differ from torch's, first at {first}"
+    else:  # the interpreter's numpy cos/sin may round the last bit differently
+        assert_close(c, ref_c, torch.float32, what, tol=1e-6)
+        assert_close(s, ref_s, torch.float32, what, tol=1e-6)
+

@@ -1,4 +1,5 @@
-"""RoPE over interleaved pairs fused with the latent KV-cache write, and the query RoPE (layers.rotary.apply_rope).
+"""RoPE over interleaved pairs fused with the latent KV-cache write, the query RoPE (layers.rotary.apply_rope), and
+the step's cos/sin tables (layers.rotary.RotaryEmbedding).
 
 out[2i] = x[2i] cos[i] - x[2i+1] sin[i];  out[2i+1] = x[2i+1] cos[i] + x[2i] sin[i], computed in fp32.
 """
@@ -164,3 +165,42 @@ def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
         P=P, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4, **pdl_args(x),
     )
     return out
+
+
+@triton.jit
+def _cos_sin_kernel(Pos, InvFreq, Out, T, scale, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+    """Out[0] = cos(pos * inv_freq) * scale, Out[1] = sin(...) * scale, [T, HALF] each: RotaryEmbedding's torch ops
+    (int -> fp32, the product, CUDA's cosf/sinf as torch's kernels call them, the scale) in one launch."""
+    pdl_start(PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    i = tl.arange(0, BLOCK_HALF)
+    ok = (t < T)[:, None] & (i < HALF)[None, :]
+    inv_freq = tl.load(InvFreq + i, mask=i < HALF).to(tl.float32)
+    f = tl.load(Pos + t, mask=t < T, other=0).to(tl.float32)[:, None] * inv_freq[None, :]
+    c, s = tl.cos(f), tl.sin(f)  # on sm_90 libdevice's precise cosf/sinf (the same PTX as libdevice.cos)
+    if SCALED:
+        c, s = c * scale, s * scale
+    out = t.to(tl.int64)[:, None] * HALF + i[None, :]
+    tl.store(Out + out, c, mask=ok)
+    tl.store(Out + T * HALF + out, s, mask=ok)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] int, inv_freq [P/2] (fp32; another float dtype is widened, as torch promotes) -> (cos, sin)
+    [T, P/2] fp32 each (views of one [2, T, P/2] buffer): cos(positions * inv_freq) * scale and sin(...) * scale,
+    as layers.rotary computes them with torch ops (five launches there, one here)."""
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be [T] int32/int64, got {tuple(positions.shape)} {positions.dtype}")
+    if inv_freq.dim() != 1 or not inv_freq.is_floating_point() or not inv_freq.is_contiguous():
+        raise ValueError(f"inv_freq must be a contiguous [P/2] float tensor, got {tuple(inv_freq.shape)} "
+                         f"{inv_freq.dtype}")
+    T, half = positions.shape[0], inv_freq.shape[0]
+    out = torch.empty(2, T, half, dtype=torch.float32, device=positions.device)
+    if T:
+        block_half = triton.next_power_of_2(half)
+        block_t = max(1, min(triton.next_power_of_2(T), 2048 // block_half))
+        _cos_sin_kernel[(triton.cdiv(T, block_t),)](
+            positions.contiguous(), inv_freq, out, T, float(scale), HALF=half, BLOCK_T=block_t, BLOCK_HALF=block_half,
+            SCALED=scale != 1.0, num_warps=4, **pdl_args(positions))
+    return out[0], out[1]

@@ -40,6 +40,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", yarn_inv_freq(rope, dim), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin) [T, P/2] fp32; on the GPU one kernel (kernels/rope_kv.rope_cos_sin) for the
+        five launches of the torch form, bit-equal to it."""
+        if positions.is_cuda and positions.dim() == 1:
+            from ..kernels.rope_kv import rope_cos_sin
+
+            return rope_cos_sin(positions, self.inv_freq, self.scale)
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, P/2]
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 

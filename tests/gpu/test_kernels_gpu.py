@@ -387,6 +387,14 @@ def test_rope_q_real(H):
     kc.check_rope_q("cuda", torch.float32, T=77, H=H, P=64, alias=True, head_major=True)
 
 
+@pytest.mark.parametrize("T", [1, 2, 33, 8192])
+def test_rope_cos_sin_real(T):
+    # bit-equal to RotaryEmbedding's torch ops at the models' 32 frequencies, unscaled (Moonlight) and YaRN-scaled
+    kc.check_rope_cos_sin("cuda", T=T, half=32, scale=1.0, exact=True)
+    kc.check_rope_cos_sin("cuda", T=T, half=32, scale=1.3466, exact=True)
+    kc.check_rope_cos_sin("cuda", T=T, half=32, scale=1.0, pos_dtype=torch.int32, exact=True)
+
+
 def test_rope_store_kv_cuda_graph():
     from mlaserve.kernels.reference import rope_store_kv_ref
     from mlaserve.kernels.rope_kv import rope_store_kv
@@ -529,3 +537,4 @@ def test_absorb_q_rope_store_kv_real(H, T, pad, norm):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(Q2, Q1) and torch.equal(c2.nan_to_num(7.0), c1.nan_to_num(7.0))
+
