@@ -412,3 +412,32 @@ def check_rope_cos_sin(device, *, T: int, half: int, scale: float, pos_dtype=tor
         assert_close(c, ref_c, torch.float32, what, tol=1e-6)
         assert_close(s, ref_s, torch.float32, what, tol=1e-6)
 
+
+def check_argmax(device, dtype, *, B: int, V: int):
+    """argmax_rows against torch.argmax(-1) on fresh random rows, with planted cases: the row max repeated later
+    and in another block (the first wins), a whole row of -inf, a NaN after the max (the NaN wins, as in torch),
+    and rows whose max is in the last, partial block. The output starts poisoned (-1)."""
+    from mlaserve.kernels.argmax import argmax_rows
+
+    x = torch.randn(B, V, device=device).to(dtype)
+    g = torch.Generator().manual_seed(B * 7919 + V)
+    for b in range(B):
+        kind = b % 5
+        i = int(torch.randint(0, V, (1,), generator=g))
+        j = int(torch.randint(0, V, (1,), generator=g))
+        if kind == 1:  # ties: the same max at two places
+            x[b, min(i, j)] = x[b, max(i, j)] = 9.0
+        elif kind == 2:
+            x[b] = float("-inf")
+        elif kind == 3 and V > 1:
+            x[b, min(i, j)] = 9.0
+            x[b, max(i, j) if i != j else V - 1] = float("nan")
+        elif kind == 4:
+            x[b, V - 1] = 9.0
+    with poisoned_empty():
+        out = argmax_rows(x)
+    ref = x.argmax(-1)
+    assert out.dtype == torch.int64 and out.shape == (B,)
+    bad = (out != ref).nonzero().flatten().tolist()
+    assert not bad, f"argmax_rows B={B} V={V} {dtype}: rows {bad[:8]} got {out[bad[:8]].tolist()} want " \
+                    f"{ref[bad[:8]].tolist()}"

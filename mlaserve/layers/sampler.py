@@ -49,10 +49,20 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> argmax(-1) [...] int64; on the GPU two short launches (kernels/argmax.py) instead of
+    torch's one-block-per-row reduction (8.3 us for a 163840-token row on an H200), with torch's exact result."""
+    if logits.is_cuda and logits.dim() >= 1 and logits.is_contiguous() and logits.numel():
+        from ..kernels.argmax import argmax_rows
+
+        return argmax_rows(logits.view(-1, logits.shape[-1])).view(logits.shape[:-1])
+    return logits.argmax(-1)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
            want_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V] fp32 -> (tokens [B] int64, logprobs of those tokens under the model [B] or None)."""
-    tokens = logits.argmax(-1)
+    tokens = greedy_tokens(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         sel = _to(random_rows, logits.device)

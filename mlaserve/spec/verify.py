@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.sampler import SamplingRow, _filter
+from ..layers.sampler import SamplingRow, _filter, greedy_tokens
 
 
 def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, N, V], drafts [B, K=N-1] -> (target tokens [B, N], accepted counts [B])."""
-    y = logits.argmax(-1)
+    y = greedy_tokens(logits)
     accepted = (drafts == y[:, :-1]).int().cumprod(1).sum(1)
     return y, accepted
 

@@ -538,3 +538,12 @@ def test_absorb_q_rope_store_kv_real(H, T, pad, norm):
     torch.cuda.synchronize()
     assert torch.equal(Q2, Q1) and torch.equal(c2.nan_to_num(7.0), c1.nan_to_num(7.0))
 
+
+# --- greedy arg-max -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+@pytest.mark.parametrize("B", [1, 2, 33, 64])
+def test_argmax_rows_real(dtype, B):
+    # the models' 163840-token vocabulary (40 blocks a row), DeepSeek's 129280 (a partial last block), a short row
+    kc.check_argmax("cuda", dtype, B=B, V=163840)
+    kc.check_argmax("cuda", dtype, B=B, V=129280)
+    kc.check_argmax("cuda", dtype, B=B, V=1000)
