@@ -144,13 +144,13 @@ class GraphRunner:
             table.append(c.pages + [0] * (width - len(c.pages)))
             first += n
         pad_tok = g.n_tokens - first
-        if kind == "decode":
+        if kind == "decode":  # every row has logits, in order: no gather (_forward), so no indices
             pad_reqs = g.n_reqs - len(chunks)
             ids += [0] * pad_tok
             pos += list(range(self.q)) * pad_reqs
             lens += [self.q] * pad_reqs
             qlens += [self.q] * pad_reqs
-            rows = list(range(g.n_tokens))
+            rows = []
         else:
             pad_reqs = g.n_reqs - len(chunks)  # the padding tokens form one request; the others are empty
             ids = np.concatenate(ids + [np.zeros(pad_tok, dtype=np.int64)])
@@ -172,7 +172,8 @@ class GraphRunner:
         self.seq_lens[: g.n_reqs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         self.query_start_loc[: g.n_reqs + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
         self.page_table[: g.n_reqs, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
-        self.logits_indices[: len(rows)].copy_(torch.tensor(rows), non_blocking=True)
+        if rows:
+            self.logits_indices[: len(rows)].copy_(torch.tensor(rows), non_blocking=True)
         g.batch.seq_lens_cpu[:] = lens  # host mirrors, for eager replay (reference backends) only
         g.batch.query_lens_cpu[:] = qlens
 
@@ -181,7 +182,9 @@ class GraphRunner:
         model = self.runner.model
         out = model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
-        return model.compute_logits(hidden[batch.logits_indices]), aux
+        if batch.num_decode_reqs == 0:  # prefill: the last token of each request (a gather); decode: every row
+            hidden = hidden[batch.logits_indices]
+        return model.compute_logits(hidden), aux
 
     def release(self) -> None:
         """Destroy every captured graph now (not when the last reference goes): a graph holding NCCL all-reduces
