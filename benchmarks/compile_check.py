@@ -225,6 +225,14 @@ def cases(quick: bool):
             torch.empty(4, R + P, dtype=bf)[:, R:], cs, cs)
         q = torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]
         yield f"rope_q H={H} P={P}", rope_q, (q, cs, cs, q)
+    from mlaserve.kernels.argmax import argmax_rows
+    from mlaserve.kernels.rope_kv import rope_cos_sin
+
+    for T, scale in [(1, 1.0), (8192, 1.3466)]:
+        yield f"rope_cos_sin T={T} scale={scale}", rope_cos_sin, (torch.zeros(T, dtype=torch.int64), torch.empty(32),
+                                                                   scale)
+    for B, dt in [(1, torch.float32), (64, torch.float32), (2, bf)]:
+        yield f"argmax_rows B={B} {dt}", argmax_rows, (torch.empty(B, 163840, dtype=dt),)
     from mlaserve.kernels.gemv import gemv
 
     for N, K in [(3648, 2048), (2048, 2048), (1000, 7168)]:
