@@ -275,6 +275,7 @@ def main():
             rows.append(dict(figure=f"TPOT b{b} ctx512 EAGLE3 K=1 N=2 (random draft)", ms=s / tok * 1e3,
                              step_ms=s * 1e3, tokens_per_step=tok, plain_ms=base[b] * 1e3,
                              floor_ms=decode_floor_s(mcfg, b, 512) * 1e3,
+                             ratio=s / tok / decode_floor_s(mcfg, b, 512),  # per token, against plain decode's floor
                              accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1)))
     if a.profile and not a.spec_only:
         res["profile"] = profile(engine, vocab, max(ttfts))
@@ -294,7 +295,8 @@ def main():
         f"init incl. graphs {res['mlaserve_init_s']:.1f}s; transformers load {_get(res, 'load_s')})")
     log(f"{'figure':44s} {'mlaserve ms':>12s} {'floor ms':>9s} {'x floor':>8s} {'transformers ms':>16s}")
     for r in rows:
-        log(f"{r['figure']:44s} {r['ms']:12.2f} {r.get('floor_ms') or 0:9.2f} {r.get('ratio') or 0:8.2f} "
+        ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
+        log(f"{r['figure']:44s} {r['ms']:12.2f} {r.get('floor_ms') or 0:9.2f} {ratio:>8} "
             f"{r['hf_ms'] if r.get('hf_ms') is not None else '-':>16}"
             + (f"   (graph replay alone {r['replay_ms']:.2f} ms, {100 * r['overlapped']:.0f}% overlapped)"
                if r.get("replay_ms") else "")
