@@ -137,7 +137,7 @@ def cases(quick: bool):
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_mla
     from mlaserve.kernels.rope_kv import rope_q, rope_store_kv
-    from mlaserve.kernels.routing import route_noaux_tc_logits, route_splitk, router_partials
+    from mlaserve.kernels.routing import route_noaux_tc_logits, router_partials
 
     bf, i32 = torch.bfloat16, torch.int32
     mla = [(16, 1, 16), (16, 2, 16), (64, 1, 16), (64, 2, 32), (128, 1, 1), (4, 2, 3), (16, 4, 8), (20, 1, 5),
@@ -218,10 +218,6 @@ def cases(quick: bool):
         x, w = torch.empty(4, D, dtype=bf), torch.empty(E, D, dtype=bf)
         yield f"router_partials E={E} D={D}", router_partials, (x, w)
         yield f"routing from partials E={E}", route_noaux_tc_logits, (part, torch.empty(E), K, G, TG, True, 2.5, 2, E)
-        for T in (1, 32):  # router and routing in one launch (the engine's decode path)
-            yield f"router+routing E={E} D={D} T={T}", route_splitk, (
-                torch.empty(T, D, dtype=bf), w, torch.empty(E), K, G, TG, True, 2.5, 2 if E == 64 else 1, E,
-                torch.zeros(2, dtype=torch.int32))
     for R, P, H in [(512, 64, 16), (512, 64, 128), (32, 8, 4)]:
         cs = torch.empty(4, P // 2)
         yield f"rope_store_kv R={R} P={P}", rope_store_kv, (

@@ -441,25 +441,3 @@ def check_argmax(device, dtype, *, B: int, V: int):
     bad = (out != ref).nonzero().flatten().tolist()
     assert not bad, f"argmax_rows B={B} V={V} {dtype}: rows {bad[:8]} got {out[bad[:8]].tolist()} want " \
                     f"{ref[bad[:8]].tolist()}"
-
-
-def check_router_route(device, *, T: int, E: int, D: int, n_group: int, topk_group: int, K: int, S: int = 0,
-                       reps: int = 2):
-    """route_splitk with a counter (router and routing in one launch, the last program of each token block routing
-    it) against its two-launch form on fresh random inputs: bit-equal weights and ids, poisoned outputs, and the
-    counter back at zero after every launch, so the next one (reps) is right too."""
-    from mlaserve.kernels.routing import route_splitk
-
-    counter = torch.zeros(2, dtype=torch.int32, device=device)
-    for rep in range(reps):
-        x = torch.randn(T, D, device=device).to(torch.bfloat16)
-        w = (torch.randn(E, D, device=device) / D**0.5).to(torch.bfloat16)
-        bias = 0.1 * torch.randn(E, device=device)
-        args = (x, w, bias, K, n_group, topk_group, True, 2.5, S, E)
-        with poisoned_empty():
-            w1, i1 = route_splitk(*args, counter=counter)
-            w2, i2 = route_splitk(*args)
-        what = f"router+routing T={T} E={E} D={D} G={n_group}/{topk_group} K={K} S={S} rep {rep}"
-        assert torch.equal(i1, i2), f"{what}: ids differ in rows {(i1 != i2).any(-1).nonzero().flatten().tolist()}"
-        assert torch.equal(w1, w2), f"{what}: weights differ"
-        assert not counter.any(), f"{what}: counter left at {counter.tolist()}"

@@ -22,17 +22,11 @@ from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
 
 
 @triton.jit
-def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr, CG: tl.constexpr = False):
-    """The router logits at ptrs: the sum of SPLIT partials, always in the same order (both views below agree).
-    CG: through L2 (partials other programs of the same launch just wrote; an SM's L1 may hold stale lines)."""
-    if CG:
-        v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT):
-            v += tl.load(ptrs + s * stride_ls, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        v = tl.load(ptrs, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            v += tl.load(ptrs + s * stride_ls, mask=mask, other=0.0)
+def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr):
+    """The router logits at ptrs: the sum of SPLIT partials, always in the same order (both views below agree)."""
+    v = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        v += tl.load(ptrs + s * stride_ls, mask=mask, other=0.0)
     return v
 
 
@@ -40,15 +34,14 @@ def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr, CG: tl.constexpr = False
 def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, Bias, Weights, Ids, scaling, shared_id0,
                 E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                 USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr,
-                CG: tl.constexpr = False):
+                BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr):
     """Routes tokens t [R] (int64; t_ok [R] masks them): rows t of Weights/Ids [T, TOP_K + N_SHARED]. Each token's
     result depends on its logits only (arg-maxes, sums of one non-zero, the norm's sum accumulated in k order), so
     any R and any num_warps give the same bits."""
     offs = tl.arange(0, BLOCK_E)
     rows = Logits + t * stride_lt  # [R]
     ok = t_ok[:, None] & (offs < E)[None, :]
-    score = tl.sigmoid(_logits(rows[:, None] + offs[None, :], ok, stride_ls, SPLIT, CG))  # [R, E]
+    score = tl.sigmoid(_logits(rows[:, None] + offs[None, :], ok, stride_ls, SPLIT))  # [R, E]
     bias = tl.load(Bias + offs, mask=offs < E, other=0.0)
     choice = tl.where((offs < E)[None, :], score + bias[None, :], float("-inf"))
     if USE_GROUPS:
@@ -61,7 +54,7 @@ def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, Bias, Weights, Ids, scali
             ok2 = (g < N_GROUP)[:, None] & (s < GS)[None, :]
             idx2 = g[:, None] * GS + s[None, :]  # [G, S]
             c2 = tl.sigmoid(_logits(rows[:, None, None] + idx2[None, :, :], t_ok[:, None, None] & ok2[None, :, :],
-                                    stride_ls, SPLIT, CG))
+                                    stride_ls, SPLIT))
             c2 = tl.where(ok2[None, :, :], c2 + tl.load(Bias + idx2, mask=ok2, other=0.0)[None, :, :],
                           float("-inf"))  # [R, G, S]
         top1 = tl.max(c2, 2)
@@ -157,33 +150,6 @@ def _router_partial_kernel(X, W, Part, T, D, stride_xt, stride_we, stride_ps, st
                     KB_PER_SPLIT, E, BLOCK_T, BLOCK_E, BLOCK_K)
 
 
-@triton.jit
-def _router_route_kernel(X, W, Part, Counter, Bias, Weights, Ids, T, D, stride_xt, stride_we, stride_ps, stride_pt,
-                         KB_PER_SPLIT, scaling, shared_id0,
-                         E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ED: tl.constexpr, BLOCK_D: tl.constexpr,
-                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                         USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr,
-                         PDL: tl.constexpr):
-    """_router_partial_kernel, then the routing of each token block by the last of its SPLIT programs to finish (an
-    atomic count per block; that program sets it back to 0): no routing launch, and no wait for a grid to drain
-    between the router and the routing. The partials are summed in the same order as route_noaux_tc_logits sums
-    them, so the result is bit-equal to router_partials then the routing kernel."""
-    pdl_release(PDL)
-    tb = tl.program_id(0)
-    split = tl.program_id(1)
-    w0 = _w_tile(W, split * KB_PER_SPLIT, D, stride_we, E, BLOCK_ED, BLOCK_D)  # a weight: before the wait
-    pdl_wait(PDL)
-    _router_partial(X, W, Part, w0, tb, split, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
-                    E, BLOCK_T, BLOCK_ED, BLOCK_D)
-    tl.debug_barrier()  # every thread's partial stored before the count (released by its acq_rel)
-    if tl.atomic_add(Counter + tb, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-        t = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        _route_rows(Part, t, t < T, stride_pt, stride_ps, Bias, Weights, Ids, scaling, shared_id0, E, N_GROUP,
-                    TOPK_GROUP, TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S, BLOCK_K, N_SHARED, SPLIT, True)
-        tl.atomic_xchg(Counter + tb, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
-
 def _routing_meta(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                   num_shared: int) -> dict:
     """Checks a routing config; -> the routing constexprs of _route_rows."""
@@ -265,34 +231,11 @@ def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def route_splitk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, scaling: float, num_shared: int = 0, shared_id0: int = 0,
-                 counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...): two launches; with
-    `counter` (int32 zeros, >= one per 16-token block, left zeroed; TopkRouter.route_counter) one
-    (_router_route_kernel), bit-equal."""
-    if counter is None:
-        return route_noaux_tc_logits(router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob,
-                                     scaling, num_shared, shared_id0)
-    kb_per_split, split, part = _splitk_args(x, w)
-    T, D = x.shape
-    E = w.shape[0]
-    n_tb = triton.cdiv(T, ROUTER_BLOCK_T)
-    if counter.dtype != torch.int32 or counter.dim() != 1 or counter.shape[0] < n_tb or counter.device != x.device:
-        raise ValueError(f"counter must be int32 [>= {n_tb}] on {x.device}, got {tuple(counter.shape)} "
-                         f"{counter.dtype} on {counter.device}")
-    if bias.shape != (E,) or bias.dtype != torch.float32:
-        raise ValueError(f"router bias must be fp32 [{E}], got {tuple(bias.shape)} {bias.dtype}")
-    meta = _routing_meta(E, top_k, n_group, topk_group, norm_topk_prob, num_shared)
-    KS = top_k + num_shared
-    weights = torch.empty(T, KS, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, KS, dtype=torch.int64, device=x.device)
-    if T:
-        _router_route_kernel[(n_tb, split)](
-            x, w, part, counter, bias, weights, ids, T, D, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
-            kb_per_split, float(scaling), int(shared_id0), E=E, BLOCK_T=ROUTER_BLOCK_T,
-            BLOCK_ED=max(16, triton.next_power_of_2(E)), BLOCK_D=ROUTER_BLOCK_K, SPLIT=split, num_warps=4, **meta,
-            **pdl_args(x))
-    return weights, ids
+                 norm_topk_prob: bool, scaling: float, num_shared: int = 0,
+                 shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...): two launches."""
+    return route_noaux_tc_logits(router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
+                                 num_shared, shared_id0)
 
 
 def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0,
@@ -306,7 +249,7 @@ def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0,
     T = x.shape[0]
     if (w16 is not None and T <= ROUTER_SPLITK_MAX_TOKENS and x.stride(-1) == 1
             and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS):  # the router GEMM as split-K partials
-        return route_splitk(x, w16, *args, counter=gate.route_counter(x.device))
+        return route_splitk(x, w16, *args)
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
     else:

@@ -60,7 +60,6 @@ class TopkRouter(nn.Module):
         self.weight = new_param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32, loader=self._load)
         self.e_score_correction_bias = new_param(cfg.n_routed_experts, dtype=torch.float32)
         self._w16, self._w16_key = None, None  # bf16_weight's cache
-        self._counter = None  # route_counter's
 
     def _load(self, param, src) -> None:
         checked_copy(param, src[:])
@@ -80,14 +79,6 @@ class TopkRouter(nn.Module):
             self._w16 = w16 if torch.equal(w16.float(), self.weight.detach()) else None
             self._w16_key = key
         return self._w16
-
-    def route_counter(self, device) -> torch.Tensor:
-        """int32 zeros [2] on `device`: the fused router + routing kernel's count of finished programs per 16-token
-        block (kernels/routing.route_splitk), which the kernel leaves at zero. Made on first use, which must come
-        before CUDA-graph capture (the warm-up forwards make it), and kept: the graphs launch with its address."""
-        if self._counter is None or self._counter.device != torch.device(device):
-            self._counter = torch.zeros(2, dtype=torch.int32, device=device)
-        return self._counter
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg

@@ -314,34 +314,6 @@ def test_router_bf16_gemm_equals_fp32_and_routes_the_same(preset, T):
     assert same > 0.99, f"{preset} T={T}: only {same:.4f} of tokens route the same"
 
 
-@pytest.mark.parametrize("T", [1, 2, 17, 32])
-@pytest.mark.parametrize("E,G,TG,K,S", [(64, 1, 1, 6, 2), (256, 8, 4, 8, 1), (384, 1, 1, 8, 1)])
-def test_router_and_routing_in_one_launch_real(T, E, G, TG, K, S):
-    # Moonlight's, DeepSeek-V3's and Kimi's routers at D=2048 / 7168: bit-equal to the two launches, counter reset
-    kc.check_router_route("cuda", T=T, E=E, D=2048 if E == 64 else 7168, n_group=G, topk_group=TG, K=K, S=S, reps=3)
-
-
-def test_router_and_routing_in_one_launch_graph_replays():
-    """Captured once, replayed on new inputs: each replay routes as the two-launch form does (the counter the
-    capture saw is the one every replay resets)."""
-    from mlaserve.kernels.routing import route_splitk
-
-    T, E, D = 2, 64, 2048
-    x = torch.randn(T, D, device="cuda").to(BF)
-    w = (torch.randn(E, D, device="cuda") / D**0.5).to(BF)
-    bias = 0.1 * torch.randn(E, device="cuda")
-    counter = torch.zeros(2, dtype=torch.int32, device="cuda")
-    args = (w, bias, 6, 1, 1, True, 2.5, 2, E)
-    g, (gw, gi) = kc.cuda_graph(lambda: route_splitk(x, *args, counter=counter))
-    for _ in range(5):
-        x.copy_(torch.randn(T, D, device="cuda").to(BF))
-        g.replay()
-        rw, ri = route_splitk(x, *args)
-        torch.cuda.synchronize()
-        assert torch.equal(gi, ri) and torch.equal(gw, rw)
-        assert not counter.any()
-
-
 def test_routing_shared_columns_real():
     with kc.poisoned_empty():
         kc.check_routing("cuda", T=4096, E=64, n_group=1, topk_group=1, K=6, num_shared=2, shared_id0=64)

@@ -84,22 +84,3 @@ def test_route_splitk_against_reference(kdev, E, K, G, TG, S, D):
             w, ids = route_splitk(x, wt, bias, K, G, TG, True, 2.5, S, E)
         assert w.shape == ids.shape == (T, K + S) and not w.isnan().any() and (ids >= 0).all()
         _check_against_reference(w, ids, x, wt, bias, K, G, TG, S, E)
-
-
-@pytest.mark.parametrize("T,E,D,G,TG,K,S", [(1, 16, 256, 1, 1, 4, 2), (17, 32, 192, 4, 2, 4, 0),
-                                            (32, 24, 128, 3, 2, 3, 1)])
-def test_router_and_routing_in_one_launch(kdev, T, E, D, G, TG, K, S):
-    # one and two token blocks, groups (24 experts: the grouped view loaded again), shared columns
-    from tests.kernel_checks import check_router_route
-
-    check_router_route(kdev, T=T, E=E, D=D, n_group=G, topk_group=TG, K=K, S=S)
-
-
-def test_router_route_counter_checked(kdev):
-    from mlaserve.kernels.routing import route_splitk
-
-    x = torch.zeros(20, 64, dtype=torch.bfloat16, device=kdev)
-    w = torch.zeros(8, 64, dtype=torch.bfloat16, device=kdev)
-    with pytest.raises(ValueError, match="counter must be int32"):
-        route_splitk(x, w, torch.zeros(8, device=kdev), 2, 1, 1, True, 1.0,
-                     counter=torch.zeros(1, dtype=torch.int32, device=kdev))
