@@ -13,6 +13,7 @@ def test_argmax_rows(kdev, dtype, B, V):
 
 
 def test_argmax_rows_rejects():
+    pytest.importorskip("triton")
     from mlaserve.kernels.argmax import argmax_rows
 
     with pytest.raises(ValueError, match="unit last stride"):
