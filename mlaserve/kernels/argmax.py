@@ -16,13 +16,13 @@ BLOCK = 4096  # values a first-stage program reduces: 40 programs a row for Kimi
 
 
 @triton.jit
-def _first_max(v, idx, ok, BIG: tl.constexpr):
+def _first_max(v, idx, ok):
     """(max, first index of it) of v [N] over the lanes ok, with NaN above everything -> (value, index)."""
     nan = (v != v) & ok
     any_nan = tl.max(nan.to(tl.int32), 0) > 0
     m = tl.max(tl.where(ok & ~nan, v, float("-inf")), 0)
     hit = tl.where(any_nan, nan, ok & (v == m))
-    first = tl.min(tl.where(hit, idx, BIG), 0)
+    first = tl.min(tl.where(hit, idx, 2147483647), 0)  # idx < V < 2^31
     return tl.where(any_nan, float("nan"), m), first
 
 
@@ -34,7 +34,7 @@ def _argmax_blocks_kernel(X, PartV, PartI, V, NB, stride_xb, BLOCK: tl.constexpr
     idx = j * BLOCK + tl.arange(0, BLOCK)
     ok = idx < V
     v = tl.load(X + b * stride_xb + idx, mask=ok).to(tl.float32)  # exact for bf16/fp16; masked lanes: _first_max
-    m, first = _first_max(v, idx, ok, 2147483647)
+    m, first = _first_max(v, idx, ok)
     tl.store(PartV + b * NB + j, m)
     tl.store(PartI + b * NB + j, first)
 
@@ -47,7 +47,7 @@ def _argmax_rows_kernel(PartV, PartI, Out, NB, BLOCK_NB: tl.constexpr):
     j = tl.arange(0, BLOCK_NB)
     ok = j < NB
     v = tl.load(PartV + b * NB + j, mask=ok, other=float("-inf"))
-    _, jb = _first_max(v, j, ok, 2147483647)
+    _, jb = _first_max(v, j, ok)
     tl.store(Out + b, tl.load(PartI + b * NB + jb).to(tl.int64))
 
 
