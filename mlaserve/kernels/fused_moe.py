@@ -304,7 +304,8 @@ def _check_shared(shared, I: int, D: int, dtype) -> int:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None,
-                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None):
+                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None,
+                  all_local: bool = False):
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
     topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
@@ -318,7 +319,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     MLASERVE_MOE_TMA=0 turns it off), "prewait": bool (GEMM2's reads before its PDL wait; default: under PDL
     with no_align; tests set it without PDL, where it only reorders the code), and "gemv": bool or moe_gemv's
     {"gemv1": {...}, "gemv2": {...}} tiles (the GEMVs of moe_gemv.py instead of the tiled GEMMs, no_align steps
-    only; default: MLASERVE_MOE_GEMV, on)."""
+    only; default: MLASERVE_MOE_GEMV, on). all_local: every id names a local expert (no expert parallelism), so the
+    sum over k reads no ids (moe_sum)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -336,7 +338,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     w1s, w3s, w2s = shared if S else (w13, w13, w2)  # unused without shared experts (any pointer will do)
     E_all = E + S  # the routed experts, then the shared slots
     if T == 0:
-        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E_all, add, norm)  # checks `add`/`norm`; empty
+        # checks `add`/`norm`; empty
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E_all, add, norm, all_local)
     TK = T * K
     config = dict(config or {})
     no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
@@ -352,7 +355,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
         moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S, hbuf, y, pdl_args(x),
                  gemv if isinstance(gemv, dict) else None)
-        return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)
+        return moe_sum(y, topk_ids, expert_offset, E_all, add, norm, all_local)
     c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
     if tma is None:  # the default: the sm_90 decode tiles, where whole tiles fit (else the pointer loads)
         tma = _tma_default(x, c1["BLOCK_M"]) and _tma_fits(w13, w2, shared if S else None, c1, c2, D, I)
@@ -398,4 +401,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
         EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g2 is not None,
         PREWAIT=prewait, num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl)
-    return moe_sum(y, topk_ids, expert_offset, E_all, add, norm)
+    return moe_sum(y, topk_ids, expert_offset, E_all, add, norm, all_local)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_args, pdl_release, pdl_wait
-from .rope_kv import _check_cos_sin, _check_store_kv, _rope_q_tile, _store_kv_row
+from .rope_kv import _check_cos_sin, _check_store_kv, _kv_norm_weight, _rope_q_tile, _store_kv_row
 
 # decode steps of 1-2 tokens (batch 1-2, or an EAGLE3 verify of width 2 at batch 1): the sizes timed against bmm
 # (kernels_bench absorb, T=1 and 2); the kernel itself serves any T, larger steps keep torch.bmm until timed
@@ -49,14 +49,16 @@ def _store_kv_program(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps, stride_cp, s
                       stride_kt, stride_kp, stride_cos, stride_sin, T: tl.constexpr, BLOCK_T: tl.constexpr,
                       R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
                       NORM: tl.constexpr, PDL: tl.constexpr):
-    """rope_store_kv for every token of the step in one program (T <= 2): the slots (step inputs) before the wait."""
+    """rope_store_kv for every token of the step in one program (T <= 2): the slots (step inputs) and the norm's
+    weight before the wait."""
     tt = tl.arange(0, BLOCK_T)
     slots = tl.load(Slots + tt, mask=tt < T, other=-1)  # [BLOCK_T]
+    norm_w = _kv_norm_weight(NormW, R, R, NORM)
     pdl_wait(PDL)
     for t in tl.static_range(T):
         slot = tl.sum(tl.where(tt == t, slots, 0), axis=0)
         if slot >= 0:  # padding tokens (CUDA graphs, slot -1) have no slot
-            _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, NormW, eps, tl.full((), t, tl.int32), slot, stride_cp,
+            _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, norm_w, eps, tl.full((), t, tl.int32), slot, stride_cp,
                           stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin, R, R, HALF,
                           BLOCK_HALF, PAGE_SIZE, NORM)
 

@@ -295,6 +295,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         kv_n = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], R])
         kv_p = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], P])
     pdl = pdl_args(q)  # the split and combine kernels launch alike
+    min_split_tiles = max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"])  # both kernels cut alike
     _mla_decode_split_kernel[grid](
         q, kv_cache, kv_n, kv_p, page_table, seq_lens, out, part_o, part_lse,
         scale * LOG2E,
@@ -305,7 +306,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         H, S,
         Q_LEN=q_len, R=R, P=P, BLOCK_P=max(16, P), PAGE_SIZE=page_size,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
-        DIRECT=S == 1, MIN_SPLIT_TILES=max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"]),
+        DIRECT=S == 1, MIN_SPLIT_TILES=min_split_tiles,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
@@ -313,8 +314,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
         block_s = _pow2(S)
         block_r = min(R, max(16, COMBINE_TILE // block_s))  # [S, BLOCK_R] fp32: <= 64 registers a thread
         _mla_decode_combine_kernel[(T, H, R // block_r)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), H, S,
-            R=R, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4, **pdl,
+            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), out.stride(2), H, S,
+            R=R, BLOCK_S=block_s, BLOCK_R=block_r, Q_LEN=q_len, BLOCK_N=cfg["BLOCK_N"],
+            MIN_SPLIT_TILES=min_split_tiles, num_warps=4, **pdl,
         )
     return out
 

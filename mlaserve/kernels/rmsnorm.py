@@ -10,47 +10,53 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, pdl_start
+from .pdl import pdl_args, pdl_release, pdl_wait
 
 
 @triton.jit
-def _norm_row(x, W, Out, row, stride_o, d, ok, D, eps):
-    """x: one row in fp32 (already rounded to the input dtype)."""
+def _norm_row(x, w, Out, row, stride_o, d, ok, D, eps):
+    """x: one row in fp32 (already rounded to the input dtype); w: the norm weight's row, loaded by the caller
+    before its PDL wait (a weight: evicted by the step's expert streams, so a DRAM round trip; loaded here, after
+    the stores before it, it was one more round trip at the end of every norm)."""
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     y = (x * rstd).to(Out.dtype.element_ty)  # the reference casts before the weight
-    w = tl.load(W + d, mask=ok, other=0.0)
     tl.store(Out + row * stride_o + d, (w.to(tl.float32) * y.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _rmsnorm_kernel(X, W, Out, stride_x, stride_o, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+    pdl_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < D
+    w = tl.load(W + d, mask=ok, other=0.0)  # a weight: before the wait
+    pdl_wait(PDL)
     x = tl.load(X + row * stride_x + d, mask=ok, other=0.0).to(tl.float32)
-    _norm_row(x, W, Out, row, stride_o, d, ok, D, eps)
+    _norm_row(x, w, Out, row, stride_o, d, ok, D, eps)
 
 
 @triton.jit
-def _add_norm_row(x, Res, W, Out, Sum, row, stride_r, stride_o, stride_s, d, ok, D, eps):
-    """x: one row in fp32 (already rounded to the dtype). Stores s = x + residual rounded to the dtype (the new
-    residual stream), then norm(s). Also the tail of the MoE's fused sum over top-k (moe_sum.py)."""
-    r = tl.load(Res + row * stride_r + d, mask=ok, other=0.0).to(tl.float32)
+def _add_norm_row(x, r, w, Out, Sum, row, stride_o, stride_s, d, ok, D, eps):
+    """x, r: one row and its residual in fp32 (already rounded to the dtype); w: the norm weight (_norm_row).
+    Stores s = x + r rounded to the dtype (the new residual stream), then norm(s). Also the tail of the MoE's fused
+    sum over top-k (moe_sum.py)."""
     s = (x + r).to(Sum.dtype.element_ty)
     tl.store(Sum + row * stride_s + d, s, mask=ok)
-    _norm_row(s.to(tl.float32), W, Out, row, stride_o, d, ok, D, eps)
+    _norm_row(s.to(tl.float32), w, Out, row, stride_o, d, ok, D, eps)
 
 
 @triton.jit
 def _add_rmsnorm_kernel(X, Res, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, D, eps, BLOCK: tl.constexpr,
 PDL: tl.constexpr):
-    pdl_start(PDL)
+    pdl_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < D
+    w = tl.load(W + d, mask=ok, other=0.0)  # a weight: before the wait
+    pdl_wait(PDL)
     x = tl.load(X + row * stride_x + d, mask=ok, other=0.0).to(tl.float32)
-    _add_norm_row(x, Res, W, Out, Sum, row, stride_r, stride_o, stride_s, d, ok, D, eps)
+    r = tl.load(Res + row * stride_r + d, mask=ok, other=0.0).to(tl.float32)
+    _add_norm_row(x, r, w, Out, Sum, row, stride_o, stride_s, d, ok, D, eps)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:

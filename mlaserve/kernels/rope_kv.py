@@ -21,21 +21,27 @@ def _rotate_pairs(x0, x1, cs, sn):
 
 
 @triton.jit
-def _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, NormW, eps, t, slot,
+def _kv_norm_weight(NormW, R: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr):
+    """kv_a_layernorm's weight row for _store_kv_row (0.0 without NORM): a weight, so loaded before the PDL wait."""
+    if NORM:
+        r = tl.arange(0, BLOCK_R)
+        return tl.load(NormW + r, mask=r < R, other=0.0)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, norm_w, eps, t, slot,
                   stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
                   R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, NORM: tl.constexpr):
-    """Token t's cache row at slot (>= 0): [c_kv, or kv_a_layernorm(c_kv) with NORM | rope(k_pe)]. Reads the step's
-    activations: call it after pdl_wait. Shared by rope_store_kv and head_gemv.absorb_q_rope_store_kv."""
+    """Token t's cache row at slot (>= 0): [c_kv, or kv_a_layernorm(c_kv) with NORM | rope(k_pe)]; norm_w: the
+    norm's weight (_kv_norm_weight). Reads the step's activations: call it after pdl_wait. Every load comes before
+    the first store (a store may alias a later load, so a load after it waits for it: one more round trip).
+    Shared by rope_store_kv and head_gemv.absorb_q_rope_store_kv."""
     dst = Cache + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
     r = tl.arange(0, BLOCK_R)
     c = tl.load(Ckv + t.to(tl.int64) * stride_ct + r * stride_cr, mask=r < R, other=0.0)
-    if NORM:  # kv_a_layernorm first, with layers.norm.RMSNorm's rounding (cast before the weight)
-        cf = c.to(tl.float32)
-        y = (cf * tl.rsqrt(tl.sum(cf * cf, axis=0) / R + eps)).to(Ckv.dtype.element_ty)
-        w = tl.load(NormW + r, mask=r < R, other=0.0)
-        c = (w.to(tl.float32) * y.to(tl.float32)).to(Ckv.dtype.element_ty)
-    tl.store(dst + r, c.to(Cache.dtype.element_ty), mask=r < R)
     i = tl.arange(0, BLOCK_HALF)
     ok = i < HALF
     src = Kpe + t.to(tl.int64) * stride_kt
@@ -43,6 +49,11 @@ def _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, NormW, eps, t, slot,
     x1 = tl.load(src + (2 * i + 1) * stride_kp, mask=ok, other=0.0).to(tl.float32)
     cs = tl.load(Cos + t.to(tl.int64) * stride_cos + i, mask=ok, other=0.0)
     sn = tl.load(Sin + t.to(tl.int64) * stride_sin + i, mask=ok, other=0.0)
+    if NORM:  # kv_a_layernorm first, with layers.norm.RMSNorm's rounding (cast before the weight)
+        cf = c.to(tl.float32)
+        y = (cf * tl.rsqrt(tl.sum(cf * cf, axis=0) / R + eps)).to(Ckv.dtype.element_ty)
+        c = (norm_w.to(tl.float32) * y.to(tl.float32)).to(Ckv.dtype.element_ty)
+    tl.store(dst + r, c.to(Cache.dtype.element_ty), mask=r < R)
     y0, y1 = _rotate_pairs(x0, x1, cs, sn)
     tl.store(dst + R + 2 * i, y0.to(Cache.dtype.element_ty), mask=ok)
     tl.store(dst + R + 2 * i + 1, y1.to(Cache.dtype.element_ty), mask=ok)
@@ -58,8 +69,9 @@ def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
     slot = tl.load(Slots + t)  # a step input (copied from the host before the forward): read before the wait
     if slot < 0:  # padding token (CUDA graphs): no slot
         return
+    norm_w = _kv_norm_weight(NormW, R, BLOCK_R, NORM)
     pdl_wait(PDL)
-    _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, NormW, eps, t, slot, stride_cp, stride_cs, stride_ct, stride_cr,
+    _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, norm_w, eps, t, slot, stride_cp, stride_cs, stride_ct, stride_cr,
                   stride_kt, stride_kp, stride_cos, stride_sin, R, BLOCK_R, HALF, BLOCK_HALF, PAGE_SIZE, NORM)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
+from .pdl import pdl_args, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -31,19 +31,19 @@ def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, Bias, Weights, Ids, scaling, shared_id0,
+def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, bias, Bias, Weights, Ids, scaling, shared_id0,
                 E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                 USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr):
-    """Routes tokens t [R] (int64; t_ok [R] masks them): rows t of Weights/Ids [T, TOP_K + N_SHARED]. Each token's
+    """Routes tokens t [R] (int64; t_ok [R] masks them): rows t of Weights/Ids [T, TOP_K + N_SHARED]; bias: Bias
+    [BLOCK_E] (the e_score_correction_bias, -inf past E), loaded by the caller before its PDL wait. Each token's
     result depends on its logits only (arg-maxes, sums of one non-zero, the norm's sum accumulated in k order), so
     any R and any num_warps give the same bits."""
     offs = tl.arange(0, BLOCK_E)
     rows = Logits + t * stride_lt  # [R]
     ok = t_ok[:, None] & (offs < E)[None, :]
     score = tl.sigmoid(_logits(rows[:, None] + offs[None, :], ok, stride_ls, SPLIT))  # [R, E]
-    bias = tl.load(Bias + offs, mask=offs < E, other=0.0)
-    choice = tl.where((offs < E)[None, :], score + bias[None, :], float("-inf"))
+    choice = score + bias[None, :]
     if USE_GROUPS:
         GS: tl.constexpr = E // N_GROUP
         g = tl.arange(0, BLOCK_G)
@@ -99,9 +99,12 @@ def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, stride_ls, scaling, sha
                   BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                   N_SHARED: tl.constexpr = 0, SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False):
     """One program per token. SPLIT > 1: Logits holds split-K partials [SPLIT, T, E] (stride_ls apart)."""
-    pdl_start(PDL)
+    pdl_release(PDL)
     t = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
-    _route_rows(Logits, t, t >= 0, stride_lt, stride_ls, Bias, Weights, Ids, scaling, shared_id0, E, N_GROUP,
+    offs = tl.arange(0, BLOCK_E)
+    bias = tl.load(Bias + offs, mask=offs < E, other=float("-inf"))  # a weight: before the wait (else a DRAM trip)
+    pdl_wait(PDL)
+    _route_rows(Logits, t, t >= 0, stride_lt, stride_ls, bias, Bias, Weights, Ids, scaling, shared_id0, E, N_GROUP,
                 TOPK_GROUP, TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S, BLOCK_K, N_SHARED, SPLIT)
 
 

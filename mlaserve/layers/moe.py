@@ -149,7 +149,7 @@ class Experts(nn.Module):
             from ..kernels.fused_moe import fused_experts
 
             return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset,
-                                 add=add, shared=shared, norm=norm)
+                                 add=add, shared=shared, norm=norm, all_local=self.num_local == self.num_experts)
         if shared is not None or norm is not None:
             raise ValueError("Experts: shared-experts fusion (shared=...) and the fused norm (norm=...) need "
                              "impl='triton'")

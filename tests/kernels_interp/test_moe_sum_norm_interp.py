@@ -48,6 +48,27 @@ def test_moe_sum_norm_equals_sum_then_add_norm(kdev, dtype, D, has_add):
     torch.testing.assert_close(normed.float(), want.float(), rtol=1e-5 if tol == 0 else 2e-2, atol=1e-5 + tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_add", [False, True])
+def test_moe_sum_all_local_reads_no_ids(kdev, dtype, has_add):
+    """all_local (no expert parallelism): the sums skip the ids and give the same bits as the id-checked path,
+    with and without the fused norm; the ids are poisoned to show they are not read."""
+    from mlaserve.kernels.moe_sum import moe_sum
+
+    T, K, E, D = 5, 3, 8, 1100
+    ids, y, w, residual, add = _inputs(kdev, dtype, T, D, K, E, E, 0)
+    ids = ids % E  # every expert local (_inputs points token 0 past E_local)
+    y = torch.randn(T * K, D, device=kdev).to(dtype)
+    add = add if has_add else None
+    with poisoned_empty():
+        want = moe_sum(y, ids, 0, E, add)
+        want_normed, want_s = moe_sum(y, ids, 0, E, add, norm=(w, EPS, residual))
+        bad = torch.full_like(ids, -1)  # owned by no one: read, they would zero every row
+        out = moe_sum(y, bad, 0, E, add, all_local=True)
+        normed, s = moe_sum(y, bad, 0, E, add, norm=(w, EPS, residual), all_local=True)
+    assert torch.equal(out, want) and torch.equal(normed, want_normed) and torch.equal(s, want_s)
+
+
 def test_moe_sum_norm_checks(kdev):
     from mlaserve.kernels.moe_sum import moe_sum
 
