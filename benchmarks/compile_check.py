@@ -235,7 +235,7 @@ def cases(quick: bool):
         yield f"argmax_rows B={B} {dt}", argmax_rows, (torch.empty(B, 163840, dtype=dt),)
     from mlaserve.kernels.gemv import gemv
 
-    for N, K in [(3648, 2048), (2048, 2048), (1000, 7168)]:
+    for N, K in [(3648, 2048), (2048, 2048), (1000, 7168), (22528, 2048), (2048, 11264)]:
         yield f"gemv N={N} K={K}", gemv, (torch.empty(1, K, dtype=bf), torch.empty(N, K, dtype=bf))
     from mlaserve.kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv, head_gemv
 

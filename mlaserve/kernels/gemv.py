@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_release, pdl_wait
 
-GEMV_MAX_BYTES = 16 << 20  # measured up to M1's 15 MB q|kv_a; larger weights stream well through cuBLAS
+GEMV_MAX_BYTES = 128 << 20  # up to M1's dense MLP (92 MB gate|up, 46 MB down); cuBLAS streams the lm_head at its floor
 GEMV_MAX_TOKENS = 8  # rows of x a launch serves
 GEMV_SERVE_TOKENS = 2  # rows of the steps layers.linear sends here (gemv_serves): the sizes that beat cuBLAS
 

@@ -422,7 +422,8 @@ def test_model_triton_backend_matches_torch_ref(tiny_ckpt, dtype):
         print(f"model logits rel err ({dtype}, moe={moe}): {errs}")
 
 
-@pytest.mark.parametrize("N,K", [(3648, 2048), (2048, 2048), (1000, 7168), (576, 1536)])
+@pytest.mark.parametrize("N,K", [(3648, 2048), (2048, 2048), (1000, 7168), (576, 1536), (22528, 2048),
+                                 (2048, 11264)])
 def test_gemv_real(N, K):
     """The batch-1 GEMV on real projection shapes (M1's q|kv_a and o_proj; a multi-trip K; a masked K tile)
     against fp32, into a NaN-poisoned buffer; inside a CUDA graph it equals its eager launch bit for bit, and
