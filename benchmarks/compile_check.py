@@ -237,6 +237,9 @@ def cases(quick: bool):
 
     for N, K in [(3648, 2048), (2048, 2048), (1000, 7168), (22528, 2048), (2048, 11264)]:
         yield f"gemv N={N} K={K}", gemv, (torch.empty(1, K, dtype=bf), torch.empty(N, K, dtype=bf))
+    for T in (1, 2):  # the lm_head of batch-1-2 decode, fp32 logits (layers.embedding.ParallelLMHead)
+        yield f"gemv lm_head T={T}", gemv, (torch.empty(T, 2048, dtype=bf), big(163840, 2048), None,
+                                             torch.empty(T, 163840))
     from mlaserve.kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv, head_gemv
 
     for H in (16, 128):  # the absorbed projections, w_kc [H, 128, 512] and the transposed w_vc view [H, 512, 128]

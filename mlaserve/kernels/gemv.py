@@ -48,16 +48,17 @@ def _gemv_kernel(X, W, Y, N, K, stride_xt, stride_wn, stride_yt, T: tl.constexpr
             y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
             acc = tl.where((rows == t)[:, None], acc + y[None, :], acc)
     y_ptr = Y + rows[:, None] * stride_yt + n[None, :]
-    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(rows < T)[:, None] & (n < N)[None, :])
+    # rounded to x's dtype first, as F.linear's output is: an fp32 Y (the lm_head's logits) holds F.linear(...).float()
+    tl.store(y_ptr, acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=(rows < T)[:, None] & (n < N)[None, :])
 
 
-def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+def gemv_serves(x: torch.Tensor, w: torch.Tensor, max_bytes: int | None = GEMV_MAX_BYTES) -> bool:
     """Whether layers.linear sends x @ w^T here: a CUDA step of 1..GEMV_SERVE_TOKENS rows in bf16/fp16 with unit
-    last strides, times a weight of <= GEMV_MAX_BYTES (decode's q|kv_a and o_proj at batch 1-2, EAGLE3's verify
-    of width 2 at batch 1)."""
+    last strides, times a weight of <= max_bytes (None: any; the lm_head) (decode's q|kv_a and o_proj at batch
+    1-2, EAGLE3's verify of width 2 at batch 1)."""
     return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_SERVE_TOKENS and x.dtype == w.dtype
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and w.stride(-1) == 1
-            and w.numel() * w.element_size() <= GEMV_MAX_BYTES)
+            and (max_bytes is None or w.numel() * w.element_size() <= max_bytes))
 
 
 def gemv_config(N: int, K: int) -> dict:
@@ -69,8 +70,8 @@ def gemv_config(N: int, K: int) -> dict:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] (T <= GEMV_MAX_TOKENS), w [N, K] (unit last strides, one dtype) -> [T, N] in x.dtype (new, or
-    `out`, contiguous); F.linear(x, w) up to fp32 summation order. config (benchmarks, tests): BLOCK_N, BLOCK_K,
-    num_warps."""
+    `out`, contiguous, in x.dtype or fp32: then F.linear's result cast to fp32); F.linear(x, w) up to fp32
+    summation order. config (benchmarks, tests): BLOCK_N, BLOCK_K, num_warps."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_TOKENS or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [T, K] (1 <= T <= {GEMV_MAX_TOKENS}) "
                          "and [N, K]")
@@ -81,8 +82,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torc
     cfg = dict(gemv_config(N, K), **(config or {}))
     if out is None:
         out = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    elif out.shape != (T, N) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{T}, {N}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    elif out.shape != (T, N) or out.dtype not in (x.dtype, torch.float32) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{T}, {N}] {x.dtype} or fp32 tensor, got {tuple(out.shape)} "
+                         f"{out.dtype}")
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, w, out, N, K, x.stride(0), w.stride(0), out.stride(0), T=T, BLOCK_T=triton.next_power_of_2(T),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,

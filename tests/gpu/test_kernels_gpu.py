@@ -442,6 +442,29 @@ def test_gemv_real(N, K):
     assert torch.equal(y, out)
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_lm_head_gemv_real(T):
+    """The lm_head of batch-1-2 decode (M1's 163840 x 2048) by the GEMV into fp32: F.linear's bf16 logits cast to
+    fp32 up to summation order, into a NaN-poisoned buffer; the same greedy token as cuBLAS's where its margin is
+    clear; inside a CUDA graph it equals its eager launch bit for bit."""
+    from mlaserve.layers.embedding import ParallelLMHead
+
+    head = ParallelLMHead(163840, 2048, dtype=BF).cuda()
+    head.weight.data.copy_((torch.randn(163840, 2048, device="cuda") / 2048**0.5).to(BF))
+    h = torch.randn(T, 2048, device="cuda").to(BF)
+    ref = F.linear(h, head.weight).float()
+    logits = head(h)
+    assert logits.dtype == torch.float32 and torch.equal(logits, logits.to(BF).float())  # rounded through bf16
+    kc.assert_close(logits, F.linear(h.float(), head.weight.float()), BF, f"lm_head gemv T={T}")
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05
+    assert torch.equal(logits.argmax(-1)[clear], ref.argmax(-1)[clear])
+    g, y = kc.cuda_graph(lambda: head(h))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, logits)
+
+
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("T", [1, 2])
 def test_head_gemv_real(H, T):

@@ -24,6 +24,19 @@ def test_gemv(kdev, dtype, T, N, K, cfg):
         assert torch.equal(out[1], gemv(x[1:2], w, cfg)[0])
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_gemv_fp32_out_is_the_rounded_result(kdev, T):
+    """An fp32 `out` (the lm_head's logits) holds the x.dtype result cast to fp32, bit for bit: what
+    F.linear(x, w).float() rounds, not the unrounded fp32 sum."""
+    from mlaserve.kernels.gemv import gemv
+
+    x = torch.randn(T, 96, device=kdev).to(torch.bfloat16)
+    w = torch.randn(40, 96, device=kdev).to(torch.bfloat16)
+    out = nan_like((T, 40), torch.float32, kdev)
+    assert gemv(x, w, out=out) is out
+    assert torch.equal(out, gemv(x, w).float())
+
+
 def test_gemv_checks(kdev):
     from mlaserve.kernels.gemv import gemv
 
