@@ -7,6 +7,8 @@ load in flight together), multiplies by x in fp32 and reduces over K, for each o
 layers.linear sends batch-1 projections of up to GEMV_MAX_BYTES of weight here. Against cuBLAS (H200, session 10)
 it also wins at 2 rows (6.0 / 6.7 and 3.0 / 6.0 us for the two M1 weights) but not from 4 or 8 rows up for
 q|kv_a. layers.linear sends 1-2-row steps: M1 batch 2 TPOT 3.11 -> 2.99 ms on an H200 (session 11), batch 1 equal.
+Since session 14 layer 0's dense MLP (138 MB; cuBLAS ~45 us) and the lm_head (layers.embedding, fp32 out) come here
+too at 1-2 rows: M1 batch 1 1.851 -> 1.832 ms (the MLP) and 1.841 -> 1.831 ms (the lm_head) on an H200.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_release, pdl_wait
 
-GEMV_MAX_BYTES = 128 << 20  # up to M1's dense MLP (92 MB gate|up, 46 MB down); cuBLAS streams the lm_head at its floor
+GEMV_MAX_BYTES = 128 << 20  # layers.linear: up to M1's dense MLP (92 MB gate|up, 46 MB down); the lm_head: any size
 GEMV_MAX_TOKENS = 8  # rows of x a launch serves
 GEMV_SERVE_TOKENS = 2  # rows of the steps layers.linear sends here (gemv_serves): the sizes that beat cuBLAS
 
