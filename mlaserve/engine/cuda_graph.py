@@ -78,6 +78,7 @@ class GraphRunner:
         self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
+        self._last: dict[str, tuple] = {}  # _write: the region and values last copied into a buffer
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         # decode graphs fork the KV store onto it (one stream for all layers and graphs: they never run at once)
@@ -114,8 +115,9 @@ class GraphRunner:
             max_query_len=self.q if kind == "decode" else size, context_is_new=kind == "prefill",
             side_stream=self.side_stream if kind == "decode" else None)
 
-    def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk]) -> None:
-        """Write the real chunks into the static buffers, and padding after them."""
+    def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk], ids_on_device: int = 0) -> None:
+        """Write the real chunks into the static buffers, and padding after them. ids_on_device: the first rows'
+        input ids come from the device (run's decode_tokens), so the host writes only the rest."""
         kind, size = key
         ids, pos, slots, lens, qlens, rows, table = [], [], [], [], [], [], []
         # Only the columns in use are copied: attention reads a row's pages below its seq_len, never past it
@@ -166,16 +168,30 @@ class GraphRunner:
         for q in qlens:
             starts.append(starts[-1] + q)
         n_tok = g.n_tokens
-        self.input_ids[:n_tok].copy_(torch.as_tensor(ids, dtype=torch.int64), non_blocking=True)
+        # Each copy is one more operation between two graph replays on the stream (a few us at batch 1): the ids of
+        # device-fed rows are not copied, and the query starts and page table only when they change (a decode
+        # step's starts never do, its table when a request gains a page).
+        if ids_on_device < n_tok:
+            self.input_ids[ids_on_device:n_tok].copy_(torch.as_tensor(ids[ids_on_device:], dtype=torch.int64),
+                                                      non_blocking=True)
         self.positions[:n_tok].copy_(torch.as_tensor(pos, dtype=torch.int64), non_blocking=True)
         self.slot_mapping[:n_tok].copy_(torch.as_tensor(slots, dtype=torch.int64), non_blocking=True)
         self.seq_lens[: g.n_reqs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.query_start_loc[: g.n_reqs + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
-        self.page_table[: g.n_reqs, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        self._write("query_start_loc", self.query_start_loc[: g.n_reqs + 1], starts)
+        self._write("page_table", self.page_table[: g.n_reqs, :width], table)
         if rows:
             self.logits_indices[: len(rows)].copy_(torch.tensor(rows), non_blocking=True)
         g.batch.seq_lens_cpu[:] = lens  # host mirrors, for eager replay (reference backends) only
         g.batch.query_lens_cpu[:] = qlens
+
+    def _write(self, name: str, view: torch.Tensor, values: list) -> None:
+        """view <- values (int32, from the host), unless the last write to buffer `name` put these values in this
+        same region (view: a leading block of the buffer, so its shape names the region). _fill is the only writer
+        of the static buffers."""
+        if self._last.get(name) == (view.shape, values):
+            return
+        view.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=True)
+        self._last[name] = (view.shape, values)
 
     # ---- capture and replay ----------------------------------------------------------------------------
     def _forward(self, batch: ForwardBatch):
@@ -229,7 +245,7 @@ class GraphRunner:
         decode_tokens: the decode chunks' input ids on the device (one each), copied in after the host's."""
         g = self.graphs[key]
         chunks = decode + prefill
-        self._fill(key, g, chunks)
+        self._fill(key, g, chunks, 0 if decode_tokens is None else len(decode))
         if decode_tokens is not None:
             self.input_ids[: len(decode)].copy_(decode_tokens)
         if g.graph is not None:

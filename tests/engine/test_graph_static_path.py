@@ -92,3 +92,39 @@ def test_draft_graph_static_path_proposes_like_eager(tiny_ckpt, tmp_path, k):
         assert _gen(eng, prompts) == ref
         eng.pool.check()
     assert seen["eager"] == seen["static"]
+
+
+def test_static_inputs_skip_unchanged_copies(tiny_ckpt):
+    """The static path copies the query starts and page table only when they change (decode steps mostly reuse
+    them), and the ids of device-fed rows not at all: after every run the buffers still hold each chunk's starts and
+    pages, and the tokens are the plain path's."""
+    prompts = _prompts(3, seed=9)
+    ref = _gen(make_engine(tiny_ckpt, page_size=16), prompts)
+    engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, prefill_graph_max_tokens=512)
+    engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
+    graphs = engine.runner.graphs
+    copies, skips = [], []
+    write = graphs._write
+
+    def counted(name, view, values):
+        (skips if graphs._last.get(name) == (view.shape, values) else copies).append(name)
+        write(name, view, values)
+
+    graphs._write = counted
+    orig = graphs.run
+
+    def checked(key, decode, prefill, *a):
+        out = orig(key, decode, prefill, *a)
+        chunks = decode + prefill
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + len(c.token_ids))
+        assert graphs.query_start_loc[: len(chunks) + 1].tolist() == starts
+        for i, c in enumerate(chunks):
+            assert graphs.page_table[i, : len(c.pages)].tolist() == c.pages
+        return out
+
+    graphs.run = checked
+    assert _gen(engine, prompts) == ref
+    assert skips.count("query_start_loc") > 0 and skips.count("page_table") > 0
+    assert copies.count("page_table") > 1  # pages were added, and prefill steps wrote their own
