@@ -14,6 +14,13 @@ from .pdl import pdl_release, pdl_wait
 COMBINE_TILE = 8192  # elements of the combine's [splits, BLOCK_R] fp32 tile (4 warps)
 
 
+@triton.jit
+def _tiles_per_split(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+    """KV tiles a split of a seq_len context takes: the split kernel's cut (its _program_rows) and the combine's
+    knowledge of which splits wrote a partial (split s did iff s * tiles * BLOCK_N < seq_len)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits), MIN_SPLIT_TILES)
+
+
 @triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_decode_combine_kernel(
     PartO, PartLse, Out, SeqLens,
@@ -34,7 +41,7 @@ def _mla_decode_combine_kernel(
     th = t.to(tl.int64) * H + h
     offs_s = tl.arange(0, BLOCK_S)
     seq_len = tl.load(SeqLens + t // Q_LEN)  # a step input: before the wait
-    tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits), MIN_SPLIT_TILES)
+    tiles_per_split = _tiles_per_split(seq_len, num_splits, BLOCK_N, MIN_SPLIT_TILES)
     filled = (offs_s < num_splits) & (offs_s * tiles_per_split * BLOCK_N < seq_len)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     pdl_wait(PDL)

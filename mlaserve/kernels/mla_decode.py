@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .mla_combine import COMBINE_TILE, _mla_decode_combine_kernel
+from .mla_combine import COMBINE_TILE, _mla_decode_combine_kernel, _tiles_per_split
 from .pdl import pdl_args, pdl_release, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -46,8 +46,7 @@ def _program_rows(SeqLens, H, num_splits, Q_LEN: tl.constexpr, BLOCK_H: tl.const
     t = b * Q_LEN + j
     seq_len = tl.load(SeqLens + b)
     last_visible = seq_len - Q_LEN + j  # [M]: causal inside the verify block
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
+    tiles_per_split = _tiles_per_split(seq_len, num_splits, BLOCK_N, MIN_SPLIT_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     return split, b, t, h, row_ok, last_visible, start, end
