@@ -186,8 +186,8 @@ class GraphRunner:
 
     def _write(self, name: str, view: torch.Tensor, values: list) -> None:
         """view <- values (int32, from the host), unless the last write to buffer `name` put these values in this
-        same region (view: a leading block of the buffer, so its shape names the region). _fill is the only writer
-        of the static buffers."""
+        same region (view: a leading block of the buffer, so its shape names the region). Sound because every write
+        to these buffers (query starts, page table) comes through here."""
         if self._last.get(name) == (view.shape, values):
             return
         view.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=True)

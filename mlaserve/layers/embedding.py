@@ -41,16 +41,19 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = h @ W^T over this rank's vocab slice, gathered across ranks; fp32 out (F.linear's, cast)."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self._local_logits(h)
+        if self.size > 1:
+            logits = tp.all_gather_last_dim(logits)[..., : self.vocab_size]
+        return logits
+
+    def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the logits, fp32."""
         if h.is_cuda:
             from ..kernels.gemv import gemv, gemv_serves  # triton: imported on CUDA only
 
             if gemv_serves(h, self.weight, max_bytes=None):
                 # batch-1-2 decode: the Triton GEMV writes the fp32 logits itself (no cast kernel) and, under PDL,
                 # has its first weight rows in flight before the final norm ends (cuBLAS waits for it)
-                logits = gemv(h, self.weight, out=torch.empty(h.shape[0], self.weight.shape[0],
-                                                              dtype=torch.float32, device=h.device))
-                return tp.all_gather_last_dim(logits)[..., : self.vocab_size] if self.size > 1 else logits
-        logits = F.linear(h, self.weight).float()
-        if self.size > 1:
-            logits = tp.all_gather_last_dim(logits)[..., : self.vocab_size]
-        return logits
+                return gemv(h, self.weight, out=torch.empty(h.shape[0], self.weight.shape[0], dtype=torch.float32,
+                                                            device=h.device))
+        return F.linear(h, self.weight).float()
