@@ -11,6 +11,8 @@ that add the step's pieces one at a time, with the host always ahead of the GPU 
   engine            LLMEngine.step() itself (TPOT), with the host's time split into launch and wait
 and, in the engine loop, the GPU's own gap between graphs from events recorded around each replay.
     python benchmarks/step_gap_probe.py --model /tmp/m1 --make moonlight-16b-a3b [--batches 1,8] [--json F]
+Written against main d4271bb (session 15), before decode graphs took the arg-max themselves: on later code the
+"replay" rows already include it, and the "G2" rows capture it a second time.
 """
 
 from __future__ import annotations
