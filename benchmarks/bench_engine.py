@@ -81,10 +81,16 @@ def ml_ttft(engine, length, vocab, reps=3, around=contextlib.nullcontext):
 
 def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext, replay=False):
     """-> (seconds per decode step, tokens per request-step, share of the timed steps launched overlapped,
-    replay_alone_ms if `replay` else None); `around()` wraps the timed steps alone (a profiler)."""
+    replay_alone_ms if `replay` else None); `around()` wraps the timed steps alone (a profiler).
+    Every request runs from the first timed step to the last: with chunked prefill the first prompts finish early and
+    decode while the rest prefill, so max_tokens leaves room for those tokens too (a request ending inside the window
+    would shrink the batch the figure is for; sessions 8-14's batch-8 and batch-32 rows at an 8k context did)."""
     ps = prompts(batch, ctx, vocab, seed=batch * 7 + ctx)
-    for p in ps:
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    early = -(-batch * ctx // engine.cfg.max_num_batched_tokens)  # prefill steps: at most this many early tokens
+    max_tokens = early + 3 + steps + 8
+    if ctx + max_tokens > engine.max_model_len:
+        raise ValueError(f"ml_tpot: ctx {ctx} + {max_tokens} tokens exceeds max_model_len {engine.max_model_len}")
+    rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for p in ps]
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running + list(
             engine.scheduler.waiting)):
         engine.step()
@@ -93,16 +99,22 @@ def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext, 
     sync()
     n_tok = 0
     ov0 = engine.num_overlapped_steps
+    running0 = len(engine.scheduler.running)
     with around():
         t = time.perf_counter()
         for _ in range(steps):
             n_tok += sum(len(o.new_token_ids) for o in engine.step())
         sync()
         dt = time.perf_counter() - t
+    if not running0 == len(engine.scheduler.running) == batch:
+        raise RuntimeError(f"ml_tpot batch {batch} ctx {ctx}: {running0} requests ran at the first timed step and "
+                           f"{len(engine.scheduler.running)} at the last, not {batch}")
     overlapped = (engine.num_overlapped_steps - ov0) / steps
-    # while the requests still run: the graph's inputs are this batch's last step (each graph views its own layout
-    # of the packed input buffers, so a later, smaller step would leave other graphs' views meaningless)
+    # while the requests still run: the graph of this batch's size last ran, on this batch's inputs (each graph
+    # views its own layout of the packed input buffers, so another graph's inputs would be meaningless, and unsafe)
     replay_ms = replay_alone_ms(engine, batch) if replay else None
+    for rid in rids:  # the replays rewrote the last step's outputs: end the requests here, not on those tokens
+        engine.abort_request(rid)
     while engine.has_unfinished():
         engine.step()
     return dt / steps, n_tok / (batch * steps), overlapped, replay_ms
