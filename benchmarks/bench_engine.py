@@ -87,7 +87,7 @@ def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext, 
     would shrink the batch the figure is for; sessions 8-14's batch-8 and batch-32 rows at an 8k context did)."""
     ps = prompts(batch, ctx, vocab, seed=batch * 7 + ctx)
     early = -(-batch * ctx // engine.cfg.max_num_batched_tokens)  # prefill steps: at most this many early tokens
-    max_tokens = early + 3 + steps + 8
+    max_tokens = early + (3 + steps) * (engine.spec_k + 1) + 8  # a verify step emits up to spec_k + 1 tokens
     if ctx + max_tokens > engine.max_model_len:
         raise ValueError(f"ml_tpot: ctx {ctx} + {max_tokens} tokens exceeds max_model_len {engine.max_model_len}")
     rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for p in ps]
