@@ -79,23 +79,33 @@ def ml_ttft(engine, length, vocab, reps=3, around=contextlib.nullcontext):
     return statistics.median(times)
 
 
-def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext, replay=False):
-    """-> (seconds per decode step, tokens per request-step, share of the timed steps launched overlapped,
-    replay_alone_ms if `replay` else None); `around()` wraps the timed steps alone (a profiler).
-    Every request runs from the first timed step to the last: with chunked prefill the first prompts finish early and
-    decode while the rest prefill, so max_tokens leaves room for those tokens too (a request ending inside the window
-    would shrink the batch the figure is for; sessions 8-14's batch-8 and batch-32 rows at an 8k context did)."""
-    ps = prompts(batch, ctx, vocab, seed=batch * 7 + ctx)
+def tpot_max_tokens(engine, batch, ctx, steps) -> int:
+    """max_tokens that keeps every request of an ml_tpot batch running through its timed window: with chunked prefill
+    the first prompts finish early and decode while the rest prefill (a request ending inside the window would shrink
+    the batch the figure is for; sessions 8-14's batch-8 and batch-32 rows at an 8k context did)."""
     early = -(-batch * ctx // engine.cfg.max_num_batched_tokens)  # prefill steps: at most this many early tokens
-    max_tokens = early + (3 + steps) * (engine.spec_k + 1) + 8  # a verify step emits up to spec_k + 1 tokens
+    return early + (3 + steps) * (engine.spec_k + 1) + 8  # a verify step emits up to spec_k + 1 tokens
+
+
+def start_batch(engine, batch, ctx, vocab, max_tokens) -> list[str]:
+    """ml_tpot's batch: its prompts added, prefilled, and 3 warm-up decode steps run -> the request ids."""
     if ctx + max_tokens > engine.max_model_len:
         raise ValueError(f"ml_tpot: ctx {ctx} + {max_tokens} tokens exceeds max_model_len {engine.max_model_len}")
-    rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for p in ps]
+    rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            for p in prompts(batch, ctx, vocab, seed=batch * 7 + ctx)]
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running + list(
             engine.scheduler.waiting)):
         engine.step()
     for _ in range(3):
         engine.step()
+    return rids
+
+
+def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext, replay=False):
+    """-> (seconds per decode step, tokens per request-step, share of the timed steps launched overlapped,
+    replay_alone_ms if `replay` else None); `around()` wraps the timed steps alone (a profiler). Raises if the batch
+    changed inside the window (tpot_max_tokens)."""
+    rids = start_batch(engine, batch, ctx, vocab, tpot_max_tokens(engine, batch, ctx, steps))
     sync()
     n_tok = 0
     ov0 = engine.num_overlapped_steps
@@ -110,10 +120,10 @@ def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext, 
         raise RuntimeError(f"ml_tpot batch {batch} ctx {ctx}: {running0} requests ran at the first timed step and "
                            f"{len(engine.scheduler.running)} at the last, not {batch}")
     overlapped = (engine.num_overlapped_steps - ov0) / steps
-    # while the requests still run: the graph of this batch's size last ran, on this batch's inputs (each graph
-    # views its own layout of the packed input buffers, so another graph's inputs would be meaningless, and unsafe)
+    # while the requests still run: the graph of this batch's size last ran, on this batch's inputs (another graph
+    # holds an older step's inputs)
     replay_ms = replay_alone_ms(engine, batch) if replay else None
-    for rid in rids:  # the replays rewrote the last step's outputs: end the requests here, not on those tokens
+    for rid in rids:  # the replays rewrote the last step's KV row and outputs: end the requests, not decode on
         engine.abort_request(rid)
     while engine.has_unfinished():
         engine.step()
