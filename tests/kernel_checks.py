@@ -441,3 +441,19 @@ def check_argmax(device, dtype, *, B: int, V: int):
     bad = (out != ref).nonzero().flatten().tolist()
     assert not bad, f"argmax_rows B={B} V={V} {dtype}: rows {bad[:8]} got {out[bad[:8]].tolist()} want " \
                     f"{ref[bad[:8]].tolist()}"
+    # into given buffers: a device row and a pinned host row (the GPU writes it over the bus), both poisoned
+    dev_out = torch.full((B,), -1, dtype=torch.int64, device=device)
+    host = torch.full((B,), -1, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+    assert argmax_rows(x, out=dev_out, host=host) is dev_out
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dev_out, ref) and torch.equal(host, ref.cpu()), f"argmax_rows out/host B={B} V={V}"
+    # a ring row picked on the device at run time (as a CUDA graph does): only that row's first B values change
+    ring = torch.full((3, B + 2), -1, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+    row = torch.tensor([2], dtype=torch.int32, device=device)
+    argmax_rows(x, out=dev_out, host=ring, host_row=row)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    want = torch.full((3, B + 2), -1, dtype=torch.int64)
+    want[2, :B] = ref.cpu()
+    assert torch.equal(ring, want), f"argmax_rows ring row B={B} V={V}"

@@ -3,6 +3,11 @@ and prefill graphs per padded token bucket. One capture method, one replay metho
 
 Padding is harmless by construction: padded requests have seq_len = q_len, a zero page-table row and slot -1
 (the KV store skips negative slots); padded prefill tokens form one extra request of their own.
+
+Decode graphs of one token a request also take the greedy arg-max of every row, so a greedy step needs nothing
+between two replays but the next step's input copies: the arg-max is written over the graph's own input ids
+(already the next step's ids when overlapped decode feeds them from the device: no id copy) and into a row of a
+pinned host ring (written over the bus by the kernel: no copy back; the row comes in with the step's inputs).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ log = logging.getLogger("mlaserve.cuda_graph")
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 PREFILL_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request)
+HOST_RING = 4  # rows of the pinned ring decode graphs write their arg-max to; >= 3: the engine reads step N back
+# before it launches step N + 2, so a row is read before the step RING later overwrites it
 
 
 @contextlib.contextmanager
@@ -46,6 +53,14 @@ def gc_paused(on: bool = True):
 
 
 @dataclass
+class GreedyTokens:
+    """A decode graph's own arg-max of its real rows, valid until HOST_RING more steps have run."""
+
+    device: torch.Tensor  # [n] int64: the graph's input ids, overwritten (the next step's ids, in order)
+    host: torch.Tensor  # [n] int64, a row of the pinned ring: read it after an event recorded behind the replay
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None
     batch: ForwardBatch
@@ -53,6 +68,7 @@ class _Graph:
     aux: torch.Tensor | None
     n_reqs: int  # request slots (incl. padding)
     n_tokens: int
+    ring_row: torch.Tensor | None = None  # decode, one token a request: int32 [1], which host ring row to write
 
 
 class GraphRunner:
@@ -72,13 +88,17 @@ class GraphRunner:
         max_tokens = max(self.bs_list[-1] * self.q, max(self.prefill_buckets, default=0))
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(max_tokens, **i64)
-        self.positions = torch.zeros(max_tokens, **i64)
-        self.slot_mapping = torch.full((max_tokens,), -1, **i64)
+        # A step's positions, KV slots and lengths go in one copy: each graph's batch views its own layout of this
+        # buffer (_views). Each copy is one more operation between two replays (~1.5 us of a batch-1 step).
+        self.packed = torch.zeros(self._words(max_tokens, max_reqs + 1), **i64)
         self.logits_indices = torch.zeros(max_tokens, **i64)
-        self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
         self._last: dict[str, tuple] = {}  # _write: the region and values last copied into a buffer
+        self.greedy = decode_q_len == 1  # decode graphs take the arg-max themselves (module docstring)
+        self.host_tokens = torch.zeros(HOST_RING, self.bs_list[-1], dtype=torch.int64,
+                                       pin_memory=torch.device(dev).type == "cuda")
+        self._ring = 0  # the ring row of the last decode run
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         # decode graphs fork the KV store onto it (one stream for all layers and graphs: they never run at once)
@@ -99,15 +119,29 @@ class GraphRunner:
         return None
 
     # ---- static batches --------------------------------------------------------------------------------
+    @staticmethod
+    def _words(n_tok: int, n_lens: int) -> int:
+        """int64 words of the packed layout: [positions | slots | lengths as int32], each region 16-byte aligned."""
+        n2 = n_tok + n_tok % 2
+        return 2 * n2 + -(-n_lens // 2)
+
+    def _views(self, n_tok: int, n_lens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions [n_tok] int64, slots [n_tok] int64, lengths [n_lens] int32): this layout's views of packed."""
+        n2 = n_tok + n_tok % 2
+        lens = self.packed[2 * n2: self._words(n_tok, n_lens)].view(torch.int32)[:n_lens]
+        return self.packed[:n_tok], self.packed[n2: n2 + n_tok], lens
+
     def _batch(self, key: tuple) -> ForwardBatch:
         kind, size = key
         if kind == "decode":
             n_reqs, n_tok, n_logits, nd = size, size * self.q, size * self.q, size
         else:
             n_reqs, n_tok, n_logits, nd = PREFILL_MAX_REQS + 1, size, PREFILL_MAX_REQS, 0
+        # a greedy decode graph's host ring row follows its requests' lengths (_Graph.ring_row)
+        positions, slots, lens = self._views(n_tok, n_reqs + (kind == "decode" and self.greedy))
         return ForwardBatch(
-            input_ids=self.input_ids[:n_tok], positions=self.positions[:n_tok],
-            slot_mapping=self.slot_mapping[:n_tok], seq_lens=self.seq_lens[:n_reqs],
+            input_ids=self.input_ids[:n_tok], positions=positions,
+            slot_mapping=slots, seq_lens=lens[:n_reqs],
             query_start_loc=self.query_start_loc[:n_reqs + 1], page_table=self.page_table[:n_reqs],
             logits_indices=self.logits_indices[:n_logits], num_decode_reqs=nd,
             decode_q_len=self.q if kind == "decode" else 0,
@@ -115,9 +149,10 @@ class GraphRunner:
             max_query_len=self.q if kind == "decode" else size, context_is_new=kind == "prefill",
             side_stream=self.side_stream if kind == "decode" else None)
 
-    def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk], ids_on_device: int = 0) -> None:
+    def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk], ids_on_device: int = 0, ring_row: int = 0) -> None:
         """Write the real chunks into the static buffers, and padding after them. ids_on_device: the first rows'
-        input ids come from the device (run's decode_tokens), so the host writes only the rest."""
+        input ids come from the device (run's decode_tokens), so the host writes only the rest. ring_row: the host
+        ring row a greedy decode graph writes its arg-max to."""
         kind, size = key
         ids, pos, slots, lens, qlens, rows, table = [], [], [], [], [], [], []
         # Only the columns in use are copied: attention reads a row's pages below its seq_len, never past it
@@ -174,9 +209,12 @@ class GraphRunner:
         if ids_on_device < n_tok:
             self.input_ids[ids_on_device:n_tok].copy_(torch.as_tensor(ids[ids_on_device:], dtype=torch.int64),
                                                       non_blocking=True)
-        self.positions[:n_tok].copy_(torch.as_tensor(pos, dtype=torch.int64), non_blocking=True)
-        self.slot_mapping[:n_tok].copy_(torch.as_tensor(slots, dtype=torch.int64), non_blocking=True)
-        self.seq_lens[: g.n_reqs].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        n_lens = g.n_reqs + (g.ring_row is not None)
+        words = np.zeros(self._words(n_tok, n_lens), dtype=np.int64)  # the layout of _views
+        n2 = n_tok + n_tok % 2
+        words[:n_tok], words[n2: n2 + n_tok] = pos, slots
+        words[2 * n2:].view(np.int32)[:n_lens] = lens + [ring_row] if g.ring_row is not None else lens
+        self.packed[: len(words)].copy_(torch.from_numpy(words), non_blocking=True)
         self._write("query_start_loc", self.query_start_loc[: g.n_reqs + 1], starts)
         self._write("page_table", self.page_table[: g.n_reqs, :width], table)
         if rows:
@@ -194,13 +232,19 @@ class GraphRunner:
         self._last[name] = (view.shape, values)
 
     # ---- capture and replay ----------------------------------------------------------------------------
-    def _forward(self, batch: ForwardBatch):
+    def _forward(self, batch: ForwardBatch, ring_row: torch.Tensor | None = None):
+        """-> (logits, aux); ring_row: also the arg-max of every row, into the input ids and that host ring row."""
+        from ..layers.sampler import greedy_into
+
         model = self.runner.model
         out = model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         if batch.num_decode_reqs == 0:  # prefill: the last token of each request (a gather); decode: every row
             hidden = hidden[batch.logits_indices]
-        return model.compute_logits(hidden), aux
+        logits = model.compute_logits(hidden)
+        if ring_row is not None:  # after the model: the embedding has read these ids
+            greedy_into(logits, batch.input_ids, self.host_tokens, ring_row)
+        return logits, aux
 
     def release(self) -> None:
         """Destroy every captured graph now (not when the last reference goes): a graph holding NCCL all-reduces
@@ -225,14 +269,16 @@ class GraphRunner:
         for key in sorted(keys, key=lambda k: -k[1] * (self.q if k[0] == "decode" else 1)):
             batch = self._batch(key)
             g = _Graph(None, batch, None, None, batch.num_reqs, batch.num_tokens)
+            if key[0] == "decode" and self.greedy:
+                g.ring_row = self._views(g.n_tokens, g.n_reqs + 1)[2][g.n_reqs:]
             self._fill(key, g, [])  # all padding: valid, harmless inputs
             if self.use_graphs:
                 for _ in range(2):  # warm up: Triton compiles, allocator settles
-                    self._forward(batch)
+                    self._forward(batch, g.ring_row)
                 torch.cuda.synchronize()
                 g.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g.graph, pool=self.pool):
-                    g.logits, g.aux = self._forward(batch)
+                    g.logits, g.aux = self._forward(batch, g.ring_row)
                 self.pool = g.graph.pool()
             self.graphs[key] = g
         if self.use_graphs:
@@ -241,20 +287,31 @@ class GraphRunner:
     @torch.inference_mode()
     def run(self, key: tuple, decode: list[SeqChunk], prefill: list[SeqChunk],
             decode_tokens: torch.Tensor | None = None):
-        """Replay the graph for `key` on these chunks -> (logits of the requested rows, aux of real tokens).
-        decode_tokens: the decode chunks' input ids on the device (one each), copied in after the host's."""
+        """Replay the graph for `key` on these chunks -> (logits of the requested rows, aux of real tokens, the
+        graph's GreedyTokens or None). decode_tokens: the decode chunks' input ids on the device (one each), copied
+        in after the host's, unless they are the input ids already (the last decode graph's arg-max, in order)."""
         g = self.graphs[key]
         chunks = decode + prefill
-        self._fill(key, g, chunks, 0 if decode_tokens is None else len(decode))
-        if decode_tokens is not None:
+        if g.ring_row is not None:
+            self._ring = (self._ring + 1) % HOST_RING
+        self._fill(key, g, chunks, 0 if decode_tokens is None else len(decode), self._ring)
+        if decode_tokens is not None and not self._are_input_ids(decode_tokens, len(decode)):
             self.input_ids[: len(decode)].copy_(decode_tokens)
         if g.graph is not None:
             g.graph.replay()
             logits, aux = g.logits, g.aux
         else:
-            logits, aux = self._forward(g.batch)
+            logits, aux = self._forward(g.batch, g.ring_row)
         n_tok = sum(len(c.token_ids) for c in chunks)
         aux = aux[:n_tok] if aux is not None else None
         if key[0] == "decode":  # every token of a decode chunk has a logits row, in order
-            return logits[:n_tok], aux
-        return logits[: sum(c.need_logits == "last" for c in prefill)], aux
+            greedy = None
+            if g.ring_row is not None:
+                greedy = GreedyTokens(self.input_ids[:n_tok], self.host_tokens[self._ring, :n_tok])
+            return logits[:n_tok], aux, greedy
+        return logits[: sum(c.need_logits == "last" for c in prefill)], aux, None
+
+    def _are_input_ids(self, t: torch.Tensor, n: int) -> bool:
+        """t is input_ids[:n] itself (the GreedyTokens.device of the last decode run, every row in order)."""
+        return (t.data_ptr() == self.input_ids.data_ptr() and t.shape == (n,) and t.stride(0) == 1
+                and t.dtype == self.input_ids.dtype)

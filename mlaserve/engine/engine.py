@@ -63,15 +63,16 @@ class _InFlight:
     out: SchedulerOutput
     tokens: torch.Tensor | None  # [sampled chunks] int64
     logprobs: torch.Tensor | None
-    host: tuple | None = None  # (tokens, logprobs or None) in pinned memory
+    host: tuple | None = None  # (tokens, logprobs or None) in host memory (pinned on CUDA)
     ready: torch.cuda.Event | None = None
 
     def read(self) -> tuple[list[int], list[float] | None]:
         if self.tokens is None:
             return [], None
-        if self.ready is None:
+        if self.host is None:
             return self.tokens.tolist(), self.logprobs.tolist() if self.logprobs is not None else None
-        self.ready.synchronize()
+        if self.ready is not None:
+            self.ready.synchronize()
         tok, lp = self.host
         return tok.tolist(), lp.tolist() if lp is not None else None
 
@@ -200,11 +201,11 @@ class LLMEngine:
         else:
             decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
         prefill = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.prefill]
-        logits, aux = self.runner.execute(decode, prefill)
+        logits, aux, greedy = self.runner.execute(decode, prefill)
         self.num_steps += 1
         if self.spec_k:
             return self._postprocess_spec(out, logits, aux)
-        step = self._sample(out, logits)
+        step = self._sample(out, logits, greedy)
         if self.overlap and all(c.sample for c in out.prefill):  # decode next for every request
             self._inflight = step
             return self._overlapped_step()
@@ -228,10 +229,10 @@ class LLMEngine:
                 idx = [rows[id(c.req)] for c in out.decode]
                 src = cur.tokens if idx == list(range(len(sampled))) else cur.tokens[
                     torch.tensor(idx).to(cur.tokens.device, non_blocking=True)]  # no stream sync
-                logits, _ = self.runner.execute(decode, [], decode_tokens=src)
+                logits, _, greedy = self.runner.execute(decode, [], decode_tokens=src)
                 self.num_steps += 1
                 self.num_overlapped_steps += 1
-                self._inflight = self._sample(out, logits)
+                self._inflight = self._sample(out, logits, greedy)
         return self._postprocess(cur, filled=ending is not None)
 
     def _next_decode_is_certain(self, out: SchedulerOutput) -> list[Request] | None:
@@ -264,14 +265,22 @@ class LLMEngine:
         start = req.num_computed_tokens
         return SeqChunk(req.tokens(start, start + n), start, req.pages, "last" if sample_ else "none")
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> _InFlight:
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, greedy=None) -> _InFlight:
         """Queue the sampling of the chunks that asked for it (tokens [n] int64, logprobs [n] or None, on the
-        device) and, on CUDA, their copy to pinned host memory: no host sync here."""
+        device) and, on CUDA, their copy to pinned host memory: no host sync here. greedy: the decode graph's own
+        arg-max of these rows (GreedyTokens), which a step of greedy rows without logprobs takes as it is."""
         sampled = [c for c in out.chunks if c.sample]
         if not sampled:
             return _InFlight(out, None, None)
-        rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
         want_lp = any(c.req.params.logprobs is not None for c in sampled)
+        if (greedy is not None and len(sampled) == len(greedy.device) and not want_lp
+                and all(c.req.params.greedy for c in sampled)):
+            step = _InFlight(out, greedy.device, None, host=(greedy.host, None))
+            if greedy.device.is_cuda:  # the graph wrote the host row itself: only an event to wait on
+                step.ready = torch.cuda.Event()
+                step.ready.record()
+            return step
+        rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
         step = _InFlight(out, *sample(logits, rows, self.generator, want_lp))
         if step.tokens.is_cuda:
             step.host = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(

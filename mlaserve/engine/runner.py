@@ -116,9 +116,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk],
-                decode_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                decode_tokens: torch.Tensor | None = None):
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
-        the EAGLE3 aux hidden states [T, 3D] of every token, or None). decode_tokens [len(decode)] on the device
+        the EAGLE3 aux hidden states [T, 3D] of every token, or None; the decode graph's own arg-max of those rows,
+        a GreedyTokens (engine/cuda_graph.py), or None). decode_tokens [len(decode)] on the device
         (single rank, one token per decode chunk): the decode chunks' input ids, in place of their token_ids
         (placeholders of tokens the previous step sampled, not yet read back)."""
         if self.ranks.world_size > 1:
@@ -142,7 +143,7 @@ class ModelRunner:
             batch.input_ids[: len(decode)].copy_(decode_tokens)
         out = self.model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
-        return self.model.compute_logits(hidden[batch.logits_indices]), aux
+        return self.model.compute_logits(hidden[batch.logits_indices]), aux, None
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks to stop, then destroy the graphs (release_graphs says why)."""

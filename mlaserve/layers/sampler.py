@@ -59,6 +59,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def greedy_into(logits: torch.Tensor, out: torch.Tensor, host: torch.Tensor, host_row: torch.Tensor) -> None:
+    """The greedy tokens of logits [B, V] into out [B] int64 and into row host_row (int32 [1], read when this runs)
+    of the host ring host [R, >= B]. On the GPU the arg-max's last kernel writes both, the host row over the bus,
+    so a CUDA graph can end with it and no copy launch follows; on the CPU torch's argmax."""
+    if logits.is_cuda:
+        from ..kernels.argmax import argmax_rows
+
+        argmax_rows(logits, out=out, host=host, host_row=host_row)
+        return
+    tok = logits.argmax(-1)
+    out.copy_(tok)
+    host[int(host_row)][: tok.numel()] = tok
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
            want_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V] fp32 -> (tokens [B] int64, logprobs of those tokens under the model [B] or None)."""

@@ -128,3 +128,56 @@ def test_static_inputs_skip_unchanged_copies(tiny_ckpt):
     assert _gen(engine, prompts) == ref
     assert skips.count("query_start_loc") > 0 and skips.count("page_table") > 0
     assert copies.count("page_table") > 1  # pages were added, and prefill steps wrote their own
+
+
+def test_greedy_decode_steps_take_the_graphs_argmax(tiny_ckpt, monkeypatch):
+    """Greedy decode steps take the decode graph's own arg-max: no sampling call, no id copy between overlapped
+    steps, the tokens read from a host ring row. A batch with a sampled request (or logprobs) samples as before.
+    Tokens equal the plain path's either way."""
+    from mlaserve.engine import engine as engine_mod
+    from mlaserve.engine.cuda_graph import HOST_RING
+
+    prompts = _prompts(3, seed=11)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cases = {"greedy": [greedy] * 3,
+             "sampled": [greedy, SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True), greedy],
+             "logprobs": [greedy, SamplingParams(temperature=0, logprobs=0, max_tokens=12, ignore_eos=True), greedy]}
+    for name, params in cases.items():
+        outs = {}
+        for mode in ("plain", "static"):
+            eng = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, prefill_graph_max_tokens=512)
+            calls = {"sample": 0, "decode": 0, "ids_kept": 0}
+            if mode == "static":
+                eng.runner.capture_graphs(1, eng.max_model_len, use_graphs=False)
+                graphs = eng.runner.graphs
+                run, kept = graphs.run, graphs._are_input_ids
+
+                def counted_run(key, d, p, *a, _run=run, _c=calls):
+                    _c["decode"] += key[0] == "decode"
+                    return _run(key, d, p, *a)
+
+                def counted_kept(t, n, _kept=kept, _c=calls):
+                    r = _kept(t, n)
+                    _c["ids_kept"] += r
+                    return r
+
+                graphs.run, graphs._are_input_ids = counted_run, counted_kept
+            real = engine_mod.sample
+
+            def counted_sample(*a, _c=calls, _real=real, **k):
+                _c["sample"] += 1
+                return _real(*a, **k)
+
+            monkeypatch.setattr(engine_mod, "sample", counted_sample)
+            rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+            out = run_all(eng)
+            outs[mode] = [out[r] for r in rids]
+            monkeypatch.setattr(engine_mod, "sample", real)
+        assert outs["static"] == outs["plain"], name
+        if mode == "static" and name == "greedy":
+            assert calls["decode"] > HOST_RING  # the ring went round
+            assert calls["sample"] == eng.num_steps - calls["decode"]  # the prefill steps' alone
+        if name != "greedy":
+            assert calls["sample"] >= calls["decode"] and calls["ids_kept"] == 0
+        else:
+            assert calls["ids_kept"] > 0
