@@ -88,14 +88,22 @@ class GraphRunner:
         max_tokens = max(self.bs_list[-1] * self.q, max(self.prefill_buckets, default=0))
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(max_tokens, **i64)
-        # A step's positions, KV slots and lengths go in one copy: each graph's batch views its own layout of this
-        # buffer (_views). Each copy is one more operation between two replays (~1.5 us of a batch-1 step).
-        self.packed = torch.zeros(self._words(max_tokens, max_reqs + 1), **i64)
+        self.greedy = decode_q_len == 1  # decode graphs take the arg-max themselves (module docstring)
+        # A step's positions, KV slots and lengths go in one copy (each copy is one more operation between two
+        # replays, ~1.5 us of a batch-1 step): each graph's batch views its own region of this buffer (_views).
+        # Regions are disjoint, so a graph replayed on its last inputs (a benchmark's replay loop) reads its own
+        # inputs, never another graph's: session 15's shared layouts let a batch-32 graph read a smaller graph's
+        # lengths as KV slots.
+        self._offset: dict[tuple, int] = {}
+        words = 0
+        for key in self._keys():
+            self._offset[key] = words
+            words += self._words(*self._sizes(key))
+        self.packed = torch.zeros(words, **i64)
         self.logits_indices = torch.zeros(max_tokens, **i64)
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
         self._last: dict[str, tuple] = {}  # _write: the region and values last copied into a buffer
-        self.greedy = decode_q_len == 1  # decode graphs take the arg-max themselves (module docstring)
         self.host_tokens = torch.zeros(HOST_RING, self.bs_list[-1], dtype=torch.int64,
                                        pin_memory=torch.device(dev).type == "cuda")
         self._ring = 0  # the ring row of the last decode run
@@ -119,17 +127,29 @@ class GraphRunner:
         return None
 
     # ---- static batches --------------------------------------------------------------------------------
+    def _keys(self) -> list[tuple]:
+        return [("decode", b) for b in self.bs_list] + [("prefill", t) for t in self.prefill_buckets]
+
+    def _sizes(self, key: tuple) -> tuple[int, int]:
+        """(tokens, lengths) of a graph's packed inputs: a greedy decode graph's host ring row follows its requests'
+        lengths (_Graph.ring_row)."""
+        kind, size = key
+        if kind == "decode":
+            return size * self.q, size + self.greedy
+        return size, PREFILL_MAX_REQS + 1
+
     @staticmethod
     def _words(n_tok: int, n_lens: int) -> int:
-        """int64 words of the packed layout: [positions | slots | lengths as int32], each region 16-byte aligned."""
+        """int64 words of a packed region: [positions | slots | lengths as int32], each part 16-byte aligned."""
         n2 = n_tok + n_tok % 2
-        return 2 * n2 + -(-n_lens // 2)
+        return 2 * n2 + 2 * -(-n_lens // 4)
 
-    def _views(self, n_tok: int, n_lens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(positions [n_tok] int64, slots [n_tok] int64, lengths [n_lens] int32): this layout's views of packed."""
+    def _views(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions [n_tok] int64, slots [n_tok] int64, lengths [n_lens] int32): key's region of packed."""
+        (n_tok, n_lens), o = self._sizes(key), self._offset[key]
         n2 = n_tok + n_tok % 2
-        lens = self.packed[2 * n2: self._words(n_tok, n_lens)].view(torch.int32)[:n_lens]
-        return self.packed[:n_tok], self.packed[n2: n2 + n_tok], lens
+        lens = self.packed[o + 2 * n2: o + self._words(n_tok, n_lens)].view(torch.int32)[:n_lens]
+        return self.packed[o: o + n_tok], self.packed[o + n2: o + n2 + n_tok], lens
 
     def _batch(self, key: tuple) -> ForwardBatch:
         kind, size = key
@@ -137,8 +157,7 @@ class GraphRunner:
             n_reqs, n_tok, n_logits, nd = size, size * self.q, size * self.q, size
         else:
             n_reqs, n_tok, n_logits, nd = PREFILL_MAX_REQS + 1, size, PREFILL_MAX_REQS, 0
-        # a greedy decode graph's host ring row follows its requests' lengths (_Graph.ring_row)
-        positions, slots, lens = self._views(n_tok, n_reqs + (kind == "decode" and self.greedy))
+        positions, slots, lens = self._views(key)
         return ForwardBatch(
             input_ids=self.input_ids[:n_tok], positions=positions,
             slot_mapping=slots, seq_lens=lens[:n_reqs],
@@ -214,7 +233,8 @@ class GraphRunner:
         n2 = n_tok + n_tok % 2
         words[:n_tok], words[n2: n2 + n_tok] = pos, slots
         words[2 * n2:].view(np.int32)[:n_lens] = lens + [ring_row] if g.ring_row is not None else lens
-        self.packed[: len(words)].copy_(torch.from_numpy(words), non_blocking=True)
+        o = self._offset[key]
+        self.packed[o: o + len(words)].copy_(torch.from_numpy(words), non_blocking=True)
         self._write("query_start_loc", self.query_start_loc[: g.n_reqs + 1], starts)
         self._write("page_table", self.page_table[: g.n_reqs, :width], table)
         if rows:
@@ -265,12 +285,11 @@ class GraphRunner:
                  len(self.graphs), self.bs_list, self.q, self.prefill_buckets, time.perf_counter() - t0)
 
     def _capture_all(self) -> None:
-        keys = [("decode", b) for b in self.bs_list] + [("prefill", t) for t in self.prefill_buckets]
-        for key in sorted(keys, key=lambda k: -k[1] * (self.q if k[0] == "decode" else 1)):
+        for key in sorted(self._keys(), key=lambda k: -k[1] * (self.q if k[0] == "decode" else 1)):
             batch = self._batch(key)
             g = _Graph(None, batch, None, None, batch.num_reqs, batch.num_tokens)
             if key[0] == "decode" and self.greedy:
-                g.ring_row = self._views(g.n_tokens, g.n_reqs + 1)[2][g.n_reqs:]
+                g.ring_row = self._views(key)[2][g.n_reqs:]
             self._fill(key, g, [])  # all padding: valid, harmless inputs
             if self.use_graphs:
                 for _ in range(2):  # warm up: Triton compiles, allocator settles

@@ -181,3 +181,36 @@ def test_greedy_decode_steps_take_the_graphs_argmax(tiny_ckpt, monkeypatch):
             assert calls["sample"] >= calls["decode"] and calls["ids_kept"] == 0
         else:
             assert calls["ids_kept"] > 0
+
+
+def test_packed_input_regions_are_disjoint(tiny_ckpt):
+    """Each graph's packed inputs (positions, KV slots, lengths and ring row) have a region of their own, 16-byte
+    aligned, and a fill writes only its graph's region: a graph replayed on its last inputs (a benchmark's replay
+    loop) never reads another graph's values (session 15: a batch-32 graph read a smaller one's lengths as slots)."""
+    from mlaserve.attention.base import SeqChunk
+
+    engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=32, prefill_graph_max_tokens=512)
+    engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
+    gr = engine.runner.graphs
+    spans = []
+    for key in gr._keys():
+        pos, slots, lens = gr._views(key)
+        assert all(t.data_ptr() % 16 == 0 for t in (pos, slots, lens)), key
+        spans.append((pos.data_ptr(), lens.data_ptr() + 4 * lens.numel(), key))
+    spans.sort()
+    assert all(e0 <= s1 for (_, e0, _), (s1, _, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= gr.packed.data_ptr() + 8 * gr.packed.numel()
+    for key in gr._keys():
+        before = gr.packed.clone()
+        g = gr.graphs[key]
+        n = 3 if key[0] == "decode" else 40
+        chunks = [SeqChunk(list(range(1, n + 1)) if key[0] == "prefill" else [7], 0 if key[0] == "prefill" else 20,
+                           [5, 6, 9], "last") for _ in range(min(3, g.n_reqs - 1))]
+        gr._fill(key, g, chunks, ring_row=2)
+        o, w = gr._offset[key], gr._words(*gr._sizes(key))
+        changed = (gr.packed != before).nonzero().flatten().tolist()
+        assert changed and all(o <= i < o + w for i in changed), key
+        pos, slots, lens = gr._views(key)
+        assert lens[: len(chunks)].tolist() == [c.num_cached + len(c.token_ids) for c in chunks]
+        if g.ring_row is not None:
+            assert g.ring_row.tolist() == [2]
