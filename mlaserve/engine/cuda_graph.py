@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
+from ..layers.sampler import greedy_into
 
 log = logging.getLogger("mlaserve.cuda_graph")
 
@@ -105,8 +106,8 @@ class GraphRunner:
         self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
         self._last: dict[str, tuple] = {}  # _write: the region and values last copied into a buffer
         self.host_tokens = torch.zeros(HOST_RING, self.bs_list[-1], dtype=torch.int64,
-                                       pin_memory=torch.device(dev).type == "cuda")
-        self._ring = 0  # the ring row of the last decode run
+                                       pin_memory=torch.device(dev).type == "cuda") if self.greedy else None
+        self._ring = 0  # the host ring row of the last (or next: run) decode step
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         # decode graphs fork the KV store onto it (one stream for all layers and graphs: they never run at once)
@@ -144,11 +145,16 @@ class GraphRunner:
         n2 = n_tok + n_tok % 2
         return 2 * n2 + 2 * -(-n_lens // 4)
 
+    def _region(self, key: tuple) -> tuple[int, int, int, int]:
+        """(offset, tokens, lengths, words) of key's region of packed; slots start at offset + the even tokens."""
+        n_tok, n_lens = self._sizes(key)
+        return self._offset[key], n_tok, n_lens, self._words(n_tok, n_lens)
+
     def _views(self, key: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions [n_tok] int64, slots [n_tok] int64, lengths [n_lens] int32): key's region of packed."""
-        (n_tok, n_lens), o = self._sizes(key), self._offset[key]
+        o, n_tok, n_lens, w = self._region(key)
         n2 = n_tok + n_tok % 2
-        lens = self.packed[o + 2 * n2: o + self._words(n_tok, n_lens)].view(torch.int32)[:n_lens]
+        lens = self.packed[o + 2 * n2: o + w].view(torch.int32)[:n_lens]
         return self.packed[o: o + n_tok], self.packed[o + n2: o + n2 + n_tok], lens
 
     def _batch(self, key: tuple) -> ForwardBatch:
@@ -168,10 +174,10 @@ class GraphRunner:
             max_query_len=self.q if kind == "decode" else size, context_is_new=kind == "prefill",
             side_stream=self.side_stream if kind == "decode" else None)
 
-    def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk], ids_on_device: int = 0, ring_row: int = 0) -> None:
+    def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk], ids_on_device: int = 0) -> None:
         """Write the real chunks into the static buffers, and padding after them. ids_on_device: the first rows'
-        input ids come from the device (run's decode_tokens), so the host writes only the rest. ring_row: the host
-        ring row a greedy decode graph writes its arg-max to."""
+        input ids come from the device (run's decode_tokens), so the host writes only the rest. A greedy decode
+        graph's lengths are followed by the host ring row it writes its arg-max to (self._ring)."""
         kind, size = key
         ids, pos, slots, lens, qlens, rows, table = [], [], [], [], [], [], []
         # Only the columns in use are copied: attention reads a row's pages below its seq_len, never past it
@@ -228,13 +234,12 @@ class GraphRunner:
         if ids_on_device < n_tok:
             self.input_ids[ids_on_device:n_tok].copy_(torch.as_tensor(ids[ids_on_device:], dtype=torch.int64),
                                                       non_blocking=True)
-        n_lens = g.n_reqs + (g.ring_row is not None)
-        words = np.zeros(self._words(n_tok, n_lens), dtype=np.int64)  # the layout of _views
+        o, _, n_lens, w = self._region(key)
+        words = np.zeros(w, dtype=np.int64)  # the layout of _views
         n2 = n_tok + n_tok % 2
         words[:n_tok], words[n2: n2 + n_tok] = pos, slots
-        words[2 * n2:].view(np.int32)[:n_lens] = lens + [ring_row] if g.ring_row is not None else lens
-        o = self._offset[key]
-        self.packed[o: o + len(words)].copy_(torch.from_numpy(words), non_blocking=True)
+        words[2 * n2:].view(np.int32)[:n_lens] = lens + [self._ring] if g.ring_row is not None else lens
+        self.packed[o: o + w].copy_(torch.from_numpy(words), non_blocking=True)
         self._write("query_start_loc", self.query_start_loc[: g.n_reqs + 1], starts)
         self._write("page_table", self.page_table[: g.n_reqs, :width], table)
         if rows:
@@ -254,8 +259,6 @@ class GraphRunner:
     # ---- capture and replay ----------------------------------------------------------------------------
     def _forward(self, batch: ForwardBatch, ring_row: torch.Tensor | None = None):
         """-> (logits, aux); ring_row: also the arg-max of every row, into the input ids and that host ring row."""
-        from ..layers.sampler import greedy_into
-
         model = self.runner.model
         out = model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
@@ -313,7 +316,7 @@ class GraphRunner:
         chunks = decode + prefill
         if g.ring_row is not None:
             self._ring = (self._ring + 1) % HOST_RING
-        self._fill(key, g, chunks, 0 if decode_tokens is None else len(decode), self._ring)
+        self._fill(key, g, chunks, 0 if decode_tokens is None else len(decode))
         if decode_tokens is not None and not self._are_input_ids(decode_tokens, len(decode)):
             self.input_ids[: len(decode)].copy_(decode_tokens)
         if g.graph is not None:

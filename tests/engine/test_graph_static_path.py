@@ -206,7 +206,8 @@ def test_packed_input_regions_are_disjoint(tiny_ckpt):
         n = 3 if key[0] == "decode" else 40
         chunks = [SeqChunk(list(range(1, n + 1)) if key[0] == "prefill" else [7], 0 if key[0] == "prefill" else 20,
                            [5, 6, 9], "last") for _ in range(min(3, g.n_reqs - 1))]
-        gr._fill(key, g, chunks, ring_row=2)
+        gr._ring = 2
+        gr._fill(key, g, chunks)
         o, w = gr._offset[key], gr._words(*gr._sizes(key))
         changed = (gr.packed != before).nonzero().flatten().tolist()
         assert changed and all(o <= i < o + w for i in changed), key
