@@ -233,6 +233,10 @@ def cases(quick: bool):
                                                                    scale)
     for B, dt in [(1, torch.float32), (64, torch.float32), (2, bf)]:
         yield f"argmax_rows B={B} {dt}", argmax_rows, (torch.empty(B, 163840, dtype=dt),)
+    for B in (1, 32):  # a greedy decode graph's: over its input ids and into a host ring row picked on the device
+        yield f"argmax_rows B={B} ring", argmax_rows, (torch.empty(B, 163840), torch.empty(B, dtype=torch.int64),
+                                                       torch.empty(4, 32, dtype=torch.int64),
+                                                       torch.zeros(1, dtype=torch.int32))
     from mlaserve.kernels.gemv import gemv
 
     for N, K in [(3648, 2048), (2048, 2048), (1000, 7168), (22528, 2048), (2048, 11264)]:

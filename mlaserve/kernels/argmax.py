@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
+
 BLOCK = 4096  # values a first-stage program reduces: 40 programs a row for Kimi's / Moonlight's 163840 tokens
 
 
@@ -27,8 +29,9 @@ def _first_max(v, idx, ok):
 
 
 @triton.jit
-def _argmax_blocks_kernel(X, PartV, PartI, V, NB, stride_xb, BLOCK: tl.constexpr):
+def _argmax_blocks_kernel(X, PartV, PartI, V, NB, stride_xb, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row b, block j): PartV/PartI[b, j] = the block's (max, first index of it)."""
+    pdl_start(PDL)  # resident while the lm_head ends (pdl.py); the logits are its output
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     idx = j * BLOCK + tl.arange(0, BLOCK)
@@ -41,20 +44,25 @@ def _argmax_blocks_kernel(X, PartV, PartI, V, NB, stride_xb, BLOCK: tl.constexpr
 
 @triton.jit
 def _argmax_rows_kernel(PartV, PartI, Out, Host, HostRow, NB, stride_host, BLOCK_NB: tl.constexpr,
-                        HOST: tl.constexpr, HOST_ROW: tl.constexpr):
+                        HOST: tl.constexpr, HOST_ROW: tl.constexpr, PDL: tl.constexpr):
     """Program b: Out[b] = the index of row b's first maximum, from its blocks' (max, first index): block j's
     indices all precede block j+1's, so the first block holding the row's max (or a NaN) has the answer.
     HOST: also Host[r, b] with r = HostRow[0] (HOST_ROW) or 0: pinned host memory written over the bus, so no copy
     launch follows, and from inside a CUDA graph (the row, read at run time, picks a slot of a ring)."""
+    pdl_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_NB)
     ok = j < NB
+    if HOST and HOST_ROW:  # a step input the host copied before the forward: safe before the wait (pdl.py)
+        r = tl.load(HostRow).to(tl.int64)
+    else:
+        r = 0
+    pdl_wait(PDL)
     v = tl.load(PartV + b * NB + j, mask=ok, other=float("-inf"))
     _, jb = _first_max(v, j, ok)
     tok = tl.load(PartI + b * NB + jb).to(tl.int64)
     tl.store(Out + b, tok)
     if HOST:
-        r = tl.load(HostRow).to(tl.int64) if HOST_ROW else 0
         tl.store(Host + r * stride_host + b, tok)
 
 
@@ -87,10 +95,10 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, host: torch.Te
     nb = triton.cdiv(V, BLOCK)
     part_v = torch.empty(B, nb, dtype=torch.float32, device=x.device)
     part_i = torch.empty(B, nb, dtype=torch.int32, device=x.device)
-    _argmax_blocks_kernel[(B, nb)](x, part_v, part_i, V, nb, x.stride(0), BLOCK=BLOCK, num_warps=8)
+    _argmax_blocks_kernel[(B, nb)](x, part_v, part_i, V, nb, x.stride(0), BLOCK=BLOCK, num_warps=8, **pdl_args(x))
     _argmax_rows_kernel[(B,)](part_v, part_i, out, out if host is None else host,
                               out if host_row is None else host_row, nb,
                               0 if host is None or host_row is None else host.stride(0),
                               BLOCK_NB=max(2, triton.next_power_of_2(nb)), HOST=host is not None,
-                              HOST_ROW=host_row is not None, num_warps=1)
+                              HOST_ROW=host_row is not None, num_warps=1, **pdl_args(x))
     return out
