@@ -46,9 +46,22 @@ def gpu_state() -> dict | None:
     if not torch.cuda.is_available():
         return None
     try:
-        q = subprocess.run(["nvidia-smi", "-i", str(torch.cuda.current_device()), "--format=csv,noheader,nounits",
-                            "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"],
-                           capture_output=True, text=True, timeout=10).stdout.strip().split(", ")
+        q = (
+            subprocess.run(
+                [
+                    "nvidia-smi",
+                    "-i",
+                    str(torch.cuda.current_device()),
+                    "--format=csv,noheader,nounits",
+                    "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            .stdout.strip()
+            .split(", ")
+        )
         return dict(sm_mhz=float(q[0]), mem_mhz=float(q[1]), temp_c=float(q[2]), power_w=float(q[3]), throttle=q[4])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None
@@ -91,10 +104,14 @@ def start_batch(engine, batch, ctx, vocab, max_tokens) -> list[str]:
     """ml_tpot's batch: its prompts added, prefilled, and 3 warm-up decode steps run -> the request ids."""
     if ctx + max_tokens > engine.max_model_len:
         raise ValueError(f"ml_tpot: ctx {ctx} + {max_tokens} tokens exceeds max_model_len {engine.max_model_len}")
-    rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-            for p in prompts(batch, ctx, vocab, seed=batch * 7 + ctx)]
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running + list(
-            engine.scheduler.waiting)):
+    rids = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        for p in prompts(batch, ctx, vocab, seed=batch * 7 + ctx)
+    ]
+    while any(
+        r.num_computed_tokens < len(r.prompt_token_ids)
+        for r in engine.scheduler.running + list(engine.scheduler.waiting)
+    ):
         engine.step()
     for _ in range(3):
         engine.step()
@@ -117,8 +134,10 @@ def ml_tpot(engine, batch, ctx, vocab, steps=32, around=contextlib.nullcontext, 
         sync()
         dt = time.perf_counter() - t
     if not running0 == len(engine.scheduler.running) == batch:
-        raise RuntimeError(f"ml_tpot batch {batch} ctx {ctx}: {running0} requests ran at the first timed step and "
-                           f"{len(engine.scheduler.running)} at the last, not {batch}")
+        raise RuntimeError(
+            f"ml_tpot batch {batch} ctx {ctx}: {running0} requests ran at the first timed step and "
+            f"{len(engine.scheduler.running)} at the last, not {batch}"
+        )
     overlapped = (engine.num_overlapped_steps - ov0) / steps
     # while the requests still run: the graph of this batch's size last ran, on this batch's inputs (another graph
     # holds an older step's inputs)
@@ -215,16 +234,25 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and of decode")
-    ap.add_argument("--hf-last", action="store_true",
-                    help="run transformers after mlaserve, not before (whichever runs second in the process is "
-                         "slower at batch 1: session 9, mlaserve 2.11 vs 2.01 ms, transformers 128 vs 86 ms; "
-                         "docs/performance.md's table runs mlaserve first)")
+    ap.add_argument(
+        "--hf-last",
+        action="store_true",
+        help="run transformers after mlaserve, not before (whichever runs second in the process is "
+        "slower at batch 1: session 9, mlaserve 2.11 vs 2.01 ms, transformers 128 vs 86 ms; "
+        "docs/performance.md's table runs mlaserve first)",
+    )
     ap.add_argument("--no-overlap", action="store_true", help="--disable-overlap-schedule (read each step back)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    res = {"label": a.label, "gpu": gpu, "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv), **code_id()}
+    res = {
+        "label": a.label,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(sys.argv),
+        **code_id(),
+    }
     if a.model and a.make and not os.path.isdir(a.model):
         from mlaserve.models.make_random import make_random
 
@@ -261,9 +289,15 @@ def main():
 
     from mlaserve.engine.engine import LLMEngine
 
-    cfg = EngineConfig(model=path, load_format="dummy" if a.dummy else "auto", gpu_memory_utilization=a.gpu_mem,
-                       enable_prefix_caching=False, max_num_seqs=max(batches), disable_overlap_schedule=a.no_overlap,
-                       max_model_len=max(ctxs + ttfts) + 128)
+    cfg = EngineConfig(
+        model=path,
+        load_format="dummy" if a.dummy else "auto",
+        gpu_memory_utilization=a.gpu_mem,
+        enable_prefix_caching=False,
+        max_num_seqs=max(batches),
+        disable_overlap_schedule=a.no_overlap,
+        max_model_len=max(ctxs + ttfts) + 128,
+    )
     sync()
     t = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -275,17 +309,28 @@ def main():
         for n in ttfts:
             s = ml_ttft(engine, n, vocab)
             fl = prefill_floor_s(mcfg, n)
-            rows.append(dict(figure=f"TTFT {n} tokens", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl,
-                             hf_key=f"prefill_{n}_s"))
+            rows.append(
+                dict(figure=f"TTFT {n} tokens", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl, hf_key=f"prefill_{n}_s")
+            )
         for b in batches:
             for c in ctxs:
                 before = gpu_state()
                 s, tok, overlapped, replay_ms = ml_tpot(engine, b, c, vocab, replay=True)
                 fl = decode_floor_s(mcfg, b, c)
-                rows.append(dict(figure=f"TPOT b{b} ctx{c}", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl,
-                                 hf_key=f"tpot_b{b}_ctx{c}_s", bytes_gb=decode_bytes(mcfg, b, c) / 1e9,
-                                 replay_ms=replay_ms, overlapped=overlapped, gpu_before=before,
-                                 gpu_after=gpu_state()))
+                rows.append(
+                    dict(
+                        figure=f"TPOT b{b} ctx{c}",
+                        ms=s * 1e3,
+                        floor_ms=fl * 1e3,
+                        ratio=s / fl,
+                        hf_key=f"tpot_b{b}_ctx{c}_s",
+                        bytes_gb=decode_bytes(mcfg, b, c) / 1e9,
+                        replay_ms=replay_ms,
+                        overlapped=overlapped,
+                        gpu_before=before,
+                        gpu_after=gpu_state(),
+                    )
+                )
     if a.draft:
         # Plain TPOT first: the speculative engine re-captures the shared runner's graphs for verify width 2.
         base = {b: ml_tpot(engine, b, 512, vocab)[0] for b in (1, 8)}
@@ -294,11 +339,18 @@ def main():
         for b in (1, 8):
             s, tok, _, _ = ml_tpot(engine_spec, b, 512, vocab)
             st = engine_spec.stats()
-            rows.append(dict(figure=f"TPOT b{b} ctx512 EAGLE3 K=1 N=2 (random draft)", ms=s / tok * 1e3,
-                             step_ms=s * 1e3, tokens_per_step=tok, plain_ms=base[b] * 1e3,
-                             floor_ms=decode_floor_s(mcfg, b, 512) * 1e3,
-                             ratio=s / tok / decode_floor_s(mcfg, b, 512),  # per token, against plain decode's floor
-                             accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1)))
+            rows.append(
+                dict(
+                    figure=f"TPOT b{b} ctx512 EAGLE3 K=1 N=2 (random draft)",
+                    ms=s / tok * 1e3,
+                    step_ms=s * 1e3,
+                    tokens_per_step=tok,
+                    plain_ms=base[b] * 1e3,
+                    floor_ms=decode_floor_s(mcfg, b, 512) * 1e3,
+                    ratio=s / tok / decode_floor_s(mcfg, b, 512),  # per token, against plain decode's floor
+                    accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1),
+                )
+            )
     if a.profile and not a.spec_only:
         res["profile"] = profile(engine, vocab, max(ttfts))
     if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)
@@ -313,17 +365,27 @@ def main():
         if "hf_key" in r:
             r["hf_ms"] = _ms(res, r.pop("hf_key"))
     res["rows"] = rows
-    log(f"\n{a.label} on {res['gpu']}  (params {res['params_b']:.2f} B; load {res['mlaserve_load_s']:.1f}s, "
-        f"init incl. graphs {res['mlaserve_init_s']:.1f}s; transformers load {_get(res, 'load_s')})")
+    log(
+        f"\n{a.label} on {res['gpu']}  (params {res['params_b']:.2f} B; load {res['mlaserve_load_s']:.1f}s, "
+        f"init incl. graphs {res['mlaserve_init_s']:.1f}s; transformers load {_get(res, 'load_s')})"
+    )
     log(f"{'figure':44s} {'mlaserve ms':>12s} {'floor ms':>9s} {'x floor':>8s} {'transformers ms':>16s}")
     for r in rows:
         ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
-        log(f"{r['figure']:44s} {r['ms']:12.2f} {r.get('floor_ms') or 0:9.2f} {ratio:>8} "
+        log(
+            f"{r['figure']:44s} {r['ms']:12.2f} {r.get('floor_ms') or 0:9.2f} {ratio:>8} "
             f"{r['hf_ms'] if r.get('hf_ms') is not None else '-':>16}"
-            + (f"   (graph replay alone {r['replay_ms']:.2f} ms, {100 * r['overlapped']:.0f}% overlapped)"
-               if r.get("replay_ms") else "")
-            + (f" [SM {r['gpu_after']['sm_mhz']:.0f} MHz, {r['gpu_after']['temp_c']:.0f} C]"
-               if r.get("gpu_after") else ""))
+            + (
+                f"   (graph replay alone {r['replay_ms']:.2f} ms, {100 * r['overlapped']:.0f}% overlapped)"
+                if r.get("replay_ms")
+                else ""
+            )
+            + (
+                f" [SM {r['gpu_after']['sm_mhz']:.0f} MHz, {r['gpu_after']['temp_c']:.0f} C]"
+                if r.get("gpu_after")
+                else ""
+            )
+        )
     name = f"engine_{a.label}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     for d in (a.out, os.path.join(os.path.dirname(__file__), "results")):
         os.makedirs(d, exist_ok=True)
@@ -342,38 +404,54 @@ def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
     steps = 16
     runs = [("prefill", 1, lambda around: ml_ttft(engine, prefill_len, vocab, reps=1, around=around))]
     runs = (runs if prefill_len else []) + [
-        (decode_name, steps, lambda around: ml_tpot(engine, 1, 512, vocab, steps, around))]
+        (decode_name, steps, lambda around: ml_tpot(engine, 1, 512, vocab, steps, around))
+    ]
     for name, n, run in runs:
         cuda = torch.cuda.is_available()  # CPU: operator times (a check of this function)
         prof = tprofile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
         run(lambda p=prof: p)
-        rows = sorted(((e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3, e.count)
-                       for e in prof.key_averages() if (e.device_time_total if cuda else e.self_cpu_time_total) > 0),
-                      key=lambda r: -r[1])
+        rows = sorted(
+            (
+                (e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3, e.count)
+                for e in prof.key_averages()
+                if (e.device_time_total if cuda else e.self_cpu_time_total) > 0
+            ),
+            key=lambda r: -r[1],
+        )
         total = sum(r[1] for r in rows)
         top = [{"name": k[:90], "ms": ms, "count": c, "us_per_call": 1e3 * ms / c} for k, ms, c in rows[:40]]
-        out[name] = {"total_ms": total, "passes": n, "ms_per_pass": total / n,
-                     "kernels_per_pass": sum(r[2] for r in rows) / n, "kernels": top}
+        out[name] = {
+            "total_ms": total,
+            "passes": n,
+            "ms_per_pass": total / n,
+            "kernels_per_pass": sum(r[2] for r in rows) / n,
+            "kernels": top,
+        }
         log(f"\nprofile {name}: {total / n:.2f} ms of GPU time per pass, {sum(r[2] for r in rows) / n:.0f} kernels")
         for k, ms, c in rows[:30]:
             log(f"  {1e3 * ms / n:8.1f} us/pass {c / n:6.1f}x {1e3 * ms / c:7.2f} us  {k[:90]}")
         if cuda and name.startswith("decode"):
             busy, span = gpu_busy(prof)
             out[name].update(busy_us_per_pass=busy / n, span_us_per_pass=span / n)
-            log(f"  GPU busy {busy / n:.1f} us of a {span / n:.1f} us step span (idle, waiting for the host: "
-                f"{(span - busy) / n:.1f} us)")
+            log(
+                f"  GPU busy {busy / n:.1f} us of a {span / n:.1f} us step span (idle, waiting for the host: "
+                f"{(span - busy) / n:.1f} us)"
+            )
             out[name]["chain"] = chain = critical_path(prof, n)
             log(f"  critical path of {name} (each kernel's end minus the previous kernel's end, any stream):")
             for r in chain[:24]:
-                log(f"  {r['us_per_pass']:8.1f} us/pass {r['count_per_pass']:6.1f}x {r['us_per_call']:7.2f} us  "
-                    f"{r['name']}")
+                log(
+                    f"  {r['us_per_pass']:8.1f} us/pass {r['count_per_pass']:6.1f}x {r['us_per_call']:7.2f} us  "
+                    f"{r['name']}"
+                )
     return out
 
 
 def gpu_busy(prof) -> tuple[float, float]:
     """-> (us during which at least one GPU op ran, us from the first op's start to the last one's end)."""
-    iv = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA)
+    iv = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
     if not iv:
         return 0.0, 0.0
     busy, (cur_s, cur_e) = 0.0, iv[0]
@@ -390,13 +468,16 @@ def critical_path(prof, passes):
     """Under PDL a kernel's profiled duration includes its wait for the one before, so durations overlap and
     overstate. What a kernel adds to the step is its end minus the previous kernel's end (in end order over all
     streams): these sum to the profiled span. The first kernel of a step also takes the gap since the last step."""
-    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                key=lambda e: e.time_range.end)
+    ev = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.end
+    )
     acc: dict[str, list[float]] = {}
     for prev, e in zip(ev, ev[1:]):
         acc.setdefault(e.name[:90], []).append(e.time_range.end - prev.time_range.end)
-    rows = [{"name": k, "us_per_pass": sum(v) / passes, "count_per_pass": len(v) / passes,
-             "us_per_call": sum(v) / len(v)} for k, v in acc.items()]
+    rows = [
+        {"name": k, "us_per_pass": sum(v) / passes, "count_per_pass": len(v) / passes, "us_per_call": sum(v) / len(v)}
+        for k, v in acc.items()
+    ]
     return sorted(rows, key=lambda r: -r["us_per_pass"])
 
 

@@ -60,15 +60,40 @@ class Sizes:
 
 
 def smoke_sizes() -> Sizes:
-    return Sizes(dev="cpu", R=32, P=8, mla_heads=(4,), mla_batches=(2,), mla_ctx=(40,), mla_sweep=(2, 4, 40),
-                 moe={"tiny": (64, 32, 8, 2)}, moe_T=(1, 48),
-                 moe_sweep_shapes=("tiny",), moe_sweep_decode_T=(1, 8), moe_sweep_max_cfgs=2,
-                 prefill=((20, 20), (8, 30)), prefill_dims=(2, 24, 24), prefill_sweep=(2, 16, 8, 24, 40, 40),
-                 routing=(("tiny", 8, 2, 1, 2),), routing_T=(3,), rope_T=(5,), rope_H=(4,),
-                 layers=2, layers_T=(1,), shared_preset="tiny", shared_T=(1, 3), norm_T=(1, 5),
-                 decode_shared=1, decode_T=(1,), decode_linears=((24, 16),), decode_linear_T=(1,), decode_max_cfgs=2,
-                 absorb_heads=2, absorb_T=(1,),
-                 launch_n=2)
+    return Sizes(
+        dev="cpu",
+        R=32,
+        P=8,
+        mla_heads=(4,),
+        mla_batches=(2,),
+        mla_ctx=(40,),
+        mla_sweep=(2, 4, 40),
+        moe={"tiny": (64, 32, 8, 2)},
+        moe_T=(1, 48),
+        moe_sweep_shapes=("tiny",),
+        moe_sweep_decode_T=(1, 8),
+        moe_sweep_max_cfgs=2,
+        prefill=((20, 20), (8, 30)),
+        prefill_dims=(2, 24, 24),
+        prefill_sweep=(2, 16, 8, 24, 40, 40),
+        routing=(("tiny", 8, 2, 1, 2),),
+        routing_T=(3,),
+        rope_T=(5,),
+        rope_H=(4,),
+        layers=2,
+        layers_T=(1,),
+        shared_preset="tiny",
+        shared_T=(1, 3),
+        norm_T=(1, 5),
+        decode_shared=1,
+        decode_T=(1,),
+        decode_linears=((24, 16),),
+        decode_linear_T=(1,),
+        decode_max_cfgs=2,
+        absorb_heads=2,
+        absorb_T=(1,),
+        launch_n=2,
+    )
 
 
 # prefill_attention_mla tile configs for the sweep (the default, prefill_config's bf16 one, runs first); shared
@@ -120,8 +145,12 @@ def code_id() -> dict:
     for f in sorted((root / "mlaserve").rglob("*.py")):
         h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=root).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=root
+            ).stdout.strip()
+            or None
+        )
     except Exception:
         commit = None
     return dict(commit=commit, source_sha1=h.hexdigest()[:12])
@@ -131,9 +160,15 @@ def meta(sz: Sizes) -> dict:
     import triton
 
     gpu = torch.cuda.get_device_name() if sz.dev == "cuda" else "cpu (smoke, interpreter)"
-    return dict(**code_id(), gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                date=datetime.datetime.now().isoformat(timespec="seconds"), ceilings=dict(bw=BW, flops=FLOPS),
-                sizes={k: str(v) for k, v in sz.__dict__.items()})
+    return dict(
+        **code_id(),
+        gpu=gpu,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        ceilings=dict(bw=BW, flops=FLOPS),
+        sizes={k: str(v) for k, v in sz.__dict__.items()},
+    )
 
 
 def bench(fn, sz: Sizes) -> float:
@@ -151,7 +186,7 @@ def bench(fn, sz: Sizes) -> float:
 
 
 def cfg_label(cfg: dict) -> str:
-    """"BLOCK_N": 32, "num_warps": 4, "PARTIAL_DTYPE": torch.bfloat16 -> "N32 w4 PARTIAL_DTYPEbfloat16"."""
+    """ "BLOCK_N": 32, "num_warps": 4, "PARTIAL_DTYPE": torch.bfloat16 -> "N32 w4 PARTIAL_DTYPEbfloat16"."""
     short = {"BLOCK_M": "M", "BLOCK_N": "N", "BLOCK_K": "K", "num_warps": "w", "num_stages": "s"}
     return " ".join(f"{short.get(k, k)}{str(v).replace('torch.', '')}" for k, v in cfg.items())
 

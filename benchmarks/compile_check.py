@@ -71,8 +71,9 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        out = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
+        out = subprocess.run(
+            [knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True
+        ).stderr
     finally:
         os.unlink(f.name)
     regs = re.search(r"Used (\d+) registers", out)
@@ -95,8 +96,20 @@ def _record_launch(self):
         ptx = self.asm["ptx"]
         mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "-"
         pipe = "cp.async" if "cp.async" in ptx else "-"
-        RESULTS.append(dict(key=key, name=self.name, warps=md.num_warps, stages=md.num_stages, shared=md.shared,
-                            regs=regs, spills=spills, mma=mma, pipe=pipe, case=CURRENT_CASE[0]))
+        RESULTS.append(
+            dict(
+                key=key,
+                name=self.name,
+                warps=md.num_warps,
+                stages=md.num_stages,
+                shared=md.shared,
+                regs=regs,
+                spills=spills,
+                mma=mma,
+                pipe=pipe,
+                case=CURRENT_CASE[0],
+            )
+        )
     return lambda *args, **kwargs: None
 
 
@@ -140,79 +153,183 @@ def cases(quick: bool):
     from mlaserve.kernels.routing import route_noaux_tc_logits, router_partials
 
     bf, i32 = torch.bfloat16, torch.int32
-    mla = [(16, 1, 16), (16, 2, 16), (64, 1, 16), (64, 2, 32), (128, 1, 1), (4, 2, 3), (16, 4, 8), (20, 1, 5),
-           (17, 2, 3)]  # (17, 2, 3): fp32 at R=512, as the gpu tests run it
+    mla = [
+        (16, 1, 16),
+        (16, 2, 16),
+        (64, 1, 16),
+        (64, 2, 32),
+        (128, 1, 1),
+        (4, 2, 3),
+        (16, 4, 8),
+        (20, 1, 5),
+        (17, 2, 3),
+    ]  # (17, 2, 3): fp32 at R=512, as the gpu tests run it
     for H, q_len, B in mla:
         if quick and H != 16:
             continue
         R, P = (32, 8) if H == 4 else (512, 64)
-        for dtype in ([bf] if H not in (4, 17) else [bf, torch.float32] if H == 4 else [torch.float32]):
+        for dtype in [bf] if H not in (4, 17) else [bf, torch.float32] if H == 4 else [torch.float32]:
             T = B * q_len
-            yield f"mla_decode H={H} q_len={q_len} B={B} {dtype}", mla_decode, (
-                torch.empty(T, H, R + P, dtype=dtype), torch.empty(64, 64, R + P, dtype=dtype),
-                torch.zeros(B, 8, dtype=i32), torch.ones(B, dtype=i32), q_len, 0.1, torch.empty(T, H, R, dtype=dtype))
+            yield (
+                f"mla_decode H={H} q_len={q_len} B={B} {dtype}",
+                mla_decode,
+                (
+                    torch.empty(T, H, R + P, dtype=dtype),
+                    torch.empty(64, 64, R + P, dtype=dtype),
+                    torch.zeros(B, 8, dtype=i32),
+                    torch.ones(B, dtype=i32),
+                    q_len,
+                    0.1,
+                    torch.empty(T, H, R, dtype=dtype),
+                ),
+            )
             if dtype == bf and R == 512:  # the TMA tile loads, at the stage counts kernels_bench sweeps
                 for stages in (2, 3, 4):
-                    yield f"mla_decode TMA s{stages} H={H} q_len={q_len} B={B}", functools.partial(
-                        mla_decode, config=dict(TMA=True, num_stages=stages)), (
-                        torch.empty(T, H, R + P, dtype=dtype), torch.empty(64, 64, R + P, dtype=dtype),
-                        torch.zeros(B, 8, dtype=i32), torch.ones(B, dtype=i32), q_len, 0.1,
-                        torch.empty(T, H, R, dtype=dtype))
+                    yield (
+                        f"mla_decode TMA s{stages} H={H} q_len={q_len} B={B}",
+                        functools.partial(mla_decode, config=dict(TMA=True, num_stages=stages)),
+                        (
+                            torch.empty(T, H, R + P, dtype=dtype),
+                            torch.empty(64, 64, R + P, dtype=dtype),
+                            torch.zeros(B, 8, dtype=i32),
+                            torch.ones(B, dtype=i32),
+                            q_len,
+                            0.1,
+                            torch.empty(T, H, R, dtype=dtype),
+                        ),
+                    )
     for Dqk, Dv, dtype in [(192, 128, bf), (24, 24, bf), (24, 24, torch.float32), (192, 128, torch.float32)]:
         cu = torch.tensor([0, 64], dtype=i32)
-        yield f"prefill Dqk={Dqk} Dv={Dv} {dtype}", prefill_attention, (
-            torch.empty(64, 16, Dqk, dtype=dtype), torch.empty(64, 16, Dqk, dtype=dtype),
-            torch.empty(64, 16, Dv, dtype=dtype), cu, cu, 0.1, torch.empty(64, 16, Dv, dtype=dtype), 64)
+        yield (
+            f"prefill Dqk={Dqk} Dv={Dv} {dtype}",
+            prefill_attention,
+            (
+                torch.empty(64, 16, Dqk, dtype=dtype),
+                torch.empty(64, 16, Dqk, dtype=dtype),
+                torch.empty(64, 16, Dv, dtype=dtype),
+                cu,
+                cu,
+                0.1,
+                torch.empty(64, 16, Dv, dtype=dtype),
+                64,
+            ),
+        )
     mla_dims = [(128, 64, 128, bf), (16, 8, 24, bf), (16, 8, 24, torch.float32), (128, 64, 128, torch.float32)]
     for N, P, V, dtype in mla_dims:
         cu = torch.tensor([0, 64], dtype=i32)
         kv, latent = torch.empty(64, 16, N + V, dtype=dtype), torch.empty(64, 512 + P, dtype=dtype)
         q, out = torch.empty(64, 16, N + P, dtype=dtype), torch.empty(64, 16, V, dtype=dtype)
         for cfg in [None] if (quick or dtype != bf or N != 128) else [None, *PREFILL_SWEEP]:
-            yield f"prefill_mla N={N} P={P} V={V} {dtype} {cfg or ''}", prefill_attention_mla, (
-                q, kv[..., :N], latent[:, 512:], kv[..., N:], cu, cu, 0.1, out, 64, cfg)
+            yield (
+                f"prefill_mla N={N} P={P} V={V} {dtype} {cfg or ''}",
+                prefill_attention_mla,
+                (q, kv[..., :N], latent[:, 512:], kv[..., N:], cu, cu, 0.1, out, 64, cfg),
+            )
     moe = [("moonlight", 2048, 1408, 64, 6), ("kimi-tp4", 7168, 512, 384, 8), ("tiny", 64, 32, 8, 2)]
     for name, D, I, E, K in moe:
-        for T in ([1, 8192] if quick else [1, 16, 64, 256, 1024, 8192]):
+        for T in [1, 8192] if quick else [1, 16, 64, 256, 1024, 8192]:
             if name == "tiny" and T > 64:
                 continue
-            for dtype in ([bf] if name == "kimi-tp4" else [bf, torch.float32]):
-                yield f"fused_moe {name} T={T} {dtype}", fused_experts, (
-                    torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
-                    torch.empty(T, K), torch.zeros(T, K, dtype=torch.int64), 0)
+            for dtype in [bf] if name == "kimi-tp4" else [bf, torch.float32]:
+                yield (
+                    f"fused_moe {name} T={T} {dtype}",
+                    fused_experts,
+                    (
+                        torch.empty(T, D, dtype=dtype),
+                        big(E, 2 * I, D, dtype=dtype),
+                        big(E, D, I, dtype=dtype),
+                        torch.empty(T, K),
+                        torch.zeros(T, K, dtype=torch.int64),
+                        0,
+                    ),
+                )
                 if T == 1:  # with the shared experts' output added in the sum
-                    yield f"fused_moe {name} T=1 + add {dtype}", fused_experts, (
-                        torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
-                        torch.empty(T, K), torch.zeros(T, K, dtype=torch.int64), 0, None,
-                        torch.empty(T, D, dtype=dtype))
+                    yield (
+                        f"fused_moe {name} T=1 + add {dtype}",
+                        fused_experts,
+                        (
+                            torch.empty(T, D, dtype=dtype),
+                            big(E, 2 * I, D, dtype=dtype),
+                            big(E, D, I, dtype=dtype),
+                            torch.empty(T, K),
+                            torch.zeros(T, K, dtype=torch.int64),
+                            0,
+                            None,
+                            torch.empty(T, D, dtype=dtype),
+                        ),
+                    )
                 if T <= 256:  # shared-experts fusion (DeepseekV3MoE: up to FUSE_SHARED_MAX_TOKENS): S more experts
                     S = 2 if name == "moonlight" else 1
                     gu = torch.empty(2 * S * I, D, dtype=dtype)
-                    yield f"fused_moe {name} T={T} + {S} shared {dtype}", fused_experts, (
-                        torch.empty(T, D, dtype=dtype), big(E, 2 * I, D, dtype=dtype), big(E, D, I, dtype=dtype),
-                        torch.empty(T, K + S), torch.zeros(T, K + S, dtype=torch.int64), 0, None, None,
-                        (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
+                    yield (
+                        f"fused_moe {name} T={T} + {S} shared {dtype}",
+                        fused_experts,
+                        (
+                            torch.empty(T, D, dtype=dtype),
+                            big(E, 2 * I, D, dtype=dtype),
+                            big(E, D, I, dtype=dtype),
+                            torch.empty(T, K + S),
+                            torch.zeros(T, K + S, dtype=torch.int64),
+                            0,
+                            None,
+                            None,
+                            (gu[: S * I], gu[S * I :], torch.empty(D, S * I, dtype=dtype)),
+                        ),
+                    )
                     if T == 1 and dtype == bf and name != "tiny":  # TMA weights (the sm_90 decode default)
-                        yield f"fused_moe {name} T=1, TMA weights", fused_experts, (  # no shared: no slot descriptors
-                            torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),
-                            torch.empty(8, D, I, dtype=dtype), torch.empty(T, K),
-                            torch.zeros(T, K, dtype=torch.int64), 0, dict(tma=True))
-                        yield f"fused_moe {name} T=1 + {S} shared, TMA weights", fused_experts, (  # 8 experts: real
-                            torch.empty(T, D, dtype=dtype), torch.empty(8, 2 * I, D, dtype=dtype),  # tiles, less RAM
-                            torch.empty(8, D, I, dtype=dtype), torch.empty(T, K + S),
-                            torch.zeros(T, K + S, dtype=torch.int64), 0, dict(tma=True), None,
-                            (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=dtype)))
+                        yield (
+                            f"fused_moe {name} T=1, TMA weights",
+                            fused_experts,
+                            (  # no shared: no slot descriptors
+                                torch.empty(T, D, dtype=dtype),
+                                torch.empty(8, 2 * I, D, dtype=dtype),
+                                torch.empty(8, D, I, dtype=dtype),
+                                torch.empty(T, K),
+                                torch.zeros(T, K, dtype=torch.int64),
+                                0,
+                                dict(tma=True),
+                            ),
+                        )
+                        yield (
+                            f"fused_moe {name} T=1 + {S} shared, TMA weights",
+                            fused_experts,
+                            (  # 8 experts: real
+                                torch.empty(T, D, dtype=dtype),
+                                torch.empty(8, 2 * I, D, dtype=dtype),  # tiles, less RAM
+                                torch.empty(8, D, I, dtype=dtype),
+                                torch.empty(T, K + S),
+                                torch.zeros(T, K + S, dtype=torch.int64),
+                                0,
+                                dict(tma=True),
+                                None,
+                                (gu[: S * I], gu[S * I :], torch.empty(D, S * I, dtype=dtype)),
+                            ),
+                        )
     for name, D, I, K, S in [("moonlight", 2048, 1408, 6, 2), ("kimi-tp4", 7168, 512, 8, 1)]:
         gu = torch.empty(2 * S * I, D, dtype=bf)
         for T in (1, 2) if name == "moonlight" else (1,):  # the GEMV form of per-pair steps (moe_gemv.py)
-            yield f"fused_moe {name} T={T} + {S} shared, GEMV form", fused_experts, (
-                torch.empty(T, D, dtype=bf), big(64, 2 * I, D, dtype=bf), big(64, D, I, dtype=bf),
-                torch.empty(T, K + S), torch.zeros(T, K + S, dtype=torch.int64), 0, dict(gemv=True), None,
-                (gu[:S * I], gu[S * I:], torch.empty(D, S * I, dtype=bf)))
+            yield (
+                f"fused_moe {name} T={T} + {S} shared, GEMV form",
+                fused_experts,
+                (
+                    torch.empty(T, D, dtype=bf),
+                    big(64, 2 * I, D, dtype=bf),
+                    big(64, D, I, dtype=bf),
+                    torch.empty(T, K + S),
+                    torch.zeros(T, K + S, dtype=torch.int64),
+                    0,
+                    dict(gemv=True),
+                    None,
+                    (gu[: S * I], gu[S * I :], torch.empty(D, S * I, dtype=bf)),
+                ),
+            )
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
-        yield f"routing E={E} G={G} + shared", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG,
-                                                                       True, 2.5, 2 if E == 64 else 1, E)
+        yield (
+            f"routing E={E} G={G} + shared",
+            route_noaux_tc_logits,
+            (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5, 2 if E == 64 else 1, E),
+        )
     for E, D, G, TG, K in [(64, 2048, 1, 1, 6), (256, 7168, 8, 4, 8)]:  # the decode router: split-K partials
         part = torch.empty(32, 4, E)
         x, w = torch.empty(4, D, dtype=bf), torch.empty(E, D, dtype=bf)
@@ -220,74 +337,152 @@ def cases(quick: bool):
         yield f"routing from partials E={E}", route_noaux_tc_logits, (part, torch.empty(E), K, G, TG, True, 2.5, 2, E)
     for R, P, H in [(512, 64, 16), (512, 64, 128), (32, 8, 4)]:
         cs = torch.empty(4, P // 2)
-        yield f"rope_store_kv R={R} P={P}", rope_store_kv, (
-            torch.empty(8, 64, R + P, dtype=bf), torch.zeros(4, dtype=torch.int64), torch.empty(4, R, dtype=bf),
-            torch.empty(4, R + P, dtype=bf)[:, R:], cs, cs)
+        yield (
+            f"rope_store_kv R={R} P={P}",
+            rope_store_kv,
+            (
+                torch.empty(8, 64, R + P, dtype=bf),
+                torch.zeros(4, dtype=torch.int64),
+                torch.empty(4, R, dtype=bf),
+                torch.empty(4, R + P, dtype=bf)[:, R:],
+                cs,
+                cs,
+            ),
+        )
         q = torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]
         yield f"rope_q H={H} P={P}", rope_q, (q, cs, cs, q)
     from mlaserve.kernels.argmax import argmax_rows
     from mlaserve.kernels.rope_kv import rope_cos_sin
 
     for T, scale in [(1, 1.0), (8192, 1.3466)]:
-        yield f"rope_cos_sin T={T} scale={scale}", rope_cos_sin, (torch.zeros(T, dtype=torch.int64), torch.empty(32),
-                                                                   scale)
+        yield (
+            f"rope_cos_sin T={T} scale={scale}",
+            rope_cos_sin,
+            (torch.zeros(T, dtype=torch.int64), torch.empty(32), scale),
+        )
     for B, dt in [(1, torch.float32), (64, torch.float32), (2, bf)]:
         yield f"argmax_rows B={B} {dt}", argmax_rows, (torch.empty(B, 163840, dtype=dt),)
     for B in (1, 32):  # a greedy decode graph's: over its input ids and into a host ring row picked on the device
-        yield f"argmax_rows B={B} ring", argmax_rows, (torch.empty(B, 163840), torch.empty(B, dtype=torch.int64),
-                                                       torch.empty(4, 32, dtype=torch.int64),
-                                                       torch.zeros(1, dtype=torch.int32))
+        yield (
+            f"argmax_rows B={B} ring",
+            argmax_rows,
+            (
+                torch.empty(B, 163840),
+                torch.empty(B, dtype=torch.int64),
+                torch.empty(4, 32, dtype=torch.int64),
+                torch.zeros(1, dtype=torch.int32),
+            ),
+        )
     from mlaserve.kernels.gemv import gemv
 
     for N, K in [(3648, 2048), (2048, 2048), (1000, 7168), (22528, 2048), (2048, 11264)]:
         yield f"gemv N={N} K={K}", gemv, (torch.empty(1, K, dtype=bf), torch.empty(N, K, dtype=bf))
     for T in (1, 2):  # the lm_head of batch-1-2 decode, fp32 logits (layers.embedding.ParallelLMHead)
-        yield f"gemv lm_head T={T}", gemv, (torch.empty(T, 2048, dtype=bf), big(163840, 2048), None,
-                                             torch.empty(T, 163840))
+        yield (
+            f"gemv lm_head T={T}",
+            gemv,
+            (torch.empty(T, 2048, dtype=bf), big(163840, 2048), None, torch.empty(T, 163840)),
+        )
     from mlaserve.kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv, head_gemv
 
     for H in (16, 128):  # the absorbed projections, w_kc [H, 128, 512] and the transposed w_vc view [H, 512, 128]
         w = torch.empty(H, 256, 512, dtype=bf)
         for T in (1, 2):
-            yield f"head_gemv q H={H} T={T}", head_gemv, (
-                torch.empty(T, H, 192, dtype=bf)[..., :128], w[:, :128], torch.empty(T, H, 576, dtype=bf)[..., :512])
-            yield f"head_gemv out H={H} T={T}", head_gemv, (
-                torch.empty(T, H, 512, dtype=bf), w[:, 128:].transpose(1, 2), torch.empty(T, H, 128, dtype=bf))
-            yield f"absorb_q_rope H={H} T={T}", absorb_q_rope, (  # q: a view of the projection output
-                torch.empty(T, H * 192 + 576, dtype=bf)[:, : H * 192].view(T, H, 192), w[:, :128],
-                torch.empty(T, 32), torch.empty(T, 32), torch.empty(T, H, 576, dtype=bf))
+            yield (
+                f"head_gemv q H={H} T={T}",
+                head_gemv,
+                (torch.empty(T, H, 192, dtype=bf)[..., :128], w[:, :128], torch.empty(T, H, 576, dtype=bf)[..., :512]),
+            )
+            yield (
+                f"head_gemv out H={H} T={T}",
+                head_gemv,
+                (torch.empty(T, H, 512, dtype=bf), w[:, 128:].transpose(1, 2), torch.empty(T, H, 128, dtype=bf)),
+            )
+            yield (
+                f"absorb_q_rope H={H} T={T}",
+                absorb_q_rope,
+                (  # q: a view of the projection output
+                    torch.empty(T, H * 192 + 576, dtype=bf)[:, : H * 192].view(T, H, 192),
+                    w[:, :128],
+                    torch.empty(T, 32),
+                    torch.empty(T, 32),
+                    torch.empty(T, H, 576, dtype=bf),
+                ),
+            )
             proj = torch.empty(T, H * 192 + 576, dtype=bf)  # [q | kv_a]: the KV store in the same launch
-            yield f"absorb_q_rope_store_kv H={H} T={T}", absorb_q_rope_store_kv, (
-                proj[:, : H * 192].view(T, H, 192), w[:, :128], torch.empty(T, 32), torch.empty(T, 32),
-                torch.empty(T, H, 576, dtype=bf), torch.empty(8, 64, 576, dtype=bf), torch.zeros(T, dtype=torch.int64),
-                proj[:, H * 192: H * 192 + 512], proj[:, H * 192 + 512:], torch.empty(512, dtype=bf), 1e-6)
+            yield (
+                f"absorb_q_rope_store_kv H={H} T={T}",
+                absorb_q_rope_store_kv,
+                (
+                    proj[:, : H * 192].view(T, H, 192),
+                    w[:, :128],
+                    torch.empty(T, 32),
+                    torch.empty(T, 32),
+                    torch.empty(T, H, 576, dtype=bf),
+                    torch.empty(8, 64, 576, dtype=bf),
+                    torch.zeros(T, dtype=torch.int64),
+                    proj[:, H * 192 : H * 192 + 512],
+                    proj[:, H * 192 + 512 :],
+                    torch.empty(512, dtype=bf),
+                    1e-6,
+                ),
+            )
     from mlaserve.kernels.gqa_decode import gqa_decode, gqa_store_kv
     from mlaserve.kernels.rmsnorm import add_rms_norm, rms_norm
     from mlaserve.kernels.silu_mul import silu_mul
 
     for D in (512, 2048, 7168):
         yield f"rms_norm D={D}", rms_norm, (torch.empty(4, D, dtype=bf), torch.empty(D, dtype=bf), 1e-6)
-        yield f"add_rms_norm D={D}", add_rms_norm, (torch.empty(4, D, dtype=bf), torch.empty(4, D, dtype=bf),
-                                                    torch.empty(D, dtype=bf), 1e-6)
+        yield (
+            f"add_rms_norm D={D}",
+            add_rms_norm,
+            (torch.empty(4, D, dtype=bf), torch.empty(4, D, dtype=bf), torch.empty(D, dtype=bf), 1e-6),
+        )
     from mlaserve.kernels.moe_sum import moe_sum
 
     for D, K in ((2048, 6), (7168, 8), (64, 2)):  # the MoE's sum over k with the next add + norm fused in
         for dtype in (bf, torch.float32):
-            yield f"moe_sum+norm D={D} K={K} {dtype}", moe_sum, (
-                torch.empty(4 * K, D, dtype=dtype), torch.zeros(4, K, dtype=torch.int64), 0, 64,
-                torch.empty(4, D, dtype=dtype), (torch.empty(D, dtype=dtype), 1e-6, torch.empty(4, D, dtype=dtype)))
+            yield (
+                f"moe_sum+norm D={D} K={K} {dtype}",
+                moe_sum,
+                (
+                    torch.empty(4 * K, D, dtype=dtype),
+                    torch.zeros(4, K, dtype=torch.int64),
+                    0,
+                    64,
+                    torch.empty(4, D, dtype=dtype),
+                    (torch.empty(D, dtype=dtype), 1e-6, torch.empty(4, D, dtype=dtype)),
+                ),
+            )
     for I in (1408, 2816, 18432):
         gu = torch.empty(4, 2 * I, dtype=bf)
         yield f"silu_mul I={I}", silu_mul, (gu[:, :I], gu[:, I:])
     for H, KVH, d, q_len, dtype in [(64, 64, 128, 2, bf), (16, 16, 128, 1, bf), (4, 2, 16, 3, torch.float32)]:
         cache = torch.empty(8, 64, 2, KVH, d, dtype=dtype)
         T = 4 * q_len
-        yield f"gqa_decode H={H} kv={KVH} q_len={q_len} {dtype}", gqa_decode, (
-            torch.empty(T, H, d, dtype=dtype), cache, torch.zeros(4, 8, dtype=i32), torch.full((4,), q_len, dtype=i32),
-            q_len, 0.1, torch.empty(T, H, d, dtype=dtype))
-        yield f"gqa_store_kv kv={KVH} d={d}", gqa_store_kv, (
-            cache, torch.zeros(T, dtype=torch.int64), torch.empty(T, KVH, d, dtype=dtype),
-            torch.empty(T, KVH, d, dtype=dtype))
+        yield (
+            f"gqa_decode H={H} kv={KVH} q_len={q_len} {dtype}",
+            gqa_decode,
+            (
+                torch.empty(T, H, d, dtype=dtype),
+                cache,
+                torch.zeros(4, 8, dtype=i32),
+                torch.full((4,), q_len, dtype=i32),
+                q_len,
+                0.1,
+                torch.empty(T, H, d, dtype=dtype),
+            ),
+        )
+        yield (
+            f"gqa_store_kv kv={KVH} d={d}",
+            gqa_store_kv,
+            (
+                cache,
+                torch.zeros(T, dtype=torch.int64),
+                torch.empty(T, KVH, d, dtype=dtype),
+                torch.empty(T, KVH, d, dtype=dtype),
+            ),
+        )
 
 
 def main(argv=None) -> int:
@@ -305,13 +500,17 @@ def main(argv=None) -> int:
             fn(*fn_args)
         except Exception as e:  # report every failure, not just the first
             failed.append(f"{label}: {type(e).__name__}: {str(e)[:400]}")
-    print(f"{'kernel':28} {'warps':>5} {'stages':>6} {'smem KB':>7} {'regs':>4} {'spill':>5} {'mma':>5} {'loads':>8}  "
-          "first case")
+    print(
+        f"{'kernel':28} {'warps':>5} {'stages':>6} {'smem KB':>7} {'regs':>4} {'spill':>5} {'mma':>5} {'loads':>8}  "
+        "first case"
+    )
     for r in RESULTS:
         bad = r["shared"] > MAX_SHARED or r["spills"] > MAX_SPILL
         flag = ("   <-- " + ("SMEM" if r["shared"] > MAX_SHARED else "SPILLS")) if bad else ""
-        print(f"{r['name'][:28]:28} {r['warps']:5d} {r['stages']:6d} {r['shared'] / 1024:7.1f} {r['regs']:4d} "
-              f"{r['spills']:5d} {r['mma']:>5} {r['pipe']:>8}  {r['case']}{flag}")
+        print(
+            f"{r['name'][:28]:28} {r['warps']:5d} {r['stages']:6d} {r['shared'] / 1024:7.1f} {r['regs']:4d} "
+            f"{r['spills']:5d} {r['mma']:>5} {r['pipe']:>8}  {r['case']}{flag}"
+        )
         if bad:
             failed.append(f"{r['name']} ({r['case']}): shared {r['shared']} B, spills {r['spills']} B")
     print(f"{len(RESULTS)} kernels compiled for sm_90 in {time.time() - t0:.0f} s")

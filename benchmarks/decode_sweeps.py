@@ -10,9 +10,24 @@ import torch
 
 from benchmarks.bench_util import BF, Report, Sizes, bench, cfg_label, moe_inputs, rel
 
-MOE_DEC_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3), (32, 256, 4, 3),
-                 (16, 256, 4, 3), (16, 256, 4, 4), (32, 64, 4, 6), (16, 128, 2, 4), (32, 128, 2, 4), (64, 64, 4, 6),
-                 (64, 128, 8, 4), (16, 64, 2, 8), (32, 128, 4, 5), (128, 128, 8, 3), (128, 64, 4, 4)]
+MOE_DEC_TILES = [
+    (64, 128, 4, 4),
+    (32, 128, 4, 4),
+    (16, 128, 4, 4),
+    (32, 128, 4, 3),
+    (32, 256, 4, 3),
+    (16, 256, 4, 3),
+    (16, 256, 4, 4),
+    (32, 64, 4, 6),
+    (16, 128, 2, 4),
+    (32, 128, 2, 4),
+    (64, 64, 4, 6),
+    (64, 128, 8, 4),
+    (16, 64, 2, 8),
+    (32, 128, 4, 5),
+    (128, 128, 8, 3),
+    (128, 64, 4, 4),
+]
 
 
 def run_moe_decode(rep: Report, sz: Sizes):
@@ -23,14 +38,23 @@ def run_moe_decode(rep: Report, sz: Sizes):
     D, I, E, K = sz.moe[next(iter(sz.moe))]
     w13 = [(torch.randn(E, 2 * I, D, device=sz.dev) / D**0.5).to(BF) for _ in range(L)]
     w2 = [(torch.randn(E, D, I, device=sz.dev) / I**0.5).to(BF) for _ in range(L)]
-    sh = [((torch.randn(S * I, D, device=sz.dev) / D**0.5).to(BF), (torch.randn(S * I, D, device=sz.dev)
-           / D**0.5).to(BF), (torch.randn(D, S * I, device=sz.dev) / I**0.5).to(BF)) for _ in range(L)]
+    sh = [
+        (
+            (torch.randn(S * I, D, device=sz.dev) / D**0.5).to(BF),
+            (torch.randn(S * I, D, device=sz.dev) / D**0.5).to(BF),
+            (torch.randn(D, S * I, device=sz.dev) / I**0.5).to(BF),
+        )
+        for _ in range(L)
+    ]
     cfgs = [None] + [dict(gemm1=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
     cfgs += [dict(gemm2=dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)) for n, k, w, s in tiles]
     # TMA weight tiles (the default on sm_90, at 2 / 3 stages: moe_config.py) against the pointer loads, and stages
-    cfgs += [dict(tma=False), dict(tma=True, gemm1=dict(num_stages=3), gemm2=dict(num_stages=4)),
-             dict(tma=True, gemm1=dict(num_stages=2), gemm2=dict(num_stages=2)),
-             dict(tma=True, gemm1=dict(num_stages=2, BLOCK_N=64), gemm2=dict(num_stages=2, BLOCK_N=128))]
+    cfgs += [
+        dict(tma=False),
+        dict(tma=True, gemm1=dict(num_stages=3), gemm2=dict(num_stages=4)),
+        dict(tma=True, gemm1=dict(num_stages=2), gemm2=dict(num_stages=2)),
+        dict(tma=True, gemm1=dict(num_stages=2, BLOCK_N=64), gemm2=dict(num_stages=2, BLOCK_N=128)),
+    ]
     for T in sz.decode_T:
         x, ids, w = moe_inputs(T, D, E, K, sz.dev)
         ids = torch.cat([ids, torch.arange(E, E + S, device=sz.dev).expand(T, S)], 1)  # the shared slots
@@ -39,12 +63,32 @@ def run_moe_decode(rep: Report, sz: Sizes):
         d1, d2 = moe_config(T, K + S, E + S, D, I, BF)
         ref = fused_experts(x, w13[0], w2[0], w, ids, 0, shared=sh[0])
         for cfg in cfgs:
-            label = ("default g1 [" + cfg_label(d1) + "] g2 [" + cfg_label(d2) + "]" if cfg is None else
-                     " ".join(f"{g} {cfg_label(c)}" if isinstance(c, dict) else f"{g}={c}" for g, c in cfg.items()))
+            label = (
+                "default g1 [" + cfg_label(d1) + "] g2 [" + cfg_label(d2) + "]"
+                if cfg is None
+                else " ".join(f"{g} {cfg_label(c)}" if isinstance(c, dict) else f"{g}={c}" for g, c in cfg.items())
+            )
             try:
                 err = rel(fused_experts(x, w13[0], w2[0], w, ids, 0, config=cfg, shared=sh[0]), ref)
-                ms = bench(lambda c=cfg: [fused_experts(x, w13[i], w2[i], w, ids, 0, config=c,  # noqa: B023
-                                                        shared=sh[i]) for i in range(L)], sz) / L
+                ms = (
+                    bench(
+                        lambda c=cfg: [
+                            fused_experts(
+                                x,
+                                w13[i],
+                                w2[i],
+                                w,
+                                ids,
+                                0,
+                                config=c,  # noqa: B023
+                                shared=sh[i],
+                            )
+                            for i in range(L)
+                        ],
+                        sz,
+                    )
+                    / L
+                )
                 rep.add("moe_decode", f"T={T} {label}", ms, n_exp * 3 * D * I * 2, err=err, T=T, config=cfg)
             except Exception as e:  # e.g. out of shared memory
                 print(f"moe_decode T={T} {label}: {type(e).__name__}: {str(e)[:120]}")
@@ -53,8 +97,20 @@ def run_moe_decode(rep: Report, sz: Sizes):
         torch.cuda.empty_cache()
 
 
-GEMV_CFGS = [(4, 2048, 4), (4, 2048, 2), (4, 2048, 8), (2, 2048, 2), (2, 2048, 4), (1, 2048, 1), (1, 2048, 2),
-             (4, 1024, 2), (2, 1024, 1), (8, 2048, 8), (8, 1024, 2), (4, 512, 1)]
+GEMV_CFGS = [
+    (4, 2048, 4),
+    (4, 2048, 2),
+    (4, 2048, 8),
+    (2, 2048, 2),
+    (2, 2048, 4),
+    (1, 2048, 1),
+    (1, 2048, 2),
+    (4, 1024, 2),
+    (2, 1024, 1),
+    (8, 2048, 8),
+    (8, 1024, 2),
+    (4, 512, 1),
+]
 
 
 def run_linear_decode(rep: Report, sz: Sizes):

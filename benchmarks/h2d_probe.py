@@ -19,8 +19,9 @@ def main():
     kinds = {
         "pageable torch.tensor": lambda: torch.tensor(vals),
         "pinned .pin_memory()": lambda: torch.tensor(vals).pin_memory(),
-        "pinned torch.empty(pin_memory) + fill": lambda: torch.empty(len(vals), dtype=torch.int64,
-                                                                     pin_memory=True).copy_(torch.tensor(vals)),
+        "pinned torch.empty(pin_memory) + fill": lambda: torch.empty(
+            len(vals), dtype=torch.int64, pin_memory=True
+        ).copy_(torch.tensor(vals)),
     }
     torch.cuda._sleep(1000)
     torch.cuda.synchronize()
@@ -46,11 +47,16 @@ def main():
             total_ms = 1e3 * (time.perf_counter() - t0)
             ok = dst[:size].tolist() == v
             rows.append(dict(kind=name, elems=size, host_ms_3_copies=host_ms, total_ms=total_ms, ok=ok))
-            print(f"{name:40s} {size:5d}  host {host_ms:8.3f} ms for 3 copies   (sleep {sleep_ms:.1f} ms; total "
-                  f"{total_ms:.1f})  {'ok' if ok else 'WRONG'}")
+            print(
+                f"{name:40s} {size:5d}  host {host_ms:8.3f} ms for 3 copies   (sleep {sleep_ms:.1f} ms; total "
+                f"{total_ms:.1f})  {'ok' if ok else 'WRONG'}"
+            )
     if a.json:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, sleep_ms=sleep_ms, rows=rows),
-                  open(a.json, "w"), indent=1)
+        json.dump(
+            dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, sleep_ms=sleep_ms, rows=rows),
+            open(a.json, "w"),
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

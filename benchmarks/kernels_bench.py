@@ -62,8 +62,18 @@ def run_mla(rep: Report, sz: Sizes):
                     ms = bench(lambda: mla_decode(q, kv, table, lens, q_len, scale, out), sz)  # noqa: B023
                     nbytes = B * L * (R + P) * 2 + q.numel() * 2 + out.numel() * 2
                     S = default_num_splits(B, H, q_len, q.device)
-                    rep.add("mla_decode", f"H={H} q_len={q_len} B={B} ctx={L} splits={S}", ms, nbytes, err=err,
-                            H=H, q_len=q_len, B=B, ctx=L, splits=S)
+                    rep.add(
+                        "mla_decode",
+                        f"H={H} q_len={q_len} B={B} ctx={L} splits={S}",
+                        ms,
+                        nbytes,
+                        err=err,
+                        H=H,
+                        q_len=q_len,
+                        B=B,
+                        ctx=L,
+                        splits=S,
+                    )
     if sz.dev == "cuda":
         torch.cuda.empty_cache()
 
@@ -80,30 +90,54 @@ def run_mla_sweep(rep: Report, sz: Sizes):
     from mlaserve.kernels.reference import mla_decode_ref
 
     ref = mla_decode_ref(q, kv, table, lens, 1, 0.1, R)
-    variants = [dict(TMA=False), dict(TMA=False, PARTIAL_DTYPE=BF), dict(TMA=True), dict(TMA=True, PARTIAL_DTYPE=BF),
-                dict(TMA=True, num_stages=4), dict(TMA=True, num_warps=8)]
+    variants = [
+        dict(TMA=False),
+        dict(TMA=False, PARTIAL_DTYPE=BF),
+        dict(TMA=True),
+        dict(TMA=True, PARTIAL_DTYPE=BF),
+        dict(TMA=True, num_stages=4),
+        dict(TMA=True, num_warps=8),
+    ]
     for cfg in variants:
         for S in (8, 16):
             try:
                 ms = bench(lambda: mla_decode(q, kv, table, lens, 1, 0.1, out, num_splits=S, config=cfg), sz)  # noqa: B023
-                rep.add("mla_sweep", f"B={B} H={H} ctx={L} {cfg_label(cfg)} splits={S}", ms, B * L * (R + P) * 2,
-                        err=rel(out, ref), config={k: str(v) for k, v in cfg.items()}, splits=S)
+                rep.add(
+                    "mla_sweep",
+                    f"B={B} H={H} ctx={L} {cfg_label(cfg)} splits={S}",
+                    ms,
+                    B * L * (R + P) * 2,
+                    err=rel(out, ref),
+                    config={k: str(v) for k, v in cfg.items()},
+                    splits=S,
+                )
             except Exception as e:  # e.g. out of shared memory
                 print(f"mla_sweep {cfg} splits={S}: {type(e).__name__}: {str(e)[:120]}")
     # Batch 1 (latency bound): the batch 1-3 tiles (mla_decode.FEW_PROGRAMS: 2 stages) against session 9's 3
     # stages, 16-token tiles and splits, coarser splits, and (at 512) warps and partials.
-    b1 = [{}, dict(num_stages=3), dict(BLOCK_N=16, MIN_SPLIT_TOKENS=16), dict(MIN_SPLIT_TOKENS=64),
-          dict(MIN_SPLIT_TOKENS=256)]
+    b1 = [
+        {},
+        dict(num_stages=3),
+        dict(BLOCK_N=16, MIN_SPLIT_TOKENS=16),
+        dict(MIN_SPLIT_TOKENS=64),
+        dict(MIN_SPLIT_TOKENS=256),
+    ]
     b1_512 = [dict(num_warps=8), dict(num_stages=1), dict(PARTIAL_DTYPE=BF), dict(TMA=True)]
-    for L1 in ((512, 8192) if sz.dev == "cuda" else sz.mla_ctx[:1]):
+    for L1 in (512, 8192) if sz.dev == "cuda" else sz.mla_ctx[:1]:
         kv, table, lens = make_paged([L1], 64, R + P, BF, sz.dev, extra_pages=0)
         q1 = torch.randn(1, H, R + P, device=sz.dev).to(BF)
         o1 = torch.empty(1, H, R, device=sz.dev, dtype=BF)
         ref1 = mla_decode_ref(q1, kv, table, lens, 1, 0.1, R)
         for cfg in b1 + (b1_512 if L1 <= 512 else []):
             ms = bench(lambda: mla_decode(q1, kv, table, lens, 1, 0.1, o1, config=cfg), sz)  # noqa: B023
-            rep.add("mla_sweep", f"B=1 H={H} ctx={L1} {cfg_label(cfg)}", ms, L1 * (R + P) * 2, err=rel(o1, ref1),
-                    config={k: str(v) for k, v in cfg.items()})
+            rep.add(
+                "mla_sweep",
+                f"B=1 H={H} ctx={L1} {cfg_label(cfg)}",
+                ms,
+                L1 * (R + P) * 2,
+                err=rel(o1, ref1),
+                config={k: str(v) for k, v in cfg.items()},
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,9 +156,19 @@ def run_moe(rep: Report, sz: Sizes):
             n_exp = int(ids.unique().numel())
             nbytes, flops = n_exp * 3 * D * I * 2 + 2 * x.numel() * 2, 6.0 * T * K * D * I
             decode = T <= 64  # memory bound: bytes of the selected experts; else FLOPs
-            rep.add("fused_moe", f"{name} T={T} experts={n_exp}", ms, nbytes if decode else 0.0,
-                    0.0 if decode else flops, err=err, shape=name, T=T, experts=n_exp, flops_all=flops,
-                    bytes_all=nbytes)
+            rep.add(
+                "fused_moe",
+                f"{name} T={T} experts={n_exp}",
+                ms,
+                nbytes if decode else 0.0,
+                0.0 if decode else flops,
+                err=err,
+                shape=name,
+                T=T,
+                experts=n_exp,
+                flops_all=flops,
+                bytes_all=nbytes,
+            )
         from mlaserve.kernels.moe_align import moe_align
         from mlaserve.kernels.moe_config import moe_config
 
@@ -172,7 +216,7 @@ def _mla_prefill_inputs(sz: Sizes):
     q = torch.randn(qn, H, N + P, device=sz.dev).to(BF)
     kv = torch.randn(kn, H, N + V, device=sz.dev).to(BF)
     latent = torch.randn(kn, sz.R + P, device=sz.dev).to(BF)
-    k_nope, k_rope, v = kv[..., :N], latent[:, sz.R:], kv[..., N:]
+    k_nope, k_rope, v = kv[..., :N], latent[:, sz.R :], kv[..., N:]
     cu_q = torch.tensor([0, qn], dtype=torch.int32, device=sz.dev)
     cu_k = torch.tensor([0, kn], dtype=torch.int32, device=sz.dev)
     out = torch.empty(qn, H, V, device=sz.dev, dtype=BF)
@@ -200,10 +244,18 @@ def run_prefill_sweep(rep: Report, sz: Sizes):
             out.fill_(float("nan"))
             prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, scale, out, qn, config=cfg)
             err = rel(out, base) if cfg else base_err
-            ms = bench(lambda c=cfg: prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, scale, out, qn, config=c),
-                       sz)
-            rep.add("pf_sweep", f"mla q={qn} k={kn} H={H} {cfg_label(cfg) if cfg else 'default'}", ms, 0.0, flops,
-                    err=err, config=cfg)
+            ms = bench(
+                lambda c=cfg: prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, scale, out, qn, config=c), sz
+            )
+            rep.add(
+                "pf_sweep",
+                f"mla q={qn} k={kn} H={H} {cfg_label(cfg) if cfg else 'default'}",
+                ms,
+                0.0,
+                flops,
+                err=err,
+                config=cfg,
+            )
         except Exception as e:  # e.g. out of shared memory
             print(f"prefill_sweep {cfg}: {type(e).__name__}: {str(e)[:160]}")
 
@@ -213,8 +265,7 @@ def run_prefill_sweep(rep: Report, sz: Sizes):
 
     out.fill_(float("nan"))
     old_form()
-    rep.add("pf_sweep", f"old form: cat K + kernel q={qn} k={kn}", bench(old_form, sz), 0.0, flops,
-            err=rel(out, base))
+    rep.add("pf_sweep", f"old form: cat K + kernel q={qn} k={kn}", bench(old_form, sz), 0.0, flops, err=rel(out, base))
     _sdpa_backends(rep, sz, q, k_nope, k_rope, v, scale, base, flops)
     if sz.dev == "cuda":
         torch.cuda.empty_cache()
@@ -239,8 +290,15 @@ def _sdpa_backends(rep, sz, q, k_nope, k_rope, v, scale, base, flops):
         try:
             o = call()
             err = rel(o[0].transpose(0, 1), base)
-            rep.add("pf_sweep", f"torch sdpa {name.lower()} q={q.shape[0]} k={kn} (K cat before)",
-                    bench(call, sz), 0.0, flops, err=err, sdpa=name)
+            rep.add(
+                "pf_sweep",
+                f"torch sdpa {name.lower()} q={q.shape[0]} k={kn} (K cat before)",
+                bench(call, sz),
+                0.0,
+                flops,
+                err=err,
+                sdpa=name,
+            )
         except Exception as e:
             print(f"prefill_sweep sdpa {name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 
@@ -258,8 +316,13 @@ def run_routing(rep: Report, sz: Sizes):
             w, ids = route_noaux_tc_logits(*args)
             rw, rids = route_noaux_tc(*args)
             same = (ids.sort(-1).values == rids.sort(-1).values).all(-1).float().mean().item()
-            rep.add("routing", f"{name} E={E} G={G} T={T} same ids {same:.4f} (torch {ms_ref * 1e3:.0f} us)", ms,
-                    torch_us=ms_ref * 1e3, same_ids_frac=same)
+            rep.add(
+                "routing",
+                f"{name} E={E} G={G} T={T} same ids {same:.4f} (torch {ms_ref * 1e3:.0f} us)",
+                ms,
+                torch_us=ms_ref * 1e3,
+                same_ids_frac=same,
+            )
 
 
 def run_rope(rep: Report, sz: Sizes):
@@ -286,17 +349,44 @@ def run_rope(rep: Report, sz: Sizes):
             err = rel(x, ref)
             ms = bench(lambda: rope_q(x, cos, sin, x), sz)  # noqa: B023
             ms_t = bench(lambda: apply_rope(x, cos, sin, x), sz)  # noqa: B023
-            rep.add("rope_kv", f"rope_q T={T} H={H} (torch apply_rope {ms_t * 1e3:.0f} us)", ms,
-                    T * H * P * 2 * 2, err=err, torch_us=ms_t * 1e3)
+            rep.add(
+                "rope_kv",
+                f"rope_q T={T} H={H} (torch apply_rope {ms_t * 1e3:.0f} us)",
+                ms,
+                T * H * P * 2 * 2,
+                err=err,
+                torch_us=ms_t * 1e3,
+            )
 
 
-SECTIONS = {"mla": run_mla, "moe": run_moe, "prefill": run_prefill, "routing": run_routing, "rope": run_rope,
-            "moe_layers": run_moe_layers, "moe_shared": run_moe_shared, "moe_norm": run_moe_norm,
-            "moe_decode": run_moe_decode, "lin_decode": run_linear_decode, "absorb": run_absorb, "launch": run_launch,
-            "mla_sweep": run_mla_sweep,
-            "moe_sweep": run_moe_sweep, "prefill_sweep": run_prefill_sweep}  # sweeps last
-SWEEPS = ("moe_layers", "moe_shared", "moe_norm", "moe_decode", "lin_decode", "absorb", "mla_sweep", "moe_sweep",
-          "prefill_sweep")
+SECTIONS = {
+    "mla": run_mla,
+    "moe": run_moe,
+    "prefill": run_prefill,
+    "routing": run_routing,
+    "rope": run_rope,
+    "moe_layers": run_moe_layers,
+    "moe_shared": run_moe_shared,
+    "moe_norm": run_moe_norm,
+    "moe_decode": run_moe_decode,
+    "lin_decode": run_linear_decode,
+    "absorb": run_absorb,
+    "launch": run_launch,
+    "mla_sweep": run_mla_sweep,
+    "moe_sweep": run_moe_sweep,
+    "prefill_sweep": run_prefill_sweep,
+}  # sweeps last
+SWEEPS = (
+    "moe_layers",
+    "moe_shared",
+    "moe_norm",
+    "moe_decode",
+    "lin_decode",
+    "absorb",
+    "mla_sweep",
+    "moe_sweep",
+    "prefill_sweep",
+)
 
 
 def main(argv=None) -> int:
@@ -341,8 +431,10 @@ def main(argv=None) -> int:
     timer.cancel()
     bad = [r for r in rep.rows if r["rel_err"] is not None and r["rel_err"] >= TOL]
     rep.save(finished=True, sections_failed=failed, accuracy_failures=len(bad), seconds=time.time() - t0)
-    print(f"done in {time.time() - t0:.0f} s; {len(bad)} accuracy failures; sections failed: {failed or 'none'}; "
-          f"JSON: {rep.path}")
+    print(
+        f"done in {time.time() - t0:.0f} s; {len(bad)} accuracy failures; sections failed: {failed or 'none'}; "
+        f"JSON: {rep.path}"
+    )
     return 1 if bad or failed else 0
 
 

@@ -61,7 +61,12 @@ def _l2_prefetch_kernel(Plan, n, PER_PROG: tl.constexpr, PDL: tl.constexpr):
     nbytes = tl.load(Plan + 2 * i + 1, mask=ok, other=0).to(tl.int32)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r",
+        [addr, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
     pdl_wait(PDL)
 
 
@@ -73,15 +78,22 @@ def l2_prefetch(plan: torch.Tensor) -> None:
 def weights(L: int, g: torch.Generator):
     def rnd(*shape, fan):
         return torch.empty(*shape, device="cuda", dtype=BF).normal_(0, fan**-0.5, generator=g)
-    return [(rnd(E, 2 * I, D, fan=D), rnd(E, D, I, fan=I), (rnd(S * I, D, fan=D), rnd(S * I, D, fan=D),
-             rnd(D, S * I, fan=S * I))) for _ in range(L)]
+
+    return [
+        (
+            rnd(E, 2 * I, D, fan=D),
+            rnd(E, D, I, fan=I),
+            (rnd(S * I, D, fan=D), rnd(S * I, D, fan=D), rnd(D, S * I, fan=S * I)),
+        )
+        for _ in range(L)
+    ]
 
 
 def draw_ids(L: int, n: int, g: torch.Generator, routed_only: bool = False) -> torch.Tensor:
     """[n, L, 1, K + S]: K distinct routed experts per layer, then the shared slots E, E+1; routed_only: K + S
     distinct routed experts (the same bytes, no shared slots)."""
     if routed_only:
-        return torch.rand(n, L, E, device="cuda", generator=g).argsort(-1)[..., :K + S][:, :, None].contiguous()
+        return torch.rand(n, L, E, device="cuda", generator=g).argsort(-1)[..., : K + S][:, :, None].contiguous()
     routed = torch.rand(n, L, E, device="cuda", generator=g).argsort(-1)[..., :K]
     shared = torch.arange(E, E + S, device="cuda").expand(n, L, S)
     return torch.cat([routed, shared], -1)[:, :, None].contiguous()
@@ -102,9 +114,11 @@ def time_graph(ws, cfg, random_ids: bool, reps: int, g) -> dict:
     def layer(i):
         w13, w2, sh = ws[i]
         fused_experts(x[i], w13, w2, w[i], ids[i], 0, config=cfg or None, shared=None if routed_only else sh)
+
     graph = capture(layer, L)
     times = replays(graph, L, ids, bank, reps)
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
@@ -114,8 +128,7 @@ def time_graph(ws, cfg, random_ids: bool, reps: int, g) -> dict:
             n = ev.name.split("(")[0]
             per.setdefault(n, []).append(ev.device_time)
     med = times[len(times) // 2]
-    return dict(us=med, best=times[0], tbps=GB / med * 1e3,
-                kernels={n: sum(v) / len(v) for n, v in per.items()})
+    return dict(us=med, best=times[0], tbps=GB / med * 1e3, kernels={n: sum(v) / len(v) for n, v in per.items()})
 
 
 def sweep(a) -> None:
@@ -136,19 +149,29 @@ def sweep(a) -> None:
         ("tma w8 both", dict(t2, num_warps=8), True),
         # session 11: is the stage count held back by the shared-slot branch's second pipeline (2x shared memory)?
         ("routed-only default", dict(routed_only=True), True),
-        ("routed-only g1 s3 g2 s4", dict(t2, routed_only=True, gemm1=dict(num_stages=3), gemm2=dict(num_stages=4)),
-         True),
-        ("routed-only g1 s4 g2 s4", dict(t2, routed_only=True, gemm1=dict(num_stages=4), gemm2=dict(num_stages=4)),
-         True),
+        (
+            "routed-only g1 s3 g2 s4",
+            dict(t2, routed_only=True, gemm1=dict(num_stages=3), gemm2=dict(num_stages=4)),
+            True,
+        ),
+        (
+            "routed-only g1 s4 g2 s4",
+            dict(t2, routed_only=True, gemm1=dict(num_stages=4), gemm2=dict(num_stages=4)),
+            True,
+        ),
         ("routed-only g1 s4 g2 s3", dict(t2, routed_only=True, gemm1=dict(num_stages=4)), True),
     ]
     if a.only:
         variants = [v for v in variants if any(s in v[0] for s in a.only.split(","))]
     floor = GB / 4.3 * 1e3
-    print(f"M1 MoE T=1, {a.layers} layers' weights; floor {floor:.1f} us a layer (gemm1 {floor * 2 / 3:.1f}, "
-          f"gemm2 {floor / 3:.1f})")
-    print(f"{'variant':28s} {'us/layer':>9s} {'best':>7s} {'% bw':>5s}  gemm1 / gemm2 / sum, profiled us "
-          "(under PDL each includes its wait)")
+    print(
+        f"M1 MoE T=1, {a.layers} layers' weights; floor {floor:.1f} us a layer (gemm1 {floor * 2 / 3:.1f}, "
+        f"gemm2 {floor / 3:.1f})"
+    )
+    print(
+        f"{'variant':28s} {'us/layer':>9s} {'best':>7s} {'% bw':>5s}  gemm1 / gemm2 / sum, profiled us "
+        "(under PDL each includes its wait)"
+    )
     rows = []
     for name, cfg, rnd in variants:
         try:
@@ -178,8 +201,10 @@ def prefetch_sweep(a) -> None:
     w = torch.cat([torch.rand(L, 1, K, device="cuda", generator=g), torch.ones(L, 1, S, device="cuda")], -1)
     bank = draw_ids(L, a.reps, g)
     ids = bank[0].clone()
-    plans = {"g1+g2": [prefetch_plan([sh[0], sh[1], sh[2]]) for _, _, sh in ws],
-             "g1": [prefetch_plan([sh[0], sh[1]]) for _, _, sh in ws]}
+    plans = {
+        "g1+g2": [prefetch_plan([sh[0], sh[1], sh[2]]) for _, _, sh in ws],
+        "g1": [prefetch_plan([sh[0], sh[1]]) for _, _, sh in ws],
+    }
     cycles = int(a.window_us * 1.98e3)
 
     def layer(i, pf, where, moe):
@@ -193,11 +218,13 @@ def prefetch_sweep(a) -> None:
             w13, w2, sh = ws[i]
             fused_experts(x[i], w13, w2, w[i], ids[i], 0, shared=sh)
 
-    print(f"prefetch: {L} layers, window = 8 MB GEMV + {a.window_us} us spin; MoE floor {GB / 4.3 * 1e3:.1f} us, "
-          f"without the shared experts {GB * K / (K + S) / 4.3 * 1e3:.1f} us")
+    print(
+        f"prefetch: {L} layers, window = 8 MB GEMV + {a.window_us} us spin; MoE floor {GB / 4.3 * 1e3:.1f} us, "
+        f"without the shared experts {GB * K / (K + S) / 4.3 * 1e3:.1f} us"
+    )
     rows = []
     for pf in (None, "g1+g2", "g1"):
-        for where in ((None,) if pf is None else ("early", "late")):
+        for where in (None,) if pf is None else ("early", "late"):
             base = time_layers(lambda i, pf=pf, where=where: layer(i, pf, where, False), L, ids, bank, a.reps)
             full = time_layers(lambda i, pf=pf, where=where: layer(i, pf, where, True), L, ids, bank, a.reps)
             rows.append(moe_row("none" if pf is None else f"{pf} {where}", base, full, prefetch=pf, where=where))
@@ -206,9 +233,11 @@ def prefetch_sweep(a) -> None:
 
 def capture(layer, L: int) -> torch.cuda.CUDAGraph:
     """One CUDA graph of layer(i) for i < L (run once eagerly first: compiles), replayed thrice to warm up."""
+
     def step():
         for i in range(L):
             layer(i)
+
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -238,8 +267,10 @@ def replays(graph, L: int, ids: torch.Tensor, bank: torch.Tensor, reps: int, bef
 def moe_row(name: str, base: float, full: float, **keys) -> dict:
     """Print and return one row: the layer's us with the MoE (full) and without it (base)."""
     moe = full - base
-    print(f"{name:22s} layer {full:7.1f} us, without the MoE {base:6.1f}, MoE {moe:6.1f} us "
-          f"({100 * GB / moe * 1e3 / 4.3:.0f} % of 4.3 TB/s)")
+    print(
+        f"{name:22s} layer {full:7.1f} us, without the MoE {base:6.1f}, MoE {moe:6.1f} us "
+        f"({100 * GB / moe * 1e3 / 4.3:.0f} % of 4.3 TB/s)"
+    )
     return dict(keys, layer_us=full, base_us=base, moe_us=moe)
 
 
@@ -262,6 +293,7 @@ def chain_sweep(a) -> None:
     routing kernels before it, the MoE waits on them through PDL (in the engine), with fixed experts not."""
     from mlaserve.kernels import pdl
     from mlaserve.kernels.routing import route_splitk
+
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = weights(a.layers, g)
     L = a.layers
@@ -280,7 +312,7 @@ def chain_sweep(a) -> None:
     def layer(i, route, moe):
         torch.nn.functional.linear(h, o_w[i])
         torch.cuda._sleep(cycles)
-        tw, ti = (route_splitk(x[i], r_w[i], bias, K, 1, 1, True, 2.446, S, E) if route else (w[i], ids[i]))
+        tw, ti = route_splitk(x[i], r_w[i], bias, K, 1, 1, True, 2.446, S, E) if route else (w[i], ids[i])
         if moe:
             w13, w2, sh = ws[i]
             fused_experts(x[i], w13, w2, tw, ti, 0, shared=sh, norm=(nw, 1e-6, res[i]))
@@ -293,10 +325,21 @@ def chain_sweep(a) -> None:
         pdl._pdl_on = (lambda i: torch.cuda.get_device_capability(i)[0] >= 9) if pdl_on else (lambda i: False)
         os.environ["MLASERVE_MOE_PREWAIT"] = prewait
         for route in (False, True):
-            base, full = (time_layers(lambda i, route=route, moe=moe: layer(i, route, moe), L, ids, bank, a.reps,
-                                      lambda: x.normal_(generator=g)) for moe in (False, True))  # fresh routes
-            name = (f"{'routed' if route else 'fixed ids'}, PDL {'on' if pdl_on else 'off'}"
-                    f"{', GEMM2 prewait' if pdl_on and prewait == '1' else ''}")
+            base, full = (
+                time_layers(
+                    lambda i, route=route, moe=moe: layer(i, route, moe),
+                    L,
+                    ids,
+                    bank,
+                    a.reps,
+                    lambda: x.normal_(generator=g),
+                )
+                for moe in (False, True)
+            )  # fresh routes
+            name = (
+                f"{'routed' if route else 'fixed ids'}, PDL {'on' if pdl_on else 'off'}"
+                f"{', GEMM2 prewait' if pdl_on and prewait == '1' else ''}"
+            )
             rows.append(moe_row(name, base, full, pdl=pdl_on, routed=route, prewait=pdl_on and prewait == "1"))
     os.environ.pop("MLASERVE_MOE_PREWAIT")
     dump("moe_probe_chain.json", a, rows)
@@ -312,10 +355,17 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true", help="the MoE after the router, as the engine (chain_sweep)")
     ap.add_argument("--prefetch", action="store_true", help="L2 prefetch of the shared experts (prefetch_sweep)")
     ap.add_argument("--window-us", type=float, default=10.0)
-    ap.add_argument("--stages", default="", help="eager mode: GEMM1,GEMM2 num_stages (e.g. 3,3) for an ncu "
-                    "comparison with the default 2,3")
-    ap.add_argument("--lm-head", action="store_true", help="eager mode: also run M1's lm_head GEMV (cuBLAS, "
-                    "163840 x 2048 bf16), the streaming kernel the MoE's rate is compared with")
+    ap.add_argument(
+        "--stages",
+        default="",
+        help="eager mode: GEMM1,GEMM2 num_stages (e.g. 3,3) for an ncu comparison with the default 2,3",
+    )
+    ap.add_argument(
+        "--lm-head",
+        action="store_true",
+        help="eager mode: also run M1's lm_head GEMV (cuBLAS, "
+        "163840 x 2048 bf16), the streaming kernel the MoE's rate is compared with",
+    )
     a = ap.parse_args()
     if a.chain:
         return chain_sweep(a)
@@ -337,8 +387,9 @@ def main() -> None:
         head = torch.empty(163840, D, device="cuda", dtype=BF).normal_(0, D**-0.5, generator=g)
         for _ in range(3):
             torch.nn.functional.linear(x, head)
-    run = [lambda w13=w13, w2=w2, sh=sh: fused_experts(x, w13, w2, w, ids, 0, config=cfg, shared=sh)
-           for w13, w2, sh in ws]
+    run = [
+        lambda w13=w13, w2=w2, sh=sh: fused_experts(x, w13, w2, w, ids, 0, config=cfg, shared=sh) for w13, w2, sh in ws
+    ]
     for f in run:  # compile, warm up
         f()
     torch.cuda.synchronize()
@@ -350,8 +401,10 @@ def main() -> None:
     end.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(end) * 1e3 / (a.reps * len(run))
-    print(f"fused MoE T=1 (tma={a.tma}), eager: {us:.1f} us a layer, {GB / us * 1e3:.2f} TB/s "
-          f"({100 * GB / us * 1e3 / 4.3:.0f} % of 4.3 TB/s)")
+    print(
+        f"fused MoE T=1 (tma={a.tma}), eager: {us:.1f} us a layer, {GB / us * 1e3:.2f} TB/s "
+        f"({100 * GB / us * 1e3 / 4.3:.0f} % of 4.3 TB/s)"
+    )
 
 
 if __name__ == "__main__":

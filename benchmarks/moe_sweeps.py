@@ -13,30 +13,36 @@ import torch
 
 from benchmarks.bench_util import BF, Report, Sizes, bench, cfg_label, moe_inputs, rel
 
-MOE_DECODE_CFGS = [dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
-                   dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
-                   dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
-                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5),
-                   dict(BLOCK_N=64, BLOCK_K=64, num_warps=2, num_stages=6),
-                   dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3),
-                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-                   dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)]
-MOE_PREFILL_GEMM1 = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-                     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3),
-                     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=32, num_warps=8, num_stages=3),
-                     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-                     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
-                     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=5),
-                     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=2),
-                     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)]  # M: both GEMMs
-MOE_PREFILL_GEMM2 = [dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-                     dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=5),
-                     dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-                     dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-                     dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
-                     dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-                     dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=4),
-                     dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=32, num_warps=4, num_stages=4)]
+MOE_DECODE_CFGS = [
+    dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
+    dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
+    dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5),
+    dict(BLOCK_N=64, BLOCK_K=64, num_warps=2, num_stages=6),
+    dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+]
+MOE_PREFILL_GEMM1 = [
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=32, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=5),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=2),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+]  # M: both GEMMs
+MOE_PREFILL_GEMM2 = [
+    dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=5),
+    dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=32, num_warps=4, num_stages=4),
+]
 
 
 def run_moe_sweep(rep: Report, sz: Sizes):
@@ -72,8 +78,16 @@ def run_moe_sweep(rep: Report, sz: Sizes):
             decode = T <= 64
             try:
                 ms = bench(lambda: fused_experts(x, w13, w2, w, ids, 0, config=cfg), sz)  # noqa: B023
-                rep.add("moe_sweep", f"{name} T={T} {label}", ms, n_exp * 3 * D * I * 2 if decode else 0.0,
-                        0.0 if decode else 6.0 * T * K * D * I, config=cfg, shape=name, T=T)
+                rep.add(
+                    "moe_sweep",
+                    f"{name} T={T} {label}",
+                    ms,
+                    n_exp * 3 * D * I * 2 if decode else 0.0,
+                    0.0 if decode else 6.0 * T * K * D * I,
+                    config=cfg,
+                    shape=name,
+                    T=T,
+                )
             except Exception as e:  # e.g. out of shared memory
                 print(f"moe_sweep {name} T={T} {label}: {type(e).__name__}: {str(e)[:120]}")
         w13 = w2 = inputs = None
@@ -83,9 +97,16 @@ def run_moe_sweep(rep: Report, sz: Sizes):
 
 # decode MoE (few rows): the weights of sz.layers layers in turn, timed per layer, so every layer's weights come
 # from HBM as in the engine (one layer's weights replayed alone could partly stay in the 50 MB L2)
-MOE_LAYER_CFGS = [dict(gemm2=dict(BLOCK_N=32)), dict(gemm1=dict(BLOCK_N=32), gemm2=dict(BLOCK_N=32)),
-                  dict(num_stages=6), dict(BLOCK_K=256, num_stages=3), dict(num_warps=2, BLOCK_K=128, num_stages=5),
-                  dict(num_warps=8, BLOCK_K=256, num_stages=4), dict(gemm2=dict(BLOCK_N=16, BLOCK_K=256))]
+MOE_LAYER_CFGS = [
+    dict(gemm2=dict(BLOCK_N=32)),
+    dict(gemm1=dict(BLOCK_N=32), gemm2=dict(BLOCK_N=32)),
+    dict(num_stages=6),
+    dict(BLOCK_K=256, num_stages=3),
+    dict(num_warps=2, BLOCK_K=128, num_stages=5),
+    dict(num_warps=8, BLOCK_K=256, num_stages=4),
+    dict(gemm2=dict(BLOCK_N=16, BLOCK_K=256)),
+]
+
 
 def run_moe_layers(rep: Report, sz: Sizes):
     from mlaserve.kernels.fused_moe import fused_experts
@@ -102,10 +123,26 @@ def run_moe_layers(rep: Report, sz: Sizes):
             for cfg in [None] + MOE_LAYER_CFGS:
                 try:
                     err = rel(fused_experts(x, w13[0], w2[0], w, ids, 0, config=cfg), ref)
-                    ms = bench(lambda c=cfg: [fused_experts(x, w13[i], w2[i], w, ids, 0, config=c)  # noqa: B023
-                                              for i in range(L)], sz) / L
-                    rep.add("moe_layers", f"{name} T={T} {cfg_label(cfg) if cfg else 'default'}", ms,
-                            n_exp * 3 * D * I * 2, err=err, T=T, config=cfg, layers=L)
+                    ms = (
+                        bench(
+                            lambda c=cfg: [
+                                fused_experts(x, w13[i], w2[i], w, ids, 0, config=c)  # noqa: B023
+                                for i in range(L)
+                            ],
+                            sz,
+                        )
+                        / L
+                    )
+                    rep.add(
+                        "moe_layers",
+                        f"{name} T={T} {cfg_label(cfg) if cfg else 'default'}",
+                        ms,
+                        n_exp * 3 * D * I * 2,
+                        err=err,
+                        T=T,
+                        config=cfg,
+                        layers=L,
+                    )
                 except Exception as e:  # e.g. out of shared memory
                     print(f"moe_layers {name} T={T} {cfg}: {type(e).__name__}: {str(e)[:120]}")
             ref = None
@@ -139,8 +176,15 @@ def run_moe_shared(rep: Report, sz: Sizes):
                 out = layer(x)  # compiles, and the router's one-time bf16 check (a host sync) before capture
             unfused = out if unfused is None else unfused
             ms = bench(lambda: [layer(x) for layer in layers], sz) / len(layers)  # noqa: B023
-            rep.add("moe_shared", f"{sz.shared_preset} T={T} S={S} {'fused' if fused else 'unfused'}", ms,
-                    err=rel(out, unfused) if fused else None, T=T, fused=fused, layers=len(layers))
+            rep.add(
+                "moe_shared",
+                f"{sz.shared_preset} T={T} S={S} {'fused' if fused else 'unfused'}",
+                ms,
+                err=rel(out, unfused) if fused else None,
+                T=T,
+                fused=fused,
+                layers=len(layers),
+            )
     layers = None
     if sz.dev == "cuda":
         torch.cuda.empty_cache()
@@ -168,10 +212,21 @@ def run_moe_norm(rep: Report, sz: Sizes):
             ref = add_rms_norm(moe_sum(y, ids, 0, E, add), res, w, 1e-6)
             err = rel(moe_sum(y, ids, 0, E, add, norm=(w, 1e-6, res))[0], ref[0])
             for fused in (False, True):
-                fn = ((lambda: moe_sum(y, ids, 0, E, add, norm=(w, 1e-6, res))) if fused else  # noqa: B023
-                      (lambda: add_rms_norm(moe_sum(y, ids, 0, E, add), res, w, 1e-6)))  # noqa: B023
-                rep.add("moe_norm", f"{name} sum+add+norm T={T} {'fused' if fused else 'two kernels'}",
-                        bench(fn, sz), (T * K + 4 * T) * D * 2, err=err if fused else None, T=T, fused=fused)
+                fn = (
+                    (lambda: moe_sum(y, ids, 0, E, add, norm=(w, 1e-6, res)))
+                    if fused
+                    # noqa: B023
+                    else (lambda: add_rms_norm(moe_sum(y, ids, 0, E, add), res, w, 1e-6))
+                )  # noqa: B023
+                rep.add(
+                    "moe_norm",
+                    f"{name} sum+add+norm T={T} {'fused' if fused else 'two kernels'}",
+                    bench(fn, sz),
+                    (T * K + 4 * T) * D * 2,
+                    err=err if fused else None,
+                    T=T,
+                    fused=fused,
+                )
     cfg = ModelConfig.from_hf(load_preset(sz.shared_preset))
     with torch.device(sz.dev):
         layers = [DeepseekV3MoE(cfg, RankInfo(), BF, "triton") for _ in range(sz.layers)]
@@ -188,8 +243,15 @@ def run_moe_norm(rep: Report, sz: Sizes):
                 out = layer(x, norm, res)[0]  # compiles, and the router's one-time bf16 check before capture
             unfused = out if unfused is None else unfused
             ms = bench(lambda: [layer(x, norm, res) for layer, norm in zip(layers, norms)], sz) / len(layers)  # noqa: B023
-            rep.add("moe_norm", f"{sz.shared_preset} block+norm T={T} {'fused' if fused else 'unfused'}", ms,
-                    err=rel(out, unfused) if fused else None, T=T, fused=fused, layers=len(layers))
+            rep.add(
+                "moe_norm",
+                f"{sz.shared_preset} block+norm T={T} {'fused' if fused else 'unfused'}",
+                ms,
+                err=rel(out, unfused) if fused else None,
+                T=T,
+                fused=fused,
+                layers=len(layers),
+            )
     layers = None
     if sz.dev == "cuda":
         torch.cuda.empty_cache()

@@ -64,8 +64,9 @@ def chain(x, ws, bs, bufs, mode: int, with_add: bool):
     cur = x
     for i, w in enumerate(ws):
         y = bufs[2 * i]
-        _gemv[(w.shape[0] // 2,)](cur, w, y, K=w.shape[1], stride_wn=w.stride(0), BLOCK_N=2, MODE=mode,
-                                  num_warps=2, launch_pdl=mode > 0)
+        _gemv[(w.shape[0] // 2,)](
+            cur, w, y, K=w.shape[1], stride_wn=w.stride(0), BLOCK_N=2, MODE=mode, num_warps=2, launch_pdl=mode > 0
+        )
         cur = y
         if with_add:
             z = bufs[2 * i + 1]
@@ -111,15 +112,29 @@ def main():
             us = t0.elapsed_time(t1) * 1e3 / reps
             kernels = n * (2 if with_add else 1)
             floor_us = n * D * D * 2 / 4.3e12 * 1e6
-            rows.append(dict(chain="gemv+add" if with_add else "gemv", mode=name, step_us=us,
-                             us_per_kernel=us / kernels, floor_us=floor_us, equal_to_base=equal))
-            print(f"{rows[-1]['chain']:9s} {name:10s} {us:8.1f} us/replay  {us / kernels:6.2f} us/kernel  "
-                  f"floor {floor_us:6.1f} us  x{us / floor_us:4.2f}  equal={equal}", flush=True)
+            rows.append(
+                dict(
+                    chain="gemv+add" if with_add else "gemv",
+                    mode=name,
+                    step_us=us,
+                    us_per_kernel=us / kernels,
+                    floor_us=floor_us,
+                    equal_to_base=equal,
+                )
+            )
+            print(
+                f"{rows[-1]['chain']:9s} {name:10s} {us:8.1f} us/replay  {us / kernels:6.2f} us/kernel  "
+                f"floor {floor_us:6.1f} us  x{us / floor_us:4.2f}  equal={equal}",
+                flush=True,
+            )
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "pdl_probe.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       rows=rows), f, indent=1)
+        json.dump(
+            dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows),
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -176,25 +176,56 @@ def probe_batch(engine, B, a, V):
         torch.cuda.Event().record()
 
     with torch.inference_mode():
-        for name, fn in [("G2 replay", G2.replay), ("G2 +fill", g2_none), ("G2 +fill +d2h memcpy", g2_memcpy),
-                         ("G2 +1 copy (stand-in)", g2_pack_none), ("graph +fill +argmax(host)", rows_host)]:
+        for name, fn in [
+            ("G2 replay", G2.replay),
+            ("G2 +fill", g2_none),
+            ("G2 +fill +d2h memcpy", g2_memcpy),
+            ("G2 +1 copy (stand-in)", g2_pack_none),
+            ("graph +fill +argmax(host)", rows_host),
+        ]:
             fn()
             row[name] = timed(fn, a.reps)
             hold.clear()
     G2.reset()
-    row.update({"batch": B, "ctx": a.ctx, "engine_tpot_us": tpot, "engine_wait_us_median": wait_us,
-                "engine_run_span_us_median": statistics.median(spans),
-                "engine_gap_between_runs_us_median": statistics.median(gaps)})
-    for name, fn in [("replay", rep), ("+argmax", rep_argmax), ("+d2h", rep_d2h), ("+d2d", rep_d2d),
-                     ("+fill", rep_fill), ("+fill, wait N-1", rep_fill_wait)]:
+    row.update(
+        {
+            "batch": B,
+            "ctx": a.ctx,
+            "engine_tpot_us": tpot,
+            "engine_wait_us_median": wait_us,
+            "engine_run_span_us_median": statistics.median(spans),
+            "engine_gap_between_runs_us_median": statistics.median(gaps),
+        }
+    )
+    for name, fn in [
+        ("replay", rep),
+        ("+argmax", rep_argmax),
+        ("+d2h", rep_d2h),
+        ("+d2d", rep_d2d),
+        ("+fill", rep_fill),
+        ("+fill, wait N-1", rep_fill_wait),
+    ]:
         fn()
         row[name] = timed(fn, a.reps)
     for k in list(row)[:5]:  # the alternatives last
         row[k] = row.pop(k)
-    print(f"batch {B} ctx {a.ctx}: engine TPOT {tpot:.1f} us (host waits {wait_us:.0f} us a step; GPU: run() span "
-          f"{row['engine_run_span_us_median']:.1f}, gap to the next {row['engine_gap_between_runs_us_median']:.1f})")
-    for name in ["replay", "+argmax", "+d2h", "+d2d", "+fill", "+fill, wait N-1", "G2 replay", "G2 +fill",
-                 "G2 +fill +d2h memcpy", "G2 +1 copy (stand-in)", "graph +fill +argmax(host)"]:
+    print(
+        f"batch {B} ctx {a.ctx}: engine TPOT {tpot:.1f} us (host waits {wait_us:.0f} us a step; GPU: run() span "
+        f"{row['engine_run_span_us_median']:.1f}, gap to the next {row['engine_gap_between_runs_us_median']:.1f})"
+    )
+    for name in [
+        "replay",
+        "+argmax",
+        "+d2h",
+        "+d2d",
+        "+fill",
+        "+fill, wait N-1",
+        "G2 replay",
+        "G2 +fill",
+        "G2 +fill +d2h memcpy",
+        "G2 +1 copy (stand-in)",
+        "graph +fill +argmax(host)",
+    ]:
         print(f"   {name:26s} {row[name]:8.1f} us a step")
     while engine.has_unfinished():  # finish this batch before the next
         for r in list(engine.states):
@@ -217,9 +248,17 @@ def main():
 
         make_random(a.make, a.model, dtype="bfloat16", device="cuda", progress=False)
     from mlaserve.engine.engine import LLMEngine
+
     batches = [int(b) for b in a.batches.split(",")]
-    engine = LLMEngine(EngineConfig(model=a.model, enable_prefix_caching=False, max_num_seqs=max(batches),
-                                    prefill_graph_max_tokens=1024, max_model_len=a.ctx + 4 * a.reps + 512))
+    engine = LLMEngine(
+        EngineConfig(
+            model=a.model,
+            enable_prefix_caching=False,
+            max_num_seqs=max(batches),
+            prefill_graph_max_tokens=1024,
+            max_model_len=a.ctx + 4 * a.reps + 512,
+        )
+    )
     V = engine.model_config.vocab_size
     res = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv), **code_id(), "rows": []}
     for B in batches:

@@ -33,8 +33,16 @@ def greedy(ckpt, dtype, device, **par):
     # a few small graphs (decode batch sizes up to 8, prefill buckets up to 1,024 tokens): a short capture
     if par and os.environ.get("TPCHECK_NO_OVERLAP") == "1":  # diagnosis: read each decode step back first
         par = dict(par, disable_overlap_schedule=True)
-    llm = LLM(ckpt, device=device, dtype=dtype, num_pages=1024, page_size=64, max_num_seqs=8,
-              prefill_graph_max_tokens=1024, **par)
+    llm = LLM(
+        ckpt,
+        device=device,
+        dtype=dtype,
+        num_pages=1024,
+        page_size=64,
+        max_num_seqs=8,
+        prefill_graph_max_tokens=1024,
+        **par,
+    )
     print(f"  {dtype} {par or 'one GPU'}: engine up in {time.time() - t0:.1f} s", flush=True)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     print(f"  generated in {time.time() - t0:.1f} s", flush=True)
@@ -69,8 +77,9 @@ def main() -> int:
             got, graphs = greedy(ckpt, dtype, device, **par)
             same = sum(a == b for a, b in zip(got, ref))
             first = sum(a[:4] == b[:4] for a, b in zip(got, ref))
-            rows.append(dict(dtype=dtype, **par, graphs_on_rank0=graphs, same_sequences=same, of=len(ref),
-                             same_first4=first))
+            rows.append(
+                dict(dtype=dtype, **par, graphs_on_rank0=graphs, same_sequences=same, of=len(ref), same_first4=first)
+            )
             print(rows[-1], flush=True)
             if dtype == "float32" and same != len(ref):
                 ok = False

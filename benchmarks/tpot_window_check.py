@@ -27,8 +27,16 @@ def main():
     a = ap.parse_args()
     if not os.path.isdir(a.model):
         make_random("tiny", a.model, seed=0, dtype="float32", progress=False)
-    eng = LLMEngine(EngineConfig(model=a.model, device="cpu", max_num_seqs=max(32, a.batch),
-                                 max_model_len=a.ctx + 128, enable_prefix_caching=False, kv_cache_memory_gb=4))
+    eng = LLMEngine(
+        EngineConfig(
+            model=a.model,
+            device="cpu",
+            max_num_seqs=max(32, a.batch),
+            max_model_len=a.ctx + 128,
+            enable_prefix_caching=False,
+            kv_cache_memory_gb=4,
+        )
+    )
     max_tokens = a.max_tokens or tpot_max_tokens(eng, a.batch, a.ctx, a.steps)
     t = time.time()
     start_batch(eng, a.batch, a.ctx, eng.model_config.vocab_size, max_tokens)
@@ -36,8 +44,10 @@ def main():
     for _ in range(a.steps):
         sizes.append(len(eng.scheduler.running))
         eng.step()
-    print(f"batch {a.batch} ctx {a.ctx} max_tokens {max_tokens}: requests running at each timed step {sizes} "
-          f"(mean {sum(sizes) / len(sizes):.1f}; {time.time() - t:.0f} s)")
+    print(
+        f"batch {a.batch} ctx {a.ctx} max_tokens {max_tokens}: requests running at each timed step {sizes} "
+        f"(mean {sum(sizes) / len(sizes):.1f}; {time.time() - t:.0f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Command line: argparse only. Each subcommand's module owns its flags (`add_cli_args`) and its run (`cli_main`).
 
-    mlaserve serve [MODEL]          OpenAI-compatible server
-    mlaserve generate [MODEL]       offline generation
-    mlaserve bench serve|compare    serving benchmark and A/B comparison
-    mlaserve make-random PRESET OUT random HF-format checkpoint
+mlaserve serve [MODEL]          OpenAI-compatible server
+mlaserve generate [MODEL]       offline generation
+mlaserve bench serve|compare    serving benchmark and A/B comparison
+mlaserve make-random PRESET OUT random HF-format checkpoint
 """
 
 from __future__ import annotations
@@ -40,17 +40,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="read each decode step back before launching the next (no overlapped decode)")
+    g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="read each decode step back before launching the next (no overlapped decode)",
+    )
     g.add_argument("--prefill-graph-max-tokens", type=int, default=8192, help="largest prefill CUDA graph")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights in place, reading no weight files")
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights in place, reading no weight files",
+    )
     g.add_argument("--seed", type=int, default=0)
     t = p.add_argument_group("parallelism")
-    t.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
-                   help="shorthand: attn-tp = moe-tp = N")
+    t.add_argument(
+        "--tp", "--tensor-parallel-size", dest="tp", type=int, default=None, help="shorthand: attn-tp = moe-tp = N"
+    )
     t.add_argument("--attn-tp-size", type=int, default=None)
     t.add_argument("--moe-tp-size", type=int, default=None)
     t.add_argument("--ep-size", type=int, default=None)
@@ -62,15 +70,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-draft-model-path", default=None)
     s.add_argument("--speculative-num-steps", type=int, default=1)
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="verify width (num-steps + 1)")
-    s.add_argument("--speculative-aux-layer-offset", type=int, default=0, choices=[0, 1],
-                   help="0: the draft reads the stream entering its aux layer ids (vLLM); 1: leaving them (SGLang)")
+    s.add_argument(
+        "--speculative-aux-layer-offset",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="0: the draft reads the stream entering its aux layer ids (vLLM); 1: leaving them (SGLang)",
+    )
 
 
-ENGINE_FIELDS = ("device", "dtype", "page_size", "num_pages", "gpu_memory_utilization", "kv_cache_memory_gb",
-                 "max_num_seqs", "max_num_batched_tokens", "chunked_prefill_size", "max_model_len",
-                 "enable_prefix_caching", "enforce_eager", "disable_overlap_schedule", "prefill_graph_max_tokens",
-                 "attention_backend",
-                 "moe_backend", "load_format", "seed")
+ENGINE_FIELDS = (
+    "device",
+    "dtype",
+    "page_size",
+    "num_pages",
+    "gpu_memory_utilization",
+    "kv_cache_memory_gb",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "chunked_prefill_size",
+    "max_model_len",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "disable_overlap_schedule",
+    "prefill_graph_max_tokens",
+    "attention_backend",
+    "moe_backend",
+    "load_format",
+    "seed",
+)
 
 
 def engine_kwargs_from_args(args) -> dict:
@@ -82,10 +110,12 @@ def engine_kwargs_from_args(args) -> dict:
         kw.update(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
     if args.speculative_algorithm:
         kw["speculative_config"] = {
-            "algorithm": args.speculative_algorithm, "draft_model": args.speculative_draft_model_path,
+            "algorithm": args.speculative_algorithm,
+            "draft_model": args.speculative_draft_model_path,
             "num_steps": args.speculative_num_steps,
             "num_draft_tokens": args.speculative_num_draft_tokens or args.speculative_num_steps + 1,
-            "aux_layer_offset": args.speculative_aux_layer_offset}
+            "aux_layer_offset": args.speculative_aux_layer_offset,
+        }
     return kw
 
 
@@ -97,10 +127,15 @@ def run_if_follower_node(args) -> int | None:
     from .distributed.engine_ranks import run_follower_node
 
     kw = engine_kwargs_from_args(args)
-    par = ParallelConfig.from_tp(kw.pop("tp", None), attn_tp_size=kw.pop("attn_tp_size", None),
-                                 moe_tp_size=kw.pop("moe_tp_size", None), ep_size=kw.pop("ep_size", None),
-                                 nnodes=kw.pop("nnodes"), node_rank=kw.pop("node_rank"),
-                                 dist_init_addr=kw.pop("dist_init_addr"))
+    par = ParallelConfig.from_tp(
+        kw.pop("tp", None),
+        attn_tp_size=kw.pop("attn_tp_size", None),
+        moe_tp_size=kw.pop("moe_tp_size", None),
+        ep_size=kw.pop("ep_size", None),
+        nnodes=kw.pop("nnodes"),
+        node_rank=kw.pop("node_rank"),
+        dist_init_addr=kw.pop("dist_init_addr"),
+    )
     kw.pop("speculative_config", None)
     return run_follower_node(EngineConfig(model=args.model, **kw), par)
 
@@ -120,14 +155,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params_from_args(args):
     from .types import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop,
-                          ignore_eos=args.ignore_eos)
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlaserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="mlaserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Import only the module of the command being run: keeps `mlaserve --help` and each command fast.

@@ -77,7 +77,8 @@ class ParallelConfig:
         if self.moe_tp_size * self.ep_size != self.attn_tp_size:
             raise ValueError(
                 f"moe_tp_size * ep_size ({self.moe_tp_size} * {self.ep_size} = {self.moe_tp_size * self.ep_size}) "
-                f"must equal attn_tp_size ({self.attn_tp_size}): every rank runs both attention and experts")
+                f"must equal attn_tp_size ({self.attn_tp_size}): every rank runs both attention and experts"
+            )
         if self.world_size % self.nnodes:
             raise ValueError(f"world size {self.world_size} (attn_tp_size) is not divisible by nnodes={self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -86,8 +87,15 @@ class ParallelConfig:
             raise ValueError(f"nnodes={self.nnodes} needs dist_init_addr (host:port of node 0) to meet at")
 
     @classmethod
-    def from_tp(cls, tp: int | None = None, *, attn_tp_size: int | None = None, moe_tp_size: int | None = None,
-                ep_size: int | None = None, **kw) -> ParallelConfig:
+    def from_tp(
+        cls,
+        tp: int | None = None,
+        *,
+        attn_tp_size: int | None = None,
+        moe_tp_size: int | None = None,
+        ep_size: int | None = None,
+        **kw,
+    ) -> ParallelConfig:
         """--tp N is shorthand for attn_tp = moe_tp = N, ep = 1; explicit sizes win. With only ep (or only
         moe_tp) given, the other MoE size fills the world: moe_tp = world / ep."""
         if tp is not None and attn_tp_size is not None and tp != attn_tp_size:
@@ -121,25 +129,50 @@ class ParallelConfig:
 
     def validate(self, cfg: ModelConfig) -> None:
         """Refuse sizes that do not divide what they split, naming both numbers (vocab is padded: any size)."""
+
         def need(size: str, n: int, what: str, total: int, why: str) -> None:
             if total % n:
                 raise ValueError(f"{size}={n} does not divide {what}={total} ({why}); choose a size that divides it")
 
         world = "the world size (attn_tp_size)"
-        need("attn_tp_size", self.attn_tp_size, "num_attention_heads", cfg.num_attention_heads,
-             "attention heads are split over the attn-TP ranks")
+        need(
+            "attn_tp_size",
+            self.attn_tp_size,
+            "num_attention_heads",
+            cfg.num_attention_heads,
+            "attention heads are split over the attn-TP ranks",
+        )
         if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-            need(world, self.world_size, "intermediate_size", cfg.intermediate_size,
-                 "the dense MLP is split over every rank")
+            need(
+                world,
+                self.world_size,
+                "intermediate_size",
+                cfg.intermediate_size,
+                "the dense MLP is split over every rank",
+            )
         if cfg.n_routed_experts:
-            need("ep_size", self.ep_size, "n_routed_experts", cfg.n_routed_experts,
-                 "routed experts are split over the EP ranks")
-            need("moe_tp_size", self.moe_tp_size, "moe_intermediate_size", cfg.moe_intermediate_size,
-                 "each routed expert's intermediate dim is split over the moe-TP ranks")
+            need(
+                "ep_size",
+                self.ep_size,
+                "n_routed_experts",
+                cfg.n_routed_experts,
+                "routed experts are split over the EP ranks",
+            )
+            need(
+                "moe_tp_size",
+                self.moe_tp_size,
+                "moe_intermediate_size",
+                cfg.moe_intermediate_size,
+                "each routed expert's intermediate dim is split over the moe-TP ranks",
+            )
             if cfg.n_shared_experts:
-                need(world, self.world_size, "the shared experts' intermediate size",
-                     cfg.moe_intermediate_size * cfg.n_shared_experts,
-                     "moe_intermediate_size * n_shared_experts, split over every rank")
+                need(
+                    world,
+                    self.world_size,
+                    "the shared experts' intermediate size",
+                    cfg.moe_intermediate_size * cfg.n_shared_experts,
+                    "moe_intermediate_size * n_shared_experts, split over every rank",
+                )
 
 
 @dataclass(frozen=True)
@@ -190,9 +223,7 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return (
-            self.n_routed_experts > 0
-            and layer_id >= self.first_k_dense_replace
-            and layer_id % self.moe_layer_freq == 0
+            self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace and layer_id % self.moe_layer_freq == 0
         )
 
     @property
@@ -352,8 +383,12 @@ class EngineConfig:
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server: 503)
 
     def validate(self) -> None:
-        for name, lo in (("page_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
-                         ("chunked_prefill_size", 1)):
+        for name, lo in (
+            ("page_size", 1),
+            ("max_num_seqs", 1),
+            ("max_num_batched_tokens", 1),
+            ("chunked_prefill_size", 1),
+        ):
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}: must be >= {lo}, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -400,8 +435,10 @@ class SpecConfig:
         if self.num_steps < 1:
             raise ValueError(f"speculative_config.num_steps: must be >= 1, got {self.num_steps}")
         if self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(f"speculative_config.num_draft_tokens: chain drafting verifies num_steps + 1 = "
-                             f"{self.num_steps + 1} tokens, got {self.num_draft_tokens}")
+            raise ValueError(
+                f"speculative_config.num_draft_tokens: chain drafting verifies num_steps + 1 = "
+                f"{self.num_steps + 1} tokens, got {self.num_draft_tokens}"
+            )
         if self.aux_layer_offset not in (0, 1):
             raise ValueError(f"speculative_config.aux_layer_offset: must be 0 or 1, got {self.aux_layer_offset}")
         if not os.path.isdir(self.draft_model):

@@ -23,8 +23,14 @@ class IncrementalDetokenizer:
     MAX_PENDING = 8  # tokens a half character may hold back before they are forced out (as U+FFFD): garbage bytes
     TRIM_AT = 1024  # drop ids this far behind the window
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: Iterable[str] = (),
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        prompt_ids: list[int],
+        stop: Iterable[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ):
         stop = [stop] if isinstance(stop, str) else list(stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop: stop strings must be non-empty strings")
@@ -34,7 +40,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
-        self._ids = list(prompt_ids[-self.PROMPT_CONTEXT:]) if tokenizer is not None else []
+        self._ids = list(prompt_ids[-self.PROMPT_CONTEXT :]) if tokenizer is not None else []
         self._prefix = 0  # ids[prefix:read] were decoded last time: context for the next decode
         self._read = len(self._ids)  # ids[read:] are not yet turned into text
         self._held = ""  # decoded, not emitted: may be the start of a stop string
@@ -82,10 +88,10 @@ class IncrementalDetokenizer:
                     return ""
                 cut = n - 3  # bytes that never form a character: give them out, keep what may still complete
                 full = self._decode(self._prefix, cut)
-        new = full[len(self._decode(self._prefix, self._read)):]
+        new = full[len(self._decode(self._prefix, self._read)) :]
         self._prefix, self._read = self._read, cut
         if self._prefix >= self.TRIM_AT:
-            del self._ids[:self._prefix]
+            del self._ids[: self._prefix]
             self._read -= self._prefix
             self._prefix = 0
         return new
@@ -102,13 +108,13 @@ class IncrementalDetokenizer:
                 best = (i, s)
         if best is not None:
             i, s = best
-            out = buf[:i + len(s) if self.include_stop_str_in_output else i]
+            out = buf[: i + len(s) if self.include_stop_str_in_output else i]
             self.text += out
             self._held = ""
             self.stop_reason, self.finished = s, True
             return out, s
         hold = 0 if final else self._stop_prefix_len(buf)
-        out, self._held = buf[:len(buf) - hold], buf[len(buf) - hold:]
+        out, self._held = buf[: len(buf) - hold], buf[len(buf) - hold :]
         self.text += out
         return out, None
 

@@ -19,7 +19,8 @@ DEFAULT_MODEL_NAME = "tiny-random-v1"
 
 def cache_dir() -> str:
     base = os.environ.get("MLASERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mlaserve")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mlaserve"
+    )
     return base
 
 
@@ -42,18 +43,38 @@ def default_model_path() -> str:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
-                 attn_tp_size: int | None = None, moe_tp_size: int | None = None, ep_size: int | None = None,
-                 tp: int | None = None, nnodes: int = 1, node_rank: int = 0, dist_init_addr: str | None = None,
-                 speculative_config: dict | None = None, seed: int = 0, on_rank_failure=None, **engine_kwargs):
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        attn_tp_size: int | None = None,
+        moe_tp_size: int | None = None,
+        ep_size: int | None = None,
+        tp: int | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        dist_init_addr: str | None = None,
+        speculative_config: dict | None = None,
+        seed: int = 0,
+        on_rank_failure=None,
+        **engine_kwargs,
+    ):
         from .config import ModelConfig, ParallelConfig
         from .engine.engine import LLMEngine
 
         model = model or default_model_path()
         self.engine_config = EngineConfig(model=model, device=device, dtype=dtype, seed=seed, **engine_kwargs)
-        self.parallel = ParallelConfig.from_tp(tp, attn_tp_size=attn_tp_size, moe_tp_size=moe_tp_size,
-                                               ep_size=ep_size, nnodes=nnodes, node_rank=node_rank,
-                                               dist_init_addr=dist_init_addr)
+        self.parallel = ParallelConfig.from_tp(
+            tp,
+            attn_tp_size=attn_tp_size,
+            moe_tp_size=moe_tp_size,
+            ep_size=ep_size,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            dist_init_addr=dist_init_addr,
+        )
         spec = SpecConfig.from_dict(speculative_config) if speculative_config else None
         self._workers = None
         ranks = None
@@ -61,8 +82,12 @@ class LLM:
             from .distributed.engine_ranks import start_rank0
 
             model_cfg = ModelConfig.from_pretrained(model)
-            ranks, self._workers = start_rank0(self.engine_config, self.parallel, model_cfg,
-                                               **({"on_failure": on_rank_failure} if on_rank_failure else {}))
+            ranks, self._workers = start_rank0(
+                self.engine_config,
+                self.parallel,
+                model_cfg,
+                **({"on_failure": on_rank_failure} if on_rank_failure else {}),
+            )
         self.engine = LLMEngine(self.engine_config, spec=spec, **({"ranks": ranks} if ranks else {}))
         self.tokenizer = self.engine.tokenizer
 
@@ -84,8 +109,9 @@ class LLM:
             return list(prompt), None
         raise ValueError(f"prompt: must be a str or a list of token ids, got {type(prompt).__name__}")
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """prompts: a str, a list of str, a list of token ids, or a list of lists of token ids. Outputs in order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -114,8 +140,9 @@ class LLM:
         outs = []
         for rid, (ids, text), sp in zip(rids, encoded, params):
             r = results[rid]
-            comp = CompletionOutput(r["ids"], r["text"], r["reason"], r["lp"] if sp.logprobs is not None else None,
-                                    r["stop"])
+            comp = CompletionOutput(
+                r["ids"], r["text"], r["reason"], r["lp"] if sp.logprobs is not None else None, r["stop"]
+            )
             outs.append(RequestOutput(rid, ids, [comp], True, usage[rid], prompt=text))
         return outs
 

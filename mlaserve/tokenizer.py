@@ -66,8 +66,9 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -98,8 +99,14 @@ def _normalize_messages(messages: list[dict]) -> list[dict]:
 class Tokenizer:
     """A model folder's tokenizer: ids <-> text, special ids, and the chat template."""
 
-    def __init__(self, backend: HFTokenizer, config: dict | None = None, chat_template: str | None = None,
-                 generation_config: dict | None = None, model_config: dict | None = None):
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        config: dict | None = None,
+        chat_template: str | None = None,
+        generation_config: dict | None = None,
+        model_config: dict | None = None,
+    ):
         self.backend = backend
         config = config or {}
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -152,9 +159,13 @@ class Tokenizer:
         if os.path.isfile(jinja_file):  # transformers 5 writes it; it wins over tokenizer_config.json
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
-        return cls(backend, config, template if isinstance(template, str) else None,
-                   _read_json(os.path.join(path, "generation_config.json")),
-                   _read_json(os.path.join(path, "config.json")))
+        return cls(
+            backend,
+            config,
+            template if isinstance(template, str) else None,
+            _read_json(os.path.join(path, "generation_config.json")),
+            _read_json(os.path.join(path, "config.json")),
+        )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
@@ -167,8 +178,10 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render the chat template to a prompt string (encode it with add_special_tokens=False)."""
         if self.chat_template is None:
-            raise ValueError("chat_template: this model's tokenizer has no chat template "
-                             "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+            raise ValueError(
+                "chat_template: this model's tokenizer has no chat template "
+                "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
+            )
         if self._template is None:
             self._template = _compile_chat_template(self.chat_template)
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
@@ -207,8 +220,15 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def _added(tid: int, content: str, special: bool) -> dict:
-    return {"id": tid, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-            "normalized": False, "special": special}
+    return {
+        "id": tid,
+        "content": content,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": special,
+    }
 
 
 def write_byte_level_tokenizer(out_dir: str, vocab_size: int, bos_token_id: int, eos_token_id: int) -> None:
@@ -224,8 +244,10 @@ def write_byte_level_tokenizer(out_dir: str, vocab_size: int, bos_token_id: int,
     if bos_token_id == eos_token_id:
         specials = {bos_token_id: "<|endoftext|>"}
     if vocab_size < 256 + len(specials) + 2:
-        raise ValueError(f"vocab_size: must be >= {256 + len(specials) + 2} (256 bytes + bos/eos + "
-                         f"<|im_start|>/<|im_end|>), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size: must be >= {256 + len(specials) + 2} (256 bytes + bos/eos + "
+            f"<|im_start|>/<|im_end|>), got {vocab_size}"
+        )
 
     free = (i for i in range(vocab_size) if i not in specials)
     byte_chars = bytes_to_unicode()
@@ -255,14 +277,27 @@ def write_byte_level_tokenizer(out_dir: str, vocab_size: int, bos_token_id: int,
         "post_processor": {  # add_special_tokens=True prepends bos, as DeepSeek-V3's tokenizer does
             "type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "pair": [
+                {"SpecialToken": {"id": bos, "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": bos, "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
             "special_tokens": {bos: {"id": bos, "ids": [bos_token_id], "tokens": [bos]}},
         },
         "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {text: tid for tid, text in tokens.items()}, "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {text: tid for tid, text in tokens.items()},
+            "merges": [],
+        },
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -17,18 +17,20 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 # Kimi-K2 / K2.5's split pattern (tokenization_kimi.py); `&&` is class intersection, which oniguruma supports.
-KIMI_PAT = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+KIMI_PAT = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 NUM_RESERVED = 256 + 2  # special ids after the base vocabulary, as Kimi's tokenizer reserves them
 
 
@@ -63,7 +65,7 @@ def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
             if best is None:
                 break
             i = best[1]
-            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
             out.append((parts[0], parts[1]))
     return out
@@ -76,10 +78,12 @@ def build(folder: str, byte_chars: dict[int, str]) -> HFTokenizer:
     vocab = {text(t): r for t, r in ranks.items()}
     merges = [(text(a), text(b)) for a, b in _merges(ranks)]
     tok = HFTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(KIMI_PAT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(KIMI_PAT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     cfg_file = os.path.join(folder, "tokenizer_config.json")
     named = {}
@@ -88,8 +92,10 @@ def build(folder: str, byte_chars: dict[int, str]) -> HFTokenizer:
             added = json.load(f).get("added_tokens_decoder") or {}
         named = {int(i): (v["content"] if isinstance(v, dict) else str(v)) for i, v in added.items()}
     base = len(ranks)
-    specials = [AddedToken(named.get(i, f"<|reserved_token_{i}|>"), special=True, normalized=False)
-                for i in range(base, base + NUM_RESERVED)]
+    specials = [
+        AddedToken(named.get(i, f"<|reserved_token_{i}|>"), special=True, normalized=False)
+        for i in range(base, base + NUM_RESERVED)
+    ]
     tok.add_special_tokens(specials)  # ids base, base + 1, ... in order
     return tok
 

@@ -31,6 +31,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its limit."""
+
         def bad(field_: str, why: str):
             raise ValueError(f"{field_}: {why}")
 
@@ -99,8 +100,8 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def num_tokens(self) -> int:

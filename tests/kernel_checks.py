@@ -23,16 +23,20 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
     nan = torch.isnan(out)
     if nan.any():
         idx = nan.nonzero()[:8].tolist()
-        raise AssertionError(f"{what}: {int(nan.sum())} of {out.numel()} outputs are NaN (unwritten?), first at "
-                             f"{idx}; shape {tuple(out.shape)}")
+        raise AssertionError(
+            f"{what}: {int(nan.sum())} of {out.numel()} outputs are NaN (unwritten?), first at "
+            f"{idx}; shape {tuple(out.shape)}"
+        )
     err = rel_err(out, ref)
     if not err < tol:
         diff = (out - ref).abs()
         worst = list(torch.unravel_index(diff.argmax(), diff.shape))
         w = tuple(int(i) for i in worst)
-        raise AssertionError(f"{what}: relative error {err:.3e} >= {tol:.0e}; max |diff| {diff.max().item():.3e} at "
-                             f"{w} (out {out[w].item():.5g} ref {ref[w].item():.5g}); |ref| mean "
-                             f"{ref.abs().mean().item():.3e}; shape {tuple(out.shape)}")
+        raise AssertionError(
+            f"{what}: relative error {err:.3e} >= {tol:.0e}; max |diff| {diff.max().item():.3e} at "
+            f"{w} (out {out[w].item():.5g} ref {ref[w].item():.5g}); |ref| mean "
+            f"{ref.abs().mean().item():.3e}; shape {tuple(out.shape)}"
+        )
     return err
 
 
@@ -67,13 +71,26 @@ def make_paged(ctx_lens: list[int], page_size: int, D: int, dtype, device, extra
     table = torch.zeros(len(ctx_lens), max(max(n_pages), 1) + 1, dtype=torch.int32, device=device)
     o = 0
     for b, n in enumerate(n_pages):
-        table[b, :n] = perm[o:o + n]
+        table[b, :n] = perm[o : o + n]
         o += n
     return kv, table, torch.tensor(ctx_lens, dtype=torch.int32, device=device)
 
 
-def check_mla_decode(device, dtype, *, H: int, R: int, P: int, q_len: int, ctx_lens: list[int], page_size: int,
-                     num_splits=None, config=None, strided_out: bool = False, q_scale: float = 0.3):
+def check_mla_decode(
+    device,
+    dtype,
+    *,
+    H: int,
+    R: int,
+    P: int,
+    q_len: int,
+    ctx_lens: list[int],
+    page_size: int,
+    num_splits=None,
+    config=None,
+    strided_out: bool = False,
+    q_scale: float = 0.3,
+):
     """The partial buffers mla_decode allocates are NaN-poisoned too."""
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.reference import mla_decode_ref
@@ -89,13 +106,25 @@ def check_mla_decode(device, dtype, *, H: int, R: int, P: int, q_len: int, ctx_l
     with poisoned_empty():
         mla_decode(q, kv, table, seq_lens, q_len, scale, out, num_splits=num_splits, config=config)
     ref = mla_decode_ref(q, kv, table, seq_lens, q_len, scale, R)
-    what = (f"mla_decode H={H} R={R} P={P} q_len={q_len} ctx={ctx_lens[:4]}.. page={page_size} splits={num_splits} "
-            f"{dtype}")
+    what = (
+        f"mla_decode H={H} R={R} P={P} q_len={q_len} ctx={ctx_lens[:4]}.. page={page_size} splits={num_splits} {dtype}"
+    )
     return assert_close(out, ref, dtype, what)
 
 
-def check_prefill(device, dtype, *, H: int, Dqk: int, Dv: int, q_lens: list[int], k_lens: list[int],
-                  config=None, strided_v: bool = True, impl: str = "triton"):
+def check_prefill(
+    device,
+    dtype,
+    *,
+    H: int,
+    Dqk: int,
+    Dv: int,
+    q_lens: list[int],
+    k_lens: list[int],
+    config=None,
+    strided_v: bool = True,
+    impl: str = "triton",
+):
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_sdpa
     from mlaserve.kernels.reference import prefill_attention_ref
 
@@ -109,19 +138,32 @@ def check_prefill(device, dtype, *, H: int, Dqk: int, Dv: int, q_lens: list[int]
     cu_q = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0] + k_lens, device=device).cumsum(0).to(torch.int32)
     out = nan_like((Tp, H, Dv), dtype, device)
-    scale = Dqk ** -0.5
+    scale = Dqk**-0.5
     fn = prefill_attention if impl == "triton" else prefill_attention_sdpa
     if impl == "triton":
         fn(q, k, v, cu_q, cu_k, scale, out, max(q_lens), config=config)
     else:
         fn(q, k, v, cu_q, cu_k, scale, out, max(q_lens))
     ref = prefill_attention_ref(q, k, v, cu_q, cu_k, scale)
-    return assert_close(out, ref, dtype, f"prefill_attention[{impl}] H={H} Dqk={Dqk} Dv={Dv} q={q_lens[:4]}.. "
-                                         f"k={k_lens[:4]}.. {dtype}")
+    return assert_close(
+        out, ref, dtype, f"prefill_attention[{impl}] H={H} Dqk={Dqk} Dv={Dv} q={q_lens[:4]}.. k={k_lens[:4]}.. {dtype}"
+    )
 
 
-def check_prefill_mla(device, dtype, *, H: int, N: int, P: int, Dv: int, q_lens: list[int], k_lens: list[int],
-                      config=None, rope_per_head: bool = False, R: int = 16):
+def check_prefill_mla(
+    device,
+    dtype,
+    *,
+    H: int,
+    N: int,
+    P: int,
+    Dv: int,
+    q_lens: list[int],
+    k_lens: list[int],
+    config=None,
+    rope_per_head: bool = False,
+    R: int = 16,
+):
     """The two-source form as the model calls it: k_nope and v strided views of one [C, H, N+Dv] projection,
     k_rope a view of the latent [C, R+P] shared by all heads (or, rope_per_head, a [C, H, P] view)."""
     from mlaserve.kernels.prefill_attention import prefill_attention_mla
@@ -143,20 +185,28 @@ def check_prefill_mla(device, dtype, *, H: int, N: int, P: int, Dv: int, q_lens:
     scale = (N + P) ** -0.5
     prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, scale, out, max(q_lens), config=config)
     ref = prefill_attention_ref(q, k_full, v, cu_q, cu_k, scale)
-    return assert_close(out, ref, dtype, f"prefill_attention_mla H={H} N={N} P={P} Dv={Dv} q={q_lens[:4]}.. "
-                                         f"k={k_lens[:4]}.. cfg={config} {dtype}")
+    return assert_close(
+        out,
+        ref,
+        dtype,
+        f"prefill_attention_mla H={H} N={N} P={P} Dv={Dv} q={q_lens[:4]}.. k={k_lens[:4]}.. cfg={config} {dtype}",
+    )
 
 
-def check_fused_moe(device, dtype, *, T: int, D: int, I: int, E_total: int, E_local: int, offset: int, K: int,
-                    config=None):
+def check_fused_moe(
+    device, dtype, *, T: int, D: int, I: int, E_total: int, E_local: int, offset: int, K: int, config=None
+):
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.layers.moe import fused_experts_ref
 
     x = torch.randn(T, D, device=device).to(dtype)
     w13 = (torch.randn(E_local, 2 * I, D, device=device) / D**0.5).to(dtype)
     w2 = (torch.randn(E_local, D, I, device=device) / I**0.5).to(dtype)
-    ids = torch.stack([torch.randperm(E_total, device=device)[:K] for _ in range(T)]) if T else \
-        torch.empty(0, K, dtype=torch.int64, device=device)
+    ids = (
+        torch.stack([torch.randperm(E_total, device=device)[:K] for _ in range(T)])
+        if T
+        else torch.empty(0, K, dtype=torch.int64, device=device)
+    )
     w = torch.rand(T, K, device=device, dtype=torch.float32) + 0.1
     out = fused_experts(x, w13, w2, w, ids, offset, config=config)
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, offset)
@@ -167,8 +217,9 @@ def check_fused_moe(device, dtype, *, T: int, D: int, I: int, E_total: int, E_lo
     if not owned.all():  # tokens with no local expert must be exact zeros
         z = out[~owned].float()
         assert torch.all(z == 0), f"fused_moe: tokens without a local expert are not zero: {z.abs().max()}"
-    return assert_close(out, ref, dtype, f"fused_moe T={T} D={D} I={I} E={E_local}/{E_total} off={offset} K={K} "
-                                         f"{dtype}")
+    return assert_close(
+        out, ref, dtype, f"fused_moe T={T} D={D} I={I} E={E_local}/{E_total} off={offset} K={K} {dtype}"
+    )
 
 
 def decode_moe_inputs(device, *, T: int, D: int, I: int, E: int, K: int, S: int, dtype=torch.bfloat16):
@@ -182,8 +233,11 @@ def decode_moe_inputs(device, *, T: int, D: int, I: int, E: int, K: int, S: int,
     w = torch.rand(T, K, device=device) + 0.1
     kw = {}
     if S:
-        kw = dict(shared=tuple((torch.randn(*s, device=device) / s[1] ** 0.5).to(dtype)
-                               for s in ((S * I, D), (S * I, D), (D, S * I))))
+        kw = dict(
+            shared=tuple(
+                (torch.randn(*s, device=device) / s[1] ** 0.5).to(dtype) for s in ((S * I, D), (S * I, D), (D, S * I))
+            )
+        )
         ids = torch.cat([ids, E + torch.arange(S, device=device).expand(T, S)], 1)
         w = torch.cat([w, torch.ones(T, S, device=device)], 1)
     return x, w13, w2, w, ids, kw
@@ -233,8 +287,19 @@ def _near_tie(choice: torch.Tensor, n_group: int, topk_group: int, K: int, eps: 
     return bool(top[K - 1] - top[K] < eps)
 
 
-def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: int, norm: bool = True,
-                  scaling: float = 2.5, num_shared: int = 0, shared_id0: int = 0):
+def check_routing(
+    device,
+    *,
+    T: int,
+    E: int,
+    n_group: int,
+    topk_group: int,
+    K: int,
+    norm: bool = True,
+    scaling: float = 2.5,
+    num_shared: int = 0,
+    shared_id0: int = 0,
+):
     """num_shared: the S extra columns (ids shared_id0 + s, weight exactly 1.0) after the routed K."""
     from mlaserve.kernels.routing import route_noaux_tc_logits
     from mlaserve.layers.moe import route_noaux_tc
@@ -257,9 +322,11 @@ def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: i
     unexplained = [t for t in bad if not _near_tie(choice[t], n_group, topk_group, K)]
     if unexplained:
         t = unexplained[0]
-        raise AssertionError(f"routing E={E} G={n_group}/{topk_group} K={K}: {len(unexplained)} of {T} tokens differ "
-                             f"(not near-ties); token {t}: kernel {ids_s[t].tolist()} ref {rids_s[t].tolist()}; "
-                             f"biased scores kernel {choice[t, ids_s[t]].tolist()} ref {choice[t, rids_s[t]].tolist()}")
+        raise AssertionError(
+            f"routing E={E} G={n_group}/{topk_group} K={K}: {len(unexplained)} of {T} tokens differ "
+            f"(not near-ties); token {t}: kernel {ids_s[t].tolist()} ref {rids_s[t].tolist()}; "
+            f"biased scores kernel {choice[t, ids_s[t]].tolist()} ref {choice[t, rids_s[t]].tolist()}"
+        )
     same = torch.ones(T, dtype=torch.bool, device=device)
     same[bad] = False
     err = (w.gather(1, o) - rw.gather(1, ro))[same].abs().max().item() if same.any() else 0.0
@@ -267,8 +334,7 @@ def check_routing(device, *, T: int, E: int, n_group: int, topk_group: int, K: i
     return err
 
 
-def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int, num_pages: int,
-                        norm: bool = False):
+def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int, num_pages: int, norm: bool = False):
     """norm: the kv_a_layernorm fused into the store, against layers.norm.RMSNorm's torch form then the store.
     The fused norm must equal the unfused kernels bit for bit (greedy outputs must not move)."""
     from mlaserve.kernels.reference import rope_store_kv_ref
@@ -279,7 +345,7 @@ def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int
     slots = torch.randperm(num_pages * page_size, device=device)[:T]
     slots[::3] = -1  # padding tokens: skipped
     kv_a = torch.randn(T, R + P, device=device).to(dtype)
-    c_kv = torch.randn(T, R + 8, device=device).to(dtype)[:, 4:4 + R]  # strided view
+    c_kv = torch.randn(T, R + 8, device=device).to(dtype)[:, 4 : 4 + R]  # strided view
     k_pe = kv_a[:, R:]  # row stride R + P, as in the model
     pos = torch.randint(0, 4096, (T,), device=device).float()
     freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
@@ -294,8 +360,9 @@ def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int
         if device == "cuda":  # bit for bit against the unfused kernels
             unfused = cache.clone()
             rope_store_kv(unfused, slots, ln(c_kv), k_pe, cos, sin)
-            assert torch.equal(unfused.view(-1, R + P)[slots[slots >= 0]],
-                               cache.view(-1, R + P)[slots[slots >= 0]]), "fused kv norm differs from the unfused"
+            assert torch.equal(unfused.view(-1, R + P)[slots[slots >= 0]], cache.view(-1, R + P)[slots[slots >= 0]]), (
+                "fused kv norm differs from the unfused"
+            )
     else:
         ref = rope_store_kv_ref(cache, slots, c_kv, k_pe, cos, sin)
         rope_store_kv(cache, slots, c_kv, k_pe, cos, sin)
@@ -306,8 +373,21 @@ def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int
     return assert_close(flat[written], rflat[written], dtype, f"rope_store_kv T={T} R={R} P={P} {dtype}")
 
 
-def check_absorb_q_rope_store_kv(device, dtype, *, T: int, H: int, N: int, R: int, P: int, norm: bool, pad: bool,
-                                 page_size: int = 16, num_pages: int = 4, V: int = 8):
+def check_absorb_q_rope_store_kv(
+    device,
+    dtype,
+    *,
+    T: int,
+    H: int,
+    N: int,
+    R: int,
+    P: int,
+    norm: bool,
+    pad: bool,
+    page_size: int = 16,
+    num_pages: int = 4,
+    V: int = 8,
+):
     """head_gemv.absorb_q_rope_store_kv (one launch) against absorb_q_rope (Q, bit for bit) and rope_store_kv (the
     cache rows): q and kv_a column views of one projection output, Q and the cache NaN-poisoned, the last token a
     padding slot (-1) when pad. Without the norm the rows equal rope_store_kv's; with it they are checked to a
@@ -320,7 +400,7 @@ def check_absorb_q_rope_store_kv(device, dtype, *, T: int, H: int, N: int, R: in
 
     w_kc = (torch.randn(H * (N + V), R, device=device) / R**0.5).to(dtype).view(H, N + V, R)[:, :N]
     proj = torch.randn(T, H * (N + P) + R + P, device=device).to(dtype)  # [q | kv_a] of one GEMM
-    q, kv_a = proj[:, : H * (N + P)].view(T, H, N + P), proj[:, H * (N + P):]
+    q, kv_a = proj[:, : H * (N + P)].view(T, H, N + P), proj[:, H * (N + P) :]
     c_kv, k_pe = kv_a[:, :R], kv_a[:, R:]
     pos = torch.randint(0, 4096, (T,), device=device).float()
     freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
@@ -439,8 +519,9 @@ def check_argmax(device, dtype, *, B: int, V: int):
     ref = x.argmax(-1)
     assert out.dtype == torch.int64 and out.shape == (B,)
     bad = (out != ref).nonzero().flatten().tolist()
-    assert not bad, f"argmax_rows B={B} V={V} {dtype}: rows {bad[:8]} got {out[bad[:8]].tolist()} want " \
-                    f"{ref[bad[:8]].tolist()}"
+    assert not bad, (
+        f"argmax_rows B={B} V={V} {dtype}: rows {bad[:8]} got {out[bad[:8]].tolist()} want {ref[bad[:8]].tolist()}"
+    )
     # into given buffers: a device row and a pinned host row (the GPU writes it over the bus), both poisoned
     dev_out = torch.full((B,), -1, dtype=torch.int64, device=device)
     host = torch.full((B,), -1, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")

@@ -61,8 +61,11 @@ def run_steps(model, device, backend: str = "torch", forward=None) -> list[tuple
     out = []
     with torch.no_grad():
         for batch in _batches(attn, device, cfg.vocab_size, torch.Generator().manual_seed(0)):
-            r = forward(model, batch.input_ids, batch.positions, batch) if forward else model(
-                batch.input_ids, batch.positions, batch)
+            r = (
+                forward(model, batch.input_ids, batch.positions, batch)
+                if forward
+                else model(batch.input_ids, batch.positions, batch)
+            )
             h, aux = r if model.aux_layer_ids else (r, None)
             out.append((model.compute_logits(h[batch.logits_indices]), aux))
     return out
@@ -104,6 +107,7 @@ def check_layer_flow(model, device, backend: str = "torch", aux_layer_ids=(), be
             assert torch.equal(lf, lo), f"step {step}: logits differ from the {name} flow (max |diff| {d:.3e})"
             if aux_layer_ids and with_aux:
                 da = (af.float() - ao.float()).abs().max().item()
-                assert af.shape == ao.shape and torch.equal(af, ao), \
+                assert af.shape == ao.shape and torch.equal(af, ao), (
                     f"step {step}: aux {aux_layer_ids} differ from the {name} flow (max |diff| {da:.3e})"
+                )
     return n_fused

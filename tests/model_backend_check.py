@@ -19,16 +19,26 @@ def _batches(attn, device, vocab: int, gen: torch.Generator):
 
     pages = {0: [0], 1: [1, 2], 2: [3], 3: [4, 5]}  # deliberately not in request order
     p0, p1, p3a = ids(7), ids(17), ids(4)
-    step1 = ForwardBatch.build([], [SeqChunk(p0, 0, pages[0], "all"), SeqChunk(p1, 0, pages[1], "all"),
-                                    SeqChunk(p3a, 0, pages[3], "all")], PAGE, device, attn)
+    step1 = ForwardBatch.build(
+        [],
+        [SeqChunk(p0, 0, pages[0], "all"), SeqChunk(p1, 0, pages[1], "all"), SeqChunk(p3a, 0, pages[3], "all")],
+        PAGE,
+        device,
+        attn,
+    )
     step2 = ForwardBatch.build(
         [SeqChunk(ids(2), 7, pages[0], "all"), SeqChunk(ids(2), 17, pages[1], "all")],
-        [SeqChunk(ids(3), 4, pages[3], "all"), SeqChunk(ids(6), 0, pages[2], "all")], PAGE, device, attn)
+        [SeqChunk(ids(3), 4, pages[3], "all"), SeqChunk(ids(6), 0, pages[2], "all")],
+        PAGE,
+        device,
+        attn,
+    )
     return step1, step2
 
 
-def run_model(ckpt: str, device, dtype, backend: str, moe_impl: str, seed: int = 0,
-              num_splits: int | None = None) -> list[torch.Tensor]:
+def run_model(
+    ckpt: str, device, dtype, backend: str, moe_impl: str, seed: int = 0, num_splits: int | None = None
+) -> list[torch.Tensor]:
     from mlaserve.attention.torch_ref import TorchRefBackend
     from mlaserve.attention.triton_mla import TritonMLABackend
     from mlaserve.config import ModelConfig
@@ -71,15 +81,19 @@ def check_model_backends(ckpt: str, device, dtype, moe_impl: str, num_splits: in
         rows = _row_errs(o, r)
         if dtype == torch.float32:
             err = rel_err(o, r)
-            assert err < TOL[dtype], (f"step {step} (fp32, moe={moe_impl}): logits relative error {err:.3e}; per-row "
-                                      f"{[round(x, 6) for x in rows.tolist()]}")
+            assert err < TOL[dtype], (
+                f"step {step} (fp32, moe={moe_impl}): logits relative error {err:.3e}; per-row "
+                f"{[round(x, 6) for x in rows.tolist()]}"
+            )
         else:
             base = _row_errs(same[step], r)
             err = rows.median().item()
             far, base_far = (rows > 5e-2).float().mean().item(), (base > 5e-2).float().mean().item()
-            msg = (f"step {step} ({dtype}, moe={moe_impl}): per-row rel err median {err:.3e} (torch path "
-                   f"{base.median().item():.3e}), rows > 5e-2: {far:.0%} (torch path {base_far:.0%}); rows "
-                   f"{[round(x, 4) for x in rows.tolist()]}")
+            msg = (
+                f"step {step} ({dtype}, moe={moe_impl}): per-row rel err median {err:.3e} (torch path "
+                f"{base.median().item():.3e}), rows > 5e-2: {far:.0%} (torch path {base_far:.0%}); rows "
+                f"{[round(x, 4) for x in rows.tolist()]}"
+            )
             assert err < max(2e-2, 1.5 * base.median().item()) and far <= max(0.2, 2 * base_far), msg
         errs.append(err)
     return errs

@@ -56,8 +56,14 @@ class ForwardBatch:
         return len(self.seq_lens_cpu)
 
     @classmethod
-    def build(cls, decode: list[SeqChunk], prefill: list[SeqChunk], page_size: int, device,
-              attn: AttentionBackend | None = None) -> ForwardBatch:
+    def build(
+        cls,
+        decode: list[SeqChunk],
+        prefill: list[SeqChunk],
+        page_size: int,
+        device,
+        attn: AttentionBackend | None = None,
+    ) -> ForwardBatch:
         """Decode chunks must all have the same length (the verify width)."""
         q_lens = {len(c.token_ids) for c in decode}
         if len(q_lens) > 1:
@@ -105,15 +111,25 @@ class AttentionBackend(ABC):
         self.kv_lora_rank = kv_lora_rank
         self.page_size = kv_cache.shape[2]
 
-    def absorb_q_rope(self, q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      Q: torch.Tensor) -> bool:
+    def absorb_q_rope(
+        self, q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, Q: torch.Tensor
+    ) -> bool:
         """Q = [q_nope @ w_kc | rope_q(q_pe)] in one launch where the backend has one (q [T, H, N+P], w_kc [H, N, R],
         Q [T, H, R+P]); False: the caller runs the absorption and rope_q itself."""
         return False
 
-    def absorb_q_rope_store_kv(self, layer_id: int, q: torch.Tensor, w_kc: torch.Tensor, c_kv: torch.Tensor,
-                               k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                               norm=None) -> torch.Tensor | None:
+    def absorb_q_rope_store_kv(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        w_kc: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        norm=None,
+    ) -> torch.Tensor | None:
         """absorb_q_rope and store_kv(layer_id, c_kv, k_pe, cos, sin, batch, norm) of a decode-only step in one launch
         where the backend has one -> Q [T, H, R+P]; None: nothing was done, the caller runs both its own way."""
         return None
@@ -125,14 +141,23 @@ class AttentionBackend(ABC):
         return apply_rope(x, cos, sin, out=out)
 
     @abstractmethod
-    def store_kv(self, layer_id: int, c_kv: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, batch: ForwardBatch, norm=None) -> None:
+    def store_kv(
+        self,
+        layer_id: int,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        norm=None,
+    ) -> None:
         """Write [c_kv | rope(k_pe)] for every token of the batch at its slot. c_kv [T, R], k_pe [T, P].
         norm (an RMSNorm, the kv_a_layernorm): store [norm(c_kv) | rope(k_pe)] instead."""
 
     @abstractmethod
-    def decode(self, layer_id: int, q: torch.Tensor, scale: float, batch: ForwardBatch,
-               out: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, layer_id: int, q: torch.Tensor, scale: float, batch: ForwardBatch, out: torch.Tensor
+    ) -> torch.Tensor:
         """Absorbed attention for the decode tokens. q [Td, H, R+P] -> out [Td, H, R] (o_lat).
         Token j of a request's q_len block sees context up to seq_len - q_len + j (causal in the block)."""
 
@@ -141,8 +166,16 @@ class AttentionBackend(ABC):
         """Latent context [C, R+P] of the prefill requests, concatenated (C = their total seq_len)."""
 
     @abstractmethod
-    def prefill(self, q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor, scale: float,
-                batch: ForwardBatch, out: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_nope: torch.Tensor,
+        k_rope: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        batch: ForwardBatch,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
         """Naive-form causal attention for the prefill tokens with k = [k_nope | k_rope] per head, never built:
         q [Tp, H, N+P], k_nope [C, H, N], k_rope [C, P] (shared by all heads), v [C, H, V] -> out [Tp, H, V]
         (all may be strided views). Each request's queries are the last q_len positions of its context."""

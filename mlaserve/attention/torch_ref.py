@@ -33,11 +33,11 @@ class TorchRefBackend(AttentionBackend):
         for i in range(batch.num_decode_reqs):
             kv = self._latent(layer_id, batch, i).float()  # [L, R+P]
             L = kv.shape[0]
-            qi = q[i * qn:(i + 1) * qn].float()  # [qn, H, R+P]
+            qi = q[i * qn : (i + 1) * qn].float()  # [qn, H, R+P]
             scores = torch.einsum("qhd,ld->qhl", qi, kv) * scale
             visible = torch.arange(L, device=q.device)[None, :] <= (L - qn + torch.arange(qn, device=q.device))[:, None]
             scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-            out[i * qn:(i + 1) * qn] = torch.einsum("qhl,lr->qhr", scores.softmax(-1), kv[:, :R]).to(out.dtype)
+            out[i * qn : (i + 1) * qn] = torch.einsum("qhl,lr->qhr", scores.softmax(-1), kv[:, :R]).to(out.dtype)
         return out
 
     def prefill_context(self, layer_id, batch):
@@ -48,12 +48,12 @@ class TorchRefBackend(AttentionBackend):
         qo = ko = 0
         for i in range(batch.num_decode_reqs, batch.num_reqs):
             n, L = batch.query_lens_cpu[i], batch.seq_lens_cpu[i]
-            kr = k_rope[ko:ko + L, None].expand(L, k_nope.shape[1], k_rope.shape[-1])  # one k_rope for all heads
-            ki = torch.cat([k_nope[ko:ko + L], kr], -1).float()  # [L, H, N+P]
-            qi, vi = q[qo:qo + n].float(), v[ko:ko + L].float()
+            kr = k_rope[ko : ko + L, None].expand(L, k_nope.shape[1], k_rope.shape[-1])  # one k_rope for all heads
+            ki = torch.cat([k_nope[ko : ko + L], kr], -1).float()  # [L, H, N+P]
+            qi, vi = q[qo : qo + n].float(), v[ko : ko + L].float()
             scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale  # [H, n, L]
             visible = torch.arange(L, device=q.device)[None, :] <= (L - n + torch.arange(n, device=q.device))[:, None]
             scores = scores.masked_fill(~visible, float("-inf"))
-            out[qo:qo + n] = torch.einsum("hqk,khv->qhv", scores.softmax(-1), vi).to(out.dtype)
+            out[qo : qo + n] = torch.einsum("hqk,khv->qhv", scores.softmax(-1), vi).to(out.dtype)
             qo, ko = qo + n, ko + L
         return out

@@ -11,10 +11,12 @@ from .mha_ref import PagedMHARef
 
 
 class TritonPagedMHA(PagedMHARef):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, batch: ForwardBatch
+    ) -> torch.Tensor:
         if batch.num_decode_reqs != batch.num_reqs:
             return super().forward(q, k, v, scale, batch)
         gqa_store_kv(self.kv_cache, batch.slot_mapping, k.contiguous(), v.contiguous())
-        return gqa_decode(q, self.kv_cache, batch.page_table, batch.seq_lens, batch.decode_q_len, scale,
-                          torch.empty_like(q))
+        return gqa_decode(
+            q, self.kv_cache, batch.page_table, batch.seq_lens, batch.decode_q_len, scale, torch.empty_like(q)
+        )

@@ -41,7 +41,7 @@ class TritonMLABackend(AttentionBackend):
         qsl = batch.query_start_loc
         if batch.context_is_new:  # every prefill context is this step's tokens: no host sizes (CUDA graphs)
             cu_q = (qsl[nd:] - qsl[nd]).to(torch.int32)
-            slots = batch.slot_mapping[batch.num_decode_tokens:].clamp(min=0)  # padding (-1) reads slot 0
+            slots = batch.slot_mapping[batch.num_decode_tokens :].clamp(min=0)  # padding (-1) reads slot 0
             self._meta_batch = batch
             self._meta = dict(cu_q=cu_q, cu_k=cu_q, slots=slots, max_q_len=batch.max_query_len)
             return self._meta
@@ -74,8 +74,19 @@ class TritonMLABackend(AttentionBackend):
         if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
             return None
         Q = q.new_empty(q.shape[0], q.shape[1], w_kc.shape[-1] + k_pe.shape[-1])  # [T, H, R+P]
-        return absorb_q_rope_store_kv(q, w_kc, cos, sin, Q, self.kv_cache[layer_id], batch.slot_mapping, c_kv, k_pe,
-                                      None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
+        return absorb_q_rope_store_kv(
+            q,
+            w_kc,
+            cos,
+            sin,
+            Q,
+            self.kv_cache[layer_id],
+            batch.slot_mapping,
+            c_kv,
+            k_pe,
+            None if norm is None else norm.weight,
+            1e-6 if norm is None else norm.eps,
+        )
 
     def rope_q(self, x, cos, sin, out):
         return rope_q(x, cos, sin, out)
@@ -83,13 +94,29 @@ class TritonMLABackend(AttentionBackend):
     def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch, norm=None):
         if norm is not None and norm.weight.dtype != c_kv.dtype:  # the fused norm needs one dtype
             c_kv, norm = norm(c_kv), None
-        rope_store_kv(self.kv_cache[layer_id], batch.slot_mapping, c_kv, k_pe, cos, sin,
-                      None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
+        rope_store_kv(
+            self.kv_cache[layer_id],
+            batch.slot_mapping,
+            c_kv,
+            k_pe,
+            cos,
+            sin,
+            None if norm is None else norm.weight,
+            1e-6 if norm is None else norm.eps,
+        )
 
     def decode(self, layer_id, q, scale, batch, out):
         nd = batch.num_decode_reqs
-        return mla_decode(q, self.kv_cache[layer_id], batch.page_table[:nd], batch.seq_lens[:nd], batch.decode_q_len,
-                          scale, out, num_splits=self.num_splits)
+        return mla_decode(
+            q,
+            self.kv_cache[layer_id],
+            batch.page_table[:nd],
+            batch.seq_lens[:nd],
+            batch.decode_q_len,
+            scale,
+            out,
+            num_splits=self.num_splits,
+        )
 
     def prefill_context(self, layer_id, batch):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]

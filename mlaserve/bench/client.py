@@ -44,11 +44,17 @@ class RequestRecord:
         return asdict(self)
 
 
-def completion_payload(model: str, prompt: list[int], output_len: int, temperature: float, ignore_eos: bool,
-                       seed: int | None) -> dict:
+def completion_payload(
+    model: str, prompt: list[int], output_len: int, temperature: float, ignore_eos: bool, seed: int | None
+) -> dict:
     body = {
-        "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature,
-        "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True},
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": temperature,
+        "ignore_eos": ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
     if seed is not None:
@@ -123,8 +129,9 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict, rec: Reque
     rec.success = True
 
 
-async def send_request(client: httpx.AsyncClient, url: str, payload: dict, rec: RequestRecord,
-                       timeout_s: float | None) -> RequestRecord:
+async def send_request(
+    client: httpx.AsyncClient, url: str, payload: dict, rec: RequestRecord, timeout_s: float | None
+) -> RequestRecord:
     """Stream one completion into `rec`; every failure is caught and kept as `rec.error`."""
     t0 = time.perf_counter()
     rec.start_s = t0

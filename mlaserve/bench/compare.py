@@ -21,8 +21,17 @@ FIGURES = (
     ("output throughput", "output_throughput", "tok/s", True),
 )
 # config fields that must match for the runs to be one protocol (a difference is warned about, not failed)
-PROTOCOL = ("num_prompts", "max_concurrency", "request_rate", "input_len", "output_len", "seed", "num_warmups",
-            "temperature", "ignore_eos")
+PROTOCOL = (
+    "num_prompts",
+    "max_concurrency",
+    "request_rate",
+    "input_len",
+    "output_len",
+    "seed",
+    "num_warmups",
+    "temperature",
+    "ignore_eos",
+)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -59,8 +68,16 @@ def figure_rows(base: list[tuple[str, dict]], cand: list[tuple[str, dict]]) -> l
     rows = []
     for name, key, unit, higher in FIGURES:
         b, c = _side(base, key), _side(cand, key)
-        rows.append({"figure": name, "key": key, "unit": unit, "baseline": b, "candidate": c,
-                     "change_pct": pct_improvement(b["median"], c["median"], higher)})
+        rows.append(
+            {
+                "figure": name,
+                "key": key,
+                "unit": unit,
+                "baseline": b,
+                "candidate": c,
+                "change_pct": pct_improvement(b["median"], c["median"], higher),
+            }
+        )
     return rows
 
 
@@ -72,12 +89,14 @@ def _request_diffs(ref: dict, other: dict) -> list[str]:
     out = []
     if ref["text"] != other["text"]:
         i = _first_diff(ref["text"], other["text"])
-        out.append(f"generated text differs from char {i} (lengths {len(ref['text'])} vs {len(other['text'])}): "
-                   f"{ref['text'][i:i + 24]!r} vs {other['text'][i:i + 24]!r}")
+        out.append(
+            f"generated text differs from char {i} (lengths {len(ref['text'])} vs {len(other['text'])}): "
+            f"{ref['text'][i : i + 24]!r} vs {other['text'][i : i + 24]!r}"
+        )
     if ref["event_vector"] != other["event_vector"]:
         a, b = ref["event_vector"], other["event_vector"]
         i = _first_diff(a, b)
-        out.append(f"event vector differs at event {i} ({a[i:i + 6]} vs {b[i:i + 6]}; {len(a)} vs {len(b)} events)")
+        out.append(f"event vector differs at event {i} ({a[i : i + 6]} vs {b[i : i + 6]}; {len(a)} vs {len(b)} events)")
     ra, rb = ref.get("output_token_ids"), other.get("output_token_ids")
     if ra is not None and rb is not None and ra != rb:
         out.append(f"output token ids differ from token {_first_diff(ra, rb)}")
@@ -133,15 +152,19 @@ def _num(v, unit: str = "") -> str:
 
 
 def format_table(rows: list[dict], nb: int, nc: int) -> str:
-    hdr = (f"{'figure (median)':<26}{f'baseline (n={nb})':>14}{'baseline range':>24}"
-           f"{f'candidate (n={nc})':>16}{'candidate range':>24}{'change':>10}")
+    hdr = (
+        f"{'figure (median)':<26}{f'baseline (n={nb})':>14}{'baseline range':>24}"
+        f"{f'candidate (n={nc})':>16}{'candidate range':>24}{'change':>10}"
+    )
     lines = [hdr, "-" * len(hdr)]
     for r in rows:
         b, c = r["baseline"], r["candidate"]
         ch = "n/a" if r["change_pct"] is None else f"{r['change_pct']:+.3f}%"
-        lines.append(f"{r['figure'] + ' (' + r['unit'] + ')':<26}{_num(b['median']):>14}"
-                     f"{_num(b['min']) + ' - ' + _num(b['max']):>24}{_num(c['median']):>16}"
-                     f"{_num(c['min']) + ' - ' + _num(c['max']):>24}{ch:>10}")
+        lines.append(
+            f"{r['figure'] + ' (' + r['unit'] + ')':<26}{_num(b['median']):>14}"
+            f"{_num(b['min']) + ' - ' + _num(b['max']):>24}{_num(c['median']):>16}"
+            f"{_num(c['min']) + ' - ' + _num(c['max']):>24}{ch:>10}"
+        )
     return "\n".join(lines)
 
 
@@ -155,11 +178,13 @@ def format_prose(rows: list[dict]) -> str:
         b, c = _num(r["baseline"]["median"]), _num(r["candidate"]["median"], r["unit"])
         moved.append(f"{name}{' moved' if not moved else ''} from {b} to {c} ({ch})")
     t, o = by["TPOT"], by["output throughput"]
-    return (f"Median {', '.join(moved[:-1])}, and {moved[-1]}.\n"
-            f"Candidate TPOT ranged from {_num(t['candidate']['min'])} to {_num(t['candidate']['max'], 'ms')} and "
-            f"output throughput from {_num(o['candidate']['min'])} to {_num(o['candidate']['max'], 'tok/s')}; "
-            f"the corresponding baseline ranges were {_num(t['baseline']['min'])} to {_num(t['baseline']['max'], 'ms')}"
-            f" and {_num(o['baseline']['min'])} to {_num(o['baseline']['max'], 'tok/s')}.")
+    return (
+        f"Median {', '.join(moved[:-1])}, and {moved[-1]}.\n"
+        f"Candidate TPOT ranged from {_num(t['candidate']['min'])} to {_num(t['candidate']['max'], 'ms')} and "
+        f"output throughput from {_num(o['candidate']['min'])} to {_num(o['candidate']['max'], 'tok/s')}; "
+        f"the corresponding baseline ranges were {_num(t['baseline']['min'])} to {_num(t['baseline']['max'], 'ms')}"
+        f" and {_num(o['baseline']['min'])} to {_num(o['baseline']['max'], 'tok/s')}."
+    )
 
 
 def cli_main(args) -> int:
@@ -179,9 +204,11 @@ def cli_main(args) -> int:
         n = ref["completed"]
         proxy = ref["acceptance_proxy"]
         proxy_s = "n/a" if proxy is None else f"{proxy * 100:.6f}%"
-        print(f"Every run completed {n}/{n} requests. Generated text, per-request response-event vectors, the "
-              f"{ref['event_total']:,}-event total, and the {proxy_s} acceptance proxy matched the baseline exactly "
-              f"({len(base)} baseline, {len(cand)} candidate runs).")
+        print(
+            f"Every run completed {n}/{n} requests. Generated text, per-request response-event vectors, the "
+            f"{ref['event_total']:,}-event total, and the {proxy_s} acceptance proxy matched the baseline exactly "
+            f"({len(base)} baseline, {len(cand)} candidate runs)."
+        )
     else:
         print(f"OUTPUTS DIFFER or runs failed ({len(problems)} problems): the changes above are not a valid speedup.")
         for p in problems:
@@ -194,9 +221,18 @@ def cli_main(args) -> int:
         plot_runs(base, cand, args.plot)
         print(f"saved {args.plot}")
     if args.save_result:
-        out = {"schema": SCHEMA, **provenance(), "baseline": [p for p, _ in base], "candidate": [p for p, _ in cand],
-               "figures": rows, "identical": not problems, "problems": problems, "warnings": warnings,
-               "event_total": ref.get("event_total"), "acceptance_proxy": ref.get("acceptance_proxy")}
+        out = {
+            "schema": SCHEMA,
+            **provenance(),
+            "baseline": [p for p, _ in base],
+            "candidate": [p for p, _ in cand],
+            "figures": rows,
+            "identical": not problems,
+            "problems": problems,
+            "warnings": warnings,
+            "event_total": ref.get("event_total"),
+            "acceptance_proxy": ref.get("acceptance_proxy"),
+        }
         Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
         Path(args.save_result).write_text(json.dumps(out, indent=1) + "\n")
     return 0 if not problems else 1

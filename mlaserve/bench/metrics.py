@@ -19,8 +19,12 @@ def stats(values: Sequence[float]) -> dict[str, float | None]:
     if len(values) == 0:
         return {"mean": None, "median": None, "std": None, "p99": None}
     a = np.asarray(values, dtype=np.float64)
-    return {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std()),
-            "p99": float(np.percentile(a, 99))}
+    return {
+        "mean": float(a.mean()),
+        "median": float(np.median(a)),
+        "std": float(a.std()),
+        "p99": float(np.percentile(a, 99)),
+    }
 
 
 def tpot_ms(e2el_ms: float, ttft_ms: float, output_tokens: int) -> float | None:
@@ -105,14 +109,16 @@ def summarize_run(requests: Sequence[dict]) -> dict:
     t_out = sum(r["output_tokens"] for r in ok)
     t_in = sum(r["prompt_tokens"] if r["prompt_tokens"] is not None else r["prompt_len"] for r in ok)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: None)
-    out.update({
-        "duration_s": duration,
-        "total_input_tokens": t_in,
-        "total_output_tokens": t_out,
-        "request_throughput": per_s(len(ok)),
-        "output_throughput": per_s(t_out),
-        "total_token_throughput": per_s(t_in + t_out),
-    })
+    out.update(
+        {
+            "duration_s": duration,
+            "total_input_tokens": t_in,
+            "total_output_tokens": t_out,
+            "request_throughput": per_s(len(ok)),
+            "output_throughput": per_s(t_out),
+            "total_token_throughput": per_s(t_in + t_out),
+        }
+    )
     samples = {
         "ttft": [r["ttft_ms"] for r in ok],
         "tpot": [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None],

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-PANELS = (("median TTFT (ms)", "median_ttft_ms"), ("median TPOT (ms)", "median_tpot_ms"),
-          ("output throughput (tok/s)", "output_throughput"))
+PANELS = (
+    ("median TTFT (ms)", "median_ttft_ms"),
+    ("median TPOT (ms)", "median_tpot_ms"),
+    ("output throughput (tok/s)", "output_throughput"),
+)
 
 
 def plot_runs(base: list[tuple[str, dict]], cand: list[tuple[str, dict]], path: str) -> None:

@@ -14,8 +14,9 @@ DEFAULT_VOCAB_SIZE = 32000  # when neither --vocab-size nor the server says: saf
 WARMUP_STREAM, ARRIVAL_STREAM = 1, 2
 
 
-def random_prompts(num_prompts: int, input_len: int, seed: int, vocab_size: int,
-                   exclude: Iterable[int] = (), stream: int | None = None) -> np.ndarray:
+def random_prompts(
+    num_prompts: int, input_len: int, seed: int, vocab_size: int, exclude: Iterable[int] = (), stream: int | None = None
+) -> np.ndarray:
     """[num_prompts, input_len] int64 token ids drawn uniformly from [0, vocab_size) minus `exclude`."""
     if num_prompts < 0 or input_len < 1:
         raise ValueError(f"num_prompts must be >= 0 and input_len >= 1, got {num_prompts} and {input_len}")

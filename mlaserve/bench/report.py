@@ -83,8 +83,12 @@ def format_summary(r: dict) -> str:
     row("Request throughput (req/s):", r["request_throughput"])
     row("Output token throughput (tok/s):", r["output_throughput"])
     row("Total token throughput (tok/s):", r["total_token_throughput"])
-    for fig, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for fig, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         head(title)
         for stat in ("mean", "median", "std", "p99"):
             row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {fig.upper()} (ms):", r[f"{stat}_{fig}_ms"])

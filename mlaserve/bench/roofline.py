@@ -28,9 +28,15 @@ def param_counts(c: ModelConfig) -> Params:
     q = (D * c.q_lora_rank + c.q_lora_rank * H * qk + c.q_lora_rank) if c.q_lora_rank else D * H * qk
     kv = D * c.kv_cache_dim + c.kv_lora_rank + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
     o = H * c.v_head_dim * D
-    return Params(attn=q + kv + o + 2 * D, dense_mlp=3 * D * c.intermediate_size,
-                  expert=3 * D * c.moe_intermediate_size, shared=3 * D * c.moe_intermediate_size * c.n_shared_experts,
-                  gate=(D + 1) * c.n_routed_experts, embed=c.vocab_size * D, lm_head=c.vocab_size * D)
+    return Params(
+        attn=q + kv + o + 2 * D,
+        dense_mlp=3 * D * c.intermediate_size,
+        expert=3 * D * c.moe_intermediate_size,
+        shared=3 * D * c.moe_intermediate_size * c.n_shared_experts,
+        gate=(D + 1) * c.n_routed_experts,
+        embed=c.vocab_size * D,
+        lm_head=c.vocab_size * D,
+    )
 
 
 def expected_experts(c: ModelConfig, tokens: int) -> float:
@@ -39,8 +45,7 @@ def expected_experts(c: ModelConfig, tokens: int) -> float:
     return E * (1 - (1 - K / E) ** tokens) if E else 0.0
 
 
-def decode_bytes(c: ModelConfig, batch: int, context: int, q_len: int = 1, dtype_bytes: int = 2,
-                 tp: int = 1) -> float:
+def decode_bytes(c: ModelConfig, batch: int, context: int, q_len: int = 1, dtype_bytes: int = 2, tp: int = 1) -> float:
     """Bytes one decode step must read on one of `tp` ranks: weights (selected experts only) + lm_head + KV."""
     p = param_counts(c)
     L, moe = c.num_hidden_layers, sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
@@ -71,5 +76,11 @@ def prefill_floor_s(c: ModelConfig, tokens: int, **kw) -> float:
 def total_params(c: ModelConfig) -> int:
     p = param_counts(c)
     L, moe = c.num_hidden_layers, sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
-    return (L * p.attn + (L - moe) * p.dense_mlp + moe * (p.shared + p.gate + c.n_routed_experts * p.expert)
-            + p.embed + p.lm_head + c.hidden_size)
+    return (
+        L * p.attn
+        + (L - moe) * p.dense_mlp
+        + moe * (p.shared + p.gate + c.n_routed_experts * p.expert)
+        + p.embed
+        + p.lm_head
+        + c.hidden_size
+    )

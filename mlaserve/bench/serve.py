@@ -42,18 +42,29 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model id to request (default: the first id from /v1/models)")
     p.add_argument("--num-prompts", type=int, default=8, help="requests in the run (default: %(default)s)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests/s, Poisson arrivals drawn from --seed (default: inf, all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s, Poisson arrivals drawn from --seed (default: inf, all at once)",
+    )
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request (default: %(default)s)")
     p.add_argument("--seed", type=int, default=20260724, help="prompt (and arrival) seed (default: %(default)s)")
     p.add_argument("--num-warmups", type=int, default=0, help="untimed requests before the run (default: 0)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help=f"draw prompt ids from [0, N) (default: /v1/models' vocab_size, else {DEFAULT_VOCAB_SIZE})")
-    p.add_argument("--exclude-token-ids", default=None,
-                   help="comma-separated ids never drawn ('' for none; default: the special ids /v1/models lists)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"draw prompt ids from [0, N) (default: /v1/models' vocab_size, else {DEFAULT_VOCAB_SIZE})",
+    )
+    p.add_argument(
+        "--exclude-token-ids",
+        default=None,
+        help="comma-separated ids never drawn ('' for none; default: the special ids /v1/models lists)",
+    )
     p.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request limit in s (default: %(default)s)")
     p.add_argument("--label", default=None, help="free text stored in the result (e.g. baseline, candidate)")
     p.add_argument("--save-result", default=None, metavar="FILE.json", help="write the result JSON here")
@@ -217,4 +228,3 @@ def cli_main(args) -> int:
         path.write_text(dumps_result(result))
         print(f"saved {path}")
     return 0 if result["failed"] == 0 else 1
-

@@ -21,8 +21,9 @@ def _device(engine_cfg: EngineConfig) -> str:
     return "cuda" if dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def start_rank0(engine_cfg: EngineConfig, par: ParallelConfig, model_cfg: ModelConfig,
-                on_failure=abort) -> tuple[RankInfo, Workers]:
+def start_rank0(
+    engine_cfg: EngineConfig, par: ParallelConfig, model_cfg: ModelConfig, on_failure=abort
+) -> tuple[RankInfo, Workers]:
     """Node 0: spawn local ranks 1.., join as rank 0. A rank that dies calls on_failure (default: exit)."""
     par.validate(model_cfg)
     if par.node_rank != 0:
@@ -35,8 +36,13 @@ def start_rank0(engine_cfg: EngineConfig, par: ParallelConfig, model_cfg: ModelC
     except BaseException:
         workers.close(timeout=1)
         raise
-    log.info("rank 0 of %d joined (attn-tp %d, moe-tp %d, ep %d)", par.world_size, par.attn_tp_size,
-             par.moe_tp_size, par.ep_size)
+    log.info(
+        "rank 0 of %d joined (attn-tp %d, moe-tp %d, ep %d)",
+        par.world_size,
+        par.attn_tp_size,
+        par.moe_tp_size,
+        par.ep_size,
+    )
     return info, workers
 
 

@@ -54,8 +54,9 @@ def _exit_with_parent(alive: Connection) -> None:
     threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
 
 
-def run_worker(local_rank: int, init: InitArgs, target: Callable, args: tuple, conn: Connection,
-               alive: Connection) -> None:
+def run_worker(
+    local_rank: int, init: InitArgs, target: Callable, args: tuple, conn: Connection, alive: Connection
+) -> None:
     """A spawned rank's entry point: join, run `target(rank_info, *args)`, send ("ok", result) or
     ("error", time, message, traceback) to the launcher over `conn`."""
     _exit_with_parent(alive)
@@ -94,8 +95,9 @@ class Workers:
     """The spawned ranks of this node. `wait` (or the `watch` thread, not both) collects their results
     (`results`, by global rank) and turns the first abnormal exit into RankFailed."""
 
-    def __init__(self, init: InitArgs, procs: dict[int, mp.Process], conns: dict[int, Connection],
-                 alive: list[Connection]):
+    def __init__(
+        self, init: InitArgs, procs: dict[int, mp.Process], conns: dict[int, Connection], alive: list[Connection]
+    ):
         self.init, self.procs, self._conns, self._alive = init, procs, conns, alive
         self.results: dict[int, object] = {}
         self.errors: dict[int, tuple] = {}  # rank -> (time, message, traceback)
@@ -119,8 +121,13 @@ class Workers:
 
     def _failed(self) -> list[int]:
         """Ranks that raised, exited non-zero, or exited 0 without returning."""
-        return [r for r, p in self.procs.items() if r in self.errors or p.exitcode not in (None, 0) or (
-            p.exitcode == 0 and r not in self.results and r not in self._conns)]
+        return [
+            r
+            for r, p in self.procs.items()
+            if r in self.errors
+            or p.exitcode not in (None, 0)
+            or (p.exitcode == 0 and r not in self.results and r not in self._conns)
+        ]
 
     def wait(self, timeout: float | None = None) -> dict[int, object]:
         """Results by global rank once every rank returned; RankFailed at the first failure (after GRACE_S to
@@ -156,10 +163,16 @@ class Workers:
         rank = silent[0] if silent else min(failed, key=lambda r: self.errors[r][0])
         self.terminate()
         code = self.procs[rank].exitcode
-        why = self.errors[rank][1] if rank in self.errors else (
-            "no Python exception was reported (killed by a signal, out of memory, or os._exit); see its stderr")
-        details = "\n".join(f"--- rank {r} (exit code {_describe_exit(self.procs[r].exitcode)}) ---\n"
-                            + (self.errors[r][2] if r in self.errors else "no traceback\n") for r in failed)
+        why = (
+            self.errors[rank][1]
+            if rank in self.errors
+            else ("no Python exception was reported (killed by a signal, out of memory, or os._exit); see its stderr")
+        )
+        details = "\n".join(
+            f"--- rank {r} (exit code {_describe_exit(self.procs[r].exitcode)}) ---\n"
+            + (self.errors[r][2] if r in self.errors else "no traceback\n")
+            for r in failed
+        )
         return RankFailed(f"rank {rank} exited with code {_describe_exit(code)}: {why}", rank, code, details)
 
     def terminate(self) -> None:
@@ -182,6 +195,7 @@ class Workers:
         """Watch the ranks from a daemon thread (for a launcher that is itself rank 0 and busy running it):
         the first failure is stored in `self.failure` and, unless `close` was called, passed to on_failure
         (default `abort`: the server goes down with the message)."""
+
         def run():
             try:
                 self.wait()
@@ -217,8 +231,9 @@ def abort(e: RankFailed) -> None:
     os._exit(1)
 
 
-def spawn_ranks(init: InitArgs, target: Callable, args: tuple = (), local_ranks=None,
-                start_method: str = "spawn") -> Workers:
+def spawn_ranks(
+    init: InitArgs, target: Callable, args: tuple = (), local_ranks=None, start_method: str = "spawn"
+) -> Workers:
     """Start one process per local rank (default: all of this node's; node 0's engine passes range(1, n)
     and runs rank 0 itself). `target` must be importable by name (a module-level function).
     start_method "forkserver" (CPU only) forks ranks from a server that imported torch once: far faster
@@ -232,8 +247,9 @@ def spawn_ranks(init: InitArgs, target: Callable, args: tuple = (), local_ranks=
         rank = init.parallel.global_rank(lr)
         recv, send = ctx.Pipe(duplex=False)
         alive_r, alive_w = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=run_worker, args=(lr, init, target, args, send, alive_r), daemon=True,
-                        name=f"mlaserve-rank{rank}")
+        p = ctx.Process(
+            target=run_worker, args=(lr, init, target, args, send, alive_r), daemon=True, name=f"mlaserve-rank{rank}"
+        )
         p.start()
         send.close()  # the child holds the only writer: EOF once it exits
         alive_r.close()
@@ -242,12 +258,18 @@ def spawn_ranks(init: InitArgs, target: Callable, args: tuple = (), local_ranks=
     return Workers(init, procs, conns, alive)
 
 
-def launch(par: ParallelConfig, target: Callable, *args, device: str = "cpu", timeout_s: float | None = None,
-           collective_timeout_s: float = 600.0, start_method: str = "spawn") -> list:
+def launch(
+    par: ParallelConfig,
+    target: Callable,
+    *args,
+    device: str = "cpu",
+    timeout_s: float | None = None,
+    collective_timeout_s: float = 600.0,
+    start_method: str = "spawn",
+) -> list:
     """Run target(rank_info, *args) on every local rank in its own process; their return values, by rank.
     Raises RankFailed as soon as one rank fails, TimeoutError after `timeout_s`."""
-    workers = spawn_ranks(make_init_args(par, device, collective_timeout_s), target, args,
-                          start_method=start_method)
+    workers = spawn_ranks(make_init_args(par, device, collective_timeout_s), target, args, start_method=start_method)
     try:
         return list(workers.wait(timeout_s).values())
     finally:

@@ -73,11 +73,19 @@ def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
         tp.set_group(None, info)
         return info
     if dist.is_initialized():
-        raise RuntimeError("this process still holds a process group whose teardown did not finish (see the warning "
-                           "logged when the last engine closed); start the next tensor-parallel engine in a new "
-                           "process")
-    dist.init_process_group(init.backend, init_method=init.init_method, world_size=par.world_size,
-                            rank=info.rank, timeout=timedelta(seconds=init.timeout_s), device_id=device_id)
+        raise RuntimeError(
+            "this process still holds a process group whose teardown did not finish (see the warning "
+            "logged when the last engine closed); start the next tensor-parallel engine in a new "
+            "process"
+        )
+    dist.init_process_group(
+        init.backend,
+        init_method=init.init_method,
+        world_size=par.world_size,
+        rank=info.rank,
+        timeout=timedelta(seconds=init.timeout_s),
+        device_id=device_id,
+    )
     cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=init.metadata_timeout_s))
     tp.set_group(dist.group.WORLD, info, cpu_group)
     return info
@@ -94,8 +102,10 @@ def shutdown_rank(timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:
         t.join(timeout_s)
         done = not t.is_alive()
         if not done:
-            log.warning("the process group's teardown (torch.distributed.destroy_process_group) did not finish in "
-                        "%.0f s; leaving it to process exit (a known NCCL hang after CUDA graphs with all-reduces)",
-                        timeout_s)
+            log.warning(
+                "the process group's teardown (torch.distributed.destroy_process_group) did not finish in "
+                "%.0f s; leaving it to process exit (a known NCCL hang after CUDA graphs with all-reduces)",
+                timeout_s,
+            )
     tp.set_group(None, RankInfo())
     return done

@@ -76,8 +76,15 @@ class GraphRunner:
     """Owns static buffers shared by every captured graph. `use_graphs=False` runs the same static path eagerly
     (how the CPU tests check the buffer filling and padding)."""
 
-    def __init__(self, runner, decode_q_len: int, max_num_seqs: int, prefill_max_tokens: int, max_pages: int,
-                 use_graphs: bool = True):
+    def __init__(
+        self,
+        runner,
+        decode_q_len: int,
+        max_num_seqs: int,
+        prefill_max_tokens: int,
+        max_pages: int,
+        use_graphs: bool = True,
+    ):
         self.runner, self.q = runner, decode_q_len
         self.page_size = runner.cfg.page_size
         self.use_graphs = use_graphs
@@ -105,8 +112,11 @@ class GraphRunner:
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
         self._last: dict[str, tuple] = {}  # _write: the region and values last copied into a buffer
-        self.host_tokens = torch.zeros(HOST_RING, self.bs_list[-1], dtype=torch.int64,
-                                       pin_memory=torch.device(dev).type == "cuda") if self.greedy else None
+        self.host_tokens = (
+            torch.zeros(HOST_RING, self.bs_list[-1], dtype=torch.int64, pin_memory=torch.device(dev).type == "cuda")
+            if self.greedy
+            else None
+        )
         self._ring = 0  # the host ring row of the last (or next: run) decode step
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
@@ -154,8 +164,8 @@ class GraphRunner:
         """(positions [n_tok] int64, slots [n_tok] int64, lengths [n_lens] int32): key's region of packed."""
         o, n_tok, n_lens, w = self._region(key)
         n2 = n_tok + n_tok % 2
-        lens = self.packed[o + 2 * n2: o + w].view(torch.int32)[:n_lens]
-        return self.packed[o: o + n_tok], self.packed[o + n2: o + n2 + n_tok], lens
+        lens = self.packed[o + 2 * n2 : o + w].view(torch.int32)[:n_lens]
+        return self.packed[o : o + n_tok], self.packed[o + n2 : o + n2 + n_tok], lens
 
     def _batch(self, key: tuple) -> ForwardBatch:
         kind, size = key
@@ -165,14 +175,22 @@ class GraphRunner:
             n_reqs, n_tok, n_logits, nd = PREFILL_MAX_REQS + 1, size, PREFILL_MAX_REQS, 0
         positions, slots, lens = self._views(key)
         return ForwardBatch(
-            input_ids=self.input_ids[:n_tok], positions=positions,
-            slot_mapping=slots, seq_lens=lens[:n_reqs],
-            query_start_loc=self.query_start_loc[:n_reqs + 1], page_table=self.page_table[:n_reqs],
-            logits_indices=self.logits_indices[:n_logits], num_decode_reqs=nd,
+            input_ids=self.input_ids[:n_tok],
+            positions=positions,
+            slot_mapping=slots,
+            seq_lens=lens[:n_reqs],
+            query_start_loc=self.query_start_loc[: n_reqs + 1],
+            page_table=self.page_table[:n_reqs],
+            logits_indices=self.logits_indices[:n_logits],
+            num_decode_reqs=nd,
             decode_q_len=self.q if kind == "decode" else 0,
-            seq_lens_cpu=[0] * n_reqs, query_lens_cpu=[0] * n_reqs, attn=self.runner.attn,
-            max_query_len=self.q if kind == "decode" else size, context_is_new=kind == "prefill",
-            side_stream=self.side_stream if kind == "decode" else None)
+            seq_lens_cpu=[0] * n_reqs,
+            query_lens_cpu=[0] * n_reqs,
+            attn=self.runner.attn,
+            max_query_len=self.q if kind == "decode" else size,
+            context_is_new=kind == "prefill",
+            side_stream=self.side_stream if kind == "decode" else None,
+        )
 
     def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk], ids_on_device: int = 0) -> None:
         """Write the real chunks into the static buffers, and padding after them. ids_on_device: the first rows'
@@ -190,8 +208,9 @@ class GraphRunner:
                 p = np.arange(c.num_cached, c.num_cached + n)
                 ids.append(np.asarray(c.token_ids, dtype=np.int64))
                 pos.append(p)
-                slots.append(np.asarray(c.pages, dtype=np.int64)[p // self.page_size] * self.page_size
-                             + p % self.page_size)
+                slots.append(
+                    np.asarray(c.pages, dtype=np.int64)[p // self.page_size] * self.page_size + p % self.page_size
+                )
             else:
                 ids += c.token_ids
                 p = range(c.num_cached, c.num_cached + n)
@@ -232,14 +251,15 @@ class GraphRunner:
         # device-fed rows are not copied, and the query starts and page table only when they change (a decode
         # step's starts never do, its table when a request gains a page).
         if ids_on_device < n_tok:
-            self.input_ids[ids_on_device:n_tok].copy_(torch.as_tensor(ids[ids_on_device:], dtype=torch.int64),
-                                                      non_blocking=True)
+            self.input_ids[ids_on_device:n_tok].copy_(
+                torch.as_tensor(ids[ids_on_device:], dtype=torch.int64), non_blocking=True
+            )
         o, _, n_lens, w = self._region(key)
         words = np.zeros(w, dtype=np.int64)  # the layout of _views
         n2 = n_tok + n_tok % 2
-        words[:n_tok], words[n2: n2 + n_tok] = pos, slots
-        words[2 * n2:].view(np.int32)[:n_lens] = lens + [self._ring] if g.ring_row is not None else lens
-        self.packed[o: o + w].copy_(torch.from_numpy(words), non_blocking=True)
+        words[:n_tok], words[n2 : n2 + n_tok] = pos, slots
+        words[2 * n2 :].view(np.int32)[:n_lens] = lens + [self._ring] if g.ring_row is not None else lens
+        self.packed[o : o + w].copy_(torch.from_numpy(words), non_blocking=True)
         self._write("query_start_loc", self.query_start_loc[: g.n_reqs + 1], starts)
         self._write("page_table", self.page_table[: g.n_reqs, :width], table)
         if rows:
@@ -284,15 +304,21 @@ class GraphRunner:
         t0 = time.perf_counter()
         with gc_paused(self.use_graphs):
             self._capture_all()
-        log.info("captured %d CUDA graphs (decode batch sizes %s x q_len %d; prefill buckets %s) in %.1fs",
-                 len(self.graphs), self.bs_list, self.q, self.prefill_buckets, time.perf_counter() - t0)
+        log.info(
+            "captured %d CUDA graphs (decode batch sizes %s x q_len %d; prefill buckets %s) in %.1fs",
+            len(self.graphs),
+            self.bs_list,
+            self.q,
+            self.prefill_buckets,
+            time.perf_counter() - t0,
+        )
 
     def _capture_all(self) -> None:
         for key in sorted(self._keys(), key=lambda k: -k[1] * (self.q if k[0] == "decode" else 1)):
             batch = self._batch(key)
             g = _Graph(None, batch, None, None, batch.num_reqs, batch.num_tokens)
             if key[0] == "decode" and self.greedy:
-                g.ring_row = self._views(key)[2][g.n_reqs:]
+                g.ring_row = self._views(key)[2][g.n_reqs :]
             self._fill(key, g, [])  # all padding: valid, harmless inputs
             if self.use_graphs:
                 for _ in range(2):  # warm up: Triton compiles, allocator settles
@@ -307,8 +333,9 @@ class GraphRunner:
             torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def run(self, key: tuple, decode: list[SeqChunk], prefill: list[SeqChunk],
-            decode_tokens: torch.Tensor | None = None):
+    def run(
+        self, key: tuple, decode: list[SeqChunk], prefill: list[SeqChunk], decode_tokens: torch.Tensor | None = None
+    ):
         """Replay the graph for `key` on these chunks -> (logits of the requested rows, aux of real tokens, the
         graph's GreedyTokens or None). decode_tokens: the decode chunks' input ids on the device (one each), copied
         in after the host's, unless they are the input ids already (the last decode graph's arg-max, in order)."""
@@ -335,5 +362,9 @@ class GraphRunner:
 
     def _are_input_ids(self, t: torch.Tensor, n: int) -> bool:
         """t is input_ids[:n] itself (the GreedyTokens.device of the last decode run, every row in order)."""
-        return (t.data_ptr() == self.input_ids.data_ptr() and t.shape == (n,) and t.stride(0) == 1
-                and t.dtype == self.input_ids.dtype)
+        return (
+            t.data_ptr() == self.input_ids.data_ptr()
+            and t.shape == (n,)
+            and t.stride(0) == 1
+            and t.dtype == self.input_ids.dtype
+        )

@@ -87,8 +87,15 @@ class _ReqState:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig | None = None, runner: ModelRunner | None = None,
-                 spec: SpecConfig | None = None, proposer=None, ranks: RankInfo = RankInfo()):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_cfg: ModelConfig | None = None,
+        runner: ModelRunner | None = None,
+        spec: SpecConfig | None = None,
+        proposer=None,
+        ranks: RankInfo = RankInfo(),
+    ):
         cfg.validate()
         self.cfg, self.spec = cfg, spec
         self.model_config = model_cfg or ModelConfig.from_pretrained(cfg.model)
@@ -97,8 +104,11 @@ class LLMEngine:
             from ..models.eagle3 import DraftConfig
             from ..spec.eagle3 import draft_page_bytes
 
-            extra = draft_page_bytes(DraftConfig.from_pretrained(spec.draft_model), cfg.page_size,
-                                     resolve_dtype(cfg.dtype, self.model_config))
+            extra = draft_page_bytes(
+                DraftConfig.from_pretrained(spec.draft_model),
+                cfg.page_size,
+                resolve_dtype(cfg.dtype, self.model_config),
+            )
         self.runner = runner or ModelRunner(cfg, self.model_config, ranks=ranks, extra_page_bytes=extra)
         self.proposer = proposer
         if spec is not None and proposer is None:
@@ -109,8 +119,11 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
-            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: positions past it were "
-                        "never trained", self.max_model_len, self.model_config.max_position_embeddings)
+            log.warning(
+                "max_model_len %d exceeds the model's max_position_embeddings %d: positions past it were never trained",
+                self.max_model_len,
+                self.model_config.max_position_embeddings,
+            )
         self.pool = KVPool(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.pool, decode_q_len=self.spec_k + 1)
         self.states: dict[str, _ReqState] = {}
@@ -144,11 +157,12 @@ class LLMEngine:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
                 raise ValueError(f"prompt: token id {t!r} at index {i} is outside the vocabulary [0, {V})")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt: {n} tokens leave no room to generate within max_model_len "
-                             f"{self.max_model_len}")
+            raise ValueError(f"prompt: {n} tokens leave no room to generate within max_model_len {self.max_model_len}")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: {params.max_tokens} plus the prompt's {n} tokens exceeds max_model_len "
-                             f"{self.max_model_len}")
+            raise ValueError(
+                f"max_tokens: {params.max_tokens} plus the prompt's {n} tokens exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
         if self.spec_k and params.logprobs is not None:
             raise ValueError("logprobs: not supported together with speculative decoding")
         if params.stop and self.tokenizer is None:
@@ -156,8 +170,10 @@ class LLMEngine:
         if self.pool.pages_for(n + 1) > self.pool.num_pages:
             raise ValueError(f"prompt: {n} tokens need more KV pages than the cache holds ({self.pool.num_pages})")
         if self.scheduler.num_unfinished >= self.cfg.max_queue_len:
-            raise OverflowError(f"the engine already holds {self.scheduler.num_unfinished} requests "
-                                f"(max_queue_len {self.cfg.max_queue_len})")
+            raise OverflowError(
+                f"the engine already holds {self.scheduler.num_unfinished} requests "
+                f"(max_queue_len {self.cfg.max_queue_len})"
+            )
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         self.validate(prompt_token_ids, params)
@@ -196,8 +212,15 @@ class LLMEngine:
         if not out.chunks:
             return []
         if self.spec_k:
-            decode = [SeqChunk(self._seq_chunk(c.req, 1, True).token_ids + self.states[c.req.request_id].drafts,
-                               c.req.num_computed_tokens, c.req.pages, "all") for c in out.decode]
+            decode = [
+                SeqChunk(
+                    self._seq_chunk(c.req, 1, True).token_ids + self.states[c.req.request_id].drafts,
+                    c.req.num_computed_tokens,
+                    c.req.pages,
+                    "all",
+                )
+                for c in out.decode
+            ]
         else:
             decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
         prefill = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.prefill]
@@ -227,8 +250,11 @@ class LLMEngine:
             if out.decode:
                 decode = [self._seq_chunk(c.req, c.num_new, c.sample) for c in out.decode]
                 idx = [rows[id(c.req)] for c in out.decode]
-                src = cur.tokens if idx == list(range(len(sampled))) else cur.tokens[
-                    torch.tensor(idx).to(cur.tokens.device, non_blocking=True)]  # no stream sync
+                src = (
+                    cur.tokens
+                    if idx == list(range(len(sampled)))
+                    else cur.tokens[torch.tensor(idx).to(cur.tokens.device, non_blocking=True)]
+                )  # no stream sync
                 logits, _, greedy = self.runner.execute(decode, [], decode_tokens=src)
                 self.num_steps += 1
                 self.num_overlapped_steps += 1
@@ -248,8 +274,11 @@ class LLMEngine:
         decoding = {id(c) for c in out.decode}
         for c in sampled:
             req = c.req
-            if req.status != RequestStatus.RUNNING or req.request_id not in self.states or (
-                    id(c) in decoding and c.num_new != 1):
+            if (
+                req.status != RequestStatus.RUNNING
+                or req.request_id not in self.states
+                or (id(c) in decoding and c.num_new != 1)
+            ):
                 return None
             if self._at_length(req, 1):
                 ending.append(req)
@@ -273,8 +302,12 @@ class LLMEngine:
         if not sampled:
             return _InFlight(out, None, None)
         want_lp = any(c.req.params.logprobs is not None for c in sampled)
-        if (greedy is not None and len(sampled) == len(greedy.device) and not want_lp
-                and all(c.req.params.greedy for c in sampled)):
+        if (
+            greedy is not None
+            and len(sampled) == len(greedy.device)
+            and not want_lp
+            and all(c.req.params.greedy for c in sampled)
+        ):
             step = _InFlight(out, greedy.device, None, host=(greedy.host, None))
             if greedy.device.is_cuda:  # the graph wrote the host row itself: only an event to wait on
                 step.ready = torch.cuda.Event()
@@ -283,8 +316,10 @@ class LLMEngine:
         rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
         step = _InFlight(out, *sample(logits, rows, self.generator, want_lp))
         if step.tokens.is_cuda:
-            step.host = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                t, non_blocking=True) for t in (step.tokens, step.logprobs))
+            step.host = tuple(
+                None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in (step.tokens, step.logprobs)
+            )
             step.ready = torch.cuda.Event()
             step.ready.record()
         return step
@@ -327,11 +362,12 @@ class LLMEngine:
                     emitted.append(y[b][: acc[b] + 1])
                 else:
                     st = self.states[c.req.request_id]
-                    emitted.append(verify_sampled(dec[b], drafts[b], SamplingRow(c.req.params, st.generator),
-                                                  self.generator))
+                    emitted.append(
+                        verify_sampled(dec[b], drafts[b], SamplingRow(c.req.params, st.generator), self.generator)
+                    )
         sampled = [c for c in out.prefill if c.sample]
         rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
-        first = sample(logits[B * N:], rows, self.generator)[0].tolist() if sampled else []
+        first = sample(logits[B * N :], rows, self.generator)[0].tolist() if sampled else []
 
         results, chunks, row = [], [], 0
         for b, c in enumerate(out.decode):
@@ -375,12 +411,17 @@ class LLMEngine:
         self._accept_log[1] += steps
         if self._accept_log[1] >= 1000:
             a, n = self._accept_log
-            log.info("speculative decoding: mean accept length %.3f (%d verify steps; %.1f%% of drafts accepted)",
-                     1 + a / n, n, 100 * a / (n * self.spec_k))
+            log.info(
+                "speculative decoding: mean accept length %.3f (%d verify steps; %.1f%% of drafts accepted)",
+                1 + a / n,
+                n,
+                100 * a / (n * self.spec_k),
+            )
             self._accept_log = [0, 0]
 
-    def _append(self, req: Request, new_tokens: list[int], logprobs: list[float] | None,
-                filled: bool = False) -> StepOutput:
+    def _append(
+        self, req: Request, new_tokens: list[int], logprobs: list[float] | None, filled: bool = False
+    ) -> StepOutput:
         """Append tokens one by one, stopping at the first stop condition; emits one event. filled: one token,
         whose PLACEHOLDER is already the last output token."""
         st = self.states[req.request_id]
@@ -412,30 +453,49 @@ class LLMEngine:
         if reason:
             self.scheduler.finish(req, reason, stop_reason)
             del self.states[req.request_id]
-        return StepOutput(req.request_id, added, text, reason is not None, reason, stop_reason,
-                          logprobs[: len(added)] if logprobs is not None else None, self.usage(req))
+        return StepOutput(
+            req.request_id,
+            added,
+            text,
+            reason is not None,
+            reason,
+            stop_reason,
+            logprobs[: len(added)] if logprobs is not None else None,
+            self.usage(req),
+        )
 
     def _at_length(self, req: Request, more: int = 0) -> bool:
         """The request's output reaches max_tokens, or its length max_model_len, once `more` tokens are added."""
         p = req.params
-        return (p.max_tokens is not None and len(req.output_token_ids) + more >= p.max_tokens) or \
-            req.num_tokens + more >= self.max_model_len
+        return (
+            p.max_tokens is not None and len(req.output_token_ids) + more >= p.max_tokens
+        ) or req.num_tokens + more >= self.max_model_len
 
     def usage(self, req: Request) -> Usage:
-        return Usage(len(req.prompt_token_ids), len(req.output_token_ids), req.num_cached_tokens,
-                     req.spec_draft_tokens, req.spec_accepted_tokens)
+        return Usage(
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            req.num_cached_tokens,
+            req.spec_draft_tokens,
+            req.spec_accepted_tokens,
+        )
 
     def stats(self) -> dict:
         return {
-            "spec_steps": self.spec_steps, "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_steps": self.spec_steps,
+            "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "kv_pages_used": self.pool.num_used, "kv_pages_total": self.pool.num_pages,
-            "prefix_cache_queries": self.pool.queries, "prefix_cache_hits": self.pool.hits,
-            "steps": self.num_steps, "overlapped_steps": self.num_overlapped_steps,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_used": self.pool.num_used,
+            "kv_pages_total": self.pool.num_pages,
+            "prefix_cache_queries": self.pool.queries,
+            "prefix_cache_hits": self.pool.hits,
+            "steps": self.num_steps,
+            "overlapped_steps": self.num_overlapped_steps,
             "generated_tokens": self.num_generated_tokens,
         }
 
 
 def _rows(t: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
-    return None if t is None else t[start:start + n]
+    return None if t is None else t[start : start + n]

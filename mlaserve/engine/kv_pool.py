@@ -18,7 +18,7 @@ def page_hashes(token_ids: list[int], page_size: int, n_pages: int, parent: byte
     """Chain hashes of the first n_pages full pages: h_i = sha256(h_{i-1} || tokens of page i)."""
     out = []
     for i in range(n_pages):
-        chunk = np.asarray(token_ids[i * page_size:(i + 1) * page_size], dtype=np.int64).tobytes()
+        chunk = np.asarray(token_ids[i * page_size : (i + 1) * page_size], dtype=np.int64).tobytes()
         parent = hashlib.sha256(parent + chunk).digest()
         out.append(parent)
     return out

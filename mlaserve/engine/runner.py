@@ -36,8 +36,9 @@ def resolve_dtype(dtype: str, model_cfg: ModelConfig) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, ranks: RankInfo = RankInfo(),
-                 extra_page_bytes: int = 0):
+    def __init__(
+        self, cfg: EngineConfig, model_cfg: ModelConfig, ranks: RankInfo = RankInfo(), extra_page_bytes: int = 0
+    ):
         self.cfg, self.model_cfg, self.ranks = cfg, model_cfg, ranks
         self.extra_page_bytes = extra_page_bytes  # e.g. the EAGLE3 draft's KV cache shares the page ids
         self.device = resolve_device(cfg.device)
@@ -63,9 +64,16 @@ class ModelRunner:
         self.kv_cache = torch.zeros(L, self.num_pages, cfg.page_size, D, dtype=self.dtype, device=self.device)
         self.attn = self._make_backend()
         self.graphs = None  # a GraphRunner once capture_graphs() ran
-        log.info("model loaded in %.1fs on %s (%s); KV cache: %d pages x %d tokens (%.2f GB), backend %s",
-                 self.load_seconds, self.device, self.dtype, self.num_pages, cfg.page_size,
-                 self.kv_cache.numel() * self.kv_cache.element_size() / 1e9, type(self.attn).__name__)
+        log.info(
+            "model loaded in %.1fs on %s (%s); KV cache: %d pages x %d tokens (%.2f GB), backend %s",
+            self.load_seconds,
+            self.device,
+            self.dtype,
+            self.num_pages,
+            cfg.page_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 1e9,
+            type(self.attn).__name__,
+        )
 
     def _page_bytes(self) -> int:
         c = self.model_cfg
@@ -83,8 +91,10 @@ class ModelRunner:
             budget = self.cfg.kv_cache_memory_gb * (1 << 30)
         pages = int(budget // self._page_bytes())
         if pages < 2:
-            raise ValueError(f"num_pages: no memory is left for the KV cache (budget {budget / 1e9:.2f} GB); "
-                             "lower max_num_batched_tokens or raise gpu_memory_utilization")
+            raise ValueError(
+                f"num_pages: no memory is left for the KV cache (budget {budget / 1e9:.2f} GB); "
+                "lower max_num_batched_tokens or raise gpu_memory_utilization"
+            )
         return pages
 
     def _make_backend(self):
@@ -107,16 +117,21 @@ class ModelRunner:
         if self.ranks.world_size > 1 and self.ranks.rank == 0:
             tp.broadcast_object(("capture", decode_q_len, max_model_len, use_graphs))
         max_pages = -(-(max_model_len + 2 * decode_q_len) // self.cfg.page_size)
-        self.graphs = GraphRunner(self, decode_q_len, self.cfg.max_num_seqs, self.cfg.prefill_graph_max_tokens,
-                                  max_pages, use_graphs=use_graphs)
+        self.graphs = GraphRunner(
+            self,
+            decode_q_len,
+            self.cfg.max_num_seqs,
+            self.cfg.prefill_graph_max_tokens,
+            max_pages,
+            use_graphs=use_graphs,
+        )
         self.graphs.capture()
 
     def build_batch(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> ForwardBatch:
         return ForwardBatch.build(decode, prefill, self.cfg.page_size, self.device, self.attn)
 
     @torch.inference_mode()
-    def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk],
-                decode_tokens: torch.Tensor | None = None):
+    def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk], decode_tokens: torch.Tensor | None = None):
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
         the EAGLE3 aux hidden states [T, 3D] of every token, or None; the decode graph's own arg-max of those rows,
         a GreedyTokens (engine/cuda_graph.py), or None). decode_tokens [len(decode)] on the device
@@ -129,12 +144,13 @@ class ModelRunner:
         return self.execute_local(decode, prefill, decode_tokens)
 
     @torch.inference_mode()
-    def execute_local(self, decode: list[SeqChunk], prefill: list[SeqChunk],
-                      decode_tokens: torch.Tensor | None = None):
-        if decode_tokens is not None and (decode_tokens.shape != (len(decode),) or
-                                          any(len(c.token_ids) != 1 for c in decode)):
-            raise ValueError(f"decode_tokens: need one token per decode chunk ({len(decode)}), got "
-                             f"{tuple(decode_tokens.shape)}")
+    def execute_local(self, decode: list[SeqChunk], prefill: list[SeqChunk], decode_tokens: torch.Tensor | None = None):
+        if decode_tokens is not None and (
+            decode_tokens.shape != (len(decode),) or any(len(c.token_ids) != 1 for c in decode)
+        ):
+            raise ValueError(
+                f"decode_tokens: need one token per decode chunk ({len(decode)}), got {tuple(decode_tokens.shape)}"
+            )
         key = self.graphs.key_for(decode, prefill) if self.graphs is not None else None
         if key is not None:
             return self.graphs.run(key, decode, prefill, decode_tokens)

@@ -140,11 +140,14 @@ class Scheduler:
     def commit_pages(self, req: Request) -> None:
         """Register the request's newly full, computed pages in the prefix cache."""
         done = self.committed_pages.get(req.request_id, 0)
-        if not self.pool.enable_prefix_caching or min(req.num_computed_tokens, req.num_tokens) // \
-                self.pool.page_size <= done:
+        if (
+            not self.pool.enable_prefix_caching
+            or min(req.num_computed_tokens, req.num_tokens) // self.pool.page_size <= done
+        ):
             return  # no page filled up this step: skip building the token list
         self.committed_pages[req.request_id] = self.pool.commit(
-            req.all_token_ids, req.pages, req.num_computed_tokens, done)
+            req.all_token_ids, req.pages, req.num_computed_tokens, done
+        )
 
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         """Free a running or waiting request's pages now and mark it finished."""

@@ -43,8 +43,19 @@ def _argmax_blocks_kernel(X, PartV, PartI, V, NB, stride_xb, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _argmax_rows_kernel(PartV, PartI, Out, Host, HostRow, NB, stride_host, BLOCK_NB: tl.constexpr,
-                        HOST: tl.constexpr, HOST_ROW: tl.constexpr, PDL: tl.constexpr):
+def _argmax_rows_kernel(
+    PartV,
+    PartI,
+    Out,
+    Host,
+    HostRow,
+    NB,
+    stride_host,
+    BLOCK_NB: tl.constexpr,
+    HOST: tl.constexpr,
+    HOST_ROW: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program b: Out[b] = the index of row b's first maximum, from its blocks' (max, first index): block j's
     indices all precede block j+1's, so the first block holding the row's max (or a NaN) has the answer.
     HOST: also Host[r, b] with r = HostRow[0] (HOST_ROW) or 0: pinned host memory written over the bus, so no copy
@@ -66,14 +77,20 @@ def _argmax_rows_kernel(PartV, PartI, Out, Host, HostRow, NB, stride_host, BLOCK
         tl.store(Host + r * stride_host + b, tok)
 
 
-def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, host: torch.Tensor | None = None,
-                host_row: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(
+    x: torch.Tensor,
+    out: torch.Tensor | None = None,
+    host: torch.Tensor | None = None,
+    host_row: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [B, V] fp32/bf16/fp16 (a unit last stride) -> out [B] int64 (given, or new), equal to x.argmax(-1).
     host: pinned CPU int64 the kernel also writes: [B], or a ring [R, >= B] whose row host_row (an int32 [1] on
     x's device, read when the kernel runs) it writes. Read it after an event recorded behind this call."""
     if x.dim() != 2 or x.stride(-1) != 1 or not x.is_floating_point():
-        raise ValueError(f"argmax_rows needs a float [B, V] tensor with a unit last stride, got "
-                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+        raise ValueError(
+            f"argmax_rows needs a float [B, V] tensor with a unit last stride, got "
+            f"{tuple(x.shape)} {x.dtype} strides {x.stride()}"
+        )
     B, V = x.shape
     if V == 0 or V >= 2**31:
         raise ValueError(f"argmax_rows: V={V} must be in [1, 2^31)")
@@ -82,8 +99,10 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, host: torch.Te
     if host is not None:
         shape_ok = host.shape == (B,) if host_row is None else (host.dim() == 2 and host.shape[1] >= B)
         if not shape_ok or host.dtype != torch.int64 or host.stride(-1) != 1 or host.device.type != "cpu":
-            raise ValueError(f"argmax_rows: host must be a CPU int64 {'[B]' if host_row is None else '[R, >= B]'} "
-                             f"with B={B}, got {tuple(host.shape)} {host.dtype} on {host.device}")
+            raise ValueError(
+                f"argmax_rows: host must be a CPU int64 {'[B]' if host_row is None else '[R, >= B]'} "
+                f"with B={B}, got {tuple(host.shape)} {host.dtype} on {host.device}"
+            )
         if x.is_cuda and not host.is_pinned():
             raise ValueError("argmax_rows: host must be pinned memory (the GPU writes it directly)")
     if host_row is not None and (host is None or host_row.numel() != 1 or host_row.device != x.device):
@@ -96,9 +115,18 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, host: torch.Te
     part_v = torch.empty(B, nb, dtype=torch.float32, device=x.device)
     part_i = torch.empty(B, nb, dtype=torch.int32, device=x.device)
     _argmax_blocks_kernel[(B, nb)](x, part_v, part_i, V, nb, x.stride(0), BLOCK=BLOCK, num_warps=8, **pdl_args(x))
-    _argmax_rows_kernel[(B,)](part_v, part_i, out, out if host is None else host,
-                              out if host_row is None else host_row, nb,
-                              0 if host is None or host_row is None else host.stride(0),
-                              BLOCK_NB=max(2, triton.next_power_of_2(nb)), HOST=host is not None,
-                              HOST_ROW=host_row is not None, num_warps=1, **pdl_args(x))
+    _argmax_rows_kernel[(B,)](
+        part_v,
+        part_i,
+        out,
+        out if host is None else host,
+        out if host_row is None else host_row,
+        nb,
+        0 if host is None or host_row is None else host.stride(0),
+        BLOCK_NB=max(2, triton.next_power_of_2(nb)),
+        HOST=host is not None,
+        HOST_ROW=host_row is not None,
+        num_warps=1,
+        **pdl_args(x),
+    )
     return out

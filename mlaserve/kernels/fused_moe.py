@@ -42,8 +42,7 @@ def _pid_to_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK,
-                BLOCK_M: tl.constexpr, NO_ALIGN: tl.constexpr):
+def _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M: tl.constexpr, NO_ALIGN: tl.constexpr):
     """-> (expert, pair index of each row (TK: padding), Hbuf row of each row, whether GEMM1 stores the row).
     NO_ALIGN: block pid_m is pair pid_m alone (row 0; the other rows alias its Hbuf row and are never stored).
     Loads through L2 (.cg): GEMM2 makes them before its PDL wait (_moe_gemm2_kernel)."""
@@ -85,8 +84,20 @@ def _gemm1_tma(a_ptr, row_ok, DG, DU, rg, ru, acc_g, acc_u, D, BLOCK_K: tl.const
 
 
 @triton.jit
-def _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
+def _gemm1_ptr(
+    a_ptr,
+    row_ok,
+    g_ptr,
+    u_ptr,
+    n_ok,
+    offs_k,
+    acc_g,
+    acc_u,
+    D,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """GEMM1's K loop over masked pointer loads: gate and up tiles as [K, N] views."""
     for k0 in range(0, D, BLOCK_K):
         if EVEN_K:
@@ -107,8 +118,9 @@ def _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK
 
 
 @triton.jit
-def _gemm2_tma(a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PREWAIT: tl.constexpr,
-               PDL: tl.constexpr):
+def _gemm2_tma(
+    a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr
+):
     """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0). PREWAIT: the kernel has
     not waited yet; the first tile (a weight) is fetched before the PDL wait and Hbuf (GEMM1's output) read after
     it. The sums run in the same order either way."""
@@ -126,8 +138,7 @@ def _gemm2_tma(a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.co
 
 
 @triton.jit
-def _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               DOT_PREC: tl.constexpr):
+def _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
     """GEMM2's K loop over masked pointer loads: the down tile as a [K, N] view."""
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
@@ -144,12 +155,44 @@ def _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K: tl.constexpr, EVEN_K
 
 
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1S, W3S, G13, G1S, G3S,
-                      I, D, num_m, stride_xt, stride_we, stride_wn, stride_hm, TK, expert_offset, E_LOCAL,
-                      E_ROUTED, stride_sn,
-                      TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr):
+def _moe_gemm1_kernel(
+    X,
+    W13,
+    Hbuf,
+    SortedIds,
+    ExpertIds,
+    NumPadded,
+    TopkIds,
+    W1S,
+    W3S,
+    G13,
+    G1S,
+    G3S,
+    I,
+    D,
+    num_m,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_hm,
+    TK,
+    expert_offset,
+    E_LOCAL,
+    E_ROUTED,
+    stride_sn,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    NO_ALIGN: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    TMA: tl.constexpr,
+    PREWAIT: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Hbuf[m, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the padded row m of expert e.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED: rows [j*I, (j+1)*I) of W1S (gate), W3S (up).
     TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G13: w13 as [E * 2I, D] rows; G1S / G3S: the slots').
@@ -194,20 +237,49 @@ def _moe_gemm1_kernel(X, W13, Hbuf, SortedIds, ExpertIds, NumPadded, TopkIds, W1
                 rows_s = ((e - E_ROUTED) * I + offs_n[None, :]) * stride_sn  # int64 (e is)
                 g_ptr = W1S + rows_s + offs_k[:, None]
                 u_ptr = W3S + rows_s + offs_k[:, None]
-        acc_g, acc_u = _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK_K, EVEN_K,
-                                  DOT_PREC)
+        acc_g, acc_u = _gemm1_ptr(a_ptr, row_ok, g_ptr, u_ptr, n_ok, offs_k, acc_g, acc_u, D, BLOCK_K, EVEN_K, DOT_PREC)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     h_ptr = Hbuf + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=store[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
-def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkIds, W2S, G2, G2S,
-                      D, I, num_m, stride_hm, stride_we, stride_wn, stride_yt, TK, expert_offset, E_LOCAL,
-                      E_ROUTED, stride_sn,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, NO_ALIGN: tl.constexpr,
-                      HAS_SHARED: tl.constexpr, TMA: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr):
+def _moe_gemm2_kernel(
+    Hbuf,
+    W2,
+    Y,
+    SortedIds,
+    ExpertIds,
+    NumPadded,
+    TopkW,
+    TopkIds,
+    W2S,
+    G2,
+    G2S,
+    D,
+    I,
+    num_m,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_yt,
+    TK,
+    expert_offset,
+    E_LOCAL,
+    E_ROUTED,
+    stride_sn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    NO_ALIGN: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    TMA: tl.constexpr,
+    PREWAIT: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . w2[e])  for every real row m of expert e's blocks.
     HAS_SHARED: experts e >= E_ROUTED are shared slots j = e - E_ROUTED, columns [j*I, (j+1)*I) of W2S (down).
     TMA: whole [BLOCK_N, BLOCK_K] weight tiles by TMA (G2: w2 as [E * D, I] rows; G2S: the slots' [D, S * I]).
@@ -232,8 +304,9 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
         n0 = pid_n * BLOCK_N
         if HAS_SHARED:
             if e >= E_ROUTED:
-                acc = _gemm2_tma(a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC,
-                                 PREWAIT, PDL)
+                acc = _gemm2_tma(
+                    a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL
+                )
             else:
                 acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL)
         else:
@@ -255,8 +328,13 @@ def _moe_gemm2_kernel(Hbuf, W2, Y, SortedIds, ExpertIds, NumPadded, TopkW, TopkI
 def _tma_default(x: torch.Tensor, bm: int) -> bool:
     """TMA weight tiles for the decode (BLOCK_M 16) GEMMs in bf16/fp16 on sm_90+; MLASERVE_MOE_TMA=0 turns them off.
     The weight streaming is the whole cost there: M1 batch 1 TPOT 2.12 -> 2.02 ms on an H200 (moe_config.py)."""
-    return (os.environ.get("MLASERVE_MOE_TMA", "1") != "0" and bm == 16 and x.is_cuda
-            and x.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    return (
+        os.environ.get("MLASERVE_MOE_TMA", "1") != "0"
+        and bm == 16
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
 
 
 @functools.cache
@@ -284,10 +362,15 @@ def _gemv_default(x: torch.Tensor, no_align: bool) -> bool | dict:
 def _tma_fits(w13, w2, shared, c1: dict, c2: dict, D: int, I: int) -> bool:
     """Whole tiles never straddle two experts (or slots), and every weight is row-contiguous and 16-byte aligned."""
     ws = [w13, w2] + list(shared or [])
-    return (D % c1["BLOCK_K"] == 0 and I % c1["BLOCK_N"] == 0 and D % c2["BLOCK_N"] == 0 and I % c2["BLOCK_K"] == 0
-            and w13.is_contiguous() and w2.is_contiguous()
-            and all(w.stride(-1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-                    for w in ws))
+    return (
+        D % c1["BLOCK_K"] == 0
+        and I % c1["BLOCK_N"] == 0
+        and D % c2["BLOCK_N"] == 0
+        and I % c2["BLOCK_K"] == 0
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+        and all(w.stride(-1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0 for w in ws)
+    )
 
 
 def _check_shared(shared, I: int, D: int, dtype) -> int:
@@ -295,17 +378,28 @@ def _check_shared(shared, I: int, D: int, dtype) -> int:
     w1, w3, w2 = shared
     S = w1.shape[0] // I
     if S < 1 or w1.shape != (S * I, D) or w3.shape != (S * I, D) or w2.shape != (D, S * I):
-        raise ValueError(f"shared gate/up/down {tuple(w1.shape)} {tuple(w3.shape)} {tuple(w2.shape)} must be "
-                         f"[S*{I}, {D}] [S*{I}, {D}] [{D}, S*{I}] (S >= 1 slots of the routed experts' I={I})")
+        raise ValueError(
+            f"shared gate/up/down {tuple(w1.shape)} {tuple(w3.shape)} {tuple(w2.shape)} must be "
+            f"[S*{I}, {D}] [S*{I}, {D}] [{D}, S*{I}] (S >= 1 slots of the routed experts' I={I})"
+        )
     if any(w.dtype != dtype or w.stride(-1) != 1 for w in shared) or w1.stride(0) != w3.stride(0):
         raise ValueError(f"shared weights must be {dtype} with a unit last stride, gate and up with one row stride")
     return S
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_offset: int = 0, config: dict | None = None,
-                  add: torch.Tensor | None = None, shared: tuple | None = None, norm: tuple | None = None,
-                  all_local: bool = False):
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+    config: dict | None = None,
+    add: torch.Tensor | None = None,
+    shared: tuple | None = None,
+    norm: tuple | None = None,
+    all_local: bool = False,
+):
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
     topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
@@ -328,8 +422,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if D1 != D or w2.shape != (E, D, I) or I2 != 2 * I:
         raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} must be [E, 2I, {D}] / [E, {D}, I]")
     if topk_ids.shape != (T, K) or topk_weights.shape != (T, K) or topk_weights.dtype != torch.float32:
-        raise ValueError(f"topk_ids/topk_weights must be [{T}, K] (weights fp32), got {tuple(topk_ids.shape)} "
-                         f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
+        raise ValueError(
+            f"topk_ids/topk_weights must be [{T}, K] (weights fp32), got {tuple(topk_ids.shape)} "
+            f"{tuple(topk_weights.shape)} {topk_weights.dtype}"
+        )
     if x.dtype != w13.dtype or x.dtype != w2.dtype:
         raise ValueError(f"x {x.dtype}, w13 {w13.dtype} and w2 {w2.dtype} must share a dtype")
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
@@ -353,16 +449,32 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             raise ValueError(f"gemv: the GEMV form serves per-pair blocks only (T*K={TK} <= {NO_ALIGN_MAX_PAIRS})")
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
         y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
-        moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S, hbuf, y, pdl_args(x),
-                 gemv if isinstance(gemv, dict) else None)
+        moe_gemv(
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            expert_offset,
+            w1s,
+            w3s,
+            w2s,
+            S,
+            hbuf,
+            y,
+            pdl_args(x),
+            gemv if isinstance(gemv, dict) else None,
+        )
         return moe_sum(y, topk_ids, expert_offset, E_all, add, norm, all_local)
     c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
     if tma is None:  # the default: the sm_90 decode tiles, where whole tiles fit (else the pointer loads)
         tma = _tma_default(x, c1["BLOCK_M"]) and _tma_fits(w13, w2, shared if S else None, c1, c2, D, I)
     elif tma and not _tma_fits(w13, w2, shared if S else None, c1, c2, D, I):
-        raise ValueError(f"tma: the weights' shapes (D={D}, I={I}) must be multiples of the tiles "
-                         f"(gemm1 {c1['BLOCK_N']}x{c1['BLOCK_K']}, gemm2 {c2['BLOCK_N']}x{c2['BLOCK_K']}) and the "
-                         "weights row-contiguous and 16-byte aligned")
+        raise ValueError(
+            f"tma: the weights' shapes (D={D}, I={I}) must be multiples of the tiles "
+            f"(gemm1 {c1['BLOCK_N']}x{c1['BLOCK_K']}, gemm2 {c2['BLOCK_N']}x{c2['BLOCK_K']}) and the "
+            "weights row-contiguous and 16-byte aligned"
+        )
     if tma:  # the same tiles, fewer stages
         c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, tma=True, **config)
     bm = c1["BLOCK_M"]
@@ -388,17 +500,82 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             g1s, g3s = TensorDescriptor.from_tensor(w1s, b1), TensorDescriptor.from_tensor(w3s, b1)
             g2s = TensorDescriptor.from_tensor(w2s, b2)
     _moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
-        x, w13, hbuf, sorted_ids, expert_ids, num_padded, ids, w1s, w3s, g13, g1s, g3s, I, D, num_m,
-        x.stride(0), w13.stride(0), w13.stride(1), hbuf.stride(0), TK, expert_offset, E_all, E, w1s.stride(0),
-        TOPK=K, BLOCK_M=bm, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"], GROUP_M=c1["GROUP_M"],
-        EVEN_K=D % c1["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g13 is not None,
-        PREWAIT=prewait, num_warps=c1["num_warps"], num_stages=c1["num_stages"], **pdl)
+        x,
+        w13,
+        hbuf,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        ids,
+        w1s,
+        w3s,
+        g13,
+        g1s,
+        g3s,
+        I,
+        D,
+        num_m,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        hbuf.stride(0),
+        TK,
+        expert_offset,
+        E_all,
+        E,
+        w1s.stride(0),
+        TOPK=K,
+        BLOCK_M=bm,
+        BLOCK_N=c1["BLOCK_N"],
+        BLOCK_K=c1["BLOCK_K"],
+        GROUP_M=c1["GROUP_M"],
+        EVEN_K=D % c1["BLOCK_K"] == 0,
+        DOT_PREC=prec,
+        NO_ALIGN=no_align,
+        HAS_SHARED=S > 0,
+        TMA=g13 is not None,
+        PREWAIT=prewait,
+        num_warps=c1["num_warps"],
+        num_stages=c1["num_stages"],
+        **pdl,
+    )
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
-        hbuf, w2, y, sorted_ids, expert_ids, num_padded, topk_weights.reshape(-1), ids, w2s, g2, g2s,
-        D, I, num_m, hbuf.stride(0), w2.stride(0), w2.stride(1), y.stride(0), TK, expert_offset, E_all, E,
+        hbuf,
+        w2,
+        y,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        topk_weights.reshape(-1),
+        ids,
+        w2s,
+        g2,
+        g2s,
+        D,
+        I,
+        num_m,
+        hbuf.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        y.stride(0),
+        TK,
+        expert_offset,
+        E_all,
+        E,
         w2s.stride(0) if S else w2.stride(1),
-        BLOCK_M=bm, BLOCK_N=c2["BLOCK_N"], BLOCK_K=c2["BLOCK_K"], GROUP_M=c2["GROUP_M"],
-        EVEN_K=I % c2["BLOCK_K"] == 0, DOT_PREC=prec, NO_ALIGN=no_align, HAS_SHARED=S > 0, TMA=g2 is not None,
-        PREWAIT=prewait, num_warps=c2["num_warps"], num_stages=c2["num_stages"], **pdl)
+        BLOCK_M=bm,
+        BLOCK_N=c2["BLOCK_N"],
+        BLOCK_K=c2["BLOCK_K"],
+        GROUP_M=c2["GROUP_M"],
+        EVEN_K=I % c2["BLOCK_K"] == 0,
+        DOT_PREC=prec,
+        NO_ALIGN=no_align,
+        HAS_SHARED=S > 0,
+        TMA=g2 is not None,
+        PREWAIT=prewait,
+        num_warps=c2["num_warps"],
+        num_stages=c2["num_stages"],
+        **pdl,
+    )
     return moe_sum(y, topk_ids, expert_offset, E_all, add, norm, all_local)

@@ -25,8 +25,22 @@ GEMV_SERVE_TOKENS = 2  # rows of the steps layers.linear sends here (gemv_serves
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, N, K, stride_xt, stride_wn, stride_yt, T: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(
+    X,
+    W,
+    Y,
+    N,
+    K,
+    stride_xt,
+    stride_wn,
+    stride_yt,
+    T: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Y[t, n-block] = X[t] . W[n-block]^T for the T rows of X, from one weight tile per K step (the rows reuse it;
     each row's sum over K runs as the one-row kernel's does, so T=1 is unchanged)."""
     pdl_release(PDL)
@@ -58,9 +72,16 @@ def gemv_serves(x: torch.Tensor, w: torch.Tensor, max_bytes: int | None = GEMV_M
     """Whether layers.linear sends x @ w^T here: a CUDA step of 1..GEMV_SERVE_TOKENS rows in bf16/fp16 with unit
     last strides, times a weight of <= max_bytes (None: any; the lm_head) (decode's q|kv_a and o_proj at batch
     1-2, EAGLE3's verify of width 2 at batch 1)."""
-    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_SERVE_TOKENS and x.dtype == w.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and w.stride(-1) == 1
-            and (max_bytes is None or w.numel() * w.element_size() <= max_bytes))
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= GEMV_SERVE_TOKENS
+        and x.dtype == w.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(-1) == 1
+        and w.stride(-1) == 1
+        and (max_bytes is None or w.numel() * w.element_size() <= max_bytes)
+    )
 
 
 def gemv_config(N: int, K: int) -> dict:
@@ -75,8 +96,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torc
     `out`, contiguous, in x.dtype or fp32: then F.linear's result cast to fp32); F.linear(x, w) up to fp32
     summation order. config (benchmarks, tests): BLOCK_N, BLOCK_K, num_warps."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_TOKENS or w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [T, K] (1 <= T <= {GEMV_MAX_TOKENS}) "
-                         "and [N, K]")
+        raise ValueError(
+            f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [T, K] (1 <= T <= {GEMV_MAX_TOKENS}) and [N, K]"
+        )
     if x.stride(-1) != 1 or w.stride(-1) != 1 or x.dtype != w.dtype:
         raise ValueError("x and w need one dtype and a unit last stride")
     T = x.shape[0]
@@ -85,10 +107,24 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torc
     if out is None:
         out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     elif out.shape != (T, N) or out.dtype not in (x.dtype, torch.float32) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{T}, {N}] {x.dtype} or fp32 tensor, got {tuple(out.shape)} "
-                         f"{out.dtype}")
+        raise ValueError(
+            f"out must be a contiguous [{T}, {N}] {x.dtype} or fp32 tensor, got {tuple(out.shape)} {out.dtype}"
+        )
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x, w, out, N, K, x.stride(0), w.stride(0), out.stride(0), T=T, BLOCK_T=triton.next_power_of_2(T),
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
-        num_warps=cfg["num_warps"], **pdl_args(x))
+        x,
+        w,
+        out,
+        N,
+        K,
+        x.stride(0),
+        w.stride(0),
+        out.stride(0),
+        T=T,
+        BLOCK_T=triton.next_power_of_2(T),
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
+        num_warps=cfg["num_warps"],
+        **pdl_args(x),
+    )
     return out

@@ -13,8 +13,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _store_kernel(Cache, Slots, K, V, stride_cp, stride_cs, stride_ckv, stride_kt, stride_vt,
-                  KVH_D: tl.constexpr, BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr):
+def _store_kernel(
+    Cache,
+    Slots,
+    K,
+    V,
+    stride_cp,
+    stride_cs,
+    stride_ckv,
+    stride_kt,
+    stride_vt,
+    KVH_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(Slots + t)
     if slot < 0:  # padding token: no slot
@@ -23,8 +35,9 @@ def _store_kernel(Cache, Slots, K, V, stride_cp, stride_cs, stride_ckv, stride_k
     i = tl.arange(0, BLOCK)
     ok = i < KVH_D
     tl.store(dst + i, tl.load(K + t.to(tl.int64) * stride_kt + i, mask=ok).to(Cache.dtype.element_ty), mask=ok)
-    tl.store(dst + stride_ckv + i, tl.load(V + t.to(tl.int64) * stride_vt + i, mask=ok).to(Cache.dtype.element_ty),
-             mask=ok)
+    tl.store(
+        dst + stride_ckv + i, tl.load(V + t.to(tl.int64) * stride_vt + i, mask=ok).to(Cache.dtype.element_ty), mask=ok
+    )
 
 
 def gqa_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -34,14 +47,46 @@ def gqa_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: t
     if T == 0:
         return
     k, v = k.reshape(T, kvh * d), v.reshape(T, kvh * d)
-    _store_kernel[(T,)](cache, slots, k, v, cache.stride(0), cache.stride(1), cache.stride(2), k.stride(0),
-                        v.stride(0), KVH_D=kvh * d, BLOCK=triton.next_power_of_2(kvh * d), PAGE_SIZE=cache.shape[1])
+    _store_kernel[(T,)](
+        cache,
+        slots,
+        k,
+        v,
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        k.stride(0),
+        v.stride(0),
+        KVH_D=kvh * d,
+        BLOCK=triton.next_power_of_2(kvh * d),
+        PAGE_SIZE=cache.shape[1],
+    )
 
 
 @triton.jit
-def _decode_kernel(Q, Cache, PageTable, SeqLens, Out, scale_log2, stride_qt, stride_qh, stride_cp, stride_cs,
-                   stride_ckv, stride_ch, stride_pt, stride_ot, stride_oh, GROUP: tl.constexpr, Q_LEN: tl.constexpr,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+def _decode_kernel(
+    Q,
+    Cache,
+    PageTable,
+    SeqLens,
+    Out,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_cp,
+    stride_cs,
+    stride_ckv,
+    stride_ch,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    Q_LEN: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
     t = tl.program_id(0)
     h = tl.program_id(1)
     b = t // Q_LEN
@@ -74,16 +119,43 @@ def _decode_kernel(Q, Cache, PageTable, SeqLens, Out, scale_log2, stride_qt, str
     tl.store(Out + t.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=dok)
 
 
-def gqa_decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int,
-               scale: float, out: torch.Tensor) -> torch.Tensor:
+def gqa_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """q [B*q_len, H, d] -> out [B*q_len, H, d]; cache [pages, page_size, 2, kv_heads, d]."""
     T, H, D = q.shape
     kvh = cache.shape[3]
     if H % kvh or T % q_len:
         raise ValueError(f"q: {H} heads over {kvh} kv heads, {T} tokens over q_len {q_len}")
     if T:
-        _decode_kernel[(T, H)](q, cache, page_table, seq_lens, out, scale * 1.4426950408889634, q.stride(0),
-                               q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-                               page_table.stride(0), out.stride(0), out.stride(1), GROUP=H // kvh, Q_LEN=q_len, D=D,
-                               BLOCK_D=triton.next_power_of_2(D), BLOCK_N=32, PAGE_SIZE=cache.shape[1], num_warps=4)
+        _decode_kernel[(T, H)](
+            q,
+            cache,
+            page_table,
+            seq_lens,
+            out,
+            scale * 1.4426950408889634,
+            q.stride(0),
+            q.stride(1),
+            cache.stride(0),
+            cache.stride(1),
+            cache.stride(2),
+            cache.stride(3),
+            page_table.stride(0),
+            out.stride(0),
+            out.stride(1),
+            GROUP=H // kvh,
+            Q_LEN=q_len,
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_N=32,
+            PAGE_SIZE=cache.shape[1],
+            num_warps=4,
+        )
     return out

@@ -23,11 +23,21 @@ def _tiles_per_split(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT_TILES
 
 @triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_decode_combine_kernel(
-    PartO, PartLse, Out, SeqLens,
-    stride_ot, stride_oh, stride_or,
-    H, num_splits,
-    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-    Q_LEN: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+    PartO,
+    PartLse,
+    Out,
+    SeqLens,
+    stride_ot,
+    stride_oh,
+    stride_or,
+    H,
+    num_splits,
+    R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    Q_LEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Out[t, h, r-block] = sum_s 2^(lse_s - max) PartO[t, h, s, r-block] / sum_s 2^(lse_s - max). All splits are
@@ -46,8 +56,9 @@ def _mla_decode_combine_kernel(
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     pdl_wait(PDL)
     lse = tl.load(PartLse + th * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    part = tl.load(PartO + (th * num_splits + offs_s)[:, None] * R + offs_r[None, :], mask=filled[:, None],
-                   other=0.0).to(tl.float32)
+    part = tl.load(
+        PartO + (th * num_splits + offs_s)[:, None] * R + offs_r[None, :], mask=filled[:, None], other=0.0
+    ).to(tl.float32)
     has = lse > float("-inf")  # rows a split saw no key of (and empty splits, which never wrote their partial)
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no visible key at all (seq_len 0): zeros

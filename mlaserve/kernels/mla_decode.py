@@ -31,8 +31,16 @@ FEW_MAX_SPLITS = 128  # and their split cap (default_num_splits)
 
 
 @triton.jit
-def _program_rows(SeqLens, H, num_splits, Q_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+def _program_rows(
+    SeqLens,
+    H,
+    num_splits,
+    Q_LEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_QL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
+):
     """A split program's rows (BLOCK_QL tokens x BLOCK_H heads), their causal limits and its token range: from the
     step inputs (SeqLens) only, so it may run before the PDL wait (pdl.py)."""
     hb = tl.program_id(0)
@@ -65,16 +73,38 @@ def _program_q(Q, t, h, row_ok, stride_qt, stride_qh, R: tl.constexpr, P: tl.con
 
 @triton.jit(do_not_specialize=["H", "num_splits"])  # varying batch sizes reuse one binary
 def _mla_decode_split_kernel(
-    Q, KV, KVn, KVp, PageTable, SeqLens, Out, PartO, PartLse,
+    Q,
+    KV,
+    KVn,
+    KVp,
+    PageTable,
+    SeqLens,
+    Out,
+    PartO,
+    PartLse,
     scale_log2,
-    stride_qt, stride_qh,
-    stride_kvp, stride_kvs,
+    stride_qt,
+    stride_qh,
+    stride_kvp,
+    stride_kvs,
     stride_ptb,
-    stride_ot, stride_oh, stride_or,
-    H, num_splits,
-    Q_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_QL: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+    stride_ot,
+    stride_oh,
+    stride_or,
+    H,
+    num_splits,
+    Q_LEN: tl.constexpr,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_QL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one request's context for a block of rows. TMA=False: every tile by masked pointer loads
@@ -90,7 +120,8 @@ def _mla_decode_split_kernel(
     pdl_release(PDL)
     BLOCK_M: tl.constexpr = BLOCK_QL * BLOCK_H
     split, b, t, h, row_ok, last_visible, start, end = _program_rows(
-        SeqLens, H, num_splits, Q_LEN, BLOCK_H, BLOCK_QL, BLOCK_N, MIN_SPLIT_TILES)
+        SeqLens, H, num_splits, Q_LEN, BLOCK_H, BLOCK_QL, BLOCK_N, MIN_SPLIT_TILES
+    )
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, BLOCK_P)
 
@@ -112,8 +143,9 @@ def _mla_decode_split_kernel(
             nxt = n0 + BLOCK_N
             page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
             row = page * PAGE_SIZE + nxt % PAGE_SIZE
-            m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, n0 + offs_n, all_ok, last_visible, scale_log2,
-                                         m_i, l_i, acc, DOT_PREC)
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_pe, kv, k_pe, n0 + offs_n, all_ok, last_visible, scale_log2, m_i, l_i, acc, DOT_PREC
+            )
         # The last, partial tile: masked loads (rows past the context may hold anything, stale or poisoned pages).
         # A loop of 0 or 1 trips, not an `if`, so its loads are cp.async with zero fill straight into shared
         # memory: under an `if` they pass through registers and the kernel spills.
@@ -124,8 +156,9 @@ def _mla_decode_split_kernel(
             kv_row = KV + (pages.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs)[:, None]
             kv_t = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)
             kpe_t = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
-            m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv_t, kpe_t, pos, pos_ok, last_visible, scale_log2, m_i,
-                                         l_i, acc, DOT_PREC)
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_pe, kv_t, kpe_t, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc, DOT_PREC
+            )
     else:
         # The page-table lookup runs one tile ahead (row_off is loop-carried), so the KV load's address never
         # waits on a load of the same iteration and Triton's pipeliner can multi-buffer the KV tiles.
@@ -142,15 +175,33 @@ def _mla_decode_split_kernel(
             row_off = page.to(tl.int64) * stride_kvp + (nxt % PAGE_SIZE) * stride_kvs
             kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]: keys and values
             k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
-            m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i,
-                                         acc, DOT_PREC)
-    _finish(m_i, l_i, acc, t, h, row_ok, start < end, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
-            H, num_splits, R, DIRECT)
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc, DOT_PREC
+            )
+    _finish(
+        m_i,
+        l_i,
+        acc,
+        t,
+        h,
+        row_ok,
+        start < end,
+        split,
+        Out,
+        PartO,
+        PartLse,
+        stride_ot,
+        stride_oh,
+        stride_or,
+        H,
+        num_splits,
+        R,
+        DIRECT,
+    )
 
 
 @triton.jit
-def _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc,
-                 DOT_PREC: tl.constexpr):
+def _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc, DOT_PREC: tl.constexpr):
     """One KV tile of the online softmax: kv [N, R] serves as keys (with k_pe [N, P]) and as values."""
     s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PREC)
     s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC)
@@ -166,8 +217,26 @@ def _attend_tile(q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, 
 
 
 @triton.jit
-def _finish(m_i, l_i, acc, t, h, row_ok, nonempty, split, Out, PartO, PartLse, stride_ot, stride_oh, stride_or,
-            H, num_splits, R: tl.constexpr, DIRECT: tl.constexpr):
+def _finish(
+    m_i,
+    l_i,
+    acc,
+    t,
+    h,
+    row_ok,
+    nonempty,
+    split,
+    Out,
+    PartO,
+    PartLse,
+    stride_ot,
+    stride_oh,
+    stride_or,
+    H,
+    num_splits,
+    R: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
     offs_r = tl.arange(0, R)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -194,8 +263,12 @@ def _use_tma(cfg: dict, kv_cache: torch.Tensor, P: int) -> bool:
     whose pages hold whole tiles, and a rope part of >= 16 values (a box row of >= 32 bytes)."""
     if not cfg.get("TMA", False):
         return False
-    return (kv_cache.is_contiguous() and kv_cache.dtype in (torch.bfloat16, torch.float16) and P >= 16
-            and kv_cache.shape[1] % cfg["BLOCK_N"] == 0)
+    return (
+        kv_cache.is_contiguous()
+        and kv_cache.dtype in (torch.bfloat16, torch.float16)
+        and P >= 16
+        and kv_cache.shape[1] % cfg["BLOCK_N"] == 0
+    )
 
 
 def _pow2(n: int) -> int:
@@ -212,8 +285,13 @@ def decode_config(H: int, q_len: int, dtype: torch.dtype) -> dict:
     fp32 = dtype == torch.float32
     # num_stages=3 gives two KV buffers (a tile in flight during compute; with 2 stages Triton 3.6 single-buffers
     # this loop). 36 KB per 32-token tile: 2 x 36 + 18 (Q) = 90 KB shared at M=16.
-    return dict(BLOCK_H=block_h, BLOCK_QL=block_ql, BLOCK_N=16 if fp32 else 32,
-                num_warps=4 if bm <= 16 else 8, num_stages=1 if fp32 else 3)
+    return dict(
+        BLOCK_H=block_h,
+        BLOCK_QL=block_ql,
+        BLOCK_N=16 if fp32 else 32,
+        num_warps=4 if bm <= 16 else 8,
+        num_stages=1 if fp32 else 3,
+    )
 
 
 def num_sms(device: torch.device) -> int:
@@ -237,9 +315,17 @@ def _few(programs: int, dtype: torch.dtype) -> bool:
     return programs < TMA_MIN_PROGRAMS and dtype != torch.float32
 
 
-def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-               q_len: int, scale: float, out: torch.Tensor, num_splits: int | None = None,
-               config: dict | None = None) -> torch.Tensor:
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_len: int,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """q [T, H, R+P], kv_cache [pages, page_size, R+P], page_table [B, max_pages] int32, seq_lens [B] int32
     (context including this step's q_len tokens), T = B * q_len -> out [T, H, R] (any strides).
     Token j of a request's block sees positions 0 .. seq_len - q_len + j. Rows with nothing visible get 0."""
@@ -296,26 +382,62 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     pdl = pdl_args(q)  # the split and combine kernels launch alike
     min_split_tiles = max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"])  # both kernels cut alike
     _mla_decode_split_kernel[grid](
-        q, kv_cache, kv_n, kv_p, page_table, seq_lens, out, part_o, part_lse,
+        q,
+        kv_cache,
+        kv_n,
+        kv_p,
+        page_table,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
         scale * LOG2E,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
         page_table.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        H, S,
-        Q_LEN=q_len, R=R, P=P, BLOCK_P=max(16, P), PAGE_SIZE=page_size,
-        BLOCK_H=cfg["BLOCK_H"], BLOCK_QL=cfg["BLOCK_QL"], BLOCK_N=cfg["BLOCK_N"],
-        DIRECT=S == 1, MIN_SPLIT_TILES=min_split_tiles,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", TMA=use_tma,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        H,
+        S,
+        Q_LEN=q_len,
+        R=R,
+        P=P,
+        BLOCK_P=max(16, P),
+        PAGE_SIZE=page_size,
+        BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_QL=cfg["BLOCK_QL"],
+        BLOCK_N=cfg["BLOCK_N"],
+        DIRECT=S == 1,
+        MIN_SPLIT_TILES=min_split_tiles,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        TMA=use_tma,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **pdl,
     )
     if S > 1:
         block_s = _pow2(S)
         block_r = min(R, max(16, COMBINE_TILE // block_s))  # [S, BLOCK_R] fp32: <= 64 registers a thread
         _mla_decode_combine_kernel[(T, H, R // block_r)](
-            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), out.stride(2), H, S,
-            R=R, BLOCK_S=block_s, BLOCK_R=block_r, Q_LEN=q_len, BLOCK_N=cfg["BLOCK_N"],
-            MIN_SPLIT_TILES=min_split_tiles, num_warps=4, **pdl,
+            part_o,
+            part_lse,
+            out,
+            seq_lens,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            H,
+            S,
+            R=R,
+            BLOCK_S=block_s,
+            BLOCK_R=block_r,
+            Q_LEN=q_len,
+            BLOCK_N=cfg["BLOCK_N"],
+            MIN_SPLIT_TILES=min_split_tiles,
+            num_warps=4,
+            **pdl,
         )
     return out
-

@@ -38,8 +38,17 @@ def _chunk_hist(TopkIds, start, length, TK, expert_offset, E_LOCAL, BLOCK_E: tl.
 
 
 @triton.jit(do_not_specialize=["TK", "expert_offset"])
-def _moe_hist_kernel(TopkIds, Partial, TK, expert_offset, E_LOCAL,
-                     BLOCK_E: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _moe_hist_kernel(
+    TopkIds,
+    Partial,
+    TK,
+    expert_offset,
+    E_LOCAL,
+    BLOCK_E: tl.constexpr,
+    SUB: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Partial[p, e] = number of pairs of chunk p routed to local expert e."""
     pdl_start(PDL)
     p = tl.program_id(0)
@@ -49,11 +58,28 @@ def _moe_hist_kernel(TopkIds, Partial, TK, expert_offset, E_LOCAL,
 
 
 @triton.jit(do_not_specialize=["TK", "expert_offset", "num_chunks", "max_blocks", "max_padded"])
-def _moe_align_kernel(TopkIds, Partial, SortedIds, ExpertIds, NumPadded,
-                      TK, expert_offset, E_LOCAL, num_chunks, max_blocks, max_padded,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CHUNK: tl.constexpr,
-                      SINGLE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, PAD_E: tl.constexpr,
-                      PDL: tl.constexpr):
+def _moe_align_kernel(
+    TopkIds,
+    Partial,
+    SortedIds,
+    ExpertIds,
+    NumPadded,
+    TK,
+    expert_offset,
+    E_LOCAL,
+    num_chunks,
+    max_blocks,
+    max_padded,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SUB: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    PAD_E: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """SINGLE: one program, all TK pairs, counting them itself. Else program p owns chunk p of Partial's counts."""
     pdl_start(PDL)
     p = tl.program_id(0)
@@ -72,8 +98,11 @@ def _moe_align_kernel(TopkIds, Partial, SortedIds, ExpertIds, NumPadded,
         before = tl.zeros([BLOCK_E], tl.int32)
         for q0 in range(0, num_chunks, BLOCK_Q):
             q = q0 + tl.arange(0, BLOCK_Q)
-            part = tl.load(Partial + q[:, None] * E_LOCAL + offs_e[None, :],
-                           mask=(q < num_chunks)[:, None] & e_ok[None, :], other=0)
+            part = tl.load(
+                Partial + q[:, None] * E_LOCAL + offs_e[None, :],
+                mask=(q < num_chunks)[:, None] & e_ok[None, :],
+                other=0,
+            )
             cnt += tl.sum(part, 0)
             before += tl.sum(tl.where((q < p)[:, None], part, 0), 0)
     padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -112,8 +141,15 @@ def _moe_align_kernel(TopkIds, Partial, SortedIds, ExpertIds, NumPadded,
         carry += tl.sum(oh, 0)
 
 
-def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m: int, *,
-              fused_max: int | None = None, chunk: int | None = None):
+def moe_align(
+    topk_ids: torch.Tensor,
+    E_local: int,
+    expert_offset: int,
+    block_m: int,
+    *,
+    fused_max: int | None = None,
+    chunk: int | None = None,
+):
     """-> (sorted_ids [max_padded] int32, expert_ids [max_blocks] int32 (-1 past the end), num_padded [1] int32).
     max_padded = T*K + min(E_local, T*K) * (block_m - 1) bounds the padded total for any routing; sorted_ids past
     num_padded hold the sentinel (one program) or are left unwritten (many). fused_max / chunk (tests) override
@@ -139,7 +175,7 @@ def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m:
     scale = max(1, block_e // 64)
     single = TK <= fused_max // scale
     if triton.cdiv(TK, max(16, chunk // scale)) <= 64:  # but never past 64 chunks: every program sums all the
-        chunk = max(16, chunk // scale)                  # chunk counts (Kimi 8k prefill: 1024 chunks took 0.8 ms)
+        chunk = max(16, chunk // scale)  # chunk counts (Kimi 8k prefill: 1024 chunks took 0.8 ms)
     warps = 4 if block_e <= 128 else 8
     pdl = pdl_args(ids)
     if single:
@@ -149,11 +185,30 @@ def moe_align(topk_ids: torch.Tensor, E_local: int, expert_offset: int, block_m:
         sub = min(sub, chunk)
         num_chunks = triton.cdiv(TK, chunk)
         partial = torch.empty(num_chunks, E_local, dtype=torch.int32, device=dev)
-        _moe_hist_kernel[(num_chunks,)](ids, partial, TK, expert_offset, E_local,
-                                        BLOCK_E=block_e, SUB=sub, CHUNK=chunk, num_warps=warps, **pdl)
+        _moe_hist_kernel[(num_chunks,)](
+            ids, partial, TK, expert_offset, E_local, BLOCK_E=block_e, SUB=sub, CHUNK=chunk, num_warps=warps, **pdl
+        )
     _moe_align_kernel[(num_chunks,)](
-        ids, partial, sorted_ids, expert_ids, num_padded, TK, expert_offset, E_local, num_chunks, max_blocks,
+        ids,
+        partial,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        TK,
+        expert_offset,
+        E_local,
+        num_chunks,
+        max_blocks,
         max_padded,
-        BLOCK_M=block_m, BLOCK_E=block_e, SUB=sub, CHUNK=chunk, SINGLE=single,
-        BLOCK_Q=max(4, min(64, 4096 // block_e)), BLOCK_B=64, PAD_E=16, num_warps=warps, **pdl)
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        SUB=sub,
+        CHUNK=chunk,
+        SINGLE=single,
+        BLOCK_Q=max(4, min(64, 4096 // block_e)),
+        BLOCK_B=64,
+        PAD_E=16,
+        num_warps=warps,
+        **pdl,
+    )
     return sorted_ids, expert_ids, num_padded

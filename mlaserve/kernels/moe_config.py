@@ -19,8 +19,9 @@ SMS = 132  # H100/H200; the fill heuristic only needs the order of magnitude
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 
-def moe_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, tma: bool = False,
-               **override) -> tuple[dict, dict]:
+def moe_config(
+    T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, tma: bool = False, **override
+) -> tuple[dict, dict]:
     """-> (gemm1 config, gemm2 config). Both share BLOCK_M (the alignment block). `override` (benchmarks, tests)
     replaces keys: flat keys in both, then gemm1={...} / gemm2={...} in one; a BLOCK_M given for one GEMM applies to
     both (they must not disagree). tma: the weight tiles come by TMA (fused_moe.py), which changes the stages."""
@@ -30,8 +31,10 @@ def moe_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, tma: 
         if bad:
             raise ValueError(f"moe config keys {[where + k for k in bad]} are not among {KEYS}")
     if "BLOCK_M" in o1 and "BLOCK_M" in o2 and o1["BLOCK_M"] != o2["BLOCK_M"]:
-        raise ValueError(f"moe config gemm1.BLOCK_M={o1['BLOCK_M']} != gemm2.BLOCK_M={o2['BLOCK_M']}: the GEMMs "
-                         "share the alignment block")
+        raise ValueError(
+            f"moe config gemm1.BLOCK_M={o1['BLOCK_M']} != gemm2.BLOCK_M={o2['BLOCK_M']}: the GEMMs "
+            "share the alignment block"
+        )
     bm_override = o1.get("BLOCK_M", o2.get("BLOCK_M", override.get("BLOCK_M")))
     rows_per_expert = T * K / E
     if rows_per_expert <= 16:

@@ -64,10 +64,30 @@ def _rows(W, WS, e, rows, stride_we, stride_wn, stride_sn, row0, col0, E_ROUTED,
 
 
 @triton.jit(do_not_specialize=["T", "expert_offset"])
-def _moe_gemv1_kernel(X, W13, W1S, W3S, Hbuf, TopkIds, T, D, I, stride_xt, stride_we, stride_wn, stride_sn,
-                      stride_hm, expert_offset, E_LOCAL, E_ROUTED,
-                      TOPK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
+def _moe_gemv1_kernel(
+    X,
+    W13,
+    W1S,
+    W3S,
+    Hbuf,
+    TopkIds,
+    T,
+    D,
+    I,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_sn,
+    stride_hm,
+    expert_offset,
+    E_LOCAL,
+    E_ROUTED,
+    TOPK: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     p, tok, j, n, n_ok = _program(I, T, TOPK, S, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     k_ok = k < D
@@ -102,10 +122,30 @@ def _moe_gemv1_kernel(X, W13, W1S, W3S, Hbuf, TopkIds, T, D, I, stride_xt, strid
 
 
 @triton.jit(do_not_specialize=["T", "expert_offset"])
-def _moe_gemv2_kernel(Hbuf, W2, W2S, Y, TopkW, TopkIds, T, D, I, stride_hm, stride_we, stride_wn, stride_sn,
-                      stride_yt, expert_offset, E_LOCAL, E_ROUTED,
-                      TOPK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
+def _moe_gemv2_kernel(
+    Hbuf,
+    W2,
+    W2S,
+    Y,
+    TopkW,
+    TopkIds,
+    T,
+    D,
+    I,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_sn,
+    stride_yt,
+    expert_offset,
+    E_LOCAL,
+    E_ROUTED,
+    TOPK: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_release(PDL)
     p, tok, j, d, d_ok = _program(D, T, TOPK, S, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -132,8 +172,10 @@ def moe_gemv_config(D: int, I: int) -> dict:
     """Rows per program and the K trip of each GEMV: gemv.py's two rows (gate and up: four) with the whole row in
     one trip up to 2048 columns (longer rows loop), 2-4 warps. (gemv2's first trip of Moonlight's 1408-wide rows as
     1024 + 512 loads, 80 registers instead of 125, was slower: 1.90 against 1.87 ms at batch 1, session 13.)"""
-    return dict(gemv1=dict(BLOCK_N=2, BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4),
-                gemv2=dict(BLOCK_N=4, BLOCK_K=min(triton.next_power_of_2(I), 2048), num_warps=2))
+    return dict(
+        gemv1=dict(BLOCK_N=2, BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4),
+        gemv2=dict(BLOCK_N=4, BLOCK_K=min(triton.next_power_of_2(I), 2048), num_warps=2),
+    )
 
 
 def moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S, hbuf, y, pdl, config=None):
@@ -151,10 +193,52 @@ def moe_gemv(x, w13, w2, topk_weights, topk_ids, expert_offset, w1s, w3s, w2s, S
     ids = topk_ids.reshape(-1)
     sn1 = w1s.stride(0) if S else 0
     _moe_gemv1_kernel[(T * TOPK * triton.cdiv(I, c1["BLOCK_N"]),)](
-        x, w13, w1s, w3s, hbuf, ids, T, D, I, x.stride(0), w13.stride(0), w13.stride(1), sn1, hbuf.stride(0),
-        expert_offset, E + S, E, TOPK=TOPK, S=S, BLOCK_N=c1["BLOCK_N"], BLOCK_K=c1["BLOCK_K"],
-        num_warps=c1["num_warps"], **pdl)
+        x,
+        w13,
+        w1s,
+        w3s,
+        hbuf,
+        ids,
+        T,
+        D,
+        I,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        sn1,
+        hbuf.stride(0),
+        expert_offset,
+        E + S,
+        E,
+        TOPK=TOPK,
+        S=S,
+        BLOCK_N=c1["BLOCK_N"],
+        BLOCK_K=c1["BLOCK_K"],
+        num_warps=c1["num_warps"],
+        **pdl,
+    )
     _moe_gemv2_kernel[(T * TOPK * triton.cdiv(D, c2["BLOCK_N"]),)](
-        hbuf, w2, w2s, y, topk_weights.reshape(-1), ids, T, D, I, hbuf.stride(0), w2.stride(0), w2.stride(1),
-        w2s.stride(0) if S else 0, y.stride(0), expert_offset, E + S, E, TOPK=TOPK, S=S, BLOCK_N=c2["BLOCK_N"],
-        BLOCK_K=c2["BLOCK_K"], num_warps=c2["num_warps"], **pdl)
+        hbuf,
+        w2,
+        w2s,
+        y,
+        topk_weights.reshape(-1),
+        ids,
+        T,
+        D,
+        I,
+        hbuf.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2s.stride(0) if S else 0,
+        y.stride(0),
+        expert_offset,
+        E + S,
+        E,
+        TOPK=TOPK,
+        S=S,
+        BLOCK_N=c2["BLOCK_N"],
+        BLOCK_K=c2["BLOCK_K"],
+        num_warps=c2["num_warps"],
+        **pdl,
+    )

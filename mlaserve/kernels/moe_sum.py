@@ -17,8 +17,22 @@ from .rmsnorm import _add_norm_row, _check, _launch_args
 
 
 @triton.jit
-def _topk_sum_row(Y, TopkIds, Add, t, offs, ok, D, expert_offset, E_LOCAL, stride_add, TOPK: tl.constexpr,
-                  BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, ALL_OWN: tl.constexpr):
+def _topk_sum_row(
+    Y,
+    TopkIds,
+    Add,
+    t,
+    offs,
+    ok,
+    D,
+    expert_offset,
+    E_LOCAL,
+    stride_add,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    ALL_OWN: tl.constexpr,
+):
     """Row t of the MoE output in fp32, to be rounded to Y's dtype: sum over k of Y[(t, k)] in k order, skipping
     experts this rank does not own (their rows were never written); plus Add[t] (the shared experts' output)
     after rounding the sum, as `routed + shared` in the dtype rounds. ALL_OWN (no expert parallelism: every
@@ -38,27 +52,61 @@ def _topk_sum_row(Y, TopkIds, Add, t, offs, ok, D, expert_offset, E_LOCAL, strid
             acc += tl.load(row, mask=ok & own, other=0.0).to(tl.float32)
     if HAS_ADD:
         acc = acc.to(Y.dtype.element_ty).to(tl.float32) + tl.load(
-            Add + t.to(tl.int64) * stride_add + offs, mask=ok, other=0.0).to(tl.float32)
+            Add + t.to(tl.int64) * stride_add + offs, mask=ok, other=0.0
+        ).to(tl.float32)
     return acc
 
 
 @triton.jit(do_not_specialize=["expert_offset"])
-def _moe_sum_kernel(Y, TopkIds, Out, Add, D, expert_offset, E_LOCAL, stride_add, TOPK: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr, ALL_OWN: tl.constexpr, PDL: tl.constexpr):
+def _moe_sum_kernel(
+    Y,
+    TopkIds,
+    Out,
+    Add,
+    D,
+    expert_offset,
+    E_LOCAL,
+    stride_add,
+    TOPK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    ALL_OWN: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Out[t] = the MoE output row t; programs (token, BLOCK_D columns)."""
     pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
-    acc = _topk_sum_row(Y, TopkIds, Add, t, offs, ok, D, expert_offset, E_LOCAL, stride_add, TOPK, BLOCK_D, HAS_ADD,
-                        ALL_OWN)
+    acc = _topk_sum_row(
+        Y, TopkIds, Add, t, offs, ok, D, expert_offset, E_LOCAL, stride_add, TOPK, BLOCK_D, HAS_ADD, ALL_OWN
+    )
     tl.store(Out + t.to(tl.int64) * D + offs, acc.to(Out.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["expert_offset"])
-def _moe_sum_norm_kernel(Y, TopkIds, Add, Res, W, Out, Sum, D, expert_offset, E_LOCAL, stride_add, stride_r,
-                         stride_o, stride_s, eps, TOPK: tl.constexpr, BLOCK: tl.constexpr, HAS_ADD: tl.constexpr,
-                         ALL_OWN: tl.constexpr, PDL: tl.constexpr):
+def _moe_sum_norm_kernel(
+    Y,
+    TopkIds,
+    Add,
+    Res,
+    W,
+    Out,
+    Sum,
+    D,
+    expert_offset,
+    E_LOCAL,
+    stride_add,
+    stride_r,
+    stride_o,
+    stride_s,
+    eps,
+    TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    ALL_OWN: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Sum[t] = round(moe_out[t] + Res[t]), Out[t] = norm(Sum[t]); one program per token, the whole row.
     moe_out[t] is rounded to the dtype as _moe_sum_kernel stores it; the rest is _add_rmsnorm_kernel's row."""
     pdl_release(PDL)
@@ -67,15 +115,21 @@ def _moe_sum_norm_kernel(Y, TopkIds, Add, Res, W, Out, Sum, D, expert_offset, E_
     ok = d < D
     w = tl.load(W + d, mask=ok, other=0.0)  # a weight: before the wait (rmsnorm._norm_row)
     pdl_wait(PDL)
-    acc = _topk_sum_row(Y, TopkIds, Add, t, d, ok, D, expert_offset, E_LOCAL, stride_add, TOPK, BLOCK, HAS_ADD,
-                        ALL_OWN)
+    acc = _topk_sum_row(Y, TopkIds, Add, t, d, ok, D, expert_offset, E_LOCAL, stride_add, TOPK, BLOCK, HAS_ADD, ALL_OWN)
     x = acc.to(Y.dtype.element_ty).to(tl.float32)
     r = tl.load(Res + t.to(tl.int64) * stride_r + d, mask=ok, other=0.0).to(tl.float32)
     _add_norm_row(x, r, w, Out, Sum, t.to(tl.int64), stride_o, stride_s, d, ok, D, eps)
 
 
-def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int, num_local: int,
-            add: torch.Tensor | None = None, norm: tuple | None = None, all_local: bool = False):
+def moe_sum(
+    y: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int,
+    num_local: int,
+    add: torch.Tensor | None = None,
+    norm: tuple | None = None,
+    all_local: bool = False,
+):
     """y [T*K, D] (row t*K + k: token t's k-th expert, top-k weight applied; rows of experts outside
     [offset, offset + num_local) unwritten), topk_ids [T, K] -> out [T, D] in y.dtype (+ add [T, D] after rounding).
     norm = (weight [D], eps, residual [T, D]) -> (norm(out + residual), out + residual) instead. all_local: this
@@ -86,30 +140,61 @@ def moe_sum(y: torch.Tensor, topk_ids: torch.Tensor, expert_offset: int, num_loc
     if y.shape != (T * K, D) or y.stride() != (D, 1):
         raise ValueError(f"y must be a contiguous [{T * K}, D], got {tuple(y.shape)} strides {y.stride()}")
     if add is not None and (add.shape != (T, D) or add.dtype != y.dtype or add.stride(-1) != 1):
-        raise ValueError(f"add must be [{T}, {D}] {y.dtype} with a unit last stride, got {tuple(add.shape)} "
-                         f"{add.dtype}")
-    add_args = dict(Add=y if add is None else add, stride_add=0 if add is None else add.stride(0),
-                    HAS_ADD=add is not None, ALL_OWN=bool(all_local))
+        raise ValueError(
+            f"add must be [{T}, {D}] {y.dtype} with a unit last stride, got {tuple(add.shape)} {add.dtype}"
+        )
+    add_args = dict(
+        Add=y if add is None else add,
+        stride_add=0 if add is None else add.stride(0),
+        HAS_ADD=add is not None,
+        ALL_OWN=bool(all_local),
+    )
     if norm is None:
         out = torch.empty(T, D, dtype=y.dtype, device=y.device)
         block_d = min(1024, triton.next_power_of_2(D))
         if T:
-            _moe_sum_kernel[(T, triton.cdiv(D, block_d))](y, topk_ids, out, D=D, expert_offset=expert_offset,
-                                                         E_LOCAL=num_local, TOPK=K, BLOCK_D=block_d, num_warps=4,
-                                                         **add_args, **pdl_args(y))
+            _moe_sum_kernel[(T, triton.cdiv(D, block_d))](
+                y,
+                topk_ids,
+                out,
+                D=D,
+                expert_offset=expert_offset,
+                E_LOCAL=num_local,
+                TOPK=K,
+                BLOCK_D=block_d,
+                num_warps=4,
+                **add_args,
+                **pdl_args(y),
+            )
         return out
     weight, eps, residual = norm
     if weight.shape != (D,) or residual.shape != (T, D):
-        raise ValueError(f"norm weight {tuple(weight.shape)} / residual {tuple(residual.shape)} must be [{D}] / "
-                         f"[{T}, {D}]")
+        raise ValueError(
+            f"norm weight {tuple(weight.shape)} / residual {tuple(residual.shape)} must be [{D}] / [{T}, {D}]"
+        )
     _check(residual, weight)
     if weight.dtype != y.dtype:
         raise ValueError(f"norm weight and residual must be {y.dtype}, got {weight.dtype}")
     out = torch.empty(T, D, dtype=y.dtype, device=y.device)
     s = torch.empty(T, D, dtype=y.dtype, device=y.device)
     if T:
-        _moe_sum_norm_kernel[(T,)](y, topk_ids, Res=residual, W=weight, Out=out, Sum=s, D=D,
-                                   expert_offset=expert_offset, E_LOCAL=num_local, stride_r=residual.stride(0),
-                                   stride_o=out.stride(0), stride_s=s.stride(0), eps=eps, TOPK=K, **add_args,
-                                   **_launch_args(D), **pdl_args(y))
+        _moe_sum_norm_kernel[(T,)](
+            y,
+            topk_ids,
+            Res=residual,
+            W=weight,
+            Out=out,
+            Sum=s,
+            D=D,
+            expert_offset=expert_offset,
+            E_LOCAL=num_local,
+            stride_r=residual.stride(0),
+            stride_o=out.stride(0),
+            stride_s=s.stride(0),
+            eps=eps,
+            TOPK=K,
+            **add_args,
+            **_launch_args(D),
+            **pdl_args(y),
+        )
     return out, s

@@ -47,8 +47,11 @@ def _pdl_on(device_index: int) -> bool:
 
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device (one-GPU runs only)."""
-    on = (t.is_cuda and (tp.rank_info().world_size == 1 or os.environ.get("MLASERVE_PDL") == "all")
-          and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+    on = (
+        t.is_cuda
+        and (tp.rank_info().world_size == 1 or os.environ.get("MLASERVE_PDL") == "all")
+        and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    )
     return dict(PDL=on, launch_pdl=on)
 
 

@@ -32,10 +32,35 @@ def _load_rows(base, pos, stride_t, offs_d, klen, D: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
-def _attn_tile(acc, m_i, l_i, q1, q2, k1_ptr, k2_ptr, v_ptr, n0, klen, q_pos, scale_log2,
-               stride_k1t, stride_k2t, stride_vt, offs_n, offs_d1, offs_d2, offs_dv,
-               D1: tl.constexpr, BLOCK_D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
-               DV: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+def _attn_tile(
+    acc,
+    m_i,
+    l_i,
+    q1,
+    q2,
+    k1_ptr,
+    k2_ptr,
+    v_ptr,
+    n0,
+    klen,
+    q_pos,
+    scale_log2,
+    stride_k1t,
+    stride_k2t,
+    stride_vt,
+    offs_n,
+    offs_d1,
+    offs_d2,
+    offs_dv,
+    D1: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    D2: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     pos = n0 + offs_n
     k1 = _load_rows(k1_ptr, pos, stride_k1t, offs_d1, klen, D1, BLOCK_D1, MASKED)  # [N, BD1]
     s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
@@ -59,11 +84,35 @@ def _attn_tile(acc, m_i, l_i, q1, q2, k1_ptr, k2_ptr, v_ptr, n0, klen, q_pos, sc
 
 @triton.jit
 def _prefill_attention_kernel(
-    Q, K1, K2, V, O, CuQ, CuK, scale_log2, num_mb,
-    stride_qt, stride_qh, stride_k1t, stride_k1h, stride_k2t, stride_k2h, stride_vt, stride_vh,
-    stride_ot, stride_oh, H, head_group,
-    D1: tl.constexpr, BLOCK_D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K1,
+    K2,
+    V,
+    O,
+    CuQ,
+    CuK,
+    scale_log2,
+    num_mb,
+    stride_qt,
+    stride_qh,
+    stride_k1t,
+    stride_k1h,
+    stride_k2t,
+    stride_k2h,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    H,
+    head_group,
+    D1: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    D2: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     # One flat grid over (request, head group, query block, head in group): within a group of heads the longest
@@ -106,13 +155,65 @@ def _prefill_attention_kernel(
     unmasked_end = ((klen - qlen + mb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
     hi = klen - qlen + tl.minimum((mb + 1) * BLOCK_M, qlen)
     for n0 in range(0, unmasked_end, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q1, q2, k1_ptr, k2_ptr, v_ptr, n0, klen, q_pos, scale_log2,
-                                   stride_k1t, stride_k2t, stride_vt, offs_n, offs_d1, offs_d2, offs_dv,
-                                   D1, BLOCK_D1, D2, BLOCK_D2, DV, BLOCK_DV, False, DOT_PREC)
+        acc, m_i, l_i = _attn_tile(
+            acc,
+            m_i,
+            l_i,
+            q1,
+            q2,
+            k1_ptr,
+            k2_ptr,
+            v_ptr,
+            n0,
+            klen,
+            q_pos,
+            scale_log2,
+            stride_k1t,
+            stride_k2t,
+            stride_vt,
+            offs_n,
+            offs_d1,
+            offs_d2,
+            offs_dv,
+            D1,
+            BLOCK_D1,
+            D2,
+            BLOCK_D2,
+            DV,
+            BLOCK_DV,
+            False,
+            DOT_PREC,
+        )
     for n0 in range(unmasked_end, hi, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q1, q2, k1_ptr, k2_ptr, v_ptr, n0, klen, q_pos, scale_log2,
-                                   stride_k1t, stride_k2t, stride_vt, offs_n, offs_d1, offs_d2, offs_dv,
-                                   D1, BLOCK_D1, D2, BLOCK_D2, DV, BLOCK_DV, True, DOT_PREC)
+        acc, m_i, l_i = _attn_tile(
+            acc,
+            m_i,
+            l_i,
+            q1,
+            q2,
+            k1_ptr,
+            k2_ptr,
+            v_ptr,
+            n0,
+            klen,
+            q_pos,
+            scale_log2,
+            stride_k1t,
+            stride_k2t,
+            stride_vt,
+            offs_n,
+            offs_d1,
+            offs_d2,
+            offs_dv,
+            D1,
+            BLOCK_D1,
+            D2,
+            BLOCK_D2,
+            DV,
+            BLOCK_DV,
+            True,
+            DOT_PREC,
+        )
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptr = O + (q0 + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
     tl.store(o_ptr, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < DV)[None, :])
@@ -150,9 +251,18 @@ def _head_group(H: int, want: int) -> int:
     return g
 
 
-def prefill_attention_mla(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
-                          cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float, out: torch.Tensor, max_q_len: int,
-                          config: dict | None = None) -> torch.Tensor:
+def prefill_attention_mla(
+    q: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    max_q_len: int,
+    config: dict | None = None,
+) -> torch.Tensor:
     """Attention with k = [k_nope | k_rope] read from two sources. q [Tp, H, N+P], k_nope [C, H, N], k_rope [C, P]
     (shared by all heads) or [C, H, P], v [C, H, Dv], cu_q/cu_k [B+1] int32 -> out [Tp, H, Dv]. Any strides with a
     unit last stride. Needs klen >= qlen per request (the caller's contract; not checked on device)."""
@@ -162,15 +272,21 @@ def prefill_attention_mla(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.T
     Dv = v.shape[-1]
     rope_ok = k_rope.shape == (C, P) or k_rope.shape == (C, H, P)
     if k_nope.shape != (C, H, N) or not rope_ok or N + P != Dqk or v.shape[:2] != (C, H) or out.shape != (Tp, H, Dv):
-        raise ValueError(f"shapes q {tuple(q.shape)} k_nope {tuple(k_nope.shape)} k_rope {tuple(k_rope.shape)} "
-                         f"v {tuple(v.shape)} out {tuple(out.shape)} must be [Tp,H,N+P] [C,H,N] [C,P] or [C,H,P] "
-                         "[C,H,Dv] [Tp,H,Dv]")
+        raise ValueError(
+            f"shapes q {tuple(q.shape)} k_nope {tuple(k_nope.shape)} k_rope {tuple(k_rope.shape)} "
+            f"v {tuple(v.shape)} out {tuple(out.shape)} must be [Tp,H,N+P] [C,H,N] [C,P] or [C,H,P] "
+            "[C,H,Dv] [Tp,H,Dv]"
+        )
     if any(t.stride(-1) != 1 for t in (q, k_nope, k_rope, v, out)):
         raise ValueError("q, k_nope, k_rope, v and out need a unit stride in their last dim")
-    if not (q.dtype == k_nope.dtype == k_rope.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float16,
-                                                                                  torch.float32):
-        raise ValueError(f"q/k_nope/k_rope/v dtypes {q.dtype}/{k_nope.dtype}/{k_rope.dtype}/{v.dtype} must match "
-                         "(bf16/fp16/fp32)")
+    if not (q.dtype == k_nope.dtype == k_rope.dtype == v.dtype) or q.dtype not in (
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    ):
+        raise ValueError(
+            f"q/k_nope/k_rope/v dtypes {q.dtype}/{k_nope.dtype}/{k_rope.dtype}/{v.dtype} must match (bf16/fp16/fp32)"
+        )
     if not (1 <= N <= 512 and 0 <= P <= 256 and 1 <= Dv <= 256):
         raise ValueError(f"head dims N={N} (1..512) P={P} (0..256) Dv={Dv} (1..256) out of range")
     if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or cu_q.shape != cu_k.shape:
@@ -183,33 +299,77 @@ def prefill_attention_mla(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.T
     num_mb = triton.cdiv(max_q_len, cfg["BLOCK_M"])
     k2h = k_rope.stride(1) if k_rope.dim() == 3 else 0
     _prefill_attention_kernel[(B * H * num_mb,)](
-        q, k_nope, k_rope, v, out, cu_q, cu_k, scale * LOG2E, num_mb,
-        q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), k2h,
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1), H, g,
-        D1=N, BLOCK_D1=max(16, _pow2(N)), D2=P, BLOCK_D2=max(16, _pow2(P)), DV=Dv, BLOCK_DV=max(16, _pow2(Dv)),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        q,
+        k_nope,
+        k_rope,
+        v,
+        out,
+        cu_q,
+        cu_k,
+        scale * LOG2E,
+        num_mb,
+        q.stride(0),
+        q.stride(1),
+        k_nope.stride(0),
+        k_nope.stride(1),
+        k_rope.stride(0),
+        k2h,
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        H,
+        g,
+        D1=N,
+        BLOCK_D1=max(16, _pow2(N)),
+        D2=P,
+        BLOCK_D2=max(16, _pow2(P)),
+        DV=Dv,
+        BLOCK_DV=max(16, _pow2(Dv)),
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                      scale: float, out: torch.Tensor, max_q_len: int, config: dict | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    max_q_len: int,
+    config: dict | None = None,
+) -> torch.Tensor:
     """q [Tp, H, Dqk], k [C, H, Dqk], v [C, H, Dv], cu_q/cu_k [B+1] int32 -> out [Tp, H, Dv] (any strides with a
     unit last stride): prefill_attention_mla with k split at the largest power of two <= Dqk."""
     Tp, H, Dqk = q.shape
     if k.dim() != 3 or k.shape[1:] != (H, Dqk) or v.shape[:2] != k.shape[:2] or out.shape != (Tp, H, v.shape[-1]):
-        raise ValueError(f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} out {tuple(out.shape)} "
-                         "must be [Tp,H,Dqk] [C,H,Dqk] [C,H,Dv] [Tp,H,Dv]")
+        raise ValueError(
+            f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} out {tuple(out.shape)} "
+            "must be [Tp,H,Dqk] [C,H,Dqk] [C,H,Dv] [Tp,H,Dv]"
+        )
     if Dqk < 16 or Dqk > 512:
         raise ValueError(f"head dim Dqk={Dqk} out of range (16..512)")
     d1 = split_head_dim(Dqk)[0]
     return prefill_attention_mla(q, k[..., :d1], k[..., d1:], v, cu_q, cu_k, scale, out, max_q_len, config)
 
 
-def prefill_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                           cu_k: torch.Tensor, scale: float, out: torch.Tensor, max_q_len: int) -> torch.Tensor:
+def prefill_attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    max_q_len: int,
+) -> torch.Tensor:
     """The same contract through torch SDPA, one request at a time (reads cu_q/cu_k on the host: a sync;
     for comparison and eager fallback, not for CUDA graphs)."""
     from torch.nn.attention.bias import causal_lower_right
@@ -219,11 +379,11 @@ def prefill_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         n, L = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
         if n == 0:
             continue
-        qb = q[cq[b]:cq[b + 1]].transpose(0, 1)  # [H, n, Dqk]
-        kb, vb = k[ck[b]:ck[b + 1]].transpose(0, 1), v[ck[b]:ck[b + 1]].transpose(0, 1)
+        qb = q[cq[b] : cq[b + 1]].transpose(0, 1)  # [H, n, Dqk]
+        kb, vb = k[ck[b] : ck[b + 1]].transpose(0, 1), v[ck[b] : ck[b + 1]].transpose(0, 1)
         if n == L:
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
         else:
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(n, L), scale=scale)
-        out[cq[b]:cq[b + 1]] = o.transpose(0, 1)
+        out[cq[b] : cq[b + 1]] = o.transpose(0, 1)
     return out

@@ -23,10 +23,10 @@ def mla_decode_ref(q, kv_cache, page_table, seq_lens, q_len: int, scale: float, 
     for b, L in enumerate(seq_lens.tolist()):
         n_pages = -(-L // page_size)
         kv = kv_cache[page_table[b, :n_pages].long()].reshape(-1, D)[:L].float()  # [L, R+P]
-        qb = q[b * q_len:(b + 1) * q_len].float()
+        qb = q[b * q_len : (b + 1) * q_len].float()
         s = torch.einsum("qhd,ld->qhl", qb, kv) * scale
         s = s.masked_fill(~_lower_right_causal(q_len, L, q.device)[:, None, :], float("-inf"))
-        out[b * q_len:(b + 1) * q_len] = torch.einsum("qhl,lr->qhr", s.softmax(-1).nan_to_num(0.0), kv[:, :R])
+        out[b * q_len : (b + 1) * q_len] = torch.einsum("qhl,lr->qhr", s.softmax(-1).nan_to_num(0.0), kv[:, :R])
     return out
 
 
@@ -36,10 +36,10 @@ def prefill_attention_ref(q, k, v, cu_q, cu_k, scale: float) -> torch.Tensor:
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for b in range(len(cq) - 1):
         n, L = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        qi, ki, vi = q[cq[b]:cq[b + 1]].float(), k[ck[b]:ck[b + 1]].float(), v[ck[b]:ck[b + 1]].float()
+        qi, ki, vi = q[cq[b] : cq[b + 1]].float(), k[ck[b] : ck[b + 1]].float(), v[ck[b] : ck[b + 1]].float()
         s = torch.einsum("qhd,khd->hqk", qi, ki) * scale
         s = s.masked_fill(~_lower_right_causal(n, L, q.device), float("-inf"))
-        out[cq[b]:cq[b + 1]] = torch.einsum("hqk,khv->qhv", s.softmax(-1), vi)
+        out[cq[b] : cq[b + 1]] = torch.einsum("hqk,khv->qhv", s.softmax(-1), vi)
     return out
 
 
@@ -60,5 +60,11 @@ def rope_q_ref(x, cos, sin) -> torch.Tensor:
     return apply_rope(x, cos, sin, torch.empty(x.shape, dtype=torch.float32, device=x.device))
 
 
-__all__ = ["mla_decode_ref", "prefill_attention_ref", "rope_store_kv_ref", "rope_q_ref", "fused_experts_ref",
-           "route_noaux_tc"]
+__all__ = [
+    "mla_decode_ref",
+    "prefill_attention_ref",
+    "rope_store_kv_ref",
+    "rope_q_ref",
+    "fused_experts_ref",
+    "route_noaux_tc",
+]

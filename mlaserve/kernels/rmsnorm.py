@@ -46,8 +46,9 @@ def _add_norm_row(x, r, w, Out, Sum, row, stride_o, stride_s, d, ok, D, eps):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, Res, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, D, eps, BLOCK: tl.constexpr,
-PDL: tl.constexpr):
+def _add_rmsnorm_kernel(
+    X, Res, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     pdl_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
@@ -61,8 +62,10 @@ PDL: tl.constexpr):
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or x.stride(-1) != 1 or weight.dtype != x.dtype:
-        raise ValueError(f"x: need [T, D] with a contiguous last dim and weight of x's dtype, got {tuple(x.shape)} "
-                         f"{x.dtype} / weight {weight.dtype}")
+        raise ValueError(
+            f"x: need [T, D] with a contiguous last dim and weight of x's dtype, got {tuple(x.shape)} "
+            f"{x.dtype} / weight {weight.dtype}"
+        )
 
 
 def _launch_args(D: int) -> dict:
@@ -82,8 +85,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, D] -> (norm(x + residual), x + residual), both new tensors in x.dtype."""
     _check(x, weight)
     _check(residual, weight)
@@ -93,6 +97,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     s = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
-        _add_rmsnorm_kernel[(T,)](x, residual, weight, out, s, x.stride(0), residual.stride(0), out.stride(0),
-                                  s.stride(0), D, eps, **_launch_args(D), **pdl_args(x))
+        _add_rmsnorm_kernel[(T,)](
+            x,
+            residual,
+            weight,
+            out,
+            s,
+            x.stride(0),
+            residual.stride(0),
+            out.stride(0),
+            s.stride(0),
+            D,
+            eps,
+            **_launch_args(D),
+            **pdl_args(x),
+        )
     return out, s

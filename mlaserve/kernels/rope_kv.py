@@ -31,10 +31,31 @@ def _kv_norm_weight(NormW, R: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.cons
 
 
 @triton.jit
-def _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, norm_w, eps, t, slot,
-                  stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
-                  R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, NORM: tl.constexpr):
+def _store_kv_row(
+    Cache,
+    Ckv,
+    Kpe,
+    Cos,
+    Sin,
+    norm_w,
+    eps,
+    t,
+    slot,
+    stride_cp,
+    stride_cs,
+    stride_ct,
+    stride_cr,
+    stride_kt,
+    stride_kp,
+    stride_cos,
+    stride_sin,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Token t's cache row at slot (>= 0): [c_kv, or kv_a_layernorm(c_kv) with NORM | rope(k_pe)]; norm_w: the
     norm's weight (_kv_norm_weight). Reads the step's activations: call it after pdl_wait. Every load comes before
     the first store (a store may alias a later load, so a load after it waits for it: one more round trip).
@@ -60,10 +81,31 @@ def _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, norm_w, eps, t, slot,
 
 
 @triton.jit
-def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
-                          stride_cp, stride_cs, stride_ct, stride_cr, stride_kt, stride_kp, stride_cos, stride_sin,
-                          R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+def _rope_store_kv_kernel(
+    Cache,
+    Slots,
+    Ckv,
+    Kpe,
+    Cos,
+    Sin,
+    NormW,
+    eps,
+    stride_cp,
+    stride_cs,
+    stride_ct,
+    stride_cr,
+    stride_kt,
+    stride_kp,
+    stride_cos,
+    stride_sin,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_release(PDL)
     t = tl.program_id(0)
     slot = tl.load(Slots + t)  # a step input (copied from the host before the forward): read before the wait
@@ -71,22 +113,67 @@ def _rope_store_kv_kernel(Cache, Slots, Ckv, Kpe, Cos, Sin, NormW, eps,
         return
     norm_w = _kv_norm_weight(NormW, R, BLOCK_R, NORM)
     pdl_wait(PDL)
-    _store_kv_row(Cache, Ckv, Kpe, Cos, Sin, norm_w, eps, t, slot, stride_cp, stride_cs, stride_ct, stride_cr,
-                  stride_kt, stride_kp, stride_cos, stride_sin, R, BLOCK_R, HALF, BLOCK_HALF, PAGE_SIZE, NORM)
+    _store_kv_row(
+        Cache,
+        Ckv,
+        Kpe,
+        Cos,
+        Sin,
+        norm_w,
+        eps,
+        t,
+        slot,
+        stride_cp,
+        stride_cs,
+        stride_ct,
+        stride_cr,
+        stride_kt,
+        stride_kp,
+        stride_cos,
+        stride_sin,
+        R,
+        BLOCK_R,
+        HALF,
+        BLOCK_HALF,
+        PAGE_SIZE,
+        NORM,
+    )
 
 
 @triton.jit
-def _rope_q_tile(X, Cos, Sin, Out, t, h, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
-                 stride_cos, stride_sin,
-                 P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+def _rope_q_tile(
+    X,
+    Cos,
+    Sin,
+    Out,
+    t,
+    h,
+    T,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_xp,
+    stride_ot,
+    stride_oh,
+    stride_op,
+    stride_cos,
+    stride_sin,
+    P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     """The query RoPE of tokens t [BLOCK_T] x heads h [BLOCK_H] (masked to < T, < H): a [BLOCK_T, BLOCK_H, P] tile
     of whole rows of P (vector loads), cos/sin read once per token. Shared by rope_q and head_gemv.absorb_q_rope.
     Every pair is read and written by the same program, so out may alias x."""
     p = tl.arange(0, BLOCK_P)
     t64 = t.to(tl.int64)
     ok = (t < T)[:, None, None] & (h < H)[None, :, None] & (p < P)[None, None, :]
-    x = tl.load(X + t64[:, None, None] * stride_xt + h[None, :, None] * stride_xh + p[None, None, :] * stride_xp,
-                mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(
+        X + t64[:, None, None] * stride_xt + h[None, :, None] * stride_xh + p[None, None, :] * stride_xp,
+        mask=ok,
+        other=0.0,
+    ).to(tl.float32)
     x0, x1 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, BLOCK_P // 2, 2)))  # even, odd elements
     i = tl.arange(0, BLOCK_P // 2)
     cs_ok = (t < T)[:, None] & (i < P // 2)[None, :]
@@ -94,20 +181,60 @@ def _rope_q_tile(X, Cos, Sin, Out, t, h, T, H, stride_xt, stride_xh, stride_xp, 
     sn = tl.load(Sin + t64[:, None] * stride_sin + i[None, :], mask=cs_ok, other=0.0)[:, None, :]
     y0, y1 = _rotate_pairs(x0, x1, cs, sn)
     y = tl.reshape(tl.join(y0, y1), (BLOCK_T, BLOCK_H, BLOCK_P))
-    tl.store(Out + t64[:, None, None] * stride_ot + h[None, :, None] * stride_oh + p[None, None, :] * stride_op,
-             y.to(Out.dtype.element_ty), mask=ok)
+    tl.store(
+        Out + t64[:, None, None] * stride_ot + h[None, :, None] * stride_oh + p[None, None, :] * stride_op,
+        y.to(Out.dtype.element_ty),
+        mask=ok,
+    )
 
 
 @triton.jit
-def _rope_q_kernel(X, Cos, Sin, Out, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
-                   stride_cos, stride_sin,
-                   P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-                   PDL: tl.constexpr):
+def _rope_q_kernel(
+    X,
+    Cos,
+    Sin,
+    Out,
+    T,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_xp,
+    stride_ot,
+    stride_oh,
+    stride_op,
+    stride_cos,
+    stride_sin,
+    P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_start(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    _rope_q_tile(X, Cos, Sin, Out, t, h, T, H, stride_xt, stride_xh, stride_xp, stride_ot, stride_oh, stride_op,
-                 stride_cos, stride_sin, P, BLOCK_T, BLOCK_H, BLOCK_P)
+    _rope_q_tile(
+        X,
+        Cos,
+        Sin,
+        Out,
+        t,
+        h,
+        T,
+        H,
+        stride_xt,
+        stride_xh,
+        stride_xp,
+        stride_ot,
+        stride_oh,
+        stride_op,
+        stride_cos,
+        stride_sin,
+        P,
+        BLOCK_T,
+        BLOCK_H,
+        BLOCK_P,
+    )
 
 
 def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None:
@@ -117,8 +244,15 @@ def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None
         raise ValueError("cos/sin need a unit last stride")
 
 
-def _check_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor | None) -> None:
+def _check_store_kv(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+) -> None:
     """rope_store_kv's inputs (also head_gemv.absorb_q_rope_store_kv's)."""
     if c_kv.dim() != 2:
         raise ValueError(f"c_kv {tuple(c_kv.shape)} must be [T, R]")
@@ -129,16 +263,25 @@ def _check_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: to
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != R + P or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [pages, page_size, {R + P}], unit last stride")
     if k_pe.shape != (T, P) or P % 2 or slot_mapping.shape != (T,) or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"k_pe [{T}, P even] and slot_mapping [{T}] int64 expected, got {tuple(k_pe.shape)} "
-                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+        raise ValueError(
+            f"k_pe [{T}, P even] and slot_mapping [{T}] int64 expected, got {tuple(k_pe.shape)} "
+            f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
     _check_cos_sin(cos, sin, T, P)
     if kv_cache.shape[1] & (kv_cache.shape[1] - 1):
         raise ValueError(f"page_size={kv_cache.shape[1]} must be a power of two")
 
 
-def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6) -> None:
+def rope_store_kv(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
     """kv_cache [pages, page_size, R+P]; slot_mapping [T] int64 (page * page_size + offset; < 0 skips);
     c_kv [T, R], k_pe [T, P] (strided views allowed); cos/sin [T, P/2] fp32. Writes [c_kv | rope(k_pe)], or with
     norm_weight [R] (c_kv's dtype) [rms_norm(c_kv) | rope(k_pe)]: the kv_a_layernorm in the same launch."""
@@ -148,12 +291,29 @@ def rope_store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, c_kv: torc
     if T == 0:
         return
     _rope_store_kv_kernel[(T,)](
-        kv_cache, slot_mapping, c_kv, k_pe, cos, sin, c_kv if norm_weight is None else norm_weight, float(eps),
-        kv_cache.stride(0), kv_cache.stride(1), c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
-        cos.stride(0), sin.stride(0),
-        R=R, BLOCK_R=triton.next_power_of_2(R), HALF=P // 2, BLOCK_HALF=triton.next_power_of_2(P // 2),
+        kv_cache,
+        slot_mapping,
+        c_kv,
+        k_pe,
+        cos,
+        sin,
+        c_kv if norm_weight is None else norm_weight,
+        float(eps),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        c_kv.stride(0),
+        c_kv.stride(1),
+        k_pe.stride(0),
+        k_pe.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        R=R,
+        BLOCK_R=triton.next_power_of_2(R),
+        HALF=P // 2,
+        BLOCK_HALF=triton.next_power_of_2(P // 2),
         # with the norm: rms_norm's warps, hence its reduction order, so the two paths round alike
-        PAGE_SIZE=page_size, NORM=norm_weight is not None,
+        PAGE_SIZE=page_size,
+        NORM=norm_weight is not None,
         num_warps=(4 if R >= 256 else 1) if norm_weight is None else _norm_launch_args(R)["num_warps"],
         **pdl_args(c_kv),
     )
@@ -172,16 +332,43 @@ def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     block_t = max(1, 4096 // (block_h * block_p))  # ~4k elements a program (not from T: one compile per H, P)
     grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
     _rope_q_kernel[grid](
-        x, cos, sin, out, T, H, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        cos.stride(0), sin.stride(0),
-        P=P, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4, **pdl_args(x),
+        x,
+        cos,
+        sin,
+        out,
+        T,
+        H,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        cos.stride(0),
+        sin.stride(0),
+        P=P,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        BLOCK_P=block_p,
+        num_warps=4,
+        **pdl_args(x),
     )
     return out
 
 
 @triton.jit
-def _cos_sin_kernel(Pos, InvFreq, Out, T, scale, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+def _cos_sin_kernel(
+    Pos,
+    InvFreq,
+    Out,
+    T,
+    scale,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    SCALED: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Out[0] = cos(pos * inv_freq) * scale, Out[1] = sin(...) * scale, [T, HALF] each: RotaryEmbedding's torch ops
     (int -> fp32, the product, CUDA's cosf/sinf as torch's kernels call them, the scale) in one launch."""
     pdl_start(PDL)
@@ -205,14 +392,25 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) 
     if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be [T] int32/int64, got {tuple(positions.shape)} {positions.dtype}")
     if inv_freq.dim() != 1 or not inv_freq.is_floating_point() or not inv_freq.is_contiguous():
-        raise ValueError(f"inv_freq must be a contiguous [P/2] float tensor, got {tuple(inv_freq.shape)} "
-                         f"{inv_freq.dtype}")
+        raise ValueError(
+            f"inv_freq must be a contiguous [P/2] float tensor, got {tuple(inv_freq.shape)} {inv_freq.dtype}"
+        )
     T, half = positions.shape[0], inv_freq.shape[0]
     out = torch.empty(2, T, half, dtype=torch.float32, device=positions.device)
     if T:
         block_half = triton.next_power_of_2(half)
         block_t = max(1, min(triton.next_power_of_2(T), 2048 // block_half))
         _cos_sin_kernel[(triton.cdiv(T, block_t),)](
-            positions.contiguous(), inv_freq, out, T, float(scale), HALF=half, BLOCK_T=block_t, BLOCK_HALF=block_half,
-            SCALED=scale != 1.0, num_warps=4, **pdl_args(positions))
+            positions.contiguous(),
+            inv_freq,
+            out,
+            T,
+            float(scale),
+            HALF=half,
+            BLOCK_T=block_t,
+            BLOCK_HALF=block_half,
+            SCALED=scale != 1.0,
+            num_warps=4,
+            **pdl_args(positions),
+        )
     return out[0], out[1]

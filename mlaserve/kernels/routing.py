@@ -31,10 +31,31 @@ def _logits(ptrs, mask, stride_ls, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, bias, Bias, Weights, Ids, scaling, shared_id0,
-                E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                USE_GROUPS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, N_SHARED: tl.constexpr, SPLIT: tl.constexpr):
+def _route_rows(
+    Logits,
+    t,
+    t_ok,
+    stride_lt,
+    stride_ls,
+    bias,
+    Bias,
+    Weights,
+    Ids,
+    scaling,
+    shared_id0,
+    E: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    USE_GROUPS: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    N_SHARED: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """Routes tokens t [R] (int64; t_ok [R] masks them): rows t of Weights/Ids [T, TOP_K + N_SHARED]; bias: Bias
     [BLOCK_E] (the e_score_correction_bias, -inf past E), loaded by the caller before its PDL wait. Each token's
     result depends on its logits only (arg-maxes, sums of one non-zero, the norm's sum accumulated in k order), so
@@ -53,10 +74,12 @@ def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, bias, Bias, Weights, Ids,
         else:  # the grouped view loaded again (the same sum, so the same values)
             ok2 = (g < N_GROUP)[:, None] & (s < GS)[None, :]
             idx2 = g[:, None] * GS + s[None, :]  # [G, S]
-            c2 = tl.sigmoid(_logits(rows[:, None, None] + idx2[None, :, :], t_ok[:, None, None] & ok2[None, :, :],
-                                    stride_ls, SPLIT))
-            c2 = tl.where(ok2[None, :, :], c2 + tl.load(Bias + idx2, mask=ok2, other=0.0)[None, :, :],
-                          float("-inf"))  # [R, G, S]
+            c2 = tl.sigmoid(
+                _logits(rows[:, None, None] + idx2[None, :, :], t_ok[:, None, None] & ok2[None, :, :], stride_ls, SPLIT)
+            )
+            c2 = tl.where(
+                ok2[None, :, :], c2 + tl.load(Bias + idx2, mask=ok2, other=0.0)[None, :, :], float("-inf")
+            )  # [R, G, S]
         top1 = tl.max(c2, 2)
         first = tl.argmax(c2, 2)
         top2 = tl.max(tl.where(s[None, None, :] == first[:, :, None], float("-inf"), c2), 2)
@@ -93,19 +116,60 @@ def _route_rows(Logits, t, t_ok, stride_lt, stride_ls, bias, Bias, Weights, Ids,
 
 
 @triton.jit
-def _route_kernel(Logits, Bias, Weights, Ids, stride_lt, stride_ls, scaling, shared_id0,
-                  E: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                  USE_GROUPS: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-                  N_SHARED: tl.constexpr = 0, SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False):
+def _route_kernel(
+    Logits,
+    Bias,
+    Weights,
+    Ids,
+    stride_lt,
+    stride_ls,
+    scaling,
+    shared_id0,
+    E: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    USE_GROUPS: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    N_SHARED: tl.constexpr = 0,
+    SPLIT: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
+):
     """One program per token. SPLIT > 1: Logits holds split-K partials [SPLIT, T, E] (stride_ls apart)."""
     pdl_release(PDL)
     t = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     offs = tl.arange(0, BLOCK_E)
     bias = tl.load(Bias + offs, mask=offs < E, other=float("-inf"))  # a weight: before the wait (else a DRAM trip)
     pdl_wait(PDL)
-    _route_rows(Logits, t, t >= 0, stride_lt, stride_ls, bias, Bias, Weights, Ids, scaling, shared_id0, E, N_GROUP,
-                TOPK_GROUP, TOP_K, USE_GROUPS, NORM, BLOCK_E, BLOCK_G, BLOCK_S, BLOCK_K, N_SHARED, SPLIT)
+    _route_rows(
+        Logits,
+        t,
+        t >= 0,
+        stride_lt,
+        stride_ls,
+        bias,
+        Bias,
+        Weights,
+        Ids,
+        scaling,
+        shared_id0,
+        E,
+        N_GROUP,
+        TOPK_GROUP,
+        TOP_K,
+        USE_GROUPS,
+        NORM,
+        BLOCK_E,
+        BLOCK_G,
+        BLOCK_S,
+        BLOCK_K,
+        N_SHARED,
+        SPLIT,
+    )
 
 
 @triton.jit
@@ -119,13 +183,31 @@ def _w_tile(W, kb, D, stride_we, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K
 @triton.jit
 def _x_tile(X, t, kb, T, D, stride_xt, BLOCK_K: tl.constexpr):
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    return tl.load(X + t.to(tl.int64)[:, None] * stride_xt + k[None, :], mask=(t < T)[:, None] & (k < D)[None, :],
-                   other=0.0)
+    return tl.load(
+        X + t.to(tl.int64)[:, None] * stride_xt + k[None, :], mask=(t < T)[:, None] & (k < D)[None, :], other=0.0
+    )
 
 
 @triton.jit
-def _router_partial(X, W, Part, w0, tb, split, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
-                    E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _router_partial(
+    X,
+    W,
+    Part,
+    w0,
+    tb,
+    split,
+    T,
+    D,
+    stride_xt,
+    stride_we,
+    stride_ps,
+    stride_pt,
+    KB_PER_SPLIT,
+    E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Part[split, block tb, :] = x[block tb, chunk split] . w[:, chunk split]^T in fp32 (bf16 products are exact in
     fp32); w0 is the chunk's first weight tile, loaded by the caller before its PDL wait."""
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -135,44 +217,95 @@ def _router_partial(X, W, Part, w0, tb, split, T, D, stride_xt, stride_we, strid
         w = _w_tile(W, kb, D, stride_we, E, BLOCK_E, BLOCK_K)
         acc = tl.dot(_x_tile(X, t, kb, T, D, stride_xt, BLOCK_K), tl.trans(w), acc)
     e = tl.arange(0, BLOCK_E)
-    tl.store(Part + split * stride_ps + t.to(tl.int64)[:, None] * stride_pt + e[None, :], acc,
-             mask=(t < T)[:, None] & (e < E)[None, :])
+    tl.store(
+        Part + split * stride_ps + t.to(tl.int64)[:, None] * stride_pt + e[None, :],
+        acc,
+        mask=(t < T)[:, None] & (e < E)[None, :],
+    )
 
 
 @triton.jit
-def _router_partial_kernel(X, W, Part, T, D, stride_xt, stride_we, stride_ps, stride_pt, KB_PER_SPLIT,
-                           E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PDL: tl.constexpr):
+def _router_partial_kernel(
+    X,
+    W,
+    Part,
+    T,
+    D,
+    stride_xt,
+    stride_we,
+    stride_ps,
+    stride_pt,
+    KB_PER_SPLIT,
+    E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Grid (token blocks, SPLIT): split-K over many programs; one program streaming the whole router weight is
     latency-bound (a few KB in flight)."""
     pdl_release(PDL)
     split = tl.program_id(1)
     w0 = _w_tile(W, split * KB_PER_SPLIT, D, stride_we, E, BLOCK_E, BLOCK_K)  # a weight: before the wait
     pdl_wait(PDL)
-    _router_partial(X, W, Part, w0, tl.program_id(0), split, T, D, stride_xt, stride_we, stride_ps, stride_pt,
-                    KB_PER_SPLIT, E, BLOCK_T, BLOCK_E, BLOCK_K)
+    _router_partial(
+        X,
+        W,
+        Part,
+        w0,
+        tl.program_id(0),
+        split,
+        T,
+        D,
+        stride_xt,
+        stride_we,
+        stride_ps,
+        stride_pt,
+        KB_PER_SPLIT,
+        E,
+        BLOCK_T,
+        BLOCK_E,
+        BLOCK_K,
+    )
 
 
-def _routing_meta(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
-                  num_shared: int) -> dict:
+def _routing_meta(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, num_shared: int) -> dict:
     """Checks a routing config; -> the routing constexprs of _route_rows."""
     if E > 1024 or E % n_group or top_k > 16 or n_group > 64 or topk_group > n_group:
-        raise ValueError(f"routing E={E} (<= 1024, divisible by n_group={n_group}), top_k={top_k} (<= 16), "
-                         f"topk_group={topk_group} (<= n_group) out of range")
+        raise ValueError(
+            f"routing E={E} (<= 1024, divisible by n_group={n_group}), top_k={top_k} (<= 16), "
+            f"topk_group={topk_group} (<= n_group) out of range"
+        )
     if not 0 <= num_shared <= 16:
         raise ValueError(f"routing num_shared={num_shared} out of range [0, 16]")
     use_groups = n_group > 1 and topk_group < n_group
     if use_groups and (E // n_group < 2 or topk_group * (E // n_group) < top_k):
         raise ValueError(f"groups of {E // n_group} experts x topk_group={topk_group} cannot hold top_k={top_k}")
-    return dict(N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, USE_GROUPS=use_groups, NORM=bool(norm_topk_prob),
-                BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(n_group)),
-                BLOCK_S=max(2, triton.next_power_of_2(E // n_group)),
-                BLOCK_K=max(2, triton.next_power_of_2(top_k + num_shared)), N_SHARED=num_shared)
+    return dict(
+        N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        USE_GROUPS=use_groups,
+        NORM=bool(norm_topk_prob),
+        BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+        BLOCK_S=max(2, triton.next_power_of_2(E // n_group)),
+        BLOCK_K=max(2, triton.next_power_of_2(top_k + num_shared)),
+        N_SHARED=num_shared,
+    )
 
 
-def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                          norm_topk_prob: bool, scaling: float, num_shared: int = 0,
-                          shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def route_noaux_tc_logits(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+    num_shared: int = 0,
+    shared_id0: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 -> (weights [T, K+S] fp32, ids [T, K+S] int64); the fused form of route_noaux_tc, plus
     S = num_shared columns of ids shared_id0 + s with weight 1.0. logits may also be split-K partials [SPLIT, T, E]
     (router_partials), summed in the kernel."""
@@ -193,8 +326,21 @@ def route_noaux_tc_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     ids = torch.empty(T, KS, dtype=torch.int64, device=logits.device)
     if T == 0:
         return weights, ids
-    _route_kernel[(T,)](logits, bias, weights, ids, logits.stride(0), T * E, float(scaling), int(shared_id0),
-                        E=E, SPLIT=split, num_warps=4 if E > 128 else 1, **meta, **pdl_args(logits))
+    _route_kernel[(T,)](
+        logits,
+        bias,
+        weights,
+        ids,
+        logits.stride(0),
+        T * E,
+        float(scaling),
+        int(shared_id0),
+        E=E,
+        SPLIT=split,
+        num_warps=4 if E > 128 else 1,
+        **meta,
+        **pdl_args(logits),
+    )
     return weights, ids
 
 
@@ -212,8 +358,10 @@ def _splitk_args(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, torch.Tens
     T, D = x.shape
     E = w.shape[0]
     if w.shape[1] != D or x.dtype != w.dtype or w.stride(-1) != 1 or x.stride(-1) != 1 or E > 1024:
-        raise ValueError(f"router x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype}: need [T, D] and "
-                         f"[E <= 1024, D] of one dtype with unit last strides")
+        raise ValueError(
+            f"router x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype}: need [T, D] and "
+            f"[E <= 1024, D] of one dtype with unit last strides"
+        )
     n_kb = triton.cdiv(D, ROUTER_BLOCK_K)
     kb_per_split = triton.cdiv(n_kb, ROUTER_SPLITS)
     split = triton.cdiv(n_kb, kb_per_split)
@@ -227,31 +375,68 @@ def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     E = w.shape[0]
     if T:
         _router_partial_kernel[(triton.cdiv(T, ROUTER_BLOCK_T), split)](
-            x, w, part, T, D, x.stride(0), w.stride(0), part.stride(0), part.stride(1), kb_per_split,
-            E=E, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_K=ROUTER_BLOCK_K,
-            num_warps=4, **pdl_args(x))
+            x,
+            w,
+            part,
+            T,
+            D,
+            x.stride(0),
+            w.stride(0),
+            part.stride(0),
+            part.stride(1),
+            kb_per_split,
+            E=E,
+            BLOCK_T=ROUTER_BLOCK_T,
+            BLOCK_E=max(16, triton.next_power_of_2(E)),
+            BLOCK_K=ROUTER_BLOCK_K,
+            num_warps=4,
+            **pdl_args(x),
+        )
     return part
 
 
-def route_splitk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, scaling: float, num_shared: int = 0,
-                 shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def route_splitk(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+    num_shared: int = 0,
+    shared_id0: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...): two launches."""
-    return route_noaux_tc_logits(router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
-                                 num_shared, shared_id0)
+    return route_noaux_tc_logits(
+        router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob, scaling, num_shared, shared_id0
+    )
 
 
-def route_noaux_tc_fused(gate, x: torch.Tensor, num_shared: int = 0,
-                         shared_id0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def route_noaux_tc_fused(
+    gate, x: torch.Tensor, num_shared: int = 0, shared_id0: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K+S] fp32, ids [T, K+S] int64), S = num_shared
     columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits)."""
     c = gate.cfg
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
-    args = (gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
-            c.routed_scaling_factor, num_shared, shared_id0)
+    args = (
+        gate.e_score_correction_bias,
+        c.num_experts_per_tok,
+        c.n_group,
+        c.topk_group,
+        c.norm_topk_prob,
+        c.routed_scaling_factor,
+        num_shared,
+        shared_id0,
+    )
     T = x.shape[0]
-    if (w16 is not None and T <= ROUTER_SPLITK_MAX_TOKENS and x.stride(-1) == 1
-            and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS):  # the router GEMM as split-K partials
+    if (
+        w16 is not None
+        and T <= ROUTER_SPLITK_MAX_TOKENS
+        and x.stride(-1) == 1
+        and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS
+    ):  # the router GEMM as split-K partials
         return route_splitk(x, w16, *args)
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32

@@ -25,14 +25,22 @@ def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, I, BLOCK: tl.const
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [T, I] (unit last stride, any row stride) -> new [T, I] in their dtype."""
-    if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype or gate.stride(-1) != 1 or \
-            up.stride(-1) != 1:
-        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must be "
-                         "[T, I] of one dtype with a unit last stride")
+    if (
+        gate.dim() != 2
+        or gate.shape != up.shape
+        or gate.dtype != up.dtype
+        or gate.stride(-1) != 1
+        or up.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must be "
+            "[T, I] of one dtype with a unit last stride"
+        )
     T, I = gate.shape
     out = torch.empty(T, I, dtype=gate.dtype, device=gate.device)
     if T:
         block = min(1024, triton.next_power_of_2(I))
-        _silu_mul_kernel[(T, triton.cdiv(I, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), I,
-                                                     BLOCK=block, num_warps=4, **pdl_args(gate))
+        _silu_mul_kernel[(T, triton.cdiv(I, block))](
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), I, BLOCK=block, num_warps=4, **pdl_args(gate)
+        )
     return out

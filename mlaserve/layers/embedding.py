@@ -20,7 +20,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def _load(self, param, src) -> None:
         end = min(self.start + self.per_rank, self.vocab_size)
-        rows = src[self.start:end]
+        rows = src[self.start : end]
         if rows.shape[0] < self.per_rank:
             param.data.zero_()
             checked_copy(param.data[: rows.shape[0]], rows)
@@ -54,6 +54,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             if gemv_serves(h, self.weight, max_bytes=None):
                 # batch-1-2 decode: the Triton GEMV writes the fp32 logits itself (no cast kernel) and, under PDL,
                 # has its first weight rows in flight before the final norm ends (cuBLAS waits for it)
-                return gemv(h, self.weight, out=torch.empty(h.shape[0], self.weight.shape[0], dtype=torch.float32,
-                                                            device=h.device))
+                return gemv(
+                    h,
+                    self.weight,
+                    out=torch.empty(h.shape[0], self.weight.shape[0], dtype=torch.float32, device=h.device),
+                )
         return F.linear(h, self.weight).float()

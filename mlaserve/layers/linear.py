@@ -38,8 +38,9 @@ class Linear(nn.Module):
     """y = x @ W^T. shard=None: replicated; "col": output split by rank; "row": input split by rank
     (the caller all-reduces the partial sums)."""
 
-    def __init__(self, in_features: int, out_features: int, *, shard: str | None = None,
-                 rank: int = 0, size: int = 1, dtype=None):
+    def __init__(
+        self, in_features: int, out_features: int, *, shard: str | None = None, rank: int = 0, size: int = 1, dtype=None
+    ):
         super().__init__()
         assert shard in (None, "col", "row")
         self.shard, self.rank, self.size = shard, rank, size
@@ -47,8 +48,9 @@ class Linear(nn.Module):
             raise ValueError(f"{'out' if shard == 'col' else 'in'} features not divisible by TP size {size}")
         self.in_features = in_features // size if shard == "row" else in_features
         self.out_features = out_features // size if shard == "col" else out_features
-        self.weight = new_param(self.out_features, self.in_features, dtype=dtype,
-                                hf_shape=(out_features, in_features), loader=self._load)
+        self.weight = new_param(
+            self.out_features, self.in_features, dtype=dtype, hf_shape=(out_features, in_features), loader=self._load
+        )
 
     def _load(self, param, src) -> None:
         if self.shard is None:
@@ -83,7 +85,7 @@ def stack_rows(*linears: Linear) -> None:
     row = 0
     for lin in linears:
         n = lin.weight.shape[0]
-        lin.weight.data = w[row:row + n]
+        lin.weight.data = w[row : row + n]
         row += n
 
 
@@ -96,15 +98,20 @@ def linear_many(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
     storage = w0.untyped_storage().data_ptr()  # adjacent addresses are not enough: the CUDA caching allocator
     for lin in linears:  # packs separate tensors back to back
         w = lin.weight
-        ok = ok and w.is_contiguous() and w.shape[1] == w0.shape[1] and w.dtype == w0.dtype and (
-            w.data_ptr() == ptr + rows * w0.shape[1] * w0.element_size()) and (
-            w.untyped_storage().data_ptr() == storage)
+        ok = (
+            ok
+            and w.is_contiguous()
+            and w.shape[1] == w0.shape[1]
+            and w.dtype == w0.dtype
+            and (w.data_ptr() == ptr + rows * w0.shape[1] * w0.element_size())
+            and (w.untyped_storage().data_ptr() == storage)
+        )
         rows += w.shape[0]
     if not ok:
         return [lin(x) for lin in linears]
     y = linear(x, w0.as_strided((rows, w0.shape[1]), (w0.shape[1], 1)))  # [T, sum(out)]
     outs, col = [], 0
     for lin in linears:
-        outs.append(y[..., col:col + lin.weight.shape[0]])
+        outs.append(y[..., col : col + lin.weight.shape[0]])
         col += lin.weight.shape[0]
     return outs

@@ -14,8 +14,15 @@ from .activation import silu_and_mul
 from .linear import checked_copy, new_param, shard_of
 
 
-def route_noaux_tc(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
-                   topk_group: int, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_noaux_tc(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] fp32 -> (weights [T, K] fp32, ids [T, K] int64).
 
     Select on the biased sigmoid score inside the best `topk_group` groups (a group's score is the
@@ -35,8 +42,14 @@ def route_noaux_tc(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     return weights * scaling, ids
 
 
-def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
+def fused_experts_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over this rank's experts [offset, offset + E_local).
 
     x [T, D]; w13 [E_local, 2I, D] (gate rows then up rows); w2 [E_local, D, I] -> [T, D] in x.dtype.
@@ -64,6 +77,7 @@ class TopkRouter(nn.Module):
     def _load(self, param, src) -> None:
         checked_copy(param, src[:])
         self._w16_key = None  # `.data` writes do not bump the version counter: forget the bf16 copy explicitly
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)  # [T, E] fp32
 
@@ -82,8 +96,15 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return route_noaux_tc(self.logits(x), self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-                              c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        return route_noaux_tc(
+            self.logits(x),
+            self.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
 
 
 class Experts(nn.Module):
@@ -92,8 +113,9 @@ class Experts(nn.Module):
     moe-TP splits each expert's intermediate dim over `tp_size` ranks; EP gives each of `ep_size` ranks
     a contiguous block of experts. Checkpoint keys are per expert (experts.{e}.gate_proj.weight, ...)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1,
-                 dtype=None):
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dtype=None
+    ):
         super().__init__()
         if num_experts % ep_size:
             raise ValueError(f"n_routed_experts={num_experts} is not divisible by ep_size={ep_size}")
@@ -104,10 +126,22 @@ class Experts(nn.Module):
         self.num_local = num_experts // ep_size
         self.expert_offset = ep_rank * self.num_local
         i_local = inter // tp_size
-        self.gate_up_proj = new_param(self.num_local, 2 * i_local, hidden, dtype=dtype,
-                                      hf_shape=(num_experts, 2 * inter, hidden), loader=self._load_fused_w13)
-        self.down_proj = new_param(self.num_local, hidden, i_local, dtype=dtype,
-                                   hf_shape=(num_experts, hidden, inter), loader=self._load_fused_w2)
+        self.gate_up_proj = new_param(
+            self.num_local,
+            2 * i_local,
+            hidden,
+            dtype=dtype,
+            hf_shape=(num_experts, 2 * inter, hidden),
+            loader=self._load_fused_w13,
+        )
+        self.down_proj = new_param(
+            self.num_local,
+            hidden,
+            i_local,
+            dtype=dtype,
+            hf_shape=(num_experts, hidden, inter),
+            loader=self._load_fused_w2,
+        )
 
     # --- loading: per-expert HF keys, or transformers 5's fused form ---------------------------------
     def expert_shape(self, which: str) -> tuple[int, int]:
@@ -132,15 +166,25 @@ class Experts(nn.Module):
         experts, n = slice(self.expert_offset, self.expert_offset + self.num_local), self.inter // self.tp_size
         for half, start in ((slice(0, n), 0), (slice(n, 2 * n), self.inter)):
             lo = start + self.tp_rank * n
-            checked_copy(param.data[:, half], src[experts, lo:lo + n])
+            checked_copy(param.data[:, half], src[experts, lo : lo + n])
 
     def _load_fused_w2(self, param, src) -> None:
         n = self.inter // self.tp_size
-        checked_copy(param, src[self.expert_offset:self.expert_offset + self.num_local, :,
-                                self.tp_rank * n:(self.tp_rank + 1) * n])
+        checked_copy(
+            param,
+            src[self.expert_offset : self.expert_offset + self.num_local, :, self.tp_rank * n : (self.tp_rank + 1) * n],
+        )
 
-    def forward(self, x, topk_weights, topk_ids, impl: str = "torch", add: torch.Tensor | None = None,
-                shared: tuple | None = None, norm: tuple | None = None):
+    def forward(
+        self,
+        x,
+        topk_weights,
+        topk_ids,
+        impl: str = "torch",
+        add: torch.Tensor | None = None,
+        shared: tuple | None = None,
+        norm: tuple | None = None,
+    ):
         """-> the routed experts' output [T, D], plus `add` (the shared experts') when given. Triton only: `shared`,
         the shared MLP's (gate, up, down) weights, run as S more experts whose ids the routing appended; `norm` =
         (weight, eps, residual), the add + RMSNorm after the MoE fused into its sum -> (normed, output + residual)
@@ -148,10 +192,21 @@ class Experts(nn.Module):
         if impl == "triton":
             from ..kernels.fused_moe import fused_experts
 
-            return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset,
-                                 add=add, shared=shared, norm=norm, all_local=self.num_local == self.num_experts)
+            return fused_experts(
+                x,
+                self.gate_up_proj,
+                self.down_proj,
+                topk_weights,
+                topk_ids,
+                self.expert_offset,
+                add=add,
+                shared=shared,
+                norm=norm,
+                all_local=self.num_local == self.num_experts,
+            )
         if shared is not None or norm is not None:
-            raise ValueError("Experts: shared-experts fusion (shared=...) and the fused norm (norm=...) need "
-                             "impl='triton'")
+            raise ValueError(
+                "Experts: shared-experts fusion (shared=...) and the fused norm (norm=...) need impl='triton'"
+            )
         y = fused_experts_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset)
         return y if add is None else y + add

@@ -16,8 +16,12 @@ class RMSNorm(nn.Module):
     def uses_kernel(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         """Whether forward runs the Triton kernel (kernels/rmsnorm.py) rather than the torch form. A kernel that
         fuses this norm in (the MoE's sum, DeepseekV3MoE) may do so only then: it rounds as that kernel does."""
-        return (x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype
-                and (residual is None or residual.dtype == x.dtype))
+        return (
+            x.is_cuda
+            and x.dim() == 2
+            and x.dtype == self.weight.dtype
+            and (residual is None or residual.dtype == x.dtype)
+        )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """-> norm(x); with `residual`: (norm(x + residual), x + residual)."""

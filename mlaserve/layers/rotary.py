@@ -17,8 +17,11 @@ def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
         return 1.0 / pos_freqs
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-            2 * math.log(rope.theta))
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:

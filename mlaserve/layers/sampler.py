@@ -73,8 +73,9 @@ def greedy_into(logits: torch.Tensor, out: torch.Tensor, host: torch.Tensor, hos
     host[int(host_row)][: tok.numel()] = tok
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
-           want_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None, want_logprobs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V] fp32 -> (tokens [B] int64, logprobs of those tokens under the model [B] or None)."""
     tokens = greedy_tokens(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -55,13 +55,22 @@ class DeepseekV3MoE(nn.Module):
         super().__init__()
         self.impl = impl  # "torch" (reference) | "triton" (fused kernels)
         self.gate = TopkRouter(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                               tp_rank=ranks.moe_tp_rank, tp_size=ranks.moe_tp_size,
-                               ep_rank=ranks.ep_rank, ep_size=ranks.ep_size, dtype=dtype)
+        self.experts = Experts(
+            cfg.n_routed_experts,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            tp_rank=ranks.moe_tp_rank,
+            tp_size=ranks.moe_tp_size,
+            ep_rank=ranks.ep_rank,
+            ep_size=ranks.ep_size,
+            dtype=dtype,
+        )
         self.reduce = ranks.world_size > 1
         self.shared_experts = (
-            DeepseekV3MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ranks, dtype,
-                          reduce=False) if cfg.n_shared_experts else None)
+            DeepseekV3MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ranks, dtype, reduce=False)
+            if cfg.n_shared_experts
+            else None
+        )
         # Shared-experts fusion (Triton path only; the torch path is the spec): the shared MLP's rank-local
         # intermediate is S = n_shared_experts slots of the routed experts' I_local channels, run as experts
         # E_local .. E_local+S-1 with weight 1.0 (a partition of the intermediate dim: the slots sum to the MLP).
@@ -120,8 +129,9 @@ class DeepseekV3Attention(nn.Module):
         super().__init__()
         D = in_features or cfg.hidden_size  # an EAGLE3 MLA draft feeds [embed | hidden], 2H wide
         if cfg.num_attention_heads % ranks.world_size:
-            raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
-                             f"attn_tp_size={ranks.world_size}")
+            raise ValueError(
+                f"num_attention_heads={cfg.num_attention_heads} is not divisible by attn_tp_size={ranks.world_size}"
+            )
         self.layer_id = layer_id
         self.H = cfg.num_attention_heads // ranks.world_size
         self.N, self.P, self.R, self.V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
@@ -140,8 +150,9 @@ class DeepseekV3Attention(nn.Module):
         stack_rows(self.q_a_proj if cfg.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa)  # both read x
         self.kv_a_layernorm = RMSNorm(self.R, cfg.rms_norm_eps, dtype=dtype)
         self.kv_b_proj = Linear(self.R, heads * (self.N + self.V), **col)
-        self.o_proj = Linear(heads * self.V, cfg.hidden_size, shard="row", rank=ranks.rank,
-                             size=ranks.world_size, dtype=dtype)
+        self.o_proj = Linear(
+            heads * self.V, cfg.hidden_size, shard="row", rank=ranks.rank, size=ranks.world_size, dtype=dtype
+        )
 
     # Per-head views of kv_b_proj.weight [H*(N+V), R]; no copies.
     @property
@@ -150,7 +161,7 @@ class DeepseekV3Attention(nn.Module):
 
     @property
     def w_vc(self) -> torch.Tensor:  # [H, R, V], a transposed view
-        return self.kv_b_proj.weight.view(self.H, self.N + self.V, self.R)[:, self.N:].transpose(1, 2)
+        return self.kv_b_proj.weight.view(self.H, self.N + self.V, self.R)[:, self.N :].transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, H, N, V = x.shape[0], self.H, self.N, self.V
@@ -186,8 +197,9 @@ class DeepseekV3Attention(nn.Module):
         tokens: no side-stream fork, whose join before attention would keep the MLA kernel from launching early
         (PDL)); False: nothing was done."""
         R = self.R
-        Q = batch.attn.absorb_q_rope_store_kv(self.layer_id, q, self.w_kc, kv_a[:, :R], kv_a[:, R:], cos, sin, batch,
-                                              norm=self.kv_a_layernorm)
+        Q = batch.attn.absorb_q_rope_store_kv(
+            self.layer_id, q, self.w_kc, kv_a[:, :R], kv_a[:, R:], cos, sin, batch, norm=self.kv_a_layernorm
+        )
         if Q is None:
             return False
         self.attend_absorbed(Q, batch, out)
@@ -229,7 +241,7 @@ class DeepseekV3Attention(nn.Module):
         if batch.attn.absorb_q_rope(q, self.w_kc, cos, sin, Q):
             return Q  # the backend ran both halves in one launch (Triton: 1-2 token steps)
         self.absorb_q(q[..., : self.N], Q)
-        batch.attn.rope_q(q[..., self.N:], cos, sin, out=Q[..., self.R:])
+        batch.attn.rope_q(q[..., self.N :], cos, sin, out=Q[..., self.R :])
         return Q
 
     def attend_absorbed(self, Q, batch, out) -> None:
@@ -257,8 +269,11 @@ class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype, moe_impl: str):
         super().__init__()
         self.self_attn = DeepseekV3Attention(cfg, layer_id, ranks, dtype)
-        self.mlp = (DeepseekV3MoE(cfg, ranks, dtype, moe_impl) if cfg.is_moe_layer(layer_id)
-                    else DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, ranks, dtype))
+        self.mlp = (
+            DeepseekV3MoE(cfg, ranks, dtype, moe_impl)
+            if cfg.is_moe_layer(layer_id)
+            else DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, ranks, dtype)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
@@ -273,10 +288,12 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, ranks: RankInfo, dtype, moe_impl: str):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, rank=ranks.rank,
-                                                   size=ranks.world_size, dtype=dtype)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, ranks, dtype, moe_impl)
-                                    for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, rank=ranks.rank, size=ranks.world_size, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(cfg, i, ranks, dtype, moe_impl) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
@@ -287,13 +304,13 @@ class DeepseekV3ForCausalLM(nn.Module):
     `aux_layer_ids`, when set (EAGLE3), makes forward also return the residual stream entering those
     layers (id == num_layers: the final pre-norm stream), concatenated in id order: [T, len(ids) * D]."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=torch.float32, ranks: RankInfo = RankInfo(),
-                 moe_impl: str = "torch"):
+    def __init__(self, cfg: ModelConfig, *, dtype=torch.float32, ranks: RankInfo = RankInfo(), moe_impl: str = "torch"):
         super().__init__()
         self.config, self.ranks = cfg, ranks
         self.model = DeepseekV3Model(cfg, ranks, dtype, moe_impl)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, rank=ranks.rank, size=ranks.world_size,
-                                      dtype=dtype)
+        self.lm_head = ParallelLMHead(
+            cfg.vocab_size, cfg.hidden_size, rank=ranks.rank, size=ranks.world_size, dtype=dtype
+        )
         self.aux_layer_ids: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
@@ -312,4 +329,3 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-

@@ -55,8 +55,9 @@ class DraftConfig:
             c = json.load(fh)
         arch = (c.get("architectures") or [None])[0]
         if arch not in LLAMA_ARCHS + MLA_ARCHS:
-            raise CheckpointError(f"{f}: unsupported draft architecture {arch!r}; mlaserve loads "
-                                  f"{', '.join(LLAMA_ARCHS + MLA_ARCHS)}")
+            raise CheckpointError(
+                f"{f}: unsupported draft architecture {arch!r}; mlaserve loads {', '.join(LLAMA_ARCHS + MLA_ARCHS)}"
+            )
         rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
         if arch in LLAMA_ARCHS and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise CheckpointError(f"{f}: rope scaling {rope!r} is not supported for Llama-style drafts")
@@ -66,16 +67,32 @@ class DraftConfig:
         ids = eagle.get("eagle_aux_hidden_state_layer_ids") or c.get("eagle_aux_hidden_state_layer_ids")
         mla = None
         if arch in MLA_ARCHS:
-            mla = ModelConfig.from_hf({**c, "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 1,
-                                       "n_routed_experts": 0, "first_k_dense_replace": 1}, f)
+            mla = ModelConfig.from_hf(
+                {
+                    **c,
+                    "architectures": ["DeepseekV3ForCausalLM"],
+                    "num_hidden_layers": 1,
+                    "n_routed_experts": 0,
+                    "first_k_dense_replace": 1,
+                },
+                f,
+            )
         return cls(
-            architecture=arch, hidden_size=H, target_hidden_size=int(c.get("target_hidden_size") or H),
-            vocab_size=int(c["vocab_size"]), draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]),
-            num_attention_heads=heads, num_key_value_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or H // heads), intermediate_size=int(c["intermediate_size"]),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(c.get("rope_theta", 10000.0)),
-            aux_layer_ids=tuple(ids) if ids else None, tie_word_embeddings=bool(c.get("tie_word_embeddings")),
-            mla=mla)
+            architecture=arch,
+            hidden_size=H,
+            target_hidden_size=int(c.get("target_hidden_size") or H),
+            vocab_size=int(c["vocab_size"]),
+            draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or H // heads),
+            intermediate_size=int(c["intermediate_size"]),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(c.get("rope_theta", 10000.0)),
+            aux_layer_ids=tuple(ids) if ids else None,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings")),
+            mla=mla,
+        )
 
 
 def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -84,7 +101,7 @@ def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     f = positions.float()[:, None] * inv  # [T, d/2]
     cos, sin = f.cos()[:, None], f.sin()[:, None]
-    x1, x2 = x[..., : d // 2].float(), x[..., d // 2:].float()
+    x1, x2 = x[..., : d // 2].float(), x[..., d // 2 :].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -180,7 +197,7 @@ def load_draft(path: str, dtype, device, target_embed: nn.Module) -> Eagle3Draft
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as h:
             for key in h.keys():
-                name = key[len("model."):] if key.startswith("model.") else key
+                name = key[len("model.") :] if key.startswith("model.") else key
                 if name == "t2d":
                     continue  # training-only
                 t = h.get_tensor(key)
@@ -190,15 +207,17 @@ def load_draft(path: str, dtype, device, target_embed: nn.Module) -> Eagle3Draft
                     own_embed = t
                 elif name in params:
                     if tuple(t.shape) != params[name].hf_shape:
-                        raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, "
-                                              f"expected {params[name].hf_shape}")
+                        raise CheckpointError(
+                            f"{file}: tensor {key!r} has shape {tuple(t.shape)}, expected {params[name].hf_shape}"
+                        )
                     checked_copy(params[name], t)
                 else:
                     raise CheckpointError(f"{file}: unexpected tensor {key!r} in the EAGLE3 draft")
                 loaded.add(name)
     if "d2t" not in loaded and cfg.draft_vocab_size != cfg.vocab_size:
-        raise CheckpointError(f"{path}: missing tensor 'd2t' (draft_vocab_size {cfg.draft_vocab_size} != "
-                              f"vocab_size {cfg.vocab_size})")
+        raise CheckpointError(
+            f"{path}: missing tensor 'd2t' (draft_vocab_size {cfg.draft_vocab_size} != vocab_size {cfg.vocab_size})"
+        )
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{path}: missing tensor {missing[0]!r} in the EAGLE3 draft")
@@ -208,4 +227,3 @@ def load_draft(path: str, dtype, device, target_embed: nn.Module) -> Eagle3Draft
     else:
         model.embed_tokens = target_embed  # shared with the target
     return model.eval()
-

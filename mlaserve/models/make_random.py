@@ -19,8 +19,14 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..tokenizer import write_byte_level_tokenizer
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def preset_names() -> list[str]:
@@ -46,8 +52,11 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float 
         return (name, (out_f, in_f), gain / math.sqrt(in_f))
 
     def mlp(prefix, inter):
-        return [lin(prefix + "gate_proj.weight", inter, D), lin(prefix + "up_proj.weight", inter, D),
-                lin(prefix + "down_proj.weight", D, inter, 0.5)]
+        return [
+            lin(prefix + "gate_proj.weight", inter, D),
+            lin(prefix + "up_proj.weight", inter, D),
+            lin(prefix + "down_proj.weight", D, inter, 0.5),
+        ]
 
     specs = [("model.embed_tokens.weight", (cfg.vocab_size, D), 1.0)]
     for i in range(L):
@@ -55,13 +64,19 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float 
         specs += [(p + "input_layernorm.weight", (D,), "norm"), (p + "post_attention_layernorm.weight", (D,), "norm")]
         a = p + "self_attn."
         if cfg.q_lora_rank:
-            specs += [lin(a + "q_a_proj.weight", cfg.q_lora_rank, D),
-                      (a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "norm"),
-                      lin(a + "q_b_proj.weight", H * (N + P), cfg.q_lora_rank)]
+            specs += [
+                lin(a + "q_a_proj.weight", cfg.q_lora_rank, D),
+                (a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "norm"),
+                lin(a + "q_b_proj.weight", H * (N + P), cfg.q_lora_rank),
+            ]
         else:
             specs.append(lin(a + "q_proj.weight", H * (N + P), D))
-        specs += [lin(a + "kv_a_proj_with_mqa.weight", R + P, D), (a + "kv_a_layernorm.weight", (R,), "norm"),
-                  lin(a + "kv_b_proj.weight", H * (N + V), R), lin(a + "o_proj.weight", D, H * V, 0.5)]
+        specs += [
+            lin(a + "kv_a_proj_with_mqa.weight", R + P, D),
+            (a + "kv_a_layernorm.weight", (R,), "norm"),
+            lin(a + "kv_b_proj.weight", H * (N + V), R),
+            lin(a + "o_proj.weight", D, H * V, 0.5),
+        ]
         m = p + "mlp."
         if cfg.is_moe_layer(i):
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -89,9 +104,20 @@ def random_tensor(shape, init, gen: torch.Generator, dtype, device) -> torch.Ten
     return t.to(torch.float32 if fp32 else dtype).cpu()
 
 
-def make_random(preset: str, out: str, *, layers: int | None = None, seed: int = 0, dtype: str | None = None,
-                shard_bytes: int = 2 << 30, device: str = "cpu", progress: bool = True,
-                overrides: dict | None = None, wrapper: bool = False, tokenizer: bool = True) -> str:
+def make_random(
+    preset: str,
+    out: str,
+    *,
+    layers: int | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    shard_bytes: int = 2 << 30,
+    device: str = "cpu",
+    progress: bool = True,
+    overrides: dict | None = None,
+    wrapper: bool = False,
+    tokenizer: bool = True,
+) -> str:
     """Write config.json, sharded safetensors and the index to `out`. `overrides` update the text config;
     `wrapper` puts a plain text model inside the Kimi-K2.5 wrapper (weights under `language_model.`).
     The same seed draws the same numbers for the same tensor list, wrapped or not."""

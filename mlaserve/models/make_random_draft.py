@@ -25,11 +25,16 @@ def draft_config(preset: str, target: ModelConfig | None) -> dict:
         L = target.num_hidden_layers
         ratio = raw["num_attention_heads"] // raw.get("num_key_value_heads", raw["num_attention_heads"])
         heads = target.num_attention_heads
-        raw.update(hidden_size=target.hidden_size, target_hidden_size=target.hidden_size,
-                   num_attention_heads=heads, num_key_value_heads=max(1, heads // ratio),
-                   intermediate_size=target.intermediate_size, vocab_size=target.vocab_size,
-                   draft_vocab_size=min(raw.get("draft_vocab_size") or target.vocab_size, target.vocab_size),
-                   torch_dtype=target.torch_dtype)
+        raw.update(
+            hidden_size=target.hidden_size,
+            target_hidden_size=target.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // ratio),
+            intermediate_size=target.intermediate_size,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=min(raw.get("draft_vocab_size") or target.vocab_size, target.vocab_size),
+            torch_dtype=target.torch_dtype,
+        )
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
         if len(ids) != 3 or not all(0 <= i < L for i in ids):
             ids = sorted(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3))
@@ -48,18 +53,24 @@ def draft_tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], float | str]
     a, m = "midlayer.self_attn.", "midlayer.mlp."
     return [
         lin("fc.weight", H, 3 * Ht),
-        ("midlayer.input_layernorm.weight", (H,), "norm"), ("midlayer.hidden_norm.weight", (H,), "norm"),
-        lin(a + "q_proj.weight", nh * hd, 2 * H), lin(a + "k_proj.weight", nkv * hd, 2 * H),
-        lin(a + "v_proj.weight", nkv * hd, 2 * H), lin(a + "o_proj.weight", H, nh * hd, 0.5),
+        ("midlayer.input_layernorm.weight", (H,), "norm"),
+        ("midlayer.hidden_norm.weight", (H,), "norm"),
+        lin(a + "q_proj.weight", nh * hd, 2 * H),
+        lin(a + "k_proj.weight", nkv * hd, 2 * H),
+        lin(a + "v_proj.weight", nkv * hd, 2 * H),
+        lin(a + "o_proj.weight", H, nh * hd, 0.5),
         ("midlayer.post_attention_layernorm.weight", (H,), "norm"),
-        lin(m + "gate_proj.weight", inter, H), lin(m + "up_proj.weight", inter, H),
+        lin(m + "gate_proj.weight", inter, H),
+        lin(m + "up_proj.weight", inter, H),
         lin(m + "down_proj.weight", H, inter, 0.5),
-        ("norm.weight", (H,), "norm"), lin("lm_head.weight", c["draft_vocab_size"], H, 4.0),
+        ("norm.weight", (H,), "norm"),
+        lin("lm_head.weight", c["draft_vocab_size"], H, 4.0),
     ]
 
 
-def make_random_draft(preset: str, out: str, *, target: str | None = None, seed: int = 0, dtype: str | None = None,
-                      device: str = "cpu") -> str:
+def make_random_draft(
+    preset: str, out: str, *, target: str | None = None, seed: int = 0, dtype: str | None = None, device: str = "cpu"
+) -> str:
     tcfg = ModelConfig.from_pretrained(target) if target else None
     c = draft_config(preset, tcfg)
     if dtype is not None:

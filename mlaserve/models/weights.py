@@ -81,8 +81,9 @@ def _as_box(idx, shape) -> tuple[tuple[int, int], tuple[int, int]] | None:
     return None if any(step != 1 for _, _, step in box) else tuple((a, max(a, b)) for a, b, _ in box)
 
 
-def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, dtype, block: int = 128,
-                      origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
+def dequant_fp8_block(
+    w: torch.Tensor, scale_inv: torch.Tensor, dtype, block: int = 128, origin: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
     """w float8_e4m3fn, rows/cols from `origin` on of a weight whose scale_inv is [ceil(out/128), ceil(in/128)]
     -> dense `dtype`."""
     rows = torch.arange(origin[0], origin[0] + w.shape[0]) // block
@@ -124,8 +125,12 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
     params = dict(model.named_parameters())
     experts = {name: mod for name, mod in model.named_modules() if type(mod).__name__ == "Experts"}
     pending = set(params) - {f"{n}.{w}" for n in experts for w in ("gate_up_proj", "down_proj")}
-    pending_experts = {(n, e, w) for n, m in experts.items() for e in range(m.expert_offset,
-                       m.expert_offset + m.num_local) for w in ("gate_proj", "up_proj", "down_proj")}
+    pending_experts = {
+        (n, e, w)
+        for n, m in experts.items()
+        for e in range(m.expert_offset, m.expert_offset + m.num_local)
+        for w in ("gate_proj", "up_proj", "down_proj")
+    }
     skipped = {"vision": 0, "mtp": 0}
     dtype = next(iter(params.values())).dtype
 
@@ -138,7 +143,7 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
             bar.update()
             if key.endswith("weight_scale_inv") or _is_int4_companion(key, where):
                 continue  # consumed with its weight
-            name = key[len(prefix):] if key.startswith(prefix) else None
+            name = key[len(prefix) :] if key.startswith(prefix) else None
             if name is not None and name.endswith(".weight_packed"):
                 name = name[: -len("_packed")]  # an int4 weight stands for the dense .weight
             if name is None:
@@ -183,8 +188,7 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
     if "lm_head.weight" in pending and cfg.tie_word_embeddings and "model.embed_tokens.weight" not in pending:
         params["lm_head.weight"].data.copy_(params["model.embed_tokens.weight"].data)
         pending.discard("lm_head.weight")
-    missing = sorted(prefix + n for n in pending) + sorted(
-        f"{prefix}{n}.{e}.{w}.weight" for n, e, w in pending_experts)
+    missing = sorted(prefix + n for n in pending) + sorted(f"{prefix}{n}.{e}.{w}.weight" for n, e, w in pending_experts)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
@@ -206,8 +210,10 @@ def _lazy(h, key: str, where: dict, file: str, dtype) -> _Tensor:
     if key.endswith(".weight_packed"):
         base = key[: -len("weight_packed")]
         if base + "weight_zero_point" in where:
-            raise CheckpointError(f"{file}: tensor {key!r} is asymmetric int4 (weight_zero_point); only symmetric "
-                                  "pack-quantized int4 is supported")
+            raise CheckpointError(
+                f"{file}: tensor {key!r} is asymmetric int4 (weight_zero_point); only symmetric "
+                "pack-quantized int4 is supported"
+            )
         missing = [k for k in ("weight_scale", "weight_shape") if base + k not in where]
         if missing:
             raise CheckpointError(f"{file}: int4 tensor {key!r} has no {base + missing[0]!r}")

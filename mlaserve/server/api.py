@@ -38,10 +38,19 @@ def model_card(llm: LLMEngine, model_name: str) -> dict:
         special.add(bos)
     if tok is not None:
         special |= {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
-    return {"id": model_name, "object": "model", "created": now(), "owned_by": "mlaserve",
-            "root": llm.cfg.model, "max_model_len": llm.max_model_len, "vocab_size": llm.model_config.vocab_size,
-            "bos_token_id": bos, "eos_token_id": eos[0] if eos else None, "eos_token_ids": eos,
-            "special_token_ids": sorted(special)}
+    return {
+        "id": model_name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "mlaserve",
+        "root": llm.cfg.model,
+        "max_model_len": llm.max_model_len,
+        "vocab_size": llm.model_config.vocab_size,
+        "bos_token_id": bos,
+        "eos_token_id": eos[0] if eos else None,
+        "eos_token_ids": eos,
+        "special_token_ids": sorted(special),
+    }
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 << 20) -> FastAPI:
@@ -61,8 +70,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 
 
     @app.exception_handler(StarletteHTTPException)  # unknown routes (404), wrong methods (405)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        what = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
-                                                           f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        what = {
+            404: f"no route {request.url.path}",
+            405: f"method {request.method} is not allowed on {request.url.path}",
+        }.get(e.status_code, str(e.detail))
         return error(e.status_code, f"path: {what}", "path")
 
     @app.exception_handler(Exception)
@@ -98,15 +109,23 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 
 class Server:
     """An engine behind the HTTP app on uvicorn: what `mlaserve serve` runs, and what tests start in a thread."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 max_request_bytes: int = 16 << 20, log_level: str = "info"):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        max_request_bytes: int = 16 << 20,
+        log_level: str = "info",
+    ):
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.async_engine = AsyncEngine(engine, self.metrics, on_fatal=self._fatal)
         self.app = build_app(self.async_engine, model_name, max_request_bytes)
         # A bounded graceful shutdown: a dead engine must bring the server down even with clients attached.
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
-                                                     timeout_graceful_shutdown=5))
+        self.uvicorn = uvicorn.Server(
+            uvicorn.Config(self.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        )
 
     def _fatal(self, e: BaseException) -> None:
         log.error("the engine thread failed (%r): shutting the server down", e)
@@ -121,8 +140,9 @@ class Server:
         finally:
             self.async_engine.shutdown()
         if self.async_engine.error is not None:
-            print(f"mlaserve serve: the engine failed: {self.async_engine.error!r}; the server stopped",
-                  file=sys.stderr)
+            print(
+                f"mlaserve serve: the engine failed: {self.async_engine.error!r}; the server stopped", file=sys.stderr
+            )
             return 1
         return 0
 
@@ -138,10 +158,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
-    p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="requests the engine holds (waiting + running); more get 503 (default: %(default)s)")
-    p.add_argument("--max-request-bytes", type=int, default=16 << 20,
-                   help="larger request bodies get 413 (default: %(default)s)")
+    p.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=1024,
+        help="requests the engine holds (waiting + running); more get 503 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=16 << 20, help="larger request bodies get 413 (default: %(default)s)"
+    )
     add_engine_args(p)
 
 
@@ -157,8 +182,7 @@ def cli_main(args) -> int:
         return rc
     llm = LLM(args.model, max_queue_len=args.max_queue_len, **engine_kwargs_from_args(args))
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.engine_config.model))
-    server = Server(llm.engine, name, args.host, args.port, args.max_request_bytes,
-                    log_level=args.log_level.lower())
+    server = Server(llm.engine, name, args.host, args.port, args.max_request_bytes, log_level=args.log_level.lower())
     try:
         return server.run()
     finally:

@@ -82,8 +82,9 @@ class _Live:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self, engine: LLMEngine, metrics: Metrics | None = None, on_fatal: Callable[[BaseException], None] | None = None
+    ):
         self.engine, self.metrics, self.on_fatal = engine, metrics, on_fatal
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submits against the thread's death: no command is orphaned
@@ -138,8 +139,10 @@ class AsyncEngine:
                 eng.validate(ids, params)
             held = eng.scheduler.num_unfinished
             if held + len(prompts) > eng.cfg.max_queue_len:
-                raise OverflowError(f"the engine holds {held} requests; {len(prompts)} more exceed max_queue_len "
-                                    f"{eng.cfg.max_queue_len}")
+                raise OverflowError(
+                    f"the engine holds {held} requests; {len(prompts)} more exceed max_queue_len "
+                    f"{eng.cfg.max_queue_len}"
+                )
             for i, (rid, ids) in enumerate(zip(gen.request_ids, prompts)):
                 eng.add_request(ids, params, request_id=rid)
                 self._live[rid] = _Live(gen, i, arrival)

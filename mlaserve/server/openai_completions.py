@@ -57,22 +57,34 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, gen, rid: str, cr
     yield "data: [DONE]\n\n"
 
 
-def _response(ctx: ServingContext, req: CompletionRequest, outs: dict[int, list[StepOutput]], rid: str,
-              created: int) -> dict:
+def _response(
+    ctx: ServingContext, req: CompletionRequest, outs: dict[int, list[StepOutput]], rid: str, created: int
+) -> dict:
     choices = []
     for i in range(len(outs)):
         steps = outs[i]
         last = steps[-1]
         ids = [t for o in steps for t in o.new_token_ids]
-        c = {"index": i, "text": "".join(o.new_text for o in steps), "finish_reason": last.finish_reason,
-             "logprobs": None}
+        c = {
+            "index": i,
+            "text": "".join(o.new_text for o in steps),
+            "finish_reason": last.finish_reason,
+            "logprobs": None,
+        }
         if last.finish_reason == "stop" and last.stop_reason is not None:
             c["stop_reason"] = last.stop_reason
         if req.return_token_ids:
             c["token_ids"] = ids
         if req.logprobs is not None:
-            c["logprobs"] = completion_logprobs(ctx.token_texts(ids), [x for o in steps for x in o.new_logprobs or []],
-                                                0)
+            c["logprobs"] = completion_logprobs(
+                ctx.token_texts(ids), [x for o in steps for x in o.new_logprobs or []], 0
+            )
         choices.append(c)
-    return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-            "choices": choices, "usage": usage_json(sum_usage([outs[i][-1].usage for i in range(len(outs))]))}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage_json(sum_usage([outs[i][-1].usage for i in range(len(outs))])),
+    }

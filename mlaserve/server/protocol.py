@@ -133,8 +133,7 @@ class CompletionRequest(_SamplingFields):
             return p
         if isinstance(p, list) and (not p or any(x == [] for x in p)):
             raise ValueError("must not be empty")
-        raise ValueError("must be a string, a list of token ids (integers), or a list of strings or of "
-                         "token-id lists")
+        raise ValueError("must be a string, a list of token ids (integers), or a list of strings or of token-id lists")
 
     def prompts(self) -> list[str | list[int]]:
         return self.prompt
@@ -200,8 +199,14 @@ def sum_usage(us: list[Usage]) -> Usage:
 
 
 def error_json(message: str, status: int, param: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-            413: "invalid_request_error", 422: "invalid_request_error", 503: "server_overloaded"}
+    kind = {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+        422: "invalid_request_error",
+        503: "server_overloaded",
+    }
     return {"error": {"message": message, "type": kind.get(status, "server_error"), "param": param, "code": status}}
 
 
@@ -222,5 +227,9 @@ def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int) -
 
 
 def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            for t, lp in zip(tokens, logprobs)
+        ]
+    }

@@ -40,7 +40,7 @@ def validation_error(e: ValidationError) -> APIError:
 
     def loc_of(err) -> tuple:
         loc = err["loc"]
-        return tuple(loc[:next((i for i, x in enumerate(loc) if _is_branch(x)), len(loc))])
+        return tuple(loc[: next((i for i, x in enumerate(loc) if _is_branch(x)), len(loc))])
 
     loc = loc_of(errs[0])
     msgs = list(dict.fromkeys(x["msg"].removeprefix("Value error, ") for x in errs if loc_of(x) == loc))
@@ -95,8 +95,7 @@ class ServingContext:
         except ValidationError as e:
             raise validation_error(e) from None
         if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"model: {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model")
+            raise APIError(404, f"model: {req.model!r} does not exist; this server serves {self.model_name!r}", "model")
         return req
 
     # ---- prompts -------------------------------------------------------------------------------------
@@ -105,8 +104,12 @@ class ServingContext:
             raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
         limit = self.llm.max_model_len * self.max_token_chars
         if len(text) > limit:
-            raise APIError(413, f"{field}: {len(text)} characters cannot fit in max_model_len "
-                                f"{self.llm.max_model_len} tokens (at most {limit} characters)", field)
+            raise APIError(
+                413,
+                f"{field}: {len(text)} characters cannot fit in max_model_len "
+                f"{self.llm.max_model_len} tokens (at most {limit} characters)",
+                field,
+            )
         if len(text) > THREAD_ENCODE_CHARS:
             return await asyncio.to_thread(self.tok.encode, text, add_special_tokens)
         return self.tok.encode(text, add_special_tokens)
@@ -114,18 +117,27 @@ class ServingContext:
     def check_length(self, ids: list[int], field: str = "prompt") -> None:
         n, llm = len(ids), self.llm
         if n >= llm.max_model_len:
-            raise APIError(413, f"{field}: {n} tokens leave no room to generate within max_model_len "
-                                f"{llm.max_model_len}", field)
+            raise APIError(
+                413, f"{field}: {n} tokens leave no room to generate within max_model_len {llm.max_model_len}", field
+            )
         if llm.pool.pages_for(n + 1) > llm.pool.num_pages:
-            raise APIError(413, f"{field}: {n} tokens need more KV pages than the cache holds "
-                                f"({llm.pool.num_pages} of {llm.pool.page_size} tokens)", field)
+            raise APIError(
+                413,
+                f"{field}: {n} tokens need more KV pages than the cache holds "
+                f"({llm.pool.num_pages} of {llm.pool.page_size} tokens)",
+                field,
+            )
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                     field: str = "prompt") -> Generation:
+    async def submit(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, field: str = "prompt"
+    ) -> Generation:
         """Validate every prompt, then queue them all; the engine's refusals become APIErrors."""
         if len(prompts) > self.llm.cfg.max_queue_len:
-            raise APIError(400, f"{field}: {len(prompts)} prompts in one request exceed max_queue_len "
-                                f"{self.llm.cfg.max_queue_len}", field)
+            raise APIError(
+                400,
+                f"{field}: {len(prompts)} prompts in one request exceed max_queue_len {self.llm.cfg.max_queue_len}",
+                field,
+            )
         try:
             for ids in prompts:
                 self.check_length(ids, field)
@@ -164,8 +176,11 @@ class EventStream(StreamingResponse):
     """An SSE response that aborts its engine requests however it ends: finished, client gone, or failed."""
 
     def __init__(self, events, gen: Generation):
-        super().__init__(_guarded(events), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            _guarded(events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.gen = gen
 
     async def __call__(self, scope, receive, send):

@@ -42,17 +42,44 @@ class DraftGraphs:
 
     def _batches(self, B: int) -> list[ForwardBatch]:
         N, qsl = self.N, torch.arange(B + 1, dtype=torch.int32, device=self.p.device)
-        ext = ForwardBatch(self.ext_ids[:B * N], self.ext_pos[:B * N], self.ext_slots[:B * N], self.ext_seq[:B],
-                           qsl * N, self.page_table[:B], self.rows[:B], B, N, [0] * B, [N] * B, self.p.attn,
-                           max_query_len=N)
-        decs = [ForwardBatch(self.ext_ids[:B], self.dec_pos[i, :B], self.dec_slots[i, :B], self.dec_seq[i, :B], qsl,
-                             self.page_table[:B], self.rows[:B], B, 1, [0] * B, [1] * B, self.p.attn, max_query_len=1)
-                for i in range(self.K - 1)]
+        ext = ForwardBatch(
+            self.ext_ids[: B * N],
+            self.ext_pos[: B * N],
+            self.ext_slots[: B * N],
+            self.ext_seq[:B],
+            qsl * N,
+            self.page_table[:B],
+            self.rows[:B],
+            B,
+            N,
+            [0] * B,
+            [N] * B,
+            self.p.attn,
+            max_query_len=N,
+        )
+        decs = [
+            ForwardBatch(
+                self.ext_ids[:B],
+                self.dec_pos[i, :B],
+                self.dec_slots[i, :B],
+                self.dec_seq[i, :B],
+                qsl,
+                self.page_table[:B],
+                self.rows[:B],
+                B,
+                1,
+                [0] * B,
+                [1] * B,
+                self.p.attn,
+                max_query_len=1,
+            )
+            for i in range(self.K - 1)
+        ]
         return [ext] + decs
 
     def _forward(self, B: int, batches: list[ForwardBatch]) -> torch.Tensor:
         draft, ext = self.p.draft, batches[0]
-        normed, h = draft(ext.input_ids, ext.positions, self.hidden[:B * self.N], ext)
+        normed, h = draft(ext.input_ids, ext.positions, self.hidden[: B * self.N], ext)
         tok, h = draft.draft_token_ids(normed[self.rows[:B]]), h[self.rows[:B]]
         toks = [tok]
         for b in batches[1:]:
@@ -119,9 +146,9 @@ class DraftGraphs:
             dpos[i] += [N + i] * pad
             dslots[i] += [-1] * pad
             dseq[i] += [N + i + 1] * pad
-        self.ext_ids[:B * N].copy_(torch.tensor(ids), non_blocking=True)
-        self.ext_pos[:B * N].copy_(torch.tensor(pos), non_blocking=True)
-        self.ext_slots[:B * N].copy_(torch.tensor(slots), non_blocking=True)
+        self.ext_ids[: B * N].copy_(torch.tensor(ids), non_blocking=True)
+        self.ext_pos[: B * N].copy_(torch.tensor(pos), non_blocking=True)
+        self.ext_slots[: B * N].copy_(torch.tensor(slots), non_blocking=True)
         self.ext_seq[:B].copy_(torch.tensor(seq, dtype=torch.int32), non_blocking=True)
         self.rows[:B].copy_(torch.tensor(rows), non_blocking=True)
         self.page_table[:B, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)

@@ -38,8 +38,10 @@ def aux_layer_ids(cfg: DraftConfig, num_layers: int, offset: int) -> tuple[int, 
     out = tuple(i + offset for i in ids)
     bad = [i for i in out if not 0 <= i <= num_layers]
     if bad or len(out) != 3:
-        raise ValueError(f"eagle_aux_hidden_state_layer_ids: {list(ids)} (+offset {offset}) must be 3 layers in "
-                         f"0..{num_layers} of the target")
+        raise ValueError(
+            f"eagle_aux_hidden_state_layer_ids: {list(ids)} (+offset {offset}) must be 3 layers in "
+            f"0..{num_layers} of the target"
+        )
     return out
 
 
@@ -83,14 +85,15 @@ class Eagle3Proposer:
         cfg = self.draft.cfg
         tc = target.config
         if cfg.target_hidden_size != tc.hidden_size or cfg.vocab_size != tc.vocab_size:
-            raise ValueError(f"speculative_config.draft_model: the draft expects target hidden "
-                             f"{cfg.target_hidden_size} / vocab {cfg.vocab_size}, the target has "
-                             f"{tc.hidden_size} / {tc.vocab_size}")
+            raise ValueError(
+                f"speculative_config.draft_model: the draft expects target hidden "
+                f"{cfg.target_hidden_size} / vocab {cfg.vocab_size}, the target has "
+                f"{tc.hidden_size} / {tc.vocab_size}"
+            )
         target.aux_layer_ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
         pages, gpu = runner.num_pages, self.device.type == "cuda"
         if cfg.mla is not None:
-            cache = torch.zeros(1, pages, self.page_size, cfg.mla.kv_cache_dim, dtype=runner.dtype,
-                                device=self.device)
+            cache = torch.zeros(1, pages, self.page_size, cfg.mla.kv_cache_dim, dtype=runner.dtype, device=self.device)
             if gpu:  # triton is imported only where it runs
                 from ..attention.triton_mla import TritonMLABackend
 
@@ -102,8 +105,9 @@ class Eagle3Proposer:
         else:
             from ..attention.mha_ref import PagedMHARef
 
-            cache = torch.zeros(pages, self.page_size, 2, cfg.num_key_value_heads, cfg.head_dim,
-                                dtype=runner.dtype, device=self.device)
+            cache = torch.zeros(
+                pages, self.page_size, 2, cfg.num_key_value_heads, cfg.head_dim, dtype=runner.dtype, device=self.device
+            )
             if gpu:
                 from ..attention.triton_mha import TritonPagedMHA
 

@@ -21,8 +21,7 @@ def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Ten
     return y, accepted
 
 
-def verify_sampled(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
-                   generator: torch.Generator) -> list[int]:
+def verify_sampled(logits: torch.Tensor, drafts: list[int], row: SamplingRow, generator: torch.Generator) -> list[int]:
     """logits [N, V] of one request -> the emitted tokens (1 + accepted)."""
     g = row.generator or generator
     probs = _filter(logits, [row] * logits.shape[0]).softmax(-1)  # [N, V]

@@ -29,14 +29,22 @@ def make_app(token_ids: bool = True) -> FastAPI:
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model", "vocab_size": VOCAB,
-                                            "bos_token_id": 0, "eos_token_id": 1}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": "fake-model", "object": "model", "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1}
+            ],
+        }
 
     @app.get("/metrics")
     def metrics():
         lines = []
-        for name, key in (("spec_decode_num_draft_tokens", "draft"), ("spec_decode_num_accepted_tokens", "accepted"),
-                          ("generation_tokens", "generation"), ("prompt_tokens", "prompt")):
+        for name, key in (
+            ("spec_decode_num_draft_tokens", "draft"),
+            ("spec_decode_num_accepted_tokens", "accepted"),
+            ("generation_tokens", "generation"),
+            ("prompt_tokens", "prompt"),
+        ):
             lines += [f"# TYPE mlaserve:{name} counter", f'mlaserve:{name}_total{{model_name="fake"}} {totals[key]}.0']
         return PlainTextResponse("\n".join(lines) + "\n")
 
@@ -55,24 +63,37 @@ def make_app(token_ids: bool = True) -> FastAPI:
             i += sizes[-1]
         accepted = sum(k - 1 for k in sizes)
         steps = len(sizes) - 1
-        totals.update(draft=totals["draft"] + steps, accepted=totals["accepted"] + accepted,
-                      generation=totals["generation"] + n, prompt=totals["prompt"] + len(prompt))
+        totals.update(
+            draft=totals["draft"] + steps,
+            accepted=totals["accepted"] + accepted,
+            generation=totals["generation"] + n,
+            prompt=totals["prompt"] + len(prompt),
+        )
 
         async def events():
             pos = 0
             for k in sizes:
-                ids = toks[pos:pos + k]
+                ids = toks[pos : pos + k]
                 pos += k
-                choice = {"index": 0, "text": "".join(f" t{t}" for t in ids),
-                          "finish_reason": "length" if pos == n else None}
+                choice = {
+                    "index": 0,
+                    "text": "".join(f" t{t}" for t in ids),
+                    "finish_reason": "length" if pos == n else None,
+                }
                 if token_ids:
                     choice["token_ids"] = ids
                 yield f"data: {json.dumps({'object': 'text_completion', 'choices': [choice]})}\n\n"
                 await asyncio.sleep(0.001)
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
-                     "prompt_tokens_details": {"cached_tokens": 0},
-                     "completion_tokens_details": {"accepted_prediction_tokens": accepted,
-                                                   "rejected_prediction_tokens": steps - accepted}}
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": n,
+                "total_tokens": len(prompt) + n,
+                "prompt_tokens_details": {"cached_tokens": 0},
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": accepted,
+                    "rejected_prediction_tokens": steps - accepted,
+                },
+            }
             yield f"data: {json.dumps({'object': 'text_completion', 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -101,9 +122,27 @@ def fake_server(request):
 
 
 def _serve(url, out, *extra):
-    return main(["bench", "serve", "--base-url", url, "--num-prompts", "8", "--max-concurrency", "8",
-                 "--input-len", "64", "--output-len", "64", "--ignore-eos", "--disable-tqdm",
-                 "--save-result", str(out), *extra])
+    return main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            url,
+            "--num-prompts",
+            "8",
+            "--max-concurrency",
+            "8",
+            "--input-len",
+            "64",
+            "--output-len",
+            "64",
+            "--ignore-eos",
+            "--disable-tqdm",
+            "--save-result",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_serve_twice_then_compare(fake_server, tmp_path, capsys):

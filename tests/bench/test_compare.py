@@ -16,18 +16,51 @@ def _result(scale: float = 1.0) -> dict:
     for i in range(3):
         events = [1, 2, 1, 2] if i != 1 else [1, 1, 2, 2]
         times = [scale * (10.0 + i + 5 * k) for k in range(len(events))]
-        reqs.append({
-            "index": i, "prompt_len": 4, "success": True, "error": None, "text": f"request {i} says hi",
-            "output_token_ids": list(range(6)), "event_vector": events, "event_counting": "token_ids",
-            "ttft_ms": times[0], "itl_ms": [b - a for a, b in zip(times, times[1:])], "e2el_ms": times[-1],
-            "tpot_ms": (times[-1] - times[0]) / 5, "output_tokens": 6, "streamed_tokens": 6, "prompt_tokens": 4,
-            "cached_tokens": 0, "accepted_tokens": 2, "rejected_tokens": 1, "finish_reason": "length",
-            "start_s": 0.0, "end_s": times[-1] / 1000.0,
-        })
-    cfg = {"num_prompts": 3, "max_concurrency": 3, "request_rate": "inf", "input_len": 4, "output_len": 6,
-           "seed": 20260724, "num_warmups": 0, "temperature": 0.0, "ignore_eos": True}
-    return {"schema": "mlaserve.bench.serve/1", "model": "m", "config": cfg, "prompts_sha256": "abc",
-            "event_counting": "token_ids", **summarize_run(reqs), "requests": reqs}
+        reqs.append(
+            {
+                "index": i,
+                "prompt_len": 4,
+                "success": True,
+                "error": None,
+                "text": f"request {i} says hi",
+                "output_token_ids": list(range(6)),
+                "event_vector": events,
+                "event_counting": "token_ids",
+                "ttft_ms": times[0],
+                "itl_ms": [b - a for a, b in zip(times, times[1:])],
+                "e2el_ms": times[-1],
+                "tpot_ms": (times[-1] - times[0]) / 5,
+                "output_tokens": 6,
+                "streamed_tokens": 6,
+                "prompt_tokens": 4,
+                "cached_tokens": 0,
+                "accepted_tokens": 2,
+                "rejected_tokens": 1,
+                "finish_reason": "length",
+                "start_s": 0.0,
+                "end_s": times[-1] / 1000.0,
+            }
+        )
+    cfg = {
+        "num_prompts": 3,
+        "max_concurrency": 3,
+        "request_rate": "inf",
+        "input_len": 4,
+        "output_len": 6,
+        "seed": 20260724,
+        "num_warmups": 0,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    return {
+        "schema": "mlaserve.bench.serve/1",
+        "model": "m",
+        "config": cfg,
+        "prompts_sha256": "abc",
+        "event_counting": "token_ids",
+        **summarize_run(reqs),
+        "requests": reqs,
+    }
 
 
 def _write(tmp_path, name, data):
@@ -44,8 +77,15 @@ def _compare(tmp_path, base, cand, *extra):
 
 def test_identical_runs_exit_0(tmp_path, capsys):
     out_json = tmp_path / "cmp.json"
-    rc = _compare(tmp_path, [_result(1.0), _result(1.02), _result(0.99)], [_result(0.9), _result(0.91)],
-                  "--plot", str(tmp_path / "cmp.png"), "--save-result", str(out_json))
+    rc = _compare(
+        tmp_path,
+        [_result(1.0), _result(1.02), _result(0.99)],
+        [_result(0.9), _result(0.91)],
+        "--plot",
+        str(tmp_path / "cmp.png"),
+        "--save-result",
+        str(out_json),
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "matched the baseline exactly" in out and "Every run completed 3/3 requests" in out
@@ -92,10 +132,31 @@ def test_difference_in_a_baseline_run_is_caught(tmp_path, capsys):
 
 
 def test_figure_rows_median_of_medians():
-    base = [("a", {"median_ttft_ms": v, "median_tpot_ms": 1.0, "median_itl_ms": 1.0, "median_e2el_ms": 1.0,
-                   "output_throughput": t}) for v, t in ((10.0, 100.0), (30.0, 90.0), (20.0, 110.0))]
-    cand = [("b", {"median_ttft_ms": 15.0, "median_tpot_ms": 1.0, "median_itl_ms": 1.0, "median_e2el_ms": None,
-                   "output_throughput": 120.0})]
+    base = [
+        (
+            "a",
+            {
+                "median_ttft_ms": v,
+                "median_tpot_ms": 1.0,
+                "median_itl_ms": 1.0,
+                "median_e2el_ms": 1.0,
+                "output_throughput": t,
+            },
+        )
+        for v, t in ((10.0, 100.0), (30.0, 90.0), (20.0, 110.0))
+    ]
+    cand = [
+        (
+            "b",
+            {
+                "median_ttft_ms": 15.0,
+                "median_tpot_ms": 1.0,
+                "median_itl_ms": 1.0,
+                "median_e2el_ms": None,
+                "output_throughput": 120.0,
+            },
+        )
+    ]
     rows = {r["figure"]: r for r in figure_rows(base, cand)}
     assert rows["TTFT"]["baseline"] == {"runs": [10.0, 30.0, 20.0], "median": 20.0, "min": 10.0, "max": 30.0}
     assert rows["TTFT"]["change_pct"] == pytest.approx(25.0)

@@ -70,11 +70,24 @@ def _req(index, events, times, output_tokens=None, success=True, accepted=None):
     ttft = times[0] if times else None
     e2el = times[-1] if times else None
     n = output_tokens if output_tokens is not None else sum(events)
-    return {"index": index, "prompt_len": 4, "success": success, "error": None if success else "boom",
-            "event_vector": events, "ttft_ms": ttft, "itl_ms": itls_ms(times), "e2el_ms": e2el,
-            "tpot_ms": tpot_ms(e2el, ttft, n) if success else None, "output_tokens": n if success else 0,
-            "prompt_tokens": 4, "cached_tokens": 0, "accepted_tokens": accepted, "rejected_tokens": None,
-            "start_s": 0.0 if index == 0 else 0.1, "end_s": 0.1 + e2el / 1000.0 if success else 0.2}
+    return {
+        "index": index,
+        "prompt_len": 4,
+        "success": success,
+        "error": None if success else "boom",
+        "event_vector": events,
+        "ttft_ms": ttft,
+        "itl_ms": itls_ms(times),
+        "e2el_ms": e2el,
+        "tpot_ms": tpot_ms(e2el, ttft, n) if success else None,
+        "output_tokens": n if success else 0,
+        "prompt_tokens": 4,
+        "cached_tokens": 0,
+        "accepted_tokens": accepted,
+        "rejected_tokens": None,
+        "start_s": 0.0 if index == 0 else 0.1,
+        "end_s": 0.1 + e2el / 1000.0 if success else 0.2,
+    }
 
 
 def test_summarize_run_by_hand():

@@ -14,10 +14,14 @@ def _prompts(n, seed=7, lo=5, hi=60):
     return [[rng.randrange(512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_batch_invariance(tiny_ckpt, params):
     engine = make_engine(tiny_ckpt)
     target = _prompts(1, seed=99)[0]
@@ -26,8 +30,10 @@ def test_batch_invariance(tiny_ckpt, params):
     alone = run_all(engine)[rid]
     results = [alone]
     for order in (others[:3] + [target] + others[3:], [target] + others[::-1]):
-        rids = [engine.add_request(p, params if p is target else SamplingParams(temperature=1.0, max_tokens=9))
-                for p in order]
+        rids = [
+            engine.add_request(p, params if p is target else SamplingParams(temperature=1.0, max_tokens=9))
+            for p in order
+        ]
         got = run_all(engine)
         results.append(got[rids[order.index(target)]])
     assert results[0] == results[1] == results[2], results
@@ -72,8 +78,10 @@ def test_prefix_cache_hit_same_output(tiny_ckpt, page_size):
 
 def test_abort_frees_pages_at_once(tiny_ckpt):
     engine = make_engine(tiny_ckpt, page_size=16)
-    rids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-            for p in _prompts(4, lo=40, hi=60)]
+    rids = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        for p in _prompts(4, lo=40, hi=60)
+    ]
     engine.step()
     engine.step()
     used = engine.pool.num_used
@@ -103,11 +111,18 @@ def test_bad_inputs_refused_engine_keeps_serving(tiny_ckpt, ids, params, field):
     assert len(out[good]) == 5
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(temperature=-0.1), "temperature"), (dict(top_k=-5), "top_k"),
-    (dict(min_p=2.0), "min_p"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_k=-5), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+    ],
+)
 def test_bad_sampling_params(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
@@ -119,8 +134,9 @@ def test_stop_token_ids_and_max_tokens(tiny_ckpt):
     rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     full = run_all(engine)[rid]
     stop_tok = full[5]
-    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                               stop_token_ids=[stop_tok]))
+    rid = engine.add_request(
+        p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_tok])
+    )
     events = []
     while engine.has_unfinished():
         events += engine.step()
@@ -160,7 +176,7 @@ def test_stop_strings_and_text(tiny_ckpt):
     ids = [t for e in events for t in e.new_token_ids]
     assert text == tok.decode(ids)
     # Stop on a string that appears in the middle of that greedy text (spanning tokens where possible).
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     if not stop.strip("\ufffd") or "\ufffd" in stop:
         pytest.skip("greedy text has no clean substring to stop on")
     rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
@@ -177,7 +193,8 @@ def test_logprobs_are_returned(tiny_ckpt):
     from mlaserve import LLM
 
     llm = LLM(tiny_ckpt, device="cpu")
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0), use_tqdm=False
+    )[0]
     lp = out.outputs[0].logprobs
     assert len(lp) == 5 and all(x <= 0 for x in lp)

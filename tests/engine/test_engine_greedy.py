@@ -26,9 +26,15 @@ def hf_greedy(tiny_ckpt, prompts):
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            g = hf.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                            attention_mask=torch.ones_like(ids), pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
+            g = hf.generate(
+                ids,
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                do_sample=False,
+                attention_mask=torch.ones_like(ids),
+                pad_token_id=0,
+            )
+            outs.append(g[0, len(p) :].tolist())
     return outs
 
 
@@ -41,11 +47,15 @@ def _generate(engine, prompts):
     return [got[r] for r in rids]
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(chunked_prefill_size=32, max_num_batched_tokens=64),
-    dict(num_pages=20, page_size=16, max_num_batched_tokens=512),
-], ids=["default", "chunked32", "preempt"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(chunked_prefill_size=32, max_num_batched_tokens=64),
+        dict(num_pages=20, page_size=16, max_num_batched_tokens=512),
+    ],
+    ids=["default", "chunked32", "preempt"],
+)
 def test_greedy_matches_transformers(tiny_ckpt, prompts, hf_greedy, kw):
     engine = make_engine(tiny_ckpt, **kw)
     got = _generate(engine, prompts)

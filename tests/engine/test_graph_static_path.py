@@ -56,8 +56,10 @@ def test_static_path_with_speculation(tiny_ckpt, tmp_path):
     draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
     prompts = _prompts(3)
     ref = _gen(make_engine(tiny_ckpt, page_size=16), prompts)
-    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4),
-                    spec=SpecConfig(draft_model=draft, num_steps=2))
+    eng = LLMEngine(
+        EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4),
+        spec=SpecConfig(draft_model=draft, num_steps=2),
+    )
     eng.runner.capture_graphs(3, eng.max_model_len, use_graphs=False)
     assert _gen(eng, prompts) == ref
     eng.pool.check()
@@ -77,12 +79,15 @@ def test_draft_graph_static_path_proposes_like_eager(tiny_ckpt, tmp_path, k):
     ref = _gen(make_engine(tiny_ckpt, page_size=16), prompts)
     seen = {}
     for mode in ("eager", "static"):
-        eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4),
-                        spec=SpecConfig(draft_model=draft, num_steps=k))
+        eng = LLMEngine(
+            EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4),
+            spec=SpecConfig(draft_model=draft, num_steps=k),
+        )
         if mode == "static":
             eng.proposer.capture_graphs(4, 64, use_graphs=False)
         log = seen[mode] = []
         orig = eng.proposer.propose
+
         def record(chunks, o=orig, lg=log):
             r = o(chunks)
             lg.append([r[c.req.request_id] for c in chunks if c.propose])  # in chunk order: ids differ per engine
@@ -139,9 +144,11 @@ def test_greedy_decode_steps_take_the_graphs_argmax(tiny_ckpt, monkeypatch):
 
     prompts = _prompts(3, seed=11)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    cases = {"greedy": [greedy] * 3,
-             "sampled": [greedy, SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True), greedy],
-             "logprobs": [greedy, SamplingParams(temperature=0, logprobs=0, max_tokens=12, ignore_eos=True), greedy]}
+    cases = {
+        "greedy": [greedy] * 3,
+        "sampled": [greedy, SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True), greedy],
+        "logprobs": [greedy, SamplingParams(temperature=0, logprobs=0, max_tokens=12, ignore_eos=True), greedy],
+    }
     for name, params in cases.items():
         outs = {}
         for mode in ("plain", "static"):
@@ -204,8 +211,15 @@ def test_packed_input_regions_are_disjoint(tiny_ckpt):
         before = gr.packed.clone()
         g = gr.graphs[key]
         n = 3 if key[0] == "decode" else 40
-        chunks = [SeqChunk(list(range(1, n + 1)) if key[0] == "prefill" else [7], 0 if key[0] == "prefill" else 20,
-                           [5, 6, 9], "last") for _ in range(min(3, g.n_reqs - 1))]
+        chunks = [
+            SeqChunk(
+                list(range(1, n + 1)) if key[0] == "prefill" else [7],
+                0 if key[0] == "prefill" else 20,
+                [5, 6, 9],
+                "last",
+            )
+            for _ in range(min(3, g.n_reqs - 1))
+        ]
         gr._ring = 2
         gr._fill(key, g, chunks)
         o, w = gr._offset[key], gr._words(*gr._sizes(key))

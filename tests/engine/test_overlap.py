@@ -29,8 +29,14 @@ def _drive(engine, arrivals, aborts):
 
 
 def _summary(evs):
-    return ([t for e in evs for t in e.new_token_ids], "".join(e.new_text for e in evs), evs[-1].finished,
-            evs[-1].finish_reason, evs[-1].stop_reason, evs[-1].usage.completion_tokens)
+    return (
+        [t for e in evs for t in e.new_token_ids],
+        "".join(e.new_text for e in evs),
+        evs[-1].finished,
+        evs[-1].finish_reason,
+        evs[-1].stop_reason,
+        evs[-1].usage.completion_tokens,
+    )
 
 
 def _workload(tiny_ckpt):
@@ -44,18 +50,27 @@ def _workload(tiny_ckpt):
         evs += [e for e in probe.step() if e.request_id == rid]
     greedy = [t for e in evs for t in e.new_token_ids]
     text = tok.decode(greedy)
-    stop = next((text[i:i + 2] for i in range(len(text) // 2, len(text) - 2)
-                 if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2]), None)
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(len(text) // 2, len(text) - 2)
+            if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
+        ),
+        None,
+    )
     g = dict(temperature=0, ignore_eos=True)
     arrivals = {
-        0: [("len", prompts[0], SamplingParams(max_tokens=17, **g)),
+        0: [
+            ("len", prompts[0], SamplingParams(max_tokens=17, **g)),
             ("stop_tok", prompts[0], SamplingParams(max_tokens=30, stop_token_ids=[greedy[6]], **g)),
-            ("seeded", prompts[1], SamplingParams(temperature=0.9, top_p=0.8, seed=5, max_tokens=25,
-                                                  ignore_eos=True)),
-            ("logprobs", prompts[2], SamplingParams(max_tokens=12, logprobs=0, **g))],
+            ("seeded", prompts[1], SamplingParams(temperature=0.9, top_p=0.8, seed=5, max_tokens=25, ignore_eos=True)),
+            ("logprobs", prompts[2], SamplingParams(max_tokens=12, logprobs=0, **g)),
+        ],
         4: [("late", prompts[3], SamplingParams(max_tokens=9, **g))],
-        9: [("aborted", prompts[4], SamplingParams(max_tokens=40, **g)),
-            ("late2", prompts[5], SamplingParams(max_tokens=15, **g))],
+        9: [
+            ("aborted", prompts[4], SamplingParams(max_tokens=40, **g)),
+            ("late2", prompts[5], SamplingParams(max_tokens=15, **g)),
+        ],
     }
     if stop:
         arrivals[0].append(("stop_str", prompts[0], SamplingParams(max_tokens=30, stop=[stop], **g)))
@@ -88,8 +103,10 @@ def test_overlapped_decode_equals_plain_loop(tiny_ckpt, page_size):
 
 def test_overlap_survives_abort_of_everything_in_flight(tiny_ckpt):
     engine = make_engine(tiny_ckpt, page_size=4)
-    rids = [engine.add_request([1, 2, 3, 4 + i], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-            for i in range(3)]
+    rids = [
+        engine.add_request([1, 2, 3, 4 + i], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        for i in range(3)
+    ]
     for _ in range(5):
         engine.step()
     assert engine.stats()["overlapped_steps"] > 0 and engine._inflight is not None
@@ -109,8 +126,10 @@ def test_overlap_stays_on_while_requests_end_by_length(tiny_ckpt):
     outs = []
     for disable in (True, False):
         engine = make_engine(tiny_ckpt, page_size=4, disable_overlap_schedule=disable)
-        rids = [engine.add_request([1, 2, 3 + i], SamplingParams(temperature=0, max_tokens=5 + 3 * i,
-                                                                 ignore_eos=True)) for i in range(4)]
+        rids = [
+            engine.add_request([1, 2, 3 + i], SamplingParams(temperature=0, max_tokens=5 + 3 * i, ignore_eos=True))
+            for i in range(4)
+        ]
         got = {r: [] for r in rids}
         while engine.has_unfinished():
             for o in engine.step():

@@ -18,8 +18,7 @@ def _greedy(llm_kwargs, ckpt, prompts, max_tokens=16, spec=None):
     from mlaserve import LLM, SamplingParams
 
     llm = LLM(ckpt, device="cuda", speculative_config=spec, num_pages=2048, page_size=64, **llm_kwargs)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     return [o.token_ids for o in outs], llm
 
 
@@ -35,8 +34,9 @@ def test_projection_contract_launches_only_gemms(T):
 
     cfg = ModelConfig.from_hf(load_preset("moonlight-16b-a3b"))
     with torch.device("cuda"):
-        attn = DeepseekV3Attention(cfg, 0, __import__("mlaserve.distributed.tp", fromlist=["RankInfo"]).RankInfo(),
-                                   torch.bfloat16)
+        attn = DeepseekV3Attention(
+            cfg, 0, __import__("mlaserve.distributed.tp", fromlist=["RankInfo"]).RankInfo(), torch.bfloat16
+        )
     attn.kv_b_proj.weight.data.normal_()
     H, N, R, P, V = attn.H, attn.N, attn.R, attn.P, attn.V
     q = torch.randn(T, H, N + P, device="cuda", dtype=torch.bfloat16)
@@ -57,8 +57,12 @@ def test_projection_contract_launches_only_gemms(T):
     if T == 1:
         assert all(k == "_head_gemv_kernel" for k in kernels), kernels
     else:
-        assert all(("gemm" in k.lower() or "sm90" in k.lower() or "cutlass" in k.lower() or "xmma" in k.lower())
-                   and "copy" not in k.lower() and "elementwise" not in k.lower() for k in kernels), kernels
+        assert all(
+            ("gemm" in k.lower() or "sm90" in k.lower() or "cutlass" in k.lower() or "xmma" in k.lower())
+            and "copy" not in k.lower()
+            and "elementwise" not in k.lower()
+            for k in kernels
+        ), kernels
     ref_q = torch.einsum("thn,hnr->thr", q[..., :N].float(), attn.w_kc.float())
     ref_o = torch.einsum("thr,hrv->thv", o_lat.float(), attn.w_vc.float()).reshape(T, -1)
     assert not Q[..., :R].isnan().any() and Q[..., R:].isnan().all()  # RoPE's part untouched by the GEMM
@@ -89,8 +93,9 @@ def test_absorbed_q_launches(T):
         attn = DeepseekV3Attention(cfg, 0, RankInfo(), torch.bfloat16)
     attn.kv_b_proj.weight.data.normal_()
     H, N, R, P = attn.H, attn.N, attn.R, attn.P
-    batch = SimpleNamespace(attn=TritonMLABackend(torch.empty(1, 1, 64, R + P, device="cuda", dtype=torch.bfloat16),
-                                                  R))  # absorbed_q reads only the backend
+    batch = SimpleNamespace(
+        attn=TritonMLABackend(torch.empty(1, 1, 64, R + P, device="cuda", dtype=torch.bfloat16), R)
+    )  # absorbed_q reads only the backend
     q = torch.randn(T, H * (N + P), device="cuda", dtype=torch.bfloat16).view(T, H, N + P)
     cos, sin = RotaryEmbedding(cfg.rope, P).cuda()(torch.arange(100, 100 + T, device="cuda"))
     for _ in range(3):
@@ -119,8 +124,9 @@ def test_absorbed_q_launches(T):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_equal_eager_and_reference(tiny_ckpt, dtype):
     prompts = _prompts(12)
-    ref, _ = _greedy(dict(dtype=dtype, enforce_eager=True, attention_backend="torch", moe_backend="torch"),
-                     tiny_ckpt, prompts)
+    ref, _ = _greedy(
+        dict(dtype=dtype, enforce_eager=True, attention_backend="torch", moe_backend="torch"), tiny_ckpt, prompts
+    )
     eager, _ = _greedy(dict(dtype=dtype, enforce_eager=True), tiny_ckpt, prompts)
     graphs, llm = _greedy(dict(dtype=dtype), tiny_ckpt, prompts)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
@@ -205,8 +211,9 @@ def _overlap_runs(ckpt, device):
     arrivals, aborts = _workload(ckpt)
     runs = []
     for disable in (True, False):
-        eng = make_engine(ckpt, device=device, page_size=16, max_num_seqs=8, num_pages=512,
-                          disable_overlap_schedule=disable)
+        eng = make_engine(
+            ckpt, device=device, page_size=16, max_num_seqs=8, num_pages=512, disable_overlap_schedule=disable
+        )
         runs.append((_drive(eng, arrivals, aborts), eng.stats()["overlapped_steps"], eng))
     return runs
 

@@ -19,8 +19,18 @@ def _ctx(B, q_len, max_len=8192):
 
 
 # --- mla_decode -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("H,q_len,page,B", [(16, 1, 64, 16), (16, 2, 64, 16), (16, 4, 64, 8), (64, 1, 64, 16),
-                                            (64, 2, 16, 8), (128, 1, 64, 4), (20, 1, 16, 5)])
+@pytest.mark.parametrize(
+    "H,q_len,page,B",
+    [
+        (16, 1, 64, 16),
+        (16, 2, 64, 16),
+        (16, 4, 64, 8),
+        (64, 1, 64, 16),
+        (64, 2, 16, 8),
+        (128, 1, 64, 4),
+        (20, 1, 16, 5),
+    ],
+)
 def test_mla_decode_real(H, q_len, page, B):
     kc.check_mla_decode("cuda", BF, H=H, R=512, P=64, q_len=q_len, ctx_lens=_ctx(B, q_len), page_size=page)
 
@@ -28,15 +38,34 @@ def test_mla_decode_real(H, q_len, page, B):
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
 def test_mla_decode_explicit_splits_strided_out(num_splits):
     # 64 splits over short contexts: many empty splits
-    kc.check_mla_decode("cuda", BF, H=16, R=512, P=64, q_len=2, ctx_lens=[2, 300, 5000, 64], page_size=64,
-                        num_splits=num_splits, strided_out=True)
+    kc.check_mla_decode(
+        "cuda",
+        BF,
+        H=16,
+        R=512,
+        P=64,
+        q_len=2,
+        ctx_lens=[2, 300, 5000, 64],
+        page_size=64,
+        num_splits=num_splits,
+        strided_out=True,
+    )
 
 
 @pytest.mark.parametrize("q_len,stages", [(1, 3), (2, 3), (1, 4)])
 def test_mla_decode_tma_real_dims(q_len, stages):
     # TMA whole tiles + the masked last tile, at the real latent dims (contexts ending mid-tile, on tile edges)
-    kc.check_mla_decode("cuda", BF, H=16, R=512, P=64, q_len=q_len, ctx_lens=_ctx(16, q_len), page_size=64,
-                        config=dict(TMA=True, num_stages=stages))
+    kc.check_mla_decode(
+        "cuda",
+        BF,
+        H=16,
+        R=512,
+        P=64,
+        q_len=q_len,
+        ctx_lens=_ctx(16, q_len),
+        page_size=64,
+        config=dict(TMA=True, num_stages=stages),
+    )
 
 
 def test_mla_decode_fp32_and_tiny_dims():
@@ -98,8 +127,9 @@ def test_mla_decode_cuda_graph_replay_poisoned_partials(B, config):
 # --- prefill attention ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", ["triton", "sdpa"])
 def test_prefill_real_dims(impl):
-    kc.check_prefill("cuda", BF, H=16, Dqk=192, Dv=128, q_lens=[512, 1, 300, 1000, 129],
-                     k_lens=[512, 700, 300, 3000, 129], impl=impl)
+    kc.check_prefill(
+        "cuda", BF, H=16, Dqk=192, Dv=128, q_lens=[512, 1, 300, 1000, 129], k_lens=[512, 700, 300, 3000, 129], impl=impl
+    )
 
 
 def test_prefill_8192_and_tiny_dims():
@@ -113,8 +143,18 @@ def test_prefill_8192_and_tiny_dims():
 def test_prefill_mla_two_source_real_dims(cfg):
     # M1 shapes (H=16, N=128, P=64, V=128): k_nope/v views of one projection, k_rope of the latent (head stride 0).
     # Fresh prompts, chunks over cached context (q shorter than k), single tokens, several requests per batch.
-    kc.check_prefill_mla("cuda", BF, H=16, N=128, P=64, Dv=128, q_lens=[512, 1, 300, 1000, 129, 2048],
-                         k_lens=[512, 700, 300, 3000, 129, 6000], config=cfg, R=512)
+    kc.check_prefill_mla(
+        "cuda",
+        BF,
+        H=16,
+        N=128,
+        P=64,
+        Dv=128,
+        q_lens=[512, 1, 300, 1000, 129, 2048],
+        k_lens=[512, 700, 300, 3000, 129, 6000],
+        config=cfg,
+        R=512,
+    )
 
 
 def test_prefill_mla_8192_and_other_dims():
@@ -168,18 +208,32 @@ def test_fused_moe_expert_parallel_fp32_tiny():
 @pytest.mark.parametrize("no_align", [True, False])
 def test_fused_moe_no_align(T, no_align):
     # each (token, k) pair its own block (default up to NO_ALIGN_MAX_PAIRS = 16 pairs) vs aligned, both forced
-    kc.check_fused_moe("cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
-                       config=dict(no_align=no_align))
-    kc.check_fused_moe("cuda", BF, T=T, D=7168, I=512, E_total=384, E_local=96, offset=96, K=8,
-                       config=dict(no_align=no_align))
+    kc.check_fused_moe(
+        "cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6, config=dict(no_align=no_align)
+    )
+    kc.check_fused_moe(
+        "cuda", BF, T=T, D=7168, I=512, E_total=384, E_local=96, offset=96, K=8, config=dict(no_align=no_align)
+    )
 
 
 def test_fused_moe_per_gemm_configs():
-    for cfg in ({"gemm1": dict(BLOCK_N=64, num_warps=4, num_stages=4), "gemm2": dict(BLOCK_N=256, num_stages=3)},
-                {"gemm1": dict(BLOCK_M=64, GROUP_M=16), "gemm2": dict(BLOCK_N=128, BLOCK_K=128, num_stages=3)}):
+    for cfg in (
+        {"gemm1": dict(BLOCK_N=64, num_warps=4, num_stages=4), "gemm2": dict(BLOCK_N=256, num_stages=3)},
+        {"gemm1": dict(BLOCK_M=64, GROUP_M=16), "gemm2": dict(BLOCK_N=128, BLOCK_K=128, num_stages=3)},
+    ):
         kc.check_fused_moe("cuda", BF, T=2048, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6, config=cfg)
-    kc.check_fused_moe("cuda", BF, T=8, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6,
-                       config={"gemm1": dict(BLOCK_N=32, BLOCK_K=256, num_stages=3), "gemm2": dict(num_warps=2)})
+    kc.check_fused_moe(
+        "cuda",
+        BF,
+        T=8,
+        D=2048,
+        I=1408,
+        E_total=64,
+        E_local=64,
+        offset=0,
+        K=6,
+        config={"gemm1": dict(BLOCK_N=32, BLOCK_K=256, num_stages=3), "gemm2": dict(num_warps=2)},
+    )
 
 
 @pytest.mark.parametrize("T", [1, 16])
@@ -203,8 +257,9 @@ def test_fused_moe_cuda_graph_replay_with_new_routing(T):
         kc.assert_close(out, ref, BF, "fused_moe graph replay")
 
 
-@pytest.mark.parametrize("T,D,I,E,K,S", [(1, 2048, 1408, 64, 6, 2), (2, 2048, 1408, 64, 6, 2),
-                                         (1, 7168, 512, 384, 8, 1)])
+@pytest.mark.parametrize(
+    "T,D,I,E,K,S", [(1, 2048, 1408, 64, 6, 2), (2, 2048, 1408, 64, 6, 2), (1, 7168, 512, 384, 8, 1)]
+)
 def test_fused_moe_tma_weights_equal_pointer_loads(T, D, I, E, K, S):
     """TMA weight tiles (the sm_90 decode default) == cp.async pointer loads bit for bit at real decode shapes; a shape
     the tiles do not divide falls back to the pointer loads unless TMA is asked for."""
@@ -214,26 +269,55 @@ def test_fused_moe_tma_weights_equal_pointer_loads(T, D, I, E, K, S):
     w13 = (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(BF)
     w2 = (torch.randn(E, D, I, device="cuda") / I**0.5).to(BF)
     sh = tuple((torch.randn(*s, device="cuda") / s[1] ** 0.5).to(BF) for s in ((S * I, D), (S * I, D), (D, S * I)))
-    ids = torch.cat([torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]),
-                     E + torch.arange(S, device="cuda").expand(T, S)], 1)
+    ids = torch.cat(
+        [
+            torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)]),
+            E + torch.arange(S, device="cuda").expand(T, S),
+        ],
+        1,
+    )
     w = torch.cat([torch.rand(T, K, device="cuda"), torch.ones(T, S, device="cuda")], 1)
     with kc.poisoned_empty():
         tma = fused_experts(x, w13, w2, w, ids, 0, config=dict(tma=True), shared=sh)
     ptr = fused_experts(x, w13, w2, w, ids, 0, config=dict(tma=False), shared=sh)
     assert torch.equal(tma, ptr)
     assert torch.equal(fused_experts(x, w13, w2, w, ids, 0, shared=sh), ptr)  # the default
-    odd = (w13[:, :, :D - 8].contiguous(), w2[:, :D - 8].contiguous())  # D - 8: no whole 128-wide K tiles
-    out = fused_experts(x[:, :D - 8].contiguous(), *odd, w, ids, 0, shared=(sh[0][:, :D - 8].contiguous(),
-                        sh[1][:, :D - 8].contiguous(), sh[2][:D - 8].contiguous()))
-    assert torch.equal(out, fused_experts(x[:, :D - 8].contiguous(), *odd, w, ids, 0, config=dict(tma=False),
-                                          shared=(sh[0][:, :D - 8].contiguous(), sh[1][:, :D - 8].contiguous(),
-                                                  sh[2][:D - 8].contiguous())))
+    odd = (w13[:, :, : D - 8].contiguous(), w2[:, : D - 8].contiguous())  # D - 8: no whole 128-wide K tiles
+    out = fused_experts(
+        x[:, : D - 8].contiguous(),
+        *odd,
+        w,
+        ids,
+        0,
+        shared=(sh[0][:, : D - 8].contiguous(), sh[1][:, : D - 8].contiguous(), sh[2][: D - 8].contiguous()),
+    )
+    assert torch.equal(
+        out,
+        fused_experts(
+            x[:, : D - 8].contiguous(),
+            *odd,
+            w,
+            ids,
+            0,
+            config=dict(tma=False),
+            shared=(sh[0][:, : D - 8].contiguous(), sh[1][:, : D - 8].contiguous(), sh[2][: D - 8].contiguous()),
+        ),
+    )
 
 
-@pytest.mark.parametrize("T,K,E,E_local,offset,bm", [(1, 6, 64, 64, 0, 16), (64, 6, 64, 64, 0, 16),
-                                                     (170, 6, 64, 64, 0, 32), (171, 6, 64, 64, 0, 32),
-                                                     (8192, 6, 64, 64, 0, 128), (8192, 8, 384, 384, 0, 128),
-                                                     (3000, 8, 384, 96, 192, 64), (8192, 8, 256, 256, 0, 16)])
+@pytest.mark.parametrize(
+    "T,K,E,E_local,offset,bm",
+    [
+        (1, 6, 64, 64, 0, 16),
+        (64, 6, 64, 64, 0, 16),
+        (170, 6, 64, 64, 0, 32),
+        (171, 6, 64, 64, 0, 32),
+        (8192, 6, 64, 64, 0, 128),
+        (8192, 8, 384, 384, 0, 128),
+        (3000, 8, 384, 96, 192, 64),
+        (8192, 8, 256, 256, 0, 16),
+    ],
+)
 def test_moe_align_real(T, K, E, E_local, offset, bm):
     # single program up to FUSED_COUNT_MAX = 1024 pairs (T=170 x 6), the histogram + multi-program align above
     kc.check_moe_align("cuda", T=T, K=K, E_total=E, E_local=E_local, offset=offset, block_m=bm)
@@ -422,8 +506,7 @@ def test_model_triton_backend_matches_torch_ref(tiny_ckpt, dtype):
         print(f"model logits rel err ({dtype}, moe={moe}): {errs}")
 
 
-@pytest.mark.parametrize("N,K", [(3648, 2048), (2048, 2048), (1000, 7168), (576, 1536), (22528, 2048),
-                                 (2048, 11264)])
+@pytest.mark.parametrize("N,K", [(3648, 2048), (2048, 2048), (1000, 7168), (576, 1536), (22528, 2048), (2048, 11264)])
 def test_gemv_real(N, K):
     """The batch-1 GEMV on real projection shapes (M1's q|kv_a and o_proj; a multi-trip K; a masked K tile)
     against fp32, into a NaN-poisoned buffer; inside a CUDA graph it equals its eager launch bit for bit, and
@@ -539,12 +622,13 @@ def test_absorb_q_rope_store_kv_real(H, T, pad, norm):
     from mlaserve.kernels.head_gemv import absorb_q_rope_store_kv
 
     R, P, N = 512, 64, 128
-    Q, cache = kc.check_absorb_q_rope_store_kv("cuda", BF, T=T, H=H, N=N, R=R, P=P, norm=norm, pad=pad, page_size=64,
-                                               num_pages=8, V=128)
+    Q, cache = kc.check_absorb_q_rope_store_kv(
+        "cuda", BF, T=T, H=H, N=N, R=R, P=P, norm=norm, pad=pad, page_size=64, num_pages=8, V=128
+    )
     # the same launch again, captured, on fresh inputs and slots: replay == eager
     w_kc = torch.randn(H, N + 128, R, device="cuda").to(BF)[:, :N]
     proj = torch.randn(T, H * (N + P) + R + P, device="cuda").to(BF)
-    q, kv_a = proj[:, : H * (N + P)].view(T, H, N + P), proj[:, H * (N + P):]
+    q, kv_a = proj[:, : H * (N + P)].view(T, H, N + P), proj[:, H * (N + P) :]
     cos, sin = torch.randn(T, P // 2, device="cuda"), torch.randn(T, P // 2, device="cuda")
     slots = torch.randperm(8 * 64, device="cuda")[:T]
     weight = torch.randn(R, device="cuda").to(BF) if norm else None

@@ -32,7 +32,7 @@ def _weights(shape: str):
     w13 = (torch.randn(E, 2 * I, D, device="cuda") / D**0.5).to(BF)
     w2 = (torch.randn(E, D, I, device="cuda") / I**0.5).to(BF)
     gu = (torch.randn(2 * S * I, D, device="cuda") / D**0.5).to(BF)
-    return w13, w2, (gu[:S * I], gu[S * I:], (torch.randn(D, S * I, device="cuda") / (S * I)**0.5).to(BF))
+    return w13, w2, (gu[: S * I], gu[S * I :], (torch.randn(D, S * I, device="cuda") / (S * I) ** 0.5).to(BF))
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -69,8 +69,9 @@ def test_fused_experts_norm_bit_equal(shape, T, mode, ep):
     what = f"{shape} T={T} {mode} ep={ep}"
     assert not out.isnan().any() and not normed.isnan().any() and not s.isnan().any(), what
     assert torch.equal(s, ref_s), f"{what}: residual sum differs, max {(s.float() - ref_s.float()).abs().max()}"
-    assert torch.equal(normed, ref_normed), \
+    assert torch.equal(normed, ref_normed), (
         f"{what}: normed differs, max {(normed.float() - ref_normed.float()).abs().max()}"
+    )
     assert torch.equal(s, out + residual), what  # the spec: torch's add, and the norm's torch form
     kc.assert_close(normed, _rms_ref(s, norm_w), BF, what)
 

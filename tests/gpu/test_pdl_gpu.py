@@ -36,13 +36,25 @@ def _weights(T):
     from tests.kernel_checks import make_paged
 
     g = lambda *s, scale: (torch.randn(*s, device="cuda") * scale).to(BF)  # noqa: E731
-    layers = [dict(wq=g(H * (N + P), D, scale=D**-0.5), wo=g(D, H * V, scale=(H * V) ** -0.5),
-                   wkv_b=g(H * (N + V), R, scale=R**-0.5).view(H, N + V, R),
-                   wkv=g(R + P, D, scale=D**-0.5), n1=1 + g(D, scale=0.1), n2=1 + g(D, scale=0.1),
-                   nkv=1 + g(R, scale=0.1), router=g(E, D, scale=D**-0.5),
-                   bias=torch.randn(E, device="cuda") * 0.1) for _ in range(LAYERS)]
-    moe = (g(E, 2 * I, D, scale=D**-0.5), g(E, D, I, scale=I**-0.5),
-           (g(S * I, D, scale=D**-0.5), g(S * I, D, scale=D**-0.5), g(D, S * I, scale=(S * I) ** -0.5)))
+    layers = [
+        dict(
+            wq=g(H * (N + P), D, scale=D**-0.5),
+            wo=g(D, H * V, scale=(H * V) ** -0.5),
+            wkv_b=g(H * (N + V), R, scale=R**-0.5).view(H, N + V, R),
+            wkv=g(R + P, D, scale=D**-0.5),
+            n1=1 + g(D, scale=0.1),
+            n2=1 + g(D, scale=0.1),
+            nkv=1 + g(R, scale=0.1),
+            router=g(E, D, scale=D**-0.5),
+            bias=torch.randn(E, device="cuda") * 0.1,
+        )
+        for _ in range(LAYERS)
+    ]
+    moe = (
+        g(E, 2 * I, D, scale=D**-0.5),
+        g(E, D, I, scale=I**-0.5),
+        (g(S * I, D, scale=D**-0.5), g(S * I, D, scale=D**-0.5), g(D, S * I, scale=(S * I) ** -0.5)),
+    )
     kv, table, lens = make_paged([700 + 37 * t for t in range(T)], 64, R + P, BF, "cuda")
     slots = torch.stack([table[t, (lens[t] - 1) // 64].long() * 64 + (lens[t] - 1) % 64 for t in range(T)])
     ang = torch.rand(T, P // 2, device="cuda") * 6.28

@@ -63,8 +63,10 @@ def kdev() -> str:
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"
-    pytest.skip("mlaserve.kernels was imported before TRITON_INTERPRET=1 was set; run "
-                "`python -m pytest tests/kernels_interp` in its own process")
+    pytest.skip(
+        "mlaserve.kernels was imported before TRITON_INTERPRET=1 was set; run "
+        "`python -m pytest tests/kernels_interp` in its own process"
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -73,11 +75,16 @@ def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-
 @pytest.fixture(scope="session")
 def two_shared_ckpt(tmp_path_factory):
     """tiny with two shared experts (as Moonlight has): the shared-experts fusion and the fused MoE sum + norm."""
     from mlaserve.models.make_random import make_random
 
-    return make_random("tiny", str(tmp_path_factory.mktemp("two_shared")), seed=2, dtype="float32", progress=False,
-                       overrides={"n_shared_experts": 2})
+    return make_random(
+        "tiny",
+        str(tmp_path_factory.mktemp("two_shared")),
+        seed=2,
+        dtype="float32",
+        progress=False,
+        overrides={"n_shared_experts": 2},
+    )

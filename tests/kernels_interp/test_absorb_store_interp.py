@@ -18,8 +18,9 @@ def test_absorb_q_rope_store_kv(kdev, dtype, norm, pad, T):
 @pytest.mark.parametrize("T", [1, 2])
 def test_absorb_q_rope_store_kv_model_head_dims(kdev, T):
     # N=128, R=512, P=64 as every DeepSeek-V3-family model has them, page size 64, two heads
-    check_absorb_q_rope_store_kv(kdev, torch.bfloat16, T=T, H=2, N=128, R=512, P=64, norm=True, pad=False,
-                                 page_size=64, num_pages=2, V=128)
+    check_absorb_q_rope_store_kv(
+        kdev, torch.bfloat16, T=T, H=2, N=128, R=512, P=64, norm=True, pad=False, page_size=64, num_pages=2, V=128
+    )
 
 
 def test_absorb_q_rope_store_kv_checks(kdev):
@@ -52,6 +53,14 @@ def test_absorb_q_rope_store_kv_checks(kdev):
     with pytest.raises(ValueError, match="norm_weight"):
         call(norm_weight=torch.ones(R, device=kdev, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="1..2 tokens"):
-        absorb_q_rope_store_kv(q.repeat(2, 1, 1)[:3], w_kc, cos[:1].repeat(3, 1), sin[:1].repeat(3, 1),
-                               torch.empty(3, H, R + P, device=kdev), cache, torch.arange(3, device=kdev),
-                               kv_a.repeat(2, 1)[:3, :R], kv_a.repeat(2, 1)[:3, R:])
+        absorb_q_rope_store_kv(
+            q.repeat(2, 1, 1)[:3],
+            w_kc,
+            cos[:1].repeat(3, 1),
+            sin[:1].repeat(3, 1),
+            torch.empty(3, H, R + P, device=kdev),
+            cache,
+            torch.arange(3, device=kdev),
+            kv_a.repeat(2, 1)[:3, :R],
+            kv_a.repeat(2, 1)[:3, R:],
+        )

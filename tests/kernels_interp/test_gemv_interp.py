@@ -10,12 +10,19 @@ from tests.kernel_checks import assert_close, nan_like
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3, 8])
-@pytest.mark.parametrize("N,K,cfg", [(24, 64, None), (7, 100, None), (10, 96, dict(BLOCK_N=4, BLOCK_K=32)),
-                                     (9, 200, dict(BLOCK_N=2, BLOCK_K=64, num_warps=1))])
+@pytest.mark.parametrize(
+    "N,K,cfg",
+    [
+        (24, 64, None),
+        (7, 100, None),
+        (10, 96, dict(BLOCK_N=4, BLOCK_K=32)),
+        (9, 200, dict(BLOCK_N=2, BLOCK_K=64, num_warps=1)),
+    ],
+)
 def test_gemv(kdev, dtype, T, N, K, cfg):
     from mlaserve.kernels.gemv import gemv
 
-    x = torch.randn(T + 2, K + 5, device=kdev).to(dtype)[1:T + 1, 5:]  # strided rows
+    x = torch.randn(T + 2, K + 5, device=kdev).to(dtype)[1 : T + 1, 5:]  # strided rows
     w = torch.randn(N, K + 3, device=kdev).to(dtype)[:, :K]  # strided rows, unit last stride
     out = nan_like((T, N), dtype, kdev)
     assert gemv(x, w, cfg, out=out) is out

@@ -58,7 +58,6 @@ def test_head_gemv_checks(kdev):
         head_gemv(torch.randn(1, H, N, device=kdev).double(), w_kc, torch.empty(1, H, R, device=kdev))
 
 
-
 def _cos_sin(kdev, T, P, first_pos):
     """cos/sin [T, P/2] fp32 as the model makes them (layers.rotary, YaRN as DeepSeek-V3 configures it)."""
     from mlaserve.config import RopeConfig

@@ -10,15 +10,36 @@ from tests.kernel_checks import check_mla_decode
 @pytest.mark.parametrize("q_len", [1, 2, 3])
 def test_tiny_model_dims(kdev, dtype, q_len):
     # R=32, P=8, H=4: the tiny preset; contexts from q_len (nothing cached) upward; page size 16
-    check_mla_decode(kdev, dtype, H=4, R=32, P=8, q_len=q_len, ctx_lens=[q_len, 17, 40], page_size=16,
-                     num_splits=3, config={"MIN_SPLIT_TOKENS": 16})
+    check_mla_decode(
+        kdev,
+        dtype,
+        H=4,
+        R=32,
+        P=8,
+        q_len=q_len,
+        ctx_lens=[q_len, 17, 40],
+        page_size=16,
+        num_splits=3,
+        config={"MIN_SPLIT_TOKENS": 16},
+    )
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7])
 def test_splits_incl_empty(kdev, num_splits):
     # 7 splits of >= 16 tokens over contexts of 5..70 tokens: most splits are empty
-    check_mla_decode(kdev, torch.float32, H=16, R=64, P=16, q_len=1, ctx_lens=[5, 70, 33, 1], page_size=16,
-                     num_splits=num_splits, config={"MIN_SPLIT_TOKENS": 16}, strided_out=True)
+    check_mla_decode(
+        kdev,
+        torch.float32,
+        H=16,
+        R=64,
+        P=16,
+        q_len=1,
+        ctx_lens=[5, 70, 33, 1],
+        page_size=16,
+        num_splits=num_splits,
+        config={"MIN_SPLIT_TOKENS": 16},
+        strided_out=True,
+    )
 
 
 def test_page64_heads_over_block(kdev):
@@ -46,23 +67,49 @@ def test_bad_input_names_field(kdev):
 
     q = torch.zeros(3, 4, 40, device=kdev)
     with pytest.raises(ValueError, match="B \\* q_len"):
-        mla_decode(q, torch.zeros(2, 16, 40, device=kdev), torch.zeros(2, 1, dtype=torch.int32, device=kdev),
-                   torch.ones(2, dtype=torch.int32, device=kdev), 1, 0.1, torch.empty(3, 4, 32, device=kdev))
-
+        mla_decode(
+            q,
+            torch.zeros(2, 16, 40, device=kdev),
+            torch.zeros(2, 1, dtype=torch.int32, device=kdev),
+            torch.ones(2, dtype=torch.int32, device=kdev),
+            1,
+            0.1,
+            torch.empty(3, 4, 32, device=kdev),
+        )
 
 
 def test_many_splits_combine_in_r_blocks(kdev):
     # 40 splits (64-wide split tile) of a 512-wide latent: the combine tiles R in blocks of 128
-    check_mla_decode(kdev, torch.float32, H=2, R=512, P=16, q_len=1, ctx_lens=[700, 50], page_size=16,
-                     num_splits=40, config={"MIN_SPLIT_TOKENS": 16})
+    check_mla_decode(
+        kdev,
+        torch.float32,
+        H=2,
+        R=512,
+        P=16,
+        q_len=1,
+        ctx_lens=[700, 50],
+        page_size=16,
+        num_splits=40,
+        config={"MIN_SPLIT_TOKENS": 16},
+    )
 
 
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_tma_tiles(kdev, q_len):
     # whole tiles by tensor descriptors, the partial last tile of each split by masked loads; page size 32 with
     # 16-token tiles, contexts ending mid-tile, on a tile edge, and inside the first tile
-    check_mla_decode(kdev, torch.bfloat16, H=4, R=32, P=16, q_len=q_len, ctx_lens=[q_len, 16, 47, 100],
-                     page_size=32, num_splits=3, config={"TMA": True, "BLOCK_N": 16, "MIN_SPLIT_TOKENS": 16})
+    check_mla_decode(
+        kdev,
+        torch.bfloat16,
+        H=4,
+        R=32,
+        P=16,
+        q_len=q_len,
+        ctx_lens=[q_len, 16, 47, 100],
+        page_size=32,
+        num_splits=3,
+        config={"TMA": True, "BLOCK_N": 16, "MIN_SPLIT_TOKENS": 16},
+    )
 
 
 def test_tma_ignores_poisoned_rows_past_the_context(kdev):
@@ -75,11 +122,10 @@ def test_tma_ignores_poisoned_rows_past_the_context(kdev):
     kv, table, seq_lens = make_paged(lens, 32, 48, torch.bfloat16, kdev)
     for b, L in enumerate(lens):
         last = table[b, (L - 1) // 32]
-        kv[last, L % 32:] = float("nan")
+        kv[last, L % 32 :] = float("nan")
     q = (0.3 * torch.randn(2, 4, 48, device=kdev)).to(torch.bfloat16)
     ref = mla_decode_ref(q, kv, table, seq_lens, 1, 0.1, 32)
     for splits, cfg in ((1, {}), (2, {"MIN_SPLIT_TOKENS": 16})):
         out = nan_like((2, 4, 32), torch.bfloat16, kdev)
-        mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=splits,
-                   config={"TMA": True, "BLOCK_N": 16, **cfg})
+        mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=splits, config={"TMA": True, "BLOCK_N": 16, **cfg})
         assert_close(out, ref, torch.bfloat16, f"mla_decode TMA splits={splits} with NaN rows past the context")

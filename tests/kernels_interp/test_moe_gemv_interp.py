@@ -18,7 +18,7 @@ def inputs(kdev, dtype, T, D, I, E, K, S, offset, seed=0):
     x = rnd(T, D)
     w13, w2 = rnd(E, 2 * I, D, scale=D**-0.5), rnd(E, D, I, scale=I**-0.5)
     gu = rnd(2 * max(S, 1) * I, D, scale=D**-0.5)  # stacked gate | up, as stack_rows keeps them
-    gate, up = gu[: max(S, 1) * I], gu[max(S, 1) * I:]
+    gate, up = gu[: max(S, 1) * I], gu[max(S, 1) * I :]
     down = rnd(D, max(S, 1) * I, scale=(max(S, 1) * I) ** -0.5)
     raw = torch.stack([torch.randperm(E + 2, generator=g)[:K] for _ in range(T)]).to(kdev)
     ids = torch.where(raw < E, raw, raw + S) + offset  # the last two: owned by another EP rank
@@ -45,8 +45,13 @@ def test_gemv_form_matches_reference(kdev, dtype, T, S, offset):
     assert_close(out, ref, dtype, f"moe gemv T={T} S={S} offset={offset} {dtype}")
 
 
-@pytest.mark.parametrize("cfg", [dict(gemv1=dict(BLOCK_K=16), gemv2=dict(BLOCK_K=8)),  # K in 3 / 3 trips
-                                 dict(gemv1=dict(BLOCK_N=4), gemv2=dict(BLOCK_N=8))])  # rows per program
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(gemv1=dict(BLOCK_K=16), gemv2=dict(BLOCK_K=8)),  # K in 3 / 3 trips
+        dict(gemv1=dict(BLOCK_N=4), gemv2=dict(BLOCK_N=8)),
+    ],
+)  # rows per program
 def test_gemv_form_trips_and_tiles(kdev, cfg):
     # D=40 and I=20 are not multiples of the trips or the row blocks: masked tails in both GEMVs
     from mlaserve.kernels.fused_moe import fused_experts
@@ -93,8 +98,9 @@ def test_gemv_form_norm_fused(kdev):
     nw = (1 + 0.1 * torch.randn(D)).to(kdev).to(torch.bfloat16)
     residual = torch.randn(T, D).to(kdev).to(torch.bfloat16)
     sh = (gate, up, down)
-    normed, summed = fused_experts(x, w13, w2, w_all, ids_all, 0, shared=sh, norm=(nw, 1e-6, residual),
-                                   config=dict(gemv=True))
+    normed, summed = fused_experts(
+        x, w13, w2, w_all, ids_all, 0, shared=sh, norm=(nw, 1e-6, residual), config=dict(gemv=True)
+    )
     y = fused_experts(x, w13, w2, w_all, ids_all, 0, shared=sh, config=dict(gemv=True))
     ref_normed, ref_summed = add_rms_norm(y, residual, nw, 1e-6)
     torch.testing.assert_close(summed, ref_summed, rtol=0, atol=0)
@@ -132,8 +138,12 @@ def test_gemv_env_forms(monkeypatch):
     pytest.importorskip("triton")
     from mlaserve.kernels import fused_moe as fm
 
-    want = {None: True, "0": False, "1": True,
-            "1:2:8:4": {"gemv1": {"BLOCK_N": 1, "num_warps": 2}, "gemv2": {"BLOCK_N": 8, "num_warps": 4}}}
+    want = {
+        None: True,
+        "0": False,
+        "1": True,
+        "1:2:8:4": {"gemv1": {"BLOCK_N": 1, "num_warps": 2}, "gemv2": {"BLOCK_N": 8, "num_warps": 4}},
+    }
     try:
         for spec, parsed in want.items():
             fm._gemv_env.cache_clear()

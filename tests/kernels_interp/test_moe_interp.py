@@ -29,8 +29,7 @@ def test_fused_moe_uneven_k_and_n(kdev):
 
 def test_fused_moe_many_rows_per_expert(kdev):
     # 48 tokens over 4 experts: several BLOCK_M blocks per expert (BLOCK_M forced to 16)
-    check_fused_moe(kdev, torch.float32, T=48, D=32, I=16, E_total=4, E_local=4, offset=0, K=2,
-                    config=dict(BLOCK_M=16))
+    check_fused_moe(kdev, torch.float32, T=48, D=32, I=16, E_total=4, E_local=4, offset=0, K=2, config=dict(BLOCK_M=16))
 
 
 @pytest.mark.parametrize("fused_count", [True, False])
@@ -50,23 +49,26 @@ def test_moe_align_layout(kdev, fused_count, monkeypatch):
     assert expert_ids[:4].tolist() == [0, 2, 3, 5] and (expert_ids[4:] == -1).all()
     flat = ids.reshape(-1)
     for blk, e in enumerate(expert_ids[:4].tolist()):
-        rows = sorted_ids[blk * 4:(blk + 1) * 4].tolist()
+        rows = sorted_ids[blk * 4 : (blk + 1) * 4].tolist()
         real = sorted(r for r in rows if r < TK)
         assert real == sorted((flat == e).nonzero().reshape(-1).tolist()), (blk, e, rows)
         assert all(r == TK for r in rows if r >= TK)
 
 
-@pytest.mark.parametrize("T,K,E_total,E_local,offset,block_m,kw", [
-    (1, 6, 64, 64, 0, 16, {}),  # decode: one program
-    (37, 3, 24, 24, 0, 4, {}),
-    (37, 3, 24, 10, 7, 8, {}),  # EP: experts [7, 17) of 24
-    (37, 3, 24, 24, 0, 4, dict(fused_max=0, chunk=16)),  # multi-program: 7 chunks, the last one partial
-    (37, 3, 24, 10, 7, 8, dict(fused_max=0, chunk=16)),
-    (64, 4, 40, 40, 0, 16, dict(fused_max=64, chunk=32)),  # 256 pairs > fused_max: 8 chunks
-    (40, 2, 6, 6, 0, 2, dict(fused_max=0, chunk=64)),  # one chunk; many blocks per expert
-    (20, 3, 200, 200, 0, 16, {}),  # many experts (one-hot lanes 256): one program up to 1024 / 4 pairs
-    (100, 3, 260, 200, 60, 16, {}),  # 300 pairs: chunks of 512 / 4 = 128 pairs, 3 programs; EP
-])
+@pytest.mark.parametrize(
+    "T,K,E_total,E_local,offset,block_m,kw",
+    [
+        (1, 6, 64, 64, 0, 16, {}),  # decode: one program
+        (37, 3, 24, 24, 0, 4, {}),
+        (37, 3, 24, 10, 7, 8, {}),  # EP: experts [7, 17) of 24
+        (37, 3, 24, 24, 0, 4, dict(fused_max=0, chunk=16)),  # multi-program: 7 chunks, the last one partial
+        (37, 3, 24, 10, 7, 8, dict(fused_max=0, chunk=16)),
+        (64, 4, 40, 40, 0, 16, dict(fused_max=64, chunk=32)),  # 256 pairs > fused_max: 8 chunks
+        (40, 2, 6, 6, 0, 2, dict(fused_max=0, chunk=64)),  # one chunk; many blocks per expert
+        (20, 3, 200, 200, 0, 16, {}),  # many experts (one-hot lanes 256): one program up to 1024 / 4 pairs
+        (100, 3, 260, 200, 60, 16, {}),  # 300 pairs: chunks of 512 / 4 = 128 pairs, 3 programs; EP
+    ],
+)
 def test_moe_align_matches_stable_sort(kdev, T, K, E_total, E_local, offset, block_m, kw):
     check_moe_align(kdev, T=T, K=K, E_total=E_total, E_local=E_local, offset=offset, block_m=block_m, **kw)
 
@@ -77,8 +79,9 @@ def test_fused_moe_multi_program_align(kdev, monkeypatch):
 
     monkeypatch.setattr(moe_align, "FUSED_COUNT_MAX", 32)
     monkeypatch.setattr(moe_align, "ALIGN_CHUNK", 16)
-    check_fused_moe(kdev, torch.float32, T=24, D=32, I=16, E_total=12, E_local=12, offset=0, K=4,
-                    config=dict(BLOCK_M=16))
+    check_fused_moe(
+        kdev, torch.float32, T=24, D=32, I=16, E_total=12, E_local=12, offset=0, K=4, config=dict(BLOCK_M=16)
+    )
     check_fused_moe(kdev, torch.bfloat16, T=24, D=32, I=16, E_total=12, E_local=5, offset=6, K=4)
 
 
@@ -94,16 +97,35 @@ def test_fused_moe_no_align(kdev, no_align):
 def test_fused_moe_per_gemm_config(kdev):
     cfg = {"gemm1": dict(BLOCK_N=16, BLOCK_K=16, num_warps=2), "gemm2": dict(BLOCK_N=32, BLOCK_K=64, num_stages=3)}
     check_fused_moe(kdev, torch.float32, T=20, D=64, I=48, E_total=8, E_local=8, offset=0, K=2, config=cfg)
-    check_fused_moe(kdev, torch.float32, T=20, D=64, I=48, E_total=8, E_local=8, offset=0, K=2,
-                    config=dict(BLOCK_K=16, gemm2=dict(BLOCK_M=32)))  # BLOCK_M given for gemm2 applies to both
+    check_fused_moe(
+        kdev,
+        torch.float32,
+        T=20,
+        D=64,
+        I=48,
+        E_total=8,
+        E_local=8,
+        offset=0,
+        K=2,
+        config=dict(BLOCK_K=16, gemm2=dict(BLOCK_M=32)),
+    )  # BLOCK_M given for gemm2 applies to both
 
 
 def test_moe_config_overrides():
     from mlaserve.kernels.moe_config import moe_config
 
     base1, base2 = moe_config(8192, 6, 64, 2048, 1408, torch.bfloat16)
-    c1, c2 = moe_config(8192, 6, 64, 2048, 1408, torch.bfloat16, num_warps=4, gemm1=dict(BLOCK_N=64),
-                        gemm2=dict(BLOCK_K=128, num_warps=8))
+    c1, c2 = moe_config(
+        8192,
+        6,
+        64,
+        2048,
+        1408,
+        torch.bfloat16,
+        num_warps=4,
+        gemm1=dict(BLOCK_N=64),
+        gemm2=dict(BLOCK_K=128, num_warps=8),
+    )
     assert c1 == dict(base1, BLOCK_N=64, num_warps=4) and c2 == dict(base2, BLOCK_K=128, num_warps=8)
     c1, c2 = moe_config(8192, 6, 64, 2048, 1408, torch.bfloat16, gemm1=dict(BLOCK_M=64))
     assert c1["BLOCK_M"] == c2["BLOCK_M"] == 64
@@ -140,8 +162,6 @@ def test_routing_fused_matches_router_module(kdev):
     torch.testing.assert_close(w.gather(1, ids.argsort(-1)), rw.gather(1, rids.argsort(-1)), rtol=1e-5, atol=1e-6)
 
 
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_output_added_in_the_sum(kdev, dtype):
     """fused_experts(add=shared) == (routed sum rounded to the dtype) + shared, i.e. `y + shared` in torch;
@@ -159,8 +179,12 @@ def test_shared_output_added_in_the_sum(kdev, dtype):
     shared = torch.randn(T, D + 3, device=kdev).to(dtype)[:, :D]
     plain = fused_experts(x, w13, w2, w, ids, 0)
     out = fused_experts(x, w13, w2, w, ids, 0, add=shared)
-    assert torch.equal(out, plain + shared) or dtype == torch.bfloat16 and kdev == "cpu" and torch.allclose(
-        out.float(), (plain + shared).float(), rtol=1e-2, atol=1e-2)  # the interpreter's bf16 rounding differs
+    assert (
+        torch.equal(out, plain + shared)
+        or dtype == torch.bfloat16
+        and kdev == "cpu"
+        and torch.allclose(out.float(), (plain + shared).float(), rtol=1e-2, atol=1e-2)
+    )  # the interpreter's bf16 rounding differs
     assert torch.equal(out[0], shared[0])
     with pytest.raises(ValueError, match="add"):
         fused_experts(x, w13, w2, w, ids, 0, add=shared[:2])

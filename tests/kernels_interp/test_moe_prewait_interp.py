@@ -8,8 +8,10 @@ import torch
 from tests.kernel_checks import decode_moe_inputs, poisoned_empty
 
 
-@pytest.mark.parametrize("tma,no_align,T,S", [(True, True, 1, 2), (True, True, 2, 1), (True, False, 3, 1),
-                                              (False, True, 1, 2), (False, False, 5, 0)])
+@pytest.mark.parametrize(
+    "tma,no_align,T,S",
+    [(True, True, 1, 2), (True, True, 2, 1), (True, False, 3, 1), (False, True, 1, 2), (False, False, 5, 0)],
+)
 def test_prewait_is_bit_equal(kdev, tma, no_align, T, S):
     from mlaserve.kernels.fused_moe import fused_experts
 

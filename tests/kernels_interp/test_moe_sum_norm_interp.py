@@ -83,8 +83,10 @@ def test_moe_sum_norm_checks(kdev):
     assert normed.shape == s.shape == (0, 32)
 
 
-@pytest.mark.parametrize("T,S,has_add,no_align", [(1, 0, False, True), (3, 2, False, True), (5, 0, True, False),
-                                                  (9, 1, False, False), (9, 0, True, True)])
+@pytest.mark.parametrize(
+    "T,S,has_add,no_align",
+    [(1, 0, False, True), (3, 2, False, True), (5, 0, True, False), (9, 1, False, False), (9, 0, True, True)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_experts_norm(kdev, dtype, T, S, has_add, no_align):
     """fused_experts(norm=...) == add_rms_norm(fused_experts(...)) bit for bit: routed experts of which some are
@@ -102,7 +104,7 @@ def test_fused_experts_norm(kdev, dtype, T, S, has_add, no_align):
     kw = dict(config=dict(no_align=no_align, BLOCK_M=16))
     if S:
         gu = (torch.randn(2 * S * I, D, device=kdev) / D**0.5).to(dtype)
-        kw["shared"] = (gu[:S * I], gu[S * I:], (torch.randn(D, S * I, device=kdev) / (S * I)**0.5).to(dtype))
+        kw["shared"] = (gu[: S * I], gu[S * I :], (torch.randn(D, S * I, device=kdev) / (S * I) ** 0.5).to(dtype))
         ids = torch.cat([ids, torch.arange(S, device=kdev).expand(T, S) + offset + E], 1)
         wts = torch.cat([wts, torch.ones(T, S, device=kdev)], 1)
     if has_add:
@@ -121,8 +123,13 @@ def _fuse_norms_on_cpu(monkeypatch):
     """RMSNorm runs its kernels on CPU tensors too (interpreted), so the MoE may fuse the norm there."""
     from mlaserve.layers.norm import RMSNorm
 
-    monkeypatch.setattr(RMSNorm, "uses_kernel", lambda self, x, residual=None: (
-        x.dim() == 2 and x.dtype == self.weight.dtype and (residual is None or residual.dtype == x.dtype)))
+    monkeypatch.setattr(
+        RMSNorm,
+        "uses_kernel",
+        lambda self, x, residual=None: (
+            x.dim() == 2 and x.dtype == self.weight.dtype and (residual is None or residual.dtype == x.dtype)
+        ),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,14 +15,24 @@ def test_tiny_model_dims_with_prefix(kdev, dtype):
 
 def test_real_head_dims_small(kdev):
     # Dqk=192 (128 + 64), Dv=128 as in the real models, a few tokens
-    check_prefill(kdev, torch.bfloat16, H=1, Dqk=192, Dv=128, q_lens=[3, 9], k_lens=[3, 20],
-                  config=dict(BLOCK_M=16, BLOCK_N=16))
+    check_prefill(
+        kdev, torch.bfloat16, H=1, Dqk=192, Dv=128, q_lens=[3, 9], k_lens=[3, 20], config=dict(BLOCK_M=16, BLOCK_N=16)
+    )
 
 
 def test_pow2_head_dim_and_small_blocks(kdev):
     # Dqk=32 (no remainder part), block sizes smaller than the lengths: masked and unmasked key loops both run
-    check_prefill(kdev, torch.float32, H=3, Dqk=32, Dv=16, q_lens=[37, 16], k_lens=[50, 16], strided_v=False,
-                  config=dict(BLOCK_M=16, BLOCK_N=16))
+    check_prefill(
+        kdev,
+        torch.float32,
+        H=3,
+        Dqk=32,
+        Dv=16,
+        q_lens=[37, 16],
+        k_lens=[50, 16],
+        strided_v=False,
+        config=dict(BLOCK_M=16, BLOCK_N=16),
+    )
 
 
 def test_sdpa_alternative(kdev):
@@ -38,29 +48,61 @@ def test_two_source_tiny_model_dims(kdev, dtype):
 
 def test_two_source_real_dims_small(kdev):
     # N=128, P=64 (no padding: the unmasked tiles load without any mask), Dv=128
-    check_prefill_mla(kdev, torch.bfloat16, H=2, N=128, P=64, Dv=128, q_lens=[3, 20], k_lens=[3, 37],
-                      config=dict(BLOCK_M=16, BLOCK_N=16))
+    check_prefill_mla(
+        kdev,
+        torch.bfloat16,
+        H=2,
+        N=128,
+        P=64,
+        Dv=128,
+        q_lens=[3, 20],
+        k_lens=[3, 37],
+        config=dict(BLOCK_M=16, BLOCK_N=16),
+    )
 
 
 @pytest.mark.parametrize("group", [1, 2, 3])
 def test_two_source_head_groups_and_blocks(kdev, group):
     # several query blocks x heads x requests in the flat grid; group 3 does not divide H=4 (lowered to 2)
-    check_prefill_mla(kdev, torch.float32, H=4, N=16, P=16, Dv=16, q_lens=[33, 1, 16], k_lens=[50, 17, 16],
-                      config=dict(BLOCK_M=16, BLOCK_N=16, HEAD_GROUP=group))
+    check_prefill_mla(
+        kdev,
+        torch.float32,
+        H=4,
+        N=16,
+        P=16,
+        Dv=16,
+        q_lens=[33, 1, 16],
+        k_lens=[50, 17, 16],
+        config=dict(BLOCK_M=16, BLOCK_N=16, HEAD_GROUP=group),
+    )
 
 
 def test_two_source_rope_per_head_and_odd_nope(kdev):
     # k_rope [C, H, P] with its own head stride; N=24 not a power of two (padded with masks)
-    check_prefill_mla(kdev, torch.float32, H=3, N=24, P=8, Dv=16, q_lens=[9, 4], k_lens=[9, 21], rope_per_head=True,
-                      config=dict(BLOCK_M=16, BLOCK_N=16))
+    check_prefill_mla(
+        kdev,
+        torch.float32,
+        H=3,
+        N=24,
+        P=8,
+        Dv=16,
+        q_lens=[9, 4],
+        k_lens=[9, 21],
+        rope_per_head=True,
+        config=dict(BLOCK_M=16, BLOCK_N=16),
+    )
 
 
 def test_two_source_shape_errors(kdev):
     from mlaserve.kernels.prefill_attention import prefill_attention_mla
 
     z = dict(device=kdev)
-    q, kn, kr, v = (torch.zeros(4, 2, 24, **z), torch.zeros(6, 2, 16, **z), torch.zeros(6, 8, **z),
-                    torch.zeros(6, 2, 16, **z))
+    q, kn, kr, v = (
+        torch.zeros(4, 2, 24, **z),
+        torch.zeros(6, 2, 16, **z),
+        torch.zeros(6, 8, **z),
+        torch.zeros(6, 2, 16, **z),
+    )
     cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32, **z), torch.tensor([0, 6], dtype=torch.int32, **z)
     out = torch.zeros(4, 2, 16, **z)
     with pytest.raises(ValueError, match="k_rope"):

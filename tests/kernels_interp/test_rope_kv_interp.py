@@ -35,8 +35,9 @@ def test_rope_q_odd_heads_head_major(kdev, alias):
     check_rope_q(kdev, torch.float32, T=7, H=6, P=12, alias=alias, head_major=True)
 
 
-@pytest.mark.parametrize("T,half,scale,pos_dtype", [(1, 32, 1.0, torch.int64), (37, 32, 1.25, torch.int64),
-                                                    (5, 12, 0.7, torch.int32)])
+@pytest.mark.parametrize(
+    "T,half,scale,pos_dtype", [(1, 32, 1.0, torch.int64), (37, 32, 1.25, torch.int64), (5, 12, 0.7, torch.int32)]
+)
 def test_rope_cos_sin(kdev, T, half, scale, pos_dtype):
     # one launch for RotaryEmbedding's five torch ops: several token blocks, padded frequency lanes, int32 positions
     check_rope_cos_sin(kdev, T=T, half=half, scale=scale, pos_dtype=pos_dtype)

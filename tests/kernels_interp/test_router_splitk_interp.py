@@ -43,8 +43,9 @@ def test_bad_partials_name_the_limit(kdev):
     with pytest.raises(ValueError, match="SPLIT <= 64"):
         route_noaux_tc_logits(torch.zeros(65, 2, 8, device=kdev), torch.zeros(8, device=kdev), 2, 1, 1, True, 1.0)
     with pytest.raises(ValueError, match="E <= 1024"):
-        router_partials(torch.zeros(2, 8, dtype=torch.bfloat16, device=kdev),
-                        torch.zeros(8, 16, dtype=torch.bfloat16, device=kdev))
+        router_partials(
+            torch.zeros(2, 8, dtype=torch.bfloat16, device=kdev), torch.zeros(8, 16, dtype=torch.bfloat16, device=kdev)
+        )
 
 
 def _check_against_reference(w, ids, x, wt, bias, K, G, TG, S, shared_id0):
@@ -68,8 +69,9 @@ def _check_against_reference(w, ids, x, wt, bias, K, G, TG, S, shared_id0):
 
 # Moonlight (64 experts, top-6, no groups, 2 shared) and DeepSeek-V3 (256 experts, top-8, 8 groups keep 4, 1 shared)
 # at small D; D = 2176 gives 17 splits of two K blocks each.
-@pytest.mark.parametrize("E,K,G,TG,S,D", [(64, 6, 1, 1, 0, 384), (64, 6, 1, 1, 2, 2176), (256, 8, 8, 4, 0, 256),
-                                          (256, 8, 8, 4, 1, 320)])
+@pytest.mark.parametrize(
+    "E,K,G,TG,S,D", [(64, 6, 1, 1, 0, 384), (64, 6, 1, 1, 2, 2176), (256, 8, 8, 4, 0, 256), (256, 8, 8, 4, 1, 320)]
+)
 def test_route_splitk_against_reference(kdev, E, K, G, TG, S, D):
     """route_splitk (router_partials + the routing kernel) against the torch reference at decode sizes; poisoned
     outputs and partials."""

@@ -7,8 +7,10 @@ import torch
 from tests.kernel_checks import assert_close, check_routing, poisoned_empty
 
 
-@pytest.mark.parametrize("E,G,TG,K,S,id0", [(8, 2, 1, 2, 1, 8), (64, 1, 1, 6, 2, 64), (32, 8, 3, 5, 2, 40),
-                                            (24, 4, 4, 3, 3, 0), (8, 2, 1, 2, 0, 0)])
+@pytest.mark.parametrize(
+    "E,G,TG,K,S,id0",
+    [(8, 2, 1, 2, 1, 8), (64, 1, 1, 6, 2, 64), (32, 8, 3, 5, 2, 40), (24, 4, 4, 3, 3, 0), (8, 2, 1, 2, 0, 0)],
+)
 def test_routing_appends_shared_columns(kdev, E, G, TG, K, S, id0):
     # the routed K against route_noaux_tc, then S columns of ids id0 + s with weight exactly 1.0 (not scaled);
     # outputs allocated poisoned (NaN / -1), so an unwritten column shows
@@ -25,13 +27,14 @@ def shared_mlp(x, gate, up, down):
 def slots(gate, up, down, S):
     """The shared MLP as S experts of I channels each (w13 [S, 2I, D] gate rows then up rows, w2 [S, D, I])."""
     I = gate.shape[0] // S
-    w13 = torch.stack([torch.cat([gate[s * I:(s + 1) * I], up[s * I:(s + 1) * I]]) for s in range(S)])
-    w2 = torch.stack([down[:, s * I:(s + 1) * I] for s in range(S)])
+    w13 = torch.stack([torch.cat([gate[s * I : (s + 1) * I], up[s * I : (s + 1) * I]]) for s in range(S)])
+    w2 = torch.stack([down[:, s * I : (s + 1) * I] for s in range(S)])
     return w13, w2
 
 
-@pytest.mark.parametrize("T,S,offset,no_align", [(1, 1, 0, True), (3, 2, 0, True), (9, 2, 0, False),
-                                                 (9, 1, 4, False), (20, 3, 0, False)])
+@pytest.mark.parametrize(
+    "T,S,offset,no_align", [(1, 1, 0, True), (3, 2, 0, True), (9, 2, 0, False), (9, 1, 4, False), (20, 3, 0, False)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_experts_shared_slots(kdev, dtype, T, S, offset, no_align):
     """fused_experts(shared=(gate, up, down)) with the routing's appended columns == routed + shared MLP, and ==
@@ -44,22 +47,24 @@ def test_fused_experts_shared_slots(kdev, dtype, T, S, offset, no_align):
     w13 = (torch.randn(E, 2 * I, D, device=kdev) / D**0.5).to(dtype)
     w2 = (torch.randn(E, D, I, device=kdev) / I**0.5).to(dtype)
     gu = (torch.randn(2 * S * I, D, device=kdev) / D**0.5).to(dtype)  # stacked gate | up, as stack_rows keeps it
-    gate, up = gu[:S * I], gu[S * I:]
-    down = (torch.randn(D, S * I, device=kdev) / (S * I)**0.5).to(dtype)
+    gate, up = gu[: S * I], gu[S * I :]
+    down = (torch.randn(D, S * I, device=kdev) / (S * I) ** 0.5).to(dtype)
     raw = torch.stack([torch.randperm(E + 2, device=kdev)[:K] for _ in range(T)])
     ids = torch.where(raw < E, raw, raw + S) + offset  # E + S and E + S + 1: owned by another EP rank
     w = torch.rand(T, K, device=kdev) + 0.1
     ids_all = torch.cat([ids, torch.arange(S, device=kdev).expand(T, S) + offset + E], 1)
     w_all = torch.cat([w, torch.ones(T, S, device=kdev)], 1)
     with poisoned_empty():
-        out = fused_experts(x, w13, w2, w_all, ids_all, offset, shared=(gate, up, down),
-                            config=dict(no_align=no_align, BLOCK_M=16))
+        out = fused_experts(
+            x, w13, w2, w_all, ids_all, offset, shared=(gate, up, down), config=dict(no_align=no_align, BLOCK_M=16)
+        )
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, offset) + shared_mlp(x, gate, up, down)
     what = f"fused_experts shared T={T} S={S} offset={offset} no_align={no_align} {dtype}"
     assert_close(out, ref, dtype, what)
     s13, s2 = slots(gate.float(), up.float(), down.float(), S)
-    by_slots = fused_experts_ref(x.float(), torch.cat([w13.float(), s13]), torch.cat([w2.float(), s2]), w_all,
-                                 ids_all, offset)
+    by_slots = fused_experts_ref(
+        x.float(), torch.cat([w13.float(), s13]), torch.cat([w2.float(), s2]), w_all, ids_all, offset
+    )
     torch.testing.assert_close(by_slots, ref, rtol=1e-5, atol=1e-5)  # the slots sum to the shared MLP
     with pytest.raises(ValueError, match="shared"):
         fused_experts(x, w13, w2, w_all, ids_all, offset, shared=(gate, up, down[:, :-1]))
@@ -143,8 +148,9 @@ def test_moe_layer_no_fusion_with_ep_or_torch(kdev):
     from mlaserve.distributed.tp import RankInfo
 
     assert moe_layer(1, torch.float32, "torch").fuse_shared == 0
-    assert moe_layer(2, torch.float32, "triton", RankInfo(rank=1, world_size=2, moe_tp_size=1, ep_size=2)
-                     ).fuse_shared == 0
+    assert (
+        moe_layer(2, torch.float32, "triton", RankInfo(rank=1, world_size=2, moe_tp_size=1, ep_size=2)).fuse_shared == 0
+    )
     assert moe_layer(0, torch.float32, "triton").fuse_shared == 0
 
 

@@ -12,8 +12,8 @@ def test_silu_mul(kdev, dtype, I):
 
     torch.manual_seed(I)
     gu = torch.randn(6, 2 * I + 5, device=kdev).mul(3).to(dtype)
-    gu[:, 2 * I:] = float("nan")  # a read past `up` would poison the output
-    g, u = gu[:, :I], gu[:, I:2 * I]
+    gu[:, 2 * I :] = float("nan")  # a read past `up` would poison the output
+    g, u = gu[:, :I], gu[:, I : 2 * I]
     out = silu_mul(g, u)
     ref = F.silu(g.float()).to(dtype).float() * u.float()
     assert not out.isnan().any()

@@ -18,8 +18,9 @@ def test_prefill_context_matches_ref_and_refreshes_per_forward(kdev):
 
     cache = torch.randn(2, 6, 16, 40, device=kdev)
     tri, ref = TritonMLABackend(cache, 32), TorchRefBackend(cache, 32)
-    batch = ForwardBatch.build([SeqChunk([1], 20, [4, 1])], [SeqChunk([1, 2, 3], 17, [5, 0]), SeqChunk([7], 0, [3])],
-                               16, kdev)
+    batch = ForwardBatch.build(
+        [SeqChunk([1], 20, [4, 1])], [SeqChunk([1, 2, 3], 17, [5, 0]), SeqChunk([7], 0, [3])], 16, kdev
+    )
     for layer in (0, 1):  # layer 1 reuses layer 0's metadata
         assert torch.equal(tri.prefill_context(layer, batch), ref.prefill_context(layer, batch))
     batch.page_table[1, 0] = 2  # the same batch object refilled for a new forward: layer 0 again recomputes
@@ -57,9 +58,11 @@ def test_decode_steps_store_kv_inside_absorb_q_rope(kdev, tiny_ckpt, monkeypatch
         monkeypatch.setattr(triton_mla.TritonMLABackend, "absorb_q_rope_store_kv", spy)
         cache = torch.zeros(cfg.num_hidden_layers, 4, 16, cfg.kv_cache_dim, dtype=torch.bfloat16, device=kdev)
         attn, pages, hs = triton_mla.TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=2), {0: [0], 1: [2, 1]}, []
-        steps = [([], [SeqChunk(list(range(5)), 0, pages[0]), SeqChunk(list(range(9, 29)), 0, pages[1])]),
-                 ([SeqChunk([7], 5, pages[0]), SeqChunk([8], 20, pages[1])], []),  # batch 2, one token each
-                 ([SeqChunk([3, 4], 21, pages[1])], [])]  # a verify of width 2 at batch 1
+        steps = [
+            ([], [SeqChunk(list(range(5)), 0, pages[0]), SeqChunk(list(range(9, 29)), 0, pages[1])]),
+            ([SeqChunk([7], 5, pages[0]), SeqChunk([8], 20, pages[1])], []),  # batch 2, one token each
+            ([SeqChunk([3, 4], 21, pages[1])], []),
+        ]  # a verify of width 2 at batch 1
         with torch.no_grad():
             for decode, prefill in steps:
                 batch = ForwardBatch.build(decode, prefill, 16, kdev, attn)

@@ -44,13 +44,25 @@ class RefRunner:
     are the usual loops on top of it. The cache lives on the model's device. Pages are handed out in a
     shuffled order, so page tables are not the identity and a request's pages are rarely adjacent."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM, num_pages: int = 128, page_size: int = 4,
-                 cache_dtype: torch.dtype | None = None, seed: int = 0):
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        num_pages: int = 128,
+        page_size: int = 4,
+        cache_dtype: torch.dtype | None = None,
+        seed: int = 0,
+    ):
         cfg = model.config
         self.model, self.page_size = model, page_size
         dtype = cache_dtype or model.lm_head.weight.dtype
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_cache_dim, dtype=dtype,
-                                    device=model.lm_head.weight.device)
+        self.kv_cache = torch.zeros(
+            cfg.num_hidden_layers,
+            num_pages,
+            page_size,
+            cfg.kv_cache_dim,
+            dtype=dtype,
+            device=model.lm_head.weight.device,
+        )
         self.attn = TorchRefBackend(self.kv_cache, cfg.kv_lora_rank)
         self.free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -89,7 +101,7 @@ class RefRunner:
         out, row = [], 0
         for (seq, ids), c in zip([*decode, *prefill], chunks):
             n = {"last": 1, "all": len(ids), "none": 0}[c.need_logits]
-            out.append(logits[row:row + n] if n else None)
+            out.append(logits[row : row + n] if n else None)
             row += n
             seq.tokens += list(ids)
         return out
@@ -102,7 +114,7 @@ class RefRunner:
         chunk = chunk or max(len(p) for p in prompts)
         for start in range(0, max(len(p) for p in prompts), chunk):
             live = [i for i, p in enumerate(prompts) if start < len(p)]
-            outs = self.step(prefill=[(seqs[i], prompts[i][start:start + chunk]) for i in live], need_logits="all")
+            outs = self.step(prefill=[(seqs[i], prompts[i][start : start + chunk]) for i in live], need_logits="all")
             for i, o in zip(live, outs):
                 logits[i].append(o)
         return seqs, [torch.cat(x) for x in logits]

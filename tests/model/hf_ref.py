@@ -22,7 +22,15 @@ def hf_greedy(hf, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """generate() greedily with its DynamicCache (EOS off): (the `steps` new tokens, their logits [steps, vocab])."""
     x = torch.tensor([ids])
     # An explicit mask: without one generate() masks every token equal to pad_token_id.
-    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=steps, do_sample=False,
-                      output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    out = hf.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     assert len(out.logits) == steps
-    return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits).float()
+    return out.sequences[0, len(ids) :].tolist(), torch.cat(out.logits).float()

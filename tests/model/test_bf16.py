@@ -22,8 +22,9 @@ def fp32_and_bf16_logits(path):
         runner = RefRunner(load_model(path, dtype))
         assert runner.kv_cache.dtype == dtype
         seqs, prefill = runner.prefill(PROMPTS)
-        decode = [torch.cat(runner.step(decode=[(s, [(7 * j + b) % 512]) for b, s in enumerate(seqs)]))
-                  for j in range(8)]
+        decode = [
+            torch.cat(runner.step(decode=[(s, [(7 * j + b) % 512]) for b, s in enumerate(seqs)])) for j in range(8)
+        ]
         out.append(torch.cat(prefill + decode))
     return out
 
@@ -46,10 +47,12 @@ def test_bf16_close_to_fp32(tmp_path, moe):
 
 def test_bf16_error_no_worse_than_transformers(tmp_path):
     path = make_tiny(tmp_path, seed=5)
-    ours32, ours16 = (torch.cat(RefRunner(load_model(path, d)).prefill(PROMPTS)[1])
-                      for d in (torch.float32, torch.bfloat16))
-    hf32, hf16 = (torch.cat([hf_logits(hf_model(path, d), p) for p in PROMPTS])
-                  for d in (torch.float32, torch.bfloat16))
+    ours32, ours16 = (
+        torch.cat(RefRunner(load_model(path, d)).prefill(PROMPTS)[1]) for d in (torch.float32, torch.bfloat16)
+    )
+    hf32, hf16 = (
+        torch.cat([hf_logits(hf_model(path, d), p) for p in PROMPTS]) for d in (torch.float32, torch.bfloat16)
+    )
     assert rel_err(ours16, ours32).median() <= 1.5 * rel_err(hf16, hf32).median()
 
 

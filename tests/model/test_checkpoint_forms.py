@@ -37,11 +37,15 @@ def test_kimi_wrapper_layout_gives_the_same_logits(plain, tmp_path, caplog):
     cfg = ckpt_edit.read_config(path)
     assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and "text_config" in cfg
     assert all(k.startswith("language_model.") for k in ckpt_edit.weight_map(path))
-    ckpt_edit.add_shard(path, {
-        "vision_tower.patch_embed.proj.weight": torch.randn(16, 3, 2, 2),
-        "vision_tower.encoder.blocks.0.wqkv.weight": torch.randn(48, 16),
-        "mm_projector.proj.0.weight": torch.randn(64, 16),
-    }, "model-vision.safetensors")
+    ckpt_edit.add_shard(
+        path,
+        {
+            "vision_tower.patch_embed.proj.weight": torch.randn(16, 3, 2, 2),
+            "vision_tower.encoder.blocks.0.wqkv.weight": torch.randn(48, 16),
+            "mm_projector.proj.0.weight": torch.randn(64, 16),
+        },
+        "model-vision.safetensors",
+    )
     assert ModelConfig.from_pretrained(path).weight_prefix == "language_model."
 
     with caplog.at_level(logging.INFO, logger="mlaserve.weights"):
@@ -85,12 +89,22 @@ def test_mtp_layer_is_skipped(plain, tmp_path, caplog):
     """DeepSeek-V3 ships its MTP module as layer num_hidden_layers; it loads (and is ignored) fine."""
     path = make_tiny(tmp_path, seed=5)
     L, D = 3, 64
-    tensors = {k.replace(f"model.layers.{L - 1}.", f"model.layers.{L}."): v
-               for k, v in ckpt_edit.load_all(path).items() if k.startswith(f"model.layers.{L - 1}.")}
-    tensors |= {f"model.layers.{L}.{k}": v for k, v in {
-        "eh_proj.weight": torch.randn(D, 2 * D), "enorm.weight": torch.ones(D), "hnorm.weight": torch.ones(D),
-        "embed_tokens.weight": torch.randn(512, D), "shared_head.norm.weight": torch.ones(D),
-        "shared_head.head.weight": torch.randn(512, D)}.items()}
+    tensors = {
+        k.replace(f"model.layers.{L - 1}.", f"model.layers.{L}."): v
+        for k, v in ckpt_edit.load_all(path).items()
+        if k.startswith(f"model.layers.{L - 1}.")
+    }
+    tensors |= {
+        f"model.layers.{L}.{k}": v
+        for k, v in {
+            "eh_proj.weight": torch.randn(D, 2 * D),
+            "enorm.weight": torch.ones(D),
+            "hnorm.weight": torch.ones(D),
+            "embed_tokens.weight": torch.randn(512, D),
+            "shared_head.norm.weight": torch.ones(D),
+            "shared_head.head.weight": torch.randn(512, D),
+        }.items()
+    }
     ckpt_edit.add_shard(path, tensors, "model-mtp.safetensors")
     cfg = ckpt_edit.read_config(path)
     cfg["num_nextn_predict_layers"] = 1

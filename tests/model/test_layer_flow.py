@@ -12,4 +12,3 @@ def test_layer_flow_equals_before(tiny_ckpt, dtype):
     model = load_model(tiny_ckpt, "cpu", dtype, "torch")
     for aux in ((), (0, 1, 2, 3), (2,), (1, 3)):
         assert check_layer_flow(model, "cpu", aux_layer_ids=aux) == 0  # the torch MoE never fuses the norm
-

@@ -26,8 +26,9 @@ def assert_rel_close(got, ref, rel=REL):
 # ---- whole model -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[{}, {"q_lora_rank": None, "v_head_dim": 12, "rope_scaling": None}],
-                ids=["tiny", "variant"])
+@pytest.fixture(
+    scope="module", params=[{}, {"q_lora_rank": None, "v_head_dim": 12, "rope_scaling": None}], ids=["tiny", "variant"]
+)
 def model(request, tmp_path_factory):
     return load_model(make_tiny(tmp_path_factory.mktemp("forms"), seed=3, **request.param))
 
@@ -50,7 +51,7 @@ def test_decode_equals_prefill_over_same_cache(model, k):
     as_prefill = runner.step(prefill=[(runner.fork(s), t) for s, t in zip(seqs, new)], need_logits="all")
     as_block = runner.step(decode=[(runner.fork(s), t) for s, t in zip(seqs, new)], need_logits="all")
     one_by_one = [runner.fork(s) for s in seqs]
-    steps = [runner.step(decode=[(s, t[j:j + 1]) for s, t in zip(one_by_one, new)]) for j in range(k)]
+    steps = [runner.step(decode=[(s, t[j : j + 1]) for s, t in zip(one_by_one, new)]) for j in range(k)]
     for b in range(len(ctx)):
         ref = as_prefill[b]  # [k, vocab]
         assert_rel_close(as_block[b], ref)
@@ -128,7 +129,7 @@ def run_layer(attn, rotary, cfg, x_ctx, x_new, as_decode, page_size=4):
     cache = torch.zeros(1, 64, page_size, cfg.kv_cache_dim)
     backend = TorchRefBackend(cache, cfg.kv_lora_rank)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
-    pages = [perm[i * 16:(i + 1) * 16] for i in range(B)]
+    pages = [perm[i * 16 : (i + 1) * 16] for i in range(B)]
 
     def forward(chunks_x, num_cached, decode):
         chunks = [SeqChunk([0] * len(xs), n, pages[i]) for i, (xs, n) in enumerate(zip(chunks_x, num_cached))]
@@ -153,7 +154,11 @@ def test_layer_absorbed_equals_naive_and_dense(layer, q_len):
     naive = run_layer(attn, rotary, cfg, x_ctx, x_new, as_decode=False)
     assert_rel_close(absorbed, naive)
     with torch.no_grad():
-        dense = torch.cat([mla_dense(attn, torch.cat([c, n]), torch.arange(len(c) + q_len), rotary)[-q_len:]
-                           for c, n in zip(x_ctx, x_new)])
+        dense = torch.cat(
+            [
+                mla_dense(attn, torch.cat([c, n]), torch.arange(len(c) + q_len), rotary)[-q_len:]
+                for c, n in zip(x_ctx, x_new)
+            ]
+        )
     assert_rel_close(naive, dense)
     assert_rel_close(absorbed, dense)

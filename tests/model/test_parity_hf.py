@@ -16,15 +16,37 @@ CONFIGS = {
     "no_q_lora": {"q_lora_rank": None},
     "group_limited": {"n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3},
     "no_yarn": {"rope_scaling": None, "rope_theta": 50000.0},
-    "yarn_no_mscale": {"rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
-                                        "beta_fast": 1.0, "beta_slow": 1.0}},
-    "two_shared_small_v": {"n_shared_experts": 2, "v_head_dim": 12, "norm_topk_prob": False,
-                           "first_k_dense_replace": 0},
+    "yarn_no_mscale": {
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+        }
+    },
+    "two_shared_small_v": {
+        "n_shared_experts": 2,
+        "v_head_dim": 12,
+        "norm_topk_prob": False,
+        "first_k_dense_replace": 0,
+    },
     # Kimi-K2.5's RoPE, eps and scaling factor (its rms_norm_eps 1e-5 also reaches q_a/kv_a_layernorm here,
     # where transformers keeps 1e-6: a ~1e-5-relative difference, inside the tolerance).
-    "kimi_like": {"rms_norm_eps": 1e-5, "routed_scaling_factor": 2.827, "rope_theta": 50000.0,
-                  "rope_scaling": {"type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                   "beta_fast": 1.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}},
+    "kimi_like": {
+        "rms_norm_eps": 1e-5,
+        "routed_scaling_factor": 2.827,
+        "rope_theta": 50000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 64.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+    },
 }
 PROMPT_LENS = (1, 5, 17, 40)
 
@@ -90,7 +112,7 @@ def test_page_sizes(pair, page_size):
     batch = prompts((5, 21), seed=7)
     tokens, logits = generate_greedy(RefRunner(model, page_size=page_size), batch, steps=4, chunk=8)
     for b, ids in enumerate(batch):
-        ref = hf_logits(hf, ids + tokens[b][:-1])[len(ids) - 1:]
+        ref = hf_logits(hf, ids + tokens[b][:-1])[len(ids) - 1 :]
         assert_logits_close(logits[:, b], ref)
 
 

@@ -88,8 +88,11 @@ def assert_idle_no_leak(run: Running, timeout: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(run.url)
-        idle = (m["mlaserve:num_requests_running"] == 0 and m["mlaserve:num_requests_waiting"] == 0
-                and m["mlaserve:kv_cache_pages_used"] == 0)
+        idle = (
+            m["mlaserve:num_requests_running"] == 0
+            and m["mlaserve:num_requests_waiting"] == 0
+            and m["mlaserve:kv_cache_pages_used"] == 0
+        )
         if idle and not run.engine.has_unfinished() and not run.server.async_engine._live:
             break
         assert time.monotonic() < deadline, f"not idle after {timeout} s: {m}"

@@ -15,8 +15,14 @@ LONG = 3000  # max_tokens of the requests whose clients leave: far longer than t
 
 
 async def _good_completion(client, prompt, n, stream):
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-            "stream": stream}
+    body = {
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
     if not stream:
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
@@ -50,8 +56,9 @@ async def _leave_mid_stream(url, prompt, events: int):
 
 
 def _generating(engine, prompt) -> bool:
-    return any(s.req.prompt_token_ids == prompt and len(s.req.output_token_ids) >= 2
-               for s in list(engine.states.values()))
+    return any(
+        s.req.prompt_token_ids == prompt and len(s.req.output_token_ids) >= 2 for s in list(engine.states.values())
+    )
 
 
 async def _leave_mid_request(url, prompt, engine):
@@ -70,8 +77,10 @@ async def _leave_mid_request(url, prompt, engine):
 
 def test_abuse_mixed_with_good_traffic(server, offline):
     rng = random.Random(20260724)
-    goods = [([rng.randrange(260, 512) for _ in range(rng.randrange(4, 30))], rng.randrange(4, 12), i % 2 == 0)
-             for i in range(16)]
+    goods = [
+        ([rng.randrange(260, 512) for _ in range(rng.randrange(4, 30))], rng.randrange(4, 12), i % 2 == 0)
+        for i in range(16)
+    ]
     want = [greedy_ids(offline, p, n, ignore_eos=True) for p, n, _ in goods]
     aborted_before = _aborts(server.url)
     n_leave = 8
@@ -81,8 +90,9 @@ def test_abuse_mixed_with_good_traffic(server, offline):
             jobs = [("good", i, _good_completion(client, *goods[i])) for i in range(len(goods))]
             jobs += [("bad", i, _bad(client, BAD[i][1], BAD[i][2])) for i in range(len(BAD))]
             jobs += [("leave", i, _leave_mid_stream(server.url, [1, 2, 3 + i], 2 + i)) for i in range(n_leave // 2)]
-            jobs += [("leave", i, _leave_mid_request(server.url, [4, 5, 6 + i], server.engine))
-                     for i in range(n_leave // 2)]
+            jobs += [
+                ("leave", i, _leave_mid_request(server.url, [4, 5, 6 + i], server.engine)) for i in range(n_leave // 2)
+            ]
             rng.shuffle(jobs)
             results = await asyncio.gather(*(j[2] for j in jobs))
         return [(kind, i, res) for (kind, i, _), res in zip(jobs, results)]
@@ -110,8 +120,9 @@ def _aborts(url):
 
 def _scrape_labelled(url):
     text = httpx.get(f"{url}/metrics").text
-    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-            if ln and not ln.startswith("#")}
+    return {
+        ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")
+    }
 
 
 async def _once(url, good):

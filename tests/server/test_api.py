@@ -19,8 +19,14 @@ def sse_chunks(resp: httpx.Response) -> list[dict]:
 
 
 def test_completion_matches_offline(server, offline):
-    body = {"model": "tiny", "prompt": "Hello, my name is", "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": "tiny",
+        "prompt": "Hello, my name is",
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
@@ -38,8 +44,15 @@ def _sp(n, **kw):
 
 
 def test_stream_several_prompts_one_event_per_step(server, offline):
-    body = {"prompt": PROMPT_IDS, "max_tokens": 9, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": PROMPT_IDS,
+        "max_tokens": 9,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         chunks = sse_chunks(r)
@@ -75,8 +88,14 @@ def test_events_equal_offline_steps_even_without_text(server, offline):
             break
     else:
         pytest.fail("no greedy run with a textless step found")
-    body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "stream": True, "return_token_ids": True,
-            "ignore_eos": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": 32,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         events = [c["choices"][0] for c in sse_chunks(r)]
     assert [(e["token_ids"], e["text"]) for e in events] == steps
@@ -93,8 +112,12 @@ def test_chat_matches_offline(server, offline):
     c = r.json()["choices"][0]
     assert c["token_ids"] == want and c["message"]["role"] == "assistant"
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        timeout=60,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
         chunks = sse_chunks(r)
     deltas = [ch["choices"][0] for ch in chunks[:-1]]
     assert deltas[0]["delta"]["role"] == "assistant" and len(deltas) == 10
@@ -128,10 +151,20 @@ def test_models_health_metrics(server):
     assert httpx.get(f"{server.url}/v1/models/other").status_code == 404
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     m = scrape(server.url)
-    for name in ("request_success_total", "time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
-                 "e2e_request_latency_seconds_count", "num_requests_running", "num_requests_waiting",
-                 "kv_cache_pages_used", "prefix_cache_hits_total", "spec_decode_num_draft_tokens_total",
-                 "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "request_errors_total"):
+    for name in (
+        "request_success_total",
+        "time_to_first_token_seconds_count",
+        "time_per_output_token_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_pages_used",
+        "prefix_cache_hits_total",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+        "generation_tokens_total",
+        "request_errors_total",
+    ):
         assert f"mlaserve:{name}" in m, name
 
 

@@ -11,9 +11,34 @@ from .conftest import assert_idle_no_leak, start_server
 
 
 def _bench(url, out, label):
-    return main(["bench", "serve", "--base-url", url, "--num-prompts", "8", "--max-concurrency", "8",
-                 "--input-len", "64", "--output-len", "64", "--seed", "20260724", "--num-warmups", "0",
-                 "--temperature", "0", "--ignore-eos", "--disable-tqdm", "--label", label, "--save-result", str(out)])
+    return main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            url,
+            "--num-prompts",
+            "8",
+            "--max-concurrency",
+            "8",
+            "--input-len",
+            "64",
+            "--output-len",
+            "64",
+            "--seed",
+            "20260724",
+            "--num-warmups",
+            "0",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--disable-tqdm",
+            "--label",
+            label,
+            "--save-result",
+            str(out),
+        ]
+    )
 
 
 def test_bench_twice_identical_then_other_weights_differ(server, tmp_path, tmp_path_factory, capsys):
@@ -34,8 +59,9 @@ def test_bench_twice_identical_then_other_weights_differ(server, tmp_path, tmp_p
     assert "matched the baseline exactly" in capsys.readouterr().out
     assert_idle_no_leak(server)
 
-    other = start_server(make_random("tiny", str(tmp_path_factory.mktemp("tiny-seed1")), seed=1, dtype="float32",
-                                     progress=False))
+    other = start_server(
+        make_random("tiny", str(tmp_path_factory.mktemp("tiny-seed1")), seed=1, dtype="float32", progress=False)
+    )
     try:
         wrong = tmp_path / "cand-other-weights.json"
         assert _bench(other.url, wrong, "other weights") == 0

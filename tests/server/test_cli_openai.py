@@ -29,9 +29,28 @@ def cli_server(tmp_path_factory):
     path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     env = {**os.environ, "MLASERVE_CACHE": str(cache), "PYTHONPATH": path}
     log = (cache / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlaserve", "--log-level", "warning", "serve", "--port", str(port),
-                             "--device", "cpu", "--num-pages", "256", "--page-size", "16"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlaserve",
+            "--log-level",
+            "warning",
+            "serve",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--num-pages",
+            "256",
+            "--page-size",
+            "16",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -69,9 +88,15 @@ def test_default_model_and_client_streams_completion(cli_server, reference):
     prompt = "Hello, my name is"
     ids = reference.tokenizer.encode(prompt, True)
     want = _greedy(reference, ids, 8)
-    stream = client.completions.create(model="tiny-random-v1", prompt=prompt, max_tokens=8, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    stream = client.completions.create(
+        model="tiny-random-v1",
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     text, token_ids, usage = "", [], None
     for ch in stream:
         if ch.choices:
@@ -80,8 +105,9 @@ def test_default_model_and_client_streams_completion(cli_server, reference):
         usage = ch.usage or usage
     assert token_ids == want.token_ids and text == want.text
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(ids), 8, len(ids) + 8)
-    full = client.completions.create(model="tiny-random-v1", prompt=prompt, max_tokens=8, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    full = client.completions.create(
+        model="tiny-random-v1", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert full.choices[0].text == want.text and full.usage.completion_tokens == 8
 
 
@@ -92,9 +118,15 @@ def test_client_streams_chat(cli_server, reference):
     tok = reference.tokenizer
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), False)
     want = _greedy(reference, ids, 10)
-    stream = client.chat.completions.create(model="tiny-random-v1", messages=messages, max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="tiny-random-v1",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     content, roles, usage, finish = "", set(), None, None
     for ch in stream:
         if ch.choices:
@@ -105,8 +137,9 @@ def test_client_streams_chat(cli_server, reference):
         usage = ch.usage or usage
     assert content == want.text and "assistant" in roles and finish == "length"
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 10)
-    full = client.chat.completions.create(model="tiny-random-v1", messages=messages, max_tokens=10, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(
+        model="tiny-random-v1", messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert full.choices[0].message.content == want.text and full.usage.completion_tokens == 10
 
 
@@ -118,5 +151,6 @@ def test_client_sees_typed_errors(cli_server):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny-random-v1", prompt="x", max_tokens=2, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.chat.completions.create(model="tiny-random-v1", messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=10**9, stream=True)
+        client.chat.completions.create(
+            model="tiny-random-v1", messages=[{"role": "user", "content": "x"}], max_tokens=10**9, stream=True
+        )

@@ -30,8 +30,11 @@ def test_engine_failure_stops_the_server(tiny_ckpt, capfd):
             async def streamed():
                 async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                     assert r.status_code == 200
-                    return [json.loads(x[5:]) for x in [ln async for ln in r.aiter_lines()]
-                            if x.startswith("data:") and "[DONE]" not in x]
+                    return [
+                        json.loads(x[5:])
+                        for x in [ln async for ln in r.aiter_lines()]
+                        if x.startswith("data:") and "[DONE]" not in x
+                    ]
 
             return await asyncio.gather(client.post("/v1/completions", json=body), streamed())
 

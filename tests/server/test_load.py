@@ -37,9 +37,23 @@ def test_64_concurrent_streams(server, offline):
     async def main():
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as client:
-            return await asyncio.gather(*(_stream(client, {
-                "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True,
-                "return_token_ids": True, "stream_options": {"include_usage": True}}) for p in prompts))
+            return await asyncio.gather(
+                *(
+                    _stream(
+                        client,
+                        {
+                            "prompt": p,
+                            "max_tokens": 16,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "stream": True,
+                            "return_token_ids": True,
+                            "stream_options": {"include_usage": True},
+                        },
+                    )
+                    for p in prompts
+                )
+            )
 
     results = asyncio.run(main())
     assert all(status == 200 for status, _, _ in results), [r for r in results if r[0] != 200][:3]
@@ -62,10 +76,17 @@ def test_overload_gets_503(tiny_ckpt):
 
     run.engine.step = slow_step
     try:
+
         async def main():
             async with httpx.AsyncClient(base_url=run.url, timeout=120) as client:
-                body = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True,
-                        "return_token_ids": True}
+                body = {
+                    "prompt": [5, 6, 7],
+                    "max_tokens": 40,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "return_token_ids": True,
+                }
                 return await asyncio.gather(*(_stream(client, body) for _ in range(12)))
 
         results = asyncio.run(main())
@@ -86,5 +107,7 @@ def test_overload_gets_503(tiny_ckpt):
 
 async def _one(url):
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        return await _stream(client, {"prompt": [5, 6, 7], "max_tokens": 20, "ignore_eos": True, "stream": True,
-                                      "return_token_ids": True})
+        return await _stream(
+            client,
+            {"prompt": [5, 6, 7], "max_tokens": 20, "ignore_eos": True, "stream": True, "return_token_ids": True},
+        )

@@ -17,8 +17,9 @@ from mlaserve.types import SamplingParams
 
 @pytest.fixture(scope="module")
 def draft(tiny_ckpt, tmp_path_factory):
-    return make_random_draft("tiny-eagle3", str(tmp_path_factory.mktemp("draft")), target=tiny_ckpt, seed=1,
-                             dtype="float32")
+    return make_random_draft(
+        "tiny-eagle3", str(tmp_path_factory.mktemp("draft")), target=tiny_ckpt, seed=1, dtype="float32"
+    )
 
 
 def _prompts(n=8, seed=0):
@@ -51,11 +52,14 @@ def baseline(tiny_ckpt):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("kw", [dict(), dict(chunked_prefill_size=16, max_num_batched_tokens=40, page_size=16)],
-                         ids=["default", "chunked"])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(chunked_prefill_size=16, max_num_batched_tokens=40, page_size=16)], ids=["default", "chunked"]
+)
 def test_greedy_equal_with_random_draft(tiny_ckpt, draft, baseline, k, kw):
-    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", **kw),
-                    spec=SpecConfig(draft_model=draft, num_steps=k, num_draft_tokens=k + 1))
+    eng = LLMEngine(
+        EngineConfig(model=tiny_ckpt, device="cpu", **kw),
+        spec=SpecConfig(draft_model=draft, num_steps=k, num_draft_tokens=k + 1),
+    )
     got = run(eng, _prompts(), GREEDY)
     assert [tokens(e) for e in got] == baseline
     for evs in got:  # exact counts: each verify event carries 1 + accepted tokens
@@ -78,7 +82,7 @@ class OracleProposer:
                 req = c.req
                 full = self.full[tuple(req.prompt_token_ids)]
                 n = req.num_tokens
-                nxt = full[n:n + self.k]
+                nxt = full[n : n + self.k]
                 out[req.request_id] = nxt + [0] * (self.k - len(nxt))
         return out
 
@@ -87,8 +91,9 @@ class OracleProposer:
 def test_oracle_draft_max_accept_length(tiny_ckpt, draft, baseline, k):
     prompts = _prompts()
     spec = SpecConfig(draft_model=draft, num_steps=k, num_draft_tokens=k + 1)
-    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"), spec=spec,
-                    proposer=OracleProposer(prompts, baseline, k))
+    eng = LLMEngine(
+        EngineConfig(model=tiny_ckpt, device="cpu"), spec=spec, proposer=OracleProposer(prompts, baseline, k)
+    )
     got = run(eng, prompts, GREEDY)
     for evs, ref in zip(got, baseline):
         assert tokens(evs) == ref
@@ -100,8 +105,9 @@ def test_oracle_draft_max_accept_length(tiny_ckpt, draft, baseline, k):
 
 def test_aux_layer_offset(tiny_ckpt, draft):
     for offset, want in ((0, (0, 1, 2)), (1, (1, 2, 3))):
-        eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"),
-                        spec=SpecConfig(draft_model=draft, aux_layer_offset=offset))
+        eng = LLMEngine(
+            EngineConfig(model=tiny_ckpt, device="cpu"), spec=SpecConfig(draft_model=draft, aux_layer_offset=offset)
+        )
         assert eng.runner.model.aux_layer_ids == want
 
 
@@ -130,11 +136,30 @@ def test_mla_draft_loads_and_keeps_greedy(tiny_ckpt, baseline, tmp_path):
     from mlaserve.models.eagle3 import DraftConfig, Eagle3Draft
 
     tcfg = json.load(open(os.path.join(tiny_ckpt, "config.json")))
-    c = {k: tcfg[k] for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-                              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_theta", "rope_scaling",
-                              "max_position_embeddings", "vocab_size", "rms_norm_eps")}
-    c.update(architectures=["Eagle3DeepseekV3ForCausalLM"], intermediate_size=96, draft_vocab_size=512,
-             num_hidden_layers=1, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    c = {
+        k: tcfg[k]
+        for k in (
+            "hidden_size",
+            "num_attention_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "rope_theta",
+            "rope_scaling",
+            "max_position_embeddings",
+            "vocab_size",
+            "rms_norm_eps",
+        )
+    }
+    c.update(
+        architectures=["Eagle3DeepseekV3ForCausalLM"],
+        intermediate_size=96,
+        draft_vocab_size=512,
+        num_hidden_layers=1,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
+    )
     d = tmp_path / "mla"
     d.mkdir()
     json.dump(c, open(d / "config.json", "w"))

@@ -10,9 +10,32 @@ from ..server.conftest import assert_idle_no_leak, start_server
 
 
 def _bench(url, out):
-    return main(["bench", "serve", "--base-url", url, "--num-prompts", "8", "--max-concurrency", "8",
-                 "--input-len", "64", "--output-len", "48", "--seed", "20260724", "--num-warmups", "0",
-                 "--temperature", "0", "--ignore-eos", "--disable-tqdm", "--save-result", str(out)])
+    return main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            url,
+            "--num-prompts",
+            "8",
+            "--max-concurrency",
+            "8",
+            "--input-len",
+            "64",
+            "--output-len",
+            "48",
+            "--seed",
+            "20260724",
+            "--num-warmups",
+            "0",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--disable-tqdm",
+            "--save-result",
+            str(out),
+        ]
+    )
 
 
 def test_spec_server_same_texts_as_plain(tiny_ckpt, tmp_path, capsys):
@@ -33,8 +56,18 @@ def test_spec_server_same_texts_as_plain(tiny_ckpt, tmp_path, capsys):
     assert s["accepted_tokens_usage"] == s["accepted_tokens_proxy"] == s["server_metrics"]["delta"]["accepted_tokens"]
     assert s["server_metrics"]["delta"]["draft_tokens"] > 0
     capsys.readouterr()
-    rc = main(["bench", "compare", "--baseline", str(plain), "--candidate", str(spec), "--save-result",
-               str(tmp_path / "cmp.json")])
+    rc = main(
+        [
+            "bench",
+            "compare",
+            "--baseline",
+            str(plain),
+            "--candidate",
+            str(spec),
+            "--save-result",
+            str(tmp_path / "cmp.json"),
+        ]
+    )
     problems = json.loads((tmp_path / "cmp.json").read_text())["problems"]
     assert not [x for x in problems if "text differs" in x or "token ids differ" in x], problems
     assert rc == (1 if problems else 0)  # event vectors may differ: speculation carries 1 + accepted per event

@@ -9,6 +9,17 @@ def tiny_variant(tmp_path_factory):
     two dense layers."""
     from mlaserve.models.make_random import make_random
 
-    return make_random("tiny", str(tmp_path_factory.mktemp("tiny_variant")), seed=1, dtype="float32", progress=False,
-                       overrides={"q_lora_rank": None, "vocab_size": 509, "n_shared_experts": 2,
-                                  "first_k_dense_replace": 2, "num_hidden_layers": 3})
+    return make_random(
+        "tiny",
+        str(tmp_path_factory.mktemp("tiny_variant")),
+        seed=1,
+        dtype="float32",
+        progress=False,
+        overrides={
+            "q_lora_rank": None,
+            "vocab_size": 509,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 2,
+            "num_hidden_layers": 3,
+        },
+    )

@@ -60,8 +60,10 @@ def step_chunks(seqs, cached, pages, step):
     """(decode, prefill) lists of (request, SeqChunk) for `step`: step 0 prefills A and B's first chunk; step 1
     mixes A's decode with B's last chunk and C's prefill; then all three decode."""
     decode = [(i, SeqChunk(s[-1:], cached[i], pages[i])) for i, s in enumerate(seqs) if 0 < cached[i] == len(s) - 1]
-    prefill = {0: [(0, SeqChunk(seqs[0], 0, pages[0])), (1, SeqChunk(seqs[1][:6], 0, pages[1], need_logits="none"))],
-               1: [(1, SeqChunk(seqs[1][6:], 6, pages[1])), (2, SeqChunk(seqs[2], 0, pages[2]))]}.get(step, [])
+    prefill = {
+        0: [(0, SeqChunk(seqs[0], 0, pages[0])), (1, SeqChunk(seqs[1][:6], 0, pages[1], need_logits="none"))],
+        1: [(1, SeqChunk(seqs[1][6:], 6, pages[1])), (2, SeqChunk(seqs[2], 0, pages[2]))],
+    }.get(step, [])
     return decode, prefill
 
 
@@ -71,8 +73,9 @@ def greedy(model: DeepseekV3ForCausalLM, broadcast: bool = False):
     With `broadcast`, rank 0 owns the schedule and sends each step's chunks with tp.broadcast_object
     (what the engine does); the other ranks only follow. Without it, every rank derives the same steps."""
     cfg, device = model.config, model.lm_head.weight.device
-    attn = TorchRefBackend(torch.zeros(cfg.num_hidden_layers, 18, PAGE, cfg.kv_cache_dim, device=device),
-                           cfg.kv_lora_rank)
+    attn = TorchRefBackend(
+        torch.zeros(cfg.num_hidden_layers, 18, PAGE, cfg.kv_cache_dim, device=device), cfg.kv_lora_rank
+    )
     start = prompts(cfg)
     seqs, cached = [list(p) for p in start], [0] * len(start)
     pages = [[6 * i + j for j in range(6)] for i in range(len(start))]  # 24 slots each
@@ -90,7 +93,7 @@ def greedy(model: DeepseekV3ForCausalLM, broadcast: bool = False):
             cached[i] = c.num_cached + len(c.token_ids)
         for row, i in enumerate(i for i, c in decode + prefill if c.need_logits != "none"):
             seqs[i].append(int(logits[row].argmax()))
-    return [s[len(p):] for s, p in zip(seqs, start)], all_logits
+    return [s[len(p) :] for s, p in zip(seqs, start)], all_logits
 
 
 # ---- targets: target(rank_info, *args), run on each rank by mlaserve.distributed.launch ------------------------
@@ -99,10 +102,14 @@ def parity(info: RankInfo, path: str, device: str = "cpu") -> dict:
     model, reads = load(path, info, device)
     experts = next(m for m in model.modules() if type(m).__name__ == "Experts")
     tokens, logits = greedy(model)
-    return dict(tokens=tokens, logits=logits, read=sum(n for _, n in reads),
-                numel=sum(p.numel() for p in model.parameters()),
-                experts_read=sorted({int(name.split(".")[5]) for name, _ in reads if ".experts." in name}),
-                experts_owned=list(range(experts.expert_offset, experts.expert_offset + experts.num_local)))
+    return dict(
+        tokens=tokens,
+        logits=logits,
+        read=sum(n for _, n in reads),
+        numel=sum(p.numel() for p in model.parameters()),
+        experts_read=sorted({int(name.split(".")[5]) for name, _ in reads if ".experts." in name}),
+        experts_owned=list(range(experts.expert_offset, experts.expert_offset + experts.num_local)),
+    )
 
 
 def follower(info: RankInfo, path: str) -> list[list[int]]:

@@ -22,8 +22,9 @@ TP2 = ParallelConfig(2, 2, 1)
 def failing_launch(how: str, start_method: str = "forkserver", collective_timeout_s: float = 60):
     t0 = time.monotonic()
     with pytest.raises(RankFailed) as e:
-        launch(TP2, ranks.crash, how, timeout_s=120, collective_timeout_s=collective_timeout_s,
-               start_method=start_method)
+        launch(
+            TP2, ranks.crash, how, timeout_s=120, collective_timeout_s=collective_timeout_s, start_method=start_method
+        )
     return e.value, time.monotonic() - t0
 
 
@@ -83,12 +84,19 @@ def test_abort_says_why_and_exits(monkeypatch, capsys):
 def test_clean_close_leaks_no_semaphore():
     """Ranks leave by os._exit (no interpreter teardown), which skips the finalizer of tqdm's default
     multiprocessing lock: the resource tracker then warned of a leaked semaphore at every TP close."""
-    code = ("from mlaserve.config import ParallelConfig\n"
-            "from mlaserve.distributed.launch import launch\n"
-            "from tests.tp import ranks\n"
-            "print(launch(ParallelConfig(2, 2, 1), ranks.progress_bar, timeout_s=120, start_method='spawn'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    code = (
+        "from mlaserve.config import ParallelConfig\n"
+        "from mlaserve.distributed.launch import launch\n"
+        "from tests.tp import ranks\n"
+        "print(launch(ParallelConfig(2, 2, 1), ranks.progress_bar, timeout_s=120, start_method='spawn'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 1]"
     assert "leaked" not in out.stderr, out.stderr

@@ -31,8 +31,9 @@ def test_tp_shorthand():
 def test_cli_flags():
     p = argparse.ArgumentParser()
     add_parallel_args(p)
-    args = p.parse_args(["--tp", "4", "--ep-size", "2", "--nnodes", "2", "--node-rank", "1",
-                         "--dist-init-addr", "10.0.0.1:29500"])
+    args = p.parse_args(
+        ["--tp", "4", "--ep-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500"]
+    )
     par = parallel_config_from_args(args)
     assert sizes(par) == (4, 2, 2) and (par.nnodes, par.node_rank, par.dist_init_addr) == (2, 1, "10.0.0.1:29500")
 
@@ -44,27 +45,40 @@ def test_rank_layout():
     assert [(i.moe_tp_rank, i.ep_rank) for i in infos] == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(attn_tp_size=2, moe_tp_size=1, ep_size=1),
-     r"moe_tp_size \* ep_size \(1 \* 1 = 1\) must equal attn_tp_size \(2\)"),
-    (dict(attn_tp_size=0), "attn_tp_size must be a positive integer, got 0"),
-    (dict(attn_tp_size=3, moe_tp_size=3, nnodes=2, dist_init_addr="h:1"), "world size 3 .* not divisible by nnodes=2"),
-    (dict(nnodes=2, node_rank=2, attn_tp_size=2, moe_tp_size=2, dist_init_addr="h:1"),
-     r"node_rank must be in \[0, nnodes=2\)"),
-    (dict(nnodes=2, attn_tp_size=2, moe_tp_size=2), "nnodes=2 needs dist_init_addr"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (
+            dict(attn_tp_size=2, moe_tp_size=1, ep_size=1),
+            r"moe_tp_size \* ep_size \(1 \* 1 = 1\) must equal attn_tp_size \(2\)",
+        ),
+        (dict(attn_tp_size=0), "attn_tp_size must be a positive integer, got 0"),
+        (
+            dict(attn_tp_size=3, moe_tp_size=3, nnodes=2, dist_init_addr="h:1"),
+            "world size 3 .* not divisible by nnodes=2",
+        ),
+        (
+            dict(nnodes=2, node_rank=2, attn_tp_size=2, moe_tp_size=2, dist_init_addr="h:1"),
+            r"node_rank must be in \[0, nnodes=2\)",
+        ),
+        (dict(nnodes=2, attn_tp_size=2, moe_tp_size=2), "nnodes=2 needs dist_init_addr"),
+    ],
+)
 def test_bad_layouts_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         ParallelConfig(**kw)
 
 
-@pytest.mark.parametrize("sizes_, change, msg", [
-    ((8, 1, 8), {}, "attn_tp_size=8 does not divide num_attention_heads=4"),
-    ((4, 1, 4), dict(n_routed_experts=6, n_group=1), "ep_size=4 does not divide n_routed_experts=6"),
-    ((4, 4, 1), dict(moe_intermediate_size=34), "moe_tp_size=4 does not divide moe_intermediate_size=34"),
-    ((4, 4, 1), dict(intermediate_size=130), r"=4 does not divide intermediate_size=130 \(the dense MLP"),
-    ((4, 2, 2), dict(moe_intermediate_size=34), r"=4 does not divide the shared experts' intermediate size=34"),
-])
+@pytest.mark.parametrize(
+    "sizes_, change, msg",
+    [
+        ((8, 1, 8), {}, "attn_tp_size=8 does not divide num_attention_heads=4"),
+        ((4, 1, 4), dict(n_routed_experts=6, n_group=1), "ep_size=4 does not divide n_routed_experts=6"),
+        ((4, 4, 1), dict(moe_intermediate_size=34), "moe_tp_size=4 does not divide moe_intermediate_size=34"),
+        ((4, 4, 1), dict(intermediate_size=130), r"=4 does not divide intermediate_size=130 \(the dense MLP"),
+        ((4, 2, 2), dict(moe_intermediate_size=34), r"=4 does not divide the shared experts' intermediate size=34"),
+    ],
+)
 def test_sizes_that_do_not_divide_are_refused(tiny, sizes_, change, msg):
     par = ParallelConfig(*sizes_)
     with pytest.raises(ValueError, match=msg):

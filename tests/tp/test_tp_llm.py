@@ -14,18 +14,21 @@ def _prompts():
 
 @pytest.fixture(scope="module")
 def tp1(tiny_ckpt):
-    outs = LLM(tiny_ckpt, device="cpu").generate(_prompts(), SamplingParams(temperature=0, max_tokens=12,
-                                                                            ignore_eos=True), use_tqdm=False)
+    outs = LLM(tiny_ckpt, device="cpu").generate(
+        _prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kw", [dict(attn_tp_size=2, moe_tp_size=2), dict(attn_tp_size=2, ep_size=2), dict(tp=2)],
-                         ids=["moe-tp2", "ep2", "tp2"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(attn_tp_size=2, moe_tp_size=2), dict(attn_tp_size=2, ep_size=2), dict(tp=2)],
+    ids=["moe-tp2", "ep2", "tp2"],
+)
 def test_llm_tp_matches_tp1(tiny_ckpt, tp1, kw):
     llm = LLM(tiny_ckpt, device="cpu", on_rank_failure=lambda e: None, **kw)
     try:
-        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert [o.token_ids for o in outs] == tp1
         assert llm.engine.pool.num_free == llm.engine.pool.num_pages
     finally:
@@ -42,11 +45,15 @@ def test_llm_tp2_with_eagle3_matches_tp1(tiny_ckpt, tp1, tmp_path):
     from mlaserve.models.make_random_draft import make_random_draft
 
     draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
-    llm = LLM(tiny_ckpt, device="cpu", tp=2, on_rank_failure=lambda e: None,
-              speculative_config={"draft_model": draft, "num_steps": 1})
+    llm = LLM(
+        tiny_ckpt,
+        device="cpu",
+        tp=2,
+        on_rank_failure=lambda e: None,
+        speculative_config={"draft_model": draft, "num_steps": 1},
+    )
     try:
-        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert [o.token_ids for o in outs] == tp1
     finally:
         llm.close()

@@ -70,8 +70,9 @@ def test_nccl_tp2_matches_cpu_tp1(checkpoints):
     """The same runs over NCCL (one GPU per rank, metadata over gloo), against the CPU TP1 reference."""
     paths = list(checkpoints)
     for sizes in [(2, 2, 1), (2, 1, 2)]:
-        results = launch(ParallelConfig(*sizes), run_all, paths, "cuda", device="cuda", timeout_s=300,
-                         collective_timeout_s=120)
+        results = launch(
+            ParallelConfig(*sizes), run_all, paths, "cuda", device="cuda", timeout_s=300, collective_timeout_s=120
+        )
         for per_path in results:
             for path, r in zip(paths, per_path):
                 assert r["tokens"] == checkpoints[path][0]

@@ -33,8 +33,15 @@ def test_good_checkpoint_loads(ckpt):
     load_model(ckpt)
 
 
-@pytest.mark.parametrize("key", ["model.layers.0.self_attn.kv_b_proj.weight", "model.norm.weight",
-                                 "model.layers.2.mlp.experts.5.up_proj.weight", "lm_head.weight"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.layers.0.self_attn.kv_b_proj.weight",
+        "model.norm.weight",
+        "model.layers.2.mlp.experts.5.up_proj.weight",
+        "lm_head.weight",
+    ],
+)
 def test_missing_tensor(ckpt, key):
     ckpt_edit.edit_shard(ckpt, key, lambda t: t.pop(key))
     msg = load_error(ckpt)
@@ -48,8 +55,15 @@ def test_several_missing_tensors_are_counted_in_one_error(ckpt):
     assert "(and 1 more)" in load_error(ckpt)
 
 
-@pytest.mark.parametrize("key", ["model.layers.0.self_attn.bogus.weight", "model.layers.1.mlp.experts.8.up_proj.weight",
-                                 "model.layers.0.mlp.experts.0.up_proj.weight", "transformer.wte.weight"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.layers.0.self_attn.bogus.weight",
+        "model.layers.1.mlp.experts.8.up_proj.weight",
+        "model.layers.0.mlp.experts.0.up_proj.weight",
+        "transformer.wte.weight",
+    ],
+)
 def test_unexpected_tensor(ckpt, key):
     """A tensor the model has no place for: unknown name, expert past n_routed_experts, expert in a dense
     layer, a foreign prefix."""
@@ -58,10 +72,15 @@ def test_unexpected_tensor(ckpt, key):
     assert "unexpected tensor" in msg and repr(key) in msg and shard in msg
 
 
-@pytest.mark.parametrize("key,shape", [("model.layers.0.self_attn.kv_b_proj.weight", (4 * 40, 31)),
-                                       ("model.layers.1.mlp.experts.3.down_proj.weight", (32, 64)),
-                                       ("model.embed_tokens.weight", (511, 64)),
-                                       ("model.layers.2.mlp.gate.e_score_correction_bias", (7,))])
+@pytest.mark.parametrize(
+    "key,shape",
+    [
+        ("model.layers.0.self_attn.kv_b_proj.weight", (4 * 40, 31)),
+        ("model.layers.1.mlp.experts.3.down_proj.weight", (32, 64)),
+        ("model.embed_tokens.weight", (511, 64)),
+        ("model.layers.2.mlp.gate.e_score_correction_bias", (7,)),
+    ],
+)
 def test_mis_shaped_tensor(ckpt, key, shape):
     shard = ckpt_edit.edit_shard(ckpt, key, lambda t: t.update({key: torch.zeros(shape)}))
     msg = load_error(ckpt)
@@ -125,7 +144,8 @@ def test_no_safetensors_files(ckpt):
 
 def test_wrapper_config_over_plain_tensors(ckpt):
     """A Kimi-K2.5 config.json over a plain-layout checkpoint: the error says which prefix was expected."""
-    ckpt_edit.write_config(ckpt, {"architectures": ["KimiK25ForConditionalGeneration"],
-                                  "text_config": ckpt_edit.read_config(ckpt)})
+    ckpt_edit.write_config(
+        ckpt, {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": ckpt_edit.read_config(ckpt)}
+    )
     msg = load_error(ckpt)
     assert "unexpected tensor" in msg and "'language_model.'" in msg and ".safetensors" in msg

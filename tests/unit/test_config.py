@@ -13,13 +13,32 @@ from mlaserve.models.make_random import load_preset
 
 YARN_VARIANTS = {
     "tiny": None,  # the preset's own: factor 4, mscale = mscale_all_dim = 1
-    "deepseek_v3": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
-                    "beta_slow": 1, "original_max_position_embeddings": 4096},
-    "kimi": {"type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0,
-             "beta_slow": 1.0, "original_max_position_embeddings": 4096},
+    "deepseek_v3": {
+        "type": "yarn",
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 4096,
+    },
+    "kimi": {
+        "type": "yarn",
+        "factor": 64.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
     "no_mscale": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512},
-    "mscale_differs": {"rope_type": "yarn", "factor": 16.0, "mscale": 0.707, "mscale_all_dim": 0.5,
-                       "original_max_position_embeddings": 256},
+    "mscale_differs": {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.5,
+        "original_max_position_embeddings": 256,
+    },
     "no_truncate": {"type": "yarn", "factor": 4.0, "truncate": False, "original_max_position_embeddings": 1024},
     "factor_from_lengths": {"type": "yarn", "original_max_position_embeddings": 1024},
     "default": {"type": "default"},
@@ -69,7 +88,7 @@ def test_rope_numbers_match_transformers(name):
     assert ours.rope.type == hf_cfg.rope_parameters["rope_type"]
     torch.testing.assert_close(yarn_inv_freq(ours.rope, ours.qk_rope_head_dim), inv_freq, rtol=1e-6, atol=0)
     assert math.isclose(ours.rope.attention_factor, factor, rel_tol=1e-12)
-    hf_scale = yarn_apply_mscale(hf_cfg.rope_parameters, ours.qk_head_dim ** -0.5)
+    hf_scale = yarn_apply_mscale(hf_cfg.rope_parameters, ours.qk_head_dim**-0.5)
     assert math.isclose(ours.softmax_scale, hf_scale, rel_tol=1e-12)
 
 
@@ -78,8 +97,9 @@ def test_presets_parse(preset):
     raw = load_preset(preset)
     cfg = ModelConfig.from_hf(raw, preset)
     text = raw.get("text_config", raw)
-    assert cfg.hidden_size == text["hidden_size"] and cfg.kv_cache_dim == text["kv_lora_rank"] + text[
-        "qk_rope_head_dim"]
+    assert (
+        cfg.hidden_size == text["hidden_size"] and cfg.kv_cache_dim == text["kv_lora_rank"] + text["qk_rope_head_dim"]
+    )
     assert cfg.weight_prefix == ("language_model." if "text_config" in raw else "")
     assert cfg.q_lora_rank == text["q_lora_rank"]
     assert cfg.rope.type == ((text.get("rope_scaling") or {}).get("type") or "default")
@@ -88,10 +108,18 @@ def test_presets_parse(preset):
 def test_kimi_k25_published_numbers():
     cfg = ModelConfig.from_hf(load_preset("kimi-k2.5"))
     assert cfg.architecture == "KimiK25ForConditionalGeneration"
-    assert cfg.rope == RopeConfig(theta=50000.0, type="yarn", factor=64.0, original_max_position_embeddings=4096,
-                                  beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    assert cfg.rope == RopeConfig(
+        theta=50000.0,
+        type="yarn",
+        factor=64.0,
+        original_max_position_embeddings=4096,
+        beta_fast=1.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
     mscale = 0.1 * math.log(64.0) + 1
-    assert math.isclose(cfg.softmax_scale, 192 ** -0.5 * mscale**2)
+    assert math.isclose(cfg.softmax_scale, 192**-0.5 * mscale**2)
     assert cfg.rope.attention_factor == 1.0
 
 
@@ -108,18 +136,21 @@ def test_transformers_dtype_key():
     assert ModelConfig.from_hf(raw).torch_dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"topk_method": "greedy"}, "topk_method"),
-    ({"scoring_func": "softmax"}, "scoring_func"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"num_key_value_heads": 1}, "num_key_value_heads"),
-    ({"n_group": 3}, "n_group"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear'"),
-    ({"text_config": [1, 2]}, "text_config"),
-    ({"hidden_size": None}, "hidden_size"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"num_key_value_heads": 1}, "num_key_value_heads"),
+        ({"n_group": 3}, "n_group"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+        ({"text_config": [1, 2]}, "text_config"),
+        ({"hidden_size": None}, "hidden_size"),
+    ],
+)
 def test_bad_config_names_the_field(change, field):
     raw = load_preset("tiny")
     raw.update(change)

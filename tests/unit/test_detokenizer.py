@@ -23,14 +23,14 @@ def chunked(ids, rng):
     i = 0
     while i < len(ids):
         n = rng.choice([1, 1, 1, 2, 3, 5])
-        yield ids[i:i + n]
+        yield ids[i : i + n]
         i += n
 
 
 def stream(detok, ids, rng=None, flush=True):
     """Feed ids (one at a time, or in random chunks); return the pieces and the stop string matched."""
     pieces, stop = [], None
-    for chunk in (chunked(ids, rng) if rng else ([i] for i in ids)):
+    for chunk in chunked(ids, rng) if rng else ([i] for i in ids):
         piece, stop = detok.step(chunk)
         pieces.append(piece)
         if stop is not None:
@@ -73,8 +73,10 @@ def test_random_ids_match_full_decode(tok):
     rng = random.Random(2)
     for trial in range(200):
         weights_high_bytes = trial % 2 == 0
-        ids = [rng.randrange(128, 256) if weights_high_bytes and rng.random() < 0.8 else rng.randrange(512)
-               for _ in range(rng.randint(1, 40))]
+        ids = [
+            rng.randrange(128, 256) if weights_high_bytes and rng.random() < 0.8 else rng.randrange(512)
+            for _ in range(rng.randint(1, 40))
+        ]
         d = IncrementalDetokenizer(tok, PROMPT)
         pieces, _ = stream(d, ids, rng if trial % 3 else None)
         assert "".join(pieces) == d.text == tok.decode(ids)
@@ -122,6 +124,7 @@ def test_prompt_context_keeps_leading_space():
 
 
 # ---- stop strings ---------------------------------------------------------------------------------------------------
+
 
 def run_stop(tok, text, stop, include=False, rng=None, prompt=PROMPT):
     d = IncrementalDetokenizer(tok, prompt, stop=stop, include_stop_str_in_output=include)
@@ -182,7 +185,7 @@ def test_stop_random_against_reference(tok):
         hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
         if hits:
             end, start, s = min(hits)
-            want = (text[:end if include else start], s)
+            want = (text[: end if include else start], s)
         else:
             want = (text, None)
         assert run_stop(tok, text, stops, include, rng) == want, (text, stops)

@@ -67,11 +67,13 @@ def fp8_ckpt(tmp_path):
     gen = torch.Generator().manual_seed(1)
     expected = {}
     for key in QUANTIZED:
+
         def edit(t, key=key):
             q, scale = quantize(t[key], gen)
             t[key] = q
             t[key + "_scale_inv"] = scale
             expected[key] = dequant_expected(q, scale)
+
         ckpt_edit.edit_shard(path, key, edit)
     far = "model.layers.0.mlp.down_proj.weight_scale_inv"
     scale = ckpt_edit.load_all(path)[far]

@@ -44,9 +44,20 @@ def test_int4_experts_load_like_dense(tmp_path):
     for key in [k for k in tensors if expert.match(k)]:
         packed, scale, q = quantize_pack(tensors[key])
         base = key[: -len("weight")]
-        ckpt_edit.edit_shard(q4, key, lambda t, k=key, b=base, p=packed, s=scale: (
-            t.pop(k), t.update({b + "weight_packed": p, b + "weight_scale": s.to(torch.bfloat16),
-                                b + "weight_shape": torch.tensor(list(tensors[k].shape))})))
+        ckpt_edit.edit_shard(
+            q4,
+            key,
+            lambda t, k=key, b=base, p=packed, s=scale: (
+                t.pop(k),
+                t.update(
+                    {
+                        b + "weight_packed": p,
+                        b + "weight_scale": s.to(torch.bfloat16),
+                        b + "weight_shape": torch.tensor(list(tensors[k].shape)),
+                    }
+                ),
+            ),
+        )
         deq[key] = dequant_int4_packed(packed, scale.to(torch.bfloat16), tuple(tensors[key].shape), torch.float32)
     for key, t in deq.items():
         ckpt_edit.edit_shard(dense, key, lambda ts, k=key, v=t: ts.update({k: v}))
@@ -61,9 +72,20 @@ def test_asymmetric_int4_refused(tmp_path):
     w = ckpt_edit.load_all(q4)[key]
     packed, scale, _ = quantize_pack(w)
     base = key[: -len("weight")]
-    ckpt_edit.edit_shard(q4, key, lambda t: (t.pop(key), t.update({
-        base + "weight_packed": packed, base + "weight_scale": scale,
-        base + "weight_shape": torch.tensor(list(w.shape)),
-        base + "weight_zero_point": torch.zeros(w.shape[0], 1, dtype=torch.int32)})))
+    ckpt_edit.edit_shard(
+        q4,
+        key,
+        lambda t: (
+            t.pop(key),
+            t.update(
+                {
+                    base + "weight_packed": packed,
+                    base + "weight_scale": scale,
+                    base + "weight_shape": torch.tensor(list(w.shape)),
+                    base + "weight_zero_point": torch.zeros(w.shape[0], 1, dtype=torch.int32),
+                }
+            ),
+        ),
+    )
     with pytest.raises(CheckpointError, match="asymmetric"):
         load_model(q4)

@@ -16,10 +16,26 @@ from tests.model import ckpt_edit
 from tests.model.helpers import RefRunner, generate_greedy, load_model, make_tiny
 
 # The tiny preset's sizes, to shrink a real preset while keeping its structure (and its RoPE).
-TINY_SIZES = {k: load_preset("tiny")[k] for k in (
-    "hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
-    "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "vocab_size", "n_group", "topk_group")}
+TINY_SIZES = {
+    k: load_preset("tiny")[k]
+    for k in (
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "vocab_size",
+        "n_group",
+        "topk_group",
+    )
+}
 
 
 def files(path):
@@ -70,8 +86,7 @@ def test_a_small_model_still_gets_two_shards(tiny_ckpt):
     assert len([f for f in files(tiny_ckpt) if f.endswith(".safetensors")]) == 2
 
 
-@pytest.mark.parametrize("dtype,want", [("bf16", "BF16"), ("bfloat16", "BF16"), ("fp32", "F32"),
-                                        ("float16", "F16")])
+@pytest.mark.parametrize("dtype,want", [("bf16", "BF16"), ("bfloat16", "BF16"), ("fp32", "F32"), ("float16", "F16")])
 def test_dtype_flag(tmp_path, dtype, want):
     path = make_tiny(tmp_path, dtype=dtype)
     for key, (got, _) in tensors_of(path).items():
@@ -87,8 +102,9 @@ def test_dtype_flag(tmp_path, dtype, want):
 
 def test_kimi_k25_preset_writes_the_wrapper(tmp_path):
     """The real preset's structure and RoPE with the tiny sizes: config wrapper, language_model. prefix."""
-    path = make_random("kimi-k2.5", str(tmp_path), layers=2, seed=0, dtype="float32", progress=False,
-                       overrides=TINY_SIZES)
+    path = make_random(
+        "kimi-k2.5", str(tmp_path), layers=2, seed=0, dtype="float32", progress=False, overrides=TINY_SIZES
+    )
     cfg = ckpt_edit.read_config(path)
     assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"]
     assert cfg["text_config"]["num_hidden_layers"] == 2 and cfg["text_config"]["hidden_size"] == 64

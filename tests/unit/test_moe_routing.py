@@ -21,9 +21,17 @@ def test_route_noaux_tc_matches_transformers(E, K, G, TG, norm):
     transformers = pytest.importorskip("transformers")
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    cfg = transformers.DeepseekV3Config(hidden_size=E, n_routed_experts=E, num_experts_per_tok=K, n_group=G,
-                                        topk_group=TG, norm_topk_prob=norm, routed_scaling_factor=2.5,
-                                        num_attention_heads=1, num_key_value_heads=1)
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=E,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        n_group=G,
+        topk_group=TG,
+        norm_topk_prob=norm,
+        routed_scaling_factor=2.5,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
     hf = DeepseekV3TopkRouter(cfg)
     g = torch.Generator().manual_seed(E + K)
     with torch.no_grad():

@@ -14,10 +14,35 @@ from mlaserve.models.make_random import load_preset
 
 aten = torch.ops.aten
 # Layout-only ops (no data movement) and allocation.
-VIEW_OPS = {aten.view, aten._unsafe_view, aten.transpose, aten.slice, aten.select, aten.t, aten.expand,
-            aten.unsqueeze, aten.squeeze, aten.as_strided, aten.alias, aten.detach, aten.empty, aten.new_empty}
-COPY_OPS = {aten.copy_, aten.clone, aten._to_copy, aten.contiguous, aten.cat, aten.stack, aten.index_put_,
-            aten.index, aten.reshape, aten.repeat, aten.masked_scatter}
+VIEW_OPS = {
+    aten.view,
+    aten._unsafe_view,
+    aten.transpose,
+    aten.slice,
+    aten.select,
+    aten.t,
+    aten.expand,
+    aten.unsqueeze,
+    aten.squeeze,
+    aten.as_strided,
+    aten.alias,
+    aten.detach,
+    aten.empty,
+    aten.new_empty,
+}
+COPY_OPS = {
+    aten.copy_,
+    aten.clone,
+    aten._to_copy,
+    aten.contiguous,
+    aten.cat,
+    aten.stack,
+    aten.index_put_,
+    aten.index,
+    aten.reshape,
+    aten.repeat,
+    aten.masked_scatter,
+}
 
 
 class OpRecorder(TorchDispatchMode):
@@ -131,12 +156,13 @@ def test_forward_absorbed_issues_no_copies(attn):
 
     # What reached the backend: Q = [q_nope @ w_kc | rope(q_pe)]; the result landed in `out`.
     Q = batch.attn.q
-    torch.testing.assert_close(Q[..., :R].float(), torch.einsum("thn,hnr->thr", q[..., :N].float(),
-                                                                 attn.w_kc.float()), **tol(dtype))
-    x0, x1 = q[..., N::2].float(), q[..., N + 1::2].float()
+    torch.testing.assert_close(
+        Q[..., :R].float(), torch.einsum("thn,hnr->thr", q[..., :N].float(), attn.w_kc.float()), **tol(dtype)
+    )
+    x0, x1 = q[..., N::2].float(), q[..., N + 1 :: 2].float()
     c, s = cos[:, None], sin[:, None]
     torch.testing.assert_close(Q[..., R::2].float(), x0 * c - x1 * s, **tol(dtype))
-    torch.testing.assert_close(Q[..., R + 1::2].float(), x1 * c + x0 * s, **tol(dtype))
+    torch.testing.assert_close(Q[..., R + 1 :: 2].float(), x1 * c + x0 * s, **tol(dtype))
     assert torch.isfinite(out).all()
     ref = torch.einsum("thr,hrv->thv", batch.attn.o_lat.float(), attn.w_vc.float()).reshape(T, H * V)
     torch.testing.assert_close(out.float(), ref, **tol(dtype))

@@ -40,9 +40,16 @@ def test_seeded_rows_independent_of_batch():
     logits = torch.randn(5, 50)
     p = SamplingParams(temperature=1.0, seed=7)
     alone, _ = sample(logits[2:3], rows(p, gens=[torch.Generator().manual_seed(7)]))
-    batch, _ = sample(logits, rows(*[SamplingParams(temperature=1.0)] * 2, p, *[SamplingParams(temperature=0.5)] * 2,
-                                   gens=[None, None, torch.Generator().manual_seed(7), None, None]),
-                      torch.Generator().manual_seed(123))
+    batch, _ = sample(
+        logits,
+        rows(
+            *[SamplingParams(temperature=1.0)] * 2,
+            p,
+            *[SamplingParams(temperature=0.5)] * 2,
+            gens=[None, None, torch.Generator().manual_seed(7), None, None],
+        ),
+        torch.Generator().manual_seed(123),
+    )
     assert alone[0] == batch[2]
 
 

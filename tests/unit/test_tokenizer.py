@@ -9,15 +9,27 @@ import pytest
 from mlaserve.tokenizer import Tokenizer, bytes_to_unicode, write_byte_level_tokenizer
 
 SAMPLES = [
-    "", " ", "hello world", "  leading and trailing  ", "tabs\tand\nnewlines\r\n", "\x00\x01\x7f",
-    "héllo wörld", "世界你好", "日本語のテキスト", "🎉🚀", "👩‍👩‍👧‍👦 family", "e\u0301 combining", "\ufffd literal",
-    "<|t300|> looks like a filler", "mixed 世 🎉 é \U0010ffff end",
+    "",
+    " ",
+    "hello world",
+    "  leading and trailing  ",
+    "tabs\tand\nnewlines\r\n",
+    "\x00\x01\x7f",
+    "héllo wörld",
+    "世界你好",
+    "日本語のテキスト",
+    "🎉🚀",
+    "👩‍👩‍👧‍👦 family",
+    "e\u0301 combining",
+    "\ufffd literal",
+    "<|t300|> looks like a filler",
+    "mixed 世 🎉 é \U0010ffff end",
 ]
 
 
 def random_text(rng: random.Random, n: int) -> str:
     """Unicode from every plane (no surrogates), weighted towards ASCII and multi-byte neighbours."""
-    ranges = [(0x20, 0x7e), (0x0, 0x1f), (0x80, 0x7ff), (0x800, 0xd7ff), (0xe000, 0xffff), (0x10000, 0x10ffff)]
+    ranges = [(0x20, 0x7E), (0x0, 0x1F), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFF), (0x10000, 0x10FFFF)]
     out = []
     for _ in range(n):
         lo, hi = rng.choice(ranges)
@@ -123,6 +135,7 @@ def test_eos_ids_from_generation_and_model_config(tmp_path):
 
 # ---- chat templates -------------------------------------------------------------------------------------------------
 
+
 def _with_template(tmp_path, config_template=None, jinja_file=None) -> Tokenizer:
     write_byte_level_tokenizer(str(tmp_path), 512, 256, 257)
     cfg_path = tmp_path / "tokenizer_config.json"
@@ -139,7 +152,8 @@ def _with_template(tmp_path, config_template=None, jinja_file=None) -> Tokenizer
 def test_chatml_template(tok):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == (
-        "<|bos|><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        "<|bos|><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("hi<|im_end|>\n")
     ids = tok.encode(tok.apply_chat_template(msgs))
     assert ids[:2] == [256, 258] and ids.count(256) == 1
@@ -148,8 +162,10 @@ def test_chatml_template(tok):
 def test_text_parts_and_image_parts(tok):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert tok.apply_chat_template(parts, add_generation_prompt=False) == "<|bos|><|im_start|>user\na\nb<|im_end|>\n"
-    image = [{"role": "user", "content": "x"},
-             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]
+    image = [
+        {"role": "user", "content": "x"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]},
+    ]
     with pytest.raises(ValueError, match=r"^messages\[1\]\.content: only text parts are supported$"):
         tok.apply_chat_template(image)
     with pytest.raises(ValueError, match="messages"):
@@ -183,13 +199,14 @@ def test_template_helpers_as_transformers(tmp_path):
         "{% generation %}G{% endgeneration %}"
     )
     t = _with_template(tmp_path, source)
-    out = t.apply_chat_template([{"role": "user", "content": "世 \"q\"", "tool_calls": None}], custom=7)
+    out = t.apply_chat_template([{"role": "user", "content": '世 "q"', "tool_calls": None}], custom=7)
     assert out == '"世 \\"q\\""|{"k": "é<>"}|4|True|7|none\n0G'  # trim_blocks/lstrip_blocks as transformers
     with pytest.raises(ValueError, match="first message must be the user"):
         t.apply_chat_template([{"role": "assistant", "content": "x"}])
 
 
 # ---- parity with transformers ---------------------------------------------------------------------------------------
+
 
 def test_matches_transformers(tiny_dir, tok):
     transformers = pytest.importorskip("transformers")
@@ -207,17 +224,23 @@ def test_matches_transformers(tiny_dir, tok):
             assert tok.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
     chats = [
         [{"role": "user", "content": "hi"}],
-        [{"role": "system", "content": "s"}, {"role": "user", "content": "世界"},
-         {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}],
+        [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "世界"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "again"},
+        ],
         [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
     ]
     for msgs in chats:
         for gen in (False, True):
             assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == hf.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=gen)
+                msgs, tokenize=False, add_generation_prompt=gen
+            )
 
 
 # ---- make-random writes it ------------------------------------------------------------------------------------------
+
 
 def test_make_random_writes_tokenizer(tiny_ckpt, tmp_path):
     t = Tokenizer.from_pretrained(tiny_ckpt)

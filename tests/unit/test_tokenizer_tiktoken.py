@@ -27,8 +27,10 @@ def _write_kimi_folder(folder):
 
     hf = HF(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=600, show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(vocab_size=600, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     from mlaserve.tokenizer import bytes_to_unicode
 
     dec = {c: b for b, c in bytes_to_unicode().items()}
@@ -42,9 +44,12 @@ def _write_kimi_folder(folder):
             f.write(f"{base64.b64encode(t).decode()} {r}\n")
     base = len(ranks)
     specials = {base: "[BOS]", base + 1: "[EOS]", base + 2: "<|im_end|>", base + 3: "<|im_user|>"}
-    cfg = {"bos_token": "[BOS]", "eos_token": "[EOS]",
-           "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in specials.items()},
-           "chat_template": "{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}"}
+    cfg = {
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in specials.items()},
+        "chat_template": "{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}",
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     return ranks, specials
 
@@ -59,8 +64,9 @@ def test_tiktoken_folder_matches_tiktoken(tmp_path, monkeypatch):
     tok = Tokenizer.from_pretrained(str(tmp_path))
     assert tok.vocab_size == base + NUM_RESERVED and tok.bos_token_id == base and base + 1 in tok.eos_token_ids
     rng = random.Random(0)
-    texts = list(dict.fromkeys(CORPUS)) + ["".join(rng.choice("ab 你好\n🚀'sLl9.,") for _ in range(60))
-                                            for _ in range(50)]
+    texts = list(dict.fromkeys(CORPUS)) + [
+        "".join(rng.choice("ab 你好\n🚀'sLl9.,") for _ in range(60)) for _ in range(50)
+    ]
     for t in texts:
         assert tok.encode(t) == ref.encode(t, disallowed_special=()), t
         assert tok.decode(tok.encode(t)) == t
