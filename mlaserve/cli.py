@@ -20,7 +20,7 @@ COMMANDS = {
     "make-random": ("mlaserve.models.make_random_cli", "write a random HF-format checkpoint from a preset"),
 }
 BENCH_COMMANDS = {
-    "serve": ("mlaserve.bench.serve", "benchmark a running server (BENCHMARK.md protocol)"),
+    "serve": ("mlaserve.bench.serve", "benchmark a running server (docs/benchmarking.md protocol)"),
     "compare": ("mlaserve.bench.compare", "A/B-compare saved bench results and check outputs are identical"),
 }
 

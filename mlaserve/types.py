@@ -141,7 +141,7 @@ class RequestOutput:
     usage: Usage
     prompt: str | None = None
 
-    # Convenience: the single completion's fields, as DESIGN.md's `.token_ids` / `.text`.
+    # Convenience: the single completion's fields, as docs/design.md's `.token_ids` / `.text`.
     @property
     def token_ids(self) -> list[int]:
         return self.outputs[0].token_ids

@@ -1,1 +1,1 @@
-"""Serving benchmark: `bench serve` (streaming client, BENCHMARK.md protocol) and `bench compare` (A/B + identity)."""
+"""Serving benchmark (docs/benchmarking.md): `bench serve` (streaming client) and `bench compare` (A/B + identity)."""

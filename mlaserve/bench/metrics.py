@@ -1,4 +1,4 @@
-"""Benchmark maths shared by `bench serve` and `bench compare`, exactly as BENCHMARK.md defines each figure.
+"""Benchmark maths shared by `bench serve` and `bench compare`, exactly as docs/benchmarking.md defines each figure.
 
 Times are milliseconds unless a name ends in `_s`. Empty samples give None (JSON null), never NaN.
 """

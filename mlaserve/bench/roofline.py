@@ -1,4 +1,4 @@
-"""The floors every speed figure is reported against (BENCHMARK.md): decode = bytes / 4.3 TB/s, prefill =
+"""The floors every speed figure is reported against (docs/benchmarking.md): decode = bytes / 4.3 TB/s, prefill =
 FLOPs / 790 TFLOP/s, on one H200 as measured. Works for any ModelConfig, batch and context, and TP degree."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def decode_bytes(c: ModelConfig, batch: int, context: int, q_len: int = 1, dtype
 
 
 def prefill_flops(c: ModelConfig, tokens: int, context: int | None = None, tp: int = 1) -> float:
-    """2 x active params x T + causal attention 2 x T^2/2 x H x (N+P+V) per layer (BENCHMARK.md)."""
+    """2 x active params x T + causal attention 2 x T^2/2 x H x (N+P+V) per layer (docs/benchmarking.md)."""
     p = param_counts(c)
     L, moe = c.num_hidden_layers, sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     active = L * p.attn + (L - moe) * p.dense_mlp + moe * (p.shared + p.gate + c.num_experts_per_tok * p.expert)

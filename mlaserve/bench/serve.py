@@ -1,5 +1,5 @@
 """`mlaserve bench serve`: stream random token-id prompts at a running OpenAI-compatible server, time every event,
-and write the BENCHMARK.md figures (plus per-request outputs for `bench compare`) to a result JSON."""
+and write the docs/benchmarking.md figures (plus per-request outputs for `bench compare`) to a result JSON."""
 
 from __future__ import annotations
 

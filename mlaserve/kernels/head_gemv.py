@@ -1,6 +1,6 @@
 """y[t, h] = x[t, h] @ M[h] for a few tokens: MLA's absorbed projections in small decode steps, one Triton kernel.
 
-The projection contract (DESIGN.md) runs both absorptions as torch.bmm into strided views of caller-owned buffers.
+The projection contract (docs/design.md) runs both absorptions as torch.bmm into strided views of caller-owned buffers.
 At batch 1 cuBLAS takes 2.7-3.0 us for each 2 MB per-head weight (M1, H200: 0.7-0.8 TB/s, its 64x8 tiles mostly
 idle); this kernel 1.2-1.3 us. Each program owns BLOCK_N output columns of one head and loads its whole
 [K, BLOCK_N] slab of M[h] as one register tile, issued before it waits for x (pdl.py), then serves every token

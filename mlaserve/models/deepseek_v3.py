@@ -1,7 +1,7 @@
 """DeepSeek-V3 (and Kimi-K2 / K2.5, Moonlight): MLA attention + MoE, HF parameter names, read top to bottom.
 
 Shapes: T tokens, D hidden, H heads on this rank, R kv_lora_rank, P qk_rope_head_dim, N qk_nope_head_dim,
-V v_head_dim. Decode tokens use the absorbed MLA form, prefill tokens the naive form (DESIGN.md §1).
+V v_head_dim. Decode tokens use the absorbed MLA form, prefill tokens the naive form (docs/design.md §1).
 """
 
 from __future__ import annotations

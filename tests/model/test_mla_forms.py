@@ -1,5 +1,5 @@
 """The absorbed MLA form (decode, q_len 1 or N) equals the naive form (prefill) over the same cache contents:
-for the whole model, and for one attention layer against a dense einsum written here from DESIGN.md §1."""
+for the whole model, and for one attention layer against a dense einsum written here from docs/design.md §1."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The MLA projection contract (DESIGN.md §1): the absorbed projections write straight into caller-owned
+"""The MLA projection contract (docs/design.md §1): the absorbed projections write straight into caller-owned
 buffers with one bmm each, and the absorbed path issues no copy, clone or contiguous op."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""bench/roofline.py's counts: the tiny model's real parameters, and BENCHMARK.md's M1/M2 figures."""
+"""bench/roofline.py's counts: the tiny model's real parameters, and docs/benchmarking.md's M1/M2 figures."""
 
 import pytest
 
