@@ -1,30 +1,40 @@
 #!/usr/bin/env bash
-# A/B of whole source trees (branches) in one device call, rounds interleaved so drift hits every tree alike.
-#   here:   bash benchmarks/ab_trees.sh export main s8-mla-prewait-kv     # ab/<branch>/ from git archive (ignored)
-#   device: run with carry ["ab"]:
-#           bash benchmarks/ab_trees.sh run 2 --batches 1,8,32 --contexts 512 --ttft 512     # 2 rounds of each tree
-# Each tree runs its own benchmarks/bench_engine.py on the M1 checkpoint /tmp/m1 (made once by the first tree);
-# JSON under $OUT as engine_ab-<tree>-r<round>_*.json.
+# A/B of source trees (branches, commits) and of environment switches, rounds interleaved so that drift in the
+# GPU's clock and temperature hits every variant alike. Each variant runs its own tree's benchmarks/bench_engine.py
+# on the M1 checkpoint /tmp/m1 (made by the first run if absent).
+#
+#   bash benchmarks/ab_trees.sh export main my-branch                # ab/main/, ab/my-branch/ by git archive
+#   bash benchmarks/ab_trees.sh export nopdl=main:MLASERVE_PDL=0     # ab/nopdl/: main's tree run with that variable
+#   bash benchmarks/ab_trees.sh run 2 --batches 1,8 --contexts 512 --ttft 512    # 2 rounds of every ab/*/ tree
+#
+# A variant is [NAME=]REF[:VAR=VALUE,...]. `run` passes its arguments after the round count to bench_engine and
+# writes its JSON under $OUT (default out/) as engine_ab-<name>-r<round>_*.json; ab/ is git-ignored.
 set -eo pipefail
-cmd=${1:?export BRANCH... | run ROUNDS [bench_engine args]}
+cmd=${1:?usage: ab_trees.sh export VARIANT... | run ROUNDS [bench_engine args]}
 shift
 case $cmd in
 export)
-  for b in "$@"; do
-    d=ab/${b//\//_}
+  for v in "$@"; do
+    spec=${v%%:*}
+    envs=""; [[ $v == *:* ]] && envs=${v#*:}
+    ref=${spec#*=}
+    name=${spec%%=*}; name=${name//\//_}
+    d=ab/$name
     rm -rf "$d" && mkdir -p "$d"
-    git archive "$b" -- . ':!benchmarks/results' | tar -x -C "$d"
-    echo "$d <- $b $(git rev-parse --short "$b")" | tee "$d/AB_SOURCE"
+    git archive "$ref" -- . ':!benchmarks/results' | tar -x -C "$d"
+    [[ -n $envs ]] && echo "$envs" > "$d/AB_ENV"
+    echo "$d <- $ref $(git rev-parse --short "$ref") ${envs}" | tee "$d/AB_SOURCE"
   done ;;
 run)
   rounds=${1:?rounds}
   shift
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OUT=${OUT:-out}
-  mkdir -p "$OUT"
+  OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)
   for r in $(seq "$rounds"); do
     for d in ab/*/; do
       n=$(basename "$d")
-      (cd "$d" && PYTHONPATH=$PWD timeout 150 python3 benchmarks/bench_engine.py --model /tmp/m1 \
+      envs=(); [[ -f $d/AB_ENV ]] && IFS=, read -ra envs < "$d/AB_ENV"
+      (cd "$d" && env "${envs[@]}" PYTHONPATH="$PWD" timeout 300 python3 benchmarks/bench_engine.py --model /tmp/m1 \
         --make moonlight-16b-a3b --label "ab-$n-r$r" --out "$OUT" "$@" 2>&1 \
         | grep -E "^TPOT|^TTFT|Error" | sed "s/^/$n r$r  /") || echo "$n r$r: failed"
     done

@@ -39,8 +39,8 @@ def prompts(n, length, vocab, seed):
 
 
 def gpu_state() -> dict | None:
-    """SM clock, temperature and power now (nvidia-smi): session 8 saw batch 1 read ~7 % slower, GPU time included,
-    after transformers' sweep than without it; a throttled SM clock would show here."""
+    """SM clock, temperature and power now (nvidia-smi): batch 1 has read ~7 % slower, GPU time included, after
+    transformers' sweep than without it; a throttled SM clock would show here."""
     import subprocess
 
     if not torch.cuda.is_available():
@@ -95,7 +95,7 @@ def ml_ttft(engine, length, vocab, reps=3, around=contextlib.nullcontext):
 def tpot_max_tokens(engine, batch, ctx, steps) -> int:
     """max_tokens that keeps every request of an ml_tpot batch running through its timed window: with chunked prefill
     the first prompts finish early and decode while the rest prefill (a request ending inside the window would shrink
-    the batch the figure is for; sessions 8-14's batch-8 and batch-32 rows at an 8k context did)."""
+    the batch the figure is for; the batch-8 and batch-32 rows at an 8k context of 2026-11-30 before 8509d43 did)."""
     early = -(-batch * ctx // engine.cfg.max_num_batched_tokens)  # prefill steps: at most this many early tokens
     return early + (3 + steps) * (engine.spec_k + 1) + 8  # a verify step emits up to spec_k + 1 tokens
 
@@ -238,7 +238,7 @@ def main():
         "--hf-last",
         action="store_true",
         help="run transformers after mlaserve, not before (whichever runs second in the process is "
-        "slower at batch 1: session 9, mlaserve 2.11 vs 2.01 ms, transformers 128 vs 86 ms; "
+        "slower at batch 1: mlaserve 2.11 vs 2.01 ms, transformers 128 vs 86 ms on 2026-11-30; "
         "docs/performance.md's table runs mlaserve first)",
     )
     ap.add_argument("--no-overlap", action="store_true", help="--disable-overlap-schedule (read each step back)")

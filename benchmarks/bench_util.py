@@ -135,7 +135,7 @@ class Report:
 
 
 def code_id() -> dict:
-    """git HEAD (as the copy that runs sees it: the device machine's git metadata can be stale) and a hash of
+    """git HEAD (as the tree that runs sees it: a copied tree's git metadata can be stale) and a hash of
     mlaserve/**/*.py, which identifies the code measured whatever git says (`git stash`/checkout, then recompute)."""
     import hashlib
     import pathlib

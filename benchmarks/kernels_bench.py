@@ -113,7 +113,7 @@ def run_mla_sweep(rep: Report, sz: Sizes):
                 )
             except Exception as e:  # e.g. out of shared memory
                 print(f"mla_sweep {cfg} splits={S}: {type(e).__name__}: {str(e)[:120]}")
-    # Batch 1 (latency bound): the batch 1-3 tiles (mla_decode.FEW_PROGRAMS: 2 stages) against session 9's 3
+    # Batch 1 (latency bound): the batch 1-3 tiles (mla_decode.FEW_PROGRAMS: 2 stages) against the former 3
     # stages, 16-token tiles and splits, coarser splits, and (at 512) warps and partials.
     b1 = [
         {},

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# M3 on 4 GPUs (TP=4 LAYERS=12; or TP=2 LAYERS=6 on two): Kimi-K2.5 shapes, attn-tp = moe-tp, random weights in place, EAGLE3 K=1 N=2 with a
-# random draft; serves the seed protocol (8 prompts, concurrency 8, seed 20260724, greedy, 0 warmups) twice with
-# a shortened output, then compares the runs. Needs the server's wheels carried in .whl (see the device README).
+# M3, the serving protocol on several GPUs (docs/benchmarking.md): Kimi-K2.5 shapes truncated to LAYERS layers,
+# attn-tp = moe-tp = TP, random weights in place; an EAGLE3 K=1 N=2 server with a random draft, run RUNS times
+# (default 2), then a plain server once; 8 prompts, concurrency 8, seed 20260724, greedy, no warm-ups, IN input and
+# OUTLEN output tokens (default 8192 / 1024); `bench compare` of the runs at the end. Results under $OUT.
+#   bash benchmarks/m3_tp4.sh                       # 4 GPUs: TP=4 LAYERS=12
+#   TP=2 LAYERS=6 bash benchmarks/m3_tp4.sh         # 2 GPUs
+#   NCCL_TEST=1 ...                                 # the NCCL parity test first
+# Needs mlaserve installed with its server dependencies (pip install -e .), or their wheels in .whl/.
 set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 IN=${IN:-8192}; OUTLEN=${OUTLEN:-1024}; PORT=8000; TP=${TP:-4}; LAYERS=${LAYERS:-12}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PWD:/tmp/site || exit 1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site || exit 1
+fi
 t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi -L
 if [[ -n "$NCCL_TEST" ]]; then

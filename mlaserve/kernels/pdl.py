@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL, Hopper and later): a kernel is launched while the one before it still runs.
 
 A batch-1 decode step is a dependent chain of ~400 short kernels, and each pays a launch gap plus a cold start
-(~1-2 us on the H200, benchmarks/pdl_probe.py). With PDL every kernel of ours releases its dependents as it starts
+(~1-2 us on the H200, docs/experiments.md). With PDL every kernel of ours releases its dependents as it starts
 (`griddepcontrol.launch_dependents`), so the next kernel's programs are already resident when it ends; they may
 load what no kernel writes (weights) and then block in `griddepcontrol.wait` until every grid they depend on has
 finished and its writes are visible.
@@ -21,10 +21,9 @@ a reused buffer). GEMM2 reads the routing that way, and fetches its first weight
 MLASERVE_PDL=0 turns PDL off (for A/B timing).
 
 Tensor parallelism runs without it for now. Eager TP2 with PDL passed the NCCL parity test, and so did TP2
-under CUDA graphs (session 9: `MLASERVE_PDL=all python benchmarks/tp_graph_check.py --quick` on two H200s,
-MLASERVE_PDL=all turning PDL on for TP ranks too; docs/performance.md). NCCL's kernels never release their
-dependents early, so the rule above holds around them. What is missing is a timing: TP with PDL stays off until
-an A/B shows it helps.
+under CUDA graphs (tests/gpu/test_tp_graphs_gpu.py on two H200s, MLASERVE_PDL=all turning PDL on for TP ranks
+too). NCCL's kernels never release their dependents early, so the rule above holds around them. What is missing
+is a timing: TP with PDL stays off until an A/B shows it helps.
 """
 
 from __future__ import annotations

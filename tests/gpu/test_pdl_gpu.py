@@ -154,7 +154,7 @@ def test_pdl_off_under_tensor_parallelism(set_pdl, monkeypatch):
     assert pdl_args(x)["PDL"]
     monkeypatch.setattr(tp, "rank_info", lambda: tp.RankInfo(rank=0, world_size=2, moe_tp_size=2))
     assert pdl_args(x) == dict(PDL=False, launch_pdl=False)
-    monkeypatch.setenv("MLASERVE_PDL", "all")  # on for TP ranks too: what tp_graph_check.py uses to test it
+    monkeypatch.setenv("MLASERVE_PDL", "all")  # on for TP ranks too: what test_tp_graphs_gpu.py uses to test it
     assert pdl_args(x) == dict(PDL=True, launch_pdl=True)
 
 
