@@ -4,9 +4,10 @@ then triton.testing.do_bench (median, cold L2). Prints a table against the H200 
 
     PYTHONPATH=$PWD python benchmarks/kernels_bench.py [--quick] [--only mla,moe,...] [--time-limit 290]
 
-Sections run in order mla, moe, prefill, routing, rope, then the config sweeps (mla_sweep, moe_sweep,
-prefill_sweep), which --quick skips; `--only prefill_sweep` times the 8k prefill attention alone (under a minute).
-A watchdog ends the run after --time-limit seconds (exit 3), keeping what it has in the JSON.
+Sections run in order mla, moe, prefill, routing, rope, then the sweeps (SWEEPS: the decode-step sweeps of
+decode_sweeps.py, the MoE sweeps of moe_sweeps.py, mla_sweep, moe_sweep, prefill_sweep), which --quick skips;
+`--only prefill_sweep` times the 8k prefill attention alone (under a minute). With --time-limit a watchdog ends the
+run after that many seconds (exit 3), keeping what it has in the JSON.
 --smoke runs every code path at toy sizes on the CPU (TRITON_INTERPRET=1 is set for it): a check of the script.
 """
 
@@ -394,7 +395,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer cases, no config sweeps")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU under the Triton interpreter")
     ap.add_argument("--only", default=None, help=f"comma-separated sections of {','.join(SECTIONS)}")
-    ap.add_argument("--time-limit", type=float, default=290.0, help="seconds before the watchdog ends the run")
+    ap.add_argument("--time-limit", type=float, default=None, help="seconds before a watchdog ends the run")
     args = ap.parse_args(argv)
     if args.smoke:
         from tests.kernels_interp.conftest import _patch_interpreter
@@ -415,9 +416,10 @@ def main(argv=None) -> int:
         print(f"watchdog: {args.time_limit:.0f} s passed; partial results in {rep.path}", flush=True)
         os._exit(3)
 
-    timer = threading.Timer(args.time_limit, watchdog)
-    timer.daemon = True
-    timer.start()
+    timer = threading.Timer(args.time_limit, watchdog) if args.time_limit else None
+    if timer:
+        timer.daemon = True
+        timer.start()
     torch.manual_seed(0)
     failed = []
     names = args.only.split(",") if args.only else [n for n in SECTIONS if not (args.quick and n in SWEEPS)]
@@ -428,7 +430,8 @@ def main(argv=None) -> int:
             traceback.print_exc()
             failed.append(name)
         rep.save(finished=False, sections_failed=failed, seconds=time.time() - t0)
-    timer.cancel()
+    if timer:
+        timer.cancel()
     bad = [r for r in rep.rows if r["rel_err"] is not None and r["rel_err"] >= TOL]
     rep.save(finished=True, sections_failed=failed, accuracy_failures=len(bad), seconds=time.time() - t0)
     print(
