@@ -143,6 +143,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_accepted_per_position = [0] * self.spec_k  # [i]: verify steps that accepted draft token i + 1
         self._accept_log = [0, 0]  # accepted, steps since the last log line
 
     # ---- requests ------------------------------------------------------------------------------
@@ -347,7 +348,7 @@ class LLMEngine:
     def _postprocess_spec(self, out: SchedulerOutput, logits: torch.Tensor, aux: torch.Tensor) -> list[StepOutput]:
         """Verify each decode request's drafts, sample finished prefills, then let the draft propose again."""
         from ..spec.eagle3 import DraftChunk
-        from ..spec.verify import verify_greedy, verify_sampled
+        from ..spec.verify import count_accepted, verify_greedy, verify_sampled
 
         K, N = self.spec_k, self.spec_k + 1
         B = len(out.decode)
@@ -379,6 +380,8 @@ class LLMEngine:
             req.spec_steps += 1
             req.spec_draft_tokens += K
             req.spec_accepted_tokens += len(ev.new_token_ids) - 1  # accepted drafts actually emitted
+            count_accepted(req.spec_accepted_per_position, len(ev.new_token_ids) - 1, K)
+            count_accepted(self.spec_accepted_per_position, len(ev.new_token_ids) - 1, K)
             self.spec_steps += 1
             self.spec_draft_tokens += K
             self.spec_accepted_tokens += len(ev.new_token_ids) - 1
@@ -478,6 +481,7 @@ class LLMEngine:
             req.num_cached_tokens,
             req.spec_draft_tokens,
             req.spec_accepted_tokens,
+            tuple(req.spec_accepted_per_position),
         )
 
     def stats(self) -> dict:
@@ -485,6 +489,7 @@ class LLMEngine:
             "spec_steps": self.spec_steps,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_accepted_per_position": list(self.spec_accepted_per_position),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_pages_used": self.pool.num_used,

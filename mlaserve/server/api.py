@@ -119,7 +119,7 @@ class Server:
         log_level: str = "info",
     ):
         self.model_name = model_name
-        self.metrics = Metrics(model_name)
+        self.metrics = Metrics(model_name, spec_positions=engine.spec_k)
         self.async_engine = AsyncEngine(engine, self.metrics, on_fatal=self._fatal)
         self.app = build_app(self.async_engine, model_name, max_request_bytes)
         # A bounded graceful shutdown: a dead engine must bring the server down even with clients attached.
