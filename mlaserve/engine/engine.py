@@ -101,20 +101,15 @@ class LLMEngine:
         self.model_config = model_cfg or ModelConfig.from_pretrained(cfg.model)
         extra = 0
         if spec is not None:
-            from ..models.eagle3 import DraftConfig
-            from ..spec.eagle3 import draft_page_bytes
+            from ..spec.build import draft_kv_page_bytes
 
-            extra = draft_page_bytes(
-                DraftConfig.from_pretrained(spec.draft_model),
-                cfg.page_size,
-                resolve_dtype(cfg.dtype, self.model_config),
-            )
+            extra = draft_kv_page_bytes(spec, cfg.page_size, resolve_dtype(cfg.dtype, self.model_config))
         self.runner = runner or ModelRunner(cfg, self.model_config, ranks=ranks, extra_page_bytes=extra)
         self.proposer = proposer
         if spec is not None and proposer is None:
-            from ..spec.eagle3 import Eagle3Proposer
+            from ..spec.build import build_proposer
 
-            self.proposer = Eagle3Proposer(spec, self.runner)
+            self.proposer = build_proposer(spec, self.runner)
         self.spec_k = spec.num_steps if spec is not None else 0
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
