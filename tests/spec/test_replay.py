@@ -44,15 +44,15 @@ def recorded(tiny_ckpt, tmp_path_factory):
     return prompts, outs, path
 
 
-def expected_per_position(prompt, k: int, rate: float, seed: int) -> list[int]:
+def expected_per_position(prompt, k: int, rate: float, seed: int, max_tokens: int = MAX) -> list[int]:
     """Replays the chain rule on the misses alone: each step proposes output indexes n .. n+k-1, accepts up to the
-    first miss, and emits 1 + accepted tokens, cut at MAX."""
+    first miss, and emits 1 + accepted tokens, cut at max_tokens."""
     counts, n, key = [0] * k, 1, prompt_key(prompt)  # the prefill emitted output 0
-    while n < MAX:
+    while n < max_tokens:
         a = 0
-        while a < k and n + a < MAX and not is_miss(seed, key, n + a, rate):
+        while a < k and n + a < max_tokens and not is_miss(seed, key, n + a, rate):
             a += 1
-        emitted = min(1 + a, MAX - n)
+        emitted = min(1 + a, max_tokens - n)
         for i in range(emitted - 1):
             counts[i] += 1
         n += emitted
