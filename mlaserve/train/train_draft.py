@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import time
 from types import SimpleNamespace
@@ -202,6 +203,10 @@ def train_draft(
         seconds=time.perf_counter() - t0,
     )
     save_draft(out, cfg, w, vocab_ids, embed if write_embedding else None, dtype or tcfg.torch_dtype, extra)
+    del llm, model, feats, fwd, sched, opt, w, embed  # the target's cache and graphs go before an evaluation starts
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return extra
 
 
