@@ -118,3 +118,23 @@ def test_replay_server_reports_acceptance_per_position(tiny_ckpt, tmp_path, caps
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "matched the baseline exactly" in out and "benchmark-only REPLAY draft" in out
+
+
+def test_metrics_are_counted_before_the_step_is_delivered(tiny_ckpt):
+    """A client that has seen its last token and then scrapes /metrics sees that step's counts (bench serve compares
+    the /metrics delta with the responses' usage, exactly)."""
+    import httpx
+
+    run = start_server(tiny_ckpt)
+    order = []
+    ae = run.server.async_engine
+    observe, deliver = ae.metrics.observe_engine, ae._deliver
+    ae.metrics.observe_engine = lambda stats: order.append(("observe", stats["steps"])) or observe(stats)
+    ae._deliver = lambda outs: order.append(("deliver", ae.engine.num_steps)) or deliver(outs)
+    try:
+        r = httpx.post(f"{run.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4})
+        assert r.status_code == 200
+    finally:
+        assert run.stop() == 0
+    steps = [s for what, s in order if what == "deliver"]
+    assert steps and all(order.index(("observe", s)) < order.index(("deliver", s)) for s in steps), order
