@@ -135,7 +135,8 @@ class ReplayProposer:
                 out.append((tok + 1) % self.vocab if is_miss(self.seed, t.key, j, self.rate) else tok)
             else:
                 self.unrecorded_tokens += 1
-                out.append(fallback[i] if fallback is not None else req.all_token_ids[-1])
+                last = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
+                out.append(fallback[i] if fallback is not None else last)
         self.proposed_tokens += self.k
         return out
 

@@ -54,9 +54,12 @@ def random_prompts(n: int, vocab: int, max_len: int, seed: int, exclude=()) -> l
 def greedy_sequences(llm, prompts: list[list[int]], max_len: int, progress: bool = True) -> list[list[int]]:
     """Each prompt (cut to max_len - 1 tokens) followed by the target's greedy continuation up to max_len tokens."""
     prompts = [p[: max_len - 1] for p in prompts]
-    params = [SamplingParams(temperature=0, max_tokens=max_len - len(p)) for p in prompts]
-    outs = llm.generate(prompts, params, use_tqdm=progress)
-    return [p + o.token_ids for p, o in zip(prompts, outs)]
+    out = []
+    for i in range(0, len(prompts), 512):  # the engine queues at most max_queue_len requests
+        part = prompts[i : i + 512]
+        params = [SamplingParams(temperature=0, max_tokens=max_len - len(p)) for p in part]
+        out += [p + o.token_ids for p, o in zip(part, llm.generate(part, params, use_tqdm=progress))]
+    return out
 
 
 class TargetFeatures:

@@ -132,12 +132,13 @@ def train_draft(
     V = tcfg.vocab_size
     dvocab = draft_vocab_size or min(32000, V // 2)
     _check(steps, max_len, ttt_steps, batch, lr, V, dvocab)
-    pages = -(-max_len // 64) + 1
-    seqs_at_once = min(num_prompts, 128)
+    page_size, seqs_at_once = 64, min(num_prompts, 128)
+    pages = -(-max_len // page_size) + 1
     llm = LLM(
         target,
         device=device,
         seed=seed,
+        page_size=page_size,
         max_model_len=max_len,
         max_num_seqs=seqs_at_once,
         num_pages=pages * (seqs_at_once + 1),
