@@ -4,6 +4,7 @@ each beside its floor (bench/roofline.py). Writes JSON to --out and benchmarks/r
     python benchmarks/bench_engine.py --model /tmp/m1 --make moonlight-16b-a3b --hf          # M1 + transformers
     python benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy                  # M2, random in place
     python benchmarks/bench_engine.py --model /tmp/m1 --draft /tmp/m1-draft --spec-only      # EAGLE3 K=1 N=2
+    python benchmarks/bench_engine.py --model /tmp/m1 --draft /tmp/m1-draft --replay-sweep  # vs acceptance
 """
 
 from __future__ import annotations
@@ -92,12 +93,13 @@ def ml_ttft(engine, length, vocab, reps=3, around=contextlib.nullcontext):
     return statistics.median(times)
 
 
-def tpot_max_tokens(engine, batch, ctx, steps) -> int:
+def tpot_max_tokens(engine, batch, ctx, steps, k: int | None = None) -> int:
     """max_tokens that keeps every request of an ml_tpot batch running through its timed window: with chunked prefill
     the first prompts finish early and decode while the rest prefill (a request ending inside the window would shrink
     the batch the figure is for; the batch-8 and batch-32 rows at an 8k context of 2026-11-30 before 8509d43 did)."""
     early = -(-batch * ctx // engine.cfg.max_num_batched_tokens)  # prefill steps: at most this many early tokens
-    return early + (3 + steps) * (engine.spec_k + 1) + 8  # a verify step emits up to spec_k + 1 tokens
+    k = engine.spec_k if k is None else k
+    return early + (3 + steps) * (k + 1) + 8  # a verify step emits up to k + 1 tokens
 
 
 def start_batch(engine, batch, ctx, vocab, max_tokens) -> list[str]:
@@ -242,6 +244,15 @@ def main():
         "docs/performance.md's table runs mlaserve first)",
     )
     ap.add_argument("--no-overlap", action="store_true", help="--disable-overlap-schedule (read each step back)")
+    ap.add_argument(
+        "--replay-sweep",
+        action="store_true",
+        help="TPOT against acceptance with the benchmark-only REPLAY draft (benchmarks/replay_sweep.py); with "
+        "--draft its EAGLE3 forward runs each step",
+    )
+    ap.add_argument("--sweep-k", default="1,2,3", help="--replay-sweep: draft steps K")
+    ap.add_argument("--sweep-acceptance", default="0,0.5,0.7,0.9,1.0", help="--replay-sweep: acceptance rates")
+    ap.add_argument("--sweep-ctx", type=int, default=512, help="--replay-sweep: context length")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -351,6 +362,25 @@ def main():
                     accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1),
                 )
             )
+    if a.replay_sweep:
+        from benchmarks.replay_sweep import replay_sweep
+
+        if torch.cuda.is_available():  # plain decode's graphs again (a speculative engine above re-captured them)
+            engine.runner.release_graphs()
+            engine.runner.capture_graphs(1, engine.max_model_len)
+        sweep, res["replay_break_even"] = replay_sweep(
+            engine,
+            cfg,
+            mcfg,
+            vocab,
+            a.draft,
+            [int(x) for x in a.sweep_k.split(",")],
+            [float(x) for x in a.sweep_acceptance.split(",")],
+            batches,
+            a.sweep_ctx,
+            a.out,
+        )
+        rows += sweep
     if a.profile and not a.spec_only:
         res["profile"] = profile(engine, vocab, max(ttfts))
     if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)

@@ -4,6 +4,7 @@ mlaserve serve [MODEL]          OpenAI-compatible server
 mlaserve generate [MODEL]       offline generation
 mlaserve bench serve|compare    serving benchmark and A/B comparison
 mlaserve make-random PRESET OUT random HF-format checkpoint
+mlaserve train-draft TARGET OUT distill an EAGLE3 draft from a target's hidden states and greedy outputs
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ COMMANDS = {
     "serve": ("mlaserve.server.api", "run the OpenAI-compatible HTTP server"),
     "generate": ("mlaserve.llm", "generate text offline from a prompt"),
     "make-random": ("mlaserve.models.make_random_cli", "write a random HF-format checkpoint from a preset"),
+    "train-draft": ("mlaserve.train.train_draft", "distill an EAGLE3 draft from a target's own greedy outputs"),
 }
 BENCH_COMMANDS = {
     "serve": ("mlaserve.bench.serve", "benchmark a running server (docs/benchmarking.md protocol)"),
@@ -66,8 +68,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--node-rank", type=int, default=0)
     t.add_argument("--dist-init-addr", default=None, help="host:port of node 0 for torch.distributed's rendezvous")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3"])
-    s.add_argument("--speculative-draft-model-path", default=None)
+    s.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        choices=["EAGLE3", "REPLAY"],
+        help="REPLAY is a benchmark-only draft: it proposes recorded greedy outputs (--speculative-replay-path)",
+    )
+    s.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="the EAGLE3 draft (with REPLAY: optional, its forward runs each step and its tokens are replaced)",
+    )
     s.add_argument("--speculative-num-steps", type=int, default=1)
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="verify width (num-steps + 1)")
     s.add_argument(
@@ -77,6 +88,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=[0, 1],
         help="0: the draft reads the stream entering its aux layer ids (vLLM); 1: leaving them (SGLang)",
     )
+    s.add_argument(
+        "--speculative-replay-path",
+        default=None,
+        help="REPLAY (benchmark only): recorded greedy outputs, as `bench serve --save-replay FILE` writes them",
+    )
+    s.add_argument(
+        "--speculative-replay-miss-rate",
+        type=float,
+        default=0.0,
+        help="REPLAY (benchmark only): probability that a draft position is a deliberate miss (acceptance 1 - p)",
+    )
+    s.add_argument("--speculative-replay-seed", type=int, default=0, help="REPLAY (benchmark only): the misses' seed")
 
 
 ENGINE_FIELDS = (
@@ -116,6 +139,12 @@ def engine_kwargs_from_args(args) -> dict:
             "num_draft_tokens": args.speculative_num_draft_tokens or args.speculative_num_steps + 1,
             "aux_layer_offset": args.speculative_aux_layer_offset,
         }
+        if args.speculative_algorithm == "REPLAY":
+            kw["speculative_config"].update(
+                replay_path=args.speculative_replay_path,
+                replay_miss_rate=args.speculative_replay_miss_rate,
+                replay_seed=args.speculative_replay_seed,
+            )
     return kw
 
 

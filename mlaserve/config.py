@@ -405,14 +405,22 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """EAGLE3 chain drafting: `num_steps` draft tokens per step, verified together (N = num_steps + 1)."""
+    """Chain drafting: `num_steps` draft tokens per step, verified together (N = num_steps + 1).
 
-    draft_model: str
+    EAGLE3: the draft model in `draft_model` proposes. REPLAY (benchmark only): the target's own greedy outputs,
+    recorded in `replay_path`, are proposed, each position a deliberate miss with probability `replay_miss_rate`
+    (seeded by `replay_seed`); with `draft_model` the EAGLE3 draft still runs each step, so the step costs what an
+    EAGLE3 step does and only the tokens are replaced."""
+
+    draft_model: str | None = None
     algorithm: str = "EAGLE3"
     num_steps: int = 1
     num_draft_tokens: int = 2
     # 0: capture the residual stream entering layer `id` (vLLM); 1: leaving layer `id` (SGLang/SpecForge).
     aux_layer_offset: int = 0
+    replay_path: str | None = None
+    replay_miss_rate: float = 0.0
+    replay_seed: int = 0
 
     @classmethod
     def from_dict(cls, d: dict | SpecConfig) -> SpecConfig:
@@ -422,16 +430,22 @@ class SpecConfig:
         extra = set(d) - known
         if extra:
             raise ValueError(f"speculative_config: unknown keys {sorted(extra)}")
-        if not d.get("draft_model"):
-            raise ValueError("speculative_config.draft_model: the EAGLE3 draft's folder is required")
         steps = int(d.get("num_steps", 1))
         cfg = cls(**{**d, "num_steps": steps, "num_draft_tokens": int(d.get("num_draft_tokens") or steps + 1)})
         cfg.validate()
         return cfg
 
+    @property
+    def is_replay(self) -> bool:
+        return self.algorithm.upper() == "REPLAY"
+
     def validate(self) -> None:
-        if self.algorithm.upper() != "EAGLE3":
-            raise ValueError(f"speculative_config.algorithm: only EAGLE3 is supported, got {self.algorithm!r}")
+        if self.algorithm.upper() not in ("EAGLE3", "REPLAY"):
+            raise ValueError(
+                f"speculative_config.algorithm: EAGLE3, or REPLAY (benchmark only), got {self.algorithm!r}"
+            )
+        if not self.is_replay and not self.draft_model:
+            raise ValueError("speculative_config.draft_model: the EAGLE3 draft's folder is required")
         if self.num_steps < 1:
             raise ValueError(f"speculative_config.num_steps: must be >= 1, got {self.num_steps}")
         if self.num_draft_tokens != self.num_steps + 1:
@@ -441,5 +455,16 @@ class SpecConfig:
             )
         if self.aux_layer_offset not in (0, 1):
             raise ValueError(f"speculative_config.aux_layer_offset: must be 0 or 1, got {self.aux_layer_offset}")
-        if not os.path.isdir(self.draft_model):
+        if self.draft_model and not os.path.isdir(self.draft_model):
             raise ValueError(f"speculative_config.draft_model: {self.draft_model!r} is not a folder")
+        if not self.is_replay:
+            if self.replay_path is not None:
+                raise ValueError("speculative_config.replay_path: only the REPLAY algorithm reads recorded outputs")
+            return
+        if not self.replay_path or not os.path.isfile(self.replay_path):
+            raise ValueError(
+                f"speculative_config.replay_path: REPLAY needs a file of recorded greedy outputs "
+                f"(`mlaserve bench serve --save-replay FILE` writes one), got {self.replay_path!r}"
+            )
+        if not isinstance(self.replay_miss_rate, (int, float)) or not 0 <= self.replay_miss_rate <= 1:
+            raise ValueError(f"speculative_config.replay_miss_rate: must be in [0, 1], got {self.replay_miss_rate!r}")

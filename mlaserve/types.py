@@ -88,6 +88,7 @@ class Request:
     # speculative decoding: per-request exact counts
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps that accepted draft i + 1
     spec_steps: int = 0
 
     @property
@@ -130,6 +131,7 @@ class Usage:
     cached_tokens: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # [i]: verify steps that accepted draft token i + 1
 
 
 @dataclass

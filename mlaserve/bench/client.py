@@ -35,6 +35,7 @@ class RequestRecord:
     prompt_tokens: int | None = None  # usage.*, None when not sent
     cached_tokens: int | None = None
     accepted_tokens: int | None = None
+    accepted_per_position: list[int] | None = None  # [i]: verify steps that accepted draft token i + 1
     rejected_tokens: int | None = None
     finish_reason: str | None = None
     start_s: float = 0.0  # send time, seconds from the run's clock origin
@@ -70,6 +71,7 @@ def _read_usage(rec: RequestRecord, usage: dict) -> None:
     details = usage.get("completion_tokens_details") or {}
     rec.accepted_tokens = details.get("accepted_prediction_tokens")
     rec.rejected_tokens = details.get("rejected_prediction_tokens")
+    rec.accepted_per_position = details.get("accepted_prediction_tokens_per_position")
 
 
 async def _stream(client: httpx.AsyncClient, url: str, payload: dict, rec: RequestRecord, t0: float) -> None:

@@ -130,6 +130,9 @@ def identity_problems(base: list[tuple[str, dict]], cand: list[tuple[str, dict]]
         for key, what in (("event_total", "event total"), ("acceptance_proxy", "acceptance proxy")):
             if d.get(key) != ref.get(key):
                 problems.append(f"{path}: {what} {d.get(key)} differs from {ref_path}'s {ref.get(key)}")
+        a, b = ref.get("accepted_per_position_usage"), d.get("accepted_per_position_usage")
+        if a is not None and b is not None and a != b:  # both speculative: the same drafts accepted at each position
+            problems.append(f"{path}: accepted tokens per draft position {b} differ from {ref_path}'s {a}")
     return problems
 
 
@@ -141,9 +144,17 @@ def config_warnings(runs: list[tuple[str, dict]]) -> list[str]:
             a, b = ref.get("config", {}).get(k), d.get("config", {}).get(k)
             if a != b:
                 out.append(f"{path}: --{k.replace('_', '-')} {b} differs from {ref_path}'s {a}")
+        if d.get("speculative") != ref.get("speculative"):
+            out.append(f"{path}: speculative decoding {d.get('speculative')} differs from {ref_path}'s")
     for path, d in runs:
         if d.get("event_counting") not in (None, "token_ids"):
             out.append(f"{path}: server sent no token_ids; event vectors count 1 token per event")
+        spec = d.get("speculative") or {}
+        if spec.get("benchmark_only"):
+            out.append(
+                f"{path}: ran the benchmark-only REPLAY draft (miss rate {spec.get('replay_miss_rate')}): "
+                "its speed is at a set acceptance rate, not a trained draft's"
+            )
     return out
 
 

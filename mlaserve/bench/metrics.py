@@ -51,6 +51,17 @@ def acceptance_proxy(total_output_tokens: int, num_requests: int, events: int) -
     return (total_output_tokens - num_requests) / events - 1
 
 
+def acceptance_by_position(per_position: Sequence[int] | None, steps: int | None) -> dict:
+    """Per draft position i: the share of verify steps that accepted draft token i + 1; and the mean accepted length
+    1 + accepted / steps (vLLM's). Nones when unknown."""
+    if not per_position or not steps:
+        return {"acceptance_per_position": None, "mean_accepted_length": None}
+    return {
+        "acceptance_per_position": [a / steps for a in per_position],
+        "mean_accepted_length": 1 + sum(per_position) / steps,
+    }
+
+
 def pct_improvement(baseline: float, candidate: float, higher_is_better: bool) -> float | None:
     """% change, positive when the candidate is better (lower times, higher throughput)."""
     if baseline is None or candidate is None or baseline == 0:
@@ -78,6 +89,24 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+def counters_by_label(text: str, suffix: str, label: str) -> dict[str, float]:
+    """{label value: sample value} of a labelled counter, found by name suffix as `counter` finds it (summed over
+    its other labels)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m is None or not (m.group(1) == suffix or m.group(1).endswith(":" + suffix)):
+            continue
+        lm = re.search(label + r'="([^"]*)"', m.group(2) or "")
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if lm is not None:
+            out[lm.group(1)] = out.get(lm.group(1), 0.0) + value
+    return out
+
+
 def counter(samples: dict[str, float] | None, suffix: str) -> float | None:
     """A counter by name suffix, so `mlaserve:`, `vllm:` and `sglang:` prefixes all match (summed)."""
     if samples is None:
@@ -89,6 +118,18 @@ def counter(samples: dict[str, float] | None, suffix: str) -> float | None:
 def _sum_or_none(values: Sequence[int | None]) -> int | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None
+
+
+def sum_lists(lists: Sequence[Sequence[int] | None]) -> list[int] | None:
+    """Element-wise sum of the lists given (None when none is)."""
+    known = [v for v in lists if v is not None]
+    if not known:
+        return None
+    out = [0] * max(len(v) for v in known)
+    for v in known:
+        for i, x in enumerate(v):
+            out[i] += x
+    return out
 
 
 def summarize_run(requests: Sequence[dict]) -> dict:
@@ -136,4 +177,5 @@ def summarize_run(requests: Sequence[dict]) -> dict:
     out["accepted_tokens_usage"] = _sum_or_none([r["accepted_tokens"] for r in ok])
     out["rejected_tokens_usage"] = _sum_or_none([r["rejected_tokens"] for r in ok])
     out["cached_tokens_usage"] = _sum_or_none([r["cached_tokens"] for r in ok])
+    out["accepted_per_position_usage"] = sum_lists([r.get("accepted_per_position") for r in ok])
     return out

@@ -73,6 +73,12 @@ def format_summary(r: dict) -> str:
         lines.append("{s:{c}^{n}}".format(s=title, n=w, c="-"))
 
     lines.append(f"Model: {r['model']}")
+    spec = r.get("speculative")
+    if spec:
+        what = f"{spec['algorithm']} K={spec['num_steps']} N={spec['num_draft_tokens']}"
+        if spec.get("benchmark_only"):
+            what += f" (benchmark-only replay draft, miss rate {spec.get('replay_miss_rate')})"
+        lines.append(f"Speculative decoding: {what}")
     row("Successful requests:", r["completed"])
     row("Failed requests:", r["failed"])
     row("Maximum request concurrency:", cfg.get("max_concurrency"))
@@ -101,6 +107,10 @@ def format_summary(r: dict) -> str:
     row("Accepted tokens, /metrics delta:", r["accepted_tokens_metrics"])
     row("Draft tokens, /metrics delta:", r["draft_tokens_metrics"])
     row("Usage and /metrics agree:", r["accepted_tokens_agree"])
+    row("Verify steps, /metrics delta:", r.get("spec_steps_metrics"))
+    row("Mean accepted length:", r.get("mean_accepted_length"), 4)
+    for i, a in enumerate(r.get("acceptance_per_position") or []):
+        row(f"Acceptance at draft position {i + 1}:", a, 4)
     row("Cached prompt tokens (usage):", r["cached_tokens_usage"])
     lines.append("=" * w)
     for e in r["errors"][:10]:

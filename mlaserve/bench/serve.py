@@ -14,7 +14,7 @@ import httpx
 from tqdm import tqdm
 
 from .client import RequestRecord, completion_payload, send_request
-from .metrics import counter, parse_prometheus, summarize_run
+from .metrics import acceptance_by_position, counter, counters_by_label, parse_prometheus, summarize_run
 from .prompts import (
     DEFAULT_VOCAB_SIZE,
     WARMUP_STREAM,
@@ -30,11 +30,13 @@ log = logging.getLogger(__name__)
 SCHEMA = "mlaserve.bench.serve/1"
 # /metrics counters scraped before and after the run; matched by suffix so vllm:/sglang: prefixes work too
 COUNTERS = {
+    "spec_steps": "spec_decode_num_drafts_total",
     "draft_tokens": "spec_decode_num_draft_tokens_total",
     "accepted_tokens": "spec_decode_num_accepted_tokens_total",
     "generation_tokens": "generation_tokens_total",
     "prompt_tokens": "prompt_tokens_total",
 }
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"  # labelled by position ("0": the first draft token)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -68,6 +70,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request limit in s (default: %(default)s)")
     p.add_argument("--label", default=None, help="free text stored in the result (e.g. baseline, candidate)")
     p.add_argument("--save-result", default=None, metavar="FILE.json", help="write the result JSON here")
+    p.add_argument(
+        "--save-replay",
+        default=None,
+        metavar="FILE.jsonl",
+        help="record each prompt's greedy output for the benchmark-only REPLAY draft (needs --temperature 0)",
+    )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -81,6 +89,8 @@ def _validate(args) -> None:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    if getattr(args, "save_replay", None) and args.temperature != 0:
+        raise ValueError(f"--save-replay records greedy outputs: needs --temperature 0, got {args.temperature}")
 
 
 async def _model_card(client: httpx.AsyncClient, model: str | None) -> tuple[str, dict]:
@@ -101,7 +111,7 @@ async def _model_card(client: httpx.AsyncClient, model: str | None) -> tuple[str
     return model, next((c for c in cards if c.get("id") == model), {})
 
 
-async def _scrape(client: httpx.AsyncClient) -> dict[str, float] | None:
+async def _scrape(client: httpx.AsyncClient) -> dict | None:
     try:
         resp = await client.get("/metrics")
         if resp.status_code != 200:
@@ -109,7 +119,18 @@ async def _scrape(client: httpx.AsyncClient) -> dict[str, float] | None:
         samples = parse_prometheus(resp.text)
     except httpx.HTTPError:
         return None
-    return {k: counter(samples, suffix) for k, suffix in COUNTERS.items()}
+    out = {k: counter(samples, suffix) for k, suffix in COUNTERS.items()}
+    by_pos = counters_by_label(resp.text, PER_POSITION, "position")
+    out["accepted_per_position"] = [by_pos.get(str(i), 0.0) for i in range(len(by_pos))] if by_pos else None
+    return out
+
+
+def _per_position_delta(before: dict | None, after: dict | None) -> list[int] | None:
+    a = after.get("accepted_per_position") if after else None
+    if a is None or before is None:
+        return None
+    b = before.get("accepted_per_position") or []
+    return [int(x - (b[i] if i < len(b) else 0)) for i, x in enumerate(a)]
 
 
 async def _run_requests(client, prompts, args, model, arrivals, desc: str) -> list[RequestRecord]:
@@ -175,6 +196,12 @@ async def run_bench(args) -> dict:
         records = await _run_requests(client, prompts, args, model, arrivals, "bench")
         after = await _scrape(client)
 
+    replay = None
+    if getattr(args, "save_replay", None):
+        from ..spec.replay import write_recordings
+
+        recs = [(prompts[r.index].tolist(), r.output_token_ids) for r in records if r.success and r.output_token_ids]
+        replay = {"path": args.save_replay, "count": write_recordings(args.save_replay, recs)}
     origin = min(r.start_s for r in records)
     for r in records:
         r.start_s, r.end_s = r.start_s - origin, r.end_s - origin
@@ -187,6 +214,12 @@ async def run_bench(args) -> dict:
     acc_usage = summary["accepted_tokens_usage"]
     agree = None if acc_metrics is None or acc_usage is None else int(acc_metrics) == acc_usage
     draft_metrics = delta["draft_tokens"] if delta else None
+    steps_metrics = delta["spec_steps"] if delta else None
+    per_pos_metrics = _per_position_delta(before, after)
+    if per_pos_metrics is not None and steps_metrics:  # the server's own counts
+        acceptance = acceptance_by_position(per_pos_metrics, int(steps_metrics))
+    else:  # the responses' usage; each event after a request's first is one verify step
+        acceptance = acceptance_by_position(summary["accepted_per_position_usage"], summary["event_total"])
     modes = {r.event_counting for r in records if r.success}
     warnings = _warnings(args, records, agree)
     warnings += [f"warmup request {r.index} failed: {r.error}" for r in warm_failed]
@@ -209,6 +242,11 @@ async def run_bench(args) -> dict:
         "accepted_tokens_metrics": int(acc_metrics) if acc_metrics is not None else None,
         "draft_tokens_metrics": int(draft_metrics) if draft_metrics is not None else None,
         "accepted_tokens_agree": agree,
+        "spec_steps_metrics": int(steps_metrics) if steps_metrics is not None else None,
+        "accepted_per_position_metrics": per_pos_metrics,
+        **acceptance,
+        "speculative": card.get("speculative"),
+        "replay_recordings": replay,
         "server_metrics": {"before": before, "after": after, "delta": delta},
         "warnings": warnings,
         "requests": reqs,
@@ -222,6 +260,9 @@ def cli_main(args) -> int:
         print(f"bench serve: {e}")
         return 2
     print(format_summary(result))
+    if result.get("replay_recordings"):
+        rec = result["replay_recordings"]
+        print(f"saved {rec['count']} greedy outputs for the benchmark-only REPLAY draft to {rec['path']}")
     if args.save_result:
         path = Path(args.save_result)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -101,20 +101,15 @@ class LLMEngine:
         self.model_config = model_cfg or ModelConfig.from_pretrained(cfg.model)
         extra = 0
         if spec is not None:
-            from ..models.eagle3 import DraftConfig
-            from ..spec.eagle3 import draft_page_bytes
+            from ..spec.build import draft_kv_page_bytes
 
-            extra = draft_page_bytes(
-                DraftConfig.from_pretrained(spec.draft_model),
-                cfg.page_size,
-                resolve_dtype(cfg.dtype, self.model_config),
-            )
+            extra = draft_kv_page_bytes(spec, cfg.page_size, resolve_dtype(cfg.dtype, self.model_config))
         self.runner = runner or ModelRunner(cfg, self.model_config, ranks=ranks, extra_page_bytes=extra)
         self.proposer = proposer
         if spec is not None and proposer is None:
-            from ..spec.eagle3 import Eagle3Proposer
+            from ..spec.build import build_proposer
 
-            self.proposer = Eagle3Proposer(spec, self.runner)
+            self.proposer = build_proposer(spec, self.runner)
         self.spec_k = spec.num_steps if spec is not None else 0
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
@@ -143,6 +138,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_accepted_per_position = [0] * self.spec_k  # [i]: verify steps that accepted draft token i + 1
         self._accept_log = [0, 0]  # accepted, steps since the last log line
 
     # ---- requests ------------------------------------------------------------------------------
@@ -347,7 +343,7 @@ class LLMEngine:
     def _postprocess_spec(self, out: SchedulerOutput, logits: torch.Tensor, aux: torch.Tensor) -> list[StepOutput]:
         """Verify each decode request's drafts, sample finished prefills, then let the draft propose again."""
         from ..spec.eagle3 import DraftChunk
-        from ..spec.verify import verify_greedy, verify_sampled
+        from ..spec.verify import count_accepted, verify_greedy, verify_sampled
 
         K, N = self.spec_k, self.spec_k + 1
         B = len(out.decode)
@@ -379,6 +375,8 @@ class LLMEngine:
             req.spec_steps += 1
             req.spec_draft_tokens += K
             req.spec_accepted_tokens += len(ev.new_token_ids) - 1  # accepted drafts actually emitted
+            count_accepted(req.spec_accepted_per_position, len(ev.new_token_ids) - 1, K)
+            count_accepted(self.spec_accepted_per_position, len(ev.new_token_ids) - 1, K)
             self.spec_steps += 1
             self.spec_draft_tokens += K
             self.spec_accepted_tokens += len(ev.new_token_ids) - 1
@@ -478,6 +476,7 @@ class LLMEngine:
             req.num_cached_tokens,
             req.spec_draft_tokens,
             req.spec_accepted_tokens,
+            tuple(req.spec_accepted_per_position),
         )
 
     def stats(self) -> dict:
@@ -485,6 +484,7 @@ class LLMEngine:
             "spec_steps": self.spec_steps,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_accepted_per_position": list(self.spec_accepted_per_position),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_pages_used": self.pool.num_used,

@@ -185,6 +185,28 @@ class Eagle3Draft(nn.Module):
         return i + self.d2t[i]
 
 
+def check_vocab_map(path: str, cfg: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor | None) -> None:
+    """d2t maps every draft id into [0, vocab_size); t2d, when present, marks exactly those target ids."""
+    ids = torch.arange(len(d2t)) + d2t
+    bad = ((ids < 0) | (ids >= cfg.vocab_size)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise CheckpointError(
+            f"{path}: d2t maps draft id {i} to target id {int(ids[i])}, outside the vocabulary [0, {cfg.vocab_size})"
+        )
+    if t2d is None:
+        return
+    if tuple(t2d.shape) != (cfg.vocab_size,):
+        raise CheckpointError(f"{path}: t2d has shape {tuple(t2d.shape)}, vocab_size is {cfg.vocab_size}")
+    mask = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    mask[ids] = True
+    if not torch.equal(t2d.bool(), mask):
+        raise CheckpointError(
+            f"{path}: t2d marks {int(t2d.bool().sum())} target ids, d2t maps the draft's {len(d2t)} ids to "
+            f"{int(mask.sum())} others: the two maps disagree"
+        )
+
+
 def load_draft(path: str, dtype, device, target_embed: nn.Module) -> Eagle3Draft:
     """Load a draft checkpoint; embed_tokens comes from the draft if it has one, else from the target."""
     from safetensors import safe_open
@@ -193,17 +215,26 @@ def load_draft(path: str, dtype, device, target_embed: nn.Module) -> Eagle3Draft
     with torch.device(device):
         model = Eagle3Draft(cfg, dtype)
     params = dict(model.named_parameters())
-    loaded, own_embed = set(), None
+    loaded, own_embed, t2d = set(), None, None
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as h:
             for key in h.keys():
                 name = key[len("model.") :] if key.startswith("model.") else key
-                if name == "t2d":
-                    continue  # training-only
                 t = h.get_tensor(key)
-                if name == "d2t":
+                if name == "t2d":  # used by training only; checked against d2t
+                    t2d = t
+                elif name == "d2t":
+                    if tuple(t.shape) != (cfg.draft_vocab_size,):
+                        raise CheckpointError(
+                            f"{file}: d2t has shape {tuple(t.shape)}, draft_vocab_size is {cfg.draft_vocab_size}"
+                        )
                     model.d2t.copy_(t.long())
                 elif name == "embed_tokens.weight":
+                    if tuple(t.shape) != (cfg.vocab_size, cfg.hidden_size):
+                        raise CheckpointError(
+                            f"{file}: embed_tokens.weight has shape {tuple(t.shape)}, the draft's vocab_size x "
+                            f"hidden_size is {(cfg.vocab_size, cfg.hidden_size)}"
+                        )
                     own_embed = t
                 elif name in params:
                     if tuple(t.shape) != params[name].hf_shape:
@@ -221,6 +252,7 @@ def load_draft(path: str, dtype, device, target_embed: nn.Module) -> Eagle3Draft
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{path}: missing tensor {missing[0]!r} in the EAGLE3 draft")
+    check_vocab_map(path, cfg, model.d2t.cpu(), t2d)
     if own_embed is not None:
         model.embed_tokens = nn.Embedding(*own_embed.shape, device=device, dtype=dtype)
         model.embed_tokens.weight.requires_grad_(False).copy_(own_embed)

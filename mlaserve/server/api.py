@@ -50,7 +50,22 @@ def model_card(llm: LLMEngine, model_name: str) -> dict:
         "eos_token_id": eos[0] if eos else None,
         "eos_token_ids": eos,
         "special_token_ids": sorted(special),
+        **({"speculative": speculative_card(llm.spec)} if llm.spec is not None else {}),
     }
+
+
+def speculative_card(spec) -> dict:
+    """What `bench serve` records of the server's speculative decoding (REPLAY is marked benchmark-only)."""
+    out = {
+        "algorithm": spec.algorithm.upper(),
+        "num_steps": spec.num_steps,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "draft_model": spec.draft_model,
+        "benchmark_only": spec.is_replay,
+    }
+    if spec.is_replay:
+        out.update(replay_miss_rate=spec.replay_miss_rate, replay_seed=spec.replay_seed)
+    return out
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 << 20) -> FastAPI:
@@ -119,7 +134,7 @@ class Server:
         log_level: str = "info",
     ):
         self.model_name = model_name
-        self.metrics = Metrics(model_name)
+        self.metrics = Metrics(model_name, spec_positions=engine.spec_k)
         self.async_engine = AsyncEngine(engine, self.metrics, on_fatal=self._fatal)
         self.app = build_app(self.async_engine, model_name, max_request_bytes)
         # A bounded graceful shutdown: a dead engine must bring the server down even with clients attached.

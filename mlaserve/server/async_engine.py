@@ -198,9 +198,9 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     steps = self.engine.num_steps
                     outs = self.engine.step()
-                    self._deliver(outs)
-                    if self.metrics:
+                    if self.metrics:  # before the outputs go out: a client that saw its last token sees the counts
                         self.metrics.observe_engine(self.engine.stats())
+                    self._deliver(outs)
                     if not outs and self.engine.num_steps == steps:  # nothing was schedulable: do not spin
                         self._wake.wait(timeout=0.001)
                         self._wake.clear()

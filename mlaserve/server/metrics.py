@@ -31,7 +31,7 @@ LATENCY_BUCKETS = (
 
 
 class Metrics:
-    def __init__(self, model: str):
+    def __init__(self, model: str, spec_positions: int = 0):
         r = self.registry = CollectorRegistry()
         lbl = ["model_name"]
         self.model = model
@@ -77,6 +77,16 @@ class Metrics:
         self.spec_accepted = Counter(
             "mlaserve:spec_decode_num_accepted_tokens", "Draft tokens accepted", lbl, registry=r
         )
+        # vLLM's name: accepted draft tokens by draft position (label "0": the first draft token of each step)
+        self.spec_accepted_per_pos = Counter(
+            "mlaserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft chain",
+            lbl + ["position"],
+            registry=r,
+        )
+        self._last_per_pos = [0] * spec_positions
+        for i in range(spec_positions):
+            self.spec_accepted_per_pos.labels(model, str(i))
         # engine stats key -> counter fed with its deltas
         self._deltas = {
             "prefix_cache_queries": self.prefix_queries,
@@ -116,6 +126,13 @@ class Metrics:
             if delta > 0:
                 counter.labels(m).inc(delta)
             self._last[key] = stats.get(key, 0)
+        per_pos = stats.get("spec_accepted_per_position") or []
+        if len(self._last_per_pos) < len(per_pos):
+            self._last_per_pos += [0] * (len(per_pos) - len(self._last_per_pos))
+        for i, v in enumerate(per_pos):
+            if v > self._last_per_pos[i]:
+                self.spec_accepted_per_pos.labels(m, str(i)).inc(v - self._last_per_pos[i])
+            self._last_per_pos[i] = v
 
     def observe_finished(self, reason: str, usage, ttft: float | None, e2el: float) -> None:
         m = self.model

@@ -181,21 +181,28 @@ def now() -> int:
 
 
 def usage_json(u: Usage) -> dict:
+    details = {
+        "accepted_prediction_tokens": u.spec_accepted_tokens,
+        "rejected_prediction_tokens": u.spec_draft_tokens - u.spec_accepted_tokens,
+    }
+    if u.spec_accepted_per_position:  # speculative decoding: [i] = verify steps that accepted draft token i + 1
+        details["accepted_prediction_tokens_per_position"] = list(u.spec_accepted_per_position)
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-        "completion_tokens_details": {
-            "accepted_prediction_tokens": u.spec_accepted_tokens,
-            "rejected_prediction_tokens": u.spec_draft_tokens - u.spec_accepted_tokens,
-        },
+        "completion_tokens_details": details,
     }
 
 
 def sum_usage(us: list[Usage]) -> Usage:
     fields = ("prompt_tokens", "completion_tokens", "cached_tokens", "spec_draft_tokens", "spec_accepted_tokens")
-    return Usage(*(sum(getattr(u, f) for u in us) for f in fields))
+    k = max((len(u.spec_accepted_per_position) for u in us), default=0)
+    per_pos = tuple(
+        sum(u.spec_accepted_per_position[i] for u in us if i < len(u.spec_accepted_per_position)) for i in range(k)
+    )
+    return Usage(*(sum(getattr(u, f) for u in us) for f in fields), per_pos)
 
 
 def error_json(message: str, status: int, param: str | None = None) -> dict:

@@ -39,10 +39,28 @@ def aux_layer_ids(cfg: DraftConfig, num_layers: int, offset: int) -> tuple[int, 
     bad = [i for i in out if not 0 <= i <= num_layers]
     if bad or len(out) != 3:
         raise ValueError(
-            f"eagle_aux_hidden_state_layer_ids: {list(ids)} (+offset {offset}) must be 3 layers in "
-            f"0..{num_layers} of the target"
+            f"speculative_config.draft_model: eagle_aux_hidden_state_layer_ids {list(ids)} (aux_layer_offset "
+            f"{offset}) do not fit the target's num_hidden_layers {num_layers}: need 3 ids in 0..{num_layers - offset}"
         )
     return out
+
+
+def check_draft_fits(cfg: DraftConfig, tc) -> None:
+    """Refuse a draft whose shapes do not fit the target (tc: its ModelConfig), naming the field and both values."""
+    for field, mine, theirs in (
+        ("target_hidden_size", cfg.target_hidden_size, ("hidden_size", tc.hidden_size)),
+        ("vocab_size", cfg.vocab_size, ("vocab_size", tc.vocab_size)),
+    ):
+        if mine != theirs[1]:
+            raise ValueError(
+                f"speculative_config.draft_model: the draft's {field} {mine} does not fit the target's "
+                f"{theirs[0]} {theirs[1]}"
+            )
+    if not 1 <= cfg.draft_vocab_size <= tc.vocab_size:
+        raise ValueError(
+            f"speculative_config.draft_model: the draft's draft_vocab_size {cfg.draft_vocab_size} does not fit the "
+            f"target's vocab_size {tc.vocab_size}"
+        )
 
 
 def draft_page_bytes(cfg: DraftConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -81,16 +99,18 @@ class Eagle3Proposer:
         embed = target.model.embed_tokens
         if runner.ranks.world_size > 1:  # the draft runs on rank 0 alone: it needs the whole vocabulary
             embed = full_embedding(runner)
-        self.draft: Eagle3Draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed)
-        cfg = self.draft.cfg
         tc = target.config
-        if cfg.target_hidden_size != tc.hidden_size or cfg.vocab_size != tc.vocab_size:
+        cfg = DraftConfig.from_pretrained(spec.draft_model)
+        check_draft_fits(cfg, tc)
+        ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
+        self.draft: Eagle3Draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed)
+        width = self.draft.embed_tokens.weight.shape[-1]
+        if width != cfg.hidden_size:  # the target's embedding, shared: its width is the target's hidden size
             raise ValueError(
-                f"speculative_config.draft_model: the draft expects target hidden "
-                f"{cfg.target_hidden_size} / vocab {cfg.vocab_size}, the target has "
-                f"{tc.hidden_size} / {tc.vocab_size}"
+                f"speculative_config.draft_model: the draft's hidden_size {cfg.hidden_size} does not fit the "
+                f"target's hidden_size {width} (the draft has no embed_tokens of its own and shares the target's)"
             )
-        target.aux_layer_ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
+        target.aux_layer_ids = ids
         pages, gpu = runner.num_pages, self.device.type == "cuda"
         if cfg.mla is not None:
             cache = torch.zeros(1, pages, self.page_size, cfg.mla.kv_cache_dim, dtype=runner.dtype, device=self.device)

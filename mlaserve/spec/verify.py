@@ -36,3 +36,11 @@ def verify_sampled(logits: torch.Tensor, drafts: list[int], row: SamplingRow, ge
         return out
     out.append(int(torch.multinomial(probs[-1], 1, generator=g)))
     return out
+
+
+def count_accepted(counts: list[int], accepted: int, k: int) -> None:
+    """Per-position acceptance: counts[i] += 1 for each of the first `accepted` of k draft positions."""
+    if len(counts) < k:
+        counts += [0] * (k - len(counts))
+    for i in range(accepted):
+        counts[i] += 1

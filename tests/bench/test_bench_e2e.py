@@ -25,14 +25,21 @@ VOCAB = 1000
 
 def make_app(token_ids: bool = True) -> FastAPI:
     app = FastAPI()
-    totals = {"draft": 0, "accepted": 0, "generation": 0, "prompt": 0}
+    totals = {"draft": 0, "accepted": 0, "generation": 0, "prompt": 0, "drafts": 0}
 
     @app.get("/v1/models")
     def models():
         return {
             "object": "list",
             "data": [
-                {"id": "fake-model", "object": "model", "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1}
+                {
+                    "id": "fake-model",
+                    "object": "model",
+                    "vocab_size": VOCAB,
+                    "bos_token_id": 0,
+                    "eos_token_id": 1,
+                    "speculative": {"algorithm": "EAGLE3", "num_steps": 1, "num_draft_tokens": 2},
+                }
             ],
         }
 
@@ -44,8 +51,12 @@ def make_app(token_ids: bool = True) -> FastAPI:
             ("spec_decode_num_accepted_tokens", "accepted"),
             ("generation_tokens", "generation"),
             ("prompt_tokens", "prompt"),
+            ("spec_decode_num_drafts", "drafts"),
         ):
             lines += [f"# TYPE mlaserve:{name} counter", f'mlaserve:{name}_total{{model_name="fake"}} {totals[key]}.0']
+        # one draft position (K=1): every accepted token was draft token 1
+        name = "mlaserve:spec_decode_num_accepted_tokens_per_pos_total"
+        lines += [f'{name}{{model_name="fake",position="0"}} {totals["accepted"]}.0']
         return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.post("/v1/completions")
@@ -65,6 +76,7 @@ def make_app(token_ids: bool = True) -> FastAPI:
         steps = len(sizes) - 1
         totals.update(
             draft=totals["draft"] + steps,
+            drafts=totals["drafts"] + steps,
             accepted=totals["accepted"] + accepted,
             generation=totals["generation"] + n,
             prompt=totals["prompt"] + len(prompt),
@@ -92,6 +104,7 @@ def make_app(token_ids: bool = True) -> FastAPI:
                 "completion_tokens_details": {
                     "accepted_prediction_tokens": accepted,
                     "rejected_prediction_tokens": steps - accepted,
+                    "accepted_prediction_tokens_per_position": [accepted],
                 },
             }
             yield f"data: {json.dumps({'object': 'text_completion', 'choices': [], 'usage': usage})}\n\n"
@@ -151,6 +164,8 @@ def test_serve_twice_then_compare(fake_server, tmp_path, capsys):
     assert _serve(fake_server, b) == 0
     out = capsys.readouterr().out
     assert "Serving Benchmark Result" in out and "Acceptance proxy" in out
+    assert "Acceptance at draft position 1:" in out and "Mean accepted length:" in out
+    assert "Speculative decoding: EAGLE3 K=1 N=2" in out
     r = json.loads(a.read_text())
     assert r["model"] == "fake-model" and r["vocab_size"] == VOCAB and r["vocab_size_source"] == "server"
     assert r["excluded_token_ids"] == [0, 1]
@@ -164,6 +179,12 @@ def test_serve_twice_then_compare(fake_server, tmp_path, capsys):
     assert r["accepted_tokens_agree"] is True
     assert r["acceptance_proxy"] == pytest.approx((8 * 64 - 8) / r["event_total"] - 1)
     assert r["warnings"] == []
+    # acceptance per draft position: usage and /metrics agree, and with the verify steps give the mean length
+    acc, steps = r["accepted_tokens_usage"], r["event_total"]
+    assert r["accepted_per_position_usage"] == r["accepted_per_position_metrics"] == [acc]
+    assert r["spec_steps_metrics"] == steps
+    assert r["acceptance_per_position"] == [acc / steps] and r["mean_accepted_length"] == 1 + acc / steps
+    assert r["speculative"]["algorithm"] == "EAGLE3"
     prompts = random_prompts(8, 64, 20260724, VOCAB, exclude=[0, 1])
     for q in r["requests"]:
         assert sum(q["event_vector"]) == q["output_tokens"] == 64 and len(q["output_token_ids"]) == 64
@@ -204,3 +225,18 @@ def test_unreachable_server(tmp_path, capsys):
         port = s.getsockname()[1]
     assert _serve(f"http://127.0.0.1:{port}", tmp_path / "r.json") == 2
     assert "pass --model" in capsys.readouterr().out
+
+
+def test_save_replay_records_the_greedy_outputs(fake_server, tmp_path, capsys):
+    from mlaserve.spec.replay import read_recordings
+
+    rec = tmp_path / "replay.jsonl"
+    assert _serve(fake_server, tmp_path / "r.json", "--save-replay", str(rec)) == 0
+    assert "saved 8 greedy outputs for the benchmark-only REPLAY draft" in capsys.readouterr().out
+    r = json.loads((tmp_path / "r.json").read_text())
+    recordings = read_recordings(str(rec))
+    prompts = random_prompts(8, 64, 20260724, VOCAB, exclude=[0, 1])
+    assert {tuple(p.tolist()): q["output_token_ids"] for p, q in zip(prompts, r["requests"])} == recordings
+    assert r["replay_recordings"] == {"path": str(rec), "count": 8}
+    assert _serve(fake_server, tmp_path / "s.json", "--save-replay", str(rec), "--temperature", "0.5") == 2
+    assert "--save-replay records greedy outputs" in capsys.readouterr().out

@@ -36,6 +36,7 @@ def _result(scale: float = 1.0) -> dict:
                 "cached_tokens": 0,
                 "accepted_tokens": 2,
                 "rejected_tokens": 1,
+                "accepted_per_position": [2],
                 "finish_reason": "length",
                 "start_s": 0.0,
                 "end_s": times[-1] / 1000.0,
@@ -97,7 +98,9 @@ def test_identical_runs_exit_0(tmp_path, capsys):
     assert ttft["baseline"]["min"] < ttft["baseline"]["max"] and ttft["change_pct"] > 0  # candidate is faster
 
 
-@pytest.mark.parametrize("what", ["text", "event_vector", "output_token_ids", "event_total", "proxy", "failed"])
+@pytest.mark.parametrize(
+    "what", ["text", "event_vector", "output_token_ids", "event_total", "proxy", "failed", "per_position"]
+)
 def test_any_difference_exits_1(tmp_path, capsys, what):
     bad = _result(0.9)
     r1 = bad["requests"][1]
@@ -111,6 +114,8 @@ def test_any_difference_exits_1(tmp_path, capsys, what):
         bad["event_total"] += 1
     elif what == "proxy":
         bad["acceptance_proxy"] += 1e-9
+    elif what == "per_position":
+        bad["accepted_per_position_usage"] = [5]
     else:
         r1.update(success=False, error="HTTP 500: boom")
         bad.update(summarize_run(bad["requests"]))
@@ -122,6 +127,8 @@ def test_any_difference_exits_1(tmp_path, capsys, what):
         assert "request 1:" in out
     if what == "failed":
         assert "completed 2/3 requests" in out and "HTTP 500" in out
+    if what == "per_position":
+        assert "accepted tokens per draft position [5] differ" in out
 
 
 def test_difference_in_a_baseline_run_is_caught(tmp_path, capsys):

@@ -113,3 +113,21 @@ def test_summarize_run_by_hand():
     assert s["output_throughput"] == pytest.approx(10 / 0.15)
     assert s["request_throughput"] == pytest.approx(2 / 0.15)
     assert s["total_token_throughput"] == pytest.approx(18 / 0.15)
+
+
+def test_counters_by_label_sum_lists_and_acceptance_by_position():
+    from mlaserve.bench.metrics import acceptance_by_position, counters_by_label, sum_lists
+
+    text = """# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 30.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 12.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="n",position="1"} 3.0
+vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 45.0
+"""
+    assert counters_by_label(text, "spec_decode_num_accepted_tokens_per_pos_total", "position") == {"0": 30, "1": 15}
+    assert counters_by_label(text, "spec_decode_num_drafts_total", "position") == {}
+    assert sum_lists([[1, 2], None, [3, 4, 5]]) == [4, 6, 5] and sum_lists([None]) is None
+    a = acceptance_by_position([30, 15], 40)
+    assert a == {"acceptance_per_position": [0.75, 0.375], "mean_accepted_length": 1 + 45 / 40}
+    assert acceptance_by_position(None, 40)["mean_accepted_length"] is None
+    assert acceptance_by_position([3], 0)["acceptance_per_position"] is None

@@ -101,6 +101,32 @@ def test_oracle_draft_max_accept_length(tiny_ckpt, draft, baseline, k):
         assert sizes[0] == 1  # the prefill's token
         assert all(s == k + 1 for s in sizes[1:-1]), sizes  # every verify step accepts all k drafts
         assert sizes[-1] == min(k + 1, GREEDY.max_tokens - sum(sizes[:-1]))
+        want = [sum(1 for s in sizes[1:] if s - 1 > i) for i in range(k)]  # verify steps accepting draft i + 1
+        assert list(evs[-1].usage.spec_accepted_per_position) == want
+    totals = [sum(e[-1].usage.spec_accepted_per_position[i] for e in got) for i in range(k)]
+    assert eng.stats()["spec_accepted_per_position"] == totals
+    assert sum(totals) == eng.stats()["spec_accepted_tokens"]
+
+
+class MissThenMatchProposer(OracleProposer):
+    """The first draft token wrong, the rest the target's own: a chain rule that counted matches after the first
+    mismatch would accept them."""
+
+    def propose(self, chunks):
+        out = super().propose(chunks)
+        return {rid: [(d[0] + 1) % 512] + d[1:] for rid, d in out.items()}
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_mismatch_then_match_accepts_nothing(tiny_ckpt, draft, baseline, k):
+    prompts = _prompts()
+    spec = SpecConfig(draft_model=draft, num_steps=k, num_draft_tokens=k + 1)
+    prop = MissThenMatchProposer(prompts, baseline, k)
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"), spec=spec, proposer=prop)
+    got = run(eng, prompts, GREEDY)
+    assert [tokens(e) for e in got] == baseline
+    assert all(len(e.new_token_ids) == 1 for evs in got for e in evs)
+    assert eng.stats()["spec_accepted_per_position"] == [0] * k and eng.stats()["spec_accepted_tokens"] == 0
 
 
 def test_aux_layer_offset(tiny_ckpt, draft):

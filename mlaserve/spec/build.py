@@ -1,0 +1,31 @@
+"""The proposer a SpecConfig asks for, and the KV bytes per page its draft model adds to the target's."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SpecConfig
+
+
+def draft_kv_page_bytes(spec: SpecConfig, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes per KV page of the draft model's own cache (0 without a draft model: REPLAY alone)."""
+    if not spec.draft_model:
+        return 0
+    from ..models.eagle3 import DraftConfig
+    from .eagle3 import draft_page_bytes
+
+    return draft_page_bytes(DraftConfig.from_pretrained(spec.draft_model), page_size, dtype)
+
+
+def build_proposer(spec: SpecConfig, runner):
+    """EAGLE3: the draft model. REPLAY (benchmark only): recorded greedy outputs, after the draft's forward if any."""
+    inner = None
+    if spec.draft_model:
+        from .eagle3 import Eagle3Proposer
+
+        inner = Eagle3Proposer(spec, runner)
+    if spec.is_replay:
+        from .replay import ReplayProposer
+
+        return ReplayProposer(spec, runner, inner)
+    return inner

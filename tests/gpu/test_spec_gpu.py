@@ -1,0 +1,76 @@
+"""On a GPU, under CUDA graphs: a draft trained on the GPU by train-draft keeps speculative greedy equal to plain for
+K = 1, 2, 3 through the draft's captured graph step, and the REPLAY draft's acceptance per position is exactly what
+its misses imply (full acceptance, none, and partial)."""
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+MAX = 32
+
+
+def _prompts(n=6, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.randrange(1, 200))] for _ in range(n)]
+
+
+def _greedy(ckpt, prompts, spec=None, **kw):
+    from mlaserve import LLM, SamplingParams
+
+    llm = LLM(ckpt, device="cuda", dtype="float32", speculative_config=spec, num_pages=2048, page_size=64, **kw)
+    draft_runs = []
+    graphs = getattr(llm.engine.proposer, "graphs", None) or getattr(
+        getattr(llm.engine.proposer, "inner", None), "graphs", None
+    )
+    if graphs is not None:  # count the steps the draft's captured graphs served
+        run = graphs.run
+        graphs.run = lambda chunks: draft_runs.append(len(chunks)) or run(chunks)
+    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return [o.token_ids for o in outs], [list(o.usage.spec_accepted_per_position) for o in outs], llm, draft_runs
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_ckpt, tmp_path_factory):
+    from mlaserve.train.train_draft import train_draft
+
+    out = str(tmp_path_factory.mktemp("trained"))
+    info = train_draft(tiny_ckpt, out, steps=300, num_prompts=256, max_len=64, lr=1e-2, device="cuda", progress=False)
+    print(f"\ntrain-draft on {out}: {info}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_ckpt):
+    return _greedy(tiny_ckpt, _prompts())[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_trained_draft_under_graphs_keeps_greedy(tiny_ckpt, trained, plain, k):
+    got, per_req, llm, draft_runs = _greedy(tiny_ckpt, _prompts(), {"draft_model": trained, "num_steps": k})
+    assert got == plain
+    st = llm.engine.stats()
+    print(f"K={k}: {st['spec_steps']} verify steps, accepted per position {st['spec_accepted_per_position']}")
+    assert st["spec_accepted_per_position"][0] > 0 and draft_runs  # accepted drafts, through the captured step
+    assert all(g[0] is not None for g in llm.engine.proposer.graphs.graphs.values())
+    assert [sum(r[i] for r in per_req) for i in range(k)] == st["spec_accepted_per_position"]
+
+
+@pytest.mark.parametrize("k,rate", [(1, 0.0), (2, 0.0), (3, 0.0), (3, 1.0), (3, 0.3), (2, 0.5)])
+def test_replay_exact_acceptance_under_graphs(tiny_ckpt, plain, tmp_path, k, rate):
+    from mlaserve.models.make_random_draft import make_random_draft
+    from mlaserve.spec.replay import write_recordings
+
+    from ..spec.test_replay import expected_per_position
+
+    prompts = _prompts()
+    path = str(tmp_path / "rec.jsonl")
+    write_recordings(path, zip(prompts, plain))
+    draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
+    spec = dict(algorithm="REPLAY", draft_model=draft, num_steps=k, replay_path=path, replay_miss_rate=rate)
+    got, per_req, llm, draft_runs = _greedy(tiny_ckpt, prompts, spec)
+    assert got == plain
+    assert per_req == [expected_per_position(p, k, rate, 0, max_tokens=MAX) for p in prompts]
+    assert draft_runs  # the EAGLE3 draft's captured step ran under the replayed tokens

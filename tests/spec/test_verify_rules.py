@@ -1,0 +1,97 @@
+"""The chain-acceptance rules of spec/verify.py with exact expected counts: greedy (a mismatch ends the chain even when
+later drafts match, all accepted, the bonus token) and sampled (temperature > 0) against the target distribution."""
+
+import torch
+
+from mlaserve.layers.sampler import SamplingRow
+from mlaserve.spec.verify import count_accepted, verify_greedy, verify_sampled
+from mlaserve.types import SamplingParams
+
+
+def greedy_logits(paths: list[list[int]], V: int = 16) -> torch.Tensor:
+    """[B, N, V] logits whose arg-max at row i of request b is paths[b][i]."""
+    out = torch.full((len(paths), len(paths[0]), V), -5.0)
+    for b, p in enumerate(paths):
+        for i, t in enumerate(p):
+            out[b, i, t] = 5.0
+    return out
+
+
+def per_position(accepted: list[int], k: int) -> list[int]:
+    counts: list[int] = []
+    for a in accepted:
+        count_accepted(counts, a, k)
+    return counts
+
+
+def test_greedy_mismatch_then_match_counts_only_the_prefix():
+    # target's greedy path per request: rows 0..3 (row 3 is the bonus row)
+    paths = [[4, 7, 1, 9], [4, 7, 1, 9], [4, 7, 1, 9], [4, 7, 1, 9]]
+    drafts = torch.tensor([[5, 7, 1], [4, 8, 1], [4, 7, 2], [5, 8, 2]])  # miss at 1, at 2, at 3; all missed
+    y, acc = verify_greedy(greedy_logits(paths), drafts)
+    assert acc.tolist() == [0, 1, 2, 0]  # the matches after a mismatch do not count
+    emitted = [y[b][: acc[b] + 1].tolist() for b in range(4)]
+    assert emitted == [[4], [4, 7], [4, 7, 1], [4]]  # 1 + accepted: the target's own token at the mismatch
+    assert per_position(acc.tolist(), 3) == [2, 1, 0]
+
+
+def test_greedy_all_accepted_emits_the_bonus_token():
+    paths = [[3, 3, 11, 2], [6, 0, 0, 13]]
+    drafts = torch.tensor([[3, 3, 11], [6, 0, 0]])
+    y, acc = verify_greedy(greedy_logits(paths), drafts)
+    assert acc.tolist() == [3, 3]
+    emitted = [y[b][: acc[b] + 1].tolist() for b in range(2)]
+    assert emitted == [[3, 3, 11, 2], [6, 0, 0, 13]]  # K drafts + the bonus row's arg-max, which no draft proposed
+    assert per_position(acc.tolist(), 3) == [2, 2, 2]
+
+
+def test_greedy_ties_break_to_the_lowest_id_like_plain_decode():
+    logits = torch.zeros(1, 2, 8)
+    logits[0, 0, 2] = logits[0, 0, 5] = 1.0  # a tie: plain greedy takes 2
+    y, acc = verify_greedy(logits, torch.tensor([[5]]))
+    assert acc.tolist() == [0] and y[0, 0].item() == 2
+
+
+def test_count_accepted_grows_to_k_and_counts_the_first_positions():
+    counts = []
+    count_accepted(counts, 0, 3)
+    assert counts == [0, 0, 0]
+    count_accepted(counts, 2, 3)
+    count_accepted(counts, 3, 3)
+    assert counts == [2, 2, 1]
+
+
+def _sampled(probs: list[list[float]], drafts: list[int], n: int, seed: int = 0) -> list[list[int]]:
+    lg = torch.log(torch.tensor(probs).clamp_min(1e-30))
+    g = torch.Generator().manual_seed(seed)
+    row = SamplingRow(SamplingParams(temperature=1.0), None)
+    return [verify_sampled(lg, drafts, row, g) for _ in range(n)]
+
+
+def test_sampled_exact_counts_with_certain_and_impossible_drafts():
+    """p(draft) = 1 is always accepted, p(draft) = 0 never; the rejection samples from p without the draft."""
+    probs = [[0, 1, 0, 0], [0, 0, 1, 0], [0.5, 0.5, 0, 0], [0, 0, 0, 1]]  # rows 0-2 verify drafts 1, 2, 3
+    outs = _sampled(probs, [1, 2, 3], 400)
+    acc = [len(o) - 1 for o in outs]
+    assert per_position(acc, 3) == [400, 400, 0]
+    assert all(o[:2] == [1, 2] and o[2] in (0, 1) for o in outs)  # never the rejected draft 3
+    outs = _sampled([[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0]], [1, 2, 3], 50)
+    assert per_position([len(o) - 1 for o in outs], 3) == [50, 50, 50]
+    assert all(o == [1, 2, 3, 0] for o in outs)  # all accepted: the bonus token comes from the last row
+
+
+def test_sampled_matches_the_target_distribution():
+    """Every emitted position is distributed as the target's p: the first (accept d w.p. p(d), else the residual),
+    the second given the first accepted, and the bonus token after all accepted."""
+    p0, p1, p2 = [0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.25, 0.25, 0.5]
+    outs = _sampled([p0, p1, p2], [1, 1], 12000, seed=1)
+    first = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=3).float() / len(outs)
+    assert torch.allclose(first, torch.tensor(p0), atol=0.02), first
+    second = [o[1] for o in outs if o[0] == 1]
+    freq = torch.bincount(torch.tensor(second), minlength=3).float() / len(second)
+    assert torch.allclose(freq, torch.tensor(p1), atol=0.03), freq
+    bonus = [o[2] for o in outs if len(o) == 3]
+    freq = torch.bincount(torch.tensor(bonus), minlength=3).float() / len(bonus)
+    assert torch.allclose(freq, torch.tensor(p2), atol=0.04), freq
+    acc = per_position([len(o) - 1 for o in outs], 2)  # P(accept 1) = p0(1); P(accept both) = p0(1) * p1(1)
+    assert abs(acc[0] / len(outs) - 0.3) < 0.015 and abs(acc[1] / len(outs) - 0.18) < 0.015, acc
