@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from mlaserve.config import ParallelConfig
 from mlaserve.distributed.tp import RankInfo
-from mlaserve.models.weights import _Tensor, dequant_fp8_block
+from mlaserve.layers.quant import dequant_fp8_block
+from mlaserve.models.weights import _Tensor
 
 from .ranks import load
 
@@ -103,7 +104,7 @@ def test_fp8_shard_is_read_and_dequantized_alone(tmp_path):
     w = (torch.randn(300, 260, generator=g) * 20).to(torch.float8_e4m3fn)
     scale = torch.rand(3, 3, generator=g) + 0.5  # 128x128 blocks, the last ones partial
     save_file({"w": w, "w_scale_inv": scale}, str(tmp_path / "w.safetensors"))
-    full = dequant_fp8_block(w, scale, torch.float32)
+    full = dequant_fp8_block(w, scale)
     torch.testing.assert_close(full[:128, :128], w[:128, :128].float() * scale[0, 0])
     torch.testing.assert_close(full[280:, 256:], w[280:, 256:].float() * scale[2, 2])
     with safe_open(str(tmp_path / "w.safetensors"), "pt") as h:
