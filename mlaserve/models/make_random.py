@@ -139,10 +139,12 @@ def make_random(
     wrapper: bool = False,
     tokenizer: bool = True,
     quantization: str | None = None,
+    config_only: bool = False,
 ) -> str:
     """Write config.json, sharded safetensors and the index to `out`. `overrides` update the text config;
     `wrapper` puts a plain text model inside the Kimi-K2.5 wrapper (weights under `language_model.`);
-    `quantization` is none | int4-experts | fp8-block (None: the preset's published form).
+    `quantization` is none | int4-experts | fp8-block (None: the preset's published form); `config_only` writes
+    config.json alone.
     The same seed draws the same numbers for the same tensor list, wrapped or not, quantized or not."""
     raw = copy.deepcopy(load_preset(preset))
     raw.pop("_note", None)
@@ -170,6 +172,8 @@ def make_random(
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=1)
+    if config_only:
+        return out
 
     gen = torch.Generator(device=device).manual_seed(seed)
     items = []  # (checkpoint key, tensor)

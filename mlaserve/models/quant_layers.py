@@ -4,6 +4,8 @@ the wrapper's `language_model.` prefix (an ignore entry may carry it)."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..config import ConfigError, ModelConfig
 from ..distributed.tp import RankInfo
 from ..layers.fp8_linear import Fp8Linear
@@ -55,9 +57,7 @@ def make_experts(cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype) -> Exp
     args = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     q = cfg.quantization
     name = f"model.layers.{layer_id}.mlp.experts"
-    kinds = set()
-    if q is not None:
-        kinds = {q.quantizes(f"{name}.{e}.{p}", cfg.weight_prefix) for e in range(cfg.n_routed_experts) for p in PROJS}
+    kinds = _expert_kinds(q, cfg.weight_prefix, name, cfg.n_routed_experts) if q is not None else set()
     if kinds == {True, False}:
         raise ConfigError(
             f"quantization_config: its ignore list quantizes some of {cfg.weight_prefix + name}'s projections but "
@@ -67,3 +67,9 @@ def make_experts(cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype) -> Exp
         return Experts(*args, dtype=dtype, **shards)
     cls = Int4Experts if q.method == "int4" else Fp8Experts
     return cls(*args, name=cfg.weight_prefix + name, **shards)
+
+
+@lru_cache(maxsize=1024)
+def _expert_kinds(q, prefix: str, name: str, n: int) -> frozenset:
+    """{whether each projection of each expert of `name` is quantized} (the same on every rank: asked once)."""
+    return frozenset(q.quantizes(f"{name}.{e}.{p}", prefix) for e in range(n) for p in PROJS)

@@ -32,17 +32,17 @@ class WeightBytes:
         return self.quantized + self.dense
 
     def line(self) -> str:
-        gb = 1e9
         s = (
-            f"rank {self.rank} weights: {self.total / gb:.2f} GB = quantized {self.quantized / gb:.2f} GB "
-            f"(would be {self.dequantized / gb:.2f} GB unquantized) + unquantized {self.dense / gb:.2f} GB"
+            f"rank {self.rank} weights: {_size(self.total)} = quantized {_size(self.quantized)} (unquantized they "
+            f"would take {_size(self.dequantized)}) + unquantized {_size(self.dense)}"
         )
         if self.expanded:
-            s += (
-                f"; expanded from FP8: {self.expanded_what} {self.expanded / gb:.3f} GB "
-                f"(+{self.expanded_extra / gb:.3f} GB over FP8)"
-            )
+            s += f"; expanded from FP8: {self.expanded_what}, {_size(self.expanded)} (+{_size(self.expanded_extra)})"
         return s
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def weight_bytes(model: torch.nn.Module, rank: int = 0) -> WeightBytes:
@@ -88,3 +88,19 @@ def weight_plan(cfg, par, dtype=torch.bfloat16, moe_impl: str = "triton") -> lis
             model = DeepseekV3ForCausalLM(cfg, dtype=dtype, ranks=par.rank_info(rank), moe_impl=moe_impl)
         out.append(weight_bytes(model, rank))
     return out
+
+
+def plan_lines(cfg, par, dtype=torch.bfloat16, gpu_bytes: float = 139 * 2**30, utilization: float = 0.9) -> list[str]:
+    """The load log's byte plan for every rank of `par`, and whether it fits a GPU of `gpu_bytes` (default: an
+    H200's 139 GiB) at `utilization`, with the KV-cache tokens the rest holds."""
+    q = cfg.quantization
+    lines = [
+        f"{cfg.num_hidden_layers} layers, {q.describe() if q else 'unquantized'}, {str(dtype).removeprefix('torch.')}"
+        f"; attn-tp {par.attn_tp_size}, moe-tp {par.moe_tp_size}, ep {par.ep_size}"
+    ]
+    kv_token = cfg.num_hidden_layers * cfg.kv_cache_dim * dtype.itemsize  # the latent cache is not split by TP
+    for wb in weight_plan(cfg, par, dtype):
+        room = utilization * gpu_bytes - wb.total
+        fits = f"fits, {_size(room)} left: {int(room // kv_token):,} KV tokens" if room > 0 else "does NOT fit"
+        lines.append(f"{wb.line()} -> {fits} of {utilization:.0%} of {gpu_bytes / 2**30:.0f} GiB")
+    return lines
