@@ -186,11 +186,12 @@ class _Loader:
         src = _Tensor(h, key)  # the header only: nothing is read before the slice is taken
         _check_shape(file, key, src.shape, mod.expert_shape(which, suffix))
         _check_dtype(file, key, h, got, suffix)
+        if not mod.owns(e):
+            return  # another rank's expert (EP): nothing of it is read
         if suffix == "weight_shape":  # (out, in) of the unpacked weight
             _check_weight_shape(file, key, src, ExpertsBase.expert_shape(mod, which))
-        if mod.owns(e):
-            mod.load_expert(e, which, suffix, src)
-            self.pending_experts.discard((mod_name, e, which, suffix))
+        mod.load_expert(e, which, suffix, src)
+        self.pending_experts.discard((mod_name, e, which, suffix))
 
     def load_param(self, file, h, key, name, suffix) -> None:
         base = name.rpartition(".")[0]

@@ -26,6 +26,20 @@ FP8_ODD = {
     "kv_lora_rank": 160,
 }
 
+# FP8 dims whose TP2 shards fill whole blocks (q_b and o_proj 256 = 4 heads x 64, the MLPs 256) while kv_a (80 rows)
+# and kv_b's shards (224 rows, expanded) still end inside a block.
+FP8_TP = {
+    "hidden_size": 256,
+    "qk_nope_head_dim": 48,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 64,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 256,
+}
+INT4_TP = {"moe_intermediate_size": 64}  # moe-TP2: 32 per rank, one group
+
 
 def make_quantized(out, scheme: str, preset: str = "tiny", seed: int = 0, **overrides) -> str:
     return make_random(

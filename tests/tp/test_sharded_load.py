@@ -26,7 +26,7 @@ def shard_loads(path: str, sizes):
 
 
 def expert_ids(reads) -> list[int]:
-    return sorted({int(name.split(".")[5]) for name, _ in reads if ".experts." in name})
+    return sorted({int(name.split(".")[5]) for name, *_ in reads if ".experts." in name})
 
 
 @pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: "attn{}-moe{}-ep{}".format(*s))
@@ -34,7 +34,7 @@ def test_each_rank_reads_exactly_its_shard(tiny_ckpt, sizes):
     heads = 4
     for info, model, reads in shard_loads(tiny_ckpt, sizes):
         held = sum(p.numel() for p in model.parameters())
-        assert sum(n for _, n in reads) == held, f"rank {info.rank} read more than it holds"
+        assert sum(n for _, n, _ in reads) == held, f"rank {info.rank} read more than it holds"
         experts = model.model.layers[1].mlp.experts
         per = 8 // info.ep_size
         assert expert_ids(reads) == list(range(info.ep_rank * per, (info.ep_rank + 1) * per))
@@ -68,7 +68,7 @@ def test_fused_expert_checkpoint_reads_only_the_shard(tiny_ckpt, tmp_path, sizes
     fused = str(tmp_path / "fused")
     fuse_experts(tiny_ckpt, fused)
     for (info, per_expert, _), (_, model, reads) in zip(shard_loads(tiny_ckpt, sizes), shard_loads(fused, sizes)):
-        assert sum(n for _, n in reads) == sum(p.numel() for p in model.parameters()), f"rank {info.rank}"
+        assert sum(n for _, n, _ in reads) == sum(p.numel() for p in model.parameters()), f"rank {info.rank}"
         for name, p in per_expert.named_parameters():
             torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=0, atol=0, msg=name)
 
@@ -83,7 +83,7 @@ def test_padded_vocab_shards(tiny_variant):
         torch.testing.assert_close(emb[: rows.stop - rows.start], full.model.embed_tokens.weight[rows])
         if info.rank == 1:
             assert (emb[254:] == 0).all()
-        assert sum(n for _, n in reads) == sum(p.numel() for p in model.parameters()) - (info.rank == 1) * 2 * 64
+        assert sum(n for _, n, _ in reads) == sum(p.numel() for p in model.parameters()) - (info.rank == 1) * 2 * 64
 
 
 class RecordingSlice:
