@@ -144,7 +144,7 @@ def make_random(
     """Write config.json, sharded safetensors and the index to `out`. `overrides` update the text config;
     `wrapper` puts a plain text model inside the Kimi-K2.5 wrapper (weights under `language_model.`);
     `quantization` is none | int4-experts | fp8-block (None: the preset's published form); `config_only` writes
-    config.json alone.
+    config.json (and the tokenizer) alone, for --load-format dummy.
     The same seed draws the same numbers for the same tensor list, wrapped or not, quantized or not."""
     raw = copy.deepcopy(load_preset(preset))
     raw.pop("_note", None)
@@ -167,13 +167,23 @@ def make_random(
     if qc is not None:  # where the published checkpoints have it: Kimi-K2.5 in text_config, DeepSeek-V3 on top
         (text if "text_config" in raw else raw)["quantization_config"] = copy.deepcopy(qc)
     cfg = ModelConfig.from_hf(raw, preset)
-    quant = cfg.quantization
-    tdtype = DTYPES[cfg.torch_dtype]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=1)
-    if config_only:
-        return out
+    if not config_only:
+        _write_weights(cfg, out, seed, device, shard_bytes, progress)
+    # A byte-level tokenizer in which every id decodes, so text in/out works on random weights. Skipped when the
+    # vocab cannot hold it (overrides shrinking vocab_size): such a folder works on token ids.
+    bos = cfg.bos_token_id if cfg.bos_token_id is not None else 0
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else bos
+    if tokenizer and cfg.vocab_size >= 260 and max(bos, eos) < cfg.vocab_size:
+        write_byte_level_tokenizer(out, cfg.vocab_size, bos, eos)
+    return out
+
+
+def _write_weights(cfg: ModelConfig, out: str, seed: int, device: str, shard_bytes: int, progress: bool) -> None:
+    """The safetensors shards and their index; quantized linears in their published form."""
+    quant, tdtype = cfg.quantization, DTYPES[cfg.torch_dtype]
 
     gen = torch.Generator(device=device).manual_seed(seed)
     items = []  # (checkpoint key, tensor)
@@ -203,10 +213,3 @@ def make_random(
         weight_map.update({k: fname for k in tensors})
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    # A byte-level tokenizer in which every id decodes, so text in/out works on random weights. Skipped when the
-    # vocab cannot hold it (overrides shrinking vocab_size): such a folder works on token ids.
-    bos = cfg.bos_token_id if cfg.bos_token_id is not None else 0
-    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else bos
-    if tokenizer and cfg.vocab_size >= 260 and max(bos, eos) < cfg.vocab_size:
-        write_byte_level_tokenizer(out, cfg.vocab_size, bos, eos)
-    return out

@@ -34,6 +34,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "others none)",
     )
     p.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config.json and the tokenizer, no weights: a folder for --load-format dummy (weights in place)",
+    )
+    p.add_argument(
         "--plan",
         action="store_true",
         help="print each rank's weight bytes for the parallel layout below (nothing is written or loaded)",
@@ -67,6 +72,7 @@ def cli_main(args) -> int:
         shard_bytes=int(args.shard_size_gb * (1 << 30)),
         wrapper=args.wrapper,
         quantization=args.quantization,
+        config_only=args.config_only,
     )
     print(out)
     return 0
@@ -82,7 +88,13 @@ def _plan(args) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:  # the config make-random would write, without the weights
         path = make_random(
-            args.preset, tmp, layers=args.layers, dtype=args.dtype, quantization=args.quantization, config_only=True
+            args.preset,
+            tmp,
+            layers=args.layers,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            config_only=True,
+            tokenizer=False,
         )
         cfg = ModelConfig.from_pretrained(path)
     for line in plan_lines(cfg, parallel_config_from_args(args), DTYPES[cfg.torch_dtype], args.gpu_memory_gib * 2**30):
