@@ -173,6 +173,7 @@ def _check_int4_weights(w, key: str, refuse) -> None:
     if not isinstance(w, dict):
         refuse(key, w, "expected the int4 weights' arguments")
     want = {"num_bits": 4, "type": "int", "symmetric": True, "group_size": INT4_GROUP}
+    default = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None}  # compressed-tensors' own
     why = {
         "num_bits": "mlaserve computes 4-bit weights",
         "type": "mlaserve computes integer int4 weights (MXFP4/NVFP4: no)",
@@ -180,8 +181,8 @@ def _check_int4_weights(w, key: str, refuse) -> None:
         "group_size": f"mlaserve computes int4 with groups of {INT4_GROUP} inputs",
     }
     for k, v in want.items():
-        if w.get(k, "missing") != v:
-            refuse(f"{key}.{k}", w.get(k, "missing"), why[k])
+        if w.get(k, default[k]) != v:
+            refuse(f"{key}.{k}", w.get(k, default[k]), why[k])
     allowed = {
         "strategy": ("group", None),
         "actorder": (None, False),

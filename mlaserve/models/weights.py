@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ..layers.moe import ExpertsBase
 from ..layers.quant import BLOCK
 from ..layers.quant_experts import Fp8Experts, Int4Experts
+from .dummy_weights import init_dummy_weights  # noqa: F401  (--load-format dummy: the loader without files)
 
 log = logging.getLogger("mlaserve.weights")
 
