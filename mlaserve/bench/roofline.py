@@ -70,6 +70,13 @@ def attn_bytes(c: ModelConfig, dtype_bytes: float = 2, layer: int = 0) -> float:
     return norms * dtype_bytes + sum(n * bytes_per_weight(c, p + k, dtype_bytes) for k, n in linears.items())
 
 
+def routed_expert_bytes(c: ModelConfig, experts: float, moe_tp: int = 1) -> float:
+    """Bytes `experts` routed experts' weights take on one moe-TP rank, as stored: the floor of a MoE kernel that
+    reads them (e.g. the INT4 GEMV at Kimi-K2.5's 8 of 384 experts: 8 x 3 x 7168 x 2048 x 0.5625 B = 198 MB)."""
+    m = c.first_k_dense_replace
+    return experts * param_counts(c).expert / moe_tp * bytes_per_weight(c, f"model.layers.{m}.mlp.experts.0.up_proj")
+
+
 def expected_experts(c: ModelConfig, tokens: int) -> float:
     """Distinct experts a layer reads for `tokens` tokens under uniform routing: E (1 - (1 - K/E)^tokens)."""
     E, K = c.n_routed_experts, c.num_experts_per_tok

@@ -32,7 +32,15 @@ def test_quantized_floors_count_the_bytes_stored():
     block scales), except kv_b_proj, held in bf16."""
     import copy
 
-    from mlaserve.bench.roofline import FP8_BYTES, INT4_BYTES, attn_bytes, decode_bytes, expected_experts, param_counts
+    from mlaserve.bench.roofline import (
+        FP8_BYTES,
+        INT4_BYTES,
+        attn_bytes,
+        decode_bytes,
+        expected_experts,
+        param_counts,
+        routed_expert_bytes,
+    )
     from mlaserve.quantization import DEEPSEEK_FP8, KIMI_INT4
 
     raw = load_preset("kimi-k2.5")
@@ -41,6 +49,8 @@ def test_quantized_floors_count_the_bytes_stored():
     raw["text_config"]["quantization_config"] = copy.deepcopy(KIMI_INT4)
     int4 = ModelConfig.from_hf(raw)
     p = param_counts(bf16)
+    assert routed_expert_bytes(int4, 8) == 8 * 3 * 7168 * 2048 * 0.5625  # the INT4 GEMV's bytes at one token
+    assert routed_expert_bytes(int4, 8, moe_tp=4) == routed_expert_bytes(int4, 2)
     for batch in (1, 8):
         routed = 3 * expected_experts(bf16, batch) * p.expert  # 3 MoE layers
         saved = decode_bytes(bf16, batch, 512) - decode_bytes(int4, batch, 512)
