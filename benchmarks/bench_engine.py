@@ -5,6 +5,9 @@ each beside its floor (bench/roofline.py). Writes JSON to --out and benchmarks/r
     python benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy                  # M2, random in place
     python benchmarks/bench_engine.py --model /tmp/m1 --draft /tmp/m1-draft --spec-only      # EAGLE3 K=1 N=2
     python benchmarks/bench_engine.py --model /tmp/m1 --draft /tmp/m1-draft --replay-sweep  # vs acceptance
+    python benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy --quantization int4-experts
+    python benchmarks/bench_engine.py --preset deepseek-v3 --layers 6 --dummy --quantization fp8-block \
+        --compare-unquantized                      # the same model in bf16 in the same run: TTFT side by side
 """
 
 from __future__ import annotations
@@ -253,6 +256,18 @@ def main():
     ap.add_argument("--sweep-k", default="1,2,3", help="--replay-sweep: draft steps K")
     ap.add_argument("--sweep-acceptance", default="0,0.5,0.7,0.9,1.0", help="--replay-sweep: acceptance rates")
     ap.add_argument("--sweep-ctx", type=int, default=512, help="--replay-sweep: context length")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int4-experts", "fp8-block"],
+        help="--preset/--make: the checkpoint form (published quantization_config); default none (bf16)",
+    )
+    ap.add_argument(
+        "--compare-unquantized",
+        action="store_true",
+        help="after the quantized model's rows, time the same model unquantized (bf16, dummy) in the same run: "
+        "TTFT rows with the quantized/bf16 ratio",
+    )
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -268,7 +283,15 @@ def main():
         from mlaserve.models.make_random import make_random
 
         t = time.perf_counter()
-        make_random(a.make, a.model, layers=a.layers, dtype="bfloat16", device="cuda", progress=False)
+        make_random(
+            a.make,
+            a.model,
+            layers=a.layers,
+            dtype="bfloat16",
+            device="cuda",
+            progress=False,
+            quantization=a.quantization,
+        )
         res["make_random_s"] = time.perf_counter() - t
         log(f"wrote {a.model} in {res['make_random_s']:.1f}s")
     if a.draft and not os.path.isdir(a.draft):
@@ -279,13 +302,16 @@ def main():
         mcfg = ModelConfig.from_pretrained(a.model)
         path = a.model
     else:
-        from mlaserve.models.make_random import load_preset
+        from mlaserve.models.make_random import make_random
 
-        raw = load_preset(a.preset)
-        (raw.get("text_config") or raw)["num_hidden_layers"] = a.layers
-        path = os.path.join("/tmp", f"cfg-{a.label}")
-        os.makedirs(path, exist_ok=True)
-        json.dump(raw, open(os.path.join(path, "config.json"), "w"))
+        path = make_random(  # config.json alone: the weights are made in place (--dummy)
+            a.preset,
+            os.path.join("/tmp", f"cfg-{a.label}"),
+            layers=a.layers,
+            dtype="bfloat16",
+            quantization=a.quantization,
+            config_only=True,
+        )
         mcfg = ModelConfig.from_pretrained(path)
     res["params_b"] = total_params(mcfg) / 1e9
     vocab = mcfg.vocab_size
@@ -314,6 +340,8 @@ def main():
     engine = LLMEngine(cfg)
     sync()
     res["mlaserve_load_s"] = engine.runner.load_seconds
+    res["weight_bytes"] = vars(engine.runner.weight_bytes)
+    log(engine.runner.weight_bytes.line())
     res["mlaserve_init_s"] = time.perf_counter() - t
     rows = []
     if not a.spec_only:
@@ -381,7 +409,10 @@ def main():
             a.out,
         )
         rows += sweep
-    if a.profile and not a.spec_only:
+    if a.compare_unquantized:
+        engine = _free(engine)
+        rows += unquantized_ttft_rows(a, cfg, mcfg, ttfts, vocab, rows)
+    if a.profile and not a.spec_only and engine is not None:
         res["profile"] = profile(engine, vocab, max(ttfts))
     if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)
         res["profile_eagle3"] = profile(engine_spec, vocab, 0, "decode_b1_eagle3")
@@ -421,6 +452,49 @@ def main():
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, name), "w") as f:
             json.dump(res, f, indent=1)
+
+
+def _free(engine):
+    """Give back a finished engine's GPU memory (graphs first) before building another in the same process."""
+    engine.runner.release_graphs()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def unquantized_ttft_rows(a, cfg, mcfg, ttfts, vocab, rows) -> list[dict]:
+    """The same model unquantized (bf16 dummy weights), timed the same way: TTFT rows beside the quantized ones."""
+    import dataclasses
+
+    from mlaserve.engine.engine import LLMEngine
+    from mlaserve.models.make_random import make_random
+
+    if a.preset is None:
+        raise SystemExit("--compare-unquantized needs --preset (the bf16 twin is made from it)")
+    path = make_random(
+        a.preset, f"/tmp/cfg-{a.label}-bf16", layers=a.layers, dtype="bfloat16", quantization="none", config_only=True
+    )
+    engine = LLMEngine(dataclasses.replace(cfg, model=path, load_format="dummy"))
+    log(engine.runner.weight_bytes.line(), "(unquantized)")
+    quantized = {r["figure"]: r["ms"] for r in rows}
+    out = []
+    for n in ttfts:
+        s = ml_ttft(engine, n, vocab)
+        q_ms = quantized.get(f"TTFT {n} tokens")
+        fl = prefill_floor_s(mcfg, n)
+        out.append(
+            dict(
+                figure=f"TTFT {n} tokens, unquantized bf16",
+                ms=s * 1e3,
+                floor_ms=fl * 1e3,
+                ratio=s / fl,
+                quantized_over_bf16=None if q_ms is None else q_ms / (s * 1e3),
+            )
+        )
+        log(f"TTFT {n}: quantized {q_ms} ms, bf16 {s * 1e3:.2f} ms -> {out[-1]['quantized_over_bf16']}")
+    _free(engine)
+    return out
 
 
 def profile(engine, vocab, prefill_len, decode_name="decode_b1"):

@@ -158,8 +158,8 @@ def run_moe_shared(rep: Report, sz: Sizes):
     from mlaserve.config import ModelConfig
     from mlaserve.distributed.tp import RankInfo
     from mlaserve.models.deepseek_v3 import DeepseekV3MoE
+    from mlaserve.models.dummy_weights import init_dummy_weights
     from mlaserve.models.make_random import load_preset
-    from mlaserve.models.weights import init_dummy_weights
 
     cfg = ModelConfig.from_hf(load_preset(sz.shared_preset))
     with torch.device(sz.dev):
@@ -201,8 +201,8 @@ def run_moe_norm(rep: Report, sz: Sizes):
     from mlaserve.kernels.rmsnorm import add_rms_norm
     from mlaserve.layers.norm import RMSNorm
     from mlaserve.models.deepseek_v3 import DeepseekV3MoE
+    from mlaserve.models.dummy_weights import init_dummy_weights
     from mlaserve.models.make_random import load_preset
-    from mlaserve.models.weights import init_dummy_weights
 
     for name, (D, _, E, K) in sz.moe.items():
         w = (1 + 0.1 * torch.randn(D, device=sz.dev)).to(BF)

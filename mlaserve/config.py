@@ -7,6 +7,10 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .quantization import QuantConfig
 
 # Architectures whose text model is DeepSeek-V3 shaped, and where its weights sit.
 SUPPORTED_ARCHITECTURES = {
@@ -209,6 +213,7 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     weight_prefix: str = ""  # "language_model." for the Kimi-K2.5 wrapper
     num_nextn_predict_layers: int = 0
+    quantization: QuantConfig | None = None  # the checkpoint's quantization_config (mlaserve/quantization.py)
     # Raw text config, for writers (make-random) and for transformers parity tests.
     hf_text_config: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -274,6 +279,10 @@ class ModelConfig:
         if n_experts and n_experts % n_group:
             raise ConfigError(f"{source}: n_routed_experts={n_experts} is not divisible by n_group={n_group}")
 
+        from .quantization import QuantConfig
+
+        # Kimi-K2.5 keeps it in text_config (SGLang copies it up); DeepSeek-V3 and Kimi-K2 at the top level.
+        qc = text.get("quantization_config") or cfg.get("quantization_config")
         eos = text.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -307,6 +316,7 @@ class ModelConfig:
             torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
             weight_prefix=prefix,
             num_nextn_predict_layers=int(text.get("num_nextn_predict_layers") or 0),
+            quantization=QuantConfig.from_hf(qc, source) if qc else None,
             hf_text_config=dict(text),
         )
 

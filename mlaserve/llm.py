@@ -91,6 +91,11 @@ class LLM:
         self.engine = LLMEngine(self.engine_config, spec=spec, **({"ranks": ranks} if ranks else {}))
         self.tokenizer = self.engine.tokenizer
 
+    @property
+    def weight_bytes(self):
+        """The weights each rank holds, by kind (models/weight_bytes.WeightBytes, in rank order)."""
+        return self.engine.runner.weight_bytes_per_rank
+
     def close(self) -> None:
         """Stop the other ranks (tensor parallelism); the LLM cannot be used afterwards."""
         if self._workers is not None:

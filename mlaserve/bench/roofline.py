@@ -1,5 +1,7 @@
 """The floors every speed figure is reported against (docs/benchmarking.md): decode = bytes / 4.3 TB/s, prefill =
-FLOPs / 790 TFLOP/s, on one H200 as measured. Works for any ModelConfig, batch and context, and TP degree."""
+FLOPs / 790 TFLOP/s, on one H200 as measured. Works for any ModelConfig, batch and context, and TP degree.
+Bytes are those actually read: quantized weights as stored (packed INT4 words and their bf16 group scales, FP8 values
+and their fp32 block scales), the rest in the model dtype."""
 
 from __future__ import annotations
 
@@ -39,6 +41,42 @@ def param_counts(c: ModelConfig) -> Params:
     )
 
 
+INT4_BYTES = 0.5 + 2 / 32  # a 4-bit value + its share of a bf16 scale per group of 32
+FP8_BYTES = 1 + 4 / (128 * 128)  # an e4m3 value + its share of an fp32 scale per 128x128 block
+
+
+def bytes_per_weight(c: ModelConfig, name: str, dtype_bytes: float = 2) -> float:
+    """Bytes read per weight of the linear `name` (an HF module name) as the model holds it."""
+    q = c.quantization
+    if q is None or not q.quantizes(name, c.weight_prefix):
+        return dtype_bytes
+    if q.method == "int4":
+        return INT4_BYTES
+    return dtype_bytes if name.endswith("kv_b_proj") else FP8_BYTES  # kv_b_proj is held dequantized
+
+
+def attn_bytes(c: ModelConfig, dtype_bytes: float = 2, layer: int = 0) -> float:
+    """One layer's attention weights (projections and norms) in bytes."""
+    D, H, R = c.hidden_size, c.num_attention_heads, c.kv_lora_rank
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    if c.q_lora_rank:
+        linears = {"q_a_proj": D * c.q_lora_rank, "q_b_proj": c.q_lora_rank * H * qk}
+    else:
+        linears = {"q_proj": D * H * qk}
+    linears |= {"kv_a_proj_with_mqa": D * c.kv_cache_dim, "kv_b_proj": R * H * (c.qk_nope_head_dim + c.v_head_dim)}
+    linears["o_proj"] = H * c.v_head_dim * D
+    norms = param_counts(c).attn - sum(linears.values())
+    p = f"model.layers.{layer}.self_attn."
+    return norms * dtype_bytes + sum(n * bytes_per_weight(c, p + k, dtype_bytes) for k, n in linears.items())
+
+
+def routed_expert_bytes(c: ModelConfig, experts: float, moe_tp: int = 1) -> float:
+    """Bytes `experts` routed experts' weights take on one moe-TP rank, as stored: the floor of a MoE kernel that
+    reads them (e.g. the INT4 GEMV at Kimi-K2.5's 8 of 384 experts: 8 x 3 x 7168 x 2048 x 0.5625 B = 198 MB)."""
+    m = c.first_k_dense_replace
+    return experts * param_counts(c).expert / moe_tp * bytes_per_weight(c, f"model.layers.{m}.mlp.experts.0.up_proj")
+
+
 def expected_experts(c: ModelConfig, tokens: int) -> float:
     """Distinct experts a layer reads for `tokens` tokens under uniform routing: E (1 - (1 - K/E)^tokens)."""
     E, K = c.n_routed_experts, c.num_experts_per_tok
@@ -50,10 +88,17 @@ def decode_bytes(c: ModelConfig, batch: int, context: int, q_len: int = 1, dtype
     p = param_counts(c)
     L, moe = c.num_hidden_layers, sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     tokens = batch * q_len
-    weights = L * p.attn + (L - moe) * p.dense_mlp + moe * (p.shared + p.gate + expected_experts(c, tokens) * p.expert)
-    weights += p.lm_head + tokens * c.hidden_size  # embedding rows read
+    m = c.first_k_dense_replace if moe else 0  # a MoE layer, to name its parts
+
+    def bpw(name):
+        return bytes_per_weight(c, name, dtype_bytes)
+
+    experts = expected_experts(c, tokens) * p.expert * bpw(f"model.layers.{m}.mlp.experts.0.up_proj")
+    weights = L * attn_bytes(c, dtype_bytes, m) + (L - moe) * p.dense_mlp * bpw("model.layers.0.mlp.up_proj")
+    weights += moe * (p.shared * bpw(f"model.layers.{m}.mlp.shared_experts.up_proj") + p.gate * dtype_bytes + experts)
+    weights += (p.lm_head + tokens * c.hidden_size) * dtype_bytes  # embedding rows read
     kv = batch * (context + q_len) * L * c.kv_cache_dim  # MLA's latent is shared by all heads: not split by TP
-    return (weights / tp + kv) * dtype_bytes
+    return weights / tp + kv * dtype_bytes
 
 
 def prefill_flops(c: ModelConfig, tokens: int, context: int | None = None, tp: int = 1) -> float:

@@ -78,6 +78,15 @@ def broadcast_object(obj=None, src: int = 0):
     return box[0]
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (e.g. each rank's weight bytes after load), over the host group."""
+    if _RANK_INFO.world_size == 1:
+        return [obj]
+    out = [None] * _RANK_INFO.world_size
+    dist.all_gather_object(out, obj, group=_CPU_GROUP)
+    return out
+
+
 def min_over_ranks(value: int) -> int:
     """The smallest of every rank's value (e.g. KV pages that fit on every GPU), over the host group."""
     if _RANK_INFO.world_size == 1:

@@ -16,8 +16,10 @@ from ..config import EngineConfig, ModelConfig
 from ..distributed import tp
 from ..distributed.tp import RankInfo
 from ..models.deepseek_v3 import DeepseekV3ForCausalLM
+from ..models.dummy_weights import init_dummy_weights
 from ..models.make_random import DTYPES
-from ..models.weights import init_dummy_weights, load_weights
+from ..models.weight_bytes import weight_bytes
+from ..models.weights import load_weights
 
 log = logging.getLogger("mlaserve.runner")
 
@@ -57,6 +59,9 @@ class ModelRunner:
             load_weights(self.model, cfg.model, progress=ranks.rank == 0)
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
+        self.weight_bytes = weight_bytes(self.model, ranks.rank)  # this rank's; every rank's: weight_bytes_per_rank
+        log.info("%s", self.weight_bytes.line())
+        self.weight_bytes_per_rank = tp.all_gather_object(self.weight_bytes)
 
         # Every rank indexes the same page ids: take the pages that fit on all of them.
         self.num_pages = tp.min_over_ranks(cfg.num_pages or self._pages_from_memory())

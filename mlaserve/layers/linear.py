@@ -38,6 +38,9 @@ class Linear(nn.Module):
     """y = x @ W^T. shard=None: replicated; "col": output split by rank; "row": input split by rank
     (the caller all-reduces the partial sums)."""
 
+    row_params = ("weight",)  # what stack_rows stores back to back
+    row_align = 1
+
     def __init__(
         self, in_features: int, out_features: int, *, shard: str | None = None, rank: int = 0, size: int = 1, dtype=None
     ):
@@ -61,6 +64,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
 
+    def forward_stacked(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T for a weight stacked by stack_rows (linear_many)."""
+        return linear(x, weight)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shard={self.shard}"
 
@@ -77,27 +84,32 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def stack_rows(*linears: Linear) -> None:
-    """Store the weights of Linear layers that read the same input back to back in one [sum(out), in] tensor.
-    Each keeps its own Parameter (HF name, loader, shard) as a row view of it, so `linear_many` can serve all
-    of them with one GEMM: one launch instead of several small ones in decode."""
-    w = torch.cat([lin.weight.data for lin in linears])
-    row = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight.data = w[row : row + n]
-        row += n
+def stack_rows(*linears) -> None:
+    """Store the weights of linear layers that read the same input back to back in one [sum(out), in] tensor (FP8
+    layers: their block scales too). Each keeps its own Parameters (HF names, loaders, shards) as row views of it,
+    so `linear_many` can serve all of them with one GEMM: one launch instead of several small ones in decode.
+    Layers of different kinds, or FP8 parts (but the last) whose rows end inside a block, stay apart."""
+    first = linears[0]
+    if any(type(lin) is not type(first) for lin in linears):
+        return
+    if any(lin.weight.shape[0] % first.row_align for lin in linears[:-1]):
+        return  # a part's scale rows would cover rows of the next part
+    for name in first.row_params:
+        params = [getattr(lin, name) for lin in linears]
+        w = torch.cat([p.data for p in params])
+        row = 0
+        for p in params:
+            n = p.shape[0]
+            p.data = w[row : row + n]
+            row += n
 
 
-def linear_many(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
-    """[lin(x) for lin in linears], by one GEMM when their weights are still stacked by `stack_rows` (the outputs
-    are then column views of one [T, sum(out)] tensor). Anything that re-points a weight (`p.data = ...`,
-    `model.to(other device)`) breaks the stack; each layer then runs on its own, with the same result."""
-    w0 = linears[0].weight
+def _stacked(params) -> torch.Tensor | None:
+    """The one tensor `params` are row views of, back to back (stack_rows), or None."""
+    w0 = params[0]
     rows, ptr, ok = 0, w0.data_ptr(), w0.is_contiguous()
     storage = w0.untyped_storage().data_ptr()  # adjacent addresses are not enough: the CUDA caching allocator
-    for lin in linears:  # packs separate tensors back to back
-        w = lin.weight
+    for w in params:  # packs separate tensors back to back
         ok = (
             ok
             and w.is_contiguous()
@@ -107,9 +119,20 @@ def linear_many(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
             and (w.untyped_storage().data_ptr() == storage)
         )
         rows += w.shape[0]
-    if not ok:
+    return w0.as_strided((rows, w0.shape[1]), (w0.shape[1], 1)) if ok else None
+
+
+def linear_many(x: torch.Tensor, *linears) -> list[torch.Tensor]:
+    """[lin(x) for lin in linears], by one GEMM when their weights are still stacked by `stack_rows` (the outputs
+    are then column views of one [T, sum(out)] tensor). Anything that re-points a weight (`p.data = ...`,
+    `model.to(other device)`) breaks the stack; each layer then runs on its own, with the same result."""
+    first = linears[0]
+    stacked = None
+    if all(type(lin) is type(first) for lin in linears):
+        stacked = [_stacked([getattr(lin, n) for lin in linears]) for n in first.row_params]
+    if stacked is None or any(s is None for s in stacked):
         return [lin(x) for lin in linears]
-    y = linear(x, w0.as_strided((rows, w0.shape[1]), (w0.shape[1], 1)))  # [T, sum(out)]
+    y = first.forward_stacked(x, *stacked)  # [T, sum(out)]
     outs, col = [], 0
     for lin in linears:
         outs.append(y[..., col : col + lin.weight.shape[0]])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .activation import silu_and_mul
-from .linear import checked_copy, new_param, shard_of
+from .linear import checked_copy, new_param
 
 
 def route_noaux_tc(
@@ -107,15 +107,15 @@ class TopkRouter(nn.Module):
         )
 
 
-class Experts(nn.Module):
-    """Routed experts stacked per layer: gate_up_proj [E_local, 2I_local, D], down_proj [E_local, D, I_local].
+class ExpertsBase(nn.Module):
+    """Routed experts stacked per layer, whatever their storage (`Experts` below: the model dtype; INT4 and FP8:
+    layers/quant_experts.py). moe-TP splits each expert's intermediate dim over `tp_size` ranks; EP gives each of
+    `ep_size` ranks a contiguous block of experts. Checkpoint keys are per expert and projection
+    (experts.{e}.gate_proj.{suffix}, with the suffixes of `suffixes`)."""
 
-    moe-TP splits each expert's intermediate dim over `tp_size` ranks; EP gives each of `ep_size` ranks
-    a contiguous block of experts. Checkpoint keys are per expert (experts.{e}.gate_proj.weight, ...)."""
+    suffixes = ("weight",)
 
-    def __init__(
-        self, num_experts: int, hidden: int, inter: int, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dtype=None
-    ):
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1):
         super().__init__()
         if num_experts % ep_size:
             raise ValueError(f"n_routed_experts={num_experts} is not divisible by ep_size={ep_size}")
@@ -125,7 +125,30 @@ class Experts(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.num_local = num_experts // ep_size
         self.expert_offset = ep_rank * self.num_local
-        i_local = inter // tp_size
+        self.i_local = inter // tp_size
+
+    def expert_shape(self, which: str, suffix: str = "weight") -> tuple[int, ...]:
+        """The checkpoint shape of experts.{e}.{which}.{suffix}."""
+        return (self.hidden, self.inter) if which == "down_proj" else (self.inter, self.hidden)
+
+    def owns(self, expert: int) -> bool:
+        return self.expert_offset <= expert < self.expert_offset + self.num_local
+
+    @property
+    def inter_shard(self) -> slice:
+        """This rank's part of the intermediate dim."""
+        return slice(self.tp_rank * self.i_local, (self.tp_rank + 1) * self.i_local)
+
+
+class Experts(ExpertsBase):
+    """Routed experts in the model dtype: gate_up_proj [E_local, 2I_local, D], down_proj [E_local, D, I_local].
+    Also loads transformers 5's fused tensors (experts.gate_up_proj / experts.down_proj)."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, dtype=None
+    ):
+        super().__init__(num_experts, hidden, inter, tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size)
+        i_local = self.i_local
         self.gate_up_proj = new_param(
             self.num_local,
             2 * i_local,
@@ -143,22 +166,15 @@ class Experts(nn.Module):
             loader=self._load_fused_w2,
         )
 
-    # --- loading: per-expert HF keys, or transformers 5's fused form ---------------------------------
-    def expert_shape(self, which: str) -> tuple[int, int]:
-        return (self.hidden, self.inter) if which == "down_proj" else (self.inter, self.hidden)
-
-    def owns(self, expert: int) -> bool:
-        return self.expert_offset <= expert < self.expert_offset + self.num_local
-
-    def load_expert(self, expert: int, which: str, src) -> None:
+    def load_expert(self, expert: int, which: str, suffix: str, src) -> None:
         """which in gate_proj|up_proj|down_proj; src [I, D] or [D, I]. Reads only this rank's shard."""
         e = expert - self.expert_offset
-        i_local = self.inter // self.tp_size
+        i_local = self.i_local
         if which == "down_proj":
-            checked_copy(self.down_proj.data[e], shard_of(src, 1, self.tp_rank, self.tp_size))
+            checked_copy(self.down_proj.data[e], src[:, self.inter_shard])
         else:
             half = slice(0, i_local) if which == "gate_proj" else slice(i_local, 2 * i_local)
-            checked_copy(self.gate_up_proj.data[e, half], shard_of(src, 0, self.tp_rank, self.tp_size))
+            checked_copy(self.gate_up_proj.data[e, half], src[self.inter_shard])
 
     # transformers 5's fused tensors: [E, 2I, D] (gate rows then up rows) and [E, D, I]. Read only the
     # owned experts' shard of the intermediate dim.

@@ -16,22 +16,24 @@ from ..distributed import tp
 from ..distributed.tp import RankInfo
 from ..layers.activation import silu_mul
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.linear import Linear, linear_many, stack_rows
+from ..layers.linear import linear_many, stack_rows
 from ..layers.moe import Experts, TopkRouter
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from .quant_layers import check_unquantized, linear_factory, make_experts
 
 
 class DeepseekV3MLP(nn.Module):
     """down(silu(gate(x)) * up(x)); tensor-parallel over the intermediate dim. The dense MLP all-reduces
     itself; as shared experts it leaves the reduction to the MoE block (one all-reduce for both)."""
 
-    def __init__(self, hidden: int, inter: int, ranks: RankInfo, dtype, reduce: bool = True):
+    def __init__(self, hidden: int, inter: int, ranks: RankInfo, dtype, reduce: bool = True, linear=None):
         super().__init__()
         kw = dict(rank=ranks.rank, size=ranks.world_size, dtype=dtype)
-        self.gate_proj = Linear(hidden, inter, shard="col", **kw)
-        self.up_proj = Linear(hidden, inter, shard="col", **kw)
-        self.down_proj = Linear(inter, hidden, shard="row", **kw)
+        linear = linear or linear_factory(None, "")  # a model's factory names and may quantize; default: Linear
+        self.gate_proj = linear("gate_proj", hidden, inter, shard="col", **kw)
+        self.up_proj = linear("up_proj", hidden, inter, shard="col", **kw)
+        self.down_proj = linear("down_proj", inter, hidden, shard="row", **kw)
         stack_rows(self.gate_proj, self.up_proj)  # gate and up by one GEMM
         self.reduce = reduce and ranks.world_size > 1  # a replicated copy (the EAGLE3 draft) never reduces
 
@@ -51,23 +53,23 @@ FUSE_SHARED_MAX_TOKENS = 32
 
 
 class DeepseekV3MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, ranks: RankInfo, dtype, impl: str):
+    def __init__(self, cfg: ModelConfig, ranks: RankInfo, dtype, impl: str, layer_id: int | None = None):
         super().__init__()
         self.impl = impl  # "torch" (reference) | "triton" (fused kernels)
+        layer_id = cfg.first_k_dense_replace if layer_id is None else layer_id  # names the layers (quantization)
         self.gate = TopkRouter(cfg)
-        self.experts = Experts(
-            cfg.n_routed_experts,
-            cfg.hidden_size,
-            cfg.moe_intermediate_size,
-            tp_rank=ranks.moe_tp_rank,
-            tp_size=ranks.moe_tp_size,
-            ep_rank=ranks.ep_rank,
-            ep_size=ranks.ep_size,
-            dtype=dtype,
-        )
+        self.experts = make_experts(cfg, layer_id, ranks, dtype)  # Experts, or quantized (layers/quant_experts.py)
+        quantized = not isinstance(self.experts, Experts)
         self.reduce = ranks.world_size > 1
         self.shared_experts = (
-            DeepseekV3MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, ranks, dtype, reduce=False)
+            DeepseekV3MLP(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                ranks,
+                dtype,
+                reduce=False,
+                linear=linear_factory(cfg, f"model.layers.{layer_id}.mlp.shared_experts.", impl),
+            )
             if cfg.n_shared_experts
             else None
         )
@@ -79,15 +81,16 @@ class DeepseekV3MoE(nn.Module):
         # path above the threshold no single down GEMM for S > 1: S GEMMs and partial sums, a slower prefill.)
         # Valid when the shards line up: shared experts split over the world, routed ones over moe-TP, which is
         # the world only without EP. The per-rank sum stays a partial for the one all-reduce below.
+        # Both are bf16-only: quantized experts take the shared experts' output as `add`, and the norm runs apart.
         self.fuse_shared = 0
-        if impl == "triton" and self.shared_experts is not None and ranks.ep_size == 1:
+        if impl == "triton" and self.shared_experts is not None and ranks.ep_size == 1 and not quantized:
             i_local = cfg.moe_intermediate_size // ranks.moe_tp_size
             if self.shared_experts.gate_proj.out_features == cfg.n_shared_experts * i_local:
                 self.fuse_shared = cfg.n_shared_experts
         # The add + norm after the block fused into the fused MoE's sum over top-k (Triton path, one rank: with TP
         # the all-reduce comes between the sum and the add), where that norm runs its own kernel (the fused one
         # rounds as that kernel does, so the two paths agree bit for bit).
-        self.fuse_norm = impl == "triton" and not self.reduce
+        self.fuse_norm = impl == "triton" and not self.reduce and not quantized
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
         """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual)."""
@@ -125,7 +128,9 @@ def _head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> bool:
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention. The KV cache holds [c_kv | rope(k_pe)] (R+P values) per token."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype, in_features: int | None = None):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype, in_features: int | None = None, impl="torch"
+    ):
         super().__init__()
         D = in_features or cfg.hidden_size  # an EAGLE3 MLA draft feeds [embed | hidden], 2H wide
         if cfg.num_attention_heads % ranks.world_size:
@@ -139,19 +144,20 @@ class DeepseekV3Attention(nn.Module):
         self.reduce = ranks.world_size > 1
         heads = cfg.num_attention_heads
         col = dict(shard="col", rank=ranks.rank, size=ranks.world_size, dtype=dtype)
+        lin = linear_factory(cfg, f"model.layers.{layer_id}.self_attn.", impl)  # Linear, or FP8 where quantized
         self.q_lora_rank = cfg.q_lora_rank
         if cfg.q_lora_rank:
-            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype=dtype)
+            self.q_a_proj = lin("q_a_proj", D, cfg.q_lora_rank, dtype=dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, **col)
+            self.q_b_proj = lin("q_b_proj", cfg.q_lora_rank, heads * cfg.qk_head_dim, **col)
         else:
-            self.q_proj = Linear(D, heads * cfg.qk_head_dim, **col)
-        self.kv_a_proj_with_mqa = Linear(D, self.R + self.P, dtype=dtype)
+            self.q_proj = lin("q_proj", D, heads * cfg.qk_head_dim, **col)
+        self.kv_a_proj_with_mqa = lin("kv_a_proj_with_mqa", D, self.R + self.P, dtype=dtype)
         stack_rows(self.q_a_proj if cfg.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa)  # both read x
         self.kv_a_layernorm = RMSNorm(self.R, cfg.rms_norm_eps, dtype=dtype)
-        self.kv_b_proj = Linear(self.R, heads * (self.N + self.V), **col)
-        self.o_proj = Linear(
-            heads * self.V, cfg.hidden_size, shard="row", rank=ranks.rank, size=ranks.world_size, dtype=dtype
+        self.kv_b_proj = lin("kv_b_proj", self.R, heads * (self.N + self.V), **col)  # model dtype, always
+        self.o_proj = lin(
+            "o_proj", heads * self.V, cfg.hidden_size, shard="row", rank=ranks.rank, size=ranks.world_size, dtype=dtype
         )
 
     # Per-head views of kv_b_proj.weight [H*(N+V), R]; no copies.
@@ -268,11 +274,17 @@ class DeepseekV3DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype, moe_impl: str):
         super().__init__()
-        self.self_attn = DeepseekV3Attention(cfg, layer_id, ranks, dtype)
+        self.self_attn = DeepseekV3Attention(cfg, layer_id, ranks, dtype, impl=moe_impl)
         self.mlp = (
-            DeepseekV3MoE(cfg, ranks, dtype, moe_impl)
+            DeepseekV3MoE(cfg, ranks, dtype, moe_impl, layer_id=layer_id)
             if cfg.is_moe_layer(layer_id)
-            else DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, ranks, dtype)
+            else DeepseekV3MLP(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                ranks,
+                dtype,
+                linear=linear_factory(cfg, f"model.layers.{layer_id}.mlp.", moe_impl),
+            )
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -307,6 +319,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=torch.float32, ranks: RankInfo = RankInfo(), moe_impl: str = "torch"):
         super().__init__()
         self.config, self.ranks = cfg, ranks
+        check_unquantized(cfg, "lm_head")
         self.model = DeepseekV3Model(cfg, ranks, dtype, moe_impl)
         self.lm_head = ParallelLMHead(
             cfg.vocab_size, cfg.hidden_size, rank=ranks.rank, size=ranks.world_size, dtype=dtype

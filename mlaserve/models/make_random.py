@@ -1,7 +1,10 @@
 """Write HF-format random checkpoints (config.json + sharded safetensors) from a preset, deterministically.
 
 Tensors are listed from the config alone (not from mlaserve's model), so the loader is tested against
-the HF layout itself: per-expert keys, `language_model.` under the Kimi-K2.5 wrapper.
+the HF layout itself: per-expert keys, `language_model.` under the Kimi-K2.5 wrapper. Quantized checkpoints take
+the published forms (`quantization_config`, names, dtypes, shapes): the random weights drawn in the model dtype, then
+quantized (INT4: absmax/7 per group of 32; FP8: amax/448 per 128x128 block). The kimi-k2.5 preset is INT4 by
+default, as published, and deepseek-v3 FP8 (the presets' `_quantization`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..layers.quant import quantize_fp8_block, quantize_int4
+from ..quantization import published_config
 from ..tokenizer import write_byte_level_tokenizer
 
 DTYPES = {
@@ -94,6 +99,22 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float 
 
 
 def random_tensor(shape, init, gen: torch.Generator, dtype, device) -> torch.Tensor:
+    return _draw(shape, init, gen, dtype, device).cpu()
+
+
+def quantized_tensors(name: str, t: torch.Tensor, method: str) -> dict[str, torch.Tensor]:
+    """A linear's `name` (X.weight) and weight t [out, in] -> its tensors in the published form (CPU)."""
+    base = name[: -len("weight")]
+    if method == "int4":
+        packed, scale = quantize_int4(t)
+        return {base + "weight_packed": packed.cpu(), base + "weight_scale": scale.cpu()} | {
+            base + "weight_shape": torch.tensor(list(t.shape), dtype=torch.int64)
+        }
+    w, scale_inv = quantize_fp8_block(t)
+    return {name: w.cpu(), base + "weight_scale_inv": scale_inv.cpu()}
+
+
+def _draw(shape, init, gen: torch.Generator, dtype, device) -> torch.Tensor:
     if init == "norm":  # near 1, not exactly, so a mis-loaded norm shows in parity tests
         t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
     elif init == "bias":  # e_score_correction_bias: big enough to change some expert choices
@@ -101,7 +122,7 @@ def random_tensor(shape, init, gen: torch.Generator, dtype, device) -> torch.Ten
     else:
         t = init * torch.randn(shape, generator=gen, device=device)
     fp32 = init == "bias" or shape == ()  # the routing bias stays fp32, as in real checkpoints
-    return t.to(torch.float32 if fp32 else dtype).cpu()
+    return t.to(torch.float32 if fp32 else dtype)
 
 
 def make_random(
@@ -117,12 +138,18 @@ def make_random(
     overrides: dict | None = None,
     wrapper: bool = False,
     tokenizer: bool = True,
+    quantization: str | None = None,
+    config_only: bool = False,
 ) -> str:
     """Write config.json, sharded safetensors and the index to `out`. `overrides` update the text config;
-    `wrapper` puts a plain text model inside the Kimi-K2.5 wrapper (weights under `language_model.`).
-    The same seed draws the same numbers for the same tensor list, wrapped or not."""
+    `wrapper` puts a plain text model inside the Kimi-K2.5 wrapper (weights under `language_model.`);
+    `quantization` is none | int4-experts | fp8-block (None: the preset's published form); `config_only` writes
+    config.json (and the tokenizer) alone, for --load-format dummy.
+    The same seed draws the same numbers for the same tensor list, wrapped or not, quantized or not."""
     raw = copy.deepcopy(load_preset(preset))
     raw.pop("_note", None)
+    scheme = raw.pop("_quantization", "none") if quantization is None else quantization
+    raw.pop("_quantization", None)
     if raw.get("architectures", [""])[0] != "DeepseekV3ForCausalLM" and "text_config" not in raw:
         raise ValueError(f"preset {preset!r} is not a DeepSeek-V3 target (use make-random-draft for EAGLE3)")
     if wrapper and "text_config" not in raw:
@@ -134,22 +161,46 @@ def make_random(
     if dtype is not None:
         text["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
     text["num_nextn_predict_layers"] = 0  # no MTP weights are written
+    text.pop("quantization_config", None)
+    raw.pop("quantization_config", None)
+    qc = published_config(scheme)
+    if qc is not None:  # where the published checkpoints have it: Kimi-K2.5 in text_config, DeepSeek-V3 on top
+        (text if "text_config" in raw else raw)["quantization_config"] = copy.deepcopy(qc)
     cfg = ModelConfig.from_hf(raw, preset)
-    tdtype = DTYPES[cfg.torch_dtype]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=1)
+    if not config_only:
+        _write_weights(cfg, out, seed, device, shard_bytes, progress)
+    # A byte-level tokenizer in which every id decodes, so text in/out works on random weights. Skipped when the
+    # vocab cannot hold it (overrides shrinking vocab_size): such a folder works on token ids.
+    bos = cfg.bos_token_id if cfg.bos_token_id is not None else 0
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else bos
+    if tokenizer and cfg.vocab_size >= 260 and max(bos, eos) < cfg.vocab_size:
+        write_byte_level_tokenizer(out, cfg.vocab_size, bos, eos)
+    return out
+
+
+def _write_weights(cfg: ModelConfig, out: str, seed: int, device: str, shard_bytes: int, progress: bool) -> None:
+    """The safetensors shards and their index; quantized linears in their published form."""
+    quant, tdtype = cfg.quantization, DTYPES[cfg.torch_dtype]
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    specs = hf_tensor_specs(cfg)
+    items = []  # (checkpoint key, tensor)
+    for name, shape, init in tqdm(hf_tensor_specs(cfg), desc="Writing random weights", disable=not progress):
+        t = _draw(shape, init, gen, tdtype, device)
+        module = name[: -len(".weight")]
+        if quant is not None and name.endswith(".weight") and quant.quantizes(module, cfg.weight_prefix):
+            items += quantized_tensors(name, t, quant.method).items()
+        else:
+            items.append((name, t.cpu()))
+    total = sum(t.numel() * t.element_size() for _, t in items)  # the fp32 routing bias counts at its own size
     # Shard on size, with at least two shards so the sharded-index path is always exercised.
-    limit = min(shard_bytes, max(sum(math.prod(s) for _, s, _ in specs) * tdtype.itemsize // 2, 1))
-    shards, cur, cur_bytes, total = [], {}, 0, 0
-    for name, shape, init in tqdm(specs, desc="Writing random weights", disable=not progress):
-        t = random_tensor(shape, init, gen, tdtype, device)
-        cur[cfg.weight_prefix + name] = t
+    limit = min(shard_bytes, max(total // 2, 1))
+    shards, cur, cur_bytes = [], {}, 0
+    for key, t in items:
+        cur[cfg.weight_prefix + key] = t
         cur_bytes += t.numel() * t.element_size()
-        total += t.numel() * t.element_size()  # the fp32 routing bias counts at its own size
         if cur_bytes >= limit:
             shards.append(cur)
             cur, cur_bytes = {}, 0
@@ -162,10 +213,3 @@ def make_random(
         weight_map.update({k: fname for k in tensors})
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    # A byte-level tokenizer in which every id decodes, so text in/out works on random weights. Skipped when the
-    # vocab cannot hold it (overrides shrinking vocab_size): such a folder works on token ids.
-    bos = cfg.bos_token_id if cfg.bos_token_id is not None else 0
-    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else bos
-    if tokenizer and cfg.vocab_size >= 260 and max(bos, eos) < cfg.vocab_size:
-        write_byte_level_tokenizer(out, cfg.vocab_size, bos, eos)
-    return out

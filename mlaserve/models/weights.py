@@ -1,9 +1,11 @@
 """Load HF safetensors checkpoints (single file or sharded index) straight into the model's parameters.
 
-Checkpoint names are HF's. Routed experts arrive one tensor per expert and land stacked per layer;
-each parameter's `weight_loader` reads only this rank's shard. FP8 block-scaled weights
-(`weight_scale_inv`, DeepSeek-V3/Kimi-K2) and compressed-tensors int4 (`weight_packed`, Kimi-K2.5's routed experts)
-are dequantized to the model dtype on load.
+Checkpoint names are HF's. Routed experts arrive one tensor per expert and projection and land stacked per layer.
+Each parameter's `weight_loader` (an expert block's `load_expert`) reads only this rank's slice, and only of the
+experts this rank keeps. Quantized checkpoints load as stored: FP8 weights with their block scales, packed INT4
+words with their group scales (layers/fp8_linear.py, layers/quant_experts.py). The one expansion, an FP8 kv_b_proj
+dequantized into the model dtype, is logged with the bytes it costs. A tensor that does not fit the model is one
+CheckpointError naming the file, the tensor and why.
 """
 
 from __future__ import annotations
@@ -18,12 +20,31 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from ..layers.moe import ExpertsBase
+from ..layers.quant import BLOCK
+from ..layers.quant_experts import Fp8Experts, Int4Experts
+from .dummy_weights import init_dummy_weights  # noqa: F401  (--load-format dummy: the loader without files)
+
 log = logging.getLogger("mlaserve.weights")
 
-EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 # Parts of multimodal wrappers that mlaserve does not serve (vision is out of scope).
 SKIPPED_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "vision_model.")
+# Companions of quantized weights that carry a scheme mlaserve does not compute.
+REFUSED = {
+    "weight_zero_point": "asymmetric INT4 (a zero point); mlaserve computes symmetric pack-quantized int4",
+    "weight_g_idx": "act-order INT4 (a group index); mlaserve computes int4 with groups in input order",
+    "input_scale": "a static activation scale; mlaserve quantizes activations dynamically",
+}
+KIND = {"dense": "an unquantized weight", "fp8": "an FP8 block-scaled weight", "int4": "a packed INT4 weight"}
+QUANT_DTYPES = {  # suffix -> safetensors dtypes a quantized tensor may have
+    ("fp8", "weight"): ("F8_E4M3",),
+    ("fp8", "weight_scale_inv"): ("F32",),
+    ("int4", "weight_packed"): ("I32",),
+    ("int4", "weight_scale"): ("BF16",),
+    ("int4", "weight_shape"): ("I64", "I32"),
+}
 
 
 class CheckpointError(ValueError):
@@ -31,7 +52,8 @@ class CheckpointError(ValueError):
 
 
 class _Tensor:
-    """A lazily read checkpoint tensor: `.shape` and `[...]` read only the requested slice."""
+    """A lazily read checkpoint tensor: `.shape` and `[...]` read only the requested slice. With `fp8_scale` (the
+    weight's weight_scale_inv) a slice comes back dequantized into `dtype` (the one expansion: kv_b_proj)."""
 
     def __init__(self, handle, name: str, fp8_scale=None, dtype=None):
         self._slice = handle.get_slice(name)
@@ -43,32 +65,9 @@ class _Tensor:
             return self._slice[idx]
         box = _as_box(idx, self.shape)
         if box is None:  # not a plain 2-D box: dequantize everything, then index
-            return dequant_fp8_block(self._slice[:], self._fp8_scale, self._dtype)[idx]
-        # Read only the shard, and scale it by the blocks it falls in.
-        (r0, r1), (c0, c1) = box
-        return dequant_fp8_block(self._slice[r0:r1, c0:c1], self._fp8_scale, self._dtype, origin=(r0, c0))
-
-
-class _PackedInt4:
-    """A compressed-tensors `pack-quantized` weight (Kimi-K2.5's routed experts): symmetric int4, eight values per
-    int32 along the input dim (value i at bits 4i, stored + 8), one scale per group of inputs. Dequantized whole
-    (an expert's matrix is a few MB), then indexed."""
-
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, shape, dtype):
-        self._packed, self._scale, self._dtype = packed, scale, dtype
-        self.shape = tuple(int(x) for x in shape)
-
-    def __getitem__(self, idx):
-        return dequant_int4_packed(self._packed, self._scale, self.shape, self._dtype)[idx]
-
-
-def dequant_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape, dtype) -> torch.Tensor:
-    """packed [out, ceil(in/8)] int32, scale [out, in/group] -> dense [out, in] in `dtype`."""
-    out_f, in_f = shape
-    shifts = torch.arange(8, dtype=torch.int32) * 4
-    q = ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(out_f, -1)[:, :in_f] - 8  # [out, in] in [-8, 7]
-    group = in_f // scale.shape[1]
-    return (q.float() * scale.float().repeat_interleave(group, dim=1)[:, :in_f]).to(dtype)
+            return _dequant_box(self._slice[:], self._fp8_scale, self._dtype)[idx]
+        (r0, r1), (c0, c1) = box  # read only the shard, and scale it by the blocks it falls in
+        return _dequant_box(self._slice[r0:r1, c0:c1], self._fp8_scale, self._dtype, origin=(r0, c0))
 
 
 def _as_box(idx, shape) -> tuple[tuple[int, int], tuple[int, int]] | None:
@@ -81,15 +80,11 @@ def _as_box(idx, shape) -> tuple[tuple[int, int], tuple[int, int]] | None:
     return None if any(step != 1 for _, _, step in box) else tuple((a, max(a, b)) for a, b, _ in box)
 
 
-def dequant_fp8_block(
-    w: torch.Tensor, scale_inv: torch.Tensor, dtype, block: int = 128, origin: tuple[int, int] = (0, 0)
-) -> torch.Tensor:
-    """w float8_e4m3fn, rows/cols from `origin` on of a weight whose scale_inv is [ceil(out/128), ceil(in/128)]
-    -> dense `dtype`."""
-    rows = torch.arange(origin[0], origin[0] + w.shape[0]) // block
-    cols = torch.arange(origin[1], origin[1] + w.shape[1]) // block
-    s = scale_inv.float()[rows][:, cols]
-    return (w.float() * s).to(dtype)
+def _dequant_box(w: torch.Tensor, scale_inv: torch.Tensor, dtype, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Rows/cols of an FP8 weight from `origin` on, scaled by the blocks they fall in -> `dtype`."""
+    rows = torch.arange(origin[0], origin[0] + w.shape[0]) // BLOCK
+    cols = torch.arange(origin[1], origin[1] + w.shape[1]) // BLOCK
+    return (w.float() * scale_inv.float()[rows][:, cols]).to(dtype)
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -120,132 +115,194 @@ def _open(file: str):
 
 def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> None:
     """Fill every parameter of `model` (a DeepseekV3ForCausalLM) from the checkpoint folder `path`."""
-    cfg = model.config
-    prefix, n_layers = cfg.weight_prefix, cfg.num_hidden_layers
-    params = dict(model.named_parameters())
-    experts = {name: mod for name, mod in model.named_modules() if type(mod).__name__ == "Experts"}
-    pending = set(params) - {f"{n}.{w}" for n in experts for w in ("gate_up_proj", "down_proj")}
-    pending_experts = {
-        (n, e, w)
-        for n, m in experts.items()
-        for e in range(m.expert_offset, m.expert_offset + m.num_local)
-        for w in ("gate_proj", "up_proj", "down_proj")
-    }
-    skipped = {"vision": 0, "mtp": 0}
-    dtype = next(iter(params.values())).dtype
-
-    files = checkpoint_files(path)
-    handles = [(f, _open(f)) for f in files]
-    where = {key: h for _, h in handles for key in h.keys()}  # a weight's scale may sit in another shard
-    bar = tqdm(total=len(where), desc="Loading weights", unit="tensor", disable=not progress)
+    loader = _Loader(model)
+    handles = [(f, _open(f)) for f in checkpoint_files(path)]
+    loader.where = {key: h for _, h in handles for key in h.keys()}  # a weight's scale may sit in another shard
+    bar = tqdm(total=len(loader.where), desc="Loading weights", unit="tensor", disable=not progress)
     for file, h in handles:
         for key in sorted(h.keys()):
             bar.update()
-            if key.endswith("weight_scale_inv") or _is_int4_companion(key, where):
-                continue  # consumed with its weight
-            name = key[len(prefix) :] if key.startswith(prefix) else None
-            if name is not None and name.endswith(".weight_packed"):
-                name = name[: -len("_packed")]  # an int4 weight stands for the dense .weight
-            if name is None:
-                if key.startswith(SKIPPED_TOWERS):
-                    skipped["vision"] += 1
-                    continue
-                raise CheckpointError(f"{file}: unexpected tensor {key!r} (expected the prefix {prefix!r})")
-            m = LAYER_KEY.match(name)
-            if m and int(m.group(1)) >= n_layers:
-                skipped["mtp"] += 1  # DeepSeek-V3's MTP layer (index num_hidden_layers), unused here
-                continue
             try:
-                src = _lazy(h, key, where, file, dtype)
-            except SafetensorError as e:
-                raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e}); is the file truncated?") from None
-            em = EXPERT_KEY.match(name)
-            try:
-                if em:
-                    mod_name, e, which = em.group(1), int(em.group(2)), em.group(3)
-                    mod = experts.get(mod_name)
-                    if mod is None or e >= mod.num_experts:
-                        raise CheckpointError(f"{file}: unexpected tensor {key!r} (no such expert in the model)")
-                    _check_shape(file, key, src.shape, mod.expert_shape(which))
-                    if mod.owns(e):
-                        mod.load_expert(e, which, src)
-                        pending_experts.discard((mod_name, e, which))
-                    continue
-                param = params.get(name)
-                if param is None:
-                    raise CheckpointError(f"{file}: unexpected tensor {key!r} (the model has no such parameter)")
-                _check_shape(file, key, src.shape, param.hf_shape)
-                param.weight_loader(param, src)
-                pending.discard(name)
-                mod_name = name.rsplit(".", 1)[0]
-                if mod_name in experts:  # transformers 5's fused expert tensors
-                    which = ("down_proj",) if name.endswith("down_proj") else ("gate_proj", "up_proj")
-                    pending_experts -= {p for p in pending_experts if p[0] == mod_name and p[2] in which}
+                loader.load(file, h, key)
             except SafetensorError as e:
                 raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e}); is the file truncated?") from None
     bar.close()
-
-    if "lm_head.weight" in pending and cfg.tie_word_embeddings and "model.embed_tokens.weight" not in pending:
-        params["lm_head.weight"].data.copy_(params["model.embed_tokens.weight"].data)
-        pending.discard("lm_head.weight")
-    missing = sorted(prefix + n for n in pending) + sorted(f"{prefix}{n}.{e}.{w}.weight" for n, e, w in pending_experts)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
-    if skipped["vision"]:
-        log.info("skipped %d vision-tower tensors: mlaserve serves the text model only", skipped["vision"])
-    if skipped["mtp"]:
-        log.info("skipped %d tensors of the MTP layer (layers >= %d)", skipped["mtp"], n_layers)
+    loader.finish(path)
 
 
-INT4_COMPANIONS = ("weight_scale", "weight_shape", "weight_zero_point")
+class _Loader:
+    """One load's state: the model's parameters and expert blocks, what is still missing, what was skipped."""
 
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.cfg = model, model.config
+        self.experts = {n: m for n, m in model.named_modules() if isinstance(m, ExpertsBase)}
+        # quantized experts load per expert only; the bf16 block also takes transformers 5's fused tensors by name
+        self.params = {
+            n: p
+            for n, p in model.named_parameters()
+            if not isinstance(self.experts.get(n.rsplit(".", 1)[0]), (Int4Experts, Fp8Experts))
+        }
+        self.pending = {n for n in self.params if n.rsplit(".", 1)[0] not in self.experts}
+        self.pending_experts = {
+            (n, e, w, s)
+            for n, m in self.experts.items()
+            for e in range(m.expert_offset, m.expert_offset + m.num_local)
+            for w in ("gate_proj", "up_proj", "down_proj")
+            for s in m.suffixes
+        }
+        self.dtype = model.lm_head.weight.dtype
+        self.skipped = {"vision": 0, "mtp": 0}
+        self.expanded: list[tuple[str, int, int]] = []  # (name, bytes held, bytes in the checkpoint)
+        self.where: dict = {}
 
-def _is_int4_companion(key: str, where: dict) -> bool:
-    base, _, last = key.rpartition(".")
-    return last in INT4_COMPANIONS and f"{base}.weight_packed" in where
+    def load(self, file: str, h, key: str) -> None:
+        prefix = self.cfg.weight_prefix
+        name = key[len(prefix) :] if key.startswith(prefix) else None
+        if name is None:
+            if key.startswith(SKIPPED_TOWERS):
+                self.skipped["vision"] += 1
+                return
+            raise CheckpointError(f"{file}: unexpected tensor {key!r} (expected the prefix {prefix!r})")
+        m = LAYER_KEY.match(name)
+        if m and int(m.group(1)) >= self.cfg.num_hidden_layers:
+            self.skipped["mtp"] += 1  # DeepSeek-V3's MTP layer (index num_hidden_layers), unused here
+            return
+        suffix = name.rpartition(".")[2]
+        if suffix in REFUSED:
+            raise CheckpointError(f"{file}: tensor {key!r} is {REFUSED[suffix]}")
+        em = EXPERT_KEY.match(name)
+        if em:
+            self.load_expert(file, h, key, em.group(1), int(em.group(2)), em.group(3), em.group(4))
+        else:
+            self.load_param(file, h, key, name, suffix)
 
+    def load_expert(self, file, h, key, mod_name, e, which, suffix) -> None:
+        mod = self.experts.get(mod_name)
+        if mod is None or e >= mod.num_experts:
+            raise CheckpointError(f"{file}: unexpected tensor {key!r} (no such expert in the model)")
+        got = _kind(suffix, h.get_slice(key).get_dtype())
+        want = "int4" if isinstance(mod, Int4Experts) else "fp8" if isinstance(mod, Fp8Experts) else "dense"
+        if got != want or suffix not in mod.suffixes:
+            raise self.mismatch(file, key, h, got, want)
+        src = _Tensor(h, key)  # the header only: nothing is read before the slice is taken
+        _check_shape(file, key, src.shape, mod.expert_shape(which, suffix))
+        _check_dtype(file, key, h, got, suffix)
+        if not mod.owns(e):
+            return  # another rank's expert (EP): nothing of it is read
+        if suffix == "weight_shape":  # (out, in) of the unpacked weight
+            _check_weight_shape(file, key, src, ExpertsBase.expert_shape(mod, which))
+        mod.load_expert(e, which, suffix, src)
+        self.pending_experts.discard((mod_name, e, which, suffix))
 
-def _lazy(h, key: str, where: dict, file: str, dtype) -> _Tensor:
-    if key.endswith(".weight_packed"):
-        base = key[: -len("weight_packed")]
-        if base + "weight_zero_point" in where:
-            raise CheckpointError(
-                f"{file}: tensor {key!r} is asymmetric int4 (weight_zero_point); only symmetric "
-                "pack-quantized int4 is supported"
-            )
-        missing = [k for k in ("weight_scale", "weight_shape") if base + k not in where]
+    def load_param(self, file, h, key, name, suffix) -> None:
+        base = name.rpartition(".")[0]
+        got = _kind(suffix, h.get_slice(key).get_dtype())
+        param = self.params.get(name)
+        if param is None:
+            sibling = self.params.get(base + ".weight")
+            if suffix == "weight_scale_inv" and sibling is not None and getattr(sibling, "expand_fp8", False):
+                return  # consumed with its weight
+            if got != "dense" and sibling is not None:
+                raise self.mismatch(file, key, h, got, _param_kind(base + ".weight", sibling))
+            raise CheckpointError(f"{file}: unexpected tensor {key!r} (the model has no such parameter)")
+        want = _param_kind(name, param)
+        if got == "fp8" and want == "dense" and getattr(param, "expand_fp8", False):
+            src = self.expand(file, h, key, param)
+        elif got != want:
+            raise self.mismatch(file, key, h, got, want)
+        else:
+            _check_dtype(file, key, h, got, suffix)
+            src = _Tensor(h, key)
+        _check_shape(file, key, src.shape, param.hf_shape)
+        param.weight_loader(param, src)
+        self.pending.discard(name)
+        mod = self.experts.get(base)
+        if mod is not None:  # transformers 5's fused expert tensors
+            which = ("down_proj",) if name.endswith("down_proj") else ("gate_proj", "up_proj")
+            self.pending_experts -= {p for p in self.pending_experts if p[0] == base and p[2] in which}
+
+    def expand(self, file, h, key, param) -> _Tensor:
+        """An FP8 weight held in the model dtype (kv_b_proj): read lazily and dequantized slice by slice."""
+        scale_key = key + "_scale_inv"
+        if scale_key not in self.where:
+            raise CheckpointError(f"{file}: tensor {key!r} is fp8 but the checkpoint has no weight_scale_inv for it")
+        scale = self.where[scale_key].get_tensor(scale_key)
+        src = _Tensor(h, key, fp8_scale=scale, dtype=param.dtype)
+        n = param.numel()  # this rank's rows: its FP8 bytes and their share of the scales
+        stored = n + scale.numel() * scale.element_size() * param.shape[0] // src.shape[0]
+        self.expanded.append((key, n * param.element_size(), stored))
+        return src
+
+    def mismatch(self, file, key, h, got: str, want: str) -> CheckpointError:
+        q = self.cfg.quantization
+        why = f"config.json's quantization_config is {q.describe()}" if q else "config.json has no quantization_config"
+        dtype = h.get_slice(key).get_dtype()
+        return CheckpointError(
+            f"{file}: tensor {key!r} is {KIND[got]} ({dtype}), but the model holds {KIND[want]} there ({why})"
+        )
+
+    def finish(self, path: str) -> None:
+        cfg, params = self.cfg, self.params
+        if (
+            "lm_head.weight" in self.pending
+            and cfg.tie_word_embeddings
+            and "model.embed_tokens.weight" not in (self.pending)
+        ):
+            params["lm_head.weight"].data.copy_(params["model.embed_tokens.weight"].data)
+            self.pending.discard("lm_head.weight")
+        prefix = cfg.weight_prefix
+        missing = sorted(prefix + n for n in self.pending) + sorted(
+            f"{prefix}{n}.{e}.{w}.{s}" for n, e, w, s in self.pending_experts
+        )
         if missing:
-            raise CheckpointError(f"{file}: int4 tensor {key!r} has no {base + missing[0]!r}")
-        get = lambda k: where[base + k].get_tensor(base + k)  # noqa: E731
-        return _PackedInt4(h.get_tensor(key), get("weight_scale"), get("weight_shape").tolist(), dtype)
-    scale_key = key[: -len("weight")] + "weight_scale_inv" if key.endswith(".weight") else None
-    if scale_key and scale_key in where:
-        return _Tensor(h, key, fp8_scale=where[scale_key].get_tensor(scale_key), dtype=dtype)
-    if h.get_slice(key).get_dtype().startswith("F8"):
-        # Casting fp8 without its block scales would load silently wrong numbers.
-        raise CheckpointError(f"{file}: tensor {key!r} is fp8 but the checkpoint has no weight_scale_inv for it")
-    return _Tensor(h, key)
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
+        if self.skipped["vision"]:
+            log.info("skipped %d vision-tower tensors: mlaserve serves the text model only", self.skipped["vision"])
+        if self.skipped["mtp"]:
+            log.info("skipped %d tensors of the MTP layer (layers >= %d)", self.skipped["mtp"], cfg.num_hidden_layers)
+        if self.expanded:
+            held, stored = sum(e[1] for e in self.expanded), sum(e[2] for e in self.expanded)
+            log.info(
+                "expanded %d FP8 tensors (%s) to %s at load, for the absorbed MLA projections: %.1f MB held for "
+                "%.1f MB in the checkpoint (+%.1f MB on this rank)",
+                len(self.expanded),
+                ", ".join(sorted({k.rsplit(".", 2)[-2] for k, _, _ in self.expanded})),
+                str(self.dtype).removeprefix("torch."),
+                held / 1e6,
+                stored / 1e6,
+                (held - stored) / 1e6,
+            )
+
+
+def _kind(suffix: str, dtype: str) -> str:
+    """What a checkpoint tensor is: part of an FP8 weight, of a packed INT4 weight, or unquantized."""
+    if suffix == "weight_scale_inv" or (suffix == "weight" and dtype.startswith("F8")):
+        return "fp8"
+    if suffix in ("weight_packed", "weight_scale", "weight_shape"):
+        return "int4"
+    return "dense"
+
+
+def _param_kind(name: str, param) -> str:
+    if name.endswith("weight_scale_inv") or param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "fp8"
+    return "int4" if param.dtype == torch.int32 else "dense"
+
+
+def _check_dtype(file: str, key: str, h, kind: str, suffix: str) -> None:
+    want = QUANT_DTYPES.get((kind, suffix))
+    got = h.get_slice(key).get_dtype()
+    if want is not None and got not in want:
+        raise CheckpointError(f"{file}: tensor {key!r} has dtype {got}, expected {' or '.join(want)}")
+
+
+def _check_weight_shape(file: str, key: str, src, want) -> None:
+    got = tuple(int(x) for x in src[:].tolist())
+    if got != tuple(want):
+        raise CheckpointError(f"{file}: tensor {key!r} says the weight is {got}, expected {tuple(want)}")
 
 
 def _check_shape(file: str, key: str, got, want) -> None:
     if tuple(got) != tuple(want):
         raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(got)}, expected {tuple(want)}")
-
-
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights in place, without reading files (vLLM's --load-format dummy), scaled as make-random does:
-    for benchmarks at shapes whose checkpoints would not fit on disk."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            p.data.normal_(1.0, 0.1, generator=gen)
-        elif name.endswith("e_score_correction_bias"):
-            p.data.normal_(0.0, 0.1, generator=gen)
-        elif name.endswith("embed_tokens.weight"):
-            p.data.normal_(0.0, 1.0, generator=gen)
-        else:
-            parts = name.split(".")
-            kind = parts[-2] if parts[-1] == "weight" else parts[-1]  # e.g. o_proj, or experts' down_proj
-            gain = {"o_proj": 0.5, "down_proj": 0.5, "gate": 2.0, "lm_head": 4.0}.get(kind, 1.0)
-            p.data.normal_(0.0, gain / p.hf_shape[-1] ** 0.5, generator=gen)

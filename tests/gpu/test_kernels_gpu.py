@@ -408,8 +408,8 @@ def _moe_layers(preset, device="cuda"):
     from mlaserve.config import ModelConfig
     from mlaserve.distributed.tp import RankInfo
     from mlaserve.models.deepseek_v3 import DeepseekV3MoE
+    from mlaserve.models.dummy_weights import init_dummy_weights
     from mlaserve.models.make_random import load_preset
-    from mlaserve.models.weights import init_dummy_weights
 
     cfg = ModelConfig.from_hf(load_preset(preset))
     with torch.device(device):

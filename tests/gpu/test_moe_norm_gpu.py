@@ -81,8 +81,8 @@ def _moonlight_layer():
     from mlaserve.distributed.tp import RankInfo
     from mlaserve.layers.norm import RMSNorm
     from mlaserve.models.deepseek_v3 import DeepseekV3MoE
+    from mlaserve.models.dummy_weights import init_dummy_weights
     from mlaserve.models.make_random import load_preset
-    from mlaserve.models.weights import init_dummy_weights
 
     cfg = ModelConfig.from_hf(load_preset("moonlight-16b-a3b"))
     with torch.device("cuda"):

@@ -74,8 +74,8 @@ def moe_layer(S, dtype, impl, ranks=None, seed=0):
     from mlaserve.config import ModelConfig
     from mlaserve.distributed.tp import RankInfo
     from mlaserve.models.deepseek_v3 import DeepseekV3MoE
+    from mlaserve.models.dummy_weights import init_dummy_weights
     from mlaserve.models.make_random import load_preset
-    from mlaserve.models.weights import init_dummy_weights
 
     raw = dict(load_preset("tiny"), n_shared_experts=S)  # D=64, I=32, 8 experts, top-2 of 2 groups
     cfg = ModelConfig.from_hf(raw)

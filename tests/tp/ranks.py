@@ -14,6 +14,7 @@ from mlaserve.attention.torch_ref import TorchRefBackend
 from mlaserve.config import ModelConfig
 from mlaserve.distributed import tp
 from mlaserve.distributed.tp import RankInfo
+from mlaserve.layers.moe import ExpertsBase
 from mlaserve.models import weights
 from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -23,7 +24,7 @@ DECODE_STEPS = 8
 
 @contextlib.contextmanager
 def count_reads():
-    """Record (tensor name, elements) of every checkpoint read the loader makes."""
+    """Record (tensor name, elements, bytes) of every checkpoint read the loader makes."""
     reads = []
     init, getitem = weights._Tensor.__init__, weights._Tensor.__getitem__
 
@@ -33,7 +34,7 @@ def count_reads():
 
     def counting_getitem(self, idx):
         t = getitem(self, idx)
-        reads.append((self.name, t.numel()))
+        reads.append((self.name, t.numel(), t.numel() * t.element_size()))
         return t
 
     weights._Tensor.__init__, weights._Tensor.__getitem__ = counting_init, counting_getitem
@@ -100,14 +101,16 @@ def greedy(model: DeepseekV3ForCausalLM, broadcast: bool = False):
 def parity(info: RankInfo, path: str, device: str = "cpu") -> dict:
     """Load this rank's shard and run the greedy schedule; report what was read and what came out."""
     model, reads = load(path, info, device)
-    experts = next(m for m in model.modules() if type(m).__name__ == "Experts")
+    experts = next(m for m in model.modules() if isinstance(m, ExpertsBase))
     tokens, logits = greedy(model)
     return dict(
         tokens=tokens,
         logits=logits,
-        read=sum(n for _, n in reads),
+        read=sum(n for _, n, _ in reads),
         numel=sum(p.numel() for p in model.parameters()),
-        experts_read=sorted({int(name.split(".")[5]) for name, _ in reads if ".experts." in name}),
+        read_bytes={name: b for name, _, b in reads},  # each tensor is read once
+        held_bytes={n: p.numel() * p.element_size() for n, p in model.named_parameters()},
+        experts_read=sorted({int(name.split(".")[5]) for name, _, _ in reads if ".experts." in name}),
         experts_owned=list(range(experts.expert_offset, experts.expert_offset + experts.num_local)),
     )
 

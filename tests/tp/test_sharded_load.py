@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from mlaserve.config import ParallelConfig
 from mlaserve.distributed.tp import RankInfo
-from mlaserve.models.weights import _Tensor, dequant_fp8_block
+from mlaserve.layers.quant import dequant_fp8_block
+from mlaserve.models.weights import _Tensor
 
 from .ranks import load
 
@@ -25,7 +26,7 @@ def shard_loads(path: str, sizes):
 
 
 def expert_ids(reads) -> list[int]:
-    return sorted({int(name.split(".")[5]) for name, _ in reads if ".experts." in name})
+    return sorted({int(name.split(".")[5]) for name, *_ in reads if ".experts." in name})
 
 
 @pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: "attn{}-moe{}-ep{}".format(*s))
@@ -33,7 +34,7 @@ def test_each_rank_reads_exactly_its_shard(tiny_ckpt, sizes):
     heads = 4
     for info, model, reads in shard_loads(tiny_ckpt, sizes):
         held = sum(p.numel() for p in model.parameters())
-        assert sum(n for _, n in reads) == held, f"rank {info.rank} read more than it holds"
+        assert sum(n for _, n, _ in reads) == held, f"rank {info.rank} read more than it holds"
         experts = model.model.layers[1].mlp.experts
         per = 8 // info.ep_size
         assert expert_ids(reads) == list(range(info.ep_rank * per, (info.ep_rank + 1) * per))
@@ -67,7 +68,7 @@ def test_fused_expert_checkpoint_reads_only_the_shard(tiny_ckpt, tmp_path, sizes
     fused = str(tmp_path / "fused")
     fuse_experts(tiny_ckpt, fused)
     for (info, per_expert, _), (_, model, reads) in zip(shard_loads(tiny_ckpt, sizes), shard_loads(fused, sizes)):
-        assert sum(n for _, n in reads) == sum(p.numel() for p in model.parameters()), f"rank {info.rank}"
+        assert sum(n for _, n, _ in reads) == sum(p.numel() for p in model.parameters()), f"rank {info.rank}"
         for name, p in per_expert.named_parameters():
             torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=0, atol=0, msg=name)
 
@@ -82,7 +83,7 @@ def test_padded_vocab_shards(tiny_variant):
         torch.testing.assert_close(emb[: rows.stop - rows.start], full.model.embed_tokens.weight[rows])
         if info.rank == 1:
             assert (emb[254:] == 0).all()
-        assert sum(n for _, n in reads) == sum(p.numel() for p in model.parameters()) - (info.rank == 1) * 2 * 64
+        assert sum(n for _, n, _ in reads) == sum(p.numel() for p in model.parameters()) - (info.rank == 1) * 2 * 64
 
 
 class RecordingSlice:
@@ -103,7 +104,7 @@ def test_fp8_shard_is_read_and_dequantized_alone(tmp_path):
     w = (torch.randn(300, 260, generator=g) * 20).to(torch.float8_e4m3fn)
     scale = torch.rand(3, 3, generator=g) + 0.5  # 128x128 blocks, the last ones partial
     save_file({"w": w, "w_scale_inv": scale}, str(tmp_path / "w.safetensors"))
-    full = dequant_fp8_block(w, scale, torch.float32)
+    full = dequant_fp8_block(w, scale)
     torch.testing.assert_close(full[:128, :128], w[:128, :128].float() * scale[0, 0])
     torch.testing.assert_close(full[280:, 256:], w[280:, 256:].float() * scale[2, 2])
     with safe_open(str(tmp_path / "w.safetensors"), "pt") as h:

@@ -149,3 +149,63 @@ def test_greedy_output_is_not_degenerate(tmp_path, seed):
         assert len(set(t)) >= 16, t
     assert len({tuple(t) for t in tokens}) == len(prompts)
     assert logits.std(-1).min() > 1.0  # logits are not flat
+
+
+def test_kimi_k25_preset_is_int4_experts_as_published(tmp_path):
+    """quantization_config in text_config; each routed expert's projections as weight_packed (I32) + weight_scale
+    (BF16) + weight_shape; attention, shared experts, the dense MLP and the lm_head unquantized."""
+    from mlaserve.quantization import KIMI_INT4
+
+    path = make_random("kimi-k2.5", str(tmp_path), layers=2, dtype="bfloat16", progress=False, overrides=TINY_SIZES)
+    cfg = ckpt_edit.read_config(path)
+    assert cfg["text_config"]["quantization_config"] == KIMI_INT4 and "quantization_config" not in cfg
+    t = tensors_of(path)
+    p = "language_model.model.layers.1.mlp."
+    for e in range(8):
+        for proj, shape in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
+            base = f"{p}experts.{e}.{proj}."
+            assert t[base + "weight_packed"] == ("I32", (shape[0], shape[1] // 8))
+            assert t[base + "weight_scale"] == ("BF16", (shape[0], shape[1] // 32))
+            assert t[base + "weight_shape"] == ("I64", (2,)) and base + "weight" not in t
+    quantized = {k for k in t if k.endswith(("_packed", "_scale", "_shape"))}
+    assert quantized == {k for k in t if ".experts." in k}
+    assert t[p + "shared_experts.up_proj.weight"][0] == "BF16" and t["language_model.lm_head.weight"][0] == "BF16"
+    assert load_model(path).model.layers[1].mlp.experts.w13_packed.dtype == torch.int32
+
+
+def test_deepseek_v3_preset_is_fp8_as_published(tmp_path):
+    """quantization_config at the top level; every linear but the lm_head FP8 e4m3 with fp32 block scales
+    [ceil(out/128), ceil(in/128)]; the router, norms, embedding, correction bias and lm_head unquantized."""
+    from mlaserve.quantization import DEEPSEEK_FP8
+
+    dims = {**TINY_SIZES, "first_k_dense_replace": 1}
+    path = make_random("deepseek-v3", str(tmp_path), layers=2, dtype="bfloat16", progress=False, overrides=dims)
+    assert ckpt_edit.read_config(path)["quantization_config"] == DEEPSEEK_FP8
+    t = tensors_of(path)
+    scales = {k: v for k, v in t.items() if k.endswith("weight_scale_inv")}
+    fp8 = {k: v for k, v in t.items() if v[0] == "F8_E4M3"}
+    assert {k + "_scale_inv" for k in fp8} == set(scales) and len(fp8) == 2 * 5 + 3 + 3 * 8 + 3
+    for k, (_, shape) in fp8.items():
+        assert scales[k + "_scale_inv"] == ("F32", tuple(-(-n // 128) for n in shape)), k
+    rest = {k: v[0] for k, v in t.items() if k not in fp8 and k not in scales}
+    assert rest["lm_head.weight"] == rest["model.layers.1.mlp.gate.weight"] == rest["model.norm.weight"] == "BF16"
+    assert rest["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
+    load_model(path)
+
+
+def test_quantization_none_and_cli_flags(tmp_path):
+    plain = make_random(
+        "kimi-k2.5", str(tmp_path / "p"), layers=1, progress=False, overrides=TINY_SIZES, quantization="none"
+    )
+    assert "quantization_config" not in ckpt_edit.read_config(plain)["text_config"]
+    out = str(tmp_path / "cli")
+    assert cli_main(["make-random", "tiny", out, "--quantization", "fp8-block", "--config-only"]) == 0
+    assert ckpt_edit.read_config(out)["quantization_config"]["quant_method"] == "fp8"
+    assert not [f for f in files(out) if f.endswith(".safetensors")] and "tokenizer.json" in files(out)
+
+
+def test_plan_prints_each_ranks_bytes(capsys):
+    assert cli_main(["make-random", "kimi-k2.5", "--plan", "--layers", "3", "--tp", "2", "--ep-size", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("3 layers, compressed-tensors INT4, group 32, bfloat16; attn-tp 2, moe-tp 1, ep 2")
+    assert [ln.split(" weights:")[0] for ln in lines[1:]] == ["rank 0", "rank 1"] and "fits" in lines[1]

@@ -25,3 +25,49 @@ def test_benchmark_md_scales():
     assert decode_floor_s(m2, 1, 512) * 1e3 == pytest.approx(1.5, abs=0.05)  # "about 1.5 ms"
     # prefill: 2 x active params x T dominates; attention grows with T^2
     assert prefill_flops(m1, 8192) > 4 * prefill_flops(m1, 2048)
+
+
+def test_quantized_floors_count_the_bytes_stored():
+    """INT4 experts read 0.5 + 2/32 bytes a weight (packed words + bf16 group scales); FP8 1 + 4/128^2 (values + fp32
+    block scales), except kv_b_proj, held in bf16."""
+    import copy
+
+    from mlaserve.bench.roofline import (
+        FP8_BYTES,
+        INT4_BYTES,
+        attn_bytes,
+        decode_bytes,
+        expected_experts,
+        param_counts,
+        routed_expert_bytes,
+    )
+    from mlaserve.quantization import DEEPSEEK_FP8, KIMI_INT4
+
+    raw = load_preset("kimi-k2.5")
+    raw["text_config"]["num_hidden_layers"] = 4
+    bf16 = ModelConfig.from_hf(raw)
+    raw["text_config"]["quantization_config"] = copy.deepcopy(KIMI_INT4)
+    int4 = ModelConfig.from_hf(raw)
+    p = param_counts(bf16)
+    assert routed_expert_bytes(int4, 8) == 8 * 3 * 7168 * 2048 * 0.5625  # the INT4 GEMV's bytes at one token
+    assert routed_expert_bytes(int4, 8, moe_tp=4) == routed_expert_bytes(int4, 2)
+    for batch in (1, 8):
+        routed = 3 * expected_experts(bf16, batch) * p.expert  # 3 MoE layers
+        saved = decode_bytes(bf16, batch, 512) - decode_bytes(int4, batch, 512)
+        assert saved == pytest.approx(routed * (2 - INT4_BYTES), rel=1e-9)
+    assert decode_floor_s(int4, 1, 512) * 1e3 == pytest.approx(1.12, abs=0.01)  # bf16: 1.5 (BENCHMARK.md)
+
+    raw = load_preset("deepseek-v3")
+    raw["num_hidden_layers"] = 5
+    bf16 = ModelConfig.from_hf(raw)
+    raw["quantization_config"] = copy.deepcopy(DEEPSEEK_FP8)
+    fp8 = ModelConfig.from_hf(raw)
+    p, c = param_counts(bf16), bf16
+    kv_b = c.kv_lora_rank * c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
+    assert attn_bytes(bf16) == 2 * p.attn  # unquantized: every attention weight at 2 bytes
+    linears = p.attn - c.q_lora_rank - c.kv_lora_rank - 2 * c.hidden_size - kv_b
+    assert attn_bytes(fp8) == pytest.approx(linears * FP8_BYTES + (p.attn - linears) * 2, rel=1e-12)
+    routed = 2 * expected_experts(bf16, 1) * p.expert
+    dense = 3 * p.dense_mlp + 2 * p.shared
+    saved = decode_bytes(bf16, 1, 512) - decode_bytes(fp8, 1, 512)
+    assert saved == pytest.approx((routed + dense + 5 * linears) * (2 - FP8_BYTES), rel=1e-9)

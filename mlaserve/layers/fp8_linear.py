@@ -1,0 +1,101 @@
+"""FP8 block-scaled linear layers (DeepSeek-V3's checkpoint form, HF names), kept in FP8 in memory.
+
+`weight` float8_e4m3fn [N, K] and `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)]: w = weight * scale_inv of its
+128x128 block. Replicated or sharded over the TP ranks like `Linear`; a shard must start and end on block edges so
+its scales are exactly a block range of the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear import checked_copy, new_param
+from .quant import BLOCK, cdiv, dequant_fp8_block
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    """x [M, K] @ dequant(weight)^T -> [M, N] in x.dtype. impl "triton": the FP8 kernel (kernels/fp8_linear.py);
+    "torch": the reference, on the weight dequantized per call (exact fp32 products, then x's dtype)."""
+    if impl == "triton":
+        from ..kernels.fp8_linear import fp8_block_linear  # triton: imported where it runs
+
+        return fp8_block_linear(x, weight, scale_inv)
+    return F.linear(x, dequant_fp8_block(weight, scale_inv).to(x.dtype))
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W^T with W stored as FP8 + block scales. shard=None: replicated; "col": output split by rank; "row":
+    input split by rank (the caller all-reduces the partial sums). `name` only labels errors."""
+
+    row_params = ("weight", "weight_scale_inv")  # what stack_rows stores back to back
+    row_align = BLOCK  # the rows of every stacked part but the last must fill whole blocks
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        shard: str | None = None,
+        rank: int = 0,
+        size: int = 1,
+        dtype=None,
+        impl: str = "torch",
+        name: str = "",
+    ):
+        super().__init__()
+        assert shard in (None, "col", "row")
+        self.shard, self.rank, self.size, self.impl = shard, rank, size, impl
+        if shard and size > 1:
+            full = out_features if shard == "col" else in_features
+            what = "out_features" if shard == "col" else "in_features"
+            if full % size or (full // size) % BLOCK:
+                raise ValueError(
+                    f"{name or 'Fp8Linear'}: {what}={full} split over TP size {size} gives shards of "
+                    f"{full / size:g}, not a multiple of the FP8 block {BLOCK}: each shard's scales must be whole "
+                    "blocks of the checkpoint's; choose a TP size that keeps them whole"
+                )
+        self.in_features = in_features // size if shard == "row" else in_features
+        self.out_features = out_features // size if shard == "col" else out_features
+        N, K = self.out_features, self.in_features
+        self.weight = new_param(
+            N, K, dtype=torch.float8_e4m3fn, hf_shape=(out_features, in_features), loader=self._load_weight
+        )
+        self.weight_scale_inv = new_param(
+            cdiv(N, BLOCK),
+            cdiv(K, BLOCK),
+            dtype=torch.float32,
+            hf_shape=(cdiv(out_features, BLOCK), cdiv(in_features, BLOCK)),
+            loader=self._load_scale,
+        )
+
+    def _rows_cols(self, n_rows: int, n_cols: int, unit: int) -> tuple[slice, slice]:
+        """This rank's rows and columns of a [n_rows, n_cols] checkpoint tensor whose entries cover `unit` weights
+        each (1: the weight; 128: its block scales)."""
+        rows, cols = slice(0, n_rows), slice(0, n_cols)
+        if self.shard == "col":
+            n = self.out_features // unit if unit > 1 else self.out_features
+            rows = slice(self.rank * n, (self.rank + 1) * n) if self.size > 1 else rows
+        elif self.shard == "row":
+            n = self.in_features // unit if unit > 1 else self.in_features
+            cols = slice(self.rank * n, (self.rank + 1) * n) if self.size > 1 else cols
+        return rows, cols
+
+    def _load_weight(self, param, src) -> None:
+        rows, cols = self._rows_cols(*src.shape, 1)
+        checked_copy(param, src[rows, cols])
+
+    def _load_scale(self, param, src) -> None:
+        rows, cols = self._rows_cols(*src.shape, BLOCK)
+        checked_copy(param, src[rows, cols])
+
+    def forward_stacked(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        """x @ W^T for a weight and scales stacked by stack_rows (linear_many) or this layer's own."""
+        return fp8_linear(x, weight, scale_inv, self.impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.impl)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, shard={self.shard}, fp8 block {BLOCK}"
