@@ -56,15 +56,16 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def random_int4_experts(E: int, D: int, I: int, device, *, generator=None, scale_range=(0.5, 1.5)):
     """Random INT4 experts of a layer: (w13_packed [E, 2I, D/8], w13_scale [E, 2I, D/32], w2_packed [E, D, I/8],
     w2_scale [E, D, I/32]): uniform words (every nibble uniform in [0, 15]) and bf16 scales sized so each output
-    has about unit variance for unit inputs."""
+    has about unit variance for unit inputs. With a (CPU) generator drawn on the CPU, else on `device`."""
+    where = "cpu" if generator is not None else device
 
     def words(*shape):
-        w = torch.randint(-(2**31), 2**31, shape, dtype=torch.int64, generator=generator)
+        w = torch.randint(-(2**31), 2**31, shape, dtype=torch.int64, generator=generator, device=where)
         return w.to(torch.int32).to(device)
 
     def scales(out, k):
         lo, hi = scale_range
-        s = lo + (hi - lo) * torch.rand(E, out, k // GROUP, generator=generator)
+        s = lo + (hi - lo) * torch.rand(E, out, k // GROUP, generator=generator, device=where)
         return (s / (4.6 * k**0.5)).to(torch.bfloat16).to(device)  # |n - 8| has rms 4.6
 
     return words(E, 2 * I, D // 8), scales(2 * I, D), words(E, D, I // 8), scales(D, I)

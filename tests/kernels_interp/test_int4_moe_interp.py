@@ -2,7 +2,6 @@
 int4_fused_experts_ref: bf16 and fp32, one token / two / odd counts, EP offsets with non-local ids, `add`, int32 ids,
 trips and masked tails, poisoned buffers (every output element must be written)."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -11,29 +10,14 @@ from tests.kernel_checks import assert_close, poisoned_empty
 
 @pytest.fixture(autouse=True)
 def bf16_round_to_nearest(kdev):
-    """The interpreter truncates fp32 -> bf16 casts; compiled kernels round to nearest even. Round here as the GPU
-    does, so the bf16 checks measure the kernels and not the interpreter."""
+    """The interpreter truncates fp32 -> bf16 casts; compiled kernels round to nearest even (tests/interp_bf16.py)."""
     if kdev != "cpu":
         yield
         return
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
+    from tests.interp_bf16 import bf16_round_to_nearest
 
-    orig = interp.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            b = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-            r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
-            r = np.where(np.isnan(src.data), np.uint16(0x7FC0), r)
-            return interp.TensorHandle(r.reshape(src.data.shape), dst_type.scalar)
-        return orig(self, src, dst_type)
-
-    interp.InterpreterBuilder.cast_impl = cast_impl
-    try:
+    with bf16_round_to_nearest():
         yield
-    finally:
-        interp.InterpreterBuilder.cast_impl = orig
 
 
 def inputs(kdev, dtype, T, D, I, E, K, offset, seed=0, foreign=2, ids_dtype=torch.int64):
