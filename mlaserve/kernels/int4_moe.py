@@ -42,17 +42,18 @@ def gemv_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
 
 
 def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> tuple[dict, dict]:
-    """(gemm1, gemm2) tiles from the expected rows per expert T*K/E, as moe_config.py steps them. BLOCK_K 64 (two
-    scale groups): the dequantized [BLOCK_N, 64] tile stays in registers (compile_check for sm_90: 97-242
-    registers, no spills); BLOCK_M >= 64 runs wgmma, below it mma.sync."""
+    """(gemm1, gemm2) tiles from the expected rows per expert T*K/E. Every block dequantizes its weight tiles anew
+    (one FMA a weight, about 6.5 instructions a weight in all at BLOCK_N 64: compile_check), so blocks grow sooner
+    than moe_config.py's: BLOCK_M 64 from 24 rows an expert (a 2048-token chunk on Kimi: 43) reads and unpacks each
+    expert once. BLOCK_K 64 (two scale groups); BLOCK_M >= 64 runs wgmma, below it mma.sync; 72-241 registers."""
     rows = T * K / E
     if dtype == torch.float32:  # tests: IEEE fp32 dots
         c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
         return c, dict(c)
-    if rows <= 48:
-        c1 = dict(BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+    if rows <= 24:
+        c1 = dict(BLOCK_M=16 if rows <= 8 else 32, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
         return c1, dict(c1)
-    if rows <= 160:
+    if rows <= 96:
         c1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
         return c1, dict(c1, BLOCK_N=128, num_warps=8)
     c1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
