@@ -28,23 +28,28 @@ MANT_LO = tl.constexpr(0x00078000)  # mantissa bits 15-18: a nibble there adds n
 
 
 @triton.jit
-def _trip_loads(w_ptr, s_ptr, x_ptr, r_ok, g0, NG, G: tl.constexpr, EVEN: tl.constexpr):
-    """Groups [g0, g0 + G) of rows r (w_ptr / s_ptr [R]: each row's words / scales): words [R, 4G] int32, scales
-    [R, G], x [32G]; nothing past NG groups (a trip past the end loads nothing). EVEN: NG % G == 0 and every row is
-    real (r_ok all true), so whole trips load unmasked."""
+def _trip_weights(w_ptr, s_ptr, r_ok, g0, NG, G: tl.constexpr, EVEN: tl.constexpr):
+    """Groups [g0, g0 + G) of rows r (w_ptr / s_ptr [R]: each row's words / scales): words [R, 4G] int32 and scales
+    [R, G]; nothing past NG groups (a trip past the end loads nothing). EVEN: NG % G == 0 and every row is real
+    (r_ok all true), so whole trips load unmasked."""
     g = g0 + tl.arange(0, G)
     v = 4 * g0 + tl.arange(0, 4 * G)
-    c = 32 * g0 + tl.arange(0, 32 * G)
     if EVEN:  # whole trips and row blocks: only a trip past the end is masked (off)
-        live = g0 < NG
-        w = tl.load(w_ptr[:, None] + v[None, :], mask=live)
-        s = tl.load(s_ptr[:, None] + g[None, :], mask=live)
-        x = tl.load(x_ptr + c, mask=live)
+        w = tl.load(w_ptr[:, None] + v[None, :], mask=g0 < NG)
+        s = tl.load(s_ptr[:, None] + g[None, :], mask=g0 < NG)
     else:
         w = tl.load(w_ptr[:, None] + v[None, :], mask=r_ok[:, None] & (v < 4 * NG)[None, :], other=0)
         s = tl.load(s_ptr[:, None] + g[None, :], mask=r_ok[:, None] & (g < NG)[None, :], other=0.0)
-        x = tl.load(x_ptr + c, mask=c < 32 * NG, other=0.0)
-    return w, s, x
+    return w, s
+
+
+@triton.jit
+def _trip_x(x_ptr, g0, NG, G: tl.constexpr, EVEN: tl.constexpr):
+    """x of groups [g0, g0 + G): [32G]."""
+    c = 32 * g0 + tl.arange(0, 32 * G)
+    if EVEN:
+        return tl.load(x_ptr + c, mask=g0 < NG)
+    return tl.load(x_ptr + c, mask=c < 32 * NG, other=0.0)
 
 
 @triton.jit
@@ -69,21 +74,33 @@ def _trip_dot(w, s, x, one):
 
 
 @triton.jit
-def _rows_dot(w_ptr, s_ptr, r_ok, x_ptr, NG, one, G: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr):
+def _rows_dot(
+    w_ptr, s_ptr, r_ok, x_ptr, NG, one, G: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr
+):
     """sum_c w[r, c] x[c] over the K = 32 * NG columns of rows r: w_ptr / s_ptr [R] point at each row's words and
     scales, x_ptr at x[0] -> [R] fp32. PREFETCH: each trip's loads are issued before the previous trip's
-    arithmetic (registers double-buffer the words), so a program always has a trip in flight."""
+    arithmetic (registers double-buffer the words), so a program always has a trip in flight. WAIT: the kernel's
+    PDL wait comes between the first trip's weights and its x (x is the previous kernel's output)."""
     acc = tl.zeros([w_ptr.shape[0], G], tl.float32)
     if PREFETCH:
-        w, s, x = _trip_loads(w_ptr, s_ptr, x_ptr, r_ok, 0, NG, G, EVEN)
+        w, s = _trip_weights(w_ptr, s_ptr, r_ok, 0, NG, G, EVEN)
+        pdl_wait(WAIT)
+        x = _trip_x(x_ptr, 0, NG, G, EVEN)
         for g0 in range(G, NG + G, G):
-            w_next, s_next, x_next = _trip_loads(w_ptr, s_ptr, x_ptr, r_ok, g0, NG, G, EVEN)
+            w_next, s_next = _trip_weights(w_ptr, s_ptr, r_ok, g0, NG, G, EVEN)
+            x_next = _trip_x(x_ptr, g0, NG, G, EVEN)
             acc += _trip_dot(w, s, x, one)
             w, s, x = w_next, s_next, x_next
     else:
-        for g0 in range(0, NG, G):
-            w, s, x = _trip_loads(w_ptr, s_ptr, x_ptr, r_ok, g0, NG, G, EVEN)
-            acc += _trip_dot(w, s, x, one)
+        g_first = 0
+        if WAIT:  # the first trip peeled off the loop, the wait inside it
+            w, s = _trip_weights(w_ptr, s_ptr, r_ok, 0, NG, G, EVEN)
+            pdl_wait(WAIT)
+            acc += _trip_dot(w, s, _trip_x(x_ptr, 0, NG, G, EVEN), one)
+            g_first = G
+        for g0 in range(g_first, NG, G):
+            w, s = _trip_weights(w_ptr, s_ptr, r_ok, g0, NG, G, EVEN)
+            acc += _trip_dot(w, s, _trip_x(x_ptr, g0, NG, G, EVEN), one)
     return tl.sum(acc, 1)
 
 
@@ -137,7 +154,7 @@ def _int4_gemv1_kernel(
     row = (n + (r2 % 2) * I).to(tl.int64)  # even: gate row n, odd: up row n
     w_ptr = W13 + e * stride_we + row * stride_wn
     s_ptr = S13 + e * stride_se + row * stride_sn
-    acc = _rows_dot(w_ptr, s_ptr, r_ok, X + (p // TOPK) * stride_xt, NG, one, G, EVEN, PREFETCH)
+    acc = _rows_dot(w_ptr, s_ptr, r_ok, X + (p // TOPK) * stride_xt, NG, one, G, EVEN, PREFETCH, False)
     gate, up = tl.split(tl.reshape(acc, (ROWS, 2)))
     h = gate * tl.sigmoid(gate) * up
     n1 = (tl.program_id(0) % nb) * ROWS + tl.arange(0, ROWS)
@@ -170,7 +187,8 @@ def _int4_gemv2_kernel(
     PDL: tl.constexpr,
 ):
     """Y[p, d] for ROWS rows d of pair p = program // cdiv(D, ROWS). The routing is read before the PDL wait, through
-    L2: gemv1 released this kernel only after its own wait, so the routing was complete (pdl.py)."""
+    L2 (gemv1 released this kernel only after its own wait, so the routing was complete: pdl.py), and so are the
+    first trip's weights: only Hbuf waits."""
     pdl_release(PDL)
     nb = tl.cdiv(D, ROWS)
     p = tl.program_id(0) // nb
@@ -181,9 +199,8 @@ def _int4_gemv2_kernel(
     d_ok = d < D
     w_ptr = W2 + e * stride_we + d.to(tl.int64) * stride_wn
     s_ptr = S2 + e * stride_se + d.to(tl.int64) * stride_sn
-    pdl_wait(PDL)
-    acc = _rows_dot(w_ptr, s_ptr, d_ok, Hbuf + p * stride_hm, NG, one, G, EVEN, PREFETCH)
-    tw = tl.load(TopkW + p)
+    tw = tl.load(TopkW + p, cache_modifier=".cg")
+    acc = _rows_dot(w_ptr, s_ptr, d_ok, Hbuf + p * stride_hm, NG, one, G, EVEN, PREFETCH, PDL)
     tl.store(Y + p * stride_yt + d, (acc * tw).to(Y.dtype.element_ty), mask=d_ok)
 
 
