@@ -2,6 +2,7 @@
 fused_experts on the same (dequantized) weights, torch's `_weight_int4pack_mm` as an anchor, and tile sweeps.
 
     PYTHONPATH=$PWD python benchmarks/kernels_bench.py --only int4_moe --time-limit 900
+    INT4_BENCH_SHAPES=kimi-tp4,kimi-ep8 ... --only int4_moe     # some shapes only (a run under 10 minutes)
 
 Shapes: kimi (7168 -> 2048, 384 experts), kimi-tp4 (I=512), kimi-tp8 (I=256), kimi-ep8 (48 local experts of 384:
 `busy` routes every pair to a local expert, as the busiest rank sees it; `random` over all 384, about one local
@@ -10,10 +11,12 @@ chunk (the GEMM form). Each timed call cycles through ROTATE routings over disjo
 from HBM, not L2 (the union exceeds its 50 MB). bytes: what one call reads, packed words + scales of the distinct
 local experts it selects + x; TB/s against the 4.3 TB/s copy ceiling. The bf16 rows time fused_experts on the same
 weights dequantized to bf16 (2 bytes a weight). Rows `gemv kernels` time the two GEMV launches alone (no sum).
+`form*` marks the form int4_fused_experts picks by default.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -107,7 +110,9 @@ def run_int4_moe(rep: Report, sz: Sizes):
 
         with bf16_round_to_nearest():
             return _run(rep, sz, SMOKE_SHAPES, (1, 5), 2)
-    return _run(rep, sz, SHAPES, STEPS, 8)
+    only = os.environ.get("INT4_BENCH_SHAPES")
+    shapes = {k: v for k, v in SHAPES.items() if not only or k in only.split(",")}
+    return _run(rep, sz, shapes, STEPS, 8)
 
 
 def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
@@ -127,7 +132,8 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                 route = "" if E == E_all else (" busy" if busy else " random")
                 n_exp = sum(int(ids[ids < E].unique().numel()) for ids in sets) / len(sets)
                 nbytes = n_exp * expert_bytes(D, I) + x.numel() * 2
-                forms = ("gemv", "gemm") if T in BOTH_FORMS else ("gemv" if T * K <= GEMV_MAX_PAIRS else "gemm",)
+                default = "gemv" if T * K <= min(GEMV_MAX_PAIRS, E) else "gemm"
+                forms = ("gemv", "gemm") if T in BOTH_FORMS else (default,)
                 ref = int4_fused_experts_ref(x.float(), *w, ws[0], sets[0], 0) if T <= 8 or dev != "cuda" else None
                 for form in forms:
                     cfgs = gemv_config(D, I, T * K) if form == "gemv" else gemm_config(T, K, E, D, I, BF)
@@ -142,13 +148,15 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                     ) / len(calls)
                     rep.add(
                         "int4_moe",
-                        f"{name}{route} T={T} {form} experts={n_exp:.0f} {cfg_label(cfgs[0])} | {cfg_label(cfgs[1])}",
+                        f"{name}{route} T={T} {form}{'*' if form == default else ''} experts={n_exp:.0f} "
+                        f"{cfg_label(cfgs[0])} | {cfg_label(cfgs[1])}",
                         ms,
                         nbytes,
                         err=err,
                         shape=name,
                         T=T,
                         form=form,
+                        default=form == default,
                         route=route.strip() or None,
                         experts=n_exp,
                         config=[{k: str(v) for k, v in c.items()} for c in cfgs],

@@ -16,8 +16,10 @@ from .moe_align import moe_align
 from .moe_sum import moe_sum
 from .pdl import pdl_args
 
-# Up to this many (token, k) pairs each pair streams its expert's rows by itself (GEMV form): decode and verify of
-# up to 8 requests at Kimi's K=8. Above it the pairs of one expert share its weight tiles (GEMM form).
+# Up to this many (token, k) pairs, and no more than the local experts, each pair streams its expert's rows by itself
+# (GEMV form): decode and verify of up to 8 requests at Kimi's K=8 and 384 experts, where pairs seldom share an
+# expert. Above it the pairs of one expert share its weight tiles (GEMM form): under EP8 (48 local experts) 64 busy
+# pairs read 36 experts' weights, not 64.
 GEMV_MAX_PAIRS = 64
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -114,7 +116,7 @@ def int4_fused_experts(
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
     pdl: None (on where pdl.py enables it), a bool, or pdl_args' dict.
-    config (benchmarks, tests): "form": "gemv" / "gemm" (default: gemv up to GEMV_MAX_PAIRS pairs); "gemv1",
+    config (benchmarks, tests): "form": "gemv" / "gemm" (default: gemv up to min(GEMV_MAX_PAIRS, E) pairs); "gemv1",
     "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if T == 0:  # checks `add`; empty
@@ -128,7 +130,7 @@ def int4_fused_experts(
     if bad:
         raise ValueError(f"config keys {sorted(bad)} are not among form, gemv1, gemv2, gemm1, gemm2")
     TK = T * K
-    form = cfg.get("form") or ("gemv" if TK <= GEMV_MAX_PAIRS else "gemm")
+    form = cfg.get("form") or ("gemv" if TK <= min(GEMV_MAX_PAIRS, E) else "gemm")
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if form == "gemv":
         c1, c2 = gemv_config(D, I, TK)

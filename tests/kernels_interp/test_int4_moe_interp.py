@@ -91,7 +91,7 @@ def test_gemm_many_rows_per_expert(kdev):
 
 @pytest.mark.parametrize("form", ["gemv", "gemm"])
 def test_int32_ids_and_default_form(kdev, form, monkeypatch):
-    # int32 ids; the form picked by the pair count (GEMV_MAX_PAIRS lowered so 3 tokens x 2 pairs exceed it)
+    # int32 ids; the form picked by the pair count (GEMV_MAX_PAIRS lowered so 3 tokens x 2 pairs exceed it or not)
     from mlaserve.kernels import int4_moe
 
     monkeypatch.setattr(int4_moe, "GEMV_MAX_PAIRS", 6 if form == "gemv" else 5)
@@ -99,8 +99,13 @@ def test_int32_ids_and_default_form(kdev, form, monkeypatch):
     for name in ("int4_gemv", "int4_gemm"):
         fn = getattr(int4_moe, name)
         monkeypatch.setattr(int4_moe, name, lambda *a, _f=fn, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
-    check(kdev, torch.bfloat16, T=3, D=64, I=32, E=4, K=2, offset=1, seed=23, ids_dtype=torch.int32)
+    check(kdev, torch.bfloat16, T=3, D=64, I=32, E=6, K=2, offset=1, seed=23, ids_dtype=torch.int32)
     assert calls == [f"int4_{form}"]
+    # never more pairs than local experts: 6 pairs over 5 experts take the GEMM form whatever the limit
+    calls.clear()
+    monkeypatch.setattr(int4_moe, "GEMV_MAX_PAIRS", 64)
+    check(kdev, torch.bfloat16, T=3, D=64, I=32, E=5, K=2, seed=24, foreign=0)
+    assert calls == ["int4_gemm"]
 
 
 def test_no_tokens(kdev):
