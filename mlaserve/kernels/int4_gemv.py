@@ -4,12 +4,15 @@ Layout (compressed-tensors pack-quantized, QUANT_SPEC.md): row r of a weight is 
 at bits 4*(c % 8) of word c // 8, stored q + 8; bf16 scales [K/32]; w[r, c] = (nibble - 8) * scale[r, c // 32].
 
 A program owns ROWS rows of one (token, k) pair's expert and walks their K extent G groups (of 32 columns, 4 words)
-per trip: the words come as a [ROWS, G, 4] tile (16-byte loads, each row's bytes contiguous), the scales as
-[ROWS, G]. The unpack costs a shift, a mask-or and an FMA per weight: nibble i is moved to mantissa bits 19-22
-under the exponent of 1.0, so the int32 bits read as the float f = 1 + n/16 (nibble 4, already at bits 16-19,
-reads as 1 + n/128 and meets 8x). Per group, with the x sums xs and x4 (nibble-4 columns) taken once per program:
-    sum_c (n_c - 8) x_c = 16 * sum_c f_c x'_c - 24 xs - 112 x4,    x'_c = x_c (8 x_c for nibble 4),
-then times the group's scale. No integer-to-float conversion (a 16-per-clock pipe) and no division in the loop.
+per trip: the words come as [ROWS, 4G] (16-byte loads, each row's bytes contiguous; warps on rows, lanes on
+groups, so the x a thread prepares serves all its rows), the scales as [ROWS, G].
+Unpack, per word: nibble pair p (nibbles 2p, 2p+1) rotated left by 15 - 8p puts nibble 2p+1 at mantissa bits
+19-22 and nibble 2p at 15-18; OR-ed under the exponent of 1.0 the bits read as f = 1 + n/16 and 1 + n/256. So a
+weight costs half a rotate, one LOP3 and one FMA against x' (x for odd nibbles, 16 x for even ones, so both carry
+n x / 16), and per group, with the x sums xs (all 32 columns) and xe (the even nibbles') taken once per trip:
+    sum_c (n_c - 8) x_c = 16 * sum_c f_c x'_c - 24 xs - 240 xe,
+then times the group's scale. No integer-to-float conversion (a 16-per-clock pipe) and no division in the loop;
+the cancellation costs about 2^-17 relative (fp32 accumulation throughout).
 
 gemv1: H[p, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n]), gate and up rows of w13 in one tile.
 gemv2: Y[p, d] = topk_weight[p] * (H[p] . down[e, d]). Pairs of experts outside [offset, offset + E) exit at once.
