@@ -323,6 +323,7 @@ def cases(quick: bool):
                     (gu[: S * I], gu[S * I :], torch.empty(D, S * I, dtype=bf)),
                 ),
             )
+    yield from int4_moe_cases(quick)
     for E, G, TG, K in [(64, 1, 1, 6), (384, 1, 1, 8), (256, 8, 4, 8), (8, 2, 1, 2)]:
         yield f"routing E={E} G={G}", route_noaux_tc_logits, (torch.empty(4, E), torch.empty(E), K, G, TG, True, 2.5)
         yield (
@@ -483,6 +484,32 @@ def cases(quick: bool):
                 torch.empty(T, KVH, d, dtype=dtype),
             ),
         )
+
+
+def int4_moe_cases(quick: bool):
+    """The INT4 MoE (kernels/int4_moe.py) at Kimi-K2.5's expert shapes: the default tiles of each step size, and the
+    tiles kernels_bench --only int4_moe sweeps (full shape)."""
+    from benchmarks.int4_moe_bench import GEMM_SWEEP, GEMV1_SWEEP, GEMV2_SWEEP, gemv2_variant
+    from mlaserve.kernels.int4_moe import int4_fused_experts
+
+    bf, i32 = torch.bfloat16, torch.int32
+    for name, D, I in [("kimi", 7168, 2048), ("kimi-tp4", 7168, 512), ("kimi-tp8", 7168, 256)]:
+        w = (big(384, 2 * I, D // 8, dtype=i32), big(384, 2 * I, D // 32), big(384, D, I // 8, dtype=i32))
+        w = (*w, big(384, D, I // 32))
+        cfgs = [None]
+        if name == "kimi" and not quick:
+            cfgs += [dict(form="gemv", gemv1=v) for v in GEMV1_SWEEP[1:]]
+            cfgs += [dict(form="gemv", gemv2=gemv2_variant(v, D, I, 8)) for v in GEMV2_SWEEP[1:]]
+            cfgs += [dict(form="gemm", gemm1=c, gemm2=c) for c in GEMM_SWEEP]
+        for T in [1, 2048] if quick else [1, 2, 8, 32, 2048]:
+            for cfg in cfgs if T in (1, 2048) else [None]:
+                if cfg and (cfg["form"] == "gemm") != (T == 2048):
+                    continue
+                yield (
+                    f"int4_moe {name} T={T} {cfg or ''}",
+                    functools.partial(int4_fused_experts, all_local=False, config=cfg),
+                    (torch.empty(T, D, dtype=bf), *w, torch.empty(T, 8), torch.zeros(T, 8, dtype=torch.int64), 0),
+                )
 
 
 def main(argv=None) -> int:

@@ -41,6 +41,7 @@ from benchmarks.bench_util import (  # noqa: E402
     smoke_sizes,
 )
 from benchmarks.decode_sweeps import run_absorb, run_launch, run_linear_decode, run_moe_decode  # noqa: E402
+from benchmarks.int4_moe_bench import run_int4_moe  # noqa: E402
 from benchmarks.moe_sweeps import run_moe_layers, run_moe_norm, run_moe_shared, run_moe_sweep  # noqa: E402
 
 
@@ -373,11 +374,13 @@ SECTIONS = {
     "lin_decode": run_linear_decode,
     "absorb": run_absorb,
     "launch": run_launch,
+    "int4_moe": run_int4_moe,
     "mla_sweep": run_mla_sweep,
     "moe_sweep": run_moe_sweep,
     "prefill_sweep": run_prefill_sweep,
 }  # sweeps last
 SWEEPS = (
+    "int4_moe",
     "moe_layers",
     "moe_shared",
     "moe_norm",

@@ -1,0 +1,226 @@
+"""The INT4 (W4A16) MoE of larger steps as grouped tiled GEMMs: the (token, k) pairs aligned per expert in blocks of
+BLOCK_M rows (moe_align.py), each weight tile dequantized in registers to the activations' dtype, then tl.dot.
+
+A [BLOCK_N, BLOCK_K] weight tile is [BLOCK_N, BLOCK_K/8] packed words plus [BLOCK_N, BLOCK_K/32] scales. Each
+word's nibbles are rotated pairwise under the exponent of 1.0 (int4_gemv.py's trick: the bits read as 1 + n/16 or
+1 + n/256), and one FMA per weight gives (n - 8) * scale exactly (f * 16s - 24s, f * 256s - 264s: every constant
+product is exact in fp32), rounded once to the dot's dtype, as the bf16 reference rounds its dequantized weights.
+
+GEMM1: Hbuf[m, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n]) for every padded row m of expert e's blocks.
+GEMM2: Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . down[e]) for every real row m.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fused_moe import _pid_to_tile
+from .int4_gemv import ONE_BITS
+from .pdl import pdl_start
+
+
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, n_ok, rem, one, KW: tl.constexpr, DTYPE: tl.constexpr):
+    """Weight tile rows n (pointers w_ptr / s_ptr [N] to each row's words / scales at this K step), KW words (a
+    multiple of 4) of which the row has `rem` left -> [N, 8 * KW] in DTYPE: (nibble - 8) * scale, rounded once."""
+    N: tl.constexpr = w_ptr.shape[0]
+    G: tl.constexpr = KW // 4
+    kw = tl.arange(0, KW)
+    w = tl.load(w_ptr[:, None] + kw[None, :], mask=n_ok[:, None] & (kw < rem)[None, :], other=0)  # [N, KW] int32
+    g = tl.arange(0, G)
+    s = tl.load(s_ptr[:, None] + g[None, :], mask=n_ok[:, None] & (4 * g < rem)[None, :], other=0.0)
+    s = s.to(tl.float32)[:, :, None, None]  # [N, G, 1, 1]
+    # nibble pair p rotated left by 15 - 8p: nibble 2p + 1 to bits 19-22 (reads 1 + n/16 under 1.0's exponent),
+    # 2p to bits 15-18 (1 + n/256); one FMA each gives (n - 8) * s exactly (16 s, 24 s, 256 s, 264 s are exact)
+    rot = ((15 - 8 * tl.arange(0, 4)) & 31).to(tl.uint32)[None, None, None, :]
+    u = tl.reshape(w, (N, G, 4, 1)).to(tl.uint32, bitcast=True)
+    t = (u << rot) | (u >> ((32 - rot) & 31))  # [N, G, 4 words, 4 pairs]
+    lo = ((t & 0x00078000) | one).to(tl.float32, bitcast=True) * (256.0 * s) - 264.0 * s
+    hi = ((t & 0x00780000) | one).to(tl.float32, bitcast=True) * (16.0 * s) - 24.0 * s
+    return tl.reshape(tl.join(lo, hi), (N, 32 * G)).to(DTYPE)  # column 8 * word + nibble
+
+
+@triton.jit
+def _block(pid_m, SortedIds, ExpertIds, BLOCK_M: tl.constexpr):
+    """Block pid_m (below the padded total) -> (expert (int64), pair index of each row (TK: padding), rows m)."""
+    e = tl.load(ExpertIds + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, tl.load(SortedIds + rows), rows
+
+
+@triton.jit(do_not_specialize=["num_m", "TK"])
+def _int4_gemm1_kernel(
+    X,
+    W13,
+    S13,
+    Hbuf,
+    SortedIds,
+    ExpertIds,
+    NumPadded,
+    I,
+    D,
+    num_m,
+    TK,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_hm,
+    one,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):  # past the padded total: sorted_ids there may be unwritten
+        return
+    e, ids, rows = _block(pid_m, SortedIds, ExpertIds, BLOCK_M)
+    row_ok = ids < TK
+    tok = (ids // TOPK).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    KW: tl.constexpr = BLOCK_K // 8
+    k = tl.arange(0, BLOCK_K)
+    g_ptr = W13 + e * stride_we + n.to(tl.int64) * stride_wn
+    u_ptr = g_ptr + I * stride_wn
+    gs_ptr = S13 + e * stride_se + n.to(tl.int64) * stride_sn
+    us_ptr = gs_ptr + I * stride_sn
+    a_ptr = X + tok[:, None] * stride_xt + k[None, :]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        a = tl.load(a_ptr + k0, mask=row_ok[:, None] & (k < D - k0)[None, :], other=0.0)
+        g = _dequant_tile(g_ptr + k0 // 8, gs_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty)
+        acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
+        u = _dequant_tile(u_ptr + k0 // 8, us_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty)
+        acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    h_ptr = Hbuf + rows.to(tl.int64)[:, None] * stride_hm + n[None, :]
+    tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=n_ok[None, :])  # padding rows too (zeros): GEMM2 reads them
+
+
+@triton.jit(do_not_specialize=["num_m", "TK"])
+def _int4_gemm2_kernel(
+    Hbuf,
+    W2,
+    S2,
+    Y,
+    TopkW,
+    SortedIds,
+    ExpertIds,
+    NumPadded,
+    D,
+    I,
+    num_m,
+    TK,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_yt,
+    one,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):  # past the padded total: sorted_ids there may be unwritten
+        return
+    e, ids, rows = _block(pid_m, SortedIds, ExpertIds, BLOCK_M)
+    row_ok = ids < TK
+    d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    d_ok = d < D
+    KW: tl.constexpr = BLOCK_K // 8
+    k = tl.arange(0, BLOCK_K)
+    w_ptr = W2 + e * stride_we + d.to(tl.int64) * stride_wn
+    s_ptr = S2 + e * stride_se + d.to(tl.int64) * stride_sn
+    a_ptr = Hbuf + rows.to(tl.int64)[:, None] * stride_hm + k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a = tl.load(a_ptr + k0, mask=(k < I - k0)[None, :], other=0.0)
+        b = _dequant_tile(w_ptr + k0 // 8, s_ptr + k0 // 32, d_ok, (I - k0) // 8, one, KW, Hbuf.dtype.element_ty)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    tw = tl.load(TopkW + ids, mask=row_ok, other=0.0)
+    y_ptr = Y + ids.to(tl.int64)[:, None] * stride_yt + d[None, :]
+    tl.store(y_ptr, (acc * tw[:, None]).to(Y.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_ids, num_padded, hbuf, y, pdl, c1, c2):
+    """Both GEMMs over moe_align's blocks (BLOCK_M = c1["BLOCK_M"] = c2["BLOCK_M"]) into hbuf [padded rows, I] and
+    y [TK, D]; the caller checked every shape. c1 / c2: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+    "num_stages"}."""
+    T, D = x.shape
+    I = w13.shape[1] // 2
+    K = topk_ids.shape[-1]
+    TK = T * K
+    num_m = expert_ids.shape[0]
+    prec = "ieee" if x.dtype.itemsize == 4 else "tf32"
+    common = dict(DOT_PREC=prec, **pdl)
+    _int4_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
+        x,
+        w13,
+        s13,
+        hbuf,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        I,
+        D,
+        num_m,
+        TK,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        s13.stride(0),
+        s13.stride(1),
+        hbuf.stride(0),
+        ONE_BITS,
+        TOPK=K,
+        BLOCK_M=c1["BLOCK_M"],
+        BLOCK_N=c1["BLOCK_N"],
+        BLOCK_K=c1["BLOCK_K"],
+        GROUP_M=c1["GROUP_M"],
+        num_warps=c1["num_warps"],
+        num_stages=c1["num_stages"],
+        **common,
+    )
+    _int4_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
+        hbuf,
+        w2,
+        s2,
+        y,
+        topk_weights.reshape(-1),
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        D,
+        I,
+        num_m,
+        TK,
+        hbuf.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        y.stride(0),
+        ONE_BITS,
+        BLOCK_M=c2["BLOCK_M"],
+        BLOCK_N=c2["BLOCK_N"],
+        BLOCK_K=c2["BLOCK_K"],
+        GROUP_M=c2["GROUP_M"],
+        num_warps=c2["num_warps"],
+        num_stages=c2["num_stages"],
+        **common,
+    )

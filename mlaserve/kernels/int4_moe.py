@@ -1,0 +1,172 @@
+"""The fused MoE on INT4 experts (W4A16, compressed-tensors pack-quantized, group 32): the GEMV form for steps of few
+(token, k) pairs (int4_gemv.py), grouped tiled GEMMs over moe_align's blocks for larger ones (int4_gemm.py), then the
+sum over k (moe_sum.py). No host sync; buffers sized from shapes only (CUDA-graph safe).
+
+Reference: int4_ref.int4_fused_experts_ref (dequantize, then layers.moe.fused_experts_ref).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .int4_gemm import int4_gemm
+from .int4_gemv import int4_gemv
+from .moe_align import moe_align
+from .moe_sum import moe_sum
+from .pdl import pdl_args
+
+# Up to this many (token, k) pairs, and no more than the local experts, each pair streams its expert's rows by itself
+# (GEMV form): decode and verify of up to 8 requests at Kimi's K=8 and 384 experts, where pairs seldom share an
+# expert. Above it the pairs of one expert share its weight tiles (GEMM form): under EP8 (48 local experts) 64 busy
+# pairs read 36 experts' weights, not 64.
+GEMV_MAX_PAIRS = 64
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def gemv_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
+    """(gemv1, gemv2) tiles from the shape (compile_check for sm_90: registers, instructions per weight). Warps sit
+    on rows and lanes on groups, so the x a thread unpacks serves all its rows; trips of G <= 32 groups (1024
+    columns, 512 bytes a row).
+    gemv1 (K = D): 16 gate rows (+ their up rows) a program, 95 registers (5 programs an SM, 16 KB of words in
+    flight each), 3.3 instructions a weight; fewer rows while that leaves under 512 programs (MoE-TP4/TP8 at one
+    token), then with each trip's loads issued before the previous trip's arithmetic (PREFETCH).
+    gemv2 (K = I, one or two trips): 8 KB of words a program (16 rows of 1 KB at I=2048 ... 64 of 128 B at 256)."""
+    ng1, ng2 = D // 32, I // 32
+    g1 = min(32, triton.next_power_of_2(ng1))
+    rows = 16
+    while rows > 4 and pairs * triton.cdiv(I, rows) < 512:
+        rows //= 2
+    c1 = dict(ROWS=rows, G=g1, num_warps=4, PREFETCH=rows < 16 and ng1 > g1)
+    g2 = min(32, triton.next_power_of_2(ng2))
+    c2 = dict(ROWS=min(128, 512 // g2), G=g2, num_warps=4, PREFETCH=False)
+    return c1, c2
+
+
+def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(gemm1, gemm2) tiles from the expected rows per expert T*K/E. Every block dequantizes its weight tiles anew
+    (one FMA a weight, about 6.5 instructions a weight in all at BLOCK_N 64: compile_check), so blocks grow sooner
+    than moe_config.py's: BLOCK_M 64 from 24 rows an expert (a 2048-token chunk on Kimi: 43) reads and unpacks each
+    expert once. BLOCK_K 64 (two scale groups); BLOCK_M >= 64 runs wgmma, below it mma.sync; 72-241 registers."""
+    rows = T * K / E
+    if dtype == torch.float32:  # tests: IEEE fp32 dots
+        c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
+        return c, dict(c)
+    if rows <= 24:
+        c1 = dict(BLOCK_M=16 if rows <= 8 else 32, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+        return c1, dict(c1)
+    if rows <= 96:
+        c1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+        return c1, dict(c1, BLOCK_N=128, num_warps=8)
+    c1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    return c1, dict(c1)
+
+
+def _check(x, w13p, w13s, w2p, w2s, topk_weights, topk_ids):
+    """-> (T, D, E, I, K); errors name the argument and the limit."""
+    if x.dim() != 2 or x.dtype not in FLOATS or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, D] in one of {FLOATS} with a unit last stride, got {tuple(x.shape)} {x.dtype}")
+    T, D = x.shape
+    if D % 32:
+        raise ValueError(f"x: hidden size D={D} must be a multiple of 32 (the INT4 scale group)")
+    if w13p.dim() != 3 or w13p.shape[1] % 2 or w13p.shape[2] != D // 8:
+        raise ValueError(f"w13_packed must be [E, 2I, {D // 8}] (D/8 words), got {tuple(w13p.shape)}")
+    E, I = w13p.shape[0], w13p.shape[1] // 2
+    if I % 32:
+        raise ValueError(f"w13_packed: intermediate size I={I} must be a multiple of 32 (the INT4 scale group)")
+    want = dict(
+        w13_packed=(E, 2 * I, D // 8), w13_scale=(E, 2 * I, D // 32), w2_packed=(E, D, I // 8), w2_scale=(E, D, I // 32)
+    )
+    for (name, shape), t in zip(want.items(), (w13p, w13s, w2p, w2s)):
+        packed = name.endswith("packed")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)} (E={E}, I={I}, D={D}), got {list(t.shape)}")
+        if (t.dtype != torch.int32) if packed else (t.dtype not in FLOATS):
+            raise ValueError(f"{name} must be {'int32' if packed else 'bf16 (or fp16/fp32)'}, got {t.dtype}")
+        if t.stride(-1) != 1 or t.device != x.device:
+            raise ValueError(f"{name} must have a unit last stride and live on {x.device}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be [{T}, K] int32 or int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    K = topk_ids.shape[1]
+    if topk_weights.shape != (T, K) or topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be [{T}, {K}] fp32, got {tuple(topk_weights.shape)} {topk_weights.dtype}")
+    if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        raise ValueError("topk_ids and topk_weights must be contiguous")
+    return T, D, E, I, K
+
+
+def int4_fused_experts(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+    *,
+    add: torch.Tensor | None = None,
+    all_local: bool = True,
+    pdl=None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e = id - expert_offset is
+    in [0, E) (others contribute nothing: EP), plus `add` -> [T, D] in x.dtype; equals int4_fused_experts_ref.
+    x [T, D]; w13_packed int32 [E, 2I, D/8] (gate rows, then up rows), w13_scale [E, 2I, D/32]; w2_packed int32
+    [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
+    all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
+    pdl: None (on where pdl.py enables it), a bool, or pdl_args' dict.
+    config (benchmarks, tests): "form": "gemv" / "gemm" (default: gemv up to min(GEMV_MAX_PAIRS, E) pairs); "gemv1",
+    "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
+    T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
+    if T == 0:  # checks `add`; empty
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local)
+    if isinstance(pdl, bool):
+        pdl = dict(PDL=pdl, launch_pdl=pdl)
+    elif pdl is None:
+        pdl = pdl_args(x)
+    cfg = dict(config or {})
+    bad = set(cfg) - {"form", "gemv1", "gemv2", "gemm1", "gemm2"}
+    if bad:
+        raise ValueError(f"config keys {sorted(bad)} are not among form, gemv1, gemv2, gemm1, gemm2")
+    TK = T * K
+    form = cfg.get("form") or ("gemv" if TK <= min(GEMV_MAX_PAIRS, E) else "gemm")
+    y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
+    if form == "gemv":
+        c1, c2 = gemv_config(D, I, TK)
+        c1, c2 = dict(c1, **cfg.get("gemv1", {})), dict(c2, **cfg.get("gemv2", {}))
+        hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
+        int4_gemv(
+            x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2
+        )
+    elif form == "gemm":
+        c1, c2 = gemm_config(T, K, E, D, I, x.dtype)
+        c1, c2 = dict(c1, **cfg.get("gemm1", {})), dict(c2, **cfg.get("gemm2", {}))
+        bm = c1["BLOCK_M"]
+        if c2["BLOCK_M"] != bm or bm & (bm - 1) or bm < 16:
+            raise ValueError(f"config: gemm1/gemm2 BLOCK_M {bm}/{c2['BLOCK_M']} must agree and be a power of 2 >= 16")
+        for c in (c1, c2):
+            if c["BLOCK_K"] % 32 or c["BLOCK_K"] & (c["BLOCK_K"] - 1):
+                raise ValueError(f"config: BLOCK_K={c['BLOCK_K']} must be a power of 2 and a multiple of 32")
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm)
+        hbuf = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
+        int4_gemm(
+            x,
+            w13_packed,
+            w13_scale,
+            w2_packed,
+            w2_scale,
+            topk_weights,
+            topk_ids,
+            sorted_ids,
+            expert_ids,
+            num_padded,
+            hbuf,
+            y,
+            pdl,
+            c1,
+            c2,
+        )
+    else:
+        raise ValueError(f"config: form={form!r} must be 'gemv' or 'gemm'")
+    return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)

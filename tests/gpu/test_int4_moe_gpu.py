@@ -1,0 +1,101 @@
+"""The INT4 MoE kernels (kernels/int4_moe.py) on CUDA at Kimi-K2.5's expert shapes (full, MoE-TP4/TP8 shards, EP8
+with 48 local experts), both forms, every tile config kernels_bench sweeps, and CUDA-graph capture + replay with new
+routings. Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_int4_moe_gpu.py"""
+
+import pytest
+import torch
+
+from tests import kernel_checks as kc
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
+BF = torch.bfloat16
+K = 8
+SHAPES = {"kimi": (7168, 2048), "tp4": (7168, 512), "tp8": (7168, 256)}
+
+
+def experts(D, I, E):
+    from mlaserve.kernels.int4_ref import random_int4_experts
+
+    return random_int4_experts(E, D, I, "cuda")
+
+
+def routing(T, E_local, offset, E_all):
+    """K distinct ids per token over E_all experts; this rank owns [offset, offset + E_local)."""
+    ids = torch.rand(T, E_all, device="cuda").topk(K, -1).indices
+    return ids, torch.rand(T, K, device="cuda") + 0.1
+
+
+def check(w, T, offset=0, E_all=None, form=None, config=None, ids_dtype=torch.int64, add=False, graph=False):
+    from mlaserve.kernels.int4_moe import int4_fused_experts
+    from mlaserve.kernels.int4_ref import int4_fused_experts_ref
+
+    E, D = w[0].shape[0], w[0].shape[2] * 8
+    E_all = E_all or E
+    ids, tw = routing(T, E, offset, E_all)
+    ids = ids.to(ids_dtype)
+    x = torch.randn(T, D, device="cuda").to(BF)
+    extra = torch.randn(T, D, device="cuda").to(BF) if add else None
+    cfg = dict(config or {}, **({"form": form} if form else {}))
+    local = E_all == E
+
+    def run():
+        return int4_fused_experts(x, *w, tw, ids, offset, add=extra, all_local=local, config=cfg)
+
+    what = f"int4 moe T={T} E={E}/{E_all} off={offset} {cfg}"
+    if graph:
+        g, out = kc.cuda_graph(run)
+        for _ in range(2):  # new routing and activations, same buffers
+            new_ids, new_tw = routing(T, E, offset, E_all)
+            ids.copy_(new_ids)
+            tw.copy_(new_tw)
+            x.copy_(torch.randn(T, D, device="cuda").to(BF))
+            out.fill_(float("nan"))
+            g.replay()
+            ref = int4_fused_experts_ref(x.float(), *w, tw, ids, offset, add=None if extra is None else extra.float())
+            kc.assert_close(out, ref, BF, what + " graph replay")
+        return
+    with kc.poisoned_empty():
+        out = run()
+    ref = int4_fused_experts_ref(x.float(), *w, tw, ids, offset, add=None if extra is None else extra.float())
+    kc.assert_close(out, ref, BF, what)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("T,form", [(1, None), (2, None), (3, "gemv"), (8, None), (1, "gemm"), (40, None)])
+def test_int4_moe_kimi_shapes(shape, T, form):
+    # 24 experts of the real shape (the kernels never see the expert count but through the ids); T=40: the GEMM
+    # form (320 pairs), most experts with several rows
+    D, I = SHAPES[shape]
+    check(experts(D, I, 24), T, form=form, add=T == 2, ids_dtype=torch.int32 if T == 3 else torch.int64)
+
+
+@pytest.mark.parametrize("T,form", [(1, None), (2, None), (8, "gemv"), (8, "gemm"), (300, None)])
+def test_int4_moe_expert_parallel(T, form):
+    # EP8: this rank owns experts [96, 144) of 384; T=300: 2400 pairs, the multi-program align
+    check(experts(7168, 2048, 48), T, offset=96, E_all=384, form=form)
+
+
+def test_int4_moe_prefill_chunk():
+    # a 2048-token chunk over 64 experts of the TP4 shard: ~256 rows an expert (BLOCK_M 128 tiles)
+    check(experts(7168, 512, 64), 2048)
+
+
+@pytest.mark.parametrize("T,offset,E_all", [(1, 0, None), (2, 96, 384), (64, 96, 384)])
+def test_int4_moe_cuda_graph_replay(T, offset, E_all):
+    # T=1, 2: the GEMV form; 64: the GEMM form (512 pairs, single-program align), under EP
+    check(experts(7168, 512, 48), T, offset=offset, E_all=E_all, graph=True)
+
+
+def test_int4_moe_swept_configs_are_correct():
+    # every tile kernels_bench --only int4_moe times, so a fast config is never a wrong one
+    from benchmarks.int4_moe_bench import GEMM_SWEEP, GEMV1_SWEEP, GEMV2_SWEEP, gemv2_variant
+
+    for D, I in SHAPES.values():
+        w = experts(D, I, 16)
+        for v in GEMV1_SWEEP:
+            check(w, 1, form="gemv", config=dict(gemv1=v))
+        for v in GEMV2_SWEEP:
+            check(w, 1, form="gemv", config=dict(gemv2=gemv2_variant(v, D, I, K)))
+    w = experts(7168, 2048, 16)
+    for c in GEMM_SWEEP:
+        check(w, 96, form="gemm", config=dict(gemm1=c, gemm2=c))

@@ -1,0 +1,140 @@
+"""The INT4 MoE kernels (int4_moe.py: the GEMV form and the grouped GEMM form) under the interpreter, against
+int4_fused_experts_ref: bf16 and fp32, one token / two / odd counts, EP offsets with non-local ids, `add`, int32 ids,
+trips and masked tails, poisoned buffers (every output element must be written)."""
+
+import pytest
+import torch
+
+from tests.kernel_checks import assert_close, poisoned_empty
+
+
+@pytest.fixture(autouse=True)
+def bf16_round_to_nearest(kdev):
+    """The interpreter truncates fp32 -> bf16 casts; compiled kernels round to nearest even (tests/interp_bf16.py)."""
+    if kdev != "cpu":
+        yield
+        return
+    from tests.interp_bf16 import bf16_round_to_nearest
+
+    with bf16_round_to_nearest():
+        yield
+
+
+def inputs(kdev, dtype, T, D, I, E, K, offset, seed=0, foreign=2, ids_dtype=torch.int64):
+    """Random INT4 experts and a routing of K distinct ids per token among E local + `foreign` other-rank experts
+    (ids offset..offset+E-1 local; the rest on both sides of the local range)."""
+    from mlaserve.kernels.int4_ref import random_int4_experts
+
+    g = torch.Generator().manual_seed(seed)
+    w = [t.to(kdev) for t in random_int4_experts(E, D, I, "cpu", generator=g)]
+    x = torch.randn(T, D, generator=g).to(dtype).to(kdev)
+    raw = torch.stack([torch.randperm(E + foreign, generator=g)[:K] for _ in range(T)])
+    ids = (raw - foreign // 2 + offset).to(ids_dtype).to(kdev)  # foreign // 2 ids below the range, the rest above
+    tw = (torch.rand(T, K, generator=g) + 0.1).to(kdev)
+    return x, w, ids, tw
+
+
+def check(kdev, dtype, T, D, I, E, K, offset=0, config=None, add=False, seed=0, foreign=2, ids_dtype=torch.int64):
+    from mlaserve.kernels.int4_moe import int4_fused_experts
+    from mlaserve.kernels.int4_ref import int4_fused_experts_ref
+
+    x, w, ids, tw = inputs(kdev, dtype, T, D, I, E, K, offset, seed, foreign, ids_dtype)
+    extra = torch.randn(T, D).to(dtype).to(kdev) if add else None
+    with poisoned_empty():
+        out = int4_fused_experts(x, *w, tw, ids, offset, add=extra, all_local=foreign == 0, config=config)
+    assert out.shape == (T, D) and out.dtype == dtype
+    ref = int4_fused_experts_ref(x.float(), *w, tw, ids, offset, add=None if extra is None else extra.float())
+    assert_close(out, ref, dtype, f"int4 moe T={T} D={D} I={I} E={E} K={K} off={offset} {config} {dtype}")
+
+
+# few programs per call keep the interpreter fast: whole rows in one trip, many rows a program
+GEMV = dict(form="gemv", gemv1=dict(ROWS=16), gemv2=dict(ROWS=64))
+GEMM = dict(form="gemm")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,offset,add", [(1, 0, False), (2, 4, True), (3, 0, True)])
+def test_gemv_form(kdev, dtype, T, offset, add):
+    check(kdev, dtype, T, D=64, I=32, E=4, K=2, offset=offset, config=GEMV, add=add, seed=T)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,offset,add", [(1, 0, True), (5, 3, False)])
+def test_gemm_form(kdev, dtype, T, offset, add):
+    check(kdev, dtype, T, D=64, I=32, E=4, K=2, offset=offset, config=GEMM, add=add, seed=10 + T)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        # gemv1 over 3 trips of 1 group with the next trip's loads first; gemv2 over 2 trips, plain
+        dict(form="gemv", gemv1=dict(ROWS=16, G=1, PREFETCH=True), gemv2=dict(ROWS=64, G=1)),
+        # 2-group trips over 3 groups (a masked half trip), row blocks past I and D (masked rows)
+        dict(form="gemv", gemv1=dict(ROWS=8, G=2), gemv2=dict(ROWS=64, G=2, PREFETCH=True)),
+    ],
+)
+def test_gemv_trips_and_tails(kdev, cfg):
+    # D = 96: 3 groups; I = 64 with gemv2 rows of 64 over D = 96 (the second block half real)
+    check(kdev, torch.float32, T=1, D=96, I=64, E=3, K=2, config=cfg, seed=20)
+
+
+def test_gemm_masked_k_and_n(kdev):
+    # BLOCK_K 64 over D = 96 and I = 96 (a half-real last K step), BLOCK_N 64 over I = 96 and D = 96
+    cfg = dict(form="gemm", gemm1=dict(BLOCK_N=64, BLOCK_K=64), gemm2=dict(BLOCK_N=64, BLOCK_K=64))
+    check(kdev, torch.float32, T=3, D=96, I=96, E=3, K=2, config=cfg, seed=21)
+
+
+def test_gemm_many_rows_per_expert(kdev):
+    # 24 tokens over 2 experts, no foreign ids: several BLOCK_M blocks per expert, all_local (the sum reads no ids)
+    check(kdev, torch.bfloat16, T=24, D=64, I=32, E=2, K=2, config=GEMM, seed=22, foreign=0)
+
+
+@pytest.mark.parametrize("form", ["gemv", "gemm"])
+def test_int32_ids_and_default_form(kdev, form, monkeypatch):
+    # int32 ids; the form picked by the pair count (GEMV_MAX_PAIRS lowered so 3 tokens x 2 pairs exceed it or not)
+    from mlaserve.kernels import int4_moe
+
+    monkeypatch.setattr(int4_moe, "GEMV_MAX_PAIRS", 6 if form == "gemv" else 5)
+    calls = []
+    for name in ("int4_gemv", "int4_gemm"):
+        fn = getattr(int4_moe, name)
+        monkeypatch.setattr(int4_moe, name, lambda *a, _f=fn, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    check(kdev, torch.bfloat16, T=3, D=64, I=32, E=6, K=2, offset=1, seed=23, ids_dtype=torch.int32)
+    assert calls == [f"int4_{form}"]
+    # never more pairs than local experts: 6 pairs over 5 experts take the GEMM form whatever the limit
+    calls.clear()
+    monkeypatch.setattr(int4_moe, "GEMV_MAX_PAIRS", 64)
+    check(kdev, torch.bfloat16, T=3, D=64, I=32, E=5, K=2, seed=24, foreign=0)
+    assert calls == ["int4_gemm"]
+
+
+def test_no_tokens(kdev):
+    from mlaserve.kernels.int4_moe import int4_fused_experts
+
+    x, w, ids, tw = inputs(kdev, torch.bfloat16, 1, 64, 32, 4, 2, 0)
+    out = int4_fused_experts(x[:0], *w, tw[:0], ids[:0])
+    assert out.shape == (0, 64)
+
+
+def test_bad_arguments_name_the_field(kdev):
+    from mlaserve.kernels.int4_moe import int4_fused_experts
+
+    x, (w13p, w13s, w2p, w2s), ids, tw = inputs(kdev, torch.bfloat16, 2, 64, 32, 4, 2, 0)
+    bad = [
+        (dict(x=x[:, :48]), "multiple of 32"),
+        (dict(w13s=w13s.float().to(torch.int32)), "w13_scale must be bf16"),
+        (dict(w2p=w2p[:, :, :2]), r"w2_packed must be \[4, 64, 4\]"),
+        (dict(w13p=w13p.float()), "w13_packed must be int32"),
+        (dict(ids=ids.float()), "topk_ids must be"),
+        (dict(tw=tw.double()), "topk_weights must be"),
+        (dict(w13p=w13p[:, :40], w13s=w13s[:, :40]), "I=20 must be a multiple of 32"),
+    ]
+    for change, msg in bad:
+        args = dict(x=x, w13p=w13p, w13s=w13s, w2p=w2p, w2s=w2s, tw=tw, ids=ids, **{})
+        args.update(change)
+        with pytest.raises(ValueError, match=msg):
+            int4_fused_experts(args["x"], args["w13p"], args["w13s"], args["w2p"], args["w2s"], args["tw"], args["ids"])
+    with pytest.raises(ValueError, match="form"):
+        int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, config=dict(form="fast"))
+    with pytest.raises(ValueError, match="config keys"):
+        int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, config=dict(BLOCK_M=16))

@@ -1,0 +1,79 @@
+"""The INT4 experts' torch reference (kernels/int4_ref.py): the packed layout against a per-element decode, the
+loader's dequant and compressed-tensors' own packer; the reference MoE against fused_experts_ref."""
+
+import pytest
+import torch
+
+
+def ref():
+    """kernels.int4_ref, imported in the tests (no module here imports mlaserve.kernels at import time: the
+    interpreter tests must define the kernels first, tests/kernels_interp/conftest.py)."""
+    from mlaserve.kernels import int4_ref
+
+    return int4_ref
+
+
+def decode_one(word: int, c: int) -> int:
+    """Column c's stored nibble from its int32 word, one Python int at a time (the format's definition)."""
+    return ((word & 0xFFFFFFFF) >> (4 * (c % 8))) & 0xF
+
+
+def test_unpack_matches_per_element_decode():
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(-(2**31), 2**31, (5, 4), dtype=torch.int64, generator=g).to(torch.int32)
+    packed[0, 0] = -1  # every nibble 15, the sign bit set
+    packed[0, 1] = -(2**31)  # only the top nibble's top bit
+    nib = ref().unpack_int4(packed, 32)
+    for r in range(5):
+        for c in range(32):
+            assert nib[r, c].item() == decode_one(packed[r, c // 8].item(), c), (r, c)
+    assert nib[0, :8].tolist() == [15] * 8 and nib[0, 8:16].tolist() == [0] * 7 + [8]
+
+
+def test_pack_is_unpacks_inverse_and_dequant_rule():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-8, 8, (3, 6, 64), generator=g)
+    r = ref()
+    packed = r.pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 6, 8)
+    assert torch.equal(r.unpack_int4(packed, 64) - 8, q.int())
+    scale = torch.rand(3, 6, 2, generator=g).to(torch.bfloat16)
+    want = q.float() * scale.float().repeat_interleave(32, -1)
+    assert torch.equal(r.dequant_int4(packed, scale, 64), want)
+
+
+def test_dequant_matches_the_loader():
+    from mlaserve.models.weights import dequant_int4_packed
+
+    r = ref()
+    w = torch.randn(24, 96)
+    packed, scale = r.quantize_int4(w)
+    got = r.dequant_int4(packed, scale, 96)
+    assert torch.equal(got, dequant_int4_packed(packed, scale, (24, 96), torch.float32))
+    assert (got - w).abs().max() <= scale.float().max() / 2 + 1e-6
+
+
+def test_pack_matches_compressed_tensors():
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-8, 8, (7, 96), generator=g)
+    packed = ref().pack_int4(q)
+    assert torch.equal(helpers.pack_to_int32(q.to(torch.int8), 4), packed)
+    assert torch.equal(helpers.unpack_from_int32(packed, 4, torch.Size((7, 96))).long(), q)
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_reference_moe_is_fused_experts_ref_on_dequantized_weights(offset):
+    from mlaserve.layers.moe import fused_experts_ref
+
+    r = ref()
+    g = torch.Generator().manual_seed(3)
+    T, D, I, E, K = 5, 64, 32, 6, 3
+    w13p, w13s, w2p, w2s = r.random_int4_experts(E, D, I, "cpu", generator=g)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E + 4, generator=g)[:K] for _ in range(T)]) + offset - 2  # some not local
+    tw = torch.rand(T, K, generator=g)
+    add = torch.randn(T, D, generator=g)
+    got = r.int4_fused_experts_ref(x, w13p, w13s, w2p, w2s, tw, ids.to(torch.int32), offset, add=add)
+    want = fused_experts_ref(x, r.dequant_int4(w13p, w13s, D), r.dequant_int4(w2p, w2s, I), tw, ids, offset) + add
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
