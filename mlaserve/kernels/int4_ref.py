@@ -21,7 +21,7 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     shifts = 4 * torch.arange(8, dtype=torch.int32, device=packed.device)
     # >> is arithmetic on int32: the sign bits it brings into the top nibble's word lie above bit 3, masked off
     nib = (packed[..., None] >> shifts) & 0xF  # [..., out, in/8, 8]
-    return nib.reshape(*packed.shape[:-1], -1)[..., :in_features]
+    return nib.reshape(*packed.shape[:-1], 8 * packed.shape[-1])[..., :in_features]  # -1 fails on 0 rows
 
 
 def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:
