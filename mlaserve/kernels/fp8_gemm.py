@@ -139,7 +139,11 @@ def fp8_gemm(
     M, K = a.shape
     N = w.shape[0]
     a8 = a_scale is not None
-    cfg = dict(fp8_gemm_config(M, N, K, a8), **(config or {}))
+    cfg = fp8_gemm_config(M, N, K, a8)
+    bad = [k for k in config or {} if k not in cfg]
+    if bad:
+        raise ValueError(f"fp8_gemm config keys {bad} are not among {list(cfg)}")
+    cfg.update(config or {})
     if BLOCK % cfg["BLOCK_K"] or cfg["BLOCK_K"] < 16:
         raise ValueError(f"fp8_gemm BLOCK_K={cfg['BLOCK_K']} must be a power of 2 in [16, {BLOCK}]")
     split = cfg["SPLIT_K"]

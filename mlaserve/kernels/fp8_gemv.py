@@ -89,7 +89,11 @@ def fp8_gemv(
     BLOCK_N, BLOCK_K (a multiple of 128), num_warps."""
     T, K = x.shape
     N = w.shape[0]
-    cfg = dict(fp8_gemv_config(N, K), **(config or {}))
+    cfg = fp8_gemv_config(N, K)
+    bad = [k for k in config or {} if k not in cfg]
+    if bad:
+        raise ValueError(f"fp8_gemv config keys {bad} are not among {list(cfg)}")
+    cfg.update(config or {})
     if cfg["BLOCK_K"] % BLOCK or cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1):
         raise ValueError(f"fp8_gemv BLOCK_K={cfg['BLOCK_K']} must be a power of 2 and a multiple of {BLOCK}")
     _fp8_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](

@@ -31,6 +31,7 @@ __all__ = [
     "fp8_block_linear_ref",
     "dequant_fp8_block",
     "scaled_mm_serves",
+    "linear_form",
 ]
 
 GEMV_MAX_ROWS = 8  # up to here the GEMV (<= FP8_GEMV_MAX_ROWS)
@@ -85,13 +86,21 @@ def _scaled_mm(x, weight, weight_scale_inv, out):
     return out.copy_(y[:M])
 
 
-def default_form(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> str:
+def linear_form(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, config=None) -> tuple[str, bool]:
+    """-> (form, a8): the form fp8_block_linear runs (config's "form", else by M) and whether it quantizes x."""
+    cfg = config or {}
     M = x.shape[0]
-    if M <= GEMV_MAX_ROWS:
-        return "gemv"
-    if M >= SCALED_MM_MIN_ROWS and scaled_mm_serves(x, weight, weight_scale_inv):
-        return "scaled_mm"
-    return "triton"
+    form = cfg.get("form")
+    if form is None:
+        if M <= GEMV_MAX_ROWS:
+            form = "gemv"
+        elif M >= SCALED_MM_MIN_ROWS and scaled_mm_serves(x, weight, weight_scale_inv):
+            form = "scaled_mm"
+        else:
+            form = "triton"
+    if form not in FORMS:
+        raise ValueError(f"config form={form!r} is not one of {FORMS}")
+    return form, form == "scaled_mm" or (form == "triton" and bool(cfg.get("a8", M > A16_MAX_ROWS)))
 
 
 def _check(x, weight, weight_scale_inv, out):
@@ -131,11 +140,9 @@ def fp8_block_linear(
     fp8_block_linear_ref(a8=True)). CUDA only (the CPU path dequantizes). config (benchmarks, tests): "form" (one
     of FORMS), "a8" (the Triton GEMM's form), and fp8_gemv / fp8_gemm tile keys."""
     _check(x, weight, weight_scale_inv, out)
-    cfg = dict(config or {})
-    form = cfg.pop("form", None) or default_form(x, weight, weight_scale_inv)
+    form, a8 = linear_form(x, weight, weight_scale_inv, config)
+    cfg = {k: v for k, v in (config or {}).items() if k not in ("form", "a8")}
     M, N = x.shape[0], weight.shape[0]
-    if form not in FORMS:
-        raise ValueError(f"config form={form!r} is not one of {FORMS}")
     if form == "gemv" and M > FP8_GEMV_MAX_ROWS:
         raise ValueError(f"form 'gemv' serves up to {FP8_GEMV_MAX_ROWS} rows, got M={M}")
     if M == 0:
@@ -151,7 +158,6 @@ def fp8_block_linear(
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if form == "gemv":
         return fp8_gemv(x, weight, weight_scale_inv, out, cfg)
-    a8 = cfg.pop("a8", M > A16_MAX_ROWS)
     if a8:
         q, s = act_quant(x, BLOCK)
         return fp8_gemm(q, s, weight, weight_scale_inv, out, cfg)

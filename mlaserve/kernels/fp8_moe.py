@@ -74,6 +74,16 @@ def fp8_moe_config(T: int, K: int, E: int, D: int, I: int, a8: bool, **override)
     return c1, c2
 
 
+def moe_form(T: int, K: int, E: int, config=None) -> tuple[bool, bool, bool]:
+    """-> (no_align, gemv, a8): fp8_fused_experts' form for T tokens of top-K over E local experts (config's
+    "no_align" / "gemv" / "a8", else the defaults)."""
+    cfg = config or {}
+    no_align = bool(cfg.get("no_align", T * K <= NO_ALIGN_MAX_PAIRS))
+    gemv = cfg.get("gemv", no_align)
+    a8 = not gemv and bool(cfg.get("a8", T * K / E > A8_MIN_ROWS_PER_EXPERT))
+    return no_align, gemv, a8
+
+
 def _check(x, w13, s13, w2, s2, topk_weights, topk_ids):
     T, D = x.shape
     E, I2, D1 = w13.shape
@@ -133,10 +143,8 @@ def fp8_fused_experts(
     if T == 0:  # checks `add`; empty
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local)
     TK = T * K
-    config = dict(config or {})
-    no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
-    gemv = config.pop("gemv", no_align)
-    a8 = bool(config.pop("a8", TK / E > A8_MIN_ROWS_PER_EXPERT))
+    no_align, gemv, a8 = moe_form(T, K, E, config)
+    config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8")}
     launch = pdl_args(x) if pdl is None or pdl else dict(PDL=False, launch_pdl=False)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if gemv:
