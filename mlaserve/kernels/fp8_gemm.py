@@ -107,11 +107,14 @@ def _split_sum_kernel(P, C, M, N, stride_cm, SPLIT_K: tl.constexpr, BLOCK: tl.co
     tl.store(C + m * stride_cm + n, acc.to(C.dtype.element_ty), mask=n < N)
 
 
-def fp8_gemm_config(M: int, N: int, K: int, a8: bool) -> dict:
+def fp8_gemm_config(M: int, N: int, K: int, a8: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tiles from the shape: few rows -> 16/32/64-row tiles streaming the weight (64 columns, split over K until
     the programs cover the SMs about twice); many rows -> 128x128x128 tiles, 8 warps, GROUP_M 8 (vLLM's H100 choice
-    for block-FP8 GEMMs at large M). kernels_bench --only fp8_linear sweeps around it."""
-    if M <= 64:
+    for block-FP8 GEMMs at large M). fp32 A16 (tests): IEEE FMA dots, small tiles (larger ones spill).
+    kernels_bench --only fp8_linear sweeps around it."""
+    if dtype == torch.float32 and not a8:
+        cfg = dict(BLOCK_M=16 if M <= 16 else 32, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
+    elif M <= 64:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     elif M <= 256:
@@ -139,7 +142,7 @@ def fp8_gemm(
     M, K = a.shape
     N = w.shape[0]
     a8 = a_scale is not None
-    cfg = fp8_gemm_config(M, N, K, a8)
+    cfg = fp8_gemm_config(M, N, K, a8, a.dtype)
     bad = [k for k in config or {} if k not in cfg]
     if bad:
         raise ValueError(f"fp8_gemm config keys {bad} are not among {list(cfg)}")

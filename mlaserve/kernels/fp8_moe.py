@@ -31,7 +31,9 @@ from .pdl import pdl_args
 A8_MIN_ROWS_PER_EXPERT = 48  # T*K/E above this: the A8 form (fp8_moe_config's 64-row tiles)
 
 
-def fp8_moe_config(T: int, K: int, E: int, D: int, I: int, a8: bool, **override) -> tuple[dict, dict]:
+def fp8_moe_config(
+    T: int, K: int, E: int, D: int, I: int, a8: bool, dtype: torch.dtype = torch.bfloat16, **override
+) -> tuple[dict, dict]:
     """(gemm1, gemm2) tiles from the expected rows per expert, with 128-column K steps (one scale block):
     - <= 16 rows (weight streams): moe_config's 16-row tiles, whose BLOCK_N shrinks until the active experts'
       tiles cover the SMs; 4 stages (fp8 tiles are half the bytes).
@@ -39,8 +41,9 @@ def fp8_moe_config(T: int, K: int, E: int, D: int, I: int, a8: bool, **override)
     - more: 64x128 tiles, GEMM1 on 8 warps (its gate and up accumulators, with each K step's scaled product, need
       the registers: compile_check, sm_90: 64x128 on 4 warps or 128x128 on 8 spill 0.9-1.3 KB), GEMM2 on 4; GROUP_M
       8. (vLLM's block-FP8 MoE tiles on H100/H200 are 64x128x128 too.)
-    A8 needs GEMM1's BLOCK_N to be one 128-channel group (its epilogue quantizes h per group). `override` as
-    moe_config's: flat keys, then gemm1={...} / gemm2={...}; a BLOCK_M given anywhere applies to both."""
+    A8 needs GEMM1's BLOCK_N to be one 128-channel group (its epilogue quantizes h per group). fp32 A16 (tests):
+    IEEE FMA dots on 32x32 tiles (larger ones spill). `override` as moe_config's: flat keys, then gemm1={...} /
+    gemm2={...}; a BLOCK_M given anywhere applies to both."""
     o1, o2 = dict(override.pop("gemm1", None) or {}), dict(override.pop("gemm2", None) or {})
     for where, o in (("", override), ("gemm1.", o1), ("gemm2.", o2)):
         bad = [k for k in o if k not in KEYS]
@@ -61,6 +64,9 @@ def fp8_moe_config(T: int, K: int, E: int, D: int, I: int, a8: bool, **override)
         c1["BLOCK_N"] = BLOCK
         if c1["BLOCK_M"] >= 64:
             c1["num_warps"] = 8
+    elif dtype == torch.float32:
+        for c in (c1, c2):
+            c.update(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
     c1.update(override, **o1)
     c2.update(override, **o2)
     bm = o1.get("BLOCK_M", o2.get("BLOCK_M", override.get("BLOCK_M")))
@@ -155,7 +161,7 @@ def fp8_fused_experts(
         args = (x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_offset)
         fp8_moe_gemv(*args, hbuf, y, launch, gcfg)
         return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)
-    c1, c2 = fp8_moe_config(T, K, E, D, I, a8, **config)
+    c1, c2 = fp8_moe_config(T, K, E, D, I, a8, x.dtype, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
     if no_align:  # block m = pair m alone; the align buffers are unused (any pointer will do)
