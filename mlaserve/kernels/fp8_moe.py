@@ -40,7 +40,7 @@ def fp8_moe_config(
     - <= 48: 32x64 tiles, 4 warps.
     - more: 64x128 tiles, GEMM1 on 8 warps (its gate and up accumulators, with each K step's scaled product, need
       the registers: compile_check, sm_90: 64x128 on 4 warps or 128x128 on 8 spill 0.9-1.3 KB), GEMM2 on 4; GROUP_M
-      8. (vLLM's block-FP8 MoE tiles on H100/H200 are 64x128x128 too.)
+      8 (vLLM's untuned default for block-FP8 experts is 64x128x128 too).
     A8 needs GEMM1's BLOCK_N to be one 128-channel group (its epilogue quantizes h per group). fp32 A16 (tests):
     IEEE FMA dots on 32x32 tiles (larger ones spill). `override` as moe_config's: flat keys, then gemm1={...} /
     gemm2={...}; a BLOCK_M given anywhere applies to both."""
