@@ -5,7 +5,7 @@ The wrappers run on CPU tensors as usual; a stand-in Triton driver reports an sm
 no-ops, so each kernel goes through Triton's real front end, optimiser and ptxas exactly as on the H200.
 Large weights are stride-0 expanded views, so real shapes cost no memory.
 
-    PYTHONPATH=$PWD python benchmarks/compile_check.py [--quick]
+    PYTHONPATH=$PWD python benchmarks/compile_check.py [--quick] [--only fp8]
 
 Exits non-zero if a kernel fails to compile, needs more than 227 KB of shared memory, or spills more than
 MAX_SPILL bytes of registers (the 8k prefill attention's fastest tiles, measured on the H200, spill 40 B).
@@ -484,6 +484,9 @@ def cases(quick: bool):
                 torch.empty(T, KVH, d, dtype=dtype),
             ),
         )
+    from benchmarks.fp8_compile_cases import fp8_cases
+
+    yield from fp8_cases(quick)
 
 
 def int4_moe_cases(quick: bool):
@@ -517,11 +520,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the main bf16 configs only")
     ap.add_argument("--sigs", help="write every (case, kernel)'s PTX signature to this JSON file")
     ap.add_argument("--against", help="compare the PTX signatures with this --sigs file; differences fail")
+    ap.add_argument("--only", help="only the cases whose label contains this string (e.g. fp8)")
     args = ap.parse_args(argv)
     install()
     failed = []
     t0 = time.time()
     for label, fn, fn_args in cases(args.quick):
+        if args.only and args.only not in label:
+            continue
         CURRENT_CASE[0] = label
         try:
             fn(*fn_args)

@@ -5,9 +5,10 @@ then triton.testing.do_bench (median, cold L2). Prints a table against the H200 
     PYTHONPATH=$PWD python benchmarks/kernels_bench.py [--quick] [--only mla,moe,...] [--time-limit 290]
 
 Sections run in order mla, moe, prefill, routing, rope, then the sweeps (SWEEPS: the decode-step sweeps of
-decode_sweeps.py, the MoE sweeps of moe_sweeps.py, mla_sweep, moe_sweep, prefill_sweep), which --quick skips;
-`--only prefill_sweep` times the 8k prefill attention alone (under a minute). With --time-limit a watchdog ends the
-run after that many seconds (exit 3), keeping what it has in the JSON.
+decode_sweeps.py, the MoE sweeps of moe_sweeps.py, mla_sweep, moe_sweep, prefill_sweep) and the quantized
+sections (int4_moe: benchmarks/int4_moe_bench.py; fp8_linear, fp8_moe: benchmarks/fp8_bench.py), which --quick
+skips; `--only prefill_sweep` times the 8k prefill attention alone (under a minute). With --time-limit a
+watchdog ends the run after that many seconds (exit 3), keeping what it has in the JSON.
 --smoke runs every code path at toy sizes on the CPU (TRITON_INTERPRET=1 is set for it): a check of the script.
 """
 
@@ -42,6 +43,7 @@ from benchmarks.bench_util import (  # noqa: E402
 )
 from benchmarks.decode_sweeps import run_absorb, run_launch, run_linear_decode, run_moe_decode  # noqa: E402
 from benchmarks.int4_moe_bench import run_int4_moe  # noqa: E402
+from benchmarks.fp8_bench import run_fp8_linear, run_fp8_moe  # noqa: E402
 from benchmarks.moe_sweeps import run_moe_layers, run_moe_norm, run_moe_shared, run_moe_sweep  # noqa: E402
 
 
@@ -375,6 +377,8 @@ SECTIONS = {
     "absorb": run_absorb,
     "launch": run_launch,
     "int4_moe": run_int4_moe,
+    "fp8_linear": run_fp8_linear,
+    "fp8_moe": run_fp8_moe,
     "mla_sweep": run_mla_sweep,
     "moe_sweep": run_moe_sweep,
     "prefill_sweep": run_prefill_sweep,
@@ -387,6 +391,8 @@ SWEEPS = (
     "moe_decode",
     "lin_decode",
     "absorb",
+    "fp8_linear",
+    "fp8_moe",
     "mla_sweep",
     "moe_sweep",
     "prefill_sweep",

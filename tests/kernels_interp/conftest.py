@@ -19,10 +19,13 @@ if not torch.cuda.is_available():
 
 
 def _patch_interpreter() -> None:
-    """Two bugs of triton 3.6's interpreter (with numpy 2.x) that compiled kernels do not have:
+    """Four bugs of triton 3.6's interpreter (with numpy 2.x) that compiled kernels do not have:
     - tl.dot multiplies bf16 operands as their raw uint16 bits: widen them to fp32 first;
     - a scalar loaded from memory is a 1-element array, which numpy 2 refuses to turn into an int, so a loop
-      `for i in range(start, end)` with loaded bounds fails: index the single element instead."""
+      `for i in range(start, end)` with loaded bounds fails: index the single element instead;
+    - a cast to float8e4nv rounds half up and drops the carry when the mantissa rounds over (1.95 -> 1.0), and
+      a cast from fp32 to bf16 truncates (a bias that adds up over sums of rounded terms): cast both through
+      torch, which rounds to nearest even as the GPU's cvt.rn does."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter as interp
@@ -45,7 +48,26 @@ def _patch_interpreter() -> None:
         orig_patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
+    orig_fp_to_fp = interp.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if str(dst_type.scalar) != "fp8e4nv":
+            return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+        wide = src if str(src.dtype.scalar) == "fp32" else orig_fp_to_fp(self, src, tl.float32, rounding_mode)
+        q = torch.from_numpy(np.ascontiguousarray(wide.data, dtype=np.float32)).to(torch.float8_e4m3fn)
+        return interp.TensorHandle(q.view(torch.uint8).numpy().reshape(np.shape(wide.data)), dst_type.scalar)
+
+    orig_cast = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if str(src.dtype.scalar) != "fp32" or str(dst_type.scalar) != "bf16":
+            return orig_cast(self, src, dst_type)
+        b = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+        return interp.TensorHandle(b.view(torch.uint16).numpy().reshape(np.shape(src.data)), dst_type.scalar)
+
     interp.InterpreterBuilder.create_dot = create_dot
+    interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+    interp.InterpreterBuilder.cast_impl = cast_impl
     interp._patch_lang_tensor = patch_tensor
     interp._mlaserve_patched = True
 

@@ -1,0 +1,67 @@
+"""compile_check.py's cases for the FP8 block-scaled kernels (fp8_linear.py, fp8_moe.py) at DeepSeek-V3's shapes."""
+
+from __future__ import annotations
+
+import torch
+
+F8 = torch.float8_e4m3fn
+BF = torch.bfloat16
+
+# (name, N, K): DeepSeek-V3's FP8 linears (q_a|kv_a fused, q_b, kv_b, o_proj, dense and shared MLPs), one GPU
+LINEARS = (
+    ("q_a|kv_a", 2112, 7168),
+    ("kv_a", 576, 7168),
+    ("q_b", 24576, 1536),
+    ("kv_b", 32768, 512),
+    ("o_proj", 7168, 16384),
+    ("dense gate|up", 36864, 7168),
+    ("dense down", 7168, 18432),
+    ("shared down", 7168, 2048),
+)
+
+
+def _w(N: int, K: int):
+    """A [N, K] e4m3 weight as a stride-0 view (real shape, one row of memory) and its [N/128, K/128] scales."""
+    return torch.empty(1, K, dtype=F8).expand(N, K), torch.empty(-(-N // 128), -(-K // 128))
+
+
+def _big(E: int, N: int, K: int, dtype=F8):
+    return torch.empty(1, N, K, dtype=dtype).expand(E, N, K)
+
+
+def fp8_cases(quick: bool):
+    """Yields (label, fn, args) as compile_check.cases does."""
+    import functools
+
+    from mlaserve.kernels.fp8_linear import fp8_act_quant, fp8_block_linear
+    from mlaserve.kernels.fp8_moe import fp8_fused_experts
+
+    for name, N, K in LINEARS[:1] if quick else LINEARS:
+        w, s = _w(N, K)
+        for M in (1, 2, 32, 8192) if quick else (1, 2, 8, 32, 256, 8192):
+            for a8 in (False, True) if M > 8 else (False,):
+                yield (
+                    f"fp8_block_linear {name} M={M} a8={a8}",
+                    functools.partial(fp8_block_linear, config=dict(a8=a8) if M > 8 else None),
+                    (torch.empty(M, K, dtype=BF), w, s),
+                )
+    yield "fp8_act_quant M=8192 K=7168", fp8_act_quant, (torch.empty(8192, 7168, dtype=BF),)
+    for T in (1, 2, 4, 16, 64, 256, 8192):  # DeepSeek-V3's experts, 256 of them, top-8
+        for a8 in (False, True) if T >= 16 else (None,):
+            if quick and T not in (1, 8192):
+                continue
+            D, I, E, K = 7168, 2048, 256, 8
+            cfg = None if a8 is None else dict(a8=a8)
+            yield (
+                f"fp8_fused_experts T={T} a8={a8}",
+                functools.partial(fp8_fused_experts, config=cfg),
+                (
+                    torch.empty(T, D, dtype=BF),
+                    _big(E, 2 * I, D),
+                    _big(E, 2 * I // 128, D // 128, torch.float32),
+                    _big(E, D, I),
+                    _big(E, D // 128, I // 128, torch.float32),
+                    torch.empty(T, K),
+                    torch.zeros(T, K, dtype=torch.int64),
+                ),
+            )

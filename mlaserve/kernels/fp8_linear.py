@@ -1,0 +1,164 @@
+"""y = x @ dequant(weight)^T for 128x128 block-scaled FP8 weights (DeepSeek-V3/R1, Kimi-K2): one entry point,
+three forms chosen by the row count M.
+
+- M <= GEMV_MAX_ROWS (decode, verify): fp8_gemv.py's W8A16 GEMV, the fp8 rows streamed whole and scaled in
+  registers. cuBLAS's block-scaled GEMM takes 16.7 us for 8 rows of a 7168 -> 2048 weight (0.9 TB/s, H200, torch
+  2.11), far off the weight stream's floor.
+- M < SCALED_MM_MIN_ROWS, or where scaled_mm cannot run: fp8_gemm.py's tiled Triton GEMM; W8A16 up to
+  A16_MAX_ROWS rows (no quantization launch), W8A8 above.
+- else W8A8 by DeepSeek's recipe: fp8_act_quant (per token, per 128 channels), then torch's
+  F.scaled_mm(BlockWise1x128, BlockWise128x128) (cuBLASLt on sm_90: 1,358 TFLOP/s at 8,192 rows of 7168 -> 2048,
+  against cuBLAS bf16's 815).
+The thresholds are set by kernels_bench --only fp8_linear, which times every form at every M.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .fp8_gemm import fp8_gemm
+from .fp8_gemv import FP8_GEMV_MAX_ROWS, fp8_gemv
+from .fp8_quant import act_quant, fp8_act_quant
+from .fp8_reference import BLOCK, dequant_fp8_block, fp8_act_quant_ref, fp8_block_linear_ref
+
+__all__ = [
+    "fp8_block_linear",
+    "fp8_act_quant",
+    "fp8_act_quant_ref",
+    "fp8_block_linear_ref",
+    "dequant_fp8_block",
+    "scaled_mm_serves",
+    "linear_form",
+]
+
+GEMV_MAX_ROWS = 8  # up to here the GEMV (<= FP8_GEMV_MAX_ROWS)
+A16_MAX_ROWS = 64  # the Triton GEMM quantizes x (W8A8) above this
+SCALED_MM_MIN_ROWS = 256  # scaled_mm from here on where it can run
+FORMS = ("gemv", "triton", "scaled_mm")
+
+
+@functools.cache
+def _scaled_mm_device(index: int) -> bool:
+    """F.scaled_mm with DeepSeek's (1x128, 128x128) scaling: torch >= 2.10's API, cuBLASLt's sm_90 kernels."""
+    return (
+        hasattr(F, "scaled_mm")
+        and hasattr(getattr(F, "ScalingType", None), "BlockWise1x128")
+        and torch.cuda.get_device_capability(index)[0] == 9
+    )
+
+
+def scaled_mm_serves(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> bool:
+    """Whether F.scaled_mm's blockwise form takes these operands: sm_90, bf16/fp16 out, N and K multiples of 16
+    (cuBLASLt), ceil(K/128) a multiple of 4 and a row-contiguous scale (its transposed view is then the padded
+    [round_up(K/128, 4), N/128] operand torch checks for), a row-contiguous weight."""
+    N, K = weight.shape
+    kb = -(-K // BLOCK)
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and N % 16 == 0
+        and K % 16 == 0
+        and kb % 4 == 0
+        and weight.is_contiguous()
+        and weight_scale_inv.is_contiguous()
+        and _scaled_mm_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    )
+
+
+def _scaled_mm(x, weight, weight_scale_inv, out):
+    """fp8_act_quant (rows padded to 4: cuBLASLt's scale vectors are 16-byte aligned), then F.scaled_mm."""
+    M = x.shape[0]
+    q, s = act_quant(x, BLOCK, row_align=4)
+    y = F.scaled_mm(
+        q,
+        weight.t(),
+        s,
+        F.ScalingType.BlockWise1x128,
+        weight_scale_inv.t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )
+    if out is None:
+        return y[:M]
+    return out.copy_(y[:M])
+
+
+def linear_form(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, config=None) -> tuple[str, bool]:
+    """-> (form, a8): the form fp8_block_linear runs (config's "form", else by M) and whether it quantizes x."""
+    cfg = config or {}
+    M = x.shape[0]
+    form = cfg.get("form")
+    if form is None:
+        if M <= GEMV_MAX_ROWS:
+            form = "gemv"
+        elif M >= SCALED_MM_MIN_ROWS and scaled_mm_serves(x, weight, weight_scale_inv):
+            form = "scaled_mm"
+        else:
+            form = "triton"
+    if form not in FORMS:
+        raise ValueError(f"config form={form!r} is not one of {FORMS}")
+    return form, form == "scaled_mm" or (form == "triton" and bool(cfg.get("a8", M > A16_MAX_ROWS)))
+
+
+def _check(x, weight, weight_scale_inv, out):
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
+    N, K = weight.shape
+    if weight.dtype != torch.float8_e4m3fn or weight.stride(-1) != 1:
+        raise ValueError(f"weight must be float8_e4m3fn with a unit last stride, got {weight.dtype} {weight.stride()}")
+    sshape = (-(-N // BLOCK), -(-K // BLOCK))
+    if weight_scale_inv.shape != sshape or weight_scale_inv.dtype != torch.float32:
+        raise ValueError(
+            f"weight_scale_inv must be fp32 {list(sshape)} (128x128 blocks of weight [{N}, {K}]), got "
+            f"{weight_scale_inv.dtype} {list(weight_scale_inv.shape)}"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    if not (x.device == weight.device == weight_scale_inv.device):
+        raise ValueError(f"x, weight and weight_scale_inv must share a device: {x.device} {weight.device}")
+    if out is not None and (out.shape != (x.shape[0], N) or out.dtype != x.dtype or out.stride(-1) != 1):
+        raise ValueError(
+            f"out must be [{x.shape[0]}, {N}] {x.dtype} with a unit last stride, got {tuple(out.shape)} "
+            f"{out.dtype} strides {out.stride()}"
+        )
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, any strides) @ dequant(weight e4m3 [N, K], weight_scale_inv fp32 [ceil(N/128),
+    ceil(K/128)])^T -> [M, N] in x.dtype (new, or `out`: a view with a unit last stride). Small M computes on x
+    itself (W8A16: fp8_block_linear_ref(a8=False)); large M quantizes x per token per 128 channels first (W8A8:
+    fp8_block_linear_ref(a8=True)). CUDA only (the CPU path dequantizes). config (benchmarks, tests): "form" (one
+    of FORMS), "a8" (the Triton GEMM's form), and fp8_gemv / fp8_gemm tile keys."""
+    _check(x, weight, weight_scale_inv, out)
+    form, a8 = linear_form(x, weight, weight_scale_inv, config)
+    cfg = {k: v for k, v in (config or {}).items() if k not in ("form", "a8")}
+    M, N = x.shape[0], weight.shape[0]
+    if form == "gemv" and M > FP8_GEMV_MAX_ROWS:
+        raise ValueError(f"form 'gemv' serves up to {FP8_GEMV_MAX_ROWS} rows, got M={M}")
+    if M == 0:
+        return torch.empty(0, N, dtype=x.dtype, device=x.device) if out is None else out
+    if form == "scaled_mm":
+        if not scaled_mm_serves(x, weight, weight_scale_inv):
+            raise ValueError(
+                f"form 'scaled_mm' needs sm_90, bf16/fp16 x, N and K multiples of 16 and ceil(K/128) a multiple of "
+                f"4 (N={N}, K={weight.shape[1]}, x {x.dtype})"
+            )
+        return _scaled_mm(x, weight, weight_scale_inv, out)
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if form == "gemv":
+        return fp8_gemv(x, weight, weight_scale_inv, out, cfg)
+    if a8:
+        q, s = act_quant(x, BLOCK)
+        return fp8_gemm(q, s, weight, weight_scale_inv, out, cfg)
+    return fp8_gemm(x, None, weight, weight_scale_inv, out, cfg)

@@ -1,0 +1,249 @@
+"""Fused MoE experts with 128x128 block-scaled FP8 weights (DeepSeek-V3/R1, Kimi-K2): fused_moe.py's pipeline on
+fp8 weights. No host sync; buffers sized from shapes only (CUDA-graph safe).
+
+- Few (token, k) pairs (<= NO_ALIGN_MAX_PAIRS: decode, verify): fp8_moe_gemv.py's grouped GEMVs (W8A16).
+- Otherwise moe_align's per-expert blocks and two grouped tiled GEMMs (fp8_gemm.py's scaled K steps):
+  GEMM1 = x . [gate | up]^T with SiLU(gate) * up fused, GEMM2 = h . down^T with the top-k weight fused, then
+  moe_sum (plus `add`, the shared experts' output). Two forms:
+  - A16 (W8A16): bf16 x and h, fp8 weight tiles widened in registers; for few rows per expert (weight streams).
+  - A8 (W8A8, DeepSeek's recipe): x quantized per token per 128 channels once (fp8_quant.py), and GEMM1's
+    epilogue quantizes h the same way (its BLOCK_N is one 128-channel group), so both GEMMs are fp8 x fp8 MMAs;
+    for many rows per expert (prefill), where the MMAs are the cost.
+The w13 scale rows follow fp8_reference's split layout: gate row n uses scale row n // 128, up row n uses
+ceil(I/128) + n // 128.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .fp8_moe_gemm import _fp8_moe_gemm1_kernel, _fp8_moe_gemm2_kernel
+from .fp8_moe_gemv import fp8_moe_gemv
+from .fp8_quant import act_quant
+from .fp8_reference import BLOCK
+from .fused_moe import NO_ALIGN_MAX_PAIRS
+from .moe_align import moe_align
+from .moe_config import KEYS, moe_config
+from .moe_sum import moe_sum
+from .pdl import pdl_args
+
+A8_MIN_ROWS_PER_EXPERT = 48  # T*K/E above this: the A8 form (fp8_moe_config's 64-row tiles)
+
+
+def fp8_moe_config(
+    T: int, K: int, E: int, D: int, I: int, a8: bool, dtype: torch.dtype = torch.bfloat16, **override
+) -> tuple[dict, dict]:
+    """(gemm1, gemm2) tiles from the expected rows per expert, with 128-column K steps (one scale block):
+    - <= 16 rows (weight streams): moe_config's 16-row tiles, whose BLOCK_N shrinks until the active experts'
+      tiles cover the SMs; 4 stages (fp8 tiles are half the bytes).
+    - <= 48: 32x64 tiles, 4 warps.
+    - more: 64x128 tiles, GEMM1 on 8 warps (its gate and up accumulators, with each K step's scaled product, need
+      the registers: compile_check, sm_90: 64x128 on 4 warps or 128x128 on 8 spill 0.9-1.3 KB), GEMM2 on 4; GROUP_M
+      8 (vLLM's untuned default for block-FP8 experts is 64x128x128 too).
+    A8 needs GEMM1's BLOCK_N to be one 128-channel group (its epilogue quantizes h per group). fp32 A16 (tests):
+    IEEE FMA dots on 32x32 tiles (larger ones spill). `override` as moe_config's: flat keys, then gemm1={...} /
+    gemm2={...}; a BLOCK_M given anywhere applies to both."""
+    o1, o2 = dict(override.pop("gemm1", None) or {}), dict(override.pop("gemm2", None) or {})
+    for where, o in (("", override), ("gemm1.", o1), ("gemm2.", o2)):
+        bad = [k for k in o if k not in KEYS]
+        if bad:
+            raise ValueError(f"fp8 moe config keys {[where + k for k in bad]} are not among {KEYS}")
+    rows = T * K / E
+    if rows <= 16:
+        c1, c2 = moe_config(T, K, E, D, I, torch.bfloat16)
+        for c in (c1, c2):
+            c.update(BLOCK_K=BLOCK, num_stages=4)
+    elif rows <= 48:
+        c1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=BLOCK, GROUP_M=1, num_warps=4, num_stages=4)
+        c2 = dict(c1)
+    else:
+        c1 = dict(BLOCK_M=64, BLOCK_N=BLOCK, BLOCK_K=BLOCK, GROUP_M=8, num_warps=8, num_stages=3)
+        c2 = dict(c1, num_warps=4)
+    if a8:
+        c1["BLOCK_N"] = BLOCK
+        if c1["BLOCK_M"] >= 64:
+            c1["num_warps"] = 8
+    elif dtype == torch.float32:
+        for c in (c1, c2):
+            c.update(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+    c1.update(override, **o1)
+    c2.update(override, **o2)
+    bm = o1.get("BLOCK_M", o2.get("BLOCK_M", override.get("BLOCK_M")))
+    if bm is not None:
+        c1["BLOCK_M"] = c2["BLOCK_M"] = bm
+    for name, c in (("gemm1", c1), ("gemm2", c2)):
+        if BLOCK % c["BLOCK_K"] or c["BLOCK_K"] < 16:
+            raise ValueError(f"fp8 moe {name}.BLOCK_K={c['BLOCK_K']} must be a power of 2 in [16, {BLOCK}]")
+    if a8 and c1["BLOCK_N"] != BLOCK:
+        raise ValueError(f"fp8 moe A8: gemm1.BLOCK_N must be {BLOCK} (one group of h per program), got {c1['BLOCK_N']}")
+    return c1, c2
+
+
+def moe_form(T: int, K: int, E: int, config=None) -> tuple[bool, bool, bool]:
+    """-> (no_align, gemv, a8): fp8_fused_experts' form for T tokens of top-K over E local experts (config's
+    "no_align" / "gemv" / "a8", else the defaults)."""
+    cfg = config or {}
+    no_align = bool(cfg.get("no_align", T * K <= NO_ALIGN_MAX_PAIRS))
+    gemv = cfg.get("gemv", no_align)
+    a8 = not gemv and bool(cfg.get("a8", T * K / E > A8_MIN_ROWS_PER_EXPERT))
+    return no_align, gemv, a8
+
+
+def _check(x, w13, s13, w2, s2, topk_weights, topk_ids):
+    T, D = x.shape
+    E, I2, D1 = w13.shape
+    I = I2 // 2
+    if D1 != D or I2 != 2 * I or w2.shape != (E, D, I):
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} must be [E, 2I, {D}] / [E, {D}, I]")
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"w13 and w2 must be float8_e4m3fn, got {w13.dtype} / {w2.dtype}")
+    gi, gd = -(-I // BLOCK), -(-D // BLOCK)
+    if s13.shape != (E, 2 * gi, gd) or s2.shape != (E, gd, gi) or s13.dtype != torch.float32 or s2.dtype != s13.dtype:
+        raise ValueError(
+            f"w13_scale_inv / w2_scale_inv must be fp32 [{E}, {2 * gi}, {gd}] / [{E}, {gd}, {gi}] (128x128 blocks; "
+            f"w13's gate and up halves each ceil(I/128) rows), got {s13.dtype} {list(s13.shape)} / "
+            f"{s2.dtype} {list(s2.shape)}"
+        )
+    K = topk_ids.shape[-1]
+    if topk_ids.shape != (T, K) or topk_weights.shape != (T, K) or topk_weights.dtype != torch.float32:
+        raise ValueError(
+            f"topk_ids/topk_weights must be [{T}, K] (weights fp32), got {tuple(topk_ids.shape)} "
+            f"{tuple(topk_weights.shape)} {topk_weights.dtype}"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("x, w13 and w2 need a unit stride in their last dim")
+
+
+def fp8_fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+    *,
+    add: torch.Tensor | None = None,
+    all_local: bool = True,
+    pdl: bool | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e - expert_offset is in
+    [0, E) (others contribute nothing: EP, the caller all-reduces), plus `add` [T, D] -> [T, D] in x.dtype.
+    x [T, D]; w13 e4m3 [E, 2I, D] (gate rows, then up rows) with w13_scale_inv fp32 [E, 2*ceil(I/128),
+    ceil(D/128)]; w2 e4m3 [E, D, I] with w2_scale_inv [E, ceil(D/128), ceil(I/128)]; topk_weights [T, K] fp32;
+    topk_ids [T, K] int. Equals fp8_reference.fp8_fused_experts_ref(a8=False) (GEMV and A16 forms) or (a8=True).
+    all_local: every id names a local expert (the sum reads no ids). pdl: None/True launch with PDL where the
+    device has it, False without. config (benchmarks, tests): fp8_moe_config overrides (flat, "gemm1", "gemm2"),
+    "no_align" (default T*K <= NO_ALIGN_MAX_PAIRS), "gemv" (default: no_align; moe GEMV tiles as a dict),
+    "a8" (default: more than A8_MIN_ROWS_PER_EXPERT rows per expert)."""
+    _check(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids)
+    T, D = x.shape
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    K = topk_ids.shape[-1]
+    if T == 0:  # checks `add`; empty
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local)
+    TK = T * K
+    no_align, gemv, a8 = moe_form(T, K, E, config)
+    config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8")}
+    launch = pdl_args(x) if pdl is None or pdl else dict(PDL=False, launch_pdl=False)
+    y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
+    if gemv:
+        if not no_align:
+            raise ValueError(f"gemv: the GEMV form serves per-pair blocks only (T*K={TK} <= {NO_ALIGN_MAX_PAIRS})")
+        hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
+        gcfg = gemv if isinstance(gemv, dict) else None
+        args = (x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_offset)
+        fp8_moe_gemv(*args, hbuf, y, launch, gcfg)
+        return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)
+    c1, c2 = fp8_moe_config(T, K, E, D, I, a8, x.dtype, **config)
+    bm = c1["BLOCK_M"]
+    ids = topk_ids.reshape(-1)
+    if no_align:  # block m = pair m alone; the align buffers are unused (any pointer will do)
+        sorted_ids = expert_ids = num_padded = ids
+        rows, num_m = TK, TK
+    else:
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm)
+        rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
+    gi = -(-I // BLOCK)
+    if a8:
+        a, a_s = act_quant(x, BLOCK)  # [T, D] e4m3, [T, G] scales
+        h = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
+        h_s = torch.empty(rows, gi, dtype=torch.float32, device=x.device)
+    else:
+        a, a_s = x, w13_scale_inv[0]  # a_s unused
+        h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
+        h_s = h  # unused
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    common = dict(TK=TK, expert_offset=expert_offset, E_LOCAL=E, A8=a8, NO_ALIGN=no_align, DOT_PREC=prec, GROUP=BLOCK)
+    _fp8_moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
+        a,
+        a_s,
+        w13,
+        w13_scale_inv,
+        h,
+        h_s,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        ids,
+        I,
+        D,
+        num_m,
+        a.stride(0),
+        a_s.stride(0),
+        a_s.stride(1),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale_inv.stride(0),
+        w13_scale_inv.stride(1),
+        w13_scale_inv.stride(2),
+        h.stride(0),
+        h_s.stride(0),
+        TOPK=K,
+        BLOCK_M=bm,
+        BLOCK_N=c1["BLOCK_N"],
+        BLOCK_K=c1["BLOCK_K"],
+        GROUP_M=c1["GROUP_M"],
+        num_warps=c1["num_warps"],
+        num_stages=c1["num_stages"],
+        **common,
+        **launch,
+    )
+    _fp8_moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
+        h,
+        h_s,
+        w2,
+        w2_scale_inv,
+        y,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        topk_weights.reshape(-1),
+        ids,
+        D,
+        I,
+        num_m,
+        h.stride(0),
+        h_s.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale_inv.stride(0),
+        w2_scale_inv.stride(1),
+        w2_scale_inv.stride(2),
+        y.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=c2["BLOCK_N"],
+        BLOCK_K=c2["BLOCK_K"],
+        GROUP_M=c2["GROUP_M"],
+        num_warps=c2["num_warps"],
+        num_stages=c2["num_stages"],
+        **common,
+        **launch,
+    )
+    return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)

@@ -1,0 +1,96 @@
+"""Per-token, per-128-channel FP8 quantization of activations (DeepSeek-V3's recipe): s = amax / 448, q = e4m3(x / s).
+
+The scales come out column-major ([M, G] with strides (1, M_pad)): the layout torch.nn.functional.scaled_mm's
+BlockWise1x128 operand wants, and in which one program's BLOCK_M scales are one contiguous store. The W8A8 GEMMs
+(fp8_gemm.py, fp8_moe.py) read them through their strides. Divisions round to nearest (div_rn), as torch's do, so
+q and s equal fp8_reference.fp8_act_quant_ref's bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_reference import AMAX_FLOOR, FP8_MAX
+from .pdl import pdl_args, pdl_start
+
+_FLOOR = tl.constexpr(AMAX_FLOOR)
+_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def quant_group(v):
+    """v [R, G] fp32 (one group per row; masked entries 0) -> (q e4m3 [R, G], s fp32 [R])."""
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 1), _FLOOR), _MAX)
+    q = tl.clamp(tl.div_rn(v, s[:, None]), -_MAX, _MAX).to(tl.float8e4nv)
+    return q, s
+
+
+@triton.jit(do_not_specialize=["M", "MP"])
+def _act_quant_kernel(
+    X,
+    Q,
+    S,
+    M,
+    MP,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    stride_sg,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (row block, group g): Q[rows, g*GROUP ..] and S[g, rows] for rows < MP; rows in [M, MP) (the row
+    padding) get q = 0."""
+    pdl_start(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    k = g * GROUP + tl.arange(0, GROUP)
+    ok = (rows < M)[:, None] & (k < K)[None, :]
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xm + k[None, :] * stride_xk, mask=ok, other=0.0)
+    q, s = quant_group(x.to(tl.float32))
+    tl.store(Q + rows.to(tl.int64)[:, None] * stride_qm + k[None, :], q, mask=(rows < MP)[:, None] & (k < K)[None, :])
+    tl.store(S + g * stride_sg + rows, s, mask=rows < MP)
+
+
+def act_quant(x: torch.Tensor, group: int = 128, row_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any strides) -> (q e4m3 [Mp, K] contiguous, s fp32 [Mp, ceil(K/group)] with strides (1, Mp)),
+    Mp = M rounded up to row_align (the padding rows: q = 0)."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a 2-D floating tensor [M, K], got {tuple(x.shape)} {x.dtype}")
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"group={group} must be a power of 2 >= 16")
+    M, K = x.shape
+    Mp = -(-M // row_align) * row_align
+    G = -(-K // group)
+    q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s_buf = torch.empty(G, Mp, dtype=torch.float32, device=x.device)
+    block_m = min(16, triton.next_power_of_2(max(Mp, 1)))
+    if Mp and K:
+        _act_quant_kernel[(triton.cdiv(Mp, block_m), G)](
+            x,
+            q,
+            s_buf,
+            M,
+            Mp,
+            K,
+            x.stride(0),
+            x.stride(1),
+            q.stride(0),
+            s_buf.stride(0),
+            GROUP=group,
+            BLOCK_M=block_m,
+            num_warps=4 if group * block_m >= 2048 else 1,
+            **pdl_args(x),
+        )
+    return q, s_buf.t()
+
+
+def fp8_act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q float8_e4m3fn [M, K], s fp32 [M, ceil(K/group)]), x ~= q * s per group of `group` channels
+    of a row (fp8_reference.fp8_act_quant_ref, bit for bit). s is column-major (strides (1, M)), as scaled_mm's
+    BlockWise1x128 wants it."""
+    return act_quant(x, group)

@@ -1,0 +1,109 @@
+"""The FP8 block-scaled linear (kernels/fp8_linear.py) under the interpreter: activation quantization bit for bit,
+the W8A16 GEMV and the tiled GEMM (W8A16 and W8A8, split K) against fp32 references, at sizes that leave partial
+128-blocks in N and K, with strided x and NaN-poisoned caller views as outputs; the checks' errors. The fp8 MMAs
+run here too (the interpreter widens e4m3 exactly); scaled_mm runs on the GPU only (tests/gpu)."""
+
+import pytest
+import torch
+
+from tests import fp8_checks as fc
+
+BF, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("M,K", [(1, 128), (5, 200), (19, 300), (3, 7)])
+@pytest.mark.parametrize("dtype", [BF, F32])
+def test_act_quant_bit_exact(kdev, M, K, dtype):
+    fc.check_act_quant(kdev, dtype, M=M, K=K)
+
+
+def test_act_quant_padded_rows(kdev):
+    """Rows padded to a multiple of 4 (scaled_mm's operand): q = 0 there, scales column-major over the padded rows."""
+    from mlaserve.kernels.fp8_quant import act_quant
+    from mlaserve.kernels.fp8_reference import fp8_act_quant_ref
+    from tests.kernel_checks import poisoned_empty
+
+    x = torch.randn(5, 256, device=kdev).to(BF)
+    with poisoned_empty():
+        q, s = act_quant(x, row_align=4)
+    assert q.shape == (8, 256) and s.shape == (8, 2) and s.stride() == (1, 8)
+    assert torch.equal(q[5:].view(torch.uint8), torch.zeros(3, 256, dtype=torch.uint8, device=kdev))
+    qr, sr = fp8_act_quant_ref(x)
+    assert torch.equal(q[:5].view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s[:5], sr)
+    assert not torch.isnan(s).any()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF])
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize(
+    "N,K,cfg",
+    [
+        (300, 200, dict(BLOCK_N=8)),  # partial block row and column; one trip of 2 groups
+        (576, 256, dict(BLOCK_N=32, BLOCK_K=128)),  # kv_a's rows (4.5 block rows); two trips
+        (130, 520, dict(BLOCK_N=16, BLOCK_K=256)),  # 2 + 1 masked trips
+    ],
+)
+def test_gemv(kdev, dtype, M, N, K, cfg):
+    fc.check_fp8_linear(kdev, dtype, M=M, N=N, K=K, config=dict(cfg, form="gemv"))
+
+
+@pytest.mark.parametrize("a8", [False, True])
+@pytest.mark.parametrize(
+    "M,N,K,cfg",
+    [
+        (5, 300, 200, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1)),
+        (20, 130, 700, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4)),  # 6 blocks over 4 splits: one empty
+        (40, 64, 256, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, SPLIT_K=2, GROUP_M=2)),
+    ],
+)
+def test_triton_gemm(kdev, a8, M, N, K, cfg):
+    fc.check_fp8_linear(kdev, F32, M=M, N=N, K=K, config=dict(cfg, form="triton", a8=a8))
+
+
+@pytest.mark.parametrize("a8", [False, True])
+def test_triton_gemm_bf16_own_output(kdev, a8):
+    cfg = dict(form="triton", a8=a8, BLOCK_M=16, BLOCK_N=64, SPLIT_K=2)
+    fc.check_fp8_linear(kdev, BF, M=12, N=192, K=384, config=cfg, out_view=False)
+
+
+def test_default_forms_and_empty(kdev):
+    """By row count: the GEMV up to GEMV_MAX_ROWS, the Triton GEMM above (W8A8 above A16_MAX_ROWS); scaled_mm only
+    on sm_90 CUDA. M = 0 gives an empty result."""
+    from mlaserve.kernels import fp8_linear as fl
+    from mlaserve.kernels.fp8_reference import make_fp8_weight
+
+    w, s = make_fp8_weight(64, 256, device=kdev)
+    cases = [(1, "gemv"), (fl.GEMV_MAX_ROWS, "gemv"), (fl.GEMV_MAX_ROWS + 1, "triton")]
+    for M, want in cases:
+        assert fl.linear_form(torch.empty(M, 256, device=kdev), w, s) == (want, False)
+    big = torch.empty(fl.SCALED_MM_MIN_ROWS, 256, dtype=BF, device=kdev)
+    assert fl.linear_form(big, w, s)[1] and (kdev == "cuda" or fl.linear_form(big, w, s)[0] == "triton")
+    assert fl.fp8_block_linear(torch.empty(0, 256, device=kdev), w, s).shape == (0, 64)
+    fc.check_fp8_linear(kdev, F32, M=9, N=64, K=256, weight=(w, s), config=dict(BLOCK_N=32))  # default form
+
+
+def test_checks_name_the_argument(kdev):
+    from mlaserve.kernels.fp8_linear import fp8_block_linear
+    from mlaserve.kernels.fp8_reference import make_fp8_weight
+
+    w, s = make_fp8_weight(200, 300, device=kdev)
+    x = torch.randn(2, 300, device=kdev)
+    with pytest.raises(ValueError, match=r"x \(2, 299\) and weight \(200, 300\)"):
+        fp8_block_linear(x[:, :299], w, s)
+    with pytest.raises(ValueError, match="weight must be float8_e4m3fn"):
+        fp8_block_linear(x, w.float(), s)
+    with pytest.raises(ValueError, match=r"weight_scale_inv must be fp32 \[2, 3\]"):
+        fp8_block_linear(x, w, s[:1])
+    with pytest.raises(ValueError, match=r"out must be \[2, 200\] torch.float32"):
+        fp8_block_linear(x, w, s, torch.empty(2, 200, dtype=BF, device=kdev))
+    with pytest.raises(ValueError, match="form 'gemv' serves up to 8 rows"):
+        fp8_block_linear(torch.randn(9, 300, device=kdev), w, s, config=dict(form="gemv"))
+    with pytest.raises(ValueError, match="is not one of"):
+        fp8_block_linear(x, w, s, config=dict(form="cublas"))
+    if kdev == "cpu":
+        with pytest.raises(ValueError, match="form 'scaled_mm' needs sm_90"):
+            fp8_block_linear(x, w, s, config=dict(form="scaled_mm"))
+    with pytest.raises(ValueError, match=r"fp8_gemv config keys \['SPLIT_K'\]"):
+        fp8_block_linear(x, w, s, config=dict(form="gemv", SPLIT_K=2))
+    with pytest.raises(ValueError, match="BLOCK_K=96"):
+        fp8_block_linear(torch.randn(20, 300, device=kdev), w, s, config=dict(form="triton", BLOCK_K=96))
