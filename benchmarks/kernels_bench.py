@@ -42,8 +42,8 @@ from benchmarks.bench_util import (  # noqa: E402
     smoke_sizes,
 )
 from benchmarks.decode_sweeps import run_absorb, run_launch, run_linear_decode, run_moe_decode  # noqa: E402
-from benchmarks.int4_moe_bench import run_int4_moe  # noqa: E402
 from benchmarks.fp8_bench import run_fp8_linear, run_fp8_moe  # noqa: E402
+from benchmarks.int4_moe_bench import run_int4_moe  # noqa: E402
 from benchmarks.moe_sweeps import run_moe_layers, run_moe_norm, run_moe_shared, run_moe_sweep  # noqa: E402
 
 
