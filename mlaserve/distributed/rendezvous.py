@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..config import ParallelConfig
 from . import tp
+from .allreduce import AllReduceConfig, SymmMemAllReduce
 from .tp import RankInfo
 
 log = logging.getLogger("mlaserve.distributed")
@@ -39,6 +40,7 @@ class InitArgs:
     # The metadata (gloo) group waits for the next step while the server is idle, so its timeout is long;
     # a dead peer still ends that wait at once (gloo sees the closed connection, the watchdogs the exit).
     metadata_timeout_s: float = 365 * 24 * 3600.0
+    allreduce: AllReduceConfig = AllReduceConfig()  # read from the environment once, by make_init_args
 
 
 def free_port() -> int:
@@ -47,16 +49,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_init_args(par: ParallelConfig, device: str = "cpu", timeout_s: float = 600.0) -> InitArgs:
+def make_init_args(
+    par: ParallelConfig, device: str = "cpu", timeout_s: float = 600.0, allreduce: AllReduceConfig | None = None
+) -> InitArgs:
     """--dist-init-addr "host:port" -> tcp://host:port (a full URL is used as given); one node without it
-    meets on a free local port."""
+    meets on a free local port. allreduce: default AllReduceConfig.from_env()."""
     addr = par.dist_init_addr
     if addr is None:
         method = f"tcp://127.0.0.1:{free_port()}"
     else:
         method = addr if "://" in addr else f"tcp://{addr}"
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return InitArgs(par, method, backend, timeout_s)
+    return InitArgs(par, method, backend, timeout_s, allreduce=allreduce or AllReduceConfig.from_env())
 
 
 def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
@@ -87,7 +91,9 @@ def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
         device_id=device_id,
     )
     cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=init.metadata_timeout_s))
-    tp.set_group(dist.group.WORLD, info, cpu_group)
+    device = device_id or torch.device("cpu")
+    symm = SymmMemAllReduce.setup(init.allreduce, dist.group.WORLD, cpu_group, device, par.world_size, par.nnodes)
+    tp.set_group(dist.group.WORLD, info, cpu_group, symm)
     return info
 
 
@@ -96,6 +102,7 @@ def shutdown_rank(timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:
     daemon thread waited on for timeout_s (TEARDOWN_TIMEOUT_S says why); one still running is left to process exit,
     and this process cannot join another group."""
     done = True
+    tp.set_group(tp.group(), tp.rank_info(), tp.cpu_group())  # the symmetric buffer goes before its group
     if dist.is_initialized():
         t = threading.Thread(target=dist.destroy_process_group, name="process-group-teardown", daemon=True)
         t.start()

@@ -145,3 +145,66 @@ def progress_bar(info: RankInfo) -> int:
     for _ in tqdm(range(3), desc=f"rank {info.rank}"):
         pass
     return info.rank
+
+
+def allreduce_fallback(info: RankInfo) -> tuple:
+    """(symmetric memory installed, agreement when rank 1 cannot, agreement when all can, a sum over ranks)."""
+    from mlaserve.distributed.allreduce import agree
+
+    installed = tp.symm_all_reduce() is not None
+    one_says_no = agree(info.rank != 1, tp.cpu_group())
+    all_say_yes = agree(True, tp.cpu_group())
+    return installed, one_says_no, all_say_yes, tp.all_reduce(torch.tensor([float(info.rank + 1)])).item()
+
+
+def allreduce_vs_nccl(info: RankInfo, rows_list=(1, 8, 64, 300)) -> list[dict]:
+    """Each forced symmetric-memory path against NCCL on fresh random inputs, eager and replayed from a CUDA graph:
+    (path, dtype, rows, graph, bit-equal to NCCL, its error and NCCL's against the fp64 sum, the rounding bound, equal
+    on every rank)."""
+    import torch.distributed as dist
+
+    from mlaserve.distributed.allreduce import AllReduceConfig, SymmMemAllReduce
+
+    installed = tp.symm_all_reduce()
+    assert installed is not None, "symmetric memory was not set up on this machine (see the log for why)"
+    W, out = info.world_size, []
+    for how in ("one_shot", "two_shot"):
+        sym = SymmMemAllReduce(AllReduceConfig(backend=how), tp.group(), installed.buffer, W)
+        for dtype, unit in ((torch.bfloat16, 2.0**-8), (torch.float32, 2.0**-24)):
+            for rows in rows_list:
+                for graph in (False, True):
+                    x = torch.randn(rows, 7168, device="cuda", dtype=dtype)
+                    every = [torch.empty_like(x) for _ in range(W)]
+                    dist.all_gather(every, x)
+                    exact = torch.stack([e.double() for e in every]).sum(0)
+                    bound = W * unit * torch.stack([e.double().abs() for e in every]).sum(0)
+                    ref = x.clone()
+                    dist.all_reduce(ref)
+                    got = x.clone()
+                    if graph:  # capture on a static buffer, then replay on new contents
+                        static = torch.full_like(x, float("nan"))
+                        sym.try_all_reduce(static)  # warm up outside capture
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            assert sym.try_all_reduce(static)
+                        static.copy_(x)
+                        g.replay()
+                        got = static
+                    else:
+                        assert sym.try_all_reduce(got)
+                    torch.cuda.synchronize()
+                    gathered = [torch.empty_like(got) for _ in range(W)]
+                    dist.all_gather(gathered, got)
+                    out.append(
+                        dict(
+                            how=how,
+                            dtype=str(dtype),
+                            rows=rows,
+                            graph=graph,
+                            bit_equal=bool(torch.equal(got, ref)),
+                            err=float((got.double() - exact).abs().sub(bound).max()),
+                            nccl_err=float((ref.double() - exact).abs().sub(bound).max()),
+                            same_on_all_ranks=all(torch.equal(g_, gathered[0]) for g_ in gathered),
+                        )
+                    )
+    return out
