@@ -137,6 +137,7 @@ class LLM:
                     usage[o.request_id] = o.usage
                     bar.update()
         bar.close()
+        self.engine.runner.park()  # TP: the other ranks wait on the host group until the next call
         outs = []
         for rid, (ids, text), sp in zip(rids, encoded, params):
             r = results[rid]

@@ -6,7 +6,7 @@ itself) while `spawn_ranks` starts the others. A rank that dies becomes one
 
 The target contract: a module-level function, called once the rank has joined (tp's collectives work, the
 CUDA device is the local rank's); it loops as long as it likes (the engine's: receive a step with
-tp.broadcast_object, run the model, until rank 0 says stop); its return value, picklable, goes to the
+engine.step_broadcast, run the model, until rank 0 says stop); its return value, picklable, goes to the
 launcher; an exception ends the rank and fails the launch with its message.
 """
 

@@ -205,6 +205,7 @@ class AsyncEngine:
                         self._wake.wait(timeout=0.001)
                         self._wake.clear()
                 else:
+                    self.engine.runner.park()  # TP: idle ranks wait on the host group, not in a collective
                     if self.metrics:
                         self.metrics.observe_engine(self.engine.stats())
                     self._wake.wait(timeout=0.5)

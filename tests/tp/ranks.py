@@ -18,6 +18,7 @@ from mlaserve.models import weights
 from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 PAGE = 4
+PAGES_PER_REQ = 6
 DECODE_STEPS = 8
 
 
@@ -70,21 +71,26 @@ def step_chunks(seqs, cached, pages, step):
 def greedy(model: DeepseekV3ForCausalLM, broadcast: bool = False):
     """Run the schedule greedily; returns (generated ids per request, logits per step [n, vocab]).
 
-    With `broadcast`, rank 0 owns the schedule and sends each step's chunks with tp.broadcast_object
-    (what the engine does); the other ranks only follow. Without it, every rank derives the same steps."""
+    With `broadcast`, rank 0 owns the schedule and sends each step's chunks over a StepChannel (what the engine
+    does); the other ranks only follow. Without it, every rank derives the same steps."""
+    from mlaserve.engine.step_broadcast import StepChannel
+
     cfg, device = model.config, model.lm_head.weight.device
     attn = TorchRefBackend(
         torch.zeros(cfg.num_hidden_layers, 18, PAGE, cfg.kv_cache_dim, device=device), cfg.kv_lora_rank
     )
     start = prompts(cfg)
     seqs, cached = [list(p) for p in start], [0] * len(start)
-    pages = [[6 * i + j for j in range(6)] for i in range(len(start))]  # 24 slots each
+    pages = [[PAGES_PER_REQ * i + j for j in range(PAGES_PER_REQ)] for i in range(len(start))]  # 24 slots each
     all_logits = []
+    channel = StepChannel(device, tp.group()) if broadcast else None
     for step in range(2 + DECODE_STEPS):
-        meta = None
         if tp.rank_info().rank == 0 or not broadcast:
-            meta = step_chunks(seqs, cached, pages, step)
-        decode, prefill = tp.broadcast_object(meta) if broadcast else meta
+            decode, prefill = step_chunks(seqs, cached, pages, step)
+            if broadcast:
+                channel.send([c for _, c in decode], [c for _, c in prefill])
+        else:  # a follower gets the chunks alone; a request's first page says which one it is
+            decode, prefill = ([(c.pages[0] // PAGES_PER_REQ, c) for c in part] for part in channel.recv())
         batch = ForwardBatch.build([c for _, c in decode], [c for _, c in prefill], PAGE, device, attn)
         with torch.no_grad():
             logits = model.compute_logits(model(batch.input_ids, batch.positions, batch)[batch.logits_indices])
