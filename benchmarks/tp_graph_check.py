@@ -4,7 +4,7 @@ and bf16 (batch-1 GEMVs and head GEMVs on; reported: TP changes the bf16 roundin
 
     PYTHONPATH=$PWD python benchmarks/tp_graph_check.py [--quick] [cpu]    # writes $OUT/tp_graph_check.json
 
-PDL is off on TP ranks unless MLASERVE_PDL=all (kernels/pdl.py): run it both ways to tell whether PDL matters.
+PDL is on for TP ranks too (kernels/pdl.py); MLASERVE_PDL=0 turns it off: run it both ways to tell whether PDL matters.
 Each stage prints its wall time as it ends, so a slow or stuck stage shows (session 6 saw two runs time out).
 """
 

@@ -25,7 +25,7 @@ def worker_loop(info: RankInfo, engine_cfg: EngineConfig) -> str:
         msg = tp.broadcast_object(None)
         if msg is None:
             runner.release_graphs()  # before the group's teardown (ModelRunner.release_graphs)
-            return f"rank {info.rank}: {steps} steps"
+            return f"rank {info.rank}: {steps} steps, {runner.graph_steps} by the graph runner"
         if msg[0] == "wake":
             while (step := runner.steps.recv()) is not None:
                 runner.execute_local(*step)

@@ -68,6 +68,7 @@ class ModelRunner:
         self.graphs = None  # a GraphRunner once capture_graphs() ran
         self.steps = StepChannel(self.device, tp.group()) if ranks.world_size > 1 else None
         self._awake = False  # rank 0: the other ranks are receiving steps (not parked on the host group)
+        self.graph_steps = 0  # forwards run by the GraphRunner (a TP rank's report of which path it took)
         log.info(
             "model loaded in %.1fs on %s (%s); KV cache: %d pages x %d tokens (%.2f GB), backend %s",
             self.load_seconds,
@@ -168,6 +169,7 @@ class ModelRunner:
             )
         key = self.graphs.key_for(decode, prefill) if self.graphs is not None else None
         if key is not None:
+            self.graph_steps += 1
             return self.graphs.run(key, decode, prefill, decode_tokens)
         batch = self.build_batch(decode, prefill)
         if decode_tokens is not None:  # decode chunks come first, one token each
