@@ -7,11 +7,12 @@ import logging
 
 from ..config import EngineConfig, ModelConfig, ParallelConfig
 from .launch import RankFailed, Workers, abort, launch, spawn_ranks
-from .rendezvous import init_rank, make_init_args, shutdown_rank
+from .rendezvous import TEARDOWN_TIMEOUT_S, init_rank, make_init_args, shutdown_rank
 from .tp import RankInfo
 from .worker import worker_loop
 
 log = logging.getLogger("mlaserve.distributed")
+FAILED_TEARDOWN_S = 2.0
 
 
 def _device(engine_cfg: EngineConfig) -> str:
@@ -48,9 +49,16 @@ def start_rank0(
 
 def stop_rank0(workers: Workers) -> None:
     """After rank 0 told the others to stop: leave the group while they leave theirs (a teardown that needs every
-    rank finds them there), then reap them. Each teardown is bounded (rendezvous.TEARDOWN_TIMEOUT_S)."""
-    shutdown_rank()
+    rank finds them there), then reap them. Each teardown is bounded (rendezvous.TEARDOWN_TIMEOUT_S); after a rank
+    died (the others were terminated) nobody is left to meet, so rank 0 waits only briefly."""
+    shutdown_rank(FAILED_TEARDOWN_S if workers.failure is not None else TEARDOWN_TIMEOUT_S)
     workers.close()
+
+
+def abandon_rank0(workers: Workers) -> None:
+    """Rank 0 gives up (its engine failed to start, or a rank died): end the other ranks, then leave the group."""
+    workers.close(timeout=0)
+    shutdown_rank(FAILED_TEARDOWN_S)
 
 
 def run_follower_node(engine_cfg: EngineConfig, par: ParallelConfig) -> int:
