@@ -62,6 +62,7 @@ class LLM:
         nnodes: int = 1,
         node_rank: int = 0,
         dist_init_addr: str | None = None,
+        dist_init_timeout: float | None = None,
         speculative_config: dict | None = None,
         seed: int = 0,
         on_rank_failure=None,
@@ -80,6 +81,7 @@ class LLM:
             nnodes=nnodes,
             node_rank=node_rank,
             dist_init_addr=dist_init_addr,
+            **({"dist_init_timeout_s": dist_init_timeout} if dist_init_timeout is not None else {}),
         )
         spec = SpecConfig.from_dict(speculative_config) if speculative_config else None
         self._workers = None

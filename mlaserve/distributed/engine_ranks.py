@@ -22,6 +22,18 @@ def _device(engine_cfg: EngineConfig) -> str:
     return "cuda" if dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available()) else "cpu"
 
 
+def check_gpus(par: ParallelConfig, device: str) -> None:
+    """One rank per GPU: refuse at start a node that has fewer GPUs than ranks, naming the flags."""
+    import torch
+
+    n = torch.cuda.device_count() if device == "cuda" else 0
+    if device == "cuda" and par.local_world_size > n:
+        raise ValueError(
+            f"--tp / --attn-tp-size {par.world_size} over --nnodes {par.nnodes} puts {par.local_world_size} ranks on "
+            f"this machine, which has {n} CUDA GPU(s); each rank needs a GPU of its own"
+        )
+
+
 def start_rank0(
     engine_cfg: EngineConfig, par: ParallelConfig, model_cfg: ModelConfig, on_failure=abort
 ) -> tuple[RankInfo, Workers]:
@@ -29,6 +41,7 @@ def start_rank0(
     par.validate(model_cfg)
     if par.node_rank != 0:
         raise ValueError("node_rank: only node 0 runs the engine; run followers with run_follower_node")
+    check_gpus(par, _device(engine_cfg))
     init = make_init_args(par, _device(engine_cfg))
     workers = spawn_ranks(init, worker_loop, (engine_cfg,), local_ranks=range(1, par.local_world_size))
     workers.watch(on_failure)
@@ -64,6 +77,7 @@ def abandon_rank0(workers: Workers) -> None:
 def run_follower_node(engine_cfg: EngineConfig, par: ParallelConfig) -> int:
     """Nodes > 0: run every local rank as a follower until rank 0 says stop; 1 with the message if one dies."""
     par.validate(ModelConfig.from_pretrained(engine_cfg.model))
+    check_gpus(par, _device(engine_cfg))
     try:
         launch(par, worker_loop, engine_cfg, device=_device(engine_cfg))
     except RankFailed as e:

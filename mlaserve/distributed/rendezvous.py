@@ -11,6 +11,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -82,19 +83,49 @@ def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
             "logged when the last engine closed); start the next tensor-parallel engine in a new "
             "process"
         )
-    dist.init_process_group(
-        init.backend,
-        init_method=init.init_method,
-        world_size=par.world_size,
-        rank=info.rank,
-        timeout=timedelta(seconds=init.timeout_s),
-        device_id=device_id,
-    )
+    _join(init, info.rank, device_id)
     cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=init.metadata_timeout_s))
     device = device_id or torch.device("cpu")
     symm = SymmMemAllReduce.setup(init.allreduce, dist.group.WORLD, cpu_group, device, par.world_size, par.nnodes)
     tp.set_group(dist.group.WORLD, info, cpu_group, symm)
     return info
+
+
+def _join(init: InitArgs, rank: int, device_id) -> None:
+    """init_process_group. A tcp:// rendezvous (--dist-init-addr host:port, or one node's free port) meets through a
+    store built here, so that nobody answering ends in a TimeoutError that says so after --dist-init-timeout,
+    rather than a wait as long as the collectives' timeout and torch's message."""
+    par = init.parallel
+    kw = dict(world_size=par.world_size, rank=rank, timeout=timedelta(seconds=init.timeout_s), device_id=device_id)
+    if not init.init_method.startswith("tcp://"):
+        dist.init_process_group(init.backend, init_method=init.init_method, **kw)
+        return
+    url = urlparse(init.init_method)
+    wait_s = par.dist_init_timeout_s
+    try:
+        store = dist.TCPStore(
+            url.hostname,
+            url.port,
+            par.world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=wait_s),
+            multi_tenant=True,
+        )
+    except (RuntimeError, TimeoutError) as e:  # DistStoreError, DistNetworkError
+        addr = par.dist_init_addr or init.init_method
+        if rank == 0:
+            why = (
+                f"not all {par.world_size} ranks joined rank 0 at {addr} within {wait_s:g} s: is every node started "
+                "with the same --dist-init-addr, --nnodes and sizes, and can it reach this address?"
+            )
+        else:
+            why = (
+                f"rank {rank}: nobody answered at --dist-init-addr {addr} within {wait_s:g} s: is node 0 started, "
+                "and is that host:port reachable from this machine?"
+            )
+        raise TimeoutError(f"{why} (--dist-init-timeout sets the wait)") from e
+    store.set_timeout(timedelta(seconds=init.timeout_s))  # from here on, the collectives' timeout
+    dist.init_process_group(init.backend, store=store, **kw)
 
 
 def shutdown_rank(timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:
