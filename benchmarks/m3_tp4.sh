@@ -2,6 +2,8 @@
 # M3 on 4 GPUs (TP=4 LAYERS=12; or TP=2 LAYERS=6 on two): Kimi-K2.5 shapes, attn-tp = moe-tp, random weights in place, EAGLE3 K=1 N=2 with a
 # random draft; serves the seed protocol (8 prompts, concurrency 8, seed 20260724, greedy, 0 warmups) twice with
 # a shortened output, then compares the runs. Needs the server's wheels carried in .whl (see the device README).
+# Optional stages first: ALLREDUCE_BENCH=1 (one-shot / two-shot / NCCL at 1-64 rows of 7168, benchmarks/allreduce_bench.py),
+# LAYER_BENCH=1 (per-layer decode time at TP=$TP against one GPU, LAYER_BENCH_LAYERS=4 layers: one GPU must hold them).
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
 IN=${IN:-8192}; OUTLEN=${OUTLEN:-1024}; PORT=8000; TP=${TP:-4}; LAYERS=${LAYERS:-12}
@@ -12,6 +14,15 @@ t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi -L
 if [[ -n "$NCCL_TEST" ]]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/tp/test_tp_parity.py -k nccl 2>&1 | tail -3
+fi
+if [[ -n "$ALLREDUCE_BENCH" ]]; then
+  el "all-reduce bench (world $TP)"
+  timeout ${ALLREDUCE_S:-200} python3 benchmarks/allreduce_bench.py --worlds $TP 2>&1 | tail -16
+fi
+if [[ -n "$LAYER_BENCH" ]]; then
+  el "per-layer decode time, one GPU then TP=$TP"
+  timeout ${LAYER_S:-400} python3 benchmarks/tp_layer_bench.py --preset kimi-k2.5 --layers ${LAYER_BENCH_LAYERS:-4} \
+    --tp 1,$TP --batches 1,8 2>&1 | grep -vE "Loading|it/s" | tail -12
 fi
 LAYERS=$LAYERS python3 - <<'PY'
 import json, os
