@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from ..config import EngineConfig, ModelConfig, ParallelConfig
+from . import tp
 from .launch import RankFailed, Workers, abort, launch, spawn_ranks
 from .rendezvous import TEARDOWN_TIMEOUT_S, init_rank, make_init_args, shutdown_rank
 from .tp import RankInfo
@@ -50,6 +51,8 @@ def start_rank0(
     except BaseException:
         workers.close(timeout=1)
         raise
+    if par.nnodes > 1 and tp.store() is not None:  # the other machines' ranks: by their heartbeats
+        workers.watch_remote(tp.store(), list(range(par.local_world_size, par.world_size)))
     log.info(
         "rank 0 of %d joined (attn-tp %d, moe-tp %d, ep %d)",
         par.world_size,

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, wait
 from tqdm import tqdm
 
 from ..config import ParallelConfig
+from .heartbeat import watch_beats
 from .rendezvous import InitArgs, init_rank, make_init_args, shutdown_rank
 
 log = logging.getLogger("mlaserve.distributed")
@@ -107,6 +108,7 @@ class Workers:
         self._thread: threading.Thread | None = None
         self._closing = False
         self.on_failure: Callable[[RankFailed], None] | None = None  # watch's handler; replaceable while it runs
+        self._remote_stop = threading.Event()
 
     def _read(self, rank: int) -> None:
         conn = self._conns.pop(rank)
@@ -218,10 +220,23 @@ class Workers:
         self._thread.start()
         return self._thread
 
+    def watch_remote(self, store, ranks: list[int]) -> None:
+        """Ranks on other machines (heartbeat.py): one whose heartbeat stops fails like a local rank that exits."""
+
+        def dead(rank: int, silent: float) -> None:
+            if self.failure is None and not self._closing:
+                self.failure = RankFailed(
+                    f"rank {rank} (on another machine) stopped answering: no heartbeat for {silent:.0f} s", rank
+                )
+                self.on_failure(self.failure)
+
+        watch_beats(store, ranks, dead, self._remote_stop)
+
     def close(self, timeout: float = 10.0) -> None:
         """Shut down: give the ranks `timeout` seconds to return (rank 0 has told them to stop), then
         terminate the rest. Failures from here on are expected and not reported."""
         self._closing = True
+        self._remote_stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
         else:

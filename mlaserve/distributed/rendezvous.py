@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..config import ParallelConfig
 from . import tp
 from .allreduce import AllReduceConfig, SymmMemAllReduce
+from .heartbeat import start_beating
 from .tp import RankInfo
 
 log = logging.getLogger("mlaserve.distributed")
@@ -83,23 +84,25 @@ def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
             "logged when the last engine closed); start the next tensor-parallel engine in a new "
             "process"
         )
-    _join(init, info.rank, device_id)
+    store = _join(init, info.rank, device_id)
+    if store is not None and par.node_rank > 0:
+        start_beating(store, info.rank)  # node 0's watchdog cannot see this machine's processes: heartbeat.py
     cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=init.metadata_timeout_s))
     device = device_id or torch.device("cpu")
     symm = SymmMemAllReduce.setup(init.allreduce, dist.group.WORLD, cpu_group, device, par.world_size, par.nnodes)
-    tp.set_group(dist.group.WORLD, info, cpu_group, symm)
+    tp.set_group(dist.group.WORLD, info, cpu_group, symm, store)
     return info
 
 
-def _join(init: InitArgs, rank: int, device_id) -> None:
-    """init_process_group. A tcp:// rendezvous (--dist-init-addr host:port, or one node's free port) meets through a
-    store built here, so that nobody answering ends in a TimeoutError that says so after --dist-init-timeout,
-    rather than a wait as long as the collectives' timeout and torch's message."""
+def _join(init: InitArgs, rank: int, device_id):
+    """init_process_group -> the rendezvous store, or None. A tcp:// rendezvous (--dist-init-addr host:port, or one
+    node's free port) meets through a store built here, so that nobody answering ends in a TimeoutError that says so
+    after --dist-init-timeout, rather than a wait as long as the collectives' timeout and torch's message."""
     par = init.parallel
     kw = dict(world_size=par.world_size, rank=rank, timeout=timedelta(seconds=init.timeout_s), device_id=device_id)
     if not init.init_method.startswith("tcp://"):
         dist.init_process_group(init.backend, init_method=init.init_method, **kw)
-        return
+        return None
     url = urlparse(init.init_method)
     wait_s = par.dist_init_timeout_s
     try:
@@ -126,6 +129,7 @@ def _join(init: InitArgs, rank: int, device_id) -> None:
         raise TimeoutError(f"{why} (--dist-init-timeout sets the wait)") from e
     store.set_timeout(timedelta(seconds=init.timeout_s))  # from here on, the collectives' timeout
     dist.init_process_group(init.backend, store=store, **kw)
+    return store
 
 
 def shutdown_rank(timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:

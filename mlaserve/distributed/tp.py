@@ -36,16 +36,21 @@ _GROUP: dist.ProcessGroup | None = None
 _CPU_GROUP: dist.ProcessGroup | None = None
 _RANK_INFO = RankInfo()
 _SYMM = None  # allreduce.SymmMemAllReduce, or None: every all-reduce goes to the model group
+_STORE = None  # the rendezvous store (tcp://), which carries the heartbeats of ranks on other machines
 
 
 def set_group(
-    group: dist.ProcessGroup | None, info: RankInfo, cpu_group: dist.ProcessGroup | None = None, symm=None
+    group: dist.ProcessGroup | None,
+    info: RankInfo,
+    cpu_group: dist.ProcessGroup | None = None,
+    symm=None,
+    store=None,
 ) -> None:
     """Install this process's groups; `cpu_group` (gloo) carries broadcast_object, defaulting to `group`; `symm`
-    (allreduce.SymmMemAllReduce) takes the all-reduces it selects."""
-    global _GROUP, _CPU_GROUP, _RANK_INFO, _SYMM
+    (allreduce.SymmMemAllReduce) takes the all-reduces it selects; `store`: the rendezvous store."""
+    global _GROUP, _CPU_GROUP, _RANK_INFO, _SYMM, _STORE
     _GROUP, _CPU_GROUP, _RANK_INFO = group, cpu_group if cpu_group is not None else group, info
-    _SYMM = symm
+    _SYMM, _STORE = symm, store
 
 
 def rank_info() -> RankInfo:
@@ -58,6 +63,11 @@ def group() -> dist.ProcessGroup | None:
 
 def cpu_group() -> dist.ProcessGroup | None:
     return _CPU_GROUP
+
+
+def store():
+    """The rendezvous store (a dist.TCPStore), or None."""
+    return _STORE
 
 
 def symm_all_reduce():

@@ -214,3 +214,8 @@ def allreduce_vs_nccl(info: RankInfo, rows_list=(1, 8, 64, 300)) -> list[dict]:
                         )
                     )
     return out
+
+
+def park(info: RankInfo) -> str:
+    """Wait for rank 0's broadcast on the host group, as an idle engine rank does."""
+    return f"rank {info.rank}: {tp.broadcast_object(None)}"
