@@ -214,6 +214,11 @@ def cli_main(args) -> int:
         if server.rank_failure is not None:  # the other ranks were ended; leaving the group could wait on them
             print(f"mlaserve serve: {server.rank_failure}; the server stopped", file=sys.stderr, flush=True)
             os._exit(1)
+        if server.async_engine.error is not None and llm.parallel.world_size > 1:
+            # a step failed midway: the other ranks may sit in one of its collectives, which a clean stop would wait
+            # on; they exit with this process (launch.py: _exit_with_parent)
+            sys.stderr.flush()
+            os._exit(1)
         llm.close()
     return rc
 
