@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from mlaserve import LLM, SamplingParams
 from mlaserve.distributed.launch import RankFailed
@@ -107,11 +108,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_exits_nonzero_when_a_rank_is_killed(tiny_ckpt, tmp_path):
+GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPUS])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_serve_exits_nonzero_when_a_rank_is_killed(tiny_ckpt, tmp_path, device):
     """`mlaserve serve --tp 2` as its own process: SIGKILL rank 1 mid-stream; the stream ends with an error event
-    and the process exits with status 1 within 30 s."""
+    and the process exits with status 1 within 30 s (on GPUs too, where rank 0 may be stuck in a collective)."""
     port, log = _free_port(), tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "mlaserve", "serve", tiny_ckpt, "--tp", "2", "--device", "cpu", "--port", str(port)]
+    cmd = [sys.executable, "-m", "mlaserve", "serve", tiny_ckpt, "--tp", "2", "--device", device, "--port", str(port)]
     cmd += ["--num-pages", "512", "--page-size", "16"]
     env = {**os.environ, "PYTHONPATH": REPO}
     with open(log, "w") as out:
@@ -144,3 +150,48 @@ def test_serve_exits_nonzero_when_a_rank_is_killed(tiny_ckpt, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+SCRIPT = """
+import os, signal, sys, threading, time
+from mlaserve import LLM, SamplingParams
+from mlaserve.distributed.launch import RankFailed
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], device=sys.argv[2], tp=2, num_pages=512, page_size=16)
+    pid = llm._workers.procs[1].pid
+    def kill():
+        while llm.engine.num_steps < 3:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        print("killed", time.monotonic(), flush=True)
+    threading.Thread(target=kill, daemon=True).start()
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True), use_tqdm=False)
+    except RankFailed as e:
+        print("raised", time.monotonic(), e, flush=True)
+        sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_llm_script_ends_when_a_rank_is_killed(tiny_ckpt, tmp_path, device):
+    """A script using LLM: raises RankFailed (exit 3 here) or, stuck in a collective with the dead GPU, exits 1 with
+    the message; within 30 s of the kill either way."""
+    script = tmp_path / "gen.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), tiny_ckpt, device],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert out.returncode in (1, 3), out.stdout + out.stderr
+    killed = float(re.search(r"killed ([\d.]+)", out.stdout).group(1))
+    assert re.search(KILLED, out.stdout + out.stderr)
+    assert time.monotonic() - killed < 30  # one clock for both processes (CLOCK_MONOTONIC)
+    if out.returncode == 3:
+        assert float(re.search(r"raised ([\d.]+)", out.stdout).group(1)) - killed < 30
+    if device == "cpu":
+        assert out.returncode == 3  # gloo notices the closed connection: the call raises
