@@ -42,7 +42,7 @@ if [[ $stages == *" m2 "* ]]; then
     --batches 1,8 --contexts 512 --ttft 512,8192 2>&1 | tee "$OUT/m2.log" | tail -12
 fi
 if [[ $stages == *" tp "* ]]; then  # needs two GPUs
-  el "TP2: NCCL parity, then TP2 under CUDA graphs against one GPU"
+  el "TP2: NCCL parity, then TP2 under CUDA graphs against one GPU (PDL on and off)"
   timeout ${TP_S:-300} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE tests/tp/test_tp_parity.py \
     tests/gpu/test_tp_graphs_gpu.py -k "nccl or graphs" 2>&1 | tee "$OUT/tp.log" | tail -4
 fi

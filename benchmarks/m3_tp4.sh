@@ -7,6 +7,8 @@
 #   TP=2 LAYERS=6 bash benchmarks/m3_tp4.sh         # 2 GPUs
 #   NCCL_TEST=1 ...                                 # the NCCL parity test first
 # Needs mlaserve installed with its server dependencies (pip install -e .), or their wheels in .whl/.
+# Optional stages first: ALLREDUCE_BENCH=1 (one-shot / two-shot / NCCL at 1-64 rows of 7168,
+# benchmarks/allreduce_bench.py), LAYER_BENCH=1 (per-layer decode time at TP=$TP against one GPU).
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 IN=${IN:-8192}; OUTLEN=${OUTLEN:-1024}; PORT=8000; TP=${TP:-4}; LAYERS=${LAYERS:-12}
@@ -19,6 +21,15 @@ t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi -L
 if [[ -n "$NCCL_TEST" ]]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/tp/test_tp_parity.py -k nccl 2>&1 | tail -3
+fi
+if [[ -n "$ALLREDUCE_BENCH" ]]; then
+  el "all-reduce bench (world $TP)"
+  timeout ${ALLREDUCE_S:-200} python3 benchmarks/allreduce_bench.py --worlds $TP 2>&1 | tail -16
+fi
+if [[ -n "$LAYER_BENCH" ]]; then
+  el "per-layer decode time, one GPU then TP=$TP"
+  timeout ${LAYER_S:-400} python3 benchmarks/tp_layer_bench.py --preset kimi-k2.5 --layers ${LAYER_BENCH_LAYERS:-4} \
+    --tp 1,$TP --batches 1,8 2>&1 | grep -vE "Loading|it/s" | tail -12
 fi
 LAYERS=$LAYERS python3 - <<'PY'
 import json, os

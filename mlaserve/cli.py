@@ -67,6 +67,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--nnodes", type=int, default=1)
     t.add_argument("--node-rank", type=int, default=0)
     t.add_argument("--dist-init-addr", default=None, help="host:port of node 0 for torch.distributed's rendezvous")
+    t.add_argument(
+        "--dist-init-timeout",
+        type=float,
+        default=None,
+        help="seconds the ranks wait for each other at start before giving up with a message (default: 300)",
+    )
     s = p.add_argument_group("speculative decoding")
     s.add_argument(
         "--speculative-algorithm",
@@ -131,6 +137,8 @@ def engine_kwargs_from_args(args) -> dict:
             kw[f] = getattr(args, f)
     if args.nnodes > 1:
         kw.update(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+    if args.dist_init_timeout is not None:
+        kw["dist_init_timeout"] = args.dist_init_timeout
     if args.speculative_algorithm:
         kw["speculative_config"] = {
             "algorithm": args.speculative_algorithm,
@@ -164,6 +172,7 @@ def run_if_follower_node(args) -> int | None:
         nnodes=kw.pop("nnodes"),
         node_rank=kw.pop("node_rank"),
         dist_init_addr=kw.pop("dist_init_addr"),
+        **({"dist_init_timeout_s": kw.pop("dist_init_timeout")} if "dist_init_timeout" in kw else {}),
     )
     kw.pop("speculative_config", None)
     return run_follower_node(EngineConfig(model=args.model, **kw), par)

@@ -58,6 +58,11 @@ class RopeConfig:
         return self.yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
 
+def _flag(field: str) -> str:
+    """A ParallelConfig field's command-line flag: attn_tp_size -> attn-tp-size."""
+    return field.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over processes: world = attn_tp_size = moe_tp_size * ep_size (no DP attention).
@@ -72,23 +77,37 @@ class ParallelConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    dist_init_timeout_s: float = 300.0  # how long the ranks wait for each other at start (--dist-init-timeout)
 
     def __post_init__(self):
         for name in ("attn_tp_size", "moe_tp_size", "ep_size", "nnodes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise ValueError(f"{name} (--{_flag(name)}) must be a positive integer, got {v!r}")
         if self.moe_tp_size * self.ep_size != self.attn_tp_size:
             raise ValueError(
                 f"moe_tp_size * ep_size ({self.moe_tp_size} * {self.ep_size} = {self.moe_tp_size * self.ep_size}) "
-                f"must equal attn_tp_size ({self.attn_tp_size}): every rank runs both attention and experts"
+                f"must equal attn_tp_size ({self.attn_tp_size}): every rank runs both attention and experts "
+                "(--moe-tp-size x --ep-size = --attn-tp-size)"
             )
         if self.world_size % self.nnodes:
-            raise ValueError(f"world size {self.world_size} (attn_tp_size) is not divisible by nnodes={self.nnodes}")
+            raise ValueError(
+                f"world size {self.world_size} (attn_tp_size) is not divisible by nnodes={self.nnodes} "
+                "(--nnodes: every machine runs the same number of ranks)"
+            )
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+            raise ValueError(f"node_rank (--node-rank) must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError(f"nnodes={self.nnodes} needs dist_init_addr (host:port of node 0) to meet at")
+            raise ValueError(f"nnodes={self.nnodes} needs dist_init_addr (--dist-init-addr host:port of node 0)")
+        if self.dist_init_addr and "://" not in self.dist_init_addr:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"dist_init_addr (--dist-init-addr) must be host:port (port 1-65535) or a URL such as "
+                    f"tcp://host:port, got {self.dist_init_addr!r}"
+                )
+        if not self.dist_init_timeout_s > 0:
+            raise ValueError(f"dist_init_timeout_s (--dist-init-timeout) must be > 0, got {self.dist_init_timeout_s}")
 
     @classmethod
     def from_tp(
@@ -132,11 +151,15 @@ class ParallelConfig:
         return RankInfo(rank=rank, world_size=self.world_size, moe_tp_size=self.moe_tp_size, ep_size=self.ep_size)
 
     def validate(self, cfg: ModelConfig) -> None:
-        """Refuse sizes that do not divide what they split, naming both numbers (vocab is padded: any size)."""
+        """Refuse sizes that do not divide what they split, naming the flag and both numbers (vocab is padded: any
+        size)."""
 
         def need(size: str, n: int, what: str, total: int, why: str) -> None:
             if total % n:
-                raise ValueError(f"{size}={n} does not divide {what}={total} ({why}); choose a size that divides it")
+                flag = f"--{_flag(size)}" if size.isidentifier() else "--attn-tp-size / --tp"
+                raise ValueError(
+                    f"{size}={n} ({flag}) does not divide {what}={total} ({why}); choose a size that divides it"
+                )
 
         world = "the world size (attn_tp_size)"
         need(

@@ -1,13 +1,17 @@
 """The offline API (vLLM-shaped): LLM(model).generate(prompts, SamplingParams), and `mlaserve generate`.
 
 With no model given, the embedded default is used: a tiny random checkpoint, made on first use in the cache.
+Under tensor parallelism a rank that dies makes the call in progress (or the next one) raise RankFailed, naming it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import threading
+import time
 
 from tqdm import tqdm
 
@@ -15,6 +19,8 @@ from .config import EngineConfig, SpecConfig
 from .types import CompletionOutput, RequestOutput, SamplingParams
 
 DEFAULT_MODEL_NAME = "tiny-random-v1"
+RANK_REPORT_S = 5.0  # a step that failed on a collective waits this long for the watchdog to name a dead rank
+STUCK_EXIT_S = 15.0  # after a rank died, a main thread still inside the engine this long is stuck in a collective
 
 
 def cache_dir() -> str:
@@ -56,6 +62,7 @@ class LLM:
         nnodes: int = 1,
         node_rank: int = 0,
         dist_init_addr: str | None = None,
+        dist_init_timeout: float | None = None,
         speculative_config: dict | None = None,
         seed: int = 0,
         on_rank_failure=None,
@@ -74,21 +81,30 @@ class LLM:
             nnodes=nnodes,
             node_rank=node_rank,
             dist_init_addr=dist_init_addr,
+            **({"dist_init_timeout_s": dist_init_timeout} if dist_init_timeout is not None else {}),
         )
         spec = SpecConfig.from_dict(speculative_config) if speculative_config else None
         self._workers = None
+        self._on_rank_failure = on_rank_failure  # None: raise in the main thread (_rank_failed)
+        self._busy = 0  # > 0 while the main thread runs the engine
         ranks = None
         if self.parallel.world_size > 1:
             from .distributed.engine_ranks import start_rank0
 
             model_cfg = ModelConfig.from_pretrained(model)
             ranks, self._workers = start_rank0(
-                self.engine_config,
-                self.parallel,
-                model_cfg,
-                **({"on_failure": on_rank_failure} if on_rank_failure else {}),
+                self.engine_config, self.parallel, model_cfg, on_failure=self._rank_failed
             )
-        self.engine = LLMEngine(self.engine_config, spec=spec, **({"ranks": ranks} if ranks else {}))
+        try:
+            with self._engine_call():
+                self.engine = LLMEngine(self.engine_config, spec=spec, **({"ranks": ranks} if ranks else {}))
+        except BaseException:
+            if self._workers is not None:
+                from .distributed.engine_ranks import abandon_rank0
+
+                abandon_rank0(self._workers)
+                self._workers = None
+            raise
         self.tokenizer = self.engine.tokenizer
 
     @property
@@ -96,14 +112,74 @@ class LLM:
         """The weights each rank holds, by kind (models/weight_bytes.WeightBytes, in rank order)."""
         return self.engine.runner.weight_bytes_per_rank
 
+    # ---- a rank that dies (tensor parallelism) ---------------------------------------------------------
+    def set_rank_failure_handler(self, handler) -> None:
+        """handler(RankFailed), called on the watchdog thread when a rank dies, in place of raising in the main
+        thread (the server's: fail the requests, answer 503, exit)."""
+        self._on_rank_failure = handler
+
+    def rank_failure(self, wait: float = 0.0):
+        """The RankFailed of a rank that died (waiting up to `wait` seconds for the watchdog's report), or None."""
+        if self._workers is None:
+            return None
+        deadline = time.monotonic() + wait
+        while self._workers.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._workers.failure
+
+    def root_cause(self, e: BaseException) -> BaseException:
+        """What made the engine fail with e: a dead rank's RankFailed when e is an error of a collective with it (gloo,
+        NCCL and CUDA errors are RuntimeErrors; the watchdog's report may take a moment), else e."""
+        if isinstance(e, RuntimeError):
+            return self.rank_failure(RANK_REPORT_S) or e
+        return e
+
+    def _rank_failed(self, e) -> None:
+        """The watchdog thread's report. By default the main thread raises e: at its next step, or as its collective
+        with the dead rank fails (gloo notices the closed connection). A collective that never returns (an NCCL or
+        symmetric-memory kernel waiting on a dead GPU) cannot raise: after STUCK_EXIT_S still inside the engine,
+        the process exits with the message."""
+        if self._on_rank_failure is not None:
+            self._on_rank_failure(e)
+            return
+
+        def exit_if_stuck():
+            time.sleep(STUCK_EXIT_S)
+            if self._busy:
+                from .distributed.launch import abort
+
+                abort(e)
+
+        threading.Thread(target=exit_if_stuck, daemon=True, name="rank-failure-exit").start()
+
+    @contextlib.contextmanager
+    def _engine_call(self):
+        """Around the main thread's use of the engine: a dead rank's RankFailed instead of its collective's error."""
+        failure = self.rank_failure()
+        if failure is not None:
+            raise failure
+        self._busy += 1
+        try:
+            yield
+        except RuntimeError as e:
+            cause = self.root_cause(e)
+            if cause is not e:
+                raise cause from e
+            raise
+        finally:
+            self._busy -= 1
+
     def close(self) -> None:
         """Stop the other ranks (tensor parallelism); the LLM cannot be used afterwards."""
         if self._workers is not None:
             from .distributed.engine_ranks import stop_rank0
 
-            self.engine.runner.shutdown()
-            stop_rank0(self._workers)
-            self._workers = None
+            try:
+                if self._workers.failure is None:  # after a failure nobody is left to tell
+                    self.engine.runner.shutdown()
+            finally:
+                stop_rank0(self._workers)
+                self._workers = None
 
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -131,16 +207,20 @@ class LLM:
         results: dict[str, dict] = {r: {"ids": [], "text": "", "lp": [], "reason": None, "stop": None} for r in rids}
         usage = {}
         bar = tqdm(total=len(rids), desc="Generating", unit="req", disable=not use_tqdm or len(rids) < 2)
-        while self.engine.has_unfinished():
-            for o in self.engine.step():
-                r = results[o.request_id]
-                r["ids"] += o.new_token_ids
-                r["text"] += o.new_text
-                r["lp"] += o.new_logprobs or []
-                if o.finished:
-                    r["reason"], r["stop"] = o.finish_reason, o.stop_reason
-                    usage[o.request_id] = o.usage
-                    bar.update()
+        with self._engine_call():
+            while self.engine.has_unfinished():
+                if self._workers is not None and self._workers.failure is not None:
+                    raise self._workers.failure
+                for o in self.engine.step():
+                    r = results[o.request_id]
+                    r["ids"] += o.new_token_ids
+                    r["text"] += o.new_text
+                    r["lp"] += o.new_logprobs or []
+                    if o.finished:
+                        r["reason"], r["stop"] = o.finish_reason, o.stop_reason
+                        usage[o.request_id] = o.usage
+                        bar.update()
+            self.engine.runner.park()  # TP: the other ranks wait on the host group until the next call
         bar.close()
         outs = []
         for rid, (ids, text), sp in zip(rids, encoded, params):

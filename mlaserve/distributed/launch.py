@@ -6,7 +6,7 @@ itself) while `spawn_ranks` starts the others. A rank that dies becomes one
 
 The target contract: a module-level function, called once the rank has joined (tp's collectives work, the
 CUDA device is the local rank's); it loops as long as it likes (the engine's: receive a step with
-tp.broadcast_object, run the model, until rank 0 says stop); its return value, picklable, goes to the
+engine.step_broadcast, run the model, until rank 0 says stop); its return value, picklable, goes to the
 launcher; an exception ends the rank and fails the launch with its message.
 """
 
@@ -27,11 +27,13 @@ from multiprocessing.connection import Connection, wait
 from tqdm import tqdm
 
 from ..config import ParallelConfig
+from .heartbeat import watch_beats
 from .rendezvous import InitArgs, init_rank, make_init_args, shutdown_rank
 
 log = logging.getLogger("mlaserve.distributed")
 
 GRACE_S = 1.0  # after a first failure, how long to wait for the others' reports (to name the root cause)
+POLL_S = 1.0  # exit codes are also polled this often: a process's pipes may outlive it (a child holding them)
 
 
 class RankFailed(RuntimeError):
@@ -105,6 +107,8 @@ class Workers:
         self._first_failure: float | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
+        self.on_failure: Callable[[RankFailed], None] | None = None  # watch's handler; replaceable while it runs
+        self._remote_stop = threading.Event()
 
     def _read(self, rank: int) -> None:
         conn = self._conns.pop(rank)
@@ -119,14 +123,19 @@ class Workers:
         else:
             self.errors[rank] = tuple(rest)
 
-    def _failed(self) -> list[int]:
+    def _exit_codes(self) -> dict[int, int | None]:
+        """One snapshot per decision: a rank reaped between two reads of its exit code must not look alive to one
+        and gone to the other (a killed rank would pass for a clean exit)."""
+        return {r: p.exitcode for r, p in self.procs.items()}
+
+    def _failed(self, codes: dict[int, int | None]) -> list[int]:
         """Ranks that raised, exited non-zero, or exited 0 without returning."""
         return [
             r
-            for r, p in self.procs.items()
+            for r, code in codes.items()
             if r in self.errors
-            or p.exitcode not in (None, 0)
-            or (p.exitcode == 0 and r not in self.results and r not in self._conns)
+            or code not in (None, 0)
+            or (code == 0 and r not in self.results and r not in self._conns)
         ]
 
     def wait(self, timeout: float | None = None) -> dict[int, object]:
@@ -135,9 +144,10 @@ class Workers:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             now = time.monotonic()
-            if self._first_failure is None and self._failed():
+            codes = self._exit_codes()
+            if self._first_failure is None and self._failed(codes):
                 self._first_failure = now
-            alive = [r for r, p in self.procs.items() if p.exitcode is None]
+            alive = [r for r, code in codes.items() if code is None]
             if self._first_failure is not None and (not alive or now >= self._first_failure + GRACE_S):
                 raise self._fail()
             if not alive and not self._conns:
@@ -148,17 +158,18 @@ class Workers:
             wake = [t for t in (deadline, self._first_failure and self._first_failure + GRACE_S) if t is not None]
             waiting = {self.procs[r].sentinel: r for r in alive}
             waiting.update({c: r for r, c in self._conns.items()})
-            for obj in wait(list(waiting), max(min(wake) - now, 0.0) if wake else None):
+            for obj in wait(list(waiting), min(max(min(wake) - now, 0.0) if wake else POLL_S, POLL_S)):
                 if isinstance(obj, Connection):
                     self._read(waiting[obj])
-                # a sentinel: the process ended; its exitcode is read on the next pass
+                else:  # a sentinel: the process is ending; reap it (its exit code is read on the next pass)
+                    self.procs[waiting[obj]].join(POLL_S)
 
     def _fail(self) -> RankFailed:
         """Name the root cause: a rank killed without a report first (its peers' errors follow from it),
         else the earliest reported exception."""
         for r in [r for r, c in self._conns.items() if c.poll()]:
             self._read(r)  # reports already sent
-        failed = self._failed()
+        failed = self._failed(self._exit_codes())
         silent = [r for r in failed if r not in self.errors]
         rank = silent[0] if silent else min(failed, key=lambda r: self.errors[r][0])
         self.terminate()
@@ -193,8 +204,9 @@ class Workers:
 
     def watch(self, on_failure: Callable[[RankFailed], None] | None = None) -> threading.Thread:
         """Watch the ranks from a daemon thread (for a launcher that is itself rank 0 and busy running it):
-        the first failure is stored in `self.failure` and, unless `close` was called, passed to on_failure
-        (default `abort`: the server goes down with the message)."""
+        the first failure is stored in `self.failure` and, unless `close` was called, passed to `self.on_failure`
+        (on_failure, or whatever replaced it since; default `abort`: exit with the message)."""
+        self.on_failure = on_failure or abort
 
         def run():
             try:
@@ -202,16 +214,29 @@ class Workers:
             except RankFailed as e:
                 self.failure = e
                 if not self._closing:
-                    (on_failure or abort)(e)
+                    self.on_failure(e)
 
         self._thread = threading.Thread(target=run, daemon=True, name="rank-watchdog")
         self._thread.start()
         return self._thread
 
+    def watch_remote(self, store, ranks: list[int]) -> None:
+        """Ranks on other machines (heartbeat.py): one whose heartbeat stops fails like a local rank that exits."""
+
+        def dead(rank: int, silent: float) -> None:
+            if self.failure is None and not self._closing:
+                self.failure = RankFailed(
+                    f"rank {rank} (on another machine) stopped answering: no heartbeat for {silent:.0f} s", rank
+                )
+                self.on_failure(self.failure)
+
+        watch_beats(store, ranks, dead, self._remote_stop)
+
     def close(self, timeout: float = 10.0) -> None:
         """Shut down: give the ranks `timeout` seconds to return (rank 0 has told them to stop), then
         terminate the rest. Failures from here on are expected and not reported."""
         self._closing = True
+        self._remote_stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
         else:
@@ -255,6 +280,7 @@ def spawn_ranks(
         alive_r.close()
         procs[rank], conns[rank] = p, recv
         alive.append(alive_w)  # kept open for the launcher's lifetime
+        log.info("started rank %d as pid %d", rank, p.pid)
     return Workers(init, procs, conns, alive)
 
 

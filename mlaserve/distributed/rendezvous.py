@@ -11,12 +11,15 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from ..config import ParallelConfig
 from . import tp
+from .allreduce import AllReduceConfig, SymmMemAllReduce
+from .heartbeat import start_beating
 from .tp import RankInfo
 
 log = logging.getLogger("mlaserve.distributed")
@@ -39,6 +42,7 @@ class InitArgs:
     # The metadata (gloo) group waits for the next step while the server is idle, so its timeout is long;
     # a dead peer still ends that wait at once (gloo sees the closed connection, the watchdogs the exit).
     metadata_timeout_s: float = 365 * 24 * 3600.0
+    allreduce: AllReduceConfig = AllReduceConfig()  # read from the environment once, by make_init_args
 
 
 def free_port() -> int:
@@ -47,16 +51,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_init_args(par: ParallelConfig, device: str = "cpu", timeout_s: float = 600.0) -> InitArgs:
+def make_init_args(
+    par: ParallelConfig, device: str = "cpu", timeout_s: float = 600.0, allreduce: AllReduceConfig | None = None
+) -> InitArgs:
     """--dist-init-addr "host:port" -> tcp://host:port (a full URL is used as given); one node without it
-    meets on a free local port."""
+    meets on a free local port. allreduce: default AllReduceConfig.from_env()."""
     addr = par.dist_init_addr
     if addr is None:
         method = f"tcp://127.0.0.1:{free_port()}"
     else:
         method = addr if "://" in addr else f"tcp://{addr}"
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return InitArgs(par, method, backend, timeout_s)
+    return InitArgs(par, method, backend, timeout_s, allreduce=allreduce or AllReduceConfig.from_env())
 
 
 def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
@@ -78,17 +84,52 @@ def init_rank(local_rank: int, init: InitArgs) -> RankInfo:
             "logged when the last engine closed); start the next tensor-parallel engine in a new "
             "process"
         )
-    dist.init_process_group(
-        init.backend,
-        init_method=init.init_method,
-        world_size=par.world_size,
-        rank=info.rank,
-        timeout=timedelta(seconds=init.timeout_s),
-        device_id=device_id,
-    )
+    store = _join(init, info.rank, device_id)
+    if store is not None and par.node_rank > 0:
+        start_beating(store, info.rank)  # node 0's watchdog cannot see this machine's processes: heartbeat.py
     cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=init.metadata_timeout_s))
-    tp.set_group(dist.group.WORLD, info, cpu_group)
+    device = device_id or torch.device("cpu")
+    symm = SymmMemAllReduce.setup(init.allreduce, dist.group.WORLD, cpu_group, device, par.world_size, par.nnodes)
+    tp.set_group(dist.group.WORLD, info, cpu_group, symm, store)
     return info
+
+
+def _join(init: InitArgs, rank: int, device_id):
+    """init_process_group -> the rendezvous store, or None. A tcp:// rendezvous (--dist-init-addr host:port, or one
+    node's free port) meets through a store built here, so that nobody answering ends in a TimeoutError that says so
+    after --dist-init-timeout, rather than a wait as long as the collectives' timeout and torch's message."""
+    par = init.parallel
+    kw = dict(world_size=par.world_size, rank=rank, timeout=timedelta(seconds=init.timeout_s), device_id=device_id)
+    if not init.init_method.startswith("tcp://"):
+        dist.init_process_group(init.backend, init_method=init.init_method, **kw)
+        return None
+    url = urlparse(init.init_method)
+    wait_s = par.dist_init_timeout_s
+    try:
+        store = dist.TCPStore(
+            url.hostname,
+            url.port,
+            par.world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=wait_s),
+            multi_tenant=True,
+        )
+    except (RuntimeError, TimeoutError) as e:  # DistStoreError, DistNetworkError
+        addr = par.dist_init_addr or init.init_method
+        if rank == 0:
+            why = (
+                f"not all {par.world_size} ranks joined rank 0 at {addr} within {wait_s:g} s: is every node started "
+                "with the same --dist-init-addr, --nnodes and sizes, and can it reach this address?"
+            )
+        else:
+            why = (
+                f"rank {rank}: nobody answered at --dist-init-addr {addr} within {wait_s:g} s: is node 0 started, "
+                "and is that host:port reachable from this machine?"
+            )
+        raise TimeoutError(f"{why} (--dist-init-timeout sets the wait)") from e
+    store.set_timeout(timedelta(seconds=init.timeout_s))  # from here on, the collectives' timeout
+    dist.init_process_group(init.backend, store=store, **kw)
+    return store
 
 
 def shutdown_rank(timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:
@@ -96,6 +137,7 @@ def shutdown_rank(timeout_s: float = TEARDOWN_TIMEOUT_S) -> bool:
     daemon thread waited on for timeout_s (TEARDOWN_TIMEOUT_S says why); one still running is left to process exit,
     and this process cannot join another group."""
     done = True
+    tp.set_group(tp.group(), tp.rank_info(), tp.cpu_group())  # the symmetric buffer goes before its group
     if dist.is_initialized():
         t = threading.Thread(target=dist.destroy_process_group, name="process-group-teardown", daemon=True)
         t.start()

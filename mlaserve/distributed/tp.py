@@ -1,8 +1,9 @@
 """The distributed state: one process group spanning the tensor-parallel ranks, and its collectives.
 
 This module's globals are the only ones in mlaserve. With one rank every collective is a no-op, so the
-model code calls them unconditionally. Tensors go over the model group (NCCL on GPU, gloo on CPU);
-picklable step metadata goes over a gloo group on the host, so it never touches the device.
+model code calls them unconditionally. Tensors go over the model group (NCCL on GPU, gloo on CPU), small
+all-reduces on one node over symmetric memory (allreduce.py); control messages (capture, stop) go over a gloo group
+on the host.
 """
 
 from __future__ import annotations
@@ -34,12 +35,22 @@ class RankInfo:
 _GROUP: dist.ProcessGroup | None = None
 _CPU_GROUP: dist.ProcessGroup | None = None
 _RANK_INFO = RankInfo()
+_SYMM = None  # allreduce.SymmMemAllReduce, or None: every all-reduce goes to the model group
+_STORE = None  # the rendezvous store (tcp://), which carries the heartbeats of ranks on other machines
 
 
-def set_group(group: dist.ProcessGroup | None, info: RankInfo, cpu_group: dist.ProcessGroup | None = None) -> None:
-    """Install this process's groups; `cpu_group` (gloo) carries broadcast_object, defaulting to `group`."""
-    global _GROUP, _CPU_GROUP, _RANK_INFO
+def set_group(
+    group: dist.ProcessGroup | None,
+    info: RankInfo,
+    cpu_group: dist.ProcessGroup | None = None,
+    symm=None,
+    store=None,
+) -> None:
+    """Install this process's groups; `cpu_group` (gloo) carries broadcast_object, defaulting to `group`; `symm`
+    (allreduce.SymmMemAllReduce) takes the all-reduces it selects; `store`: the rendezvous store."""
+    global _GROUP, _CPU_GROUP, _RANK_INFO, _SYMM, _STORE
     _GROUP, _CPU_GROUP, _RANK_INFO = group, cpu_group if cpu_group is not None else group, info
+    _SYMM, _STORE = symm, store
 
 
 def rank_info() -> RankInfo:
@@ -50,9 +61,23 @@ def group() -> dist.ProcessGroup | None:
     return _GROUP
 
 
+def cpu_group() -> dist.ProcessGroup | None:
+    return _CPU_GROUP
+
+
+def store():
+    """The rendezvous store (a dist.TCPStore), or None."""
+    return _STORE
+
+
+def symm_all_reduce():
+    """The symmetric-memory all-reduce (allreduce.SymmMemAllReduce), or None."""
+    return _SYMM
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """In-place sum over the TP ranks; returns x."""
-    if _RANK_INFO.world_size > 1:
+    """In-place sum over the TP ranks; returns x. Symmetric memory where allreduce.select picks it, else the group's."""
+    if _RANK_INFO.world_size > 1 and (_SYMM is None or not _SYMM.try_all_reduce(x)):
         dist.all_reduce(x, group=_GROUP)
     return x
 

@@ -1,7 +1,8 @@
 """ModelRunner: builds the model and its paged KV cache on one rank, and runs one forward per step.
 
 It turns the scheduler's chunks into a ForwardBatch (the same on every TP rank), runs the model and
-returns the logits of the positions to sample. Sampling itself happens on rank 0 (engine).
+returns the logits of the positions to sample. Sampling itself happens on rank 0 (engine). Under TP rank 0 sends each
+step's chunks to the other ranks as one int32 tensor over the model's group (step_broadcast.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..models.dummy_weights import init_dummy_weights
 from ..models.make_random import DTYPES
 from ..models.weight_bytes import weight_bytes
 from ..models.weights import load_weights
+from .step_broadcast import StepChannel
 
 log = logging.getLogger("mlaserve.runner")
 
@@ -69,6 +71,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros(L, self.num_pages, cfg.page_size, D, dtype=self.dtype, device=self.device)
         self.attn = self._make_backend()
         self.graphs = None  # a GraphRunner once capture_graphs() ran
+        self.steps = StepChannel(self.device, tp.group()) if ranks.world_size > 1 else None
+        self._awake = False  # rank 0: the other ranks are receiving steps (not parked on the host group)
+        self.graph_steps = 0  # forwards run by the GraphRunner (a TP rank's report of which path it took)
         log.info(
             "model loaded in %.1fs on %s (%s); KV cache: %d pages x %d tokens (%.2f GB), backend %s",
             self.load_seconds,
@@ -120,6 +125,7 @@ class ModelRunner:
         from .cuda_graph import GraphRunner
 
         if self.ranks.world_size > 1 and self.ranks.rank == 0:
+            self.park()
             tp.broadcast_object(("capture", decode_q_len, max_model_len, use_graphs))
         max_pages = -(-(max_model_len + 2 * decode_q_len) // self.cfg.page_size)
         self.graphs = GraphRunner(
@@ -145,8 +151,18 @@ class ModelRunner:
         if self.ranks.world_size > 1:
             if decode_tokens is not None:
                 raise ValueError("decode_tokens: device-side inputs need a single rank")
-            tp.broadcast_object(("step", decode, prefill))  # the other ranks run the same forward
+            if not self._awake:
+                tp.broadcast_object(("wake",))
+                self._awake = True
+            self.steps.send(decode, prefill)  # the other ranks run the same forward
         return self.execute_local(decode, prefill, decode_tokens)
+
+    def park(self) -> None:
+        """Rank 0, when the engine goes idle: the other ranks stop waiting for steps inside the model group (whose
+        timeout an idle server would outlast) and wait on the host group for the next burst (step_broadcast.py)."""
+        if self._awake:
+            self.steps.park()
+            self._awake = False
 
     @torch.inference_mode()
     def execute_local(self, decode: list[SeqChunk], prefill: list[SeqChunk], decode_tokens: torch.Tensor | None = None):
@@ -158,6 +174,7 @@ class ModelRunner:
             )
         key = self.graphs.key_for(decode, prefill) if self.graphs is not None else None
         if key is not None:
+            self.graph_steps += 1
             return self.graphs.run(key, decode, prefill, decode_tokens)
         batch = self.build_batch(decode, prefill)
         if decode_tokens is not None:  # decode chunks come first, one token each
@@ -169,6 +186,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks to stop, then destroy the graphs (release_graphs says why)."""
         if self.ranks.world_size > 1 and self.ranks.rank == 0:
+            self.park()
             tp.broadcast_object(None)
             self.release_graphs()
 

@@ -20,10 +20,11 @@ a reused buffer). GEMM2 reads the routing that way, and fetches its first weight
 
 MLASERVE_PDL=0 turns PDL off (for A/B timing).
 
-Tensor parallelism runs without it for now. Eager TP2 with PDL passed the NCCL parity test, and so did TP2
-under CUDA graphs (tests/gpu/test_tp_graphs_gpu.py on two H200s, MLASERVE_PDL=all turning PDL on for TP ranks
-too). NCCL's kernels never release their dependents early, so the rule above holds around them. What is missing
-is a timing: TP with PDL stays off until an A/B shows it helps.
+Tensor parallelism runs with it too: the rule holds around collectives by construction. NCCL's kernels and the
+symmetric-memory all-reduces (distributed/allreduce.py) are launched without PDL, so they start only once the kernel
+before them has finished; and they never release their dependents early, so the kernel after one starts only as its
+last block exits, and reads its output after its wait. TP2 under CUDA graphs with PDL on every rank gives one GPU's
+greedy tokens on two H200s (tests/gpu/test_tp_graphs_gpu.py).
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..distributed import tp
-
 
 @functools.cache
 def _pdl_on(device_index: int) -> bool:
@@ -45,12 +44,8 @@ def _pdl_on(device_index: int) -> bool:
 
 
 def pdl_args(t: torch.Tensor) -> dict:
-    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device (one-GPU runs only)."""
-    on = (
-        t.is_cuda
-        and (tp.rank_info().world_size == 1 or os.environ.get("MLASERVE_PDL") == "all")
-        and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    )
+    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device."""
+    on = t.is_cuda and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return dict(PDL=on, launch_pdl=on)
 
 

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) and `mlaserve serve`.
 
 Every bad request gets an OpenAI-style JSON error naming the field; the engine keeps serving the rest.
-Streaming sends one SSE event per engine step per request. If the engine thread dies, /health fails and the
-server exits (status 1) with the engine's error, never hangs.
+Streaming sends one SSE event per engine step per request. If the engine thread dies, or a tensor-parallel rank
+does, every request in flight ends with an error, new ones get 503, /health fails and the server exits (status 1)
+with the error, never hangs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -26,6 +29,7 @@ from .protocol import error_json, now
 from .serving import APIError, ServingContext
 
 log = logging.getLogger("mlaserve.server")
+RANK_FAILURE_EXIT_S = 20.0  # after a rank died, `mlaserve serve` exits within this even if the server cannot stop
 
 
 def model_card(llm: LLMEngine, model_name: str) -> dict:
@@ -136,6 +140,8 @@ class Server:
         self.model_name = model_name
         self.metrics = Metrics(model_name, spec_positions=engine.spec_k)
         self.async_engine = AsyncEngine(engine, self.metrics, on_fatal=self._fatal)
+        self.rank_failure: BaseException | None = None  # a tensor-parallel rank died (watch_ranks)
+        self._exit_after_s: float | None = None
         self.app = build_app(self.async_engine, model_name, max_request_bytes)
         # A bounded graceful shutdown: a dead engine must bring the server down even with clients attached.
         self.uvicorn = uvicorn.Server(
@@ -145,6 +151,24 @@ class Server:
     def _fatal(self, e: BaseException) -> None:
         log.error("the engine thread failed (%r): shutting the server down", e)
         self.uvicorn.should_exit = True
+
+    def watch_ranks(self, llm, exit_after_s: float | None = None) -> None:
+        """Serve an LLM's tensor-parallel ranks: a rank that dies fails the requests and stops the server
+        (rank_failed), and a step that failed on a collective with it reports the rank. exit_after_s: the process
+        exits that long after the failure even if the server has not stopped (`mlaserve serve`)."""
+        self.async_engine.root_cause = llm.root_cause
+        self._exit_after_s = exit_after_s
+        llm.set_rank_failure_handler(self.rank_failed)
+
+    def rank_failed(self, e: BaseException) -> None:
+        """A tensor-parallel rank died (the watchdog thread's report): fail every request now (the engine thread may
+        be stuck in a collective with the dead rank), refuse new ones with 503, and stop."""
+        log.error("%s: failing every request and shutting the server down", e)
+        self.rank_failure = e
+        self.async_engine.fail(e)
+        self.uvicorn.should_exit = True
+        if self._exit_after_s is not None:
+            threading.Thread(target=_exit_after, args=(self._exit_after_s, e), daemon=True).start()
 
     def run(self, sockets: list[socket.socket] | None = None) -> int:
         """Serve until stopped; 0 after a clean stop, 1 when the engine failed."""
@@ -198,7 +222,25 @@ def cli_main(args) -> int:
     llm = LLM(args.model, max_queue_len=args.max_queue_len, **engine_kwargs_from_args(args))
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.engine_config.model))
     server = Server(llm.engine, name, args.host, args.port, args.max_request_bytes, log_level=args.log_level.lower())
+    server.watch_ranks(llm, exit_after_s=RANK_FAILURE_EXIT_S)
     try:
-        return server.run()
+        rc = server.run()
     finally:
+        if server.rank_failure is not None:  # the other ranks were ended; leaving the group could wait on them
+            print(f"mlaserve serve: {server.rank_failure}; the server stopped", file=sys.stderr, flush=True)
+            os._exit(1)
+        if server.async_engine.error is not None and llm.parallel.world_size > 1:
+            # a step failed midway: the other ranks may sit in one of its collectives, which a clean stop would wait
+            # on; they exit with this process (launch.py: _exit_with_parent)
+            sys.stderr.flush()
+            os._exit(1)
         llm.close()
+    return rc
+
+
+def _exit_after(seconds: float, e: BaseException) -> None:
+    """A server that has not stopped `seconds` after a rank died (uvicorn stuck) exits anyway, with the message."""
+    from ..distributed.launch import abort
+
+    time.sleep(seconds)
+    abort(e)

@@ -82,12 +82,21 @@ class _Live:
 
 
 class AsyncEngine:
+    """root_cause(error) -> the error to report for a failed step (the server's: a dead rank's RankFailed, when the
+    step failed on a collective with it)."""
+
     def __init__(
-        self, engine: LLMEngine, metrics: Metrics | None = None, on_fatal: Callable[[BaseException], None] | None = None
+        self,
+        engine: LLMEngine,
+        metrics: Metrics | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        root_cause: Callable[[BaseException], BaseException] | None = None,
     ):
-        self.engine, self.metrics, self.on_fatal = engine, metrics, on_fatal
+        self.engine, self.metrics, self.on_fatal, self.root_cause = engine, metrics, on_fatal, root_cause
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders submits against the thread's death: no command is orphaned
+        # orders submits against the thread's death (no command is orphaned), and guards _live, which a failure
+        # reported from another thread (fail) settles
+        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}
         self._stop = False
@@ -102,7 +111,15 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        # a failed engine's thread may be stuck in a collective with a dead rank: do not wait for it
+        self._thread.join(timeout=30 if self.error is None else 1)
+
+    def fail(self, error: BaseException) -> None:
+        """From any thread: the engine cannot go on (a rank died). Every queued and running request fails with error,
+        new ones are refused; the engine thread stops at its next turn, if it is not stuck in a step. error becomes the
+        engine's error even if a step failed first (on a collective with the dead rank: error is the cause)."""
+        self._fail(error, EngineDeadError(f"the engine failed: {error}"), cause=True)
+        self._wake.set()
 
     # ---- called from the HTTP event loop -------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -145,10 +162,13 @@ class AsyncEngine:
                 )
             for i, (rid, ids) in enumerate(zip(gen.request_ids, prompts)):
                 eng.add_request(ids, params, request_id=rid)
-                self._live[rid] = _Live(gen, i, arrival)
+                with self._lock:
+                    self._live[rid] = _Live(gen, i, arrival)
         except Exception as e:  # noqa: BLE001 - any refusal belongs to this request, never to the engine
             for rid in gen.request_ids:
-                if self._live.pop(rid, None) is not None:
+                with self._lock:
+                    live = self._live.pop(rid, None)
+                if live is not None:
                     eng.abort_request(rid)
             _call(gen.loop, _settle, gen.accepted, e)
             return
@@ -168,7 +188,8 @@ class AsyncEngine:
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._live.pop(rid, None)
+            with self._lock:
+                self._live.pop(rid, None)
             if self.engine.abort_request(rid) and self.metrics:
                 self.metrics.observe_abort()
 
@@ -176,20 +197,24 @@ class AsyncEngine:
         now = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for o in outs:
-            live = self._live.get(o.request_id)
+            with self._lock:
+                live = self._live.get(o.request_id)
+                if live is not None and o.finished:
+                    del self._live[o.request_id]
             if live is None:
                 continue
             if live.first_token is None and o.new_token_ids:
                 live.first_token = now
             by_loop.setdefault(live.gen.loop, []).append((live.gen.queue, (live.index, o)))
             if o.finished:
-                del self._live[o.request_id]
                 if self.metrics:
                     ttft = None if live.first_token is None else live.first_token - live.arrival
                     self.metrics.observe_finished(o.finish_reason, o.usage, ttft, now - live.arrival)
         for loop, items in by_loop.items():  # one wake-up of the event loop per step
             if not _call(loop, _put_all, items):  # nobody is listening any more: free their pages
-                self._abort([rid for rid, live in list(self._live.items()) if live.gen.loop is loop])
+                with self._lock:
+                    gone = [rid for rid, live in self._live.items() if live.gen.loop is loop]
+                self._abort(gone)
 
     def _loop(self) -> None:
         try:
@@ -205,23 +230,27 @@ class AsyncEngine:
                         self._wake.wait(timeout=0.001)
                         self._wake.clear()
                 else:
+                    self.engine.runner.park()  # TP: idle ranks wait on the host group, not in a collective
                     if self.metrics:
                         self.metrics.observe_engine(self.engine.stats())
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
         except BaseException as e:  # a bug or a dead TP rank: fail every waiter loudly, never hang
             log.exception("engine step failed; the server is going down")
-            self._fail(e, EngineDeadError(f"the engine failed: {e!r}"))
+            cause = self.root_cause(e) if self.root_cause is not None else e
+            self._fail(cause, EngineDeadError(f"the engine failed: {cause!r}"))
             if self.on_fatal:
-                self.on_fatal(e)
+                self.on_fatal(cause)
             return
         self._fail(None, EngineDeadError("the server is shutting down"))
 
-    def _fail(self, error: BaseException | None, err: EngineDeadError) -> None:
-        """Settle every queued add and every live request with `err`; later submits are refused."""
+    def _fail(self, error: BaseException | None, err: EngineDeadError, cause: bool = False) -> None:
+        """Settle every queued add and every live request with `err`; later submits are refused. The first error
+        reported stays the engine's error, unless `cause`."""
         with self._lock:
-            self.error = error
+            self.error = error if cause else self.error or error
             self._stop = True
+            live, self._live = list(self._live.values()), {}
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -229,9 +258,8 @@ class AsyncEngine:
                 break
             if cmd[0] == "add":
                 _call(cmd[1].loop, _settle, cmd[1].accepted, err)
-        for live in self._live.values():
-            _call(live.gen.loop, live.gen.queue.put_nowait, err)
-        self._live.clear()
+        for x in live:
+            _call(x.gen.loop, x.gen.queue.put_nowait, err)
 
 
 def _put_all(items: list) -> None:

@@ -148,8 +148,8 @@ class ServingContext:
             raise APIError(400, str(e), field if field.isidentifier() else None) from None
         except OverflowError as e:
             raise APIError(503, f"server overloaded: {e}; retry later") from None
-        except EngineDeadError as e:
-            raise APIError(500, str(e)) from None
+        except EngineDeadError as e:  # the engine stopped (a dead rank, a failed step): this server cannot serve
+            raise APIError(503, str(e)) from None
 
     def token_texts(self, ids: list[int]) -> list[str]:
         if self.tok is None:

@@ -143,19 +143,18 @@ def test_pdl_off_by_env(set_pdl):
     assert pdl_args(x.cpu())["PDL"] is False
 
 
-def test_pdl_off_under_tensor_parallelism(set_pdl, monkeypatch):
-    """TP ranks launch without PDL until TP under CUDA graphs with PDL is verified (kernels/pdl.py), unless
-    MLASERVE_PDL=all."""
+def test_pdl_on_under_tensor_parallelism(set_pdl, monkeypatch):
+    """TP ranks launch with PDL too (kernels/pdl.py says why it is safe around collectives); MLASERVE_PDL=0 still turns
+    it off."""
     from mlaserve.distributed import tp
     from mlaserve.kernels.pdl import pdl_args
 
     set_pdl(True)
     x = torch.zeros(1, device="cuda")
-    assert pdl_args(x)["PDL"]
     monkeypatch.setattr(tp, "rank_info", lambda: tp.RankInfo(rank=0, world_size=2, moe_tp_size=2))
-    assert pdl_args(x) == dict(PDL=False, launch_pdl=False)
-    monkeypatch.setenv("MLASERVE_PDL", "all")  # on for TP ranks too: what test_tp_graphs_gpu.py uses to test it
     assert pdl_args(x) == dict(PDL=True, launch_pdl=True)
+    set_pdl(False)
+    assert pdl_args(x) == dict(PDL=False, launch_pdl=False)
 
 
 def test_engine_greedy_with_and_without_pdl(set_pdl, tiny_ckpt):

@@ -48,7 +48,7 @@ def test_engine_failure_stops_the_server(tiny_ckpt, capfd):
     assert "the engine failed" in capfd.readouterr().err
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{run.url}/health", timeout=5)
-    # the app itself (in-process) reports the dead engine on /health, and refuses new work with 500
+    # the app itself (in-process) reports the dead engine on /health, and refuses new work with 503
     asgi = httpx.AsyncClient(transport=httpx.ASGITransport(app=run.server.app), base_url="http://app")
 
     async def after():
@@ -59,4 +59,4 @@ def test_engine_failure_stops_the_server(tiny_ckpt, capfd):
     health, refused = asyncio.run(after())
     assert time.monotonic() - t0 < 10
     assert health.status_code == 503 and "injected step failure" in health.json()["error"]["message"]
-    assert refused.status_code == 500 and "engine" in refused.json()["error"]["message"]
+    assert refused.status_code == 503 and "engine" in refused.json()["error"]["message"]

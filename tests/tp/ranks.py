@@ -19,6 +19,7 @@ from mlaserve.models import weights
 from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 PAGE = 4
+PAGES_PER_REQ = 6
 DECODE_STEPS = 8
 
 
@@ -71,21 +72,26 @@ def step_chunks(seqs, cached, pages, step):
 def greedy(model: DeepseekV3ForCausalLM, broadcast: bool = False):
     """Run the schedule greedily; returns (generated ids per request, logits per step [n, vocab]).
 
-    With `broadcast`, rank 0 owns the schedule and sends each step's chunks with tp.broadcast_object
-    (what the engine does); the other ranks only follow. Without it, every rank derives the same steps."""
+    With `broadcast`, rank 0 owns the schedule and sends each step's chunks over a StepChannel (what the engine
+    does); the other ranks only follow. Without it, every rank derives the same steps."""
+    from mlaserve.engine.step_broadcast import StepChannel
+
     cfg, device = model.config, model.lm_head.weight.device
     attn = TorchRefBackend(
         torch.zeros(cfg.num_hidden_layers, 18, PAGE, cfg.kv_cache_dim, device=device), cfg.kv_lora_rank
     )
     start = prompts(cfg)
     seqs, cached = [list(p) for p in start], [0] * len(start)
-    pages = [[6 * i + j for j in range(6)] for i in range(len(start))]  # 24 slots each
+    pages = [[PAGES_PER_REQ * i + j for j in range(PAGES_PER_REQ)] for i in range(len(start))]  # 24 slots each
     all_logits = []
+    channel = StepChannel(device, tp.group()) if broadcast else None
     for step in range(2 + DECODE_STEPS):
-        meta = None
         if tp.rank_info().rank == 0 or not broadcast:
-            meta = step_chunks(seqs, cached, pages, step)
-        decode, prefill = tp.broadcast_object(meta) if broadcast else meta
+            decode, prefill = step_chunks(seqs, cached, pages, step)
+            if broadcast:
+                channel.send([c for _, c in decode], [c for _, c in prefill])
+        else:  # a follower gets the chunks alone; a request's first page says which one it is
+            decode, prefill = ([(c.pages[0] // PAGES_PER_REQ, c) for c in part] for part in channel.recv())
         batch = ForwardBatch.build([c for _, c in decode], [c for _, c in prefill], PAGE, device, attn)
         with torch.no_grad():
             logits = model.compute_logits(model(batch.input_ids, batch.positions, batch)[batch.logits_indices])
@@ -148,3 +154,74 @@ def progress_bar(info: RankInfo) -> int:
     for _ in tqdm(range(3), desc=f"rank {info.rank}"):
         pass
     return info.rank
+
+
+def allreduce_fallback(info: RankInfo) -> tuple:
+    """(symmetric memory installed, agreement when rank 1 cannot, agreement when all can, a sum over ranks)."""
+    from mlaserve.distributed.allreduce import agree
+
+    installed = tp.symm_all_reduce() is not None
+    one_says_no = agree(info.rank != 1, tp.cpu_group())
+    all_say_yes = agree(True, tp.cpu_group())
+    return installed, one_says_no, all_say_yes, tp.all_reduce(torch.tensor([float(info.rank + 1)])).item()
+
+
+def allreduce_vs_nccl(info: RankInfo, rows_list=(1, 8, 64, 300)) -> list[dict]:
+    """Each forced symmetric-memory path against NCCL on fresh random inputs, eager and replayed from a CUDA graph:
+    (path, dtype, rows, graph, bit-equal to NCCL, its error and NCCL's against the fp64 sum, the rounding bound, equal
+    on every rank)."""
+    import torch.distributed as dist
+
+    from mlaserve.distributed.allreduce import AllReduceConfig, SymmMemAllReduce
+
+    installed = tp.symm_all_reduce()
+    assert installed is not None, "symmetric memory was not set up on this machine (see the log for why)"
+    W, out = info.world_size, []
+    torch.manual_seed(1234 + info.rank)  # every rank its own inputs
+    for how in ("one_shot", "two_shot"):
+        sym = SymmMemAllReduce(AllReduceConfig(backend=how), tp.group(), installed.buffer, W)
+        for dtype, unit in ((torch.bfloat16, 2.0**-8), (torch.float32, 2.0**-24)):
+            for rows in rows_list:
+                if rows * 7168 * dtype.itemsize > sym.cfg.buffer_bytes(W):
+                    continue  # past the buffer: NCCL's
+                for graph in (False, True):
+                    x = torch.randn(rows, 7168, device="cuda", dtype=dtype)
+                    every = [torch.empty_like(x) for _ in range(W)]
+                    dist.all_gather(every, x)
+                    exact = torch.stack([e.double() for e in every]).sum(0)
+                    bound = W * unit * torch.stack([e.double().abs() for e in every]).sum(0)
+                    ref = x.clone()
+                    dist.all_reduce(ref)
+                    got = x.clone()
+                    if graph:  # capture on a static buffer, then replay on new contents
+                        static = torch.full_like(x, float("nan"))
+                        sym.try_all_reduce(static)  # warm up outside capture
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            assert sym.try_all_reduce(static)
+                        static.copy_(x)
+                        g.replay()
+                        got = static
+                    else:
+                        assert sym.try_all_reduce(got)
+                    torch.cuda.synchronize()
+                    gathered = [torch.empty_like(got) for _ in range(W)]
+                    dist.all_gather(gathered, got)
+                    out.append(
+                        dict(
+                            how=how,
+                            dtype=str(dtype),
+                            rows=rows,
+                            graph=graph,
+                            bit_equal=bool(torch.equal(got, ref)),
+                            err=float((got.double() - exact).abs().sub(bound).max()),
+                            nccl_err=float((ref.double() - exact).abs().sub(bound).max()),
+                            same_on_all_ranks=all(torch.equal(g_, gathered[0]) for g_ in gathered),
+                        )
+                    )
+    return out
+
+
+def park(info: RankInfo) -> str:
+    """Wait for rank 0's broadcast on the host group, as an idle engine rank does."""
+    return f"rank {info.rank}: {tp.broadcast_object(None)}"

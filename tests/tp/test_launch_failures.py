@@ -100,3 +100,30 @@ def test_clean_close_leaks_no_semaphore():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 1]"
     assert "leaked" not in out.stderr, out.stderr
+
+
+class _Dying:
+    """A process whose exit code appears between two reads (reaped while the watchdog looks at it)."""
+
+    def __init__(self):
+        r, w = os.pipe()
+        os.close(w)  # the sentinel reads as ready: the process is ending
+        self.sentinel, self.reads = r, 0
+
+    @property
+    def exitcode(self):
+        self.reads += 1
+        return None if self.reads == 1 else -9
+
+    def join(self, timeout=None):
+        pass
+
+
+def test_a_rank_reaped_mid_check_is_a_failure():
+    dying = _Dying()
+    workers = launch_mod.Workers(None, {1: dying}, {}, [])
+    try:
+        with pytest.raises(RankFailed, match=r"rank 1 exited with code -9 \(SIGKILL\)"):
+            workers.wait(timeout=10)
+    finally:
+        os.close(dying.sentinel)

@@ -50,18 +50,22 @@ def test_rank_layout():
     [
         (
             dict(attn_tp_size=2, moe_tp_size=1, ep_size=1),
-            r"moe_tp_size \* ep_size \(1 \* 1 = 1\) must equal attn_tp_size \(2\)",
+            r"moe_tp_size \* ep_size \(1 \* 1 = 1\) must equal attn_tp_size \(2\).*--moe-tp-size x --ep-size",
         ),
-        (dict(attn_tp_size=0), "attn_tp_size must be a positive integer, got 0"),
+        (dict(attn_tp_size=0), r"attn_tp_size \(--attn-tp-size\) must be a positive integer, got 0"),
         (
             dict(attn_tp_size=3, moe_tp_size=3, nnodes=2, dist_init_addr="h:1"),
-            "world size 3 .* not divisible by nnodes=2",
+            "world size 3 .* not divisible by nnodes=2 .--nnodes",
         ),
         (
             dict(nnodes=2, node_rank=2, attn_tp_size=2, moe_tp_size=2, dist_init_addr="h:1"),
-            r"node_rank must be in \[0, nnodes=2\)",
+            r"node_rank \(--node-rank\) must be in \[0, nnodes=2\)",
         ),
-        (dict(nnodes=2, attn_tp_size=2, moe_tp_size=2), "nnodes=2 needs dist_init_addr"),
+        (dict(nnodes=2, attn_tp_size=2, moe_tp_size=2), "nnodes=2 needs dist_init_addr .--dist-init-addr"),
+        (dict(dist_init_addr="10.0.0.1"), r"--dist-init-addr\) must be host:port .* got '10.0.0.1'"),
+        (dict(dist_init_addr="10.0.0.1:99999"), "port 1-65535"),
+        (dict(dist_init_addr=":29500"), "must be host:port"),
+        (dict(dist_init_timeout_s=0), r"dist_init_timeout_s \(--dist-init-timeout\) must be > 0"),
     ],
 )
 def test_bad_layouts_refused(kw, msg):
@@ -72,17 +76,22 @@ def test_bad_layouts_refused(kw, msg):
 @pytest.mark.parametrize(
     "sizes_, change, msg",
     [
-        ((8, 1, 8), {}, "attn_tp_size=8 does not divide num_attention_heads=4"),
-        ((4, 1, 4), dict(n_routed_experts=6, n_group=1), "ep_size=4 does not divide n_routed_experts=6"),
-        ((4, 4, 1), dict(moe_intermediate_size=34), "moe_tp_size=4 does not divide moe_intermediate_size=34"),
-        ((4, 4, 1), dict(intermediate_size=130), r"=4 does not divide intermediate_size=130 \(the dense MLP"),
-        ((4, 2, 2), dict(moe_intermediate_size=34), r"=4 does not divide the shared experts' intermediate size=34"),
+        ((8, 1, 8), {}, r"attn_tp_size=8 \(--attn-tp-size\) does not divide num_attention_heads=4"),
+        ((4, 1, 4), dict(n_routed_experts=6, n_group=1), r"ep_size=4 \(--ep-size\) does not divide n_routed_experts=6"),
+        ((4, 4, 1), dict(moe_intermediate_size=34), r"moe_tp_size=4 \(--moe-tp-size\) does not divide moe_inter"),
+        ((4, 4, 1), dict(intermediate_size=130), r"=4 \(--attn-tp-size / --tp\) does not divide intermediate_size=130"),
+        ((4, 2, 2), dict(moe_intermediate_size=34), r"=4 .* does not divide the shared experts' intermediate size=34"),
     ],
 )
 def test_sizes_that_do_not_divide_are_refused(tiny, sizes_, change, msg):
     par = ParallelConfig(*sizes_)
     with pytest.raises(ValueError, match=msg):
         par.validate(tiny.replace(**change))
+
+
+def test_dist_init_addr_forms_accepted():
+    for addr in ("10.0.0.1:29500", "node0.cluster:1", "[::1]:29500", "tcp://10.0.0.1:29500", "env://", "file:///tmp/x"):
+        assert ParallelConfig(dist_init_addr=addr).dist_init_addr == addr
 
 
 def test_valid_sizes_pass(tiny):

@@ -63,3 +63,53 @@ def test_teardown_that_never_returns_is_bounded(monkeypatch):
     finally:
         hang.set()
         tp.set_group(None, RankInfo())
+
+
+def _quiet_port() -> int:
+    return free_port()  # bound and released: nobody listens there
+
+
+@pytest.mark.parametrize("node_rank, msg", [(1, "rank 1: nobody answered at --dist-init-addr"), (0, "not all 2 ranks")])
+def test_dist_init_addr_nobody_answers_times_out_with_a_message(node_rank, msg):
+    """A follower whose node 0 never starts, and a node 0 whose followers never come: a TimeoutError after
+    --dist-init-timeout that says what to check, not a hang."""
+    import time
+
+    from mlaserve.distributed import tp
+
+    addr = f"127.0.0.1:{_quiet_port()}"
+    par = ParallelConfig(2, 2, 1, nnodes=2, node_rank=node_rank, dist_init_addr=addr, dist_init_timeout_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"{msg}.* within 1.5 s.*--dist-init-timeout sets the wait"):
+        init_rank(0, make_init_args(par))
+    assert time.monotonic() - t0 < 15
+    assert tp.rank_info().world_size == 1
+
+
+def test_follower_node_cli_exits_with_the_message(tiny_ckpt):
+    """`mlaserve generate` as node 1 of 2 with nobody at --dist-init-addr: exit code 1 and the message."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "mlaserve", "generate", tiny_ckpt, "--prompt", "x", "--device", "cpu", "--tp", "2"]
+    cmd += ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{_quiet_port()}"]
+    cmd += ["--dist-init-timeout", "2"]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, cwd=repo, env={**os.environ, "PYTHONPATH": repo}
+    )
+    assert out.returncode == 1, out.stderr
+    assert "nobody answered at --dist-init-addr" in out.stderr and "within 2 s" in out.stderr
+
+
+def test_too_few_gpus_refused_naming_the_flags(tiny_ckpt, monkeypatch):
+    import torch
+
+    from mlaserve import LLM
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        ValueError, match=r"--tp / --attn-tp-size 2 over --nnodes 1 puts 2 ranks on this machine, which"
+    ):
+        LLM(tiny_ckpt, device="cuda", tp=2)

@@ -57,3 +57,24 @@ def test_llm_tp2_with_eagle3_matches_tp1(tiny_ckpt, tp1, tmp_path):
         assert [o.token_ids for o in outs] == tp1
     finally:
         llm.close()
+
+
+def test_llm_tp2_on_the_graph_path_matches_tp1(tiny_ckpt, tp1):
+    """Every rank takes the graph runner's path (run eagerly on the CPU: use_graphs=False), its decode graphs ending
+    with the greedy arg-max into their own input ids and host ring: rank 0 samples from it, and the follower runs the
+    same graphs."""
+    llm = LLM(
+        tiny_ckpt, device="cpu", tp=2, max_num_seqs=8, prefill_graph_max_tokens=512, on_rank_failure=lambda e: None
+    )
+    workers = llm._workers
+    try:
+        runner = llm.engine.runner
+        runner.capture_graphs(1, llm.engine.max_model_len, use_graphs=False)
+        assert runner.graphs.greedy
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert [o.token_ids for o in outs] == tp1
+        steps = llm.engine.num_steps
+        assert runner.graph_steps == steps  # six prompts of < 100 tokens: every step fits a graph
+    finally:
+        llm.close()
+    assert workers.results == {1: f"rank 1: {steps} steps, {runner.graph_steps} by the graph runner"}

@@ -1,0 +1,79 @@
+"""A step's chunks as one int32 tensor (engine/step_broadcast.py): the codec round-trips every field, and an engine
+under TP sends its steps without pickling (the host group carries only one "wake" per burst of steps)."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mlaserve import LLM, SamplingParams
+from mlaserve.attention.base import SeqChunk
+from mlaserve.distributed import tp
+from mlaserve.engine.step_broadcast import FIRST_WORDS, HEADER, PARK, STEP, StepChannel, decode_words, encode
+
+
+def _chunks(rng, n, max_tokens, max_pages):
+    return [
+        SeqChunk(
+            [rng.randrange(200_000) for _ in range(rng.randrange(1, max_tokens))],
+            rng.randrange(10_000),
+            [rng.randrange(1 << 20) for _ in range(rng.randrange(0, max_pages))],
+            rng.choice(["none", "last", "all"]),
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("n_dec, n_pre, max_tokens, max_pages", [(0, 0, 2, 2), (8, 0, 3, 130), (2, 3, 9000, 200)])
+def test_codec_round_trips(n_dec, n_pre, max_tokens, max_pages):
+    rng = random.Random(n_dec * 100 + n_pre)
+    decode, prefill = _chunks(rng, n_dec, max_tokens, max_pages), _chunks(rng, n_pre, max_tokens, max_pages)
+    words = encode(decode, prefill)
+    assert words.dtype == np.int32 and list(words[:HEADER]) == [STEP, len(words), n_dec, n_pre]
+    assert decode_words(words) == (decode, prefill)
+
+
+def test_codec_refuses_values_outside_int32():
+    with pytest.raises(ValueError, match="outside int32"):
+        encode([SeqChunk([1], 0, [2**31])], [])
+
+
+def test_channel_over_one_rank_group_round_trips(monkeypatch):
+    """send and recv through the same buffer (the broadcast a no-op): short steps, long ones (a second broadcast) and
+    the park message."""
+    sent = []
+    monkeypatch.setattr("mlaserve.engine.step_broadcast.dist.broadcast", lambda t, src, group: sent.append(t.numel()))
+    ch = StepChannel(torch.device("cpu"))
+    rng = random.Random(0)
+    for n_tok in (3, 2 * FIRST_WORDS):
+        step = (_chunks(rng, 2, 4, 5), [SeqChunk(list(range(n_tok)), 0, [1, 2])])
+        ch.send(*step)
+        assert ch.recv() == step
+    ch.park()
+    assert ch.recv() is None
+    n_long = len(encode(*step))
+    assert sent == [FIRST_WORDS] * 2 + [FIRST_WORDS, n_long - FIRST_WORDS] * 2 + [FIRST_WORDS] * 2
+    assert int(ch.buf[0]) == PARK
+
+
+def test_tp2_steps_go_without_broadcast_object(tiny_ckpt, monkeypatch):
+    """Through LLM at attn-tp2 x moe-tp2 (two gloo processes): the greedy tokens equal TP1's, and rank 0 calls
+    tp.broadcast_object (a pickle over the host group) once per generate call (the wake), not once per step."""
+    prompts = [[7, 8, 9], list(range(20, 61)), [300] * 12]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in LLM(tiny_ckpt, device="cpu").generate(prompts, sp, use_tqdm=False)]
+    calls = []
+    real = tp.broadcast_object
+    monkeypatch.setattr(tp, "broadcast_object", lambda obj=None, src=0: calls.append(obj) or real(obj, src))
+    llm = LLM(tiny_ckpt, device="cpu", tp=2, on_rank_failure=lambda e: None)
+    try:
+        for _ in range(2):
+            calls.clear()
+            steps = llm.engine.num_steps
+            assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+            assert llm.engine.num_steps - steps >= 10
+            assert calls == [("wake",)]
+            assert not llm.engine.runner._awake  # parked after the call
+    finally:
+        llm.close()
