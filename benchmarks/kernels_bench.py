@@ -47,7 +47,7 @@ from benchmarks.moe_sweeps import run_moe_layers, run_moe_norm, run_moe_shared, 
 def run_mla(rep: Report, sz: Sizes):
     from mlaserve.kernels.mla_decode import default_num_splits, mla_decode
     from mlaserve.kernels.reference import mla_decode_ref
-    from tests.kernel_checks import make_paged
+    from tests.helpers.kernel_checks import make_paged
 
     R, P, scale = sz.R, sz.P, 192**-0.5
     for H in sz.mla_heads:
@@ -81,7 +81,7 @@ def run_mla(rep: Report, sz: Sizes):
 def run_mla_sweep(rep: Report, sz: Sizes):
     """The target case (8k context, B=16, H=16, q_len=1) across tile configs and split counts."""
     from mlaserve.kernels.mla_decode import mla_decode
-    from tests.kernel_checks import make_paged
+    from tests.helpers.kernel_checks import make_paged
 
     (B, H, L), R, P = sz.mla_sweep, sz.R, sz.P
     kv, table, lens = make_paged([L] * B, 64, R + P, BF, sz.dev, extra_pages=0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests import kernel_checks as kc
+from tests.helpers import kernel_checks as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
@@ -499,7 +499,7 @@ def test_rope_store_kv_cuda_graph():
 # --- the model through the Triton backend --------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 def test_model_triton_backend_matches_torch_ref(tiny_ckpt, dtype):
-    from tests.model_backend_check import check_model_backends
+    from tests.helpers.model_backend_check import check_model_backends
 
     for moe in ("torch", "triton"):
         errs = check_model_backends(tiny_ckpt, "cuda", dtype, moe)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tests import kernel_checks as kc
+from tests.helpers import kernel_checks as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
@@ -139,7 +139,7 @@ def test_model_fused_norm_equals_unfused_and_before(tiny_ckpt, monkeypatch, dtyp
     logits and aux streams (0: the embedding .. 3: the final pre-norm stream) bit for bit; both steps with the
     shared experts fused, or (threshold 0) added in the sum. The torch MoE never fuses and matches too."""
     from mlaserve.models import deepseek_v3
-    from tests.layer_flow_check import check_layer_flow, load_model
+    from tests.helpers.layer_flow_check import check_layer_flow, load_model
 
     monkeypatch.setattr(deepseek_v3, "FUSE_SHARED_MAX_TOKENS", fuse_shared_max)
     model = load_model(tiny_ckpt, "cuda", dtype, "triton")

@@ -9,7 +9,7 @@ Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_pdl_gpu.py"""
 import pytest
 import torch
 
-from tests import kernel_checks as kc
+from tests.helpers import kernel_checks as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
@@ -33,7 +33,7 @@ def set_pdl(monkeypatch):
 
 
 def _weights(T):
-    from tests.kernel_checks import make_paged
+    from tests.helpers.kernel_checks import make_paged
 
     g = lambda *s, scale: (torch.randn(*s, device="cuda") * scale).to(BF)  # noqa: E731
     layers = [

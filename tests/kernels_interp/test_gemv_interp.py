@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernel_checks import assert_close, nan_like
+from tests.helpers.kernel_checks import assert_close, nan_like
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,7 +6,7 @@ RoPE in one launch) against head_gemv + rope_q (bit for bit) and the torch refer
 import pytest
 import torch
 
-from tests.kernel_checks import assert_close
+from tests.helpers.kernel_checks import assert_close
 
 
 def _views(kdev, dtype, H=4, N=16, V=8, R=32):

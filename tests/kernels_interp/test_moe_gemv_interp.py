@@ -5,7 +5,7 @@ holding a routed id (the pre-wait guess is wrong and reloaded), and poisoned buf
 import pytest
 import torch
 
-from tests.kernel_checks import assert_close, poisoned_empty
+from tests.helpers.kernel_checks import assert_close, poisoned_empty
 from tests.kernels_interp.test_shared_fusion_interp import shared_mlp
 
 

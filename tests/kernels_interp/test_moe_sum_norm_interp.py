@@ -5,7 +5,7 @@ flow before the fusion. Outputs NaN-poisoned; rows of experts this rank does not
 import pytest
 import torch
 
-from tests.kernel_checks import poisoned_empty
+from tests.helpers.kernel_checks import poisoned_empty
 
 EPS = 1e-6
 
@@ -168,7 +168,7 @@ def test_model_fused_norm_equals_unfused_and_before(kdev, monkeypatch, two_share
     the shared output added in the sum instead is covered by the layer test above).
     bf16: the before-flow's logits without aux, as it materialised aux streams by torch's add, whose bf16 rounding
     the interpreter's cast does not always match (compiled, it does: the gpu test)."""
-    from tests.layer_flow_check import check_layer_flow, load_model
+    from tests.helpers.layer_flow_check import check_layer_flow, load_model
 
     _fuse_norms_on_cpu(monkeypatch)
     model = load_model(two_shared_ckpt, kdev, dtype, "triton")

@@ -4,7 +4,7 @@ against the references, and the MoE layer fused vs unfused (below / above the to
 import pytest
 import torch
 
-from tests.kernel_checks import assert_close, check_routing, poisoned_empty
+from tests.helpers.kernel_checks import assert_close, check_routing, poisoned_empty
 
 
 @pytest.mark.parametrize(
@@ -159,7 +159,7 @@ def test_model_logits_fused_equal_unfused(kdev, monkeypatch, two_shared_ckpt, dt
     """A loaded random checkpoint: the model's logits with the shared experts fused == with today's unfused path
     (threshold 0), over prefill and decode steps (attention by the torch backend: only the MoE differs)."""
     from mlaserve.models import deepseek_v3
-    from tests.model_backend_check import run_model
+    from tests.helpers.model_backend_check import run_model
 
     fused = run_model(two_shared_ckpt, kdev, dtype, "torch", "triton")
     monkeypatch.setattr(deepseek_v3, "FUSE_SHARED_MAX_TOKENS", 0)

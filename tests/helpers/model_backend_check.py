@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.kernel_checks import TOL, rel_err
+from tests.helpers.kernel_checks import TOL, rel_err
 
 PAGE = 16
 

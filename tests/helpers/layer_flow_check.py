@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.model_backend_check import PAGE, _batches
+from tests.helpers.model_backend_check import PAGE, _batches
 
 
 def forward_before(model, input_ids: torch.Tensor, positions: torch.Tensor, batch):
