@@ -15,6 +15,27 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+# dtype names a config.json (torch_dtype) or --dtype may give -> torch's attribute names
+DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def torch_dtype(name: str):
+    """The torch.dtype DTYPES names; ValueError naming the choices. (torch is imported here, not at the top: the
+    command line's help and the bench client import config without it.)"""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype: {name!r} is not supported; use bfloat16, float16 or float32")
+    return getattr(torch, DTYPES[name])
+
+
 class ConfigError(ValueError):
     """A config.json we cannot serve; the message names the file and the field."""
 
@@ -52,6 +73,24 @@ class RopeConfig:
         if self.type != "yarn" or not self.mscale_all_dim:
             return 1.0
         return self.yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits. world = attn_tp_size = moe_tp_size * ep_size."""
+
+    rank: int = 0
+    world_size: int = 1
+    moe_tp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.rank % self.moe_tp_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.moe_tp_size
 
 
 @dataclass(frozen=True)
@@ -121,10 +160,8 @@ class ParallelConfig:
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.local_world_size + local_rank
 
-    def rank_info(self, rank: int):
-        """The tp.RankInfo of global rank `rank`."""
-        from .distributed.tp import RankInfo
-
+    def rank_info(self, rank: int) -> RankInfo:
+        """The RankInfo of global rank `rank`."""
         return RankInfo(rank=rank, world_size=self.world_size, moe_tp_size=self.moe_tp_size, ep_size=self.ep_size)
 
     def validate(self, cfg: ModelConfig) -> None:

@@ -12,16 +12,10 @@ import sys
 from tqdm import tqdm
 
 from .config import EngineConfig, SpecConfig
+from .paths import cache_dir
 from .types import CompletionOutput, RequestOutput, SamplingParams
 
 DEFAULT_MODEL_NAME = "tiny-random-v1"
-
-
-def cache_dir() -> str:
-    base = os.environ.get("MLASERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mlaserve"
-    )
-    return base
 
 
 def default_model_path() -> str:
@@ -149,7 +143,7 @@ class LLM:
 
 # ---- `mlaserve generate` ----------------------------------------------------------------------------
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    from .cli import add_engine_args, add_sampling_args
+    from .args import add_engine_args, add_sampling_args
 
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded tiny random model)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
@@ -158,7 +152,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def cli_main(args) -> int:
-    from .cli import engine_kwargs_from_args, run_if_follower_node, sampling_params_from_args
+    from .args import engine_kwargs_from_args, run_if_follower_node, sampling_params_from_args
 
     rc = run_if_follower_node(args)
     if rc is not None:

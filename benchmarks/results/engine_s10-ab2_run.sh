@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 import torch, triton
 from triton.testing import do_bench_cudagraph
 from mlaserve.kernels.mla_decode import mla_decode
-from mlaserve.kernels.reference import mla_decode_ref
+from tests.helpers.kernel_refs import mla_decode_ref
 from tests.kernel_checks import make_paged
 R, P, H = 512, 64, 16
 for L in (512, 2048, 8192):

@@ -12,11 +12,10 @@ import time
 import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
-from ..config import EngineConfig, ModelConfig
+from ..config import EngineConfig, ModelConfig, torch_dtype
 from ..distributed import tp
 from ..distributed.tp import RankInfo
 from ..models.deepseek_v3 import DeepseekV3ForCausalLM
-from ..models.make_random import DTYPES
 from ..models.weights import init_dummy_weights, load_weights
 
 log = logging.getLogger("mlaserve.runner")
@@ -29,10 +28,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, model_cfg: ModelConfig) -> torch.dtype:
-    name = model_cfg.torch_dtype if dtype == "auto" else dtype
-    if name not in DTYPES:
-        raise ValueError(f"dtype: {name!r} is not supported; use bfloat16, float16 or float32")
-    return DTYPES[name]
+    return torch_dtype(model_cfg.torch_dtype if dtype == "auto" else dtype)
 
 
 class ModelRunner:

@@ -16,17 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..config import ModelConfig
+from ..config import ModelConfig, torch_dtype
 from ..tokenizer import write_byte_level_tokenizer
-
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 def preset_names() -> list[str]:
@@ -135,7 +126,7 @@ def make_random(
         text["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
     text["num_nextn_predict_layers"] = 0  # no MTP weights are written
     cfg = ModelConfig.from_hf(raw, preset)
-    tdtype = DTYPES[cfg.torch_dtype]
+    tdtype = torch_dtype(cfg.torch_dtype)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=1)

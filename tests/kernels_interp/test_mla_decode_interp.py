@@ -115,8 +115,8 @@ def test_tma_tiles(kdev, q_len):
 def test_tma_ignores_poisoned_rows_past_the_context(kdev):
     # rows past seq_len in a request's last page (stale or never written) are NaN: the output must not see them
     from mlaserve.kernels.mla_decode import mla_decode
-    from mlaserve.kernels.reference import mla_decode_ref
     from tests.helpers.kernel_checks import assert_close, make_paged, nan_like
+    from tests.helpers.kernel_refs import mla_decode_ref
 
     lens = [37, 70]
     kv, table, seq_lens = make_paged(lens, 32, 48, torch.bfloat16, kdev)
