@@ -67,10 +67,10 @@ def probe_batch(engine, B, a, V):
         engine.step()
     # the engine loop: TPOT, host launch vs wait, GPU gap between graphs (events around each run())
     gr.run = run
-    from mlaserve.engine import engine as eng_mod
+    from mlaserve.engine import loop as eng_mod
 
     waits = []
-    orig_read = eng_mod._InFlight.read
+    orig_read = eng_mod.Launched.read
 
     def read(self, _orig=orig_read):
         t = time.perf_counter()
@@ -78,7 +78,7 @@ def probe_batch(engine, B, a, V):
         waits.append(time.perf_counter() - t)
         return r
 
-    eng_mod._InFlight.read = read
+    eng_mod.Launched.read = read
     torch.cuda.synchronize()
     events.clear()
     t = time.perf_counter()
@@ -86,7 +86,7 @@ def probe_batch(engine, B, a, V):
         engine.step()
     torch.cuda.synchronize()
     tpot = (time.perf_counter() - t) / a.reps * 1e6
-    eng_mod._InFlight.read = orig_read
+    eng_mod.Launched.read = orig_read
     gr.run = orig_run
     # run() spans: its fill + copies + replay; gap = next span's start - this span's end (argmax, d2h between)
     spans = [e0.elapsed_time(e1) * 1e3 for e0, e1 in events[2:]]

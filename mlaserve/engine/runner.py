@@ -131,8 +131,8 @@ class ModelRunner:
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
         the EAGLE3 aux hidden states [T, 3D] of every token, or None; the decode graph's own arg-max of those rows,
         a GreedyTokens (engine/cuda_graph.py), or None). decode_tokens [len(decode)] on the device
-        (single rank, one token per decode chunk): the decode chunks' input ids, in place of their token_ids
-        (placeholders of tokens the previous step sampled, not yet read back)."""
+        (single rank, one token per decode chunk): the decode chunks' input ids, in place of their token_ids (the
+        tokens the step in flight sampled, not yet read back: the chunks' token_ids then give only their length)."""
         if self.ranks.world_size > 1:
             if decode_tokens is not None:
                 raise ValueError("decode_tokens: device-side inputs need a single rank")
