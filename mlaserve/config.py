@@ -8,6 +8,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from .kernel_config import KernelConfig
+
 # Architectures whose text model is DeepSeek-V3 shaped, and where its weights sit.
 SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "",
@@ -418,6 +420,8 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": safetensors; "dummy": random weights in place (no files read)
     seed: int = 0
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server: 503)
+    # the kernels' switches and thresholds; by default the MLASERVE_* environment's, read once here
+    kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
 
     def validate(self) -> None:
         for name, lo in (

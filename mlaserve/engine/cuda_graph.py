@@ -264,7 +264,7 @@ class GraphRunner:
             hidden = hidden[batch.logits_indices]
         logits = model.compute_logits(hidden)
         if ring_row is not None:  # after the model: the embedding has read these ids
-            greedy_into(logits, batch.input_ids, self.host_tokens, ring_row)
+            greedy_into(logits, batch.input_ids, self.host_tokens, ring_row, self.runner.kernels.pdl)
         return logits, aux
 
     def release(self) -> None:

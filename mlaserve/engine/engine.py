@@ -52,6 +52,7 @@ class LLMEngine:
                 resolve_dtype(cfg.dtype, self.model_config),
             )
         self.runner = runner or ModelRunner(cfg, self.model_config, ranks=ranks, extra_page_bytes=extra)
+        log.info("kernels: %s", self.runner.kernels)  # the switches and thresholds every kernel call site got
         self.proposer = proposer
         if spec is not None and proposer is None:
             from ..spec.eagle3 import Eagle3Proposer

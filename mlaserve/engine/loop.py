@@ -114,7 +114,7 @@ class Loop:
                 step.ready.record()
             return step
         rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
-        step = Launched(out, *sample(logits, rows, self.generator, want_lp))
+        step = Launched(out, *sample(logits, rows, self.generator, want_lp, self.runner.kernels.pdl))
         if step.tokens.is_cuda:
             step.host = tuple(
                 None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)

@@ -41,12 +41,15 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(cfg.dtype, model_cfg)
+        self.kernels = cfg.kernels.for_world(ranks.world_size)  # what every kernel call site of this rank gets
         on_gpu = self.device.type == "cuda"
         moe_impl = cfg.moe_backend if cfg.moe_backend != "auto" else ("triton" if on_gpu else "torch")
 
         t0 = time.perf_counter()
         with torch.device(self.device):
-            self.model = DeepseekV3ForCausalLM(model_cfg, dtype=self.dtype, ranks=ranks, moe_impl=moe_impl)
+            self.model = DeepseekV3ForCausalLM(
+                model_cfg, dtype=self.dtype, ranks=ranks, moe_impl=moe_impl, kernels=self.kernels
+            )
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, seed=cfg.seed)
         else:
@@ -100,7 +103,7 @@ class ModelRunner:
         if kind == "triton":
             from ..attention.triton_mla import TritonMLABackend
 
-            return TritonMLABackend(self.kv_cache, self.model_cfg.kv_lora_rank)
+            return TritonMLABackend(self.kv_cache, self.model_cfg.kv_lora_rank, kernels=self.kernels)
         from ..attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend(self.kv_cache, self.model_cfg.kv_lora_rank)

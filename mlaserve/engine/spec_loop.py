@@ -64,7 +64,7 @@ class SpecLoop(Loop):
         if B:
             dec = logits[: B * N].view(B, N, -1)
             drafts = [self.states[c.req.request_id].drafts for c in out.decode]
-            y, acc = verify_greedy(dec, torch.tensor(drafts, device=dec.device))
+            y, acc = verify_greedy(dec, torch.tensor(drafts, device=dec.device), self.runner.kernels.pdl)
             y, acc = y.tolist(), acc.tolist()
             for b, c in enumerate(out.decode):
                 if c.req.params.greedy:
@@ -76,7 +76,8 @@ class SpecLoop(Loop):
                     )
         sampled = [c for c in out.prefill if c.sample]
         rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
-        first = sample(logits[B * N :], rows, self.generator)[0].tolist() if sampled else []
+        pdl = self.runner.kernels.pdl
+        first = sample(logits[B * N :], rows, self.generator, pdl=pdl)[0].tolist() if sampled else []
 
         results, chunks, row = [], [], 0
         for b, c in enumerate(out.decode):

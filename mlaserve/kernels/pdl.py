@@ -18,40 +18,35 @@ releases GEMM2): everything launched before that predecessor had finished when t
 may also read those kernels' outputs before its wait, through L2 (`.cg` loads: an SM's L1 may hold stale lines of
 a reused buffer). GEMM2 reads the routing that way, and fetches its first weight tile with it (fused_moe.py).
 
-MLASERVE_PDL=0 turns PDL off (for A/B timing).
+Whether a kernel launches with PDL is its caller's `pdl` argument (KernelConfig.pdl; MLASERVE_PDL=0 turns it
+off, for A/B timing); pdl_args adds what the device decides.
 
-Tensor parallelism runs without it for now. Eager TP2 with PDL passed the NCCL parity test, and so did TP2
-under CUDA graphs (session 9: `MLASERVE_PDL=all python benchmarks/tp_graph_check.py --quick` on two H200s,
-MLASERVE_PDL=all turning PDL on for TP ranks too; docs/performance.md). NCCL's kernels never release their
-dependents early, so the rule above holds around them. What is missing is a timing: TP with PDL stays off until
-an A/B shows it helps.
+Tensor parallelism runs without it for now (KernelConfig.for_world; MLASERVE_PDL=all keeps it on for TP ranks).
+Eager TP2 with PDL passed the NCCL parity test, and so did TP2 under CUDA graphs
+(`MLASERVE_PDL=all python benchmarks/tp_graph_check.py --quick` on two H200s; docs/performance.md). NCCL's kernels
+never release their dependents early, so the rule above holds around them. What is missing is a timing: TP with
+PDL stays off until an A/B shows it helps.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..distributed import tp
-
 
 @functools.cache
-def _pdl_on(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9 and os.environ.get("MLASERVE_PDL", "1") != "0"
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_args(t: torch.Tensor) -> dict:
-    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device (one-GPU runs only)."""
-    on = (
-        t.is_cuda
-        and (tp.rank_info().world_size == 1 or os.environ.get("MLASERVE_PDL") == "all")
-        and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    )
+def pdl_args(t: torch.Tensor, pdl: bool = True) -> dict:
+    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device: PDL when the caller
+    asks for it (KernelConfig.pdl) and the device has it (sm_90+)."""
+    on = pdl and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return dict(PDL=on, launch_pdl=on)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
 from ..config import SpecConfig
+from ..kernel_config import use_kernels
 from ..models.eagle3 import DraftConfig, Eagle3Draft, load_draft
 from ..types import Request
 
@@ -82,6 +83,7 @@ class Eagle3Proposer:
         if runner.ranks.world_size > 1:  # the draft runs on rank 0 alone: it needs the whole vocabulary
             embed = full_embedding(runner)
         self.draft: Eagle3Draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed)
+        use_kernels(self.draft, runner.kernels)
         cfg = self.draft.cfg
         tc = target.config
         if cfg.target_hidden_size != tc.hidden_size or cfg.vocab_size != tc.vocab_size:
@@ -97,7 +99,7 @@ class Eagle3Proposer:
             if gpu:  # triton is imported only where it runs
                 from ..attention.triton_mla import TritonMLABackend
 
-                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank)
+                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank, kernels=runner.kernels)
             else:
                 from ..attention.torch_ref import TorchRefBackend
 

@@ -207,7 +207,7 @@ def test_fused_moe_expert_parallel_fp32_tiny():
 @pytest.mark.parametrize("T", [1, 2, 4, 11])
 @pytest.mark.parametrize("no_align", [True, False])
 def test_fused_moe_no_align(T, no_align):
-    # each (token, k) pair its own block (default up to NO_ALIGN_MAX_PAIRS = 16 pairs) vs aligned, both forced
+    # each (token, k) pair its own block (default up to no_align_max_pairs = 16 pairs) vs aligned, both forced
     kc.check_fused_moe(
         "cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6, config=dict(no_align=no_align)
     )
@@ -424,7 +424,7 @@ def _moe_layers(preset, device="cuda"):
 
 @pytest.mark.parametrize("preset", ["moonlight-16b-a3b"])
 def test_moe_layer_shared_fusion_real(preset):
-    """The MoE layer with the shared experts fused into the Triton MoE (T <= FUSE_SHARED_MAX_TOKENS) against the
+    """The MoE layer with the shared experts fused into the Triton MoE (T <= fuse_shared_max_tokens) against the
     unfused Triton path and the fp32 torch path, bf16, at real shapes; T = 64, 256, 300 are above the threshold
     (32), where both runs take the unfused path."""
     layer, ref = _moe_layers(preset)

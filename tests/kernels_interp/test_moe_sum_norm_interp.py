@@ -136,13 +136,13 @@ def _fuse_norms_on_cpu(monkeypatch):
 def test_moe_layer_norm_fused_equals_unfused(kdev, monkeypatch, dtype):
     """DeepseekV3MoE(x, norm, residual): the fused norm == fuse_norm off == norm(layer(x), residual), with the
     shared experts fused (T <= 8, the threshold lowered) and added (T = 9); the torch layer never fuses."""
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.layers.norm import RMSNorm
-    from mlaserve.models import deepseek_v3
     from tests.kernels_interp.test_shared_fusion_interp import moe_layer
 
     _fuse_norms_on_cpu(monkeypatch)
-    monkeypatch.setattr(deepseek_v3, "FUSE_SHARED_MAX_TOKENS", 8)
     layer = moe_layer(2, dtype, "triton").to(kdev)
+    layer.kernels = KernelConfig(fuse_shared_max_tokens=8)
     assert layer.fuse_norm
     norm = RMSNorm(64, EPS, dtype=dtype).to(kdev)
     norm.weight.data.normal_(1.0, 0.1)

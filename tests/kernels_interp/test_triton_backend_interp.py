@@ -41,7 +41,7 @@ def test_decode_steps_store_kv_inside_absorb_q_rope(kdev, tiny_ckpt, monkeypatch
     from tests.helpers.kernel_checks import assert_close
 
     if kdev == "cpu":
-        monkeypatch.setattr(triton_mla, "head_gemv_serves", lambda x, m: 1 <= x.shape[0] <= 2)
+        monkeypatch.setattr(triton_mla, "head_gemv_serves", lambda x, m, max_tokens=2: 1 <= x.shape[0] <= max_tokens)
     cfg = ModelConfig.from_pretrained(tiny_ckpt)
     model = DeepseekV3ForCausalLM(cfg, dtype=torch.bfloat16, moe_impl="torch")
     load_weights(model, tiny_ckpt, progress=False)
