@@ -127,7 +127,7 @@ def _pdl_on_everywhere() -> None:
     for m in pkgutil.iter_modules(kernels.__path__):
         mod = importlib.import_module(f"mlaserve.kernels.{m.name}")
         if hasattr(mod, "pdl_args"):
-            mod.pdl_args = lambda t: dict(PDL=True, launch_pdl=True)
+            mod.pdl_args = lambda t, pdl=True: dict(PDL=True, launch_pdl=True)
 
 
 def install() -> None:
@@ -258,7 +258,9 @@ def cases(quick: bool):
                             torch.empty(T, D, dtype=dtype),
                         ),
                     )
-                if T <= 256:  # shared-experts fusion (DeepseekV3MoE: up to FUSE_SHARED_MAX_TOKENS): S more experts
+                if (
+                    T <= 256
+                ):  # shared-experts fusion (DeepseekV3MoE: up to KernelConfig.fuse_shared_max_tokens): S more experts
                     S = 2 if name == "moonlight" else 1
                     gu = torch.empty(2 * S * I, D, dtype=dtype)
                     yield (

@@ -155,7 +155,7 @@ def run_fp8_moe(rep: Report, sz: Sizes):
     from mlaserve.kernels.fp8_moe import fp8_fused_experts, moe_form
     from mlaserve.kernels.fp8_reference import dequant_fp8_block, fp8_fused_experts_ref
     from mlaserve.kernels.fused_moe import fused_experts
-    from tests.fp8_checks import make_fp8_experts, moe_routing
+    from tests.helpers.fp8_checks import make_fp8_experts, moe_routing
 
     _, _, moes, Ts = _sizes(sz)
     routings = 4 if sz.dev == "cuda" else 1  # a new routing a call: the experts' weights come from HBM

@@ -90,7 +90,7 @@ def routings(T: int, K: int, E_local: int, E_all: int, busy: bool, dev) -> list[
 
 def dequant_bf16(w: tuple, D: int, I: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts dequantized to bf16, a few at a time (fp32 intermediates of all 384 would not fit)."""
-    from mlaserve.kernels.int4_ref import dequant_int4
+    from tests.helpers.int4_ref import dequant_int4
 
     w13p, w13s, w2p, w2s = w
     E = w13p.shape[0]
@@ -106,7 +106,7 @@ def dequant_bf16(w: tuple, D: int, I: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run_int4_moe(rep: Report, sz: Sizes):
     dev = sz.dev
     if dev != "cuda":  # --smoke: the interpreter, rounding bf16 casts as the GPU does
-        from tests.interp_bf16 import bf16_round_to_nearest
+        from tests.helpers.interp_bf16 import bf16_round_to_nearest
 
         with bf16_round_to_nearest():
             return _run(rep, sz, SMOKE_SHAPES, (1, 5), 2)
@@ -118,7 +118,7 @@ def run_int4_moe(rep: Report, sz: Sizes):
 def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.kernels.int4_moe import GEMV_MAX_PAIRS, gemm_config, gemv_config, int4_fused_experts
-    from mlaserve.kernels.int4_ref import int4_fused_experts_ref, random_int4_experts
+    from tests.helpers.int4_ref import int4_fused_experts_ref, random_int4_experts
 
     dev = sz.dev
     for name, (D, I, E, E_all) in shapes.items():

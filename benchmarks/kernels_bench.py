@@ -50,8 +50,8 @@ from benchmarks.moe_sweeps import run_moe_layers, run_moe_norm, run_moe_shared, 
 # ---------------------------------------------------------------------------------------------------------------
 def run_mla(rep: Report, sz: Sizes):
     from mlaserve.kernels.mla_decode import default_num_splits, mla_decode
-    from mlaserve.kernels.reference import mla_decode_ref
-    from tests.kernel_checks import make_paged
+    from tests.helpers.kernel_checks import make_paged
+    from tests.helpers.kernel_refs import mla_decode_ref
 
     R, P, scale = sz.R, sz.P, 192**-0.5
     for H in sz.mla_heads:
@@ -85,13 +85,13 @@ def run_mla(rep: Report, sz: Sizes):
 def run_mla_sweep(rep: Report, sz: Sizes):
     """The target case (8k context, B=16, H=16, q_len=1) across tile configs and split counts."""
     from mlaserve.kernels.mla_decode import mla_decode
-    from tests.kernel_checks import make_paged
+    from tests.helpers.kernel_checks import make_paged
 
     (B, H, L), R, P = sz.mla_sweep, sz.R, sz.P
     kv, table, lens = make_paged([L] * B, 64, R + P, BF, sz.dev, extra_pages=0)
     q = torch.randn(B, H, R + P, device=sz.dev).to(BF)
     out = torch.empty(B, H, R, device=sz.dev, dtype=BF)
-    from mlaserve.kernels.reference import mla_decode_ref
+    from tests.helpers.kernel_refs import mla_decode_ref
 
     ref = mla_decode_ref(q, kv, table, lens, 1, 0.1, R)
     variants = [
@@ -190,7 +190,7 @@ def run_moe(rep: Report, sz: Sizes):
 # ---------------------------------------------------------------------------------------------------------------
 def run_prefill(rep: Report, sz: Sizes):
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_sdpa
-    from mlaserve.kernels.reference import prefill_attention_ref
+    from tests.helpers.kernel_refs import prefill_attention_ref
 
     H, Dqk, Dv = sz.prefill_dims
     for qn, kn in sz.prefill:
@@ -232,7 +232,7 @@ def run_prefill_sweep(rep: Report, sz: Sizes):
     the old form (torch.cat of K, then the kernel), and torch SDPA per backend. rel_err: the default config's
     against the fp32 reference, every other row's against the default config's output."""
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_mla
-    from mlaserve.kernels.reference import prefill_attention_ref
+    from tests.helpers.kernel_refs import prefill_attention_ref
 
     H, N, P, V, qn, kn = sz.prefill_sweep
     q, k_nope, k_rope, v, cu_q, cu_k, out = _mla_prefill_inputs(sz)
@@ -330,9 +330,9 @@ def run_routing(rep: Report, sz: Sizes):
 
 
 def run_rope(rep: Report, sz: Sizes):
-    from mlaserve.kernels.reference import rope_store_kv_ref
     from mlaserve.kernels.rope_kv import rope_q, rope_store_kv
     from mlaserve.layers.rotary import apply_rope
+    from tests.helpers.kernel_refs import rope_store_kv_ref
 
     R, P, dev = sz.R, sz.P, sz.dev
     for T in sz.rope_T:

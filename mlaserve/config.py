@@ -12,11 +12,34 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .quantization import QuantConfig
 
+from .kernel_config import KernelConfig
+
 # Architectures whose text model is DeepSeek-V3 shaped, and where its weights sit.
 SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "",
     "KimiK25ForConditionalGeneration": "language_model.",
 }
+
+
+# dtype names a config.json (torch_dtype) or --dtype may give -> torch's attribute names
+DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def torch_dtype(name: str):
+    """The torch.dtype DTYPES names; ValueError naming the choices. (torch is imported here, not at the top: the
+    command line's help and the bench client import config without it.)"""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype: {name!r} is not supported; use bfloat16, float16 or float32")
+    return getattr(torch, DTYPES[name])
 
 
 class ConfigError(ValueError):
@@ -61,6 +84,24 @@ class RopeConfig:
 def _flag(field: str) -> str:
     """A ParallelConfig field's command-line flag: attn_tp_size -> attn-tp-size."""
     return field.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits. world = attn_tp_size = moe_tp_size * ep_size."""
+
+    rank: int = 0
+    world_size: int = 1
+    moe_tp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.rank % self.moe_tp_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.moe_tp_size
 
 
 @dataclass(frozen=True)
@@ -144,10 +185,8 @@ class ParallelConfig:
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.local_world_size + local_rank
 
-    def rank_info(self, rank: int):
-        """The tp.RankInfo of global rank `rank`."""
-        from .distributed.tp import RankInfo
-
+    def rank_info(self, rank: int) -> RankInfo:
+        """The RankInfo of global rank `rank`."""
         return RankInfo(rank=rank, world_size=self.world_size, moe_tp_size=self.moe_tp_size, ep_size=self.ep_size)
 
     def validate(self, cfg: ModelConfig) -> None:
@@ -414,6 +453,8 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": safetensors; "dummy": random weights in place (no files read)
     seed: int = 0
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server: 503)
+    # the kernels' switches and thresholds; by default the MLASERVE_* environment's, read once here
+    kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
 
     def validate(self) -> None:
         for name, lo in (

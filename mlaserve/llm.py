@@ -16,18 +16,12 @@ import time
 from tqdm import tqdm
 
 from .config import EngineConfig, SpecConfig
+from .paths import cache_dir
 from .types import CompletionOutput, RequestOutput, SamplingParams
 
 DEFAULT_MODEL_NAME = "tiny-random-v1"
 RANK_REPORT_S = 5.0  # a step that failed on a collective waits this long for the watchdog to name a dead rank
 STUCK_EXIT_S = 15.0  # after a rank died, a main thread still inside the engine this long is stuck in a collective
-
-
-def cache_dir() -> str:
-    base = os.environ.get("MLASERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mlaserve"
-    )
-    return base
 
 
 def default_model_path() -> str:
@@ -234,7 +228,7 @@ class LLM:
 
 # ---- `mlaserve generate` ----------------------------------------------------------------------------
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    from .cli import add_engine_args, add_sampling_args
+    from .args import add_engine_args, add_sampling_args
 
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded tiny random model)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
@@ -243,7 +237,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def cli_main(args) -> int:
-    from .cli import engine_kwargs_from_args, run_if_follower_node, sampling_params_from_args
+    from .args import engine_kwargs_from_args, run_if_follower_node, sampling_params_from_args
 
     rc = run_if_follower_node(args)
     if rc is not None:

@@ -144,7 +144,7 @@ class Tokenizer:
         if os.path.isfile(tok_file):
             backend = HFTokenizer.from_file(tok_file)
         elif os.path.isfile(os.path.join(path, "tiktoken.model")):  # Kimi's published tokenizer
-            from .llm import cache_dir
+            from .paths import cache_dir
             from .tokenizer_tiktoken import load_cached
 
             backend = load_cached(path, bytes_to_unicode(), os.path.join(cache_dir(), "tokenizers"))

@@ -28,7 +28,7 @@ def tiny_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def int4_ckpt(tmp_path_factory):
     """The tiny preset with its routed experts INT4 (compressed-tensors pack-quantized, as Kimi-K2.5 publishes)."""
-    from tests.model.quant_ckpt import make_quantized
+    from tests.helpers.quant_ckpt import make_quantized
 
     return make_quantized(tmp_path_factory.mktemp("int4"), "int4-experts")
 
@@ -36,6 +36,6 @@ def int4_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def fp8_ckpt(tmp_path_factory):
     """The tiny preset widened to dims that are not multiples of 128, FP8 block-quantized as DeepSeek-V3 publishes."""
-    from tests.model.quant_ckpt import FP8_ODD, make_quantized
+    from tests.helpers.quant_ckpt import FP8_ODD, make_quantized
 
     return make_quantized(tmp_path_factory.mktemp("fp8"), "fp8-block", **FP8_ODD)

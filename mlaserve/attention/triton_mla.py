@@ -5,15 +5,14 @@ forward and reused by the following layers; only sizes come from the batch's hos
 layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
 Decode is mla_decode's split kernel, then its combine kernel. absorb_q_rope: the query's absorption and its RoPE
 in one launch for 1-2 token steps; absorb_q_rope_store_kv: the same launch also writes the step's KV-cache rows
-(decode-only steps; MLASERVE_ABSORB_STORE=0 turns it off).
+(decode-only steps; KernelConfig.absorb_store, MLASERVE_ABSORB_STORE=0 turns it off).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..kernel_config import KernelConfig
 from ..kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv, head_gemv_serves
 from ..kernels.mla_decode import mla_decode
 from ..kernels.prefill_attention import prefill_attention_mla
@@ -22,11 +21,18 @@ from .base import AttentionBackend, ForwardBatch
 
 
 class TritonMLABackend(AttentionBackend):
-    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int, num_splits: int | None = None):
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        kv_lora_rank: int,
+        num_splits: int | None = None,
+        kernels: KernelConfig = KernelConfig(),
+    ):
         super().__init__(kv_cache, kv_lora_rank)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
-        # absorb_q_rope_store_kv: the KV store inside absorb_q_rope's launch (MLASERVE_ABSORB_STORE=0: off, for A/B)
-        self.absorb_store = os.environ.get("MLASERVE_ABSORB_STORE", "1") != "0"
+        self.kernels = kernels
+        # absorb_q_rope_store_kv: the KV store inside absorb_q_rope's launch (off: MLASERVE_ABSORB_STORE=0, for A/B)
+        self.absorb_store = kernels.absorb_store
         self._meta_batch: ForwardBatch | None = None
         self._meta_layer = -1
         self._meta: dict = {}
@@ -61,9 +67,9 @@ class TritonMLABackend(AttentionBackend):
 
     def absorb_q_rope(self, q, w_kc, cos, sin, Q):
         """1-2 token steps (head_gemv_serves): kernels/head_gemv.absorb_q_rope, bit for bit head_gemv + rope_q."""
-        if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
+        if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc, self.kernels.head_gemv_max_tokens):
             return False
-        absorb_q_rope(q, w_kc, cos, sin, Q)
+        absorb_q_rope(q, w_kc, cos, sin, Q, pdl=self.kernels.pdl)
         return True
 
     def absorb_q_rope_store_kv(self, layer_id, q, w_kc, c_kv, k_pe, cos, sin, batch, norm=None):
@@ -71,7 +77,7 @@ class TritonMLABackend(AttentionBackend):
         absorb_q_rope_store_kv, the KV store as one more program of absorb_q_rope's launch (no side stream)."""
         if not self.absorb_store or (norm is not None and norm.weight.dtype != c_kv.dtype):  # one dtype for the norm
             return None
-        if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc):
+        if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc, self.kernels.head_gemv_max_tokens):
             return None
         Q = q.new_empty(q.shape[0], q.shape[1], w_kc.shape[-1] + k_pe.shape[-1])  # [T, H, R+P]
         return absorb_q_rope_store_kv(
@@ -86,10 +92,11 @@ class TritonMLABackend(AttentionBackend):
             k_pe,
             None if norm is None else norm.weight,
             1e-6 if norm is None else norm.eps,
+            pdl=self.kernels.pdl,
         )
 
     def rope_q(self, x, cos, sin, out):
-        return rope_q(x, cos, sin, out)
+        return rope_q(x, cos, sin, out, pdl=self.kernels.pdl)
 
     def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch, norm=None):
         if norm is not None and norm.weight.dtype != c_kv.dtype:  # the fused norm needs one dtype
@@ -103,6 +110,7 @@ class TritonMLABackend(AttentionBackend):
             sin,
             None if norm is None else norm.weight,
             1e-6 if norm is None else norm.eps,
+            pdl=self.kernels.pdl,
         )
 
     def decode(self, layer_id, q, scale, batch, out):
@@ -116,6 +124,7 @@ class TritonMLABackend(AttentionBackend):
             scale,
             out,
             num_splits=self.num_splits,
+            pdl=self.kernels.pdl,
         )
 
     def prefill_context(self, layer_id, batch):

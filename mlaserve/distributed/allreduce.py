@@ -16,17 +16,18 @@ is the same on every rank, and whether symmetric memory runs at all is agreed at
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..kernel_config import ALLREDUCE_BACKENDS, KernelConfig
+
 log = logging.getLogger("mlaserve.distributed")
 
 KiB, MiB = 1 << 10, 1 << 20
-BACKENDS = ("auto", "nccl", "one_shot", "two_shot")
+BACKENDS = ALLREDUCE_BACKENDS
 DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory reductions dispatch on
 TWO_SHOT_WORLDS = (2, 4, 8)  # torch's two-shot kernel is instantiated for these world sizes only
 ALIGN = 16  # bytes: the input's offset and size; the one-shot op needs the input and its buffer aligned alike
@@ -38,7 +39,8 @@ def _bytes(table: tuple[tuple[int, int], ...], world: int) -> int:
 
 @dataclass(frozen=True)
 class AllReduceConfig:
-    """Which all-reduce runs for which message, read once at start (MLASERVE_ALLREDUCE, for A/B timing).
+    """Which all-reduce runs for which message, fixed at start (KernelConfig.allreduce: MLASERVE_ALLREDUCE, for A/B
+    timing).
 
     The thresholds, bytes per world size, are public H100 measurements until benchmarks/allreduce_bench.py re-measures
     them on H200s: vLLM's custom all-reduce runs one-shot below 512 KB on up to 4 GPUs and below 256 KB on 8, two-shot
@@ -58,9 +60,9 @@ class AllReduceConfig:
                     raise ValueError(f"all-reduce {name}: ({world}, {limit}) needs a world >= 2 and bytes >= 0")
 
     @classmethod
-    def from_env(cls, env=os.environ) -> AllReduceConfig:
-        """MLASERVE_ALLREDUCE=auto|nccl|one_shot|two_shot (default auto)."""
-        return cls(backend=env.get("MLASERVE_ALLREDUCE", "auto"))
+    def from_kernels(cls, kernels: KernelConfig) -> AllReduceConfig:
+        """The backend the kernel config names (MLASERVE_ALLREDUCE=auto|nccl|one_shot|two_shot, default auto)."""
+        return cls(backend=kernels.allreduce)
 
     def buffer_bytes(self, world: int) -> int:
         """The symmetric buffer each rank allocates: the largest message a symmetric-memory path takes."""

@@ -7,6 +7,7 @@ import logging
 
 from ..config import EngineConfig, ModelConfig, ParallelConfig
 from . import tp
+from .allreduce import AllReduceConfig
 from .launch import RankFailed, Workers, abort, launch, spawn_ranks
 from .rendezvous import TEARDOWN_TIMEOUT_S, init_rank, make_init_args, shutdown_rank
 from .tp import RankInfo
@@ -43,7 +44,7 @@ def start_rank0(
     if par.node_rank != 0:
         raise ValueError("node_rank: only node 0 runs the engine; run followers with run_follower_node")
     check_gpus(par, _device(engine_cfg))
-    init = make_init_args(par, _device(engine_cfg))
+    init = make_init_args(par, _device(engine_cfg), allreduce=AllReduceConfig.from_kernels(engine_cfg.kernels))
     workers = spawn_ranks(init, worker_loop, (engine_cfg,), local_ranks=range(1, par.local_world_size))
     workers.watch(on_failure)
     try:
@@ -82,7 +83,8 @@ def run_follower_node(engine_cfg: EngineConfig, par: ParallelConfig) -> int:
     par.validate(ModelConfig.from_pretrained(engine_cfg.model))
     check_gpus(par, _device(engine_cfg))
     try:
-        launch(par, worker_loop, engine_cfg, device=_device(engine_cfg))
+        allreduce = AllReduceConfig.from_kernels(engine_cfg.kernels)
+        launch(par, worker_loop, engine_cfg, device=_device(engine_cfg), allreduce=allreduce)
     except RankFailed as e:
         log.error("%s\n%s", e, e.details)
         return 1

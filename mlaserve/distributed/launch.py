@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, wait
 from tqdm import tqdm
 
 from ..config import ParallelConfig
+from .allreduce import AllReduceConfig
 from .heartbeat import watch_beats
 from .rendezvous import InitArgs, init_rank, make_init_args, shutdown_rank
 
@@ -292,10 +293,12 @@ def launch(
     timeout_s: float | None = None,
     collective_timeout_s: float = 600.0,
     start_method: str = "spawn",
+    allreduce: AllReduceConfig | None = None,
 ) -> list:
     """Run target(rank_info, *args) on every local rank in its own process; their return values, by rank.
     Raises RankFailed as soon as one rank fails, TimeoutError after `timeout_s`."""
-    workers = spawn_ranks(make_init_args(par, device, collective_timeout_s), target, args, start_method=start_method)
+    init = make_init_args(par, device, collective_timeout_s, allreduce)
+    workers = spawn_ranks(init, target, args, start_method=start_method)
     try:
         return list(workers.wait(timeout_s).values())
     finally:

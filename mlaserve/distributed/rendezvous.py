@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ParallelConfig
+from ..kernel_config import KernelConfig
 from . import tp
 from .allreduce import AllReduceConfig, SymmMemAllReduce
 from .heartbeat import start_beating
@@ -42,7 +43,7 @@ class InitArgs:
     # The metadata (gloo) group waits for the next step while the server is idle, so its timeout is long;
     # a dead peer still ends that wait at once (gloo sees the closed connection, the watchdogs the exit).
     metadata_timeout_s: float = 365 * 24 * 3600.0
-    allreduce: AllReduceConfig = AllReduceConfig()  # read from the environment once, by make_init_args
+    allreduce: AllReduceConfig = AllReduceConfig()  # the engine's KernelConfig.allreduce, fixed by make_init_args
 
 
 def free_port() -> int:
@@ -55,14 +56,16 @@ def make_init_args(
     par: ParallelConfig, device: str = "cpu", timeout_s: float = 600.0, allreduce: AllReduceConfig | None = None
 ) -> InitArgs:
     """--dist-init-addr "host:port" -> tcp://host:port (a full URL is used as given); one node without it
-    meets on a free local port. allreduce: default AllReduceConfig.from_env()."""
+    meets on a free local port. allreduce: default the environment's (KernelConfig.from_env().allreduce)."""
     addr = par.dist_init_addr
     if addr is None:
         method = f"tcp://127.0.0.1:{free_port()}"
     else:
         method = addr if "://" in addr else f"tcp://{addr}"
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return InitArgs(par, method, backend, timeout_s, allreduce=allreduce or AllReduceConfig.from_env())
+    return InitArgs(
+        par, method, backend, timeout_s, allreduce=allreduce or AllReduceConfig.from_kernels(KernelConfig.from_env())
+    )
 
 
 def init_rank(local_rank: int, init: InitArgs) -> RankInfo:

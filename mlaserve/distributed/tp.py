@@ -8,28 +8,12 @@ on the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
+from ..config import RankInfo
 
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits. world = attn_tp_size = moe_tp_size * ep_size."""
-
-    rank: int = 0
-    world_size: int = 1
-    moe_tp_size: int = 1
-    ep_size: int = 1
-
-    @property
-    def moe_tp_rank(self) -> int:
-        return self.rank % self.moe_tp_size
-
-    @property
-    def ep_rank(self) -> int:
-        return self.rank // self.moe_tp_size
+__all__ = ["RankInfo"]  # defined with the other frozen configs; the model code imports it from here too
 
 
 _GROUP: dist.ProcessGroup | None = None

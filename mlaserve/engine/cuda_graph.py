@@ -12,8 +12,6 @@ pinned host ring (written over the bus by the kernel: no copy back; the row come
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -22,35 +20,15 @@ import numpy as np
 import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
+from ..capture import DECODE_BATCH_SIZES, gc_paused
 from ..layers.sampler import greedy_into
 
 log = logging.getLogger("mlaserve.cuda_graph")
 
-DECODE_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 PREFILL_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request)
 HOST_RING = 4  # rows of the pinned ring decode graphs write their arg-max to; >= 3: the engine reads step N back
 # before it launches step N + 2, so a row is read before the step RING later overwrites it
-
-
-@contextlib.contextmanager
-def gc_paused(on: bool = True):
-    """Python's cyclic GC off while graphs are captured, after a full collection. A dead engine left in a reference
-    cycle (an earlier LLM in the same process) still owns CUDA graphs; if the GC frees them mid-capture, their
-    destruction (CUDAGraph.reset, its pool's memory) is a CUDA call that global-mode capture forbids, and the capture
-    fails at its next launch. Seen in the gpu suite: "operation not permitted when stream is capturing (function
-    reset)" warnings, then cuBLAS's next launch failing (docs/kernels.md, moe_gemv). on=False: nothing (no graphs)."""
-    if not on:
-        yield
-        return
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass
@@ -286,7 +264,7 @@ class GraphRunner:
             hidden = hidden[batch.logits_indices]
         logits = model.compute_logits(hidden)
         if ring_row is not None:  # after the model: the embedding has read these ids
-            greedy_into(logits, batch.input_ids, self.host_tokens, ring_row)
+            greedy_into(logits, batch.input_ids, self.host_tokens, ring_row, self.runner.kernels.pdl)
         return logits, aux
 
     def release(self) -> None:

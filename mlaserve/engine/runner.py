@@ -13,12 +13,11 @@ import time
 import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
-from ..config import EngineConfig, ModelConfig
+from ..config import EngineConfig, ModelConfig, torch_dtype
 from ..distributed import tp
 from ..distributed.tp import RankInfo
 from ..models.deepseek_v3 import DeepseekV3ForCausalLM
 from ..models.dummy_weights import init_dummy_weights
-from ..models.make_random import DTYPES
 from ..models.weight_bytes import weight_bytes
 from ..models.weights import load_weights
 from .step_broadcast import StepChannel
@@ -33,10 +32,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, model_cfg: ModelConfig) -> torch.dtype:
-    name = model_cfg.torch_dtype if dtype == "auto" else dtype
-    if name not in DTYPES:
-        raise ValueError(f"dtype: {name!r} is not supported; use bfloat16, float16 or float32")
-    return DTYPES[name]
+    return torch_dtype(model_cfg.torch_dtype if dtype == "auto" else dtype)
 
 
 class ModelRunner:
@@ -49,12 +45,15 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(cfg.dtype, model_cfg)
+        self.kernels = cfg.kernels  # what every kernel call site of this rank gets (the same on every rank)
         on_gpu = self.device.type == "cuda"
         moe_impl = cfg.moe_backend if cfg.moe_backend != "auto" else ("triton" if on_gpu else "torch")
 
         t0 = time.perf_counter()
         with torch.device(self.device):
-            self.model = DeepseekV3ForCausalLM(model_cfg, dtype=self.dtype, ranks=ranks, moe_impl=moe_impl)
+            self.model = DeepseekV3ForCausalLM(
+                model_cfg, dtype=self.dtype, ranks=ranks, moe_impl=moe_impl, kernels=self.kernels
+            )
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, seed=cfg.seed)
         else:
@@ -114,7 +113,7 @@ class ModelRunner:
         if kind == "triton":
             from ..attention.triton_mla import TritonMLABackend
 
-            return TritonMLABackend(self.kv_cache, self.model_cfg.kv_lora_rank)
+            return TritonMLABackend(self.kv_cache, self.model_cfg.kv_lora_rank, kernels=self.kernels)
         from ..attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend(self.kv_cache, self.model_cfg.kv_lora_rank)
@@ -146,8 +145,8 @@ class ModelRunner:
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
         the EAGLE3 aux hidden states [T, 3D] of every token, or None; the decode graph's own arg-max of those rows,
         a GreedyTokens (engine/cuda_graph.py), or None). decode_tokens [len(decode)] on the device
-        (single rank, one token per decode chunk): the decode chunks' input ids, in place of their token_ids
-        (placeholders of tokens the previous step sampled, not yet read back)."""
+        (single rank, one token per decode chunk): the decode chunks' input ids, in place of their token_ids (the
+        tokens the step in flight sampled, not yet read back: the chunks' token_ids then give only their length)."""
         if self.ranks.world_size > 1:
             if decode_tokens is not None:
                 raise ValueError("decode_tokens: device-side inputs need a single rank")

@@ -80,9 +80,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def schedule(self, hold: frozenset[str] = frozenset()) -> SchedulerOutput:
-        """hold: ids of running requests to leave out of this step (they stay running; the overlapped decode
-        holds the ones its in-flight token ends by length, which the engine finishes right after)."""
+    def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         # Pages past the fed tokens, reserved so a verify step's N slots always fit.
@@ -91,9 +89,6 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.request_id in hold:
-                i += 1
-                continue
             remaining = req.num_tokens - req.num_computed_tokens
             decoding = remaining == 1
             n = self.decode_q_len if decoding else min(remaining, budget, self.cfg.chunked_prefill_size)
@@ -135,6 +130,18 @@ class Scheduler:
             self.running.append(req)
             out.prefill.append(ScheduledChunk(req, n, sample=sample))
             budget -= n
+        return out
+
+    def schedule_decode(self, reqs: list[Request]) -> SchedulerOutput:
+        """One decode token for each of `reqs` (running requests, in order), planned while the step before is in
+        flight: each is fed the token that step samples, which sits at position num_tokens and is not in its token
+        list yet (overlapped decode, engine/loop.py). The caller checked that the pages fit: nobody is preempted
+        and nobody admitted."""
+        out = SchedulerOutput()
+        for req in reqs:
+            if not self._grow(req, req.num_tokens + 1):
+                raise RuntimeError(f"{req.request_id}: no KV page for an overlapped decode step")
+            out.decode.append(ScheduledChunk(req, 1, sample=True))
         return out
 
     def commit_pages(self, req: Request) -> None:

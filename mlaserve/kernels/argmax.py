@@ -82,6 +82,7 @@ def argmax_rows(
     out: torch.Tensor | None = None,
     host: torch.Tensor | None = None,
     host_row: torch.Tensor | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """x [B, V] fp32/bf16/fp16 (a unit last stride) -> out [B] int64 (given, or new), equal to x.argmax(-1).
     host: pinned CPU int64 the kernel also writes: [B], or a ring [R, >= B] whose row host_row (an int32 [1] on
@@ -114,7 +115,7 @@ def argmax_rows(
     nb = triton.cdiv(V, BLOCK)
     part_v = torch.empty(B, nb, dtype=torch.float32, device=x.device)
     part_i = torch.empty(B, nb, dtype=torch.int32, device=x.device)
-    _argmax_blocks_kernel[(B, nb)](x, part_v, part_i, V, nb, x.stride(0), BLOCK=BLOCK, num_warps=8, **pdl_args(x))
+    _argmax_blocks_kernel[(B, nb)](x, part_v, part_i, V, nb, x.stride(0), BLOCK=BLOCK, num_warps=8, **pdl_args(x, pdl))
     _argmax_rows_kernel[(B,)](
         part_v,
         part_i,
@@ -127,6 +128,6 @@ def argmax_rows(
         HOST=host is not None,
         HOST_ROW=host_row is not None,
         num_warps=1,
-        **pdl_args(x),
+        **pdl_args(x, pdl),
     )
     return out

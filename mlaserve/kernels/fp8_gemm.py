@@ -135,10 +135,11 @@ def fp8_gemm(
     w_scale: torch.Tensor,
     out: torch.Tensor,
     config: dict | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """out [M, N] (unit last stride) = a [M, K] @ dequant(w [N, K], w_scale)^T. a_scale given: a is e4m3 with
     scales [M, ceil(K/128)] (A8, any strides); None: a is bf16/fp16/fp32 (A16). The caller checked shapes.
-    config: fp8_gemm_config's keys (BLOCK_K a power of 2 dividing 128)."""
+    config: fp8_gemm_config's keys (BLOCK_K a power of 2 dividing 128). pdl: KernelConfig.pdl."""
     M, K = a.shape
     N = w.shape[0]
     a8 = a_scale is not None
@@ -152,7 +153,7 @@ def fp8_gemm(
     split = cfg["SPLIT_K"]
     part = torch.empty(split, M, N, dtype=torch.float32, device=a.device) if split > 1 else out
     sa = a_scale if a8 else w_scale  # A16: unused (any tensor)
-    pdl = pdl_args(a)
+    launch = pdl_args(a, pdl)
     _fp8_gemm_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)](
         a,
         sa,
@@ -181,11 +182,11 @@ def fp8_gemm(
         GROUP=BLOCK,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **pdl,
+        **launch,
     )
     if split > 1:
         blk = min(1024, triton.next_power_of_2(N))
         _split_sum_kernel[(M, triton.cdiv(N, blk))](
-            part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=blk, num_warps=4, **pdl
+            part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=blk, num_warps=4, **launch
         )
     return out

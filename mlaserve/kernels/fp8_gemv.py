@@ -83,10 +83,11 @@ def fp8_gemv(
     scale_inv: torch.Tensor,
     out: torch.Tensor,
     config: dict | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """x [T, K] (T <= FP8_GEMV_MAX_ROWS, any strides), w e4m3 [N, K] (unit last stride), scale_inv fp32
     [ceil(N/128), ceil(K/128)] -> out [T, N] (x.dtype, unit last stride; the caller checked shapes). config:
-    BLOCK_N, BLOCK_K (a multiple of 128), num_warps."""
+    BLOCK_N, BLOCK_K (a multiple of 128), num_warps. pdl: KernelConfig.pdl."""
     T, K = x.shape
     N = w.shape[0]
     cfg = fp8_gemv_config(N, K)
@@ -115,6 +116,6 @@ def fp8_gemv(
         GROUPS=cfg["BLOCK_K"] // BLOCK,
         GROUP=BLOCK,
         num_warps=cfg["num_warps"],
-        **pdl_args(x),
+        **pdl_args(x, pdl),
     )
     return out

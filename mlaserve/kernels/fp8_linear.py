@@ -68,10 +68,10 @@ def scaled_mm_serves(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     )
 
 
-def _scaled_mm(x, weight, weight_scale_inv, out):
+def _scaled_mm(x, weight, weight_scale_inv, out, pdl: bool):
     """fp8_act_quant (rows padded to 4: cuBLASLt's scale vectors are 16-byte aligned), then F.scaled_mm."""
     M = x.shape[0]
-    q, s = act_quant(x, BLOCK, row_align=4)
+    q, s = act_quant(x, BLOCK, row_align=4, pdl=pdl)
     y = F.scaled_mm(
         q,
         weight.t(),
@@ -133,12 +133,13 @@ def fp8_block_linear(
     out: torch.Tensor | None = None,
     *,
     config: dict | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, any strides) @ dequant(weight e4m3 [N, K], weight_scale_inv fp32 [ceil(N/128),
     ceil(K/128)])^T -> [M, N] in x.dtype (new, or `out`: a view with a unit last stride). Small M computes on x
     itself (W8A16: fp8_block_linear_ref(a8=False)); large M quantizes x per token per 128 channels first (W8A8:
     fp8_block_linear_ref(a8=True)). CUDA only (the CPU path dequantizes). config (benchmarks, tests): "form" (one
-    of FORMS), "a8" (the Triton GEMM's form), and fp8_gemv / fp8_gemm tile keys."""
+    of FORMS), "a8" (the Triton GEMM's form), and fp8_gemv / fp8_gemm tile keys. pdl: KernelConfig.pdl."""
     _check(x, weight, weight_scale_inv, out)
     form, a8 = linear_form(x, weight, weight_scale_inv, config)
     cfg = {k: v for k, v in (config or {}).items() if k not in ("form", "a8")}
@@ -153,12 +154,12 @@ def fp8_block_linear(
                 f"form 'scaled_mm' needs sm_90, bf16/fp16 x, N and K multiples of 16 and ceil(K/128) a multiple of "
                 f"4 (N={N}, K={weight.shape[1]}, x {x.dtype})"
             )
-        return _scaled_mm(x, weight, weight_scale_inv, out)
+        return _scaled_mm(x, weight, weight_scale_inv, out, pdl)
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if form == "gemv":
-        return fp8_gemv(x, weight, weight_scale_inv, out, cfg)
+        return fp8_gemv(x, weight, weight_scale_inv, out, cfg, pdl)
     if a8:
-        q, s = act_quant(x, BLOCK)
-        return fp8_gemm(q, s, weight, weight_scale_inv, out, cfg)
-    return fp8_gemm(x, None, weight, weight_scale_inv, out, cfg)
+        q, s = act_quant(x, BLOCK, pdl=pdl)
+        return fp8_gemm(q, s, weight, weight_scale_inv, out, cfg, pdl)
+    return fp8_gemm(x, None, weight, weight_scale_inv, out, cfg, pdl)

@@ -1,7 +1,7 @@
 """Fused MoE experts with 128x128 block-scaled FP8 weights (DeepSeek-V3/R1, Kimi-K2): fused_moe.py's pipeline on
 fp8 weights. No host sync; buffers sized from shapes only (CUDA-graph safe).
 
-- Few (token, k) pairs (<= NO_ALIGN_MAX_PAIRS: decode, verify): fp8_moe_gemv.py's grouped GEMVs (W8A16).
+- Few (token, k) pairs (<= KernelConfig.no_align_max_pairs: decode, verify): fp8_moe_gemv.py's grouped GEMVs (W8A16).
 - Otherwise moe_align's per-expert blocks and two grouped tiled GEMMs (fp8_gemm.py's scaled K steps):
   GEMM1 = x . [gate | up]^T with SiLU(gate) * up fused, GEMM2 = h . down^T with the top-k weight fused, then
   moe_sum (plus `add`, the shared experts' output). Two forms:
@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..kernel_config import KernelConfig
 from .fp8_moe_gemm import _fp8_moe_gemm1_kernel, _fp8_moe_gemm2_kernel
 from .fp8_moe_gemv import fp8_moe_gemv
 from .fp8_quant import act_quant
 from .fp8_reference import BLOCK
-from .fused_moe import NO_ALIGN_MAX_PAIRS
 from .moe_align import moe_align
 from .moe_config import KEYS, moe_config
 from .moe_sum import moe_sum
@@ -80,11 +80,13 @@ def fp8_moe_config(
     return c1, c2
 
 
-def moe_form(T: int, K: int, E: int, config=None) -> tuple[bool, bool, bool]:
+def moe_form(
+    T: int, K: int, E: int, config=None, no_align_max_pairs: int = KernelConfig.no_align_max_pairs
+) -> tuple[bool, bool, bool]:
     """-> (no_align, gemv, a8): fp8_fused_experts' form for T tokens of top-K over E local experts (config's
-    "no_align" / "gemv" / "a8", else the defaults)."""
+    "no_align" / "gemv" / "a8", else the defaults: per-pair blocks up to no_align_max_pairs pairs)."""
     cfg = config or {}
-    no_align = bool(cfg.get("no_align", T * K <= NO_ALIGN_MAX_PAIRS))
+    no_align = bool(cfg.get("no_align", T * K <= no_align_max_pairs))
     gemv = cfg.get("gemv", no_align)
     a8 = not gemv and bool(cfg.get("a8", T * K / E > A8_MIN_ROWS_PER_EXPERT))
     return no_align, gemv, a8
@@ -129,38 +131,38 @@ def fp8_fused_experts(
     *,
     add: torch.Tensor | None = None,
     all_local: bool = True,
-    pdl: bool | None = None,
     config: dict | None = None,
+    kernels: KernelConfig = KernelConfig(),
 ) -> torch.Tensor:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e - expert_offset is in
     [0, E) (others contribute nothing: EP, the caller all-reduces), plus `add` [T, D] -> [T, D] in x.dtype.
     x [T, D]; w13 e4m3 [E, 2I, D] (gate rows, then up rows) with w13_scale_inv fp32 [E, 2*ceil(I/128),
     ceil(D/128)]; w2 e4m3 [E, D, I] with w2_scale_inv [E, ceil(D/128), ceil(I/128)]; topk_weights [T, K] fp32;
     topk_ids [T, K] int. Equals fp8_reference.fp8_fused_experts_ref(a8=False) (GEMV and A16 forms) or (a8=True).
-    all_local: every id names a local expert (the sum reads no ids). pdl: None/True launch with PDL where the
-    device has it, False without. config (benchmarks, tests): fp8_moe_config overrides (flat, "gemm1", "gemm2"),
-    "no_align" (default T*K <= NO_ALIGN_MAX_PAIRS), "gemv" (default: no_align; moe GEMV tiles as a dict),
-    "a8" (default: more than A8_MIN_ROWS_PER_EXPERT rows per expert)."""
+    all_local: every id names a local expert (the sum reads no ids). config (benchmarks, tests): fp8_moe_config
+    overrides (flat, "gemm1", "gemm2"), "no_align" (default T*K <= kernels.no_align_max_pairs), "gemv" (default:
+    no_align; moe GEMV tiles as a dict), "a8" (default: more than A8_MIN_ROWS_PER_EXPERT rows per expert).
+    kernels: pdl and no_align_max_pairs (kernel_config.py)."""
     _check(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids)
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
     K = topk_ids.shape[-1]
     if T == 0:  # checks `add`; empty
-        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local)
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)
     TK = T * K
-    no_align, gemv, a8 = moe_form(T, K, E, config)
+    no_align, gemv, a8 = moe_form(T, K, E, config, kernels.no_align_max_pairs)
     config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8")}
-    launch = pdl_args(x) if pdl is None or pdl else dict(PDL=False, launch_pdl=False)
+    launch = pdl_args(x, kernels.pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if gemv:
         if not no_align:
-            raise ValueError(f"gemv: the GEMV form serves per-pair blocks only (T*K={TK} <= {NO_ALIGN_MAX_PAIRS})")
+            raise ValueError(f"gemv: the GEMV form serves per-pair blocks only (no_align; T*K={TK})")
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
         gcfg = gemv if isinstance(gemv, dict) else None
         args = (x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_offset)
         fp8_moe_gemv(*args, hbuf, y, launch, gcfg)
-        return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)
+        return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)
     c1, c2 = fp8_moe_config(T, K, E, D, I, a8, x.dtype, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
@@ -168,11 +170,11 @@ def fp8_fused_experts(
         sorted_ids = expert_ids = num_padded = ids
         rows, num_m = TK, TK
     else:
-        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm)
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm, pdl=kernels.pdl)
         rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     gi = -(-I // BLOCK)
     if a8:
-        a, a_s = act_quant(x, BLOCK)  # [T, D] e4m3, [T, G] scales
+        a, a_s = act_quant(x, BLOCK, pdl=kernels.pdl)  # [T, D] e4m3, [T, G] scales
         h = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
         h_s = torch.empty(rows, gi, dtype=torch.float32, device=x.device)
     else:
@@ -246,4 +248,4 @@ def fp8_fused_experts(
         **common,
         **launch,
     )
-    return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)
+    return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)

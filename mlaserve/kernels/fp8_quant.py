@@ -56,9 +56,11 @@ def _act_quant_kernel(
     tl.store(S + g * stride_sg + rows, s, mask=rows < MP)
 
 
-def act_quant(x: torch.Tensor, group: int = 128, row_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(
+    x: torch.Tensor, group: int = 128, row_align: int = 1, pdl: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any strides) -> (q e4m3 [Mp, K] contiguous, s fp32 [Mp, ceil(K/group)] with strides (1, Mp)),
-    Mp = M rounded up to row_align (the padding rows: q = 0)."""
+    Mp = M rounded up to row_align (the padding rows: q = 0). pdl: KernelConfig.pdl."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a 2-D floating tensor [M, K], got {tuple(x.shape)} {x.dtype}")
     if group < 16 or group & (group - 1):
@@ -84,13 +86,13 @@ def act_quant(x: torch.Tensor, group: int = 128, row_align: int = 1) -> tuple[to
             GROUP=group,
             BLOCK_M=block_m,
             num_warps=4 if group * block_m >= 2048 else 1,
-            **pdl_args(x),
+            **pdl_args(x, pdl),
         )
     return q, s_buf.t()
 
 
-def fp8_act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_act_quant(x: torch.Tensor, group: int = 128, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q float8_e4m3fn [M, K], s fp32 [M, ceil(K/group)]), x ~= q * s per group of `group` channels
     of a row (fp8_reference.fp8_act_quant_ref, bit for bit). s is column-major (strides (1, M)), as scaled_mm's
     BlockWise1x128 wants it."""
-    return act_quant(x, group)
+    return act_quant(x, group, pdl=pdl)

@@ -13,21 +13,17 @@ slot's weights in place from the shared MLP's own tensors (other strides than th
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..kernel_config import KernelConfig
 from .moe_align import moe_align
 from .moe_config import moe_config
 from .moe_gemv import moe_gemv
 from .moe_sum import moe_sum
 from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
-
-NO_ALIGN_MAX_PAIRS = 16  # up to this many (token, k) pairs each pair is its own M block: no align launch
 
 
 @triton.jit
@@ -325,11 +321,11 @@ def _moe_gemm2_kernel(
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _tma_default(x: torch.Tensor, bm: int) -> bool:
-    """TMA weight tiles for the decode (BLOCK_M 16) GEMMs in bf16/fp16 on sm_90+; MLASERVE_MOE_TMA=0 turns them off.
+def _tma_default(x: torch.Tensor, bm: int, on: bool) -> bool:
+    """TMA weight tiles for the decode (BLOCK_M 16) GEMMs in bf16/fp16 on sm_90+, when on (KernelConfig.moe_tma).
     The weight streaming is the whole cost there: M1 batch 1 TPOT 2.12 -> 2.02 ms on an H200 (moe_config.py)."""
     return (
-        os.environ.get("MLASERVE_MOE_TMA", "1") != "0"
+        on
         and bm == 16
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
@@ -337,26 +333,15 @@ def _tma_default(x: torch.Tensor, bm: int) -> bool:
     )
 
 
-@functools.cache
-def _gemv_env() -> bool | dict:
-    """MLASERVE_MOE_GEMV, parsed once: "0" off, "1" (default) on,
-    "n1:w1:n2:w2" on with rows per program and warps of gemv1 / gemv2 (A/B timing)."""
-    spec = os.environ.get("MLASERVE_MOE_GEMV", "1")
-    if spec in ("0", "1"):
-        return spec == "1"
-    n1, w1, n2, w2 = map(int, spec.split(":"))
-    return dict(gemv1=dict(BLOCK_N=n1, num_warps=w1), gemv2=dict(BLOCK_N=n2, num_warps=w2))
-
-
-def _gemv_default(x: torch.Tensor, no_align: bool) -> bool | dict:
-    """The GEMV form (moe_gemv.py) for per-pair blocks (1-2 token steps) of 16-bit steps on the GPU, when
-    MLASERVE_MOE_GEMV=0 turns it off (_gemv_env).
+def _gemv_default(x: torch.Tensor, no_align: bool, kernels: KernelConfig) -> bool | dict:
+    """The GEMV form (moe_gemv.py) for per-pair blocks (1-2 token steps) of 16-bit steps on the GPU, as
+    KernelConfig.moe_gemv_config says (MLASERVE_MOE_GEMV=0 turns it off).
     M1 on an H200 (session 12): batch 1 TPOT 1.94 -> 1.86 ms, batch 2 2.99 -> 2.79. On by default since session 13,
     when the gpu suite passed with it (the capture failure it once showed was the cyclic GC destroying an earlier
-    engine's graphs mid-capture, now paused by engine.cuda_graph.gc_paused; docs/kernels.md, moe_gemv)."""
+    engine's graphs mid-capture, now paused by capture.gc_paused; docs/kernels.md, moe_gemv)."""
     if not (no_align and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    return _gemv_env()
+    return kernels.moe_gemv_config()
 
 
 def _tma_fits(w13, w2, shared, c1: dict, c2: dict, D: int, I: int) -> bool:
@@ -399,6 +384,7 @@ def fused_experts(
     shared: tuple | None = None,
     norm: tuple | None = None,
     all_local: bool = False,
+    kernels: KernelConfig = KernelConfig(),
 ):
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over experts [offset, offset + E_local); equals
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
@@ -408,13 +394,13 @@ def fused_experts(
     norm = (weight [D], eps, residual [T, D]): the add + RMSNorm that follows the MoE, fused into its sum over k
     (moe_sum.py) -> (norm(out + residual), out + residual), bit-equal to add_rms_norm(out, residual, weight, eps).
     config (benchmarks, tests): moe_config overrides, flat or
-    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= NO_ALIGN_MAX_PAIRS) and "tma": bool
-    (weight tiles by TMA; default: on for the bf16/fp16 decode tiles, BLOCK_M 16, on sm_90+ where whole tiles fit;
-    MLASERVE_MOE_TMA=0 turns it off), "prewait": bool (GEMM2's reads before its PDL wait; default: under PDL
-    with no_align; tests set it without PDL, where it only reorders the code), and "gemv": bool or moe_gemv's
+    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= kernels.no_align_max_pairs) and "tma":
+    bool (weight tiles by TMA; default: kernels.moe_tma, for the bf16/fp16 decode tiles, BLOCK_M 16, on sm_90+
+    where whole tiles fit), "prewait": bool (GEMM2's reads before its PDL wait; default: kernels.moe_prewait under
+    PDL with no_align; tests set it without PDL, where it only reorders the code), and "gemv": bool or moe_gemv's
     {"gemv1": {...}, "gemv2": {...}} tiles (the GEMVs of moe_gemv.py instead of the tiled GEMMs, no_align steps
-    only; default: MLASERVE_MOE_GEMV, on). all_local: every id names a local expert (no expert parallelism), so the
-    sum over k reads no ids (moe_sum)."""
+    only; default: kernels.moe_gemv_config()). all_local: every id names a local expert (no expert parallelism), so
+    the sum over k reads no ids (moe_sum). kernels: the switches and thresholds above, and pdl (kernel_config.py)."""
     T, D = x.shape
     E, I2, D1 = w13.shape
     I = I2 // 2
@@ -435,18 +421,18 @@ def fused_experts(
     E_all = E + S  # the routed experts, then the shared slots
     if T == 0:
         # checks `add`/`norm`; empty
-        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E_all, add, norm, all_local)
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E_all, add, norm, all_local, kernels.pdl)
     TK = T * K
     config = dict(config or {})
-    no_align = bool(config.pop("no_align", TK <= NO_ALIGN_MAX_PAIRS))
+    no_align = bool(config.pop("no_align", TK <= kernels.no_align_max_pairs))
     tma = config.pop("tma", None)
     prewait = config.pop("prewait", None)
     gemv = config.pop("gemv", None)  # True/False, or moe_gemv's {"gemv1": {...}, "gemv2": {...}} overrides
     if gemv is None:
-        gemv = _gemv_default(x, no_align)
+        gemv = _gemv_default(x, no_align, kernels)
     if gemv:
         if not no_align:
-            raise ValueError(f"gemv: the GEMV form serves per-pair blocks only (T*K={TK} <= {NO_ALIGN_MAX_PAIRS})")
+            raise ValueError(f"gemv: the GEMV form serves per-pair blocks only (no_align; T*K={TK})")
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
         y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
         moe_gemv(
@@ -462,13 +448,15 @@ def fused_experts(
             S,
             hbuf,
             y,
-            pdl_args(x),
+            pdl_args(x, kernels.pdl),
             gemv if isinstance(gemv, dict) else None,
         )
-        return moe_sum(y, topk_ids, expert_offset, E_all, add, norm, all_local)
+        return moe_sum(y, topk_ids, expert_offset, E_all, add, norm, all_local, kernels.pdl)
     c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, **config)
     if tma is None:  # the default: the sm_90 decode tiles, where whole tiles fit (else the pointer loads)
-        tma = _tma_default(x, c1["BLOCK_M"]) and _tma_fits(w13, w2, shared if S else None, c1, c2, D, I)
+        tma = _tma_default(x, c1["BLOCK_M"], kernels.moe_tma) and _tma_fits(
+            w13, w2, shared if S else None, c1, c2, D, I
+        )
     elif tma and not _tma_fits(w13, w2, shared if S else None, c1, c2, D, I):
         raise ValueError(
             f"tma: the weights' shapes (D={D}, I={I}) must be multiples of the tiles "
@@ -483,15 +471,15 @@ def fused_experts(
         sorted_ids = expert_ids = num_padded = ids
         rows, num_m = TK, TK
     else:
-        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E_all, expert_offset, bm)
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E_all, expert_offset, bm, pdl=kernels.pdl)
         rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
-    pdl = pdl_args(x)  # the two GEMMs launch alike
+    pdl = pdl_args(x, kernels.pdl)  # the two GEMMs launch alike
     if prewait is None:
         # GEMM2's reads before its wait: under PDL, for the per-pair blocks of decode steps of 1-2 tokens (M1 on an
         # H200, session 10: batch 1 TPOT -0.02 ms; at batch 32, aligned blocks, +0.1 ms). MLASERVE_MOE_PREWAIT=0: off.
-        prewait = pdl["PDL"] and no_align and os.environ.get("MLASERVE_MOE_PREWAIT", "1") != "0"
+        prewait = pdl["PDL"] and no_align and kernels.moe_prewait
     g13 = g1s = g3s = g2 = g2s = None  # None arguments are constexpr: the pointer kernels have no descriptors
     if tma:
         b1, b2 = [c1["BLOCK_N"], c1["BLOCK_K"]], [c2["BLOCK_N"], c2["BLOCK_K"]]
@@ -578,4 +566,4 @@ def fused_experts(
         num_stages=c2["num_stages"],
         **pdl,
     )
-    return moe_sum(y, topk_ids, expert_offset, E_all, add, norm, all_local)
+    return moe_sum(y, topk_ids, expert_offset, E_all, add, norm, all_local, kernels.pdl)

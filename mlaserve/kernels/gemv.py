@@ -4,8 +4,8 @@ cuBLAS runs the batch-1 projections as 64x8-tile GEMMs that reach a third to a h
 [2048, 2048] and [3648, 2048] weights (6.0 / 6.7 us, kernels_bench lin_decode). Here each program owns BLOCK_N
 output columns and loads their [BLOCK_N, BLOCK_K] weight slab as one register tile (BLOCK_K = K: one trip, every
 load in flight together), multiplies by x in fp32 and reduces over K, for each of up to GEMV_MAX_TOKENS rows of x.
-layers.linear sends batch-1 projections of up to GEMV_MAX_BYTES of weight here. Against cuBLAS (H200, session 10)
-it also wins at 2 rows (6.0 / 6.7 and 3.0 / 6.0 us for the two M1 weights) but not from 4 or 8 rows up for
+layers.linear sends batch-1 projections of up to KernelConfig.gemv_max_bytes of weight here. Against cuBLAS (H200,
+session 10) it also wins at 2 rows (6.0 / 6.7 and 3.0 / 6.0 us for the two M1 weights) but not from 4 or 8 rows up for
 q|kv_a. layers.linear sends 1-2-row steps: M1 batch 2 TPOT 3.11 -> 2.99 ms on an H200 (session 11), batch 1 equal.
 Since session 14 layer 0's dense MLP (138 MB; cuBLAS ~45 us) and the lm_head (layers.embedding, fp32 out) come here
 too at 1-2 rows: M1 batch 1 1.851 -> 1.832 ms (the MLP) and 1.841 -> 1.831 ms (the lm_head) on an H200.
@@ -17,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernel_config import KernelConfig
 from .pdl import pdl_args, pdl_release, pdl_wait
 
-GEMV_MAX_BYTES = 128 << 20  # layers.linear: up to M1's dense MLP (92 MB gate|up, 46 MB down); the lm_head: any size
-GEMV_MAX_TOKENS = 8  # rows of x a launch serves
-GEMV_SERVE_TOKENS = 2  # rows of the steps layers.linear sends here (gemv_serves): the sizes that beat cuBLAS
+# rows of x a launch serves (which steps come here: KernelConfig.gemv_serve_tokens and gemv_max_bytes)
+GEMV_MAX_TOKENS = 8
 
 
 @triton.jit
@@ -68,14 +68,19 @@ def _gemv_kernel(
     tl.store(y_ptr, acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=(rows < T)[:, None] & (n < N)[None, :])
 
 
-def gemv_serves(x: torch.Tensor, w: torch.Tensor, max_bytes: int | None = GEMV_MAX_BYTES) -> bool:
-    """Whether layers.linear sends x @ w^T here: a CUDA step of 1..GEMV_SERVE_TOKENS rows in bf16/fp16 with unit
-    last strides, times a weight of <= max_bytes (None: any; the lm_head) (decode's q|kv_a and o_proj at batch
-    1-2, EAGLE3's verify of width 2 at batch 1)."""
+def gemv_serves(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    max_bytes: int | None = KernelConfig.gemv_max_bytes,
+    max_tokens: int = KernelConfig.gemv_serve_tokens,
+) -> bool:
+    """Whether layers.linear sends x @ w^T here: a CUDA step of 1..max_tokens rows in bf16/fp16 with unit last
+    strides, times a weight of <= max_bytes (None: any; the lm_head) (decode's q|kv_a and o_proj at batch 1-2,
+    EAGLE3's verify of width 2 at batch 1)."""
     return (
         x.is_cuda
         and x.dim() == 2
-        and 1 <= x.shape[0] <= GEMV_SERVE_TOKENS
+        and 1 <= x.shape[0] <= min(max_tokens, GEMV_MAX_TOKENS)
         and x.dtype == w.dtype
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(-1) == 1
@@ -91,7 +96,9 @@ def gemv_config(N: int, K: int) -> dict:
     return dict(BLOCK_N=2, BLOCK_K=min(triton.next_power_of_2(K), 2048), num_warps=2)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None, pdl: bool = True
+) -> torch.Tensor:
     """x [T, K] (T <= GEMV_MAX_TOKENS), w [N, K] (unit last strides, one dtype) -> [T, N] in x.dtype (new, or
     `out`, contiguous, in x.dtype or fp32: then F.linear's result cast to fp32); F.linear(x, w) up to fp32
     summation order. config (benchmarks, tests): BLOCK_N, BLOCK_K, num_warps."""
@@ -125,6 +132,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torc
         BLOCK_K=cfg["BLOCK_K"],
         EVEN=N % cfg["BLOCK_N"] == 0 and K % cfg["BLOCK_K"] == 0,
         num_warps=cfg["num_warps"],
-        **pdl_args(x),
+        **pdl_args(x, pdl),
     )
     return out

@@ -14,11 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernel_config import KernelConfig
 from .pdl import pdl_args, pdl_release, pdl_wait
 from .rope_kv import _check_cos_sin, _check_store_kv, _kv_norm_weight, _rope_q_tile, _store_kv_row
 
-# decode steps of 1-2 tokens (batch 1-2, or an EAGLE3 verify of width 2 at batch 1): the sizes timed against bmm
-# (kernels_bench absorb, T=1 and 2); the kernel itself serves any T, larger steps keep torch.bmm until timed
+# tokens a launch serves: the sizes timed against bmm (kernels_bench absorb, T=1 and 2: batch 1-2 decode, or an EAGLE3
+# verify of width 2 at batch 1); the kernel itself serves any T, larger steps keep torch.bmm until timed. Which
+# steps come here is KernelConfig.head_gemv_max_tokens.
 HEAD_GEMV_MAX_TOKENS = 2
 
 
@@ -286,14 +288,14 @@ def head_gemv_config(K: int, N: int) -> dict:
     return dict(BLOCK_N=max(1, min(N, 32 if K <= 128 else 4)), num_warps=1)
 
 
-def head_gemv_serves(x: torch.Tensor, m: torch.Tensor) -> bool:
-    """Whether the model's absorbed projections send x [T, H, K] @ m [H, K, N] here: a CUDA decode step of <= 2
-    tokens in bf16/fp16 with power-of-two K and N (all DeepSeek-V3-family heads: 128 and 512)."""
+def head_gemv_serves(x: torch.Tensor, m: torch.Tensor, max_tokens: int = KernelConfig.head_gemv_max_tokens) -> bool:
+    """Whether the model's absorbed projections send x [T, H, K] @ m [H, K, N] here: a CUDA decode step of
+    1..max_tokens tokens in bf16/fp16 with power-of-two K and N (all DeepSeek-V3-family heads: 128 and 512)."""
     T, _, K = x.shape
     N = m.shape[-1]
     return (
         x.is_cuda
-        and 1 <= T <= HEAD_GEMV_MAX_TOKENS
+        and 1 <= T <= max_tokens
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(-1) == 1
         and not K & (K - 1)
@@ -319,7 +321,9 @@ def _checked_config(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, config:
     return cfg
 
 
-def head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+def head_gemv(
+    x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, config: dict | None = None, pdl: bool = True
+) -> torch.Tensor:
     """x [T, H, K], m [H, K, N] (any strides), out [T, H, N] (unit last stride; a view is fine) -> out, written in
     place: out[t, h] = x[t, h] @ m[h] with fp32 sums (torch.bmm's result up to summation order). T <= 2;
     K and N powers of two, N divisible by BLOCK_N."""
@@ -342,7 +346,7 @@ def head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, config: dict 
         N=N,
         BLOCK_N=bn,
         num_warps=cfg["num_warps"],
-        **pdl_args(x),
+        **pdl_args(x, pdl),
     )
     return out
 
@@ -354,11 +358,12 @@ def absorb_q_rope(
     sin: torch.Tensor,
     Q: torch.Tensor,
     config: dict | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """q [T, H, N+P] (unit last stride; a view is fine), w_kc [H, N, R], cos/sin [T, P/2] fp32 -> Q [T, H, R+P]
     (unit last stride), written in place in one launch: Q[..., :R] = head_gemv(q[..., :N], w_kc) and
     Q[..., R:] = rope_q(q[..., N:], cos, sin), bit for bit what the two kernels give."""
-    return _absorb_q_rope(q, w_kc, cos, sin, Q, config, None)
+    return _absorb_q_rope(q, w_kc, cos, sin, Q, config, None, pdl)
 
 
 def absorb_q_rope_store_kv(
@@ -374,6 +379,7 @@ def absorb_q_rope_store_kv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     config: dict | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """absorb_q_rope and rope_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight, eps) of one decode
     step in one launch: one more program writes the cache rows, so the store needs no kernel (or stream) of its
@@ -387,10 +393,10 @@ def absorb_q_rope_store_kv(
     if k_pe.shape[-1] != q.shape[-1] - w_kc.shape[1]:
         raise ValueError(f"k_pe {tuple(k_pe.shape)} must be [T, P] with q's P = {q.shape[-1] - w_kc.shape[1]}")
     _check_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight)
-    return _absorb_q_rope(q, w_kc, cos, sin, Q, config, (kv_cache, slot_mapping, c_kv, k_pe, norm_weight, eps))
+    return _absorb_q_rope(q, w_kc, cos, sin, Q, config, (kv_cache, slot_mapping, c_kv, k_pe, norm_weight, eps), pdl)
 
 
-def _absorb_q_rope(q, w_kc, cos, sin, Q, config, store) -> torch.Tensor:
+def _absorb_q_rope(q, w_kc, cos, sin, Q, config, store, pdl: bool) -> torch.Tensor:
     """The launch of both entry points; store: (kv_cache, slot_mapping, c_kv, k_pe, norm_weight, eps), checked."""
     if q.dim() != 3 or w_kc.dim() != 3:
         raise ValueError(f"q {tuple(q.shape)} must be [T, H, N+P] and w_kc {tuple(w_kc.shape)} [H, N, R]")
@@ -450,6 +456,6 @@ def _absorb_q_rope(q, w_kc, cos, sin, Q, config, store) -> torch.Tensor:
         STORE=store is not None,
         NORM=norm_weight is not None,
         num_warps=cfg["num_warps"],
-        **pdl_args(q),
+        **pdl_args(q, pdl),
     )
     return Q

@@ -2,7 +2,7 @@
 (token, k) pairs (int4_gemv.py), grouped tiled GEMMs over moe_align's blocks for larger ones (int4_gemm.py), then the
 sum over k (moe_sum.py). No host sync; buffers sized from shapes only (CUDA-graph safe).
 
-Reference: int4_ref.int4_fused_experts_ref (dequantize, then layers.moe.fused_experts_ref).
+Reference: tests/helpers/int4_ref.py, int4_fused_experts_ref (dequantize, then layers.moe.fused_experts_ref).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..kernel_config import KernelConfig
 from .int4_gemm import int4_gemm
 from .int4_gemv import int4_gemv
 from .moe_align import moe_align
@@ -107,24 +108,21 @@ def int4_fused_experts(
     *,
     add: torch.Tensor | None = None,
     all_local: bool = True,
-    pdl=None,
     config: dict | None = None,
+    kernels: KernelConfig = KernelConfig(),
 ) -> torch.Tensor:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e = id - expert_offset is
     in [0, E) (others contribute nothing: EP), plus `add` -> [T, D] in x.dtype; equals int4_fused_experts_ref.
     x [T, D]; w13_packed int32 [E, 2I, D/8] (gate rows, then up rows), w13_scale [E, 2I, D/32]; w2_packed int32
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
-    pdl: None (on where pdl.py enables it), a bool, or pdl_args' dict.
     config (benchmarks, tests): "form": "gemv" / "gemm" (default: gemv up to min(GEMV_MAX_PAIRS, E) pairs); "gemv1",
-    "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
+    "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults.
+    kernels: its pdl switch (kernel_config.py)."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if T == 0:  # checks `add`; empty
-        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local)
-    if isinstance(pdl, bool):
-        pdl = dict(PDL=pdl, launch_pdl=pdl)
-    elif pdl is None:
-        pdl = pdl_args(x)
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)
+    pdl = pdl_args(x, kernels.pdl)  # every launch alike
     cfg = dict(config or {})
     bad = set(cfg) - {"form", "gemv1", "gemv2", "gemm1", "gemm2"}
     if bad:
@@ -148,7 +146,7 @@ def int4_fused_experts(
         for c in (c1, c2):
             if c["BLOCK_K"] % 32 or c["BLOCK_K"] & (c["BLOCK_K"] - 1):
                 raise ValueError(f"config: BLOCK_K={c['BLOCK_K']} must be a power of 2 and a multiple of 32")
-        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm)
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm, pdl=kernels.pdl)
         hbuf = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
         int4_gemm(
             x,
@@ -169,4 +167,4 @@ def int4_fused_experts(
         )
     else:
         raise ValueError(f"config: form={form!r} must be 'gemv' or 'gemm'")
-    return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)
+    return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)

@@ -325,6 +325,7 @@ def mla_decode(
     out: torch.Tensor,
     num_splits: int | None = None,
     config: dict | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """q [T, H, R+P], kv_cache [pages, page_size, R+P], page_table [B, max_pages] int32, seq_lens [B] int32
     (context including this step's q_len tokens), T = B * q_len -> out [T, H, R] (any strides).
@@ -379,7 +380,7 @@ def mla_decode(
         rows = kv_cache.view(-1, D)
         kv_n = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], R])
         kv_p = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], P])
-    pdl = pdl_args(q)  # the split and combine kernels launch alike
+    pdl = pdl_args(q, pdl)  # the split and combine kernels launch alike
     min_split_tiles = max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"])  # both kernels cut alike
     _mla_decode_split_kernel[grid](
         q,

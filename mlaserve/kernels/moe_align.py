@@ -149,6 +149,7 @@ def moe_align(
     *,
     fused_max: int | None = None,
     chunk: int | None = None,
+    pdl: bool = True,
 ):
     """-> (sorted_ids [max_padded] int32, expert_ids [max_blocks] int32 (-1 past the end), num_padded [1] int32).
     max_padded = T*K + min(E_local, T*K) * (block_m - 1) bounds the padded total for any routing; sorted_ids past
@@ -177,7 +178,7 @@ def moe_align(
     if triton.cdiv(TK, max(16, chunk // scale)) <= 64:  # but never past 64 chunks: every program sums all the
         chunk = max(16, chunk // scale)  # chunk counts (Kimi 8k prefill: 1024 chunks took 0.8 ms)
     warps = 4 if block_e <= 128 else 8
-    pdl = pdl_args(ids)
+    pdl = pdl_args(ids, pdl)
     if single:
         num_chunks, sub = 1, min(sub, max(16, triton.next_power_of_2(TK)))
         partial = num_padded  # unused

@@ -1,6 +1,6 @@
 """The fused MoE of a 1-2 token decode step as grouped GEMVs: weight rows streamed whole by many small programs.
 
-At <= NO_ALIGN_MAX_PAIRS (token, k) pairs every pair is its own block (fused_moe.py) and the GEMMs are weight
+At <= no_align_max_pairs (token, k) pairs every pair is its own block (fused_moe.py) and the GEMMs are weight
 streams: the tiled kernels give each program a [BLOCK_N, BLOCK_K] weight tile per K step (352 programs at batch 1 on
 Moonlight, 2-3 per SM, one or two tiles in flight each). Here, as in gemv.py, each program owns BLOCK_N rows of one
 pair's expert and loads their whole K extent at once (one trip for K <= BLOCK_K), so thousands of short programs

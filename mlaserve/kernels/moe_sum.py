@@ -129,6 +129,7 @@ def moe_sum(
     add: torch.Tensor | None = None,
     norm: tuple | None = None,
     all_local: bool = False,
+    pdl: bool = True,
 ):
     """y [T*K, D] (row t*K + k: token t's k-th expert, top-k weight applied; rows of experts outside
     [offset, offset + num_local) unwritten), topk_ids [T, K] -> out [T, D] in y.dtype (+ add [T, D] after rounding).
@@ -164,7 +165,7 @@ def moe_sum(
                 BLOCK_D=block_d,
                 num_warps=4,
                 **add_args,
-                **pdl_args(y),
+                **pdl_args(y, pdl),
             )
         return out
     weight, eps, residual = norm
@@ -195,6 +196,6 @@ def moe_sum(
             TOPK=K,
             **add_args,
             **_launch_args(D),
-            **pdl_args(y),
+            **pdl_args(y, pdl),
         )
     return out, s

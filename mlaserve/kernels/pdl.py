@@ -18,19 +18,19 @@ releases GEMM2): everything launched before that predecessor had finished when t
 may also read those kernels' outputs before its wait, through L2 (`.cg` loads: an SM's L1 may hold stale lines of
 a reused buffer). GEMM2 reads the routing that way, and fetches its first weight tile with it (fused_moe.py).
 
-MLASERVE_PDL=0 turns PDL off (for A/B timing).
+Whether a kernel launches with PDL is its caller's `pdl` argument (KernelConfig.pdl; MLASERVE_PDL=0 turns it
+off, for A/B timing); pdl_args adds what the device decides.
 
-Tensor parallelism runs with it too: the rule holds around collectives by construction. NCCL's kernels and the
-symmetric-memory all-reduces (distributed/allreduce.py) are launched without PDL, so they start only once the kernel
-before them has finished; and they never release their dependents early, so the kernel after one starts only as its
-last block exits, and reads its output after its wait. TP2 under CUDA graphs with PDL on every rank gives one GPU's
-greedy tokens on two H200s (tests/gpu/test_tp_graphs_gpu.py).
+Tensor parallelism runs with it too (every rank runs rank 0's KernelConfig): the rule holds around collectives by
+construction. NCCL's kernels and the symmetric-memory all-reduces (distributed/allreduce.py) are launched without
+PDL, so they start only once the kernel before them has finished; and they never release their dependents early,
+so the kernel after one starts only as its last block exits, and reads its output after its wait. TP2 under CUDA
+graphs with PDL on every rank gives one GPU's greedy tokens on two H200s (tests/gpu/test_tp_graphs_gpu.py).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -39,13 +39,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @functools.cache
-def _pdl_on(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9 and os.environ.get("MLASERVE_PDL", "1") != "0"
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_args(t: torch.Tensor) -> dict:
-    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device."""
-    on = t.is_cuda and _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
+def pdl_args(t: torch.Tensor, pdl: bool = True) -> dict:
+    """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device: PDL when the caller
+    asks for it (KernelConfig.pdl) and the device has it (sm_90+)."""
+    on = pdl and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return dict(PDL=on, launch_pdl=on)
 
 

@@ -75,18 +75,18 @@ def _launch_args(D: int) -> dict:
     return dict(BLOCK=block, num_warps=min(max(block // 256, 1), 16))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, D] (last dim contiguous, any row stride) -> a new [T, D] tensor in x.dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True) -> torch.Tensor:
+    """x [T, D] (last dim contiguous, any row stride) -> a new [T, D] tensor in x.dtype. pdl: kernels/pdl.py."""
     _check(x, weight)
     T, D = x.shape
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T:
-        _rmsnorm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), D, eps, **_launch_args(D), **pdl_args(x))
+        _rmsnorm_kernel[(T,)](x, weight, out, x.stride(0), out.stride(0), D, eps, **_launch_args(D), **pdl_args(x, pdl))
     return out
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, D] -> (norm(x + residual), x + residual), both new tensors in x.dtype."""
     _check(x, weight)
@@ -110,6 +110,6 @@ def add_rms_norm(
             D,
             eps,
             **_launch_args(D),
-            **pdl_args(x),
+            **pdl_args(x, pdl),
         )
     return out, s

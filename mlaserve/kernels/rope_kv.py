@@ -281,6 +281,7 @@ def rope_store_kv(
     sin: torch.Tensor,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    pdl: bool = True,
 ) -> None:
     """kv_cache [pages, page_size, R+P]; slot_mapping [T] int64 (page * page_size + offset; < 0 skips);
     c_kv [T, R], k_pe [T, P] (strided views allowed); cos/sin [T, P/2] fp32. Writes [c_kv | rope(k_pe)], or with
@@ -315,11 +316,11 @@ def rope_store_kv(
         PAGE_SIZE=page_size,
         NORM=norm_weight is not None,
         num_warps=(4 if R >= 256 else 1) if norm_weight is None else _norm_launch_args(R)["num_warps"],
-        **pdl_args(c_kv),
+        **pdl_args(c_kv, pdl),
     )
 
 
-def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """x [T, H, P] -> out [T, H, P] (any strides; out may be x itself)."""
     T, H, P = x.shape
     if out.shape != x.shape or P % 2:
@@ -351,7 +352,7 @@ def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
         BLOCK_H=block_h,
         BLOCK_P=block_p,
         num_warps=4,
-        **pdl_args(x),
+        **pdl_args(x, pdl),
     )
     return out
 
@@ -385,7 +386,9 @@ def _cos_sin_kernel(
     tl.store(Out + T * HALF + out, s, mask=ok)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, pdl: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int, inv_freq [P/2] (fp32; another float dtype is widened, as torch promotes) -> (cos, sin)
     [T, P/2] fp32 each (views of one [2, T, P/2] buffer): cos(positions * inv_freq) * scale and sin(...) * scale,
     as layers.rotary computes them with torch ops (five launches there, one here)."""
@@ -411,6 +414,6 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) 
             BLOCK_HALF=block_half,
             SCALED=scale != 1.0,
             num_warps=4,
-            **pdl_args(positions),
+            **pdl_args(positions, pdl),
         )
     return out[0], out[1]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..kernel_config import KernelConfig
 from .pdl import pdl_args, pdl_release, pdl_wait
 
 
@@ -305,6 +306,7 @@ def route_noaux_tc_logits(
     scaling: float,
     num_shared: int = 0,
     shared_id0: int = 0,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32 -> (weights [T, K+S] fp32, ids [T, K+S] int64); the fused form of route_noaux_tc, plus
     S = num_shared columns of ids shared_id0 + s with weight 1.0. logits may also be split-K partials [SPLIT, T, E]
@@ -339,14 +341,14 @@ def route_noaux_tc_logits(
         SPLIT=split,
         num_warps=4 if E > 128 else 1,
         **meta,
-        **pdl_args(logits),
+        **pdl_args(logits, pdl),
     )
     return weights, ids
 
 
-# Decode steps of up to 256 experts: the router GEMM as split-K partials (cuBLAS took 5.2 us at batch 1 for the
-# 0.25 MB Moonlight router); Kimi's 384-expert tile would need 135 KB of shared memory a program: cuBLAS.
-ROUTER_SPLITK_MAX_TOKENS = 32
+# Decode steps (KernelConfig.router_splitk_max_tokens) of up to 256 experts: the router GEMM as split-K partials
+# (cuBLAS took 5.2 us at batch 1 for the 0.25 MB Moonlight router); Kimi's 384-expert tile would need 135 KB of
+# shared memory a program: cuBLAS.
 ROUTER_SPLITK_MAX_EXPERTS = 256
 ROUTER_BLOCK_T = 16  # tl.dot's smallest M; decode steps are a block or two
 ROUTER_BLOCK_K = 64
@@ -368,7 +370,7 @@ def _splitk_args(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, torch.Tens
     return kb_per_split, split, torch.empty(split, T, E, dtype=torch.float32, device=x.device)
 
 
-def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def router_partials(x: torch.Tensor, w: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """x [T, D] bf16, w [E, D] bf16 -> split-K partial logits [SPLIT, T, E] fp32 (their sum is x . w^T)."""
     kb_per_split, split, part = _splitk_args(x, w)
     T, D = x.shape
@@ -390,7 +392,7 @@ def router_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             BLOCK_E=max(16, triton.next_power_of_2(E)),
             BLOCK_K=ROUTER_BLOCK_K,
             num_warps=4,
-            **pdl_args(x),
+            **pdl_args(x, pdl),
         )
     return part
 
@@ -406,18 +408,34 @@ def route_splitk(
     scaling: float,
     num_shared: int = 0,
     shared_id0: int = 0,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...): two launches."""
     return route_noaux_tc_logits(
-        router_partials(x, w), bias, top_k, n_group, topk_group, norm_topk_prob, scaling, num_shared, shared_id0
+        router_partials(x, w, pdl),
+        bias,
+        top_k,
+        n_group,
+        topk_group,
+        norm_topk_prob,
+        scaling,
+        num_shared,
+        shared_id0,
+        pdl,
     )
 
 
 def route_noaux_tc_fused(
-    gate, x: torch.Tensor, num_shared: int = 0, shared_id0: int = 0
+    gate,
+    x: torch.Tensor,
+    num_shared: int = 0,
+    shared_id0: int = 0,
+    splitk_max_tokens: int = KernelConfig.router_splitk_max_tokens,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K+S] fp32, ids [T, K+S] int64), S = num_shared
-    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits)."""
+    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits). bf16 steps of
+    up to splitk_max_tokens tokens run the router GEMM as split-K partials."""
     c = gate.cfg
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
     args = (
@@ -432,14 +450,11 @@ def route_noaux_tc_fused(
     )
     T = x.shape[0]
     if (
-        w16 is not None
-        and T <= ROUTER_SPLITK_MAX_TOKENS
-        and x.stride(-1) == 1
-        and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS
+        w16 is not None and T <= splitk_max_tokens and x.stride(-1) == 1 and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS
     ):  # the router GEMM as split-K partials
-        return route_splitk(x, w16, *args)
+        return route_splitk(x, w16, *args, pdl)
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
     else:
         logits = F.linear(x.float(), gate.weight)  # [T, E] fp32 (cuBLAS; a Triton GEMV measured slower in decode)
-    return route_noaux_tc_logits(logits, *args)
+    return route_noaux_tc_logits(logits, *args, pdl)

@@ -23,7 +23,7 @@ def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, I, BLOCK: tl.const
     tl.store(Out + row * stride_o + offs, (s.to(tl.float32) * u.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """gate, up [T, I] (unit last stride, any row stride) -> new [T, I] in their dtype."""
     if (
         gate.dim() != 2
@@ -41,6 +41,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if T:
         block = min(1024, triton.next_power_of_2(I))
         _silu_mul_kernel[(T, triton.cdiv(I, block))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), I, BLOCK=block, num_warps=4, **pdl_args(gate)
+            gate,
+            up,
+            out,
+            gate.stride(0),
+            up.stride(0),
+            out.stride(0),
+            I,
+            BLOCK=block,
+            num_warps=4,
+            **pdl_args(gate, pdl),
         )
     return out

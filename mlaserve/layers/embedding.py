@@ -7,10 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import tp
+from ..kernel_config import KernelConfig
 from .linear import checked_copy, new_param
 
 
 class VocabParallelEmbedding(nn.Module):
+    kernels = KernelConfig()  # the model's, once built (kernel_config.use_kernels)
+
     def __init__(self, vocab_size: int, dim: int, *, rank: int = 0, size: int = 1, dtype=None):
         super().__init__()
         self.vocab_size, self.rank, self.size = vocab_size, rank, size
@@ -51,12 +54,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         if h.is_cuda:
             from ..kernels.gemv import gemv, gemv_serves  # triton: imported on CUDA only
 
-            if gemv_serves(h, self.weight, max_bytes=None):
+            if gemv_serves(h, self.weight, max_bytes=None, max_tokens=self.kernels.gemv_serve_tokens):
                 # batch-1-2 decode: the Triton GEMV writes the fp32 logits itself (no cast kernel) and, under PDL,
                 # has its first weight rows in flight before the final norm ends (cuBLAS waits for it)
                 return gemv(
                     h,
                     self.weight,
                     out=torch.empty(h.shape[0], self.weight.shape[0], dtype=torch.float32, device=h.device),
+                    pdl=self.kernels.pdl,
                 )
         return F.linear(h, self.weight).float()

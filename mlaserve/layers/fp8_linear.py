@@ -11,17 +11,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernel_config import KernelConfig
 from .linear import checked_copy, new_param
 from .quant import BLOCK, cdiv, dequant_fp8_block
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, impl: str = "torch") -> torch.Tensor:
-    """x [M, K] @ dequant(weight)^T -> [M, N] in x.dtype. impl "triton": the FP8 kernel (kernels/fp8_linear.py);
-    "torch": the reference, on the weight dequantized per call (exact fp32 products, then x's dtype)."""
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, impl: str = "torch", pdl: bool = True
+) -> torch.Tensor:
+    """x [M, K] @ dequant(weight)^T -> [M, N] in x.dtype. impl "triton": the FP8 kernel (kernels/fp8_linear.py,
+    launched with PDL when pdl: KernelConfig.pdl); "torch": the reference, on the weight dequantized per call (exact
+    fp32 products, then x's dtype)."""
     if impl == "triton":
         from ..kernels.fp8_linear import fp8_block_linear  # triton: imported where it runs
 
-        return fp8_block_linear(x, weight, scale_inv)
+        return fp8_block_linear(x, weight, scale_inv, pdl=pdl)
     return F.linear(x, dequant_fp8_block(weight, scale_inv).to(x.dtype))
 
 
@@ -31,6 +35,7 @@ class Fp8Linear(nn.Module):
 
     row_params = ("weight", "weight_scale_inv")  # what stack_rows stores back to back
     row_align = BLOCK  # the rows of every stacked part but the last must fill whole blocks
+    kernels = KernelConfig()  # the model's, once built (kernel_config.use_kernels)
 
     def __init__(
         self,
@@ -92,10 +97,10 @@ class Fp8Linear(nn.Module):
 
     def forward_stacked(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         """x @ W^T for a weight and scales stacked by stack_rows (linear_many) or this layer's own."""
-        return fp8_linear(x, weight, scale_inv, self.impl)
+        return fp8_linear(x, weight, scale_inv, self.impl, self.kernels.pdl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.impl)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.impl, self.kernels.pdl)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shard={self.shard}, fp8 block {BLOCK}"

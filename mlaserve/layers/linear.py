@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernel_config import KernelConfig
+
 
 def shard_of(src, dim: int, rank: int, size: int):
     """Rows/cols [rank*n/size, (rank+1)*n/size) of `src` along `dim`, read lazily."""
@@ -40,6 +42,7 @@ class Linear(nn.Module):
 
     row_params = ("weight",)  # what stack_rows stores back to back
     row_align = 1
+    kernels = KernelConfig()  # the model's, once built (kernel_config.use_kernels)
 
     def __init__(
         self, in_features: int, out_features: int, *, shard: str | None = None, rank: int = 0, size: int = 1, dtype=None
@@ -62,25 +65,25 @@ class Linear(nn.Module):
             checked_copy(param, shard_of(src, 0 if self.shard == "col" else 1, self.rank, self.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.kernels)
 
     def forward_stacked(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T for a weight stacked by stack_rows (linear_many)."""
-        return linear(x, weight)
+        return linear(x, weight, self.kernels)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shard={self.shard}"
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, kernels: KernelConfig = KernelConfig()) -> torch.Tensor:
     """x @ w^T. One or two rows times a small weight (decode's q|kv_a and o_proj at batch 1-2, EAGLE3's verify of
     width 2 at batch 1) go to the Triton GEMV on the GPU, which streams the weight faster than cuBLAS's GEMM there
-    (kernels/gemv.py); all else to F.linear."""
+    (kernels/gemv.py; the sizes: kernels.gemv_serve_tokens, gemv_max_bytes); all else to F.linear."""
     if x.is_cuda:  # triton is imported only where it runs
         from ..kernels.gemv import gemv, gemv_serves
 
-        if gemv_serves(x, w):
-            return gemv(x, w)
+        if gemv_serves(x, w, kernels.gemv_max_bytes, kernels.gemv_serve_tokens):
+            return gemv(x, w, pdl=kernels.pdl)
     return F.linear(x, w)
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernel_config import KernelConfig
 from .activation import silu_and_mul
 from .linear import checked_copy, new_param
 
@@ -49,6 +50,7 @@ def fused_experts_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_offset: int = 0,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """sum_k w[t,k] * down(silu(gate(x)) * up(x)) over this rank's experts [offset, offset + E_local).
 
@@ -59,7 +61,7 @@ def fused_experts_ref(
     owned = (local >= 0) & (local < w13.shape[0])
     for e in torch.unique(local[owned]).tolist():  # host sync: fine for the reference path
         tok, k = torch.where(local == e)
-        h = F.linear(silu_and_mul(F.linear(x[tok], w13[e])), w2[e])
+        h = F.linear(silu_and_mul(F.linear(x[tok], w13[e]), pdl), w2[e])
         out.index_add_(0, tok, (h * topk_weights[tok, k, None]).to(out.dtype))
     return out
 
@@ -114,6 +116,8 @@ class ExpertsBase(nn.Module):
     (experts.{e}.gate_proj.{suffix}, with the suffixes of `suffixes`)."""
 
     suffixes = ("weight",)
+
+    kernels = KernelConfig()  # the model's, once built (kernel_config.use_kernels)
 
     def __init__(self, num_experts: int, hidden: int, inter: int, *, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1):
         super().__init__()
@@ -219,10 +223,13 @@ class Experts(ExpertsBase):
                 shared=shared,
                 norm=norm,
                 all_local=self.num_local == self.num_experts,
+                kernels=self.kernels,
             )
         if shared is not None or norm is not None:
             raise ValueError(
                 "Experts: shared-experts fusion (shared=...) and the fused norm (norm=...) need impl='triton'"
             )
-        y = fused_experts_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset)
+        y = fused_experts_ref(
+            x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.expert_offset, self.kernels.pdl
+        )
         return y if add is None else y + add

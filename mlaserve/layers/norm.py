@@ -4,10 +4,13 @@ it first adds it (the decoder layer's `h + out`) and returns the sum too: one ke
 import torch
 from torch import nn
 
+from ..kernel_config import KernelConfig
 from .linear import new_param
 
 
 class RMSNorm(nn.Module):
+    kernels = KernelConfig()  # the model's, once built (kernel_config.use_kernels)
+
     def __init__(self, dim: int, eps: float = 1e-6, dtype=None):
         super().__init__()
         self.eps = eps
@@ -30,13 +33,13 @@ class RMSNorm(nn.Module):
             if kernel:
                 from ..kernels.rmsnorm import add_rms_norm
 
-                return add_rms_norm(x, residual, self.weight, self.eps)
+                return add_rms_norm(x, residual, self.weight, self.eps, pdl=self.kernels.pdl)
             s = x + residual
             return self(s), s
         if kernel:  # one kernel on the GPU
             from ..kernels.rmsnorm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, pdl=self.kernels.pdl)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)

@@ -48,6 +48,7 @@ class QuantExperts(ExpertsBase):
                 self.expert_offset,
                 add=add,
                 all_local=self.num_local == self.num_experts,
+                kernels=self.kernels,
             )
         y = torch.zeros_like(x)
         local = topk_ids - self.expert_offset
@@ -55,7 +56,13 @@ class QuantExperts(ExpertsBase):
             w13, w2 = self.dequant(e)
             # fused_experts_ref on this one expert: the same sum, in the same expert order, as on dense weights
             y += fused_experts_ref(
-                x, w13[None].to(x.dtype), w2[None].to(x.dtype), topk_weights, topk_ids, self.expert_offset + e
+                x,
+                w13[None].to(x.dtype),
+                w2[None].to(x.dtype),
+                topk_weights,
+                topk_ids,
+                self.expert_offset + e,
+                self.kernels.pdl,
             )
         return y if add is None else y + add
 

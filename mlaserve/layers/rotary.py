@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..config import RopeConfig
+from ..kernel_config import KernelConfig
 
 
 def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -37,6 +38,8 @@ def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin per position, computed on the fly in fp32 (exact at any position, no cache to size)."""
 
+    kernels = KernelConfig()  # the model's, once built (kernel_config.use_kernels)
+
     def __init__(self, rope: RopeConfig, dim: int):
         super().__init__()
         self.scale = rope.attention_factor
@@ -48,7 +51,7 @@ class RotaryEmbedding(nn.Module):
         if positions.is_cuda and positions.dim() == 1:
             from ..kernels.rope_kv import rope_cos_sin
 
-            return rope_cos_sin(positions, self.inv_freq, self.scale)
+            return rope_cos_sin(positions, self.inv_freq, self.scale, pdl=self.kernels.pdl)
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, P/2]
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 

@@ -49,24 +49,26 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """logits [..., V] -> argmax(-1) [...] int64; on the GPU two short launches (kernels/argmax.py) instead of
     torch's one-block-per-row reduction (8.3 us for a 163840-token row on an H200), with torch's exact result."""
     if logits.is_cuda and logits.dim() >= 1 and logits.is_contiguous() and logits.numel():
         from ..kernels.argmax import argmax_rows
 
-        return argmax_rows(logits.view(-1, logits.shape[-1])).view(logits.shape[:-1])
+        return argmax_rows(logits.view(-1, logits.shape[-1]), pdl=pdl).view(logits.shape[:-1])
     return logits.argmax(-1)
 
 
-def greedy_into(logits: torch.Tensor, out: torch.Tensor, host: torch.Tensor, host_row: torch.Tensor) -> None:
+def greedy_into(
+    logits: torch.Tensor, out: torch.Tensor, host: torch.Tensor, host_row: torch.Tensor, pdl: bool = True
+) -> None:
     """The greedy tokens of logits [B, V] into out [B] int64 and into row host_row (int32 [1], read when this runs)
     of the host ring host [R, >= B]. On the GPU the arg-max's last kernel writes both, the host row over the bus,
     so a CUDA graph can end with it and no copy launch follows; on the CPU torch's argmax."""
     if logits.is_cuda:
         from ..kernels.argmax import argmax_rows
 
-        argmax_rows(logits, out=out, host=host, host_row=host_row)
+        argmax_rows(logits, out=out, host=host, host_row=host_row, pdl=pdl)
         return
     tok = logits.argmax(-1)
     out.copy_(tok)
@@ -74,10 +76,15 @@ def greedy_into(logits: torch.Tensor, out: torch.Tensor, host: torch.Tensor, hos
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None, want_logprobs: bool = False
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    generator: torch.Generator | None = None,
+    want_logprobs: bool = False,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [B, V] fp32 -> (tokens [B] int64, logprobs of those tokens under the model [B] or None)."""
-    tokens = greedy_tokens(logits)
+    """logits [B, V] fp32 -> (tokens [B] int64, logprobs of those tokens under the model [B] or None). pdl: for the
+    arg-max kernel (KernelConfig.pdl)."""
+    tokens = greedy_tokens(logits, pdl)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         sel = _to(random_rows, logits.device)

@@ -14,6 +14,7 @@ from ..attention.base import ForwardBatch
 from ..config import ModelConfig
 from ..distributed import tp
 from ..distributed.tp import RankInfo
+from ..kernel_config import KernelConfig, use_kernels
 from ..layers.activation import silu_mul
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import linear_many, stack_rows
@@ -27,6 +28,8 @@ class DeepseekV3MLP(nn.Module):
     """down(silu(gate(x)) * up(x)); tensor-parallel over the intermediate dim. The dense MLP all-reduces
     itself; as shared experts it leaves the reduction to the MoE block (one all-reduce for both)."""
 
+    kernels = KernelConfig()  # the model's (DeepseekV3ForCausalLM)
+
     def __init__(self, hidden: int, inter: int, ranks: RankInfo, dtype, reduce: bool = True, linear=None):
         super().__init__()
         kw = dict(rank=ranks.rank, size=ranks.world_size, dtype=dtype)
@@ -39,20 +42,19 @@ class DeepseekV3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
         """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual)."""
-        y = self.down_proj(silu_mul(*linear_many(x, self.gate_proj, self.up_proj)))
+        y = self.down_proj(silu_mul(*linear_many(x, self.gate_proj, self.up_proj), self.kernels.pdl))
         y = tp.all_reduce(y) if self.reduce else y
         return y if norm is None else norm(y, residual)
 
 
-# Steps of up to this many tokens run the shared experts inside the fused MoE GEMMs (shared-experts fusion: in decode
-# it replaces the shared MLP's cuBLAS GEMMs, SiLU and split-K reduce); larger steps keep them as dense cuBLAS GEMMs.
-# H200, Moonlight MoE block over 8 layers' weights (kernels_bench --only moe_shared): fused vs unfused T=1 55.3 vs
-# 62.8 us, T=4 113 vs 123, T=16 194 vs 201, but T=64 284 vs 275 and T=256 383 vs 379. 32 is a decode-graph batch
-# size, so a padded graph step and its eager twin take the same path at verify widths 1 and 2.
-FUSE_SHARED_MAX_TOKENS = 32
-
-
 class DeepseekV3MoE(nn.Module):
+    # Steps of up to kernels.fuse_shared_max_tokens tokens run the shared experts inside the fused MoE GEMMs
+    # (shared-experts fusion: in decode it replaces the shared MLP's cuBLAS GEMMs, SiLU and split-K reduce); larger
+    # steps keep them as dense cuBLAS GEMMs. H200, Moonlight MoE block over 8 layers' weights (kernels_bench --only
+    # moe_shared): fused vs unfused T=1 55.3 vs 62.8 us, T=4 113 vs 123, T=16 194 vs 201, but T=64 284 vs 275 and
+    # T=256 383 vs 379.
+    kernels = KernelConfig()  # the model's (DeepseekV3ForCausalLM)
+
     def __init__(self, cfg: ModelConfig, ranks: RankInfo, dtype, impl: str, layer_id: int | None = None):
         super().__init__()
         self.impl = impl  # "torch" (reference) | "triton" (fused kernels)
@@ -98,8 +100,10 @@ class DeepseekV3MoE(nn.Module):
         if self.impl == "triton":
             from ..kernels.routing import route_noaux_tc_fused
 
-            S = self.fuse_shared if x.shape[0] <= FUSE_SHARED_MAX_TOKENS else 0
-            weights, ids = route_noaux_tc_fused(self.gate, x, S, self.experts.expert_offset + self.experts.num_local)
+            kc = self.kernels
+            S = self.fuse_shared if x.shape[0] <= kc.fuse_shared_max_tokens else 0
+            id0 = self.experts.expert_offset + self.experts.num_local
+            weights, ids = route_noaux_tc_fused(self.gate, x, S, id0, kc.router_splitk_max_tokens, kc.pdl)
         else:
             weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
         if S:  # ids [T, K+S]: the shared MLP runs inside the fused MoE as S more experts of weight 1.0
@@ -114,19 +118,21 @@ class DeepseekV3MoE(nn.Module):
         return y if norm is None else norm(y, residual)
 
 
-def _head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> bool:
+def _head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, kernels: KernelConfig) -> bool:
     """out = x @ m per head by one Triton kernel when the step is 1-2 decode tokens on the GPU (cuBLAS's bmm
     streams these 2 MB weights at 0.7-0.8 TB/s there: kernels/head_gemv.py); False: the caller runs torch.bmm."""
     from ..kernels.head_gemv import head_gemv, head_gemv_serves  # triton: imported on CUDA only
 
-    if not head_gemv_serves(x, m):
+    if not head_gemv_serves(x, m, kernels.head_gemv_max_tokens):
         return False
-    head_gemv(x, m, out)
+    head_gemv(x, m, out, pdl=kernels.pdl)
     return True
 
 
 class DeepseekV3Attention(nn.Module):
     """Multi-head latent attention. The KV cache holds [c_kv | rope(k_pe)] (R+P values) per token."""
+
+    kernels = KernelConfig()  # the model's (DeepseekV3ForCausalLM)
 
     def __init__(
         self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype, in_features: int | None = None, impl="torch"
@@ -227,14 +233,14 @@ class DeepseekV3Attention(nn.Module):
 
     def absorb_q(self, q_nope: torch.Tensor, Q: torch.Tensor) -> None:
         """Q[..., :R] = q_nope @ w_kc per head, written in place. q_nope [T, H, N], Q [T, H, R+P]."""
-        if q_nope.is_cuda and _head_gemv(q_nope, self.w_kc, Q[..., : self.R]):
+        if q_nope.is_cuda and _head_gemv(q_nope, self.w_kc, Q[..., : self.R], self.kernels):
             return
         torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=Q[..., : self.R].transpose(0, 1))
 
     def absorb_out(self, o_lat: torch.Tensor, out: torch.Tensor) -> None:
         """out = o_lat @ w_vc per head, written in place. o_lat [T, H, R], out [T, H*V]."""
         T = o_lat.shape[0]
-        if o_lat.is_cuda and _head_gemv(o_lat, self.w_vc, out.view(T, self.H, self.V)):
+        if o_lat.is_cuda and _head_gemv(o_lat, self.w_vc, out.view(T, self.H, self.V), self.kernels):
             return
         torch.bmm(o_lat.transpose(0, 1), self.w_vc, out=out.view(T, self.H, self.V).transpose(0, 1))
 
@@ -314,9 +320,18 @@ class DeepseekV3ForCausalLM(nn.Module):
     """forward(ids, positions, batch) -> final hidden [T, D]; compute_logits(hidden) -> fp32 [n, vocab].
 
     `aux_layer_ids`, when set (EAGLE3), makes forward also return the residual stream entering those
-    layers (id == num_layers: the final pre-norm stream), concatenated in id order: [T, len(ids) * D]."""
+    layers (id == num_layers: the final pre-norm stream), concatenated in id order: [T, len(ids) * D].
+    `kernels` (the engine's KernelConfig) goes to every module that launches kernels."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=torch.float32, ranks: RankInfo = RankInfo(), moe_impl: str = "torch"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype=torch.float32,
+        ranks: RankInfo = RankInfo(),
+        moe_impl: str = "torch",
+        kernels: KernelConfig = KernelConfig(),
+    ):
         super().__init__()
         self.config, self.ranks = cfg, ranks
         check_unquantized(cfg, "lm_head")
@@ -325,6 +340,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, rank=ranks.rank, size=ranks.world_size, dtype=dtype
         )
         self.aux_layer_ids: tuple[int, ...] = ()
+        use_kernels(self, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
         residual = self.model.embed_tokens(input_ids)  # [T, D]: the stream entering layer 0

@@ -19,19 +19,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..config import ModelConfig
+from ..config import ModelConfig, torch_dtype
 from ..layers.quant import quantize_fp8_block, quantize_int4
 from ..quantization import published_config
 from ..tokenizer import write_byte_level_tokenizer
-
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 def preset_names() -> list[str]:
@@ -183,7 +174,7 @@ def make_random(
 
 def _write_weights(cfg: ModelConfig, out: str, seed: int, device: str, shard_bytes: int, progress: bool) -> None:
     """The safetensors shards and their index; quantized linears in their published form."""
-    quant, tdtype = cfg.quantization, DTYPES[cfg.torch_dtype]
+    quant, tdtype = cfg.quantization, torch_dtype(cfg.torch_dtype)
 
     gen = torch.Generator(device=device).manual_seed(seed)
     items = []  # (checkpoint key, tensor)

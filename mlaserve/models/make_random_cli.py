@@ -44,7 +44,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="print each rank's weight bytes for the parallel layout below (nothing is written or loaded)",
     )
     p.add_argument("--gpu-memory-gib", type=float, default=139.0, help="--plan: one GPU's memory (H200: 139)")
-    from ..distributed.args import add_parallel_args
+    from ..args import add_parallel_args  # the command's module: it may read the shared flags
 
     add_parallel_args(p)
 
@@ -81,9 +81,8 @@ def cli_main(args) -> int:
 def _plan(args) -> int:
     import tempfile
 
-    from ..config import ModelConfig
-    from ..distributed.args import parallel_config_from_args
-    from .make_random import DTYPES
+    from ..args import parallel_config_from_args
+    from ..config import ModelConfig, torch_dtype
     from .weight_bytes import plan_lines
 
     with tempfile.TemporaryDirectory() as tmp:  # the config make-random would write, without the weights
@@ -97,6 +96,8 @@ def _plan(args) -> int:
             tokenizer=False,
         )
         cfg = ModelConfig.from_pretrained(path)
-    for line in plan_lines(cfg, parallel_config_from_args(args), DTYPES[cfg.torch_dtype], args.gpu_memory_gib * 2**30):
+    for line in plan_lines(
+        cfg, parallel_config_from_args(args), torch_dtype(cfg.torch_dtype), args.gpu_memory_gib * 2**30
+    ):
         print(line)
     return 0

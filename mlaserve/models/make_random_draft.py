@@ -14,8 +14,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from ..config import ModelConfig
-from .make_random import DTYPES, load_preset, random_tensor
+from ..config import ModelConfig, torch_dtype
+from .make_random import load_preset, random_tensor
 
 
 def draft_config(preset: str, target: ModelConfig | None) -> dict:
@@ -75,7 +75,7 @@ def make_random_draft(
     c = draft_config(preset, tcfg)
     if dtype is not None:
         c["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
-    tdtype = DTYPES[c.get("torch_dtype", "bfloat16")]
+    tdtype = torch_dtype(c.get("torch_dtype", "bfloat16"))
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {name: random_tensor(shape, init, gen, tdtype, device) for name, shape, init in draft_tensor_specs(c)}
     V, Vd = c["vocab_size"], c["draft_vocab_size"]

@@ -191,7 +191,7 @@ class Server:
 
 # ---- `mlaserve serve` ------------------------------------------------------------------------------------
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    from ..cli import add_engine_args
+    from ..args import add_engine_args
 
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded tiny random model)")
     p.add_argument("--host", default="127.0.0.1")
@@ -210,7 +210,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def cli_main(args) -> int:
-    from ..cli import engine_kwargs_from_args, run_if_follower_node
+    from ..args import engine_kwargs_from_args, run_if_follower_node
     from ..llm import LLM
 
     if args.max_queue_len < 1 or args.max_request_bytes < 1:

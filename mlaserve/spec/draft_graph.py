@@ -13,17 +13,15 @@ import logging
 import torch
 
 from ..attention.base import ForwardBatch
-from ..engine.cuda_graph import gc_paused
+from ..capture import DECODE_BATCH_SIZES, gc_paused
 
 log = logging.getLogger("mlaserve.spec")
-
-BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 
 
 class DraftGraphs:
     def __init__(self, proposer, max_bs: int, max_pages: int, hidden_dim: int, use_graphs: bool = True):
         self.p, self.K, self.N = proposer, proposer.k, proposer.k + 1
-        self.bs_list = [b for b in BATCH_SIZES if b < max_bs] + [max_bs]
+        self.bs_list = [b for b in DECODE_BATCH_SIZES if b < max_bs] + [max_bs]
         self.max_pages, self.use_graphs = max_pages, use_graphs
         dev, B, N = proposer.device, self.bs_list[-1], self.K + 1
         i64 = dict(dtype=torch.int64, device=dev)
@@ -90,7 +88,7 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        with gc_paused(self.use_graphs):  # see cuda_graph.gc_paused
+        with gc_paused(self.use_graphs):  # see capture.gc_paused
             self._capture_all()
         log.info("captured %d draft graphs (batch sizes %s, %d draft steps)", len(self.graphs), self.bs_list, self.K)
 

@@ -14,6 +14,7 @@ import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
 from ..config import SpecConfig
+from ..kernel_config import use_kernels
 from ..models.eagle3 import DraftConfig, Eagle3Draft, load_draft
 from ..types import Request
 
@@ -104,6 +105,7 @@ class Eagle3Proposer:
         check_draft_fits(cfg, tc)
         ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
         self.draft: Eagle3Draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed)
+        use_kernels(self.draft, runner.kernels)
         width = self.draft.embed_tokens.weight.shape[-1]
         if width != cfg.hidden_size:  # the target's embedding, shared: its width is the target's hidden size
             raise ValueError(
@@ -117,7 +119,7 @@ class Eagle3Proposer:
             if gpu:  # triton is imported only where it runs
                 from ..attention.triton_mla import TritonMLABackend
 
-                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank)
+                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank, kernels=runner.kernels)
             else:
                 from ..attention.torch_ref import TorchRefBackend
 

@@ -14,9 +14,9 @@ import torch
 from ..layers.sampler import SamplingRow, _filter, greedy_tokens
 
 
-def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, N, V], drafts [B, K=N-1] -> (target tokens [B, N], accepted counts [B])."""
-    y = greedy_tokens(logits)
+def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, N, V], drafts [B, K=N-1] -> (target tokens [B, N], accepted counts [B]). pdl: the arg-max's."""
+    y = greedy_tokens(logits, pdl)
     accepted = (drafts == y[:, :-1]).int().cumprod(1).sum(1)
     return y, accepted
 

@@ -82,7 +82,7 @@ class TargetFeatures:
         try:
             batch = self.runner.build_batch([], [SeqChunk(seq, 0, pages, "all")])
             hidden, aux = self.runner.model(batch.input_ids, batch.positions, batch)
-            nxt = greedy_tokens(self.runner.model.compute_logits(hidden).contiguous())
+            nxt = greedy_tokens(self.runner.model.compute_logits(hidden).contiguous(), self.runner.kernels.pdl)
         finally:
             pool.free(pages)
         return aux.cpu(), nxt.cpu()

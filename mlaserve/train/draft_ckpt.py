@@ -9,7 +9,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from ..models.make_random import DTYPES, random_tensor
+from ..config import torch_dtype
+from ..models.make_random import random_tensor
 from ..models.make_random_draft import draft_config, draft_tensor_specs
 
 TEMPLATE = "tiny-eagle3"  # the draft's layout: one Llama layer, GQA (2 query heads per kv head), default RoPE
@@ -56,7 +57,7 @@ def save_draft(out: str, cfg: dict, w: dict[str, torch.Tensor], ids, embed, dtyp
     """config.json, model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d and a copy of the target's
     embed_tokens, as SpecForge writes) and train_draft.json (how it was trained)."""
     cfg = {**cfg, "torch_dtype": dtype}
-    td = DTYPES[dtype]
+    td = torch_dtype(dtype)
     tensors = {k: v.detach().to("cpu", td).contiguous() for k, v in w.items()}
     tensors["d2t"], tensors["t2d"] = vocab_maps(ids.cpu(), cfg["vocab_size"])
     if embed is not None:

@@ -1,4 +1,4 @@
-"""cuda_graph.gc_paused: Python's cyclic GC is off inside (after one full collection) and restored after, even on an
+"""capture.gc_paused: Python's cyclic GC is off inside (after one full collection) and restored after, even on an
 error; a dead object in a reference cycle is collected on entry, before the capture."""
 
 import gc
@@ -7,7 +7,7 @@ import pytest
 
 
 def test_gc_off_inside_and_restored():
-    from mlaserve.engine.cuda_graph import gc_paused
+    from mlaserve.capture import gc_paused
 
     assert gc.isenabled()
     with gc_paused():
@@ -28,7 +28,7 @@ def test_gc_off_inside_and_restored():
 
 
 def test_dead_cycles_collected_on_entry():
-    from mlaserve.engine.cuda_graph import gc_paused
+    from mlaserve.capture import gc_paused
 
     freed = []
 

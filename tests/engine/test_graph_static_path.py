@@ -139,7 +139,7 @@ def test_greedy_decode_steps_take_the_graphs_argmax(tiny_ckpt, monkeypatch):
     """Greedy decode steps take the decode graph's own arg-max: no sampling call, no id copy between overlapped
     steps, the tokens read from a host ring row. A batch with a sampled request (or logprobs) samples as before.
     Tokens equal the plain path's either way."""
-    from mlaserve.engine import engine as engine_mod
+    from mlaserve.engine import loop as engine_mod
     from mlaserve.engine.cuda_graph import HOST_RING
 
     prompts = _prompts(3, seed=11)

@@ -1,4 +1,4 @@
-"""Overlapped decode (engine.py): the next decode step launches before the current one is read back, its input
+"""Overlapped decode (engine/loop.py): the next decode step launches before the current one is read back, its input
 ids copied on the device. Every request's events (tokens, text, finish and stop reasons, logprobs) must equal
 the plain loop's, for requests that end by length, stop token, stop string and abort, with arrivals mid-run;
 no KV page may leak (the conftest checks the pool)."""
@@ -109,7 +109,7 @@ def test_overlap_survives_abort_of_everything_in_flight(tiny_ckpt):
     ]
     for _ in range(5):
         engine.step()
-    assert engine.stats()["overlapped_steps"] > 0 and engine._inflight is not None
+    assert engine.stats()["overlapped_steps"] > 0 and engine.loop.inflight is not None
     for r in rids:
         assert engine.abort_request(r)
     assert engine.has_unfinished()  # the launched step still has to be read back

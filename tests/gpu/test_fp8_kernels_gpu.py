@@ -8,8 +8,8 @@ import functools
 import pytest
 import torch
 
-from tests import fp8_checks as fc
-from tests import kernel_checks as kc
+from tests.helpers import fp8_checks as fc
+from tests.helpers import kernel_checks as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16

@@ -5,7 +5,7 @@ routings. Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_int4_moe_gpu.
 import pytest
 import torch
 
-from tests import kernel_checks as kc
+from tests.helpers import kernel_checks as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
@@ -14,7 +14,7 @@ SHAPES = {"kimi": (7168, 2048), "tp4": (7168, 512), "tp8": (7168, 256)}
 
 
 def experts(D, I, E):
-    from mlaserve.kernels.int4_ref import random_int4_experts
+    from tests.helpers.int4_ref import random_int4_experts
 
     return random_int4_experts(E, D, I, "cuda")
 
@@ -27,7 +27,7 @@ def routing(T, E_local, offset, E_all):
 
 def check(w, T, offset=0, E_all=None, form=None, config=None, ids_dtype=torch.int64, add=False, graph=False):
     from mlaserve.kernels.int4_moe import int4_fused_experts
-    from mlaserve.kernels.int4_ref import int4_fused_experts_ref
+    from tests.helpers.int4_ref import int4_fused_experts_ref
 
     E, D = w[0].shape[0], w[0].shape[2] * 8
     E_all = E_all or E

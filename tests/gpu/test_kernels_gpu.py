@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests import kernel_checks as kc
+from tests.helpers import kernel_checks as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
@@ -77,7 +77,7 @@ def test_mla_decode_fp32_and_tiny_dims():
 @pytest.mark.parametrize("config", [None, {"TMA": True}])
 def test_mla_decode_cuda_graph_replay_with_new_lengths(config):
     from mlaserve.kernels.mla_decode import mla_decode
-    from mlaserve.kernels.reference import mla_decode_ref
+    from tests.helpers.kernel_refs import mla_decode_ref
 
     B, H, R, P, q_len, page = 8, 16, 512, 64, 2, 64
     kv, table, seq_lens = kc.make_paged([8192] * B, page, R + P, BF, "cuda")
@@ -101,7 +101,7 @@ def test_mla_decode_cuda_graph_replay_poisoned_partials(B, config):
     # once with NaN-poisoned partial buffers; replayed twice with new q and lengths, contexts 512 and 8192 and a
     # padding row (seq_len 0)
     from mlaserve.kernels.mla_decode import mla_decode
-    from mlaserve.kernels.reference import mla_decode_ref
+    from tests.helpers.kernel_refs import mla_decode_ref
 
     H, R, P, q_len, page = 16, 512, 64, 1, 64
     kv, table, seq_lens = kc.make_paged([8192] * B, page, R + P, BF, "cuda")
@@ -169,7 +169,7 @@ def test_prefill_mla_8192_and_other_dims():
 
 def test_prefill_mla_cuda_graph_replay_with_new_lengths():
     from mlaserve.kernels.prefill_attention import prefill_attention_mla
-    from mlaserve.kernels.reference import prefill_attention_ref
+    from tests.helpers.kernel_refs import prefill_attention_ref
 
     H, N, P, V, T = 16, 128, 64, 128, 2048
     q = torch.randn(T, H, N + P, device="cuda").to(BF)
@@ -207,7 +207,7 @@ def test_fused_moe_expert_parallel_fp32_tiny():
 @pytest.mark.parametrize("T", [1, 2, 4, 11])
 @pytest.mark.parametrize("no_align", [True, False])
 def test_fused_moe_no_align(T, no_align):
-    # each (token, k) pair its own block (default up to NO_ALIGN_MAX_PAIRS = 16 pairs) vs aligned, both forced
+    # each (token, k) pair its own block (default up to no_align_max_pairs = 16 pairs) vs aligned, both forced
     kc.check_fused_moe(
         "cuda", BF, T=T, D=2048, I=1408, E_total=64, E_local=64, offset=0, K=6, config=dict(no_align=no_align)
     )
@@ -424,7 +424,7 @@ def _moe_layers(preset, device="cuda"):
 
 @pytest.mark.parametrize("preset", ["moonlight-16b-a3b"])
 def test_moe_layer_shared_fusion_real(preset):
-    """The MoE layer with the shared experts fused into the Triton MoE (T <= FUSE_SHARED_MAX_TOKENS) against the
+    """The MoE layer with the shared experts fused into the Triton MoE (T <= fuse_shared_max_tokens) against the
     unfused Triton path and the fp32 torch path, bf16, at real shapes; T = 64, 256, 300 are above the threshold
     (32), where both runs take the unfused path."""
     layer, ref = _moe_layers(preset)
@@ -480,8 +480,8 @@ def test_rope_cos_sin_real(T):
 
 
 def test_rope_store_kv_cuda_graph():
-    from mlaserve.kernels.reference import rope_store_kv_ref
     from mlaserve.kernels.rope_kv import rope_store_kv
+    from tests.helpers.kernel_refs import rope_store_kv_ref
 
     T, R, P = 32, 512, 64
     cache = torch.zeros(16, 64, R + P, device="cuda", dtype=BF)
@@ -499,7 +499,7 @@ def test_rope_store_kv_cuda_graph():
 # --- the model through the Triton backend --------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 def test_model_triton_backend_matches_torch_ref(tiny_ckpt, dtype):
-    from tests.model_backend_check import check_model_backends
+    from tests.helpers.model_backend_check import check_model_backends
 
     for moe in ("torch", "triton"):
         errs = check_model_backends(tiny_ckpt, "cuda", dtype, moe)
@@ -584,10 +584,10 @@ def test_absorb_q_rope_real(H, T):
     equal to its eager launch."""
     from mlaserve.config import ModelConfig
     from mlaserve.kernels.head_gemv import absorb_q_rope, head_gemv
-    from mlaserve.kernels.reference import rope_q_ref
     from mlaserve.kernels.rope_kv import rope_q
     from mlaserve.layers.rotary import RotaryEmbedding
     from mlaserve.models.make_random import load_preset
+    from tests.helpers.kernel_refs import rope_q_ref
 
     N, V, R, P = 128, 128, 512, 64
     w_kc = (torch.randn(H * (N + V), R, device="cuda") / R**0.5).to(BF).view(H, N + V, R)[:, :N]

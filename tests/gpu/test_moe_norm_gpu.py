@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tests import kernel_checks as kc
+from tests.helpers import kernel_checks as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
@@ -96,7 +96,7 @@ def _moonlight_layer():
 
 def test_moe_layer_norm_fused_real():
     """DeepseekV3MoE(x, norm, residual) at Moonlight's shapes: fused == fuse_norm off == norm(layer(x), residual);
-    T = 1, 5 with the shared experts fused into the GEMMs, 64 (above FUSE_SHARED_MAX_TOKENS) with them added."""
+    T = 1, 5 with the shared experts fused into the GEMMs, 64 (above fuse_shared_max_tokens) with them added."""
     layer, norm = _moonlight_layer()
     for T in (1, 5, 64):
         x = torch.randn(T, 2048, device="cuda").to(BF)
@@ -134,17 +134,17 @@ def test_moe_layer_norm_fused_cuda_graph():
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 @pytest.mark.parametrize("fuse_shared_max", [32, 0])
-def test_model_fused_norm_equals_unfused_and_before(tiny_ckpt, monkeypatch, dtype, fuse_shared_max):
+def test_model_fused_norm_equals_unfused_and_before(tiny_ckpt, dtype, fuse_shared_max):
     """The model (Triton attention and MoE): fused norm == fuse_norm off == the layer flow before the fusion,
     logits and aux streams (0: the embedding .. 3: the final pre-norm stream) bit for bit; both steps with the
     shared experts fused, or (threshold 0) added in the sum. The torch MoE never fuses and matches too."""
-    from mlaserve.models import deepseek_v3
-    from tests.layer_flow_check import check_layer_flow, load_model
+    from mlaserve.kernel_config import KernelConfig
+    from tests.helpers.layer_flow_check import check_layer_flow, load_model
 
-    monkeypatch.setattr(deepseek_v3, "FUSE_SHARED_MAX_TOKENS", fuse_shared_max)
-    model = load_model(tiny_ckpt, "cuda", dtype, "triton")
+    kernels = KernelConfig(fuse_shared_max_tokens=fuse_shared_max)
+    model = load_model(tiny_ckpt, "cuda", dtype, "triton", kernels=kernels)
     assert check_layer_flow(model, "cuda", "triton", aux_layer_ids=(0, 1, 2, 3)) == 4  # 2 MoE layers x 2 steps
     assert check_layer_flow(model, "cuda", "triton", aux_layer_ids=(2,)) == 4
     if fuse_shared_max:
-        model = load_model(tiny_ckpt, "cuda", dtype, "torch")
+        model = load_model(tiny_ckpt, "cuda", dtype, "torch", kernels=kernels)
         assert check_layer_flow(model, "cuda", "triton", aux_layer_ids=(0, 1, 2, 3)) == 0

@@ -9,7 +9,7 @@ Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_pdl_gpu.py"""
 import pytest
 import torch
 
-from tests import kernel_checks as kc
+from tests.helpers import kernel_checks as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
@@ -19,21 +19,18 @@ LAYERS = 6
 
 @pytest.fixture
 def set_pdl(monkeypatch):
-    from mlaserve.kernels import pdl
-
+    """set_pdl(on): MLASERVE_PDL for the engines made next (EngineConfig reads KernelConfig.from_env)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or later")
 
     def set_(on: bool):
         monkeypatch.setenv("MLASERVE_PDL", "1" if on else "0")
-        pdl._pdl_on.cache_clear()
 
-    yield set_
-    pdl._pdl_on.cache_clear()  # the env is restored after this; the next call reads it again
+    return set_
 
 
 def _weights(T):
-    from tests.kernel_checks import make_paged
+    from tests.helpers.kernel_checks import make_paged
 
     g = lambda *s, scale: (torch.randn(*s, device="cuda") * scale).to(BF)  # noqa: E731
     layers = [
@@ -61,8 +58,9 @@ def _weights(T):
     return layers, moe, (kv, table, lens, slots, ang.cos(), ang.sin())
 
 
-def _chain(x, res, layers, moe, attn):
-    """A decode step's kernels in a decode step's order, per layer."""
+def _chain(x, res, layers, moe, attn, pdl: bool):
+    """A decode step's kernels in a decode step's order, per layer, each launched with PDL or not."""
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.kernels.fused_moe import fused_experts
     from mlaserve.kernels.head_gemv import absorb_q_rope, head_gemv
     from mlaserve.kernels.mla_decode import mla_decode
@@ -74,28 +72,29 @@ def _chain(x, res, layers, moe, attn):
     kv, table, lens, slots, cos, sin = attn
     T = x.shape[0]
     w13, w2, shared = moe
+    kernels = KernelConfig(pdl=pdl)
     for w in layers:  # as DeepseekV3Attention + DeepseekV3MoE run them (head GEMVs up to 2 tokens, then bmm)
-        q = linear(x, w["wq"]).view(T, H, N + P)  # the GEMV at T=1
-        kv_a = linear(x, w["wkv"])
-        rope_store_kv(kv, slots, kv_a[:, :R], kv_a[:, R:], cos, sin, norm_weight=w["nkv"])
+        q = linear(x, w["wq"], kernels).view(T, H, N + P)  # the GEMV at T=1
+        kv_a = linear(x, w["wkv"], kernels)
+        rope_store_kv(kv, slots, kv_a[:, :R], kv_a[:, R:], cos, sin, norm_weight=w["nkv"], pdl=pdl)
         Q = torch.empty(T, H, R + P, device="cuda", dtype=BF)
         w_kc, w_vc = w["wkv_b"][:, :N], w["wkv_b"][:, N:].transpose(1, 2)
         if T <= 2:  # the absorption and the query's RoPE in one launch
-            absorb_q_rope(q, w_kc, cos, sin, Q)
+            absorb_q_rope(q, w_kc, cos, sin, Q, pdl=pdl)
         else:
             torch.bmm(q[..., :N].transpose(0, 1), w_kc, out=Q[..., :R].transpose(0, 1))
-            rope_q(q[..., N:], cos, sin, out=Q[..., R:])
-        o = mla_decode(Q, kv, table, lens, 1, 192**-0.5, torch.empty(T, H, R, device="cuda", dtype=BF))
+            rope_q(q[..., N:], cos, sin, out=Q[..., R:], pdl=pdl)
+        o = mla_decode(Q, kv, table, lens, 1, 192**-0.5, torch.empty(T, H, R, device="cuda", dtype=BF), pdl=pdl)
         out = torch.empty(T, H * V, device="cuda", dtype=BF)
         if T <= 2:
-            head_gemv(o, w_vc, out.view(T, H, V))
+            head_gemv(o, w_vc, out.view(T, H, V), pdl=pdl)
         else:
             torch.bmm(o.transpose(0, 1), w_vc, out=out.view(T, H, V).transpose(0, 1))
-        h = linear(out, w["wo"])  # the GEMV at T=1
-        x, res = add_rms_norm(h, res, w["n1"], 1e-6)
-        part = router_partials(x, w["router"])
-        wts, ids = route_noaux_tc_logits(part, w["bias"], K, 1, 1, True, 2.446, num_shared=S, shared_id0=E)
-        x, res = fused_experts(x, w13, w2, wts, ids, shared=shared, norm=(w["n2"], 1e-6, res))
+        h = linear(out, w["wo"], kernels)  # the GEMV at T=1
+        x, res = add_rms_norm(h, res, w["n1"], 1e-6, pdl=pdl)
+        part = router_partials(x, w["router"], pdl=pdl)
+        wts, ids = route_noaux_tc_logits(part, w["bias"], K, 1, 1, True, 2.446, num_shared=S, shared_id0=E, pdl=pdl)
+        x, res = fused_experts(x, w13, w2, wts, ids, shared=shared, norm=(w["n2"], 1e-6, res), kernels=kernels)
     return x, res
 
 
@@ -106,25 +105,23 @@ def test_pdl_chain_bit_equal_eager_and_graph(set_pdl, T):
     r0 = torch.randn(T, D, device="cuda").to(BF)
     kv0 = attn[0].clone()
 
-    def run():
+    def run(pdl: bool):
         attn[0].copy_(kv0)
         with kc.poisoned_empty():
-            return _chain(x0, r0, layers, moe, attn)
+            return _chain(x0, r0, layers, moe, attn, pdl)
 
-    set_pdl(False)
-    ref = run()
+    ref = run(False)
     assert not ref[0].isnan().any() and not ref[1].isnan().any()
-    set_pdl(True)
     from mlaserve.kernels.pdl import pdl_args
 
-    assert pdl_args(x0)["PDL"]
-    eager = run()
+    assert pdl_args(x0, True)["PDL"]
+    eager = run(True)
     assert torch.equal(eager[0], ref[0]) and torch.equal(eager[1], ref[1])
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         with kc.poisoned_empty():  # capture-time fills are graph nodes: every replay re-poisons its intermediates
-            out = _chain(x0, r0, layers, moe, attn)
+            out = _chain(x0, r0, layers, moe, attn, True)
     for i in range(20):
         attn[0].copy_(kv0)
         g.replay()
@@ -133,28 +130,32 @@ def test_pdl_chain_bit_equal_eager_and_graph(set_pdl, T):
 
 
 def test_pdl_off_by_env(set_pdl):
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.kernels.pdl import pdl_args
 
     x = torch.zeros(1, device="cuda")
     set_pdl(False)
-    assert pdl_args(x) == dict(PDL=False, launch_pdl=False)
+    assert pdl_args(x, KernelConfig.from_env().pdl) == dict(PDL=False, launch_pdl=False)
     set_pdl(True)
-    assert pdl_args(x) == dict(PDL=True, launch_pdl=True)
-    assert pdl_args(x.cpu())["PDL"] is False
+    assert pdl_args(x, KernelConfig.from_env().pdl) == dict(PDL=True, launch_pdl=True)
+    assert pdl_args(x.cpu(), True)["PDL"] is False
 
 
-def test_pdl_on_under_tensor_parallelism(set_pdl, monkeypatch):
-    """TP ranks launch with PDL too (kernels/pdl.py says why it is safe around collectives); MLASERVE_PDL=0 still turns
-    it off."""
-    from mlaserve.distributed import tp
+def test_pdl_on_under_tensor_parallelism(set_pdl):
+    """TP ranks launch with PDL too (kernels/pdl.py says why it is safe around collectives): rank 0 reads the switch
+    once and every rank's runner gets that config (EngineConfig.kernels, pickled to the ranks, with no narrowing by
+    world size); MLASERVE_PDL=0 still turns it off everywhere."""
+    import pickle
+
+    from mlaserve.config import EngineConfig
     from mlaserve.kernels.pdl import pdl_args
 
     set_pdl(True)
     x = torch.zeros(1, device="cuda")
-    monkeypatch.setattr(tp, "rank_info", lambda: tp.RankInfo(rank=0, world_size=2, moe_tp_size=2))
-    assert pdl_args(x) == dict(PDL=True, launch_pdl=True)
-    set_pdl(False)
-    assert pdl_args(x) == dict(PDL=False, launch_pdl=False)
+    cfg = EngineConfig(model="m")
+    set_pdl(False)  # a rank's own environment no longer matters: it runs rank 0's config
+    assert pdl_args(x, pickle.loads(pickle.dumps(cfg)).kernels.pdl) == dict(PDL=True, launch_pdl=True)
+    assert pdl_args(x, EngineConfig(model="m").kernels.pdl) == dict(PDL=False, launch_pdl=False)
 
 
 def test_engine_greedy_with_and_without_pdl(set_pdl, tiny_ckpt):
@@ -166,5 +167,5 @@ def test_engine_greedy_with_and_without_pdl(set_pdl, tiny_ckpt):
     off, _ = _greedy(dict(dtype="bfloat16"), tiny_ckpt, prompts, max_tokens=24)
     set_pdl(True)
     on, llm = _greedy(dict(dtype="bfloat16"), tiny_ckpt, prompts, max_tokens=24)
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs and llm.engine.runner.kernels.pdl
     assert on == off

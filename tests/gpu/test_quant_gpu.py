@@ -2,14 +2,14 @@
 
 - At real shapes (Kimi-K2.5 with INT4 experts, DeepSeek-V3 with FP8; two layers, 32 experts, a 32k vocab), the
   quantized GPU path's logits stay within the tolerance the bf16 path meets against the fp32 torch reference
-  (tests/model_backend_check.py), the reference dequantizing the same stored weights per call.
+  (tests/helpers/model_backend_check.py), the reference dequantizing the same stored weights per call.
 - CUDA-graph greedy tokens equal eager ones on the tiny quantized checkpoints (partial FP8 blocks included).
 - Weights stay quantized on the device."""
 
 import pytest
 import torch
 
-from tests.model.quant_ckpt import FP8_ODD, make_quantized
+from tests.helpers.quant_ckpt import FP8_ODD, make_quantized
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def real_ckpt(request, tmp_path_factory):
 
 
 def test_quantized_logits_within_the_bf16_tolerance(real_ckpt):
-    from tests.model_backend_check import check_model_backends
+    from tests.helpers.model_backend_check import check_model_backends
 
     scheme, path = real_ckpt
     errs = check_model_backends(path, "cuda", torch.bfloat16, "triton")

@@ -15,7 +15,7 @@ pytestmark = [
 ]
 
 
-def _greedy(ckpt, **par):
+def _greedy(ckpt, pdl, **par):
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 200))] for _ in range(8)]
     # small graphs (decode batches up to 8, prefill buckets up to 1,024 tokens): a short capture
@@ -23,6 +23,7 @@ def _greedy(ckpt, **par):
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
         assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+        assert llm.engine.runner.kernels.pdl is (pdl == "1")  # the config every rank runs (EngineConfig.kernels)
     finally:
         t0 = time.time()
         llm.close()
@@ -33,8 +34,8 @@ def _greedy(ckpt, **par):
 @pytest.mark.parametrize("pdl", ["1", "0"])
 def test_tp2_under_graphs_matches_one_gpu(tiny_ckpt, monkeypatch, pdl):
     monkeypatch.setenv("MLASERVE_PDL", pdl)  # "0": PDL off everywhere (kernels/pdl.py); the ranks inherit it
-    ref, _ = _greedy(tiny_ckpt)
-    got, closed_s = _greedy(tiny_ckpt, attn_tp_size=2, moe_tp_size=2)
+    ref, _ = _greedy(tiny_ckpt, pdl)
+    got, closed_s = _greedy(tiny_ckpt, pdl, attn_tp_size=2, moe_tp_size=2)
     assert got == ref
     # live graphs holding NCCL kernels once kept the communicator's teardown waiting forever (runner.release_graphs)
     assert closed_s < 15

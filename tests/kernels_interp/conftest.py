@@ -5,7 +5,7 @@ imported. So, without CUDA, this conftest turns the interpreter on at import (py
 modules beside it), and no test module anywhere imports mlaserve.kernels at module level (only inside tests).
 With CUDA the same tiny tests run compiled on the GPU instead (the `kdev` fixture says where).
 Run alone:  PYTHONPATH=$PWD python -m pytest -q tests/kernels_interp
-Without triton installed (CI) every test here skips.
+Without triton installed every test here skips; the test extra installs it (pyproject.toml), so CI runs them.
 """
 
 import os

@@ -1,10 +1,10 @@
 """absorb_q_rope_store_kv under the interpreter: the KV store (kv_a_layernorm + RoPE of k_pe into the paged cache)
-as one more program of absorb_q_rope's launch, against absorb_q_rope and rope_store_kv (tests/kernel_checks)."""
+as one more program of absorb_q_rope's launch, against absorb_q_rope and rope_store_kv (tests/helpers/kernel_checks)."""
 
 import pytest
 import torch
 
-from tests.kernel_checks import check_absorb_q_rope_store_kv
+from tests.helpers.kernel_checks import check_absorb_q_rope_store_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

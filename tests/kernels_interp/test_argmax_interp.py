@@ -1,9 +1,9 @@
-"""argmax_rows under the interpreter: one and several blocks a row, ties, -inf rows and NaN (tests/kernel_checks)."""
+"""argmax_rows under the interpreter: one and several blocks a row, ties, -inf rows and NaN (helpers/kernel_checks)."""
 
 import pytest
 import torch
 
-from tests.kernel_checks import check_argmax
+from tests.helpers.kernel_checks import check_argmax
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,7 +6,7 @@ run here too (the interpreter widens e4m3 exactly); scaled_mm runs on the GPU on
 import pytest
 import torch
 
-from tests import fp8_checks as fc
+from tests.helpers import fp8_checks as fc
 
 BF, F32 = torch.bfloat16, torch.float32
 
@@ -21,7 +21,7 @@ def test_act_quant_padded_rows(kdev):
     """Rows padded to a multiple of 4 (scaled_mm's operand): q = 0 there, scales column-major over the padded rows."""
     from mlaserve.kernels.fp8_quant import act_quant
     from mlaserve.kernels.fp8_reference import fp8_act_quant_ref
-    from tests.kernel_checks import poisoned_empty
+    from tests.helpers.kernel_checks import poisoned_empty
 
     x = torch.randn(5, 256, device=kdev).to(BF)
     with poisoned_empty():

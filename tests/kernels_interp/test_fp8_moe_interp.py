@@ -5,7 +5,7 @@ form, the tiled grouped GEMMs as W8A16 and W8A8 (aligned blocks and per-pair blo
 import pytest
 import torch
 
-from tests import fp8_checks as fc
+from tests.helpers import fp8_checks as fc
 
 BF, F32 = torch.bfloat16, torch.float32
 GEMV = dict(gemv1=dict(BLOCK_N=32, BLOCK_K=128), gemv2=dict(BLOCK_N=64, BLOCK_K=128))  # few programs: fast here

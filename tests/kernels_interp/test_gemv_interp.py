@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernel_checks import assert_close, nan_like
+from tests.helpers.kernel_checks import assert_close, nan_like
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,8 +64,13 @@ def test_linear_dispatch_stays_on_f_linear_off_gpu():
 
 
 def test_gemv_serves_rule(kdev):
-    """layers.linear's dispatch rule: CUDA steps of 1-2 rows in bf16/fp16 times weights of <= GEMV_MAX_BYTES."""
-    from mlaserve.kernels.gemv import GEMV_MAX_BYTES, GEMV_SERVE_TOKENS, gemv_serves
+    """layers.linear's dispatch rule: CUDA steps of 1-2 rows in bf16/fp16 times weights of <= gemv_max_bytes
+    (KernelConfig's defaults)."""
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels.gemv import gemv_serves
+
+    GEMV_MAX_BYTES, GEMV_SERVE_TOKENS = KernelConfig.gemv_max_bytes, KernelConfig.gemv_serve_tokens
+    assert GEMV_SERVE_TOKENS == 2
 
     bf = torch.bfloat16
     w = torch.empty(64, 32, dtype=bf, device=kdev)

@@ -6,7 +6,7 @@ RoPE in one launch) against head_gemv + rope_q (bit for bit) and the torch refer
 import pytest
 import torch
 
-from tests.kernel_checks import assert_close
+from tests.helpers.kernel_checks import assert_close
 
 
 def _views(kdev, dtype, H=4, N=16, V=8, R=32):
@@ -72,8 +72,8 @@ def _check_absorb_q_rope(kdev, dtype, T, first_pos, H, N, R, P, V=8):
     """q is a view of the projection output (q_b_proj's, or linear_many's column view beside kv_a), Q the
     caller's NaN-poisoned [T, H, R+P]: one launch equals head_gemv then rope_q bit for bit, and the references."""
     from mlaserve.kernels.head_gemv import absorb_q_rope, head_gemv
-    from mlaserve.kernels.reference import rope_q_ref
     from mlaserve.kernels.rope_kv import rope_q
+    from tests.helpers.kernel_refs import rope_q_ref
 
     w_kc, _ = _views(kdev, dtype, H=H, N=N, V=V, R=R)
     proj = torch.randn(T, H * (N + P) + R + P, device=kdev).to(dtype)  # [q | kv_a] of one GEMM

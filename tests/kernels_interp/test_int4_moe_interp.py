@@ -5,16 +5,17 @@ trips and masked tails, poisoned buffers (every output element must be written).
 import pytest
 import torch
 
-from tests.kernel_checks import assert_close, poisoned_empty
+from tests.helpers.kernel_checks import assert_close, poisoned_empty
 
 
 @pytest.fixture(autouse=True)
 def bf16_round_to_nearest(kdev):
-    """The interpreter truncates fp32 -> bf16 casts; compiled kernels round to nearest even (tests/interp_bf16.py)."""
+    """The interpreter truncates fp32 -> bf16 casts; compiled kernels round to nearest even
+    (tests/helpers/interp_bf16.py)."""
     if kdev != "cpu":
         yield
         return
-    from tests.interp_bf16 import bf16_round_to_nearest
+    from tests.helpers.interp_bf16 import bf16_round_to_nearest
 
     with bf16_round_to_nearest():
         yield
@@ -23,7 +24,7 @@ def bf16_round_to_nearest(kdev):
 def inputs(kdev, dtype, T, D, I, E, K, offset, seed=0, foreign=2, ids_dtype=torch.int64):
     """Random INT4 experts and a routing of K distinct ids per token among E local + `foreign` other-rank experts
     (ids offset..offset+E-1 local; the rest on both sides of the local range)."""
-    from mlaserve.kernels.int4_ref import random_int4_experts
+    from tests.helpers.int4_ref import random_int4_experts
 
     g = torch.Generator().manual_seed(seed)
     w = [t.to(kdev) for t in random_int4_experts(E, D, I, "cpu", generator=g)]
@@ -36,7 +37,7 @@ def inputs(kdev, dtype, T, D, I, E, K, offset, seed=0, foreign=2, ids_dtype=torc
 
 def check(kdev, dtype, T, D, I, E, K, offset=0, config=None, add=False, seed=0, foreign=2, ids_dtype=torch.int64):
     from mlaserve.kernels.int4_moe import int4_fused_experts
-    from mlaserve.kernels.int4_ref import int4_fused_experts_ref
+    from tests.helpers.int4_ref import int4_fused_experts_ref
 
     x, w, ids, tw = inputs(kdev, dtype, T, D, I, E, K, offset, seed, foreign, ids_dtype)
     extra = torch.randn(T, D).to(dtype).to(kdev) if add else None

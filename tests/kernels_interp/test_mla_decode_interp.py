@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel_checks import check_mla_decode
+from tests.helpers.kernel_checks import check_mla_decode
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -51,7 +51,7 @@ def test_page64_heads_over_block(kdev):
 def test_seq_len_zero_rows_are_zero(kdev):
     # a CUDA-graph padding request (seq_len 0) sees nothing: its rows must be zeros, not NaN
     from mlaserve.kernels.mla_decode import mla_decode
-    from tests.kernel_checks import make_paged, nan_like
+    from tests.helpers.kernel_checks import make_paged, nan_like
 
     kv, table, seq_lens = make_paged([9, 1], 16, 40, torch.float32, kdev)
     seq_lens[1] = 0
@@ -115,8 +115,8 @@ def test_tma_tiles(kdev, q_len):
 def test_tma_ignores_poisoned_rows_past_the_context(kdev):
     # rows past seq_len in a request's last page (stale or never written) are NaN: the output must not see them
     from mlaserve.kernels.mla_decode import mla_decode
-    from mlaserve.kernels.reference import mla_decode_ref
-    from tests.kernel_checks import assert_close, make_paged, nan_like
+    from tests.helpers.kernel_checks import assert_close, make_paged, nan_like
+    from tests.helpers.kernel_refs import mla_decode_ref
 
     lens = [37, 70]
     kv, table, seq_lens = make_paged(lens, 32, 48, torch.bfloat16, kdev)

@@ -5,7 +5,7 @@ holding a routed id (the pre-wait guess is wrong and reloaded), and poisoned buf
 import pytest
 import torch
 
-from tests.kernel_checks import assert_close, poisoned_empty
+from tests.helpers.kernel_checks import assert_close, poisoned_empty
 from tests.kernels_interp.test_shared_fusion_interp import shared_mlp
 
 
@@ -133,9 +133,10 @@ def test_gemv_form_ragged_rows(kdev, I, cfg):
     assert_close(out, ref, torch.float32, f"moe gemv I={I} {cfg}")
 
 
-def test_gemv_env_forms(monkeypatch):
-    # MLASERVE_MOE_GEMV, parsed once per process: on by default; "0"; "n1:w1:n2:w2"
+def test_gemv_env_forms():
+    # MLASERVE_MOE_GEMV, read by KernelConfig.from_env: on by default; "0"; "n1:w1:n2:w2"
     pytest.importorskip("triton")
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.kernels import fused_moe as fm
 
     want = {
@@ -144,15 +145,8 @@ def test_gemv_env_forms(monkeypatch):
         "1": True,
         "1:2:8:4": {"gemv1": {"BLOCK_N": 1, "num_warps": 2}, "gemv2": {"BLOCK_N": 8, "num_warps": 4}},
     }
-    try:
-        for spec, parsed in want.items():
-            fm._gemv_env.cache_clear()
-            if spec is None:
-                monkeypatch.delenv("MLASERVE_MOE_GEMV", raising=False)
-            else:
-                monkeypatch.setenv("MLASERVE_MOE_GEMV", spec)
-            assert fm._gemv_env() == parsed, spec
+    for spec, parsed in want.items():
+        kc = KernelConfig.from_env({} if spec is None else {"MLASERVE_MOE_GEMV": spec})
+        assert kc.moe_gemv_config() == parsed, spec
         x = torch.zeros(1, 4)  # a CPU tensor: never the GEMV form by default, whatever the switch says
-        assert fm._gemv_default(x, True) is False
-    finally:
-        fm._gemv_env.cache_clear()
+        assert fm._gemv_default(x, True, kc) is False

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel_checks import check_fused_moe, check_moe_align, check_routing, decode_moe_inputs
+from tests.helpers.kernel_checks import check_fused_moe, check_moe_align, check_routing, decode_moe_inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

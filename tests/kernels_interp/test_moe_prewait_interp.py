@@ -5,7 +5,7 @@ checks the code each program runs gives the same bits; the gpu tests run it with
 import pytest
 import torch
 
-from tests.kernel_checks import decode_moe_inputs, poisoned_empty
+from tests.helpers.kernel_checks import decode_moe_inputs, poisoned_empty
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ flow before the fusion. Outputs NaN-poisoned; rows of experts this rank does not
 import pytest
 import torch
 
-from tests.kernel_checks import poisoned_empty
+from tests.helpers.kernel_checks import poisoned_empty
 
 EPS = 1e-6
 
@@ -136,13 +136,13 @@ def _fuse_norms_on_cpu(monkeypatch):
 def test_moe_layer_norm_fused_equals_unfused(kdev, monkeypatch, dtype):
     """DeepseekV3MoE(x, norm, residual): the fused norm == fuse_norm off == norm(layer(x), residual), with the
     shared experts fused (T <= 8, the threshold lowered) and added (T = 9); the torch layer never fuses."""
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.layers.norm import RMSNorm
-    from mlaserve.models import deepseek_v3
     from tests.kernels_interp.test_shared_fusion_interp import moe_layer
 
     _fuse_norms_on_cpu(monkeypatch)
-    monkeypatch.setattr(deepseek_v3, "FUSE_SHARED_MAX_TOKENS", 8)
     layer = moe_layer(2, dtype, "triton").to(kdev)
+    layer.kernels = KernelConfig(fuse_shared_max_tokens=8)
     assert layer.fuse_norm
     norm = RMSNorm(64, EPS, dtype=dtype).to(kdev)
     norm.weight.data.normal_(1.0, 0.1)
@@ -168,7 +168,7 @@ def test_model_fused_norm_equals_unfused_and_before(kdev, monkeypatch, two_share
     the shared output added in the sum instead is covered by the layer test above).
     bf16: the before-flow's logits without aux, as it materialised aux streams by torch's add, whose bf16 rounding
     the interpreter's cast does not always match (compiled, it does: the gpu test)."""
-    from tests.layer_flow_check import check_layer_flow, load_model
+    from tests.helpers.layer_flow_check import check_layer_flow, load_model
 
     _fuse_norms_on_cpu(monkeypatch)
     model = load_model(two_shared_ckpt, kdev, dtype, "triton")

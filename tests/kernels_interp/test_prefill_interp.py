@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel_checks import check_prefill, check_prefill_mla
+from tests.helpers.kernel_checks import check_prefill, check_prefill_mla
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kernel_checks import check_rope_cos_sin, check_rope_q, check_rope_store_kv
+from tests.helpers.kernel_checks import check_rope_cos_sin, check_rope_q, check_rope_store_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

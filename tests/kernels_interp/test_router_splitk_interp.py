@@ -19,7 +19,7 @@ def test_router_partials_sum_to_the_gemm(kdev, T, E, D):
 @pytest.mark.parametrize("n_group,topk_group,num_shared", [(1, 1, 0), (4, 2, 2)])
 def test_routing_from_partials_equals_routing_from_logits(kdev, n_group, topk_group, num_shared):
     from mlaserve.kernels.routing import route_noaux_tc_logits, router_partials
-    from tests.kernel_checks import nan_like
+    from tests.helpers.kernel_checks import nan_like
 
     T, E, D = 7, 32, 192
     x = torch.randn(T, D, device=kdev).to(torch.bfloat16)
@@ -51,7 +51,7 @@ def test_bad_partials_name_the_limit(kdev):
 def _check_against_reference(w, ids, x, wt, bias, K, G, TG, S, shared_id0):
     """The routed columns against layers.moe.route_noaux_tc on the fp32 GEMM (near ties aside), and the shared ones."""
     from mlaserve.layers.moe import route_noaux_tc
-    from tests.kernel_checks import _near_tie
+    from tests.helpers.kernel_checks import _near_tie
 
     T = x.shape[0]
     logits = x.float() @ wt.float().t()
@@ -76,7 +76,7 @@ def test_route_splitk_against_reference(kdev, E, K, G, TG, S, D):
     """route_splitk (router_partials + the routing kernel) against the torch reference at decode sizes; poisoned
     outputs and partials."""
     from mlaserve.kernels.routing import route_splitk
-    from tests import kernel_checks as kc
+    from tests.helpers import kernel_checks as kc
 
     wt = (torch.randn(E, D, device=kdev) / D**0.5).to(torch.bfloat16)
     for T in sorted({1, 2, 5, 32 if E == 64 else 4}):

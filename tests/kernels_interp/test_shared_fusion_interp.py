@@ -4,7 +4,7 @@ against the references, and the MoE layer fused vs unfused (below / above the to
 import pytest
 import torch
 
-from tests.kernel_checks import assert_close, check_routing, poisoned_empty
+from tests.helpers.kernel_checks import assert_close, check_routing, poisoned_empty
 
 
 @pytest.mark.parametrize(
@@ -93,17 +93,17 @@ def load_shard(dst, src) -> None:
 
 @pytest.mark.parametrize("S", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_layer_fused_equals_unfused(kdev, monkeypatch, S, dtype):
+def test_moe_layer_fused_equals_unfused(kdev, S, dtype):
     """The Triton MoE layer with the shared experts fused (T <= threshold) == without (T above it, or fusion off)
     == the torch path, on the same weights; the threshold lowered to 8 so both sides stay tiny (T=1: no align;
     8: aligned blocks; 9: above)."""
-    from mlaserve.models import deepseek_v3
+    from mlaserve.kernel_config import KernelConfig
 
-    monkeypatch.setattr(deepseek_v3, "FUSE_SHARED_MAX_TOKENS", 8)
     ref_layer = moe_layer(S, torch.float32, "torch").to(kdev)
     for p in ref_layer.parameters():  # weights and inputs exact in the dtype: only the arithmetic differs
         p.data = p.data.to(dtype).float()
     layer = moe_layer(S, dtype, "triton").to(kdev)
+    layer.kernels = KernelConfig(fuse_shared_max_tokens=8)
     assert layer.fuse_shared == S
     load_shard(layer, ref_layer)
     for T in (1, 8, 9):
@@ -155,15 +155,14 @@ def test_moe_layer_no_fusion_with_ep_or_torch(kdev):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_logits_fused_equal_unfused(kdev, monkeypatch, two_shared_ckpt, dtype):
+def test_model_logits_fused_equal_unfused(kdev, two_shared_ckpt, dtype):
     """A loaded random checkpoint: the model's logits with the shared experts fused == with today's unfused path
     (threshold 0), over prefill and decode steps (attention by the torch backend: only the MoE differs)."""
-    from mlaserve.models import deepseek_v3
-    from tests.model_backend_check import run_model
+    from mlaserve.kernel_config import KernelConfig
+    from tests.helpers.model_backend_check import run_model
 
     fused = run_model(two_shared_ckpt, kdev, dtype, "torch", "triton")
-    monkeypatch.setattr(deepseek_v3, "FUSE_SHARED_MAX_TOKENS", 0)
-    unfused = run_model(two_shared_ckpt, kdev, dtype, "torch", "triton")
+    unfused = run_model(two_shared_ckpt, kdev, dtype, "torch", "triton", kernels=KernelConfig(fuse_shared_max_tokens=0))
     for step, (a, b) in enumerate(zip(fused, unfused)):
         if dtype == torch.float32:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")

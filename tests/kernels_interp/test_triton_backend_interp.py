@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.model_backend_check import check_model_backends
+from tests.helpers.model_backend_check import check_model_backends
 
 
 @pytest.mark.parametrize("dtype,moe_impl", [(torch.float32, "triton"), (torch.bfloat16, "triton")])
@@ -38,10 +38,10 @@ def test_decode_steps_store_kv_inside_absorb_q_rope(kdev, tiny_ckpt, monkeypatch
     from mlaserve.config import ModelConfig
     from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
     from mlaserve.models.weights import load_weights
-    from tests.kernel_checks import assert_close
+    from tests.helpers.kernel_checks import assert_close
 
     if kdev == "cpu":
-        monkeypatch.setattr(triton_mla, "head_gemv_serves", lambda x, m: 1 <= x.shape[0] <= 2)
+        monkeypatch.setattr(triton_mla, "head_gemv_serves", lambda x, m, max_tokens=2: 1 <= x.shape[0] <= max_tokens)
     cfg = ModelConfig.from_pretrained(tiny_ckpt)
     model = DeepseekV3ForCausalLM(cfg, dtype=torch.bfloat16, moe_impl="torch")
     load_weights(model, tiny_ckpt, progress=False)

@@ -4,7 +4,7 @@ logits and EAGLE3 aux streams bit for bit, every aux position (0: the embedding,
 import pytest
 import torch
 
-from tests.layer_flow_check import check_layer_flow, load_model
+from tests.helpers.layer_flow_check import check_layer_flow, load_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,9 +11,9 @@ from mlaserve.layers.quant import dequant_fp8_block
 from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from mlaserve.models.dummy_weights import init_dummy_weights
 from mlaserve.models.make_random import make_random
+from tests.helpers.quant_ckpt import FP8_ODD
 
 from .helpers import load_model
-from .quant_ckpt import FP8_ODD
 
 
 @pytest.fixture(scope="module", params=["int4-experts", "fp8-block"])

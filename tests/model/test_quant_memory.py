@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mlaserve.models.weight_bytes import weight_bytes
+from tests.helpers.quant_ckpt import make_quantized
 
 from .helpers import load_model
-from .quant_ckpt import make_quantized
 
 
 @pytest.mark.parametrize("scheme", ["int4", "fp8"])

@@ -11,9 +11,9 @@ from mlaserve import LLM, SamplingParams
 from mlaserve.layers.fp8_linear import Fp8Linear
 from mlaserve.layers.moe import Experts
 from mlaserve.layers.quant_experts import Fp8Experts, Int4Experts
+from tests.helpers.quant_ckpt import dequantized_twin
 
 from .helpers import RefRunner, generate_greedy, load_model
-from .quant_ckpt import dequantized_twin
 from .test_parity_hf import assert_logits_close
 
 

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from mlaserve.cli import build_parser, engine_kwargs_from_args
+from mlaserve.args import engine_kwargs_from_args
+from mlaserve.cli import build_parser
 from mlaserve.config import EngineConfig, SpecConfig
 from mlaserve.engine.engine import LLMEngine
 from mlaserve.models.make_random_draft import make_random_draft

@@ -10,6 +10,7 @@ from mlaserve.distributed import allreduce, tp
 from mlaserve.distributed.allreduce import AllReduceConfig, KiB, MiB, is_aligned, select, unavailable
 from mlaserve.distributed.launch import launch
 from mlaserve.distributed.tp import RankInfo
+from mlaserve.kernel_config import KernelConfig
 
 from . import ranks
 
@@ -69,10 +70,13 @@ def test_forced_backends_and_fallbacks():
 
 
 def test_config_from_env_validation_and_description():
-    assert AllReduceConfig.from_env({}) == AUTO
-    assert AllReduceConfig.from_env({"MLASERVE_ALLREDUCE": "nccl"}).backend == "nccl"
+    """MLASERVE_ALLREDUCE is read by KernelConfig.from_env (the one reader of the environment)."""
+    assert AllReduceConfig.from_kernels(KernelConfig.from_env({})) == AUTO
+    assert AllReduceConfig.from_kernels(KernelConfig.from_env({"MLASERVE_ALLREDUCE": "nccl"})).backend == "nccl"
+    with pytest.raises(ValueError, match="MLASERVE_ALLREDUCE.*must be one of auto, nccl, one_shot, two_shot"):
+        KernelConfig.from_env({"MLASERVE_ALLREDUCE": "multimem"})
     with pytest.raises(ValueError, match="all-reduce backend: must be one of auto, nccl, one_shot, two_shot"):
-        AllReduceConfig.from_env({"MLASERVE_ALLREDUCE": "multimem"})
+        AllReduceConfig(backend="multimem")
     with pytest.raises(ValueError, match=r"one_shot_max_bytes: \(1, 16\) needs a world >= 2"):
         AllReduceConfig(one_shot_max_bytes=((1, 16),))
     assert AUTO.buffer_bytes(2) == 8 * MiB and AUTO.buffer_bytes(3) == 0

@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
+from mlaserve.args import add_parallel_args, parallel_config_from_args
 from mlaserve.config import ModelConfig, ParallelConfig
-from mlaserve.distributed.args import add_parallel_args, parallel_config_from_args
 from mlaserve.models.make_random import load_preset
 
 

@@ -8,7 +8,7 @@ import torch
 from mlaserve.config import ParallelConfig
 from mlaserve.distributed.launch import launch
 from mlaserve.distributed.tp import RankInfo
-from tests.model.quant_ckpt import FP8_TP, INT4_TP, make_quantized
+from tests.helpers.quant_ckpt import FP8_TP, INT4_TP, make_quantized
 
 from . import ranks
 from .test_tp_parity import START, assert_same_run

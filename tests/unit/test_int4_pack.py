@@ -1,16 +1,10 @@
-"""The INT4 experts' torch reference (kernels/int4_ref.py): the packed layout against a per-element decode, the
+"""The INT4 experts' torch reference (tests/helpers/int4_ref.py): the packed layout against a per-element decode, the
 loader's dequant and compressed-tensors' own packer; the reference MoE against fused_experts_ref."""
 
 import pytest
 import torch
 
-
-def ref():
-    """kernels.int4_ref, imported in the tests (no module here imports mlaserve.kernels at import time: the
-    interpreter tests must define the kernels first, tests/kernels_interp/conftest.py)."""
-    from mlaserve.kernels import int4_ref
-
-    return int4_ref
+from tests.helpers import int4_ref
 
 
 def decode_one(word: int, c: int) -> int:
@@ -23,7 +17,7 @@ def test_unpack_matches_per_element_decode():
     packed = torch.randint(-(2**31), 2**31, (5, 4), dtype=torch.int64, generator=g).to(torch.int32)
     packed[0, 0] = -1  # every nibble 15, the sign bit set
     packed[0, 1] = -(2**31)  # only the top nibble's top bit
-    nib = ref().unpack_int4(packed, 32)
+    nib = int4_ref.unpack_int4(packed, 32)
     for r in range(5):
         for c in range(32):
             assert nib[r, c].item() == decode_one(packed[r, c // 8].item(), c), (r, c)
@@ -33,7 +27,7 @@ def test_unpack_matches_per_element_decode():
 def test_pack_is_unpacks_inverse_and_dequant_rule():
     g = torch.Generator().manual_seed(1)
     q = torch.randint(-8, 8, (3, 6, 64), generator=g)
-    r = ref()
+    r = int4_ref
     packed = r.pack_int4(q)
     assert packed.dtype == torch.int32 and packed.shape == (3, 6, 8)
     assert torch.equal(r.unpack_int4(packed, 64) - 8, q.int())
@@ -45,7 +39,7 @@ def test_pack_is_unpacks_inverse_and_dequant_rule():
 def test_dequant_matches_the_loader():
     from mlaserve.models.weights import dequant_int4_packed
 
-    r = ref()
+    r = int4_ref
     w = torch.randn(24, 96)
     packed, scale = r.quantize_int4(w)
     got = r.dequant_int4(packed, scale, 96)
@@ -57,7 +51,7 @@ def test_pack_matches_compressed_tensors():
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
     g = torch.Generator().manual_seed(2)
     q = torch.randint(-8, 8, (7, 96), generator=g)
-    packed = ref().pack_int4(q)
+    packed = int4_ref.pack_int4(q)
     assert torch.equal(helpers.pack_to_int32(q.to(torch.int8), 4), packed)
     assert torch.equal(helpers.unpack_from_int32(packed, 4, torch.Size((7, 96))).long(), q)
 
@@ -66,7 +60,7 @@ def test_pack_matches_compressed_tensors():
 def test_reference_moe_is_fused_experts_ref_on_dequantized_weights(offset):
     from mlaserve.layers.moe import fused_experts_ref
 
-    r = ref()
+    r = int4_ref
     g = torch.Generator().manual_seed(3)
     T, D, I, E, K = 5, 64, 32, 6, 3
     w13p, w13s, w2p, w2s = r.random_int4_experts(E, D, I, "cpu", generator=g)

@@ -14,7 +14,7 @@ from mlaserve.layers.quant import (
     quantize_int4,
     unpack_int4,
 )
-from tests.model.quant_ckpt import dequant_fp8
+from tests.helpers.quant_ckpt import dequant_fp8
 
 
 def test_int4_packing_equals_compressed_tensors():

@@ -1,13 +1,13 @@
 """fp32 torch references with the kernels' own signatures, for tests and benchmarks (host loops, host syncs).
 
-They restate attention/torch_ref.py's maths per kernel interface; MoE and RoPE use layers/ directly."""
+They restate attention/torch_ref.py's maths per kernel interface; MoE and RoPE use mlaserve.layers directly."""
 
 from __future__ import annotations
 
 import torch
 
-from ..layers.moe import fused_experts_ref, route_noaux_tc
-from ..layers.rotary import apply_rope
+from mlaserve.layers.moe import fused_experts_ref, route_noaux_tc
+from mlaserve.layers.rotary import apply_rope
 
 
 def _lower_right_causal(n: int, L: int, device) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.kernel_checks import TOL, rel_err
+from tests.helpers.kernel_checks import TOL, rel_err
 
 PAGE = 16
 
@@ -37,16 +37,25 @@ def _batches(attn, device, vocab: int, gen: torch.Generator):
 
 
 def run_model(
-    ckpt: str, device, dtype, backend: str, moe_impl: str, seed: int = 0, num_splits: int | None = None
+    ckpt: str,
+    device,
+    dtype,
+    backend: str,
+    moe_impl: str,
+    seed: int = 0,
+    num_splits: int | None = None,
+    kernels=None,
 ) -> list[torch.Tensor]:
+    """kernels: a KernelConfig for the model (default: the defaults)."""
     from mlaserve.attention.torch_ref import TorchRefBackend
     from mlaserve.attention.triton_mla import TritonMLABackend
     from mlaserve.config import ModelConfig
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
     from mlaserve.models.weights import load_weights
 
     cfg = ModelConfig.from_pretrained(ckpt)
-    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl)
+    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl, kernels=kernels or KernelConfig())
     load_weights(model, ckpt, progress=False)
     model.to(device).eval()
     cache = torch.zeros(cfg.num_hidden_layers, 8, PAGE, cfg.kv_cache_dim, dtype=dtype, device=device)

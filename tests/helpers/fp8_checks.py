@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.kernel_checks import assert_close, nan_like, poisoned_empty
+from tests.helpers.kernel_checks import assert_close, nan_like, poisoned_empty
 
 
 def strided_rows(M: int, K: int, dtype, device, scale: float = 1.0) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.moe import fused_experts_ref
+from mlaserve.layers.moe import fused_experts_ref
 
 GROUP = 32  # columns per scale
 

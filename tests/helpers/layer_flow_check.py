@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.model_backend_check import PAGE, _batches
+from tests.helpers.model_backend_check import PAGE, _batches
 
 
 def forward_before(model, input_ids: torch.Tensor, positions: torch.Tensor, batch):
@@ -35,12 +35,15 @@ def forward_before(model, input_ids: torch.Tensor, positions: torch.Tensor, batc
     return (h, torch.cat([aux[i] for i in model.aux_layer_ids], dim=-1)) if model.aux_layer_ids else h
 
 
-def load_model(ckpt: str, device, dtype, moe_impl: str):
+def load_model(ckpt: str, device, dtype, moe_impl: str, kernels=None):
+    """kernels: a KernelConfig for the model (default: the defaults)."""
     from mlaserve.config import ModelConfig
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
     from mlaserve.models.weights import load_weights
 
-    model = DeepseekV3ForCausalLM(ModelConfig.from_pretrained(ckpt), dtype=dtype, moe_impl=moe_impl)
+    cfg = ModelConfig.from_pretrained(ckpt)
+    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl, kernels=kernels or KernelConfig())
     load_weights(model, ckpt, progress=False)
     return model.to(device).eval()
 

@@ -93,7 +93,7 @@ def check_mla_decode(
 ):
     """The partial buffers mla_decode allocates are NaN-poisoned too."""
     from mlaserve.kernels.mla_decode import mla_decode
-    from mlaserve.kernels.reference import mla_decode_ref
+    from tests.helpers.kernel_refs import mla_decode_ref
 
     T = len(ctx_lens) * q_len
     kv, table, seq_lens = make_paged(ctx_lens, page_size, R + P, dtype, device)
@@ -126,7 +126,7 @@ def check_prefill(
     impl: str = "triton",
 ):
     from mlaserve.kernels.prefill_attention import prefill_attention, prefill_attention_sdpa
-    from mlaserve.kernels.reference import prefill_attention_ref
+    from tests.helpers.kernel_refs import prefill_attention_ref
 
     Tp, C = sum(q_lens), sum(k_lens)
     q = torch.randn(Tp, H, Dqk, device=device).to(dtype)
@@ -167,7 +167,7 @@ def check_prefill_mla(
     """The two-source form as the model calls it: k_nope and v strided views of one [C, H, N+Dv] projection,
     k_rope a view of the latent [C, R+P] shared by all heads (or, rope_per_head, a [C, H, P] view)."""
     from mlaserve.kernels.prefill_attention import prefill_attention_mla
-    from mlaserve.kernels.reference import prefill_attention_ref
+    from tests.helpers.kernel_refs import prefill_attention_ref
 
     Tp, C = sum(q_lens), sum(k_lens)
     q = torch.randn(Tp, H, N + P, device=device).to(dtype)
@@ -337,9 +337,9 @@ def check_routing(
 def check_rope_store_kv(device, dtype, *, T: int, R: int, P: int, page_size: int, num_pages: int, norm: bool = False):
     """norm: the kv_a_layernorm fused into the store, against layers.norm.RMSNorm's torch form then the store.
     The fused norm must equal the unfused kernels bit for bit (greedy outputs must not move)."""
-    from mlaserve.kernels.reference import rope_store_kv_ref
     from mlaserve.kernels.rope_kv import rope_store_kv
     from mlaserve.layers.norm import RMSNorm
+    from tests.helpers.kernel_refs import rope_store_kv_ref
 
     cache = nan_like((num_pages, page_size, R + P), dtype, device)
     slots = torch.randperm(num_pages * page_size, device=device)[:T]
@@ -395,8 +395,8 @@ def check_absorb_q_rope_store_kv(
     reduces the sum of squares with one warp, rope_store_kv with rms_norm's, which may round differently on a GPU
     (the interpreter sums alike, so there the rows are also compared bit for bit). Returns (Q, cache) for replays."""
     from mlaserve.kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv
-    from mlaserve.kernels.reference import rope_store_kv_ref
     from mlaserve.kernels.rope_kv import rope_store_kv
+    from tests.helpers.kernel_refs import rope_store_kv_ref
 
     w_kc = (torch.randn(H * (N + V), R, device=device) / R**0.5).to(dtype).view(H, N + V, R)[:, :N]
     proj = torch.randn(T, H * (N + P) + R + P, device=device).to(dtype)  # [q | kv_a] of one GEMM
@@ -441,8 +441,8 @@ def check_absorb_q_rope_store_kv(
 def check_rope_q(device, dtype, *, T: int, H: int, P: int, alias: bool, head_major: bool = False):
     """x = q[..., N:] (a strided view); out is x (in place, the prefill form) or a view of another buffer (the
     decode form's Q[..., R:]). head_major: x is a [H, T, P] buffer transposed (token stride < head stride)."""
-    from mlaserve.kernels.reference import rope_q_ref
     from mlaserve.kernels.rope_kv import rope_q
+    from tests.helpers.kernel_refs import rope_q_ref
 
     if head_major:
         x = torch.randn(H, T, 16 + P, device=device).to(dtype)[..., 16:].transpose(0, 1)

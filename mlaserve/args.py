@@ -1,0 +1,206 @@
+"""The command-line flags `serve` and `generate` share (vLLM/SGLang names), and what they become: the LLM(...)
+keywords, a ParallelConfig, SamplingParams. Shared by the entry points, so that the library (`llm.py`) never
+imports the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import ParallelConfig
+from .types import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `serve` and `generate` (vLLM/SGLang names)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's) | bfloat16 | float16 | float32")
+    g.add_argument("--page-size", type=int, default=64, help="tokens per KV-cache page")
+    g.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (default: sized from memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="CPU: KV-cache size")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    g.add_argument("--chunked-prefill-size", type=int, default=8192, help="largest prefill chunk per request")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="read each decode step back before launching the next (no overlapped decode)",
+    )
+    g.add_argument("--prefill-graph-max-tokens", type=int, default=8192, help="largest prefill CUDA graph")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights in place, reading no weight files",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    add_parallel_args(p)
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        choices=["EAGLE3", "REPLAY"],
+        help="REPLAY is a benchmark-only draft: it proposes recorded greedy outputs (--speculative-replay-path)",
+    )
+    s.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="the EAGLE3 draft (with REPLAY: optional, its forward runs each step and its tokens are replaced)",
+    )
+    s.add_argument("--speculative-num-steps", type=int, default=1)
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="verify width (num-steps + 1)")
+    s.add_argument(
+        "--speculative-aux-layer-offset",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="0: the draft reads the stream entering its aux layer ids (vLLM); 1: leaving them (SGLang)",
+    )
+    s.add_argument(
+        "--speculative-replay-path",
+        default=None,
+        help="REPLAY (benchmark only): recorded greedy outputs, as `bench serve --save-replay FILE` writes them",
+    )
+    s.add_argument(
+        "--speculative-replay-miss-rate",
+        type=float,
+        default=0.0,
+        help="REPLAY (benchmark only): probability that a draft position is a deliberate miss (acceptance 1 - p)",
+    )
+    s.add_argument("--speculative-replay-seed", type=int, default=0, help="REPLAY (benchmark only): the misses' seed")
+
+
+ENGINE_FIELDS = (
+    "device",
+    "dtype",
+    "page_size",
+    "num_pages",
+    "gpu_memory_utilization",
+    "kv_cache_memory_gb",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "chunked_prefill_size",
+    "max_model_len",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "disable_overlap_schedule",
+    "prefill_graph_max_tokens",
+    "attention_backend",
+    "moe_backend",
+    "load_format",
+    "seed",
+)
+
+
+def engine_kwargs_from_args(args) -> dict:
+    kw = {f: getattr(args, f) for f in ENGINE_FIELDS}
+    for f in ("tp", "attn_tp_size", "moe_tp_size", "ep_size"):
+        if getattr(args, f, None) is not None:
+            kw[f] = getattr(args, f)
+    if args.nnodes > 1:
+        kw.update(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+    if args.dist_init_timeout is not None:
+        kw["dist_init_timeout"] = args.dist_init_timeout
+    if args.speculative_algorithm:
+        kw["speculative_config"] = {
+            "algorithm": args.speculative_algorithm,
+            "draft_model": args.speculative_draft_model_path,
+            "num_steps": args.speculative_num_steps,
+            "num_draft_tokens": args.speculative_num_draft_tokens or args.speculative_num_steps + 1,
+            "aux_layer_offset": args.speculative_aux_layer_offset,
+        }
+        if args.speculative_algorithm == "REPLAY":
+            kw["speculative_config"].update(
+                replay_path=args.speculative_replay_path,
+                replay_miss_rate=args.speculative_replay_miss_rate,
+                replay_seed=args.speculative_replay_seed,
+            )
+    return kw
+
+
+def run_if_follower_node(args) -> int | None:
+    """On nodes > 0 of a multi-node run, serve as followers of node 0's engine; None on node 0."""
+    if args.nnodes <= 1 or args.node_rank == 0:
+        return None
+    from .config import EngineConfig
+    from .distributed.engine_ranks import run_follower_node
+
+    kw = {f: getattr(args, f) for f in ENGINE_FIELDS}
+    return run_follower_node(EngineConfig(model=args.model, **kw), parallel_config_from_args(args))
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism (one process per rank; world = attn-tp = moe-tp * ep)")
+    g.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=int,
+        default=None,
+        help="shorthand: --attn-tp-size N --moe-tp-size N --ep-size 1",
+    )
+    g.add_argument("--attn-tp-size", type=int, default=None, help="ranks splitting the attention heads")
+    g.add_argument(
+        "--moe-tp-size",
+        type=int,
+        default=None,
+        help="ranks splitting each routed expert's intermediate dim (default: world / ep)",
+    )
+    g.add_argument("--ep-size", type=int, default=None, help="ranks splitting the routed experts (default: 1)")
+    g.add_argument("--nnodes", type=int, default=1, help="machines (default: 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 runs the scheduler")
+    g.add_argument(
+        "--dist-init-addr",
+        default=None,
+        help="host:port of node 0 for torch.distributed's rendezvous (needed with --nnodes > 1)",
+    )
+    g.add_argument(
+        "--dist-init-timeout",
+        type=float,
+        default=None,
+        help="seconds the ranks wait for each other at start before giving up with a message (default: 300)",
+    )
+
+
+def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig.from_tp(
+        args.tp,
+        attn_tp_size=args.attn_tp_size,
+        moe_tp_size=args.moe_tp_size,
+        ep_size=args.ep_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        **({} if args.dist_init_timeout is None else {"dist_init_timeout_s": args.dist_init_timeout}),
+    )

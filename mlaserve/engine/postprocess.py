@@ -1,0 +1,119 @@
+"""After a step's tokens are read back: append them to their requests, detokenize, check stop conditions, register
+full pages in the prefix cache, finish requests (freeing their pages), and emit one StepOutput per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..detokenizer import IncrementalDetokenizer
+from ..types import Request, RequestStatus, Usage
+from .scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: the tokens and text it added (one streamed event)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    new_logprobs: list[float] | None
+    usage: Usage
+
+
+@dataclass
+class ReqState:
+    """The engine's per-request state beside the scheduler's Request."""
+
+    req: Request
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None  # the request's own (seeded) sampling generator
+    eos: frozenset[int]
+    drafts: list[int] | None = None  # speculative decoding: the proposer's tokens for the next verify step
+
+
+class Postprocessor:
+    def __init__(self, scheduler: Scheduler, states: dict[str, ReqState], max_model_len: int):
+        self.scheduler, self.states, self.max_model_len = scheduler, states, max_model_len
+        self.num_generated_tokens = 0
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The step's fed tokens now have KV: count them computed and register newly full pages. Requests that
+        finished meanwhile (stopped on the step before, or aborted) are skipped: their pages are gone."""
+        for c in out.chunks:
+            if c.req.status == RequestStatus.FINISHED:
+                continue
+            c.req.num_computed_tokens += c.num_new
+            self.scheduler.commit_pages(c.req)
+
+    def sampled(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float] | None) -> list[StepOutput]:
+        """Append the step's sampled tokens (one per sampling chunk, in chunk order) -> one event per request."""
+        results = []
+        for j, c in enumerate(c for c in out.chunks if c.sample):
+            if c.req.status == RequestStatus.FINISHED:  # stopped on the step before, or aborted: drop its token
+                continue
+            lp = [logprobs[j]] if logprobs is not None and c.req.params.logprobs is not None else None
+            results.append(self.append(c.req, [tokens[j]], lp))
+        return results
+
+    def append(self, req: Request, new_tokens: list[int], logprobs: list[float] | None) -> StepOutput:
+        """Append tokens one by one, stopping at the first stop condition; emits one event."""
+        st = self.states[req.request_id]
+        p = req.params
+        added, text, reason, stop_reason = [], "", None, None
+        for t in new_tokens:
+            req.output_token_ids.append(t)
+            added.append(t)
+            delta, stop_str = st.detok.step([t])
+            text += delta
+            if stop_str is not None:
+                reason, stop_reason = "stop", stop_str
+            elif t in p.stop_token_ids:
+                reason, stop_reason = "stop", t
+            elif t in st.eos:
+                reason = "stop"
+            elif self.at_length(req):
+                reason = "length"
+            if reason:
+                break
+        if reason and not isinstance(stop_reason, str):
+            text += st.detok.flush()[0]  # release text held back for a possible stop string or half character
+        if logprobs is not None:
+            req.output_logprobs += logprobs[: len(added)]
+        self.num_generated_tokens += len(added)
+        if reason:
+            self.scheduler.finish(req, reason, stop_reason)
+            del self.states[req.request_id]
+        return StepOutput(
+            req.request_id,
+            added,
+            text,
+            reason is not None,
+            reason,
+            stop_reason,
+            logprobs[: len(added)] if logprobs is not None else None,
+            self.usage(req),
+        )
+
+    def at_length(self, req: Request, more: int = 0) -> bool:
+        """The request's output reaches max_tokens, or its length max_model_len, once `more` tokens are added."""
+        p = req.params
+        return (
+            p.max_tokens is not None and len(req.output_token_ids) + more >= p.max_tokens
+        ) or req.num_tokens + more >= self.max_model_len
+
+    @staticmethod
+    def usage(req: Request) -> Usage:
+        return Usage(
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            req.num_cached_tokens,
+            req.spec_draft_tokens,
+            req.spec_accepted_tokens,
+            tuple(req.spec_accepted_per_position),
+        )
