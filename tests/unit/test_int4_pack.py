@@ -37,13 +37,13 @@ def test_pack_is_unpacks_inverse_and_dequant_rule():
 
 
 def test_dequant_matches_the_loader():
-    from mlaserve.models.weights import dequant_int4_packed
+    from mlaserve.layers.quant import dequant_int4 as loader_dequant
 
     r = int4_ref
     w = torch.randn(24, 96)
     packed, scale = r.quantize_int4(w)
     got = r.dequant_int4(packed, scale, 96)
-    assert torch.equal(got, dequant_int4_packed(packed, scale, (24, 96), torch.float32))
+    assert torch.equal(got, loader_dequant(packed, scale, 96))
     assert (got - w).abs().max() <= scale.float().max() / 2 + 1e-6
 
 
