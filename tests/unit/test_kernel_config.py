@@ -68,6 +68,23 @@ def test_engine_hands_its_kernel_config_down_and_logs_it(tiny_ckpt, caplog):
     assert [r.message for r in caplog.records].count(f"kernels: {kc}") == 1
 
 
+@pytest.mark.parametrize("ckpt", ["int4_ckpt", "fp8_ckpt"])
+def test_quantized_modules_get_the_kernel_config(ckpt, request):
+    """Fp8Linear and the quantized experts take the config the way Linear and Experts do (use_kernels)."""
+    from mlaserve.config import ModelConfig
+    from mlaserve.layers.fp8_linear import Fp8Linear
+    from mlaserve.layers.quant_experts import QuantExperts
+    from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    path = request.getfixturevalue(ckpt)
+    kc = KernelConfig(pdl=False, no_align_max_pairs=3)
+    model = DeepseekV3ForCausalLM(ModelConfig.from_pretrained(path), kernels=kc)
+    quant = [m for m in model.modules() if isinstance(m, (Fp8Linear, QuantExperts))]
+    assert quant and all(m.kernels is kc for m in quant)
+    if ckpt == "fp8_ckpt":
+        assert any(isinstance(m, Fp8Linear) for m in quant)
+
+
 def test_no_module_reads_the_environment_at_its_point_of_use():
     """os.environ / os.getenv appear only in kernel_config.py (the kernel switches) and paths.py (the cache)."""
     allowed = {"kernel_config.py", "paths.py"}
