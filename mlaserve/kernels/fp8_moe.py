@@ -80,13 +80,15 @@ def fp8_moe_config(
     return c1, c2
 
 
-def moe_form(T: int, K: int, E: int, config=None) -> tuple[bool, bool, bool]:
-    """-> (no_align, gemv, a8): fp8_fused_experts' form for T tokens of top-K over E local experts (config's
-    "no_align" / "gemv" / "a8", else the defaults)."""
+def moe_form(T: int, K: int, E: int, config=None, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, bool, bool]:
+    """-> (no_align, gemv, a8): fp8_fused_experts' form for T tokens of top-K over E local experts with x in `dtype`
+    (config's "no_align" / "gemv" / "a8", else the defaults; fp32 x is never W8A8 unless forced, as in
+    fp8_linear.linear_form)."""
     cfg = config or {}
     no_align = bool(cfg.get("no_align", T * K <= NO_ALIGN_MAX_PAIRS))
     gemv = cfg.get("gemv", no_align)
-    a8 = not gemv and bool(cfg.get("a8", T * K / E > A8_MIN_ROWS_PER_EXPERT))
+    a8_default = T * K / E > A8_MIN_ROWS_PER_EXPERT and dtype != torch.float32
+    a8 = not gemv and bool(cfg.get("a8", a8_default))
     return no_align, gemv, a8
 
 
@@ -149,7 +151,7 @@ def fp8_fused_experts(
     if T == 0:  # checks `add`; empty
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local)
     TK = T * K
-    no_align, gemv, a8 = moe_form(T, K, E, config)
+    no_align, gemv, a8 = moe_form(T, K, E, config, x.dtype)
     config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8")}
     launch = pdl_args(x) if pdl is None or pdl else dict(PDL=False, launch_pdl=False)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)

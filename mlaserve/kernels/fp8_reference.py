@@ -29,13 +29,21 @@ def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, half_rows: int |
     return w.float() * scale_inv.float()[..., rows, :][..., cols]
 
 
+def act_scale(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 amax -> the group's scale max(amax, floor) / 448, correctly rounded on every device. (A tensor divided by
+    a Python number runs on CUDA as a multiply by its fp32 reciprocal, 1 ulp off the quotient at times: so the
+    divisor is a tensor here, as it is (div_rn) in the kernels.)"""
+    a = amax.float().clamp_min(AMAX_FLOOR)
+    return a / torch.full_like(a, FP8_MAX)
+
+
 def fp8_act_quant_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q e4m3 [M, K], s fp32 [M, ceil(K/group)]) with x ~= q * s per group: s = max(amax, floor) / 448,
-    q = e4m3(x / s) (round to nearest even; |x / s| <= 448 by construction)."""
+    """x [M, K] -> (q e4m3 [M, K], s fp32 [M, ceil(K/group)]) with x ~= q * s per group: s = max(amax, floor) / 448
+    (act_scale), q = e4m3(x / s) (both divisions correctly rounded; round to nearest even; |x / s| <= 448)."""
     M, K = x.shape
     G = -(-K // group)
     xf = F.pad(x.float(), (0, G * group - K)).view(M, G, group)
-    s = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX  # [M, G]
+    s = act_scale(xf.abs().amax(-1))  # [M, G]
     q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(M, G * group)[:, :K], s
 
@@ -108,6 +116,6 @@ def make_fp8_weight(N: int, K: int, E: int | None = None, *, device="cpu", half_
     w = w * spread[rows].repeat_interleave(BLOCK, 1)
     blk = w.abs().view(N, gk, BLOCK).amax(-1)  # [N, gk]
     amax = torch.zeros(gn, gk, device=device).scatter_reduce_(0, rows[:, None].expand(N, gk), blk, "amax")
-    scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
+    scale = act_scale(amax)
     q = (w / scale[rows].repeat_interleave(BLOCK, 1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q[:, :K].contiguous(), scale

@@ -3,13 +3,14 @@
 - At real shapes (Kimi-K2.5 with INT4 experts, DeepSeek-V3 with FP8; two layers, 32 experts, a 32k vocab), the
   quantized GPU path's logits stay within the tolerance the bf16 path meets against the fp32 torch reference
   (tests/model_backend_check.py), the reference dequantizing the same stored weights per call.
-- CUDA-graph greedy tokens equal eager ones on the tiny quantized checkpoints (partial FP8 blocks included).
+- CUDA-graph greedy tokens equal eager ones on the tiny quantized checkpoints (partial FP8 blocks included; a
+  kv_lora_rank the Triton MLA kernels take).
 - Weights stay quantized on the device."""
 
 import pytest
 import torch
 
-from tests.model.quant_ckpt import FP8_ODD, make_quantized
+from tests.model.quant_ckpt import FP8_ODD_TRITON, make_quantized
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +52,7 @@ def test_graphs_equal_eager_on_quantized_checkpoints(scheme, tmp_path):
     from mlaserve.layers.quant_experts import QuantExperts
 
     _need_kernels(scheme)
-    path = make_quantized(tmp_path / "m", scheme, **(FP8_ODD if scheme == "fp8-block" else {}))
+    path = make_quantized(tmp_path / "m", scheme, **(FP8_ODD_TRITON if scheme == "fp8-block" else {}))
     prompts = [[1, 2, 3], list(range(10, 90)), [400] * 7]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = {}
