@@ -34,7 +34,7 @@ __all__ = [
     "linear_form",
 ]
 
-GEMV_MAX_ROWS = 8  # up to here the GEMV (<= FP8_GEMV_MAX_ROWS)
+GEMV_MAX_ROWS = 2  # up to here the GEMV (<= FP8_GEMV_MAX_ROWS): decode at batch 1-2, verify of width 2
 A16_MAX_ROWS = 64  # the Triton GEMM quantizes x (W8A8) above this
 SCALED_MM_MIN_ROWS = 256  # scaled_mm from here on where it can run
 FORMS = ("gemv", "triton", "scaled_mm")

@@ -17,6 +17,7 @@ GEMV = dict(gemv1=dict(BLOCK_N=32, BLOCK_K=128), gemv2=dict(BLOCK_N=64, BLOCK_K=
         (1, 200, 48, 8, 8, 0, 2),  # D: 2 column blocks, the second partial; I < 128
         (2, 256, 176, 6, 3, 2, 2),  # EP: experts [2, 5) of 6; I = 176: gate / up each 2 scale rows, one partial
         (4, 128, 160, 8, 8, 0, 4),  # 16 pairs: the most the GEMV form serves by default
+        (1, 520, 640, 4, 4, 0, 2),  # D: two steps of two trips and a masked last; I: the first step, one more, a last
     ],
 )
 def test_gemv_form(kdev, T, D, I, E_total, E_local, offset, K):
@@ -27,6 +28,11 @@ def test_gemv_form(kdev, T, D, I, E_total, E_local, offset, K):
 def test_gemv_form_bf16_with_add(kdev):
     cfg = dict(gemv=GEMV)
     fc.check_fp8_moe(kdev, BF, T=3, D=200, I=48, E_total=8, E_local=8, offset=0, K=2, config=cfg, add=True)
+
+
+def test_gemv_form_default_tiles(kdev):
+    """fp8_moe_gemv_config's own tiles (whole 1024- and 256-column trips, no masks) on a pair of steps."""
+    fc.check_fp8_moe(kdev, BF, T=2, D=2048, I=256, E_total=4, E_local=4, offset=0, K=2)
 
 
 @pytest.mark.parametrize("a8", [False, True])
