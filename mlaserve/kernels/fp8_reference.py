@@ -73,7 +73,11 @@ def fp8_fused_experts_ref(
 ) -> torch.Tensor:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert is local, in fp32 on the
     dequantized weights -> [T, D] fp32. a8: x and the intermediate h quantized per token per 128 channels before
-    their GEMMs (the W8A8 form's maths)."""
+    their GEMMs (the W8A8 form's maths), as the kernel does: h = silu(gate) * up in fp32, never rounded to x's
+    dtype, quantized per (row, 128-channel group) with fp8_act_quant_ref's scale (act_scale: a correctly rounded
+    division, as the kernel's div_rn). Quantizing h amplifies any difference in it: a relative difference d moves
+    the result by about sqrt(d * 0.09) (codes flip where h sits near an e4m3 rounding boundary), so the two must
+    compute h and its scales the same way, not merely closely."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
