@@ -141,7 +141,9 @@ def run_fp8_linear(rep: Report, sz: Sizes):
                     fn = lambda w, c=cfg: fp8_block_linear(x, *w, config=c)  # noqa: B023, E731
                     ws, nbytes = fp8s, N * K + s8.numel() * 4
                 case = f"{name} [{N},{K}] M={M} {label}"
-                _add(rep, "fp8_linear", case, fn, ws, refs[a8], sz, nbytes + io, 2.0 * M * N * K, M <= 32, **extra)
+                ex = refs[False] if a8 else None
+                flops = 2.0 * M * N * K
+                _add(rep, "fp8_linear", case, fn, ws, refs[a8], sz, nbytes + io, flops, M <= 32, ex, **extra)
             qbytes = M * K * 3 + M * -(-K // 128) * 4
             case = f"{name} [{N},{K}] M={M} fp8_act_quant alone"
             _add(rep, "fp8_linear", case, lambda w: fp8_act_quant(x), [None], None, sz, qbytes, 0.0, True, **extra)  # noqa: B023
@@ -150,12 +152,17 @@ def run_fp8_linear(rep: Report, sz: Sizes):
             torch.cuda.empty_cache()
 
 
-def _add(rep, kernel, case, fn, ws, ref, sz, nbytes, flops, decode, **extra):
+def _add(rep, kernel, case, fn, ws, ref, sz, nbytes, flops, decode, exact=None, **extra):
     """One row: the error of fn(ws[0]) against ref (None: no check), the time over ws in turn; bytes (decode) or
-    FLOPs. A form that fails (a torch without scaled_mm's blockwise scaling, a tile out of resources) prints."""
+    FLOPs. exact (W8A8 forms): the unquantized-activation reference too, its error appended to the case as "vs
+    exact" (what the quantization of x and h costs; the relerr column holds the kernel to its own maths). A form
+    that fails (a torch without scaled_mm's blockwise scaling, a tile out of resources) prints."""
     try:
         out = fn(ws[0])
         err = None if ref is None else rel(out, ref)
+        if exact is not None:
+            extra["err_vs_exact"] = rel(out, exact)
+            case = f"{case} [vs exact {extra['err_vs_exact']:.1e}]"
         ms = _timed(fn, ws, sz)
         rep.add(kernel, case, ms, nbytes if decode else 0.0, 0.0 if decode else flops, err=err, **extra)
     except Exception as e:
@@ -229,7 +236,8 @@ def run_fp8_moe(rep: Report, sz: Sizes):
                 nbytes = n_exp * wbytes + 2 * T * D * 2
                 case = f"{name} T={T} experts={n_exp:.0f} {label}"
                 extra = dict(shape=name, T=T, experts=n_exp, form=label)
-                _add(rep, "fp8_moe", case, fn, rs, refs[a8], sz, nbytes, 6.0 * pairs * D * I, T <= 64, **extra)
+                ex = refs[False] if a8 else None
+                _add(rep, "fp8_moe", case, fn, rs, refs[a8], sz, nbytes, 6.0 * pairs * D * I, T <= 64, ex, **extra)
         w13 = w2 = w13b = w2b = None
         if sz.dev == "cuda":
             torch.cuda.empty_cache()
