@@ -2,7 +2,8 @@
 
 - At real shapes (Kimi-K2.5 with INT4 experts, DeepSeek-V3 with FP8; two layers, 32 experts, a 32k vocab), the
   quantized GPU path's logits stay within the tolerance the bf16 path meets against the fp32 torch reference
-  (tests/model_backend_check.py), the reference dequantizing the same stored weights per call.
+  (tests/model_backend_check.py), the reference dequantizing the same stored weights per call: in small mixed
+  steps, and (FP8) in a 2048-token prefill, which runs the W8A8 forms.
 - CUDA-graph greedy tokens equal eager ones on the tiny quantized checkpoints (partial FP8 blocks included; a
   kv_lora_rank the Triton MLA kernels take).
 - Weights stay quantized on the device."""
@@ -43,6 +44,29 @@ def test_quantized_logits_within_the_bf16_tolerance(real_ckpt):
     scheme, path = real_ckpt
     errs = check_model_backends(path, "cuda", torch.bfloat16, "triton")
     print(f"{scheme}: logits per-row rel err median per step {errs}")
+
+
+def test_fp8_prefill_logits_within_the_bf16_tolerance(real_ckpt, monkeypatch):
+    """A 2048-token prefill of the FP8 checkpoint (2 layers, real shapes): the dense linears take scaled_mm's W8A8
+    (M >= SCALED_MM_MIN_ROWS) and the MoE its W8A8 grouped GEMMs (512 rows an expert), held to the bf16 criterion
+    against the fp32 reference on the dequantized weights. The same prefill with every FP8 kernel kept W8A16 is
+    measured beside it (printed): what W8A8's activation quantization costs at the model level."""
+    from mlaserve.kernels import fp8_linear, fp8_moe
+    from tests.model_backend_check import check_prefill_logits
+
+    scheme, path = real_ckpt
+    if scheme != "fp8-block":
+        pytest.skip("the FP8 checkpoint's W8A8 forms")
+    w8a8 = check_prefill_logits(path, "cuda", "triton", 2048)
+    print(f"W8A8 (default): {w8a8['msg']}")
+    with monkeypatch.context() as m:
+        m.setattr(fp8_linear, "SCALED_MM_MIN_ROWS", 1 << 30)
+        m.setattr(fp8_linear, "A16_MAX_ROWS", 1 << 30)
+        m.setattr(fp8_moe, "A8_MIN_ROWS_PER_EXPERT", float("inf"))
+        try:
+            print(f"W8A16 everywhere: {check_prefill_logits(path, 'cuda', 'triton', 2048)['msg']}")
+        except AssertionError as e:
+            print(f"W8A16 everywhere: {e}")
 
 
 @pytest.mark.parametrize("scheme", ["int4-experts", "fp8-block"])
