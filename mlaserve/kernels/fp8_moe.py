@@ -130,12 +130,15 @@ def fp8_fused_experts(
     expert_offset: int = 0,
     *,
     add: torch.Tensor | None = None,
+    norm: tuple | None = None,
     all_local: bool = True,
     pdl: bool | None = None,
     config: dict | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e - expert_offset is in
-    [0, E) (others contribute nothing: EP, the caller all-reduces), plus `add` [T, D] -> [T, D] in x.dtype.
+    [0, E) (others contribute nothing: EP, the caller all-reduces), plus `add` [T, D] -> [T, D] in x.dtype; with
+    norm = (weight [D], eps, residual [T, D]) the add + RMSNorm after the MoE fused into the sum (one rank):
+    -> (norm(out + residual), out + residual), as moe_sum.
     x [T, D]; w13 e4m3 [E, 2I, D] (gate rows, then up rows) with w13_scale_inv fp32 [E, 2*ceil(I/128),
     ceil(D/128)]; w2 e4m3 [E, D, I] with w2_scale_inv [E, ceil(D/128), ceil(I/128)]; topk_weights [T, K] fp32;
     topk_ids [T, K] int. Equals fp8_reference.fp8_fused_experts_ref(a8=False) (GEMV and A16 forms) or (a8=True).
@@ -149,7 +152,7 @@ def fp8_fused_experts(
     I = I2 // 2
     K = topk_ids.shape[-1]
     if T == 0:  # checks `add`; empty
-        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local)
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local)
     TK = T * K
     no_align, gemv, a8 = moe_form(T, K, E, config, x.dtype)
     config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8")}
@@ -162,7 +165,7 @@ def fp8_fused_experts(
         gcfg = gemv if isinstance(gemv, dict) else None
         args = (x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_offset)
         fp8_moe_gemv(*args, hbuf, y, launch, gcfg)
-        return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)
+        return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local)
     c1, c2 = fp8_moe_config(T, K, E, D, I, a8, x.dtype, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
@@ -248,4 +251,4 @@ def fp8_fused_experts(
         **common,
         **launch,
     )
-    return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)
+    return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local)

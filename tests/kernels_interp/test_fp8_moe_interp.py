@@ -97,3 +97,26 @@ def test_checks_name_the_argument(kdev):
         fp8_fused_experts(x, w13, s13, w2, s2, w, ids, config=dict(no_align=False, gemv=True))
     with pytest.raises(ValueError, match="add"):
         fp8_fused_experts(x, w13, s13, w2, s2, w, ids, add=x[:2], config=dict(gemv=GEMV))
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+def test_fused_norm_equals_sum_then_add_norm(kdev, gemv):
+    """norm=(weight, eps, residual): the add + RMSNorm after the MoE fused into the sum gives the bits of the
+    unfused output followed by add_rms_norm (the quantized MoE layer's fused path, one rank)."""
+    from mlaserve.kernels.fp8_moe import fp8_fused_experts
+    from mlaserve.kernels.rmsnorm import add_rms_norm
+    from tests.kernel_checks import poisoned_empty
+
+    T, D, I, E, K = 3, 200, 48, 8, 2
+    w13, s13, w2, s2 = fc.make_fp8_experts(kdev, E=E, D=D, I=I)
+    x = torch.randn(T, D, device=kdev).to(BF)
+    ids, w = fc.moe_routing(kdev, T=T, K=K, E_total=E)
+    add = fc.strided_rows(T, D, BF, kdev)
+    residual = fc.strided_rows(T, D, BF, kdev)
+    nw = (1 + 0.1 * torch.randn(D, device=kdev)).to(BF)
+    cfg = dict(gemv=GEMV) if gemv else dict(gemv=False, BLOCK_M=16, gemm2=dict(BLOCK_N=64))
+    with poisoned_empty():
+        out = fp8_fused_experts(x, w13, s13, w2, s2, w, ids, add=add, config=cfg)
+        ref_normed, ref_s = add_rms_norm(out, residual, nw, 1e-6)
+        normed, s = fp8_fused_experts(x, w13, s13, w2, s2, w, ids, add=add, norm=(nw, 1e-6, residual), config=cfg)
+    assert torch.equal(s, ref_s) and torch.equal(normed, ref_normed)
