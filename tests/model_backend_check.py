@@ -89,12 +89,18 @@ def run_prefill(ckpt: str, device, dtype, backend: str, moe_impl: str, length: i
     return logits
 
 
-def check_prefill_logits(ckpt: str, device, moe_impl: str, length: int) -> dict:
+def prefill_refs(ckpt: str, device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the fp32 torch path's logits of a `length`-token prefill, the bf16 torch path's per-row errors to it)."""
+    ref = run_prefill(ckpt, device, torch.float32, "torch", "torch", length)
+    return ref, _row_errs(run_prefill(ckpt, device, torch.bfloat16, "torch", "torch", length), ref)
+
+
+def check_prefill_logits(ckpt: str, device, moe_impl: str, length: int, refs=None) -> dict:
     """A `length`-token prefill in bf16 through the Triton path against the fp32 torch reference, held to
     check_model_backends' bf16 criterion (the typical row within max(2e-2, 1.5 x the bf16 torch path's median), at
-    most max(20%, 2 x its share) of rows off by more than 5e-2) -> the errors."""
-    ref = run_prefill(ckpt, device, torch.float32, "torch", "torch", length)
-    base = _row_errs(run_prefill(ckpt, device, torch.bfloat16, "torch", "torch", length), ref)
+    most max(20%, 2 x its share) of rows off by more than 5e-2) -> the errors. refs: prefill_refs' (computed if
+    None)."""
+    ref, base = refs if refs is not None else prefill_refs(ckpt, device, length)
     rows = _row_errs(run_prefill(ckpt, device, torch.bfloat16, "triton", moe_impl, length), ref)
     err, far = rows.median().item(), (rows > 5e-2).float().mean().item()
     base_err, base_far = base.median().item(), (base > 5e-2).float().mean().item()

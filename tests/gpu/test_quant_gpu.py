@@ -52,21 +52,22 @@ def test_fp8_prefill_logits_within_the_bf16_tolerance(real_ckpt, monkeypatch):
     against the fp32 reference on the dequantized weights. The same prefill with every FP8 kernel kept W8A16 is
     measured beside it (printed): what W8A8's activation quantization costs at the model level."""
     from mlaserve.kernels import fp8_linear, fp8_moe
-    from tests.model_backend_check import check_prefill_logits
+    from tests.model_backend_check import check_prefill_logits, prefill_refs
 
     scheme, path = real_ckpt
     if scheme != "fp8-block":
         pytest.skip("the FP8 checkpoint's W8A8 forms")
-    w8a8 = check_prefill_logits(path, "cuda", "triton", 2048)
-    print(f"W8A8 (default): {w8a8['msg']}")
+    refs = prefill_refs(path, "cuda", 2048)
     with monkeypatch.context() as m:
         m.setattr(fp8_linear, "SCALED_MM_MIN_ROWS", 1 << 30)
         m.setattr(fp8_linear, "A16_MAX_ROWS", 1 << 30)
         m.setattr(fp8_moe, "A8_MIN_ROWS_PER_EXPERT", float("inf"))
         try:
-            print(f"W8A16 everywhere: {check_prefill_logits(path, 'cuda', 'triton', 2048)['msg']}")
+            print(f"\nW8A16 everywhere: {check_prefill_logits(path, 'cuda', 'triton', 2048, refs)['msg']}")
         except AssertionError as e:
-            print(f"W8A16 everywhere: {e}")
+            print(f"\nW8A16 everywhere: {e}")
+    w8a8 = check_prefill_logits(path, "cuda", "triton", 2048, refs)
+    print(f"W8A8 (default): {w8a8['msg']}")
 
 
 @pytest.mark.parametrize("scheme", ["int4-experts", "fp8-block"])
