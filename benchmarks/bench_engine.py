@@ -268,6 +268,7 @@ def main():
         help="after the quantized model's rows, time the same model unquantized (bf16, dummy) in the same run: "
         "TTFT rows with the quantized/bf16 ratio",
     )
+    ap.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # the bf16 twin's rows, for its parent
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -324,6 +325,10 @@ def main():
         res["transformers"] = hf_bench(path, hf_cases, ttfts, vocab)
         log("transformers:", json.dumps(res["transformers"]))
 
+    twin = None
+    if a.compare_unquantized:  # first, in a child process: its GPU memory is the driver's again when it exits
+        twin = run_unquantized_twin(a)
+
     from mlaserve.engine.engine import LLMEngine
 
     cfg = EngineConfig(
@@ -343,7 +348,7 @@ def main():
     res["weight_bytes"] = vars(engine.runner.weight_bytes)
     log(engine.runner.weight_bytes.line())
     res["mlaserve_init_s"] = time.perf_counter() - t
-    rows = []
+    rows = Rows(res, a, twin)
     if not a.spec_only:
         for n in ttfts:
             s = ml_ttft(engine, n, vocab)
@@ -409,9 +414,8 @@ def main():
             a.out,
         )
         rows += sweep
-    if a.compare_unquantized:
-        engine = _free(engine)
-        rows += unquantized_ttft_rows(a, cfg, mcfg, ttfts, vocab, rows)
+    for r in twin or []:
+        rows.append(dict(r, figure=f"{r['figure']}, unquantized bf16 (child process)"))
     if a.profile and not a.spec_only and engine is not None:
         res["profile"] = profile(engine, vocab, max(ttfts))
     if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)
@@ -425,76 +429,86 @@ def main():
     for r in rows:
         if "hf_key" in r:
             r["hf_ms"] = _ms(res, r.pop("hf_key"))
-    res["rows"] = rows
+    res["rows"] = rows = list(rows)
+    if a.result_json:
+        with open(a.result_json, "w") as f:
+            json.dump(rows, f)
     log(
         f"\n{a.label} on {res['gpu']}  (params {res['params_b']:.2f} B; load {res['mlaserve_load_s']:.1f}s, "
         f"init incl. graphs {res['mlaserve_init_s']:.1f}s; transformers load {_get(res, 'load_s')})"
     )
     log(f"{'figure':44s} {'mlaserve ms':>12s} {'floor ms':>9s} {'x floor':>8s} {'transformers ms':>16s}")
     for r in rows:
-        ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
-        log(
-            f"{r['figure']:44s} {r['ms']:12.2f} {r.get('floor_ms') or 0:9.2f} {ratio:>8} "
-            f"{r['hf_ms'] if r.get('hf_ms') is not None else '-':>16}"
-            + (
-                f"   (graph replay alone {r['replay_ms']:.2f} ms, {100 * r['overlapped']:.0f}% overlapped)"
-                if r.get("replay_ms")
-                else ""
-            )
-            + (
-                f" [SM {r['gpu_after']['sm_mhz']:.0f} MHz, {r['gpu_after']['temp_c']:.0f} C]"
-                if r.get("gpu_after")
-                else ""
-            )
+        log(row_line(r))
+    rows_save(res, a)
+
+
+def row_line(r: dict) -> str:
+    ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
+    return (
+        f"{r['figure']:44s} {r['ms']:12.2f} {r.get('floor_ms') or 0:9.2f} {ratio:>8} "
+        f"{r['hf_ms'] if r.get('hf_ms') is not None else '-':>16}"
+        + (
+            f"   (graph replay alone {r['replay_ms']:.2f} ms, {100 * r['overlapped']:.0f}% overlapped)"
+            if r.get("replay_ms")
+            else ""
         )
-    name = f"engine_{a.label}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+        + (f"   {r['quantized_over_bf16']:.3f} x bf16's {r['bf16_ms']:.2f} ms" if r.get("quantized_over_bf16") else "")
+        + (f" [SM {r['gpu_after']['sm_mhz']:.0f} MHz, {r['gpu_after']['temp_c']:.0f} C]" if r.get("gpu_after") else "")
+    )
+
+
+def rows_save(res: dict, a) -> None:
+    """res as JSON into --out and benchmarks/results/ (one name a run: each save replaces the last)."""
+    name = res.setdefault("file", f"engine_{a.label}_{time.strftime('%Y%m%d-%H%M%S')}.json")
     for d in (a.out, os.path.join(os.path.dirname(__file__), "results")):
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, name), "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump(res, f, indent=1, default=str)
 
 
-def _free(engine):
-    """Give back a finished engine's GPU memory (graphs first) before building another in the same process."""
-    engine.runner.release_graphs()
-    del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+class Rows(list):
+    """The run's rows: each printed and the JSON saved as it is measured (a crash later keeps them). A row whose
+    figure the bf16 twin measured too gets its time (bf16_ms) and the ratio (quantized_over_bf16)."""
+
+    def __init__(self, res: dict, a, twin: list[dict] | None = None):
+        super().__init__()
+        self.res, self.a, self.twin = res, a, {r["figure"]: r for r in twin or []}
+        res["rows"] = self
+
+    def append(self, row: dict) -> None:
+        tw = self.twin.get(row["figure"])
+        if tw is not None:
+            row.update(bf16_ms=tw["ms"], quantized_over_bf16=row["ms"] / tw["ms"])
+        super().append(row)
+        log("row:", row_line(row))
+        rows_save(self.res, self.a)
+
+    def __iadd__(self, rows):
+        for r in rows:
+            self.append(r)
+        return self
 
 
-def unquantized_ttft_rows(a, cfg, mcfg, ttfts, vocab, rows) -> list[dict]:
-    """The same model unquantized (bf16 dummy weights), timed the same way: TTFT rows beside the quantized ones."""
-    import dataclasses
-
-    from mlaserve.engine.engine import LLMEngine
-    from mlaserve.models.make_random import make_random
+def run_unquantized_twin(a) -> list[dict]:
+    """The same model unquantized (bf16 dummy weights), timed the same way in a child process (TTFT at --ttft,
+    TPOT at batch 1 and the first context): its GPU memory is free again before this process builds its engine, so
+    the two never share the GPU. -> the child's rows."""
+    import subprocess
 
     if a.preset is None:
         raise SystemExit("--compare-unquantized needs --preset (the bf16 twin is made from it)")
-    path = make_random(
-        a.preset, f"/tmp/cfg-{a.label}-bf16", layers=a.layers, dtype="bfloat16", quantization="none", config_only=True
-    )
-    engine = LLMEngine(dataclasses.replace(cfg, model=path, load_format="dummy"))
-    log(engine.runner.weight_bytes.line(), "(unquantized)")
-    quantized = {r["figure"]: r["ms"] for r in rows}
-    out = []
-    for n in ttfts:
-        s = ml_ttft(engine, n, vocab)
-        q_ms = quantized.get(f"TTFT {n} tokens")
-        fl = prefill_floor_s(mcfg, n)
-        out.append(
-            dict(
-                figure=f"TTFT {n} tokens, unquantized bf16",
-                ms=s * 1e3,
-                floor_ms=fl * 1e3,
-                ratio=s / fl,
-                quantized_over_bf16=None if q_ms is None else q_ms / (s * 1e3),
-            )
-        )
-        log(f"TTFT {n}: quantized {q_ms} ms, bf16 {s * 1e3:.2f} ms -> {out[-1]['quantized_over_bf16']}")
-    _free(engine)
-    return out
+    out = os.path.join(a.out, f"twin-{a.label}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--preset", a.preset, "--dummy", "--quantization", "none"]
+    cmd += ["--label", f"{a.label}-bf16", "--out", a.out, "--gpu-mem", str(a.gpu_mem), "--result-json", out]
+    cmd += ["--batches", "1", "--contexts", a.contexts.split(",")[0], "--ttft", a.ttft]
+    cmd += ["--layers", str(a.layers)] if a.layers else []
+    log("bf16 twin:", " ".join(cmd))
+    if subprocess.run(cmd).returncode != 0:
+        log("bf16 twin failed: no unquantized rows")
+        return []
+    with open(out) as f:
+        return json.load(f)
 
 
 def profile(engine, vocab, prefill_len, decode_name="decode_b1"):

@@ -126,7 +126,7 @@ class Report:
         bw = f"{row['tbps']:6.2f} {100 * row['tbps'] * 1e12 / BW:4.0f}%" if nbytes else f"{'':6} {'':5}"
         fl = f"{row['tflops']:8.1f} {100 * row['tflops'] * 1e12 / FLOPS:4.0f}%" if flops else f"{'':8} {'':5}"
         e = "" if err is None else f"{err:8.1e}" + (" FAIL" if err >= TOL else "")
-        print(f"{kernel:10} {case[:58]:58} {ms * 1e3:9.1f} {bw} {fl} {e}", flush=True)
+        print(f"{kernel:10} {case:58} {ms * 1e3:9.1f} {bw} {fl} {e}", flush=True)  # a longer case shifts its row
 
     def save(self, **status):
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)

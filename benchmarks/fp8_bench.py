@@ -2,6 +2,10 @@
 beside bf16 (cuBLAS, our GEMV, our fused MoE) at the same shape in the same run.
 
     PYTHONPATH=$PWD python benchmarks/kernels_bench.py --only fp8_linear,fp8_moe --time-limit 900
+    FP8_BENCH_M=1,2,4,8192 FP8_BENCH_T=1,2,8192 FP8_BENCH_SHAPES=q_a,o_proj,ds-v3 ...   # a subset
+
+FP8_BENCH_M / FP8_BENCH_T: the row counts of the linears / token counts of the MoE; FP8_BENCH_SHAPES: names (or
+their beginnings) of the LINEARS and MOES to run.
 
 Rows: time, bytes or FLOPs (decode-sized steps are weight streams: the bytes read, fp8 weights plus scales, and
 TB/s; larger steps FLOPs and TFLOP/s), and the error against the fp32 reference of the form (W8A8 forms against the
@@ -10,6 +14,8 @@ several routings) that they stream from HBM, not L2 (triton's graph timing does 
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +34,7 @@ LINEARS = (
     ("dense gate|up", 36864, 7168),
     ("dense down", 7168, 18432),
 )
-LINEAR_M = (1, 2, 8, 32, 256, 2048, 8192)
+LINEAR_M = (1, 2, 4, 8, 32, 256, 2048, 8192)
 # (name, D, I, E local, E total, K): the full experts, MoE-TP8's shard, EP8's rank 0
 MOES = (
     ("ds-v3", 7168, 2048, 256, 256, 8),
@@ -36,7 +42,18 @@ MOES = (
     ("ds-v3 ep8", 7168, 2048, 32, 256, 8),
 )
 MOE_T = (1, 2, 4, 8, 16, 32, 64, 256, 2048, 8192)
-GEMV_SWEEP = ((1, 4096, 2), (2, 4096, 4), (4, 2048, 4), (2, 2048, 2), (4, 4096, 8), (8, 1024, 4))  # N, K, warps
+# fp8_gemv tiles (rows a program, columns a trip, warps) timed beside the default on these shapes, at 1-4 rows
+GEMV_SWEEP = ((2, 1024, 4), (8, 1024, 4), (4, 2048, 8), (4, 512, 2), (8, 512, 2), (16, 512, 2))
+GEMV_SWEEP_SHAPES = ("q_a|kv_a", "o_proj", "dense gate|up")
+# W8A8 grouped-GEMM tiles beside the default at an 8192-token prefill (64x128 tiles, GEMM1 on 8 warps)
+MOE_A8_SWEEP = (dict(num_stages=4), dict(GROUP_M=16, gemm2=dict(BLOCK_N=256, num_warps=8)))
+# fp8_moe_gemv tiles ((rows, columns, warps) of gemv1, of gemv2) beside the default, at T = 1 and 2
+MOE_GEMV_SWEEP = (
+    ((2, 1024, 4), (4, 1024, 4)),
+    ((4, 512, 2), (8, 512, 2)),
+    ((4, 1024, 4), (8, 1024, 4)),
+    ((2, 512, 2), (4, 2048, 8)),
+)
 GEMM_SWEEP = (
     dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=4),
     dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=2, num_stages=5),
@@ -47,10 +64,20 @@ GEMM_SWEEP = (
 )
 
 
+def _env_ints(name: str, default: tuple) -> tuple:
+    v = os.environ.get(name)
+    return tuple(int(x) for x in v.split(",")) if v else default
+
+
+def _picked(shapes: tuple) -> tuple:
+    only = os.environ.get("FP8_BENCH_SHAPES")
+    return tuple(s for s in shapes if not only or any(s[0].startswith(o) for o in only.split(",")))
+
+
 def _sizes(sz: Sizes):
     if sz.dev == "cuda":
-        return LINEARS, LINEAR_M, MOES, MOE_T
-    return (("tiny", 64, 200),), (1, 9), (("tiny", 128, 64, 4, 4, 2),), (1, 12)  # --smoke: every path, briefly
+        return _picked(LINEARS), _env_ints("FP8_BENCH_M", LINEAR_M), _picked(MOES), _env_ints("FP8_BENCH_T", MOE_T)
+    return (("tiny", 64, 200),), (1, 2, 9), (("tiny", 128, 64, 4, 4, 2),), (1, 12)  # --smoke: every path, briefly
 
 
 def _copies(nbytes: int, sz: Sizes) -> int:
@@ -64,11 +91,15 @@ def _timed(fn, weights, sz: Sizes) -> float:
 
 def _linear_variants(name: str, M: int) -> list:
     """(label, fp8_block_linear config or None for the bf16 baselines) at one shape and row count."""
+    from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_ROWS
+    from mlaserve.kernels.fp8_linear import GEMV_MAX_ROWS
     from mlaserve.kernels.gemv import GEMV_MAX_TOKENS
 
     out = [("bf16 F.linear (cuBLAS)", None)] + ([("bf16 gemv", None)] if M <= GEMV_MAX_TOKENS else [])
-    forms = [{}, dict(form="triton", a8=False), dict(form="triton", a8=True), dict(form="scaled_mm")]  # {}: M <= 8 gemv
-    if name.startswith("expert") and M <= 8:
+    forms = [{}, dict(form="triton", a8=False), dict(form="triton", a8=True), dict(form="scaled_mm")]  # {}: default
+    if GEMV_MAX_ROWS < M <= FP8_GEMV_MAX_ROWS:
+        forms.append(dict(form="gemv"))  # the GEMV where it is not the default (rows 3-4)
+    if name in GEMV_SWEEP_SHAPES and M <= FP8_GEMV_MAX_ROWS:
         forms += [dict(form="gemv", BLOCK_N=n, BLOCK_K=k, num_warps=w) for n, k, w in GEMV_SWEEP]
     if name.startswith("expert") and M in (8, 32, 256, 2048):
         forms += [dict(t, form="triton", a8=a8) for t in GEMM_SWEEP for a8 in (False, True)]
@@ -112,7 +143,9 @@ def run_fp8_linear(rep: Report, sz: Sizes):
                     fn = lambda w, c=cfg: fp8_block_linear(x, *w, config=c)  # noqa: B023, E731
                     ws, nbytes = fp8s, N * K + s8.numel() * 4
                 case = f"{name} [{N},{K}] M={M} {label}"
-                _add(rep, "fp8_linear", case, fn, ws, refs[a8], sz, nbytes + io, 2.0 * M * N * K, M <= 32, **extra)
+                ex = refs[False] if a8 else None
+                flops = 2.0 * M * N * K
+                _add(rep, "fp8_linear", case, fn, ws, refs[a8], sz, nbytes + io, flops, M <= 32, ex, **extra)
             qbytes = M * K * 3 + M * -(-K // 128) * 4
             case = f"{name} [{N},{K}] M={M} fp8_act_quant alone"
             _add(rep, "fp8_linear", case, lambda w: fp8_act_quant(x), [None], None, sz, qbytes, 0.0, True, **extra)  # noqa: B023
@@ -121,12 +154,17 @@ def run_fp8_linear(rep: Report, sz: Sizes):
             torch.cuda.empty_cache()
 
 
-def _add(rep, kernel, case, fn, ws, ref, sz, nbytes, flops, decode, **extra):
+def _add(rep, kernel, case, fn, ws, ref, sz, nbytes, flops, decode, exact=None, **extra):
     """One row: the error of fn(ws[0]) against ref (None: no check), the time over ws in turn; bytes (decode) or
-    FLOPs. A form that fails (a torch without scaled_mm's blockwise scaling, a tile out of resources) prints."""
+    FLOPs. exact (W8A8 forms): the unquantized-activation reference too, its error appended to the case as "vs
+    exact" (what the quantization of x and h costs; the relerr column holds the kernel to its own maths). A form
+    that fails (a torch without scaled_mm's blockwise scaling, a tile out of resources) prints."""
     try:
         out = fn(ws[0])
         err = None if ref is None else rel(out, ref)
+        if exact is not None:
+            extra["err_vs_exact"] = rel(out, exact)
+            case = f"{case} [vs exact {extra['err_vs_exact']:.1e}]"
         ms = _timed(fn, ws, sz)
         rep.add(kernel, case, ms, nbytes if decode else 0.0, 0.0 if decode else flops, err=err, **extra)
     except Exception as e:
@@ -137,6 +175,12 @@ def _moe_variants(name: str, T: int, K: int) -> list:
     """(label, fp8_fused_experts config, or None for bf16 fused_experts) at one shape and token count."""
     out = [("bf16 fused_experts", None), ("fp8 default", {})]  # T*K <= 16: the GEMV form
     out += [(f"fp8 tiled a8={a8}", dict(gemv=False, a8=a8)) for a8 in (False, True)]
+    if T * K <= 16:
+        for g1, g2 in MOE_GEMV_SWEEP:
+            c = {f"gemv{i}": dict(BLOCK_N=n, BLOCK_K=k, num_warps=w) for i, (n, k, w) in ((1, g1), (2, g2))}
+            out.append((f"fp8 gemv N{g1[0]} K{g1[1]} w{g1[2]} / N{g2[0]} K{g2[1]} w{g2[2]}", dict(gemv=c)))
+    if name == "ds-v3" and T == 8192:
+        out += [(f"fp8 tiled a8=True {c}", dict(c, gemv=False, a8=True)) for c in MOE_A8_SWEEP]
     if name == "ds-v3" and T in (16, 64, 2048, 8192):
         tiles = (
             dict(BLOCK_M=32),
@@ -192,11 +236,12 @@ def run_fp8_moe(rep: Report, sz: Sizes):
                         all_local=all_local,
                         config=c,  # noqa: B023
                     )
-                    a8, wbytes = moe_form(T, K, E, cfg)[2], 3 * D * I + scale_bytes
+                    a8, wbytes = moe_form(T, K, E, cfg, BF)[2], 3 * D * I + scale_bytes
                 nbytes = n_exp * wbytes + 2 * T * D * 2
                 case = f"{name} T={T} experts={n_exp:.0f} {label}"
                 extra = dict(shape=name, T=T, experts=n_exp, form=label)
-                _add(rep, "fp8_moe", case, fn, rs, refs[a8], sz, nbytes, 6.0 * pairs * D * I, T <= 64, **extra)
+                ex = refs[False] if a8 else None
+                _add(rep, "fp8_moe", case, fn, rs, refs[a8], sz, nbytes, 6.0 * pairs * D * I, T <= 64, ex, **extra)
         w13 = w2 = w13b = w2b = None
         if sz.dev == "cuda":
             torch.cuda.empty_cache()

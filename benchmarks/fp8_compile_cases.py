@@ -45,6 +45,16 @@ def fp8_cases(quick: bool):
                     functools.partial(fp8_block_linear, config=dict(a8=a8) if M > 8 else None),
                     (torch.empty(M, K, dtype=BF), w, s),
                 )
+        if not quick:  # the GEMV at 3-4 rows (forced) and the tiles kernels_bench sweeps
+            from benchmarks.fp8_bench import GEMV_SWEEP, GEMV_SWEEP_SHAPES
+
+            sweep = [(4, None)] + [(1, dict(BLOCK_N=n, BLOCK_K=k, num_warps=wp)) for n, k, wp in GEMV_SWEEP]
+            for M, tiles in sweep if name in GEMV_SWEEP_SHAPES else [(4, None)]:
+                yield (
+                    f"fp8_block_linear {name} M={M} gemv {tiles or ''}",
+                    functools.partial(fp8_block_linear, config=dict(form="gemv", **(tiles or {}))),
+                    (torch.empty(M, K, dtype=BF), w, s),
+                )
     yield "fp8_act_quant M=8192 K=7168", fp8_act_quant, (torch.empty(8192, 7168, dtype=BF),)
     for T in (1, 2, 4, 16, 64, 256, 8192):  # DeepSeek-V3's experts, 256 of them, top-8
         for a8 in (False, True) if T >= 16 else (None,):
@@ -52,16 +62,32 @@ def fp8_cases(quick: bool):
                 continue
             D, I, E, K = 7168, 2048, 256, 8
             cfg = None if a8 is None else dict(a8=a8)
-            yield (
-                f"fp8_fused_experts T={T} a8={a8}",
-                functools.partial(fp8_fused_experts, config=cfg),
-                (
-                    torch.empty(T, D, dtype=BF),
-                    _big(E, 2 * I, D),
-                    _big(E, 2 * I // 128, D // 128, torch.float32),
-                    _big(E, D, I),
-                    _big(E, D // 128, I // 128, torch.float32),
-                    torch.empty(T, K),
-                    torch.zeros(T, K, dtype=torch.int64),
-                ),
+            args = (
+                torch.empty(T, D, dtype=BF),
+                _big(E, 2 * I, D),
+                _big(E, 2 * I // 128, D // 128, torch.float32),
+                _big(E, D, I),
+                _big(E, D // 128, I // 128, torch.float32),
+                torch.empty(T, K),
+                torch.zeros(T, K, dtype=torch.int64),
             )
+            yield f"fp8_fused_experts T={T} a8={a8}", functools.partial(fp8_fused_experts, config=cfg), args
+            if T == 1 and not quick:  # the GEMV tiles kernels_bench sweeps
+                from benchmarks.fp8_bench import MOE_GEMV_SWEEP
+
+                for g1, g2 in MOE_GEMV_SWEEP:
+                    c = {f"gemv{i}": dict(BLOCK_N=n, BLOCK_K=k, num_warps=wp) for i, (n, k, wp) in ((1, g1), (2, g2))}
+                    yield (
+                        f"fp8_fused_experts T=1 gemv {g1} {g2}",
+                        functools.partial(fp8_fused_experts, config=dict(gemv=c)),
+                        args,
+                    )
+            if T == 8192 and a8 and not quick:  # the W8A8 tiles kernels_bench sweeps at prefill
+                from benchmarks.fp8_bench import MOE_A8_SWEEP
+
+                for c in MOE_A8_SWEEP:
+                    yield (
+                        f"fp8_fused_experts T=8192 a8 {c}",
+                        functools.partial(fp8_fused_experts, config=dict(c, a8=True)),
+                        args,
+                    )

@@ -34,7 +34,7 @@ __all__ = [
     "linear_form",
 ]
 
-GEMV_MAX_ROWS = 8  # up to here the GEMV (<= FP8_GEMV_MAX_ROWS)
+GEMV_MAX_ROWS = 2  # up to here the GEMV (<= FP8_GEMV_MAX_ROWS): decode at batch 1-2, verify of width 2
 A16_MAX_ROWS = 64  # the Triton GEMM quantizes x (W8A8) above this
 SCALED_MM_MIN_ROWS = 256  # scaled_mm from here on where it can run
 FORMS = ("gemv", "triton", "scaled_mm")
@@ -100,7 +100,10 @@ def linear_form(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
             form = "triton"
     if form not in FORMS:
         raise ValueError(f"config form={form!r} is not one of {FORMS}")
-    return form, form == "scaled_mm" or (form == "triton" and bool(cfg.get("a8", M > A16_MAX_ROWS)))
+    # fp32 x asks for fp32 products: never W8A8 unless forced (its fp8 MMAs sum K=128 products at the tensor cores'
+    # reduced fp8 accumulation precision, and x itself is rounded to 3 mantissa bits)
+    a8_default = M > A16_MAX_ROWS and x.dtype != torch.float32
+    return form, form == "scaled_mm" or (form == "triton" and bool(cfg.get("a8", a8_default)))
 
 
 def _check(x, weight, weight_scale_inv, out):

@@ -81,14 +81,21 @@ def fp8_moe_config(
 
 
 def moe_form(
-    T: int, K: int, E: int, config=None, no_align_max_pairs: int = KernelConfig.no_align_max_pairs
+    T: int,
+    K: int,
+    E: int,
+    config=None,
+    no_align_max_pairs: int = KernelConfig.no_align_max_pairs,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[bool, bool, bool]:
-    """-> (no_align, gemv, a8): fp8_fused_experts' form for T tokens of top-K over E local experts (config's
-    "no_align" / "gemv" / "a8", else the defaults: per-pair blocks up to no_align_max_pairs pairs)."""
+    """-> (no_align, gemv, a8): fp8_fused_experts' form for T tokens of top-K over E local experts with x in `dtype`
+    (config's "no_align" / "gemv" / "a8", else the defaults: per-pair blocks up to no_align_max_pairs pairs; fp32 x
+    is never W8A8 unless forced, as in fp8_linear.linear_form)."""
     cfg = config or {}
     no_align = bool(cfg.get("no_align", T * K <= no_align_max_pairs))
     gemv = cfg.get("gemv", no_align)
-    a8 = not gemv and bool(cfg.get("a8", T * K / E > A8_MIN_ROWS_PER_EXPERT))
+    a8_default = T * K / E > A8_MIN_ROWS_PER_EXPERT and dtype != torch.float32
+    a8 = not gemv and bool(cfg.get("a8", a8_default))
     return no_align, gemv, a8
 
 
@@ -130,12 +137,15 @@ def fp8_fused_experts(
     expert_offset: int = 0,
     *,
     add: torch.Tensor | None = None,
+    norm: tuple | None = None,
     all_local: bool = True,
     config: dict | None = None,
     kernels: KernelConfig = KernelConfig(),
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e - expert_offset is in
-    [0, E) (others contribute nothing: EP, the caller all-reduces), plus `add` [T, D] -> [T, D] in x.dtype.
+    [0, E) (others contribute nothing: EP, the caller all-reduces), plus `add` [T, D] -> [T, D] in x.dtype; with
+    norm = (weight [D], eps, residual [T, D]) the add + RMSNorm after the MoE fused into the sum (one rank):
+    -> (norm(out + residual), out + residual), as moe_sum.
     x [T, D]; w13 e4m3 [E, 2I, D] (gate rows, then up rows) with w13_scale_inv fp32 [E, 2*ceil(I/128),
     ceil(D/128)]; w2 e4m3 [E, D, I] with w2_scale_inv [E, ceil(D/128), ceil(I/128)]; topk_weights [T, K] fp32;
     topk_ids [T, K] int. Equals fp8_reference.fp8_fused_experts_ref(a8=False) (GEMV and A16 forms) or (a8=True).
@@ -149,9 +159,9 @@ def fp8_fused_experts(
     I = I2 // 2
     K = topk_ids.shape[-1]
     if T == 0:  # checks `add`; empty
-        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
     TK = T * K
-    no_align, gemv, a8 = moe_form(T, K, E, config, kernels.no_align_max_pairs)
+    no_align, gemv, a8 = moe_form(T, K, E, config, kernels.no_align_max_pairs, x.dtype)
     config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8")}
     launch = pdl_args(x, kernels.pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
@@ -162,7 +172,7 @@ def fp8_fused_experts(
         gcfg = gemv if isinstance(gemv, dict) else None
         args = (x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_offset)
         fp8_moe_gemv(*args, hbuf, y, launch, gcfg)
-        return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)
+        return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
     c1, c2 = fp8_moe_config(T, K, E, D, I, a8, x.dtype, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
@@ -248,4 +258,4 @@ def fp8_fused_experts(
         **common,
         **launch,
     )
-    return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)
+    return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)

@@ -29,13 +29,21 @@ def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, half_rows: int |
     return w.float() * scale_inv.float()[..., rows, :][..., cols]
 
 
+def act_scale(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 amax -> the group's scale max(amax, floor) / 448, correctly rounded on every device. (A tensor divided by
+    a Python number runs on CUDA as a multiply by its fp32 reciprocal, 1 ulp off the quotient at times: so the
+    divisor is a tensor here, as it is (div_rn) in the kernels.)"""
+    a = amax.float().clamp_min(AMAX_FLOOR)
+    return a / torch.full_like(a, FP8_MAX)
+
+
 def fp8_act_quant_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q e4m3 [M, K], s fp32 [M, ceil(K/group)]) with x ~= q * s per group: s = max(amax, floor) / 448,
-    q = e4m3(x / s) (round to nearest even; |x / s| <= 448 by construction)."""
+    """x [M, K] -> (q e4m3 [M, K], s fp32 [M, ceil(K/group)]) with x ~= q * s per group: s = max(amax, floor) / 448
+    (act_scale), q = e4m3(x / s) (both divisions correctly rounded; round to nearest even; |x / s| <= 448)."""
     M, K = x.shape
     G = -(-K // group)
     xf = F.pad(x.float(), (0, G * group - K)).view(M, G, group)
-    s = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX  # [M, G]
+    s = act_scale(xf.abs().amax(-1))  # [M, G]
     q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(M, G * group)[:, :K], s
 
@@ -65,7 +73,11 @@ def fp8_fused_experts_ref(
 ) -> torch.Tensor:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert is local, in fp32 on the
     dequantized weights -> [T, D] fp32. a8: x and the intermediate h quantized per token per 128 channels before
-    their GEMMs (the W8A8 form's maths)."""
+    their GEMMs (the W8A8 form's maths), as the kernel does: h = silu(gate) * up in fp32, never rounded to x's
+    dtype, quantized per (row, 128-channel group) with fp8_act_quant_ref's scale (act_scale: a correctly rounded
+    division, as the kernel's div_rn). Quantizing h amplifies any difference in it: a relative difference d moves
+    the result by about sqrt(d * 0.09) (codes flip where h sits near an e4m3 rounding boundary), so the two must
+    compute h and its scales the same way, not merely closely."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
@@ -108,6 +120,6 @@ def make_fp8_weight(N: int, K: int, E: int | None = None, *, device="cpu", half_
     w = w * spread[rows].repeat_interleave(BLOCK, 1)
     blk = w.abs().view(N, gk, BLOCK).amax(-1)  # [N, gk]
     amax = torch.zeros(gn, gk, device=device).scatter_reduce_(0, rows[:, None].expand(N, gk), blk, "amax")
-    scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
+    scale = act_scale(amax)
     q = (w / scale[rows].repeat_interleave(BLOCK, 1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q[:, :K].contiguous(), scale

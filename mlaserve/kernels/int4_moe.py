@@ -107,12 +107,15 @@ def int4_fused_experts(
     expert_offset: int = 0,
     *,
     add: torch.Tensor | None = None,
+    norm: tuple | None = None,
     all_local: bool = True,
     config: dict | None = None,
     kernels: KernelConfig = KernelConfig(),
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e = id - expert_offset is
-    in [0, E) (others contribute nothing: EP), plus `add` -> [T, D] in x.dtype; equals int4_fused_experts_ref.
+    in [0, E) (others contribute nothing: EP), plus `add` -> [T, D] in x.dtype; equals int4_fused_experts_ref. With
+    norm = (weight [D], eps, residual [T, D]): -> (norm(out + residual), out + residual), the add + RMSNorm after the
+    MoE fused into the sum (moe_sum).
     x [T, D]; w13_packed int32 [E, 2I, D/8] (gate rows, then up rows), w13_scale [E, 2I, D/32]; w2_packed int32
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
@@ -121,7 +124,7 @@ def int4_fused_experts(
     kernels: its pdl switch (kernel_config.py)."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if T == 0:  # checks `add`; empty
-        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)
+        return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
     pdl = pdl_args(x, kernels.pdl)  # every launch alike
     cfg = dict(config or {})
     bad = set(cfg) - {"form", "gemv1", "gemv2", "gemm1", "gemm2"}
@@ -167,4 +170,4 @@ def int4_fused_experts(
         )
     else:
         raise ValueError(f"config: form={form!r} must be 'gemv' or 'gemm'")
-    return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local, kernels.pdl)
+    return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)

@@ -5,8 +5,8 @@
 - Fp8Experts (DeepSeek-V3): w13 float8_e4m3fn [E, 2I, D], w13_scale_inv fp32 [E, 2*ceil(I/128), ceil(D/128)] (the
   gate half's block rows, then the up half's), w2 [E, D, I], w2_scale_inv fp32 [E, ceil(D/128), ceil(I/128)].
 E, I: this rank's experts and intermediate shard. The torch path dequantizes each selected expert per call; the
-Triton path runs kernels/int4_moe.py / kernels/fp8_moe.py. The bf16 MoE's fused extras (shared-experts fusion, the
-fused add + norm) are not offered: the shared experts' output comes in as `add`.
+Triton path runs kernels/int4_moe.py / kernels/fp8_moe.py, with the add + RMSNorm after the MoE fused into their sum
+as the bf16 MoE's; shared-experts fusion is not offered: the shared experts' output comes in as `add`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,13 @@ class QuantExperts(ExpertsBase):
         raise NotImplementedError
 
     def forward(self, x, topk_weights, topk_ids, impl: str = "torch", add=None, shared=None, norm=None):
-        """-> the routed experts' output [T, D] in x.dtype, plus `add` (the shared experts') when given."""
-        if shared is not None or norm is not None:
-            raise ValueError(f"{type(self).__name__}: shared-experts fusion and the fused norm are bf16-only")
+        """-> the routed experts' output [T, D] in x.dtype, plus `add` (the shared experts') when given. Triton
+        only: norm = (weight, eps, residual), the add + RMSNorm after the MoE fused into its sum -> (normed,
+        output + residual)."""
+        if shared is not None:
+            raise ValueError(f"{type(self).__name__}: shared-experts fusion is bf16-only")
+        if norm is not None and impl != "triton":
+            raise ValueError(f"{type(self).__name__}: the fused norm (norm=...) needs impl='triton'")
         if impl == "triton":
             import importlib
 
@@ -47,6 +51,7 @@ class QuantExperts(ExpertsBase):
                 topk_ids,
                 self.expert_offset,
                 add=add,
+                norm=norm,
                 all_local=self.num_local == self.num_experts,
                 kernels=self.kernels,
             )

@@ -83,7 +83,7 @@ class DeepseekV3MoE(nn.Module):
         # path above the threshold no single down GEMM for S > 1: S GEMMs and partial sums, a slower prefill.)
         # Valid when the shards line up: shared experts split over the world, routed ones over moe-TP, which is
         # the world only without EP. The per-rank sum stays a partial for the one all-reduce below.
-        # Both are bf16-only: quantized experts take the shared experts' output as `add`, and the norm runs apart.
+        # It is bf16-only: quantized experts take the shared experts' output as `add`.
         self.fuse_shared = 0
         if impl == "triton" and self.shared_experts is not None and ranks.ep_size == 1 and not quantized:
             i_local = cfg.moe_intermediate_size // ranks.moe_tp_size
@@ -92,7 +92,7 @@ class DeepseekV3MoE(nn.Module):
         # The add + norm after the block fused into the fused MoE's sum over top-k (Triton path, one rank: with TP
         # the all-reduce comes between the sum and the add), where that norm runs its own kernel (the fused one
         # rounds as that kernel does, so the two paths agree bit for bit).
-        self.fuse_norm = impl == "triton" and not self.reduce and not quantized
+        self.fuse_norm = impl == "triton" and not self.reduce
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
         """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual)."""

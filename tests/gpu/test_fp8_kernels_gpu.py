@@ -67,7 +67,10 @@ def test_linear_default_forms(name, M):
     [
         (1, dict(form="gemv")),
         (3, dict(form="gemv", BLOCK_N=4, BLOCK_K=1024)),
-        (8, dict(form="gemv")),
+        (4, dict(form="gemv")),
+        (1, dict(form="gemv", BLOCK_N=16, BLOCK_K=512, num_warps=2)),
+        (2, dict(form="gemv", BLOCK_N=4, BLOCK_K=2048, num_warps=8)),
+        (2, dict(form="gemv", BLOCK_N=2, BLOCK_K=1024, num_warps=4)),
         (4, dict(form="triton", a8=False)),
         (32, dict(form="triton", a8=True)),
         (64, dict(form="triton", a8=False, SPLIT_K=1)),
@@ -138,6 +141,8 @@ def test_moe_deepseek(T):
 @pytest.mark.parametrize(
     "T,cfg",
     [
+        (1, dict(gemv=dict(gemv1=dict(BLOCK_N=2, BLOCK_K=512, num_warps=2), gemv2=dict(BLOCK_N=8, BLOCK_K=512)))),
+        (2, dict(gemv=dict(gemv1=dict(BLOCK_N=4, BLOCK_K=512, num_warps=2), gemv2=dict(BLOCK_N=4, BLOCK_K=2048)))),
         (2, dict(gemv=False)),  # per-pair blocks, tiled W8A16
         (2, dict(gemv=False, a8=True)),
         (16, dict(a8=True)),
@@ -149,6 +154,25 @@ def test_moe_deepseek(T):
 )
 def test_moe_deepseek_forced_forms(T, cfg):
     fc.check_fp8_moe("cuda", BF, T=T, **DS_MOE, config=cfg, experts=_experts(256, 7168, 2048))
+
+
+@pytest.mark.parametrize("T", [1, 2, 64, 2048])
+def test_moe_fused_norm_bits(T):
+    """norm=(weight, eps, residual) (the quantized MoE layer on one rank): the bits of the unfused output followed
+    by add_rms_norm, the shared experts' output added."""
+    from mlaserve.kernels.fp8_moe import fp8_fused_experts
+    from mlaserve.kernels.rmsnorm import add_rms_norm
+
+    w13, s13, w2, s2 = _experts(256, 7168, 2048)
+    x = torch.randn(T, 7168, device="cuda").to(BF)
+    ids, w = fc.moe_routing("cuda", T=T, K=8, E_total=256)
+    add, residual = fc.strided_rows(T, 7168, BF, "cuda"), fc.strided_rows(T, 7168, BF, "cuda")
+    nw = (1 + 0.1 * torch.randn(7168, device="cuda")).to(BF)
+    with kc.poisoned_empty():
+        out = fp8_fused_experts(x, w13, s13, w2, s2, w, ids, add=add)
+        ref_normed, ref_s = add_rms_norm(out, residual, nw, 1e-6)
+        normed, s = fp8_fused_experts(x, w13, s13, w2, s2, w, ids, add=add, norm=(nw, 1e-6, residual))
+    assert torch.equal(s, ref_s) and torch.equal(normed, ref_normed)
 
 
 @pytest.mark.parametrize("T", [1, 3, 200, 4096])

@@ -2,14 +2,16 @@
 
 - At real shapes (Kimi-K2.5 with INT4 experts, DeepSeek-V3 with FP8; two layers, 32 experts, a 32k vocab), the
   quantized GPU path's logits stay within the tolerance the bf16 path meets against the fp32 torch reference
-  (tests/helpers/model_backend_check.py), the reference dequantizing the same stored weights per call.
-- CUDA-graph greedy tokens equal eager ones on the tiny quantized checkpoints (partial FP8 blocks included).
+  (tests/helpers/model_backend_check.py), the reference dequantizing the same stored weights per call: in small mixed
+  steps, and (FP8) in a 2048-token prefill, which runs the W8A8 forms.
+- CUDA-graph greedy tokens equal eager ones on the tiny quantized checkpoints (partial FP8 blocks included; a
+  kv_lora_rank the Triton MLA kernels take).
 - Weights stay quantized on the device."""
 
 import pytest
 import torch
 
-from tests.helpers.quant_ckpt import FP8_ODD, make_quantized
+from tests.helpers.quant_ckpt import FP8_ODD_TRITON, make_quantized
 
 pytestmark = pytest.mark.gpu
 
@@ -44,6 +46,30 @@ def test_quantized_logits_within_the_bf16_tolerance(real_ckpt):
     print(f"{scheme}: logits per-row rel err median per step {errs}")
 
 
+def test_fp8_prefill_logits_within_the_bf16_tolerance(real_ckpt, monkeypatch):
+    """A 2048-token prefill of the FP8 checkpoint (2 layers, real shapes): the dense linears take scaled_mm's W8A8
+    (M >= SCALED_MM_MIN_ROWS) and the MoE its W8A8 grouped GEMMs (512 rows an expert), held to the bf16 criterion
+    against the fp32 reference on the dequantized weights. The same prefill with every FP8 kernel kept W8A16 is
+    measured beside it (printed): what W8A8's activation quantization costs at the model level."""
+    from mlaserve.kernels import fp8_linear, fp8_moe
+    from tests.model_backend_check import check_prefill_logits, prefill_refs
+
+    scheme, path = real_ckpt
+    if scheme != "fp8-block":
+        pytest.skip("the FP8 checkpoint's W8A8 forms")
+    refs = prefill_refs(path, "cuda", 2048)
+    with monkeypatch.context() as m:
+        m.setattr(fp8_linear, "SCALED_MM_MIN_ROWS", 1 << 30)
+        m.setattr(fp8_linear, "A16_MAX_ROWS", 1 << 30)
+        m.setattr(fp8_moe, "A8_MIN_ROWS_PER_EXPERT", float("inf"))
+        try:
+            print(f"\nW8A16 everywhere: {check_prefill_logits(path, 'cuda', 'triton', 2048, refs)['msg']}")
+        except AssertionError as e:
+            print(f"\nW8A16 everywhere: {e}")
+    w8a8 = check_prefill_logits(path, "cuda", "triton", 2048, refs)
+    print(f"W8A8 (default): {w8a8['msg']}")
+
+
 @pytest.mark.parametrize("scheme", ["int4-experts", "fp8-block"])
 def test_graphs_equal_eager_on_quantized_checkpoints(scheme, tmp_path):
     from mlaserve import LLM, SamplingParams
@@ -51,7 +77,7 @@ def test_graphs_equal_eager_on_quantized_checkpoints(scheme, tmp_path):
     from mlaserve.layers.quant_experts import QuantExperts
 
     _need_kernels(scheme)
-    path = make_quantized(tmp_path / "m", scheme, **(FP8_ODD if scheme == "fp8-block" else {}))
+    path = make_quantized(tmp_path / "m", scheme, **(FP8_ODD_TRITON if scheme == "fp8-block" else {}))
     prompts = [[1, 2, 3], list(range(10, 90)), [400] * 7]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = {}

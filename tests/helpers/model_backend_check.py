@@ -71,6 +71,56 @@ def run_model(
     return logits
 
 
+def run_prefill(ckpt: str, device, dtype, backend: str, moe_impl: str, length: int, seed: int = 0) -> torch.Tensor:
+    """One prompt of `length` random tokens prefilled in one step -> fp32 logits [length, vocab] (every position:
+    a long step runs the large-step forms, e.g. the FP8 kernels' W8A8)."""
+    from mlaserve.attention.base import ForwardBatch, SeqChunk
+    from mlaserve.attention.torch_ref import TorchRefBackend
+    from mlaserve.attention.triton_mla import TritonMLABackend
+    from mlaserve.config import ModelConfig
+    from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from mlaserve.models.weights import load_weights
+
+    cfg = ModelConfig.from_pretrained(ckpt)
+    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl)
+    load_weights(model, ckpt, progress=False)
+    model.to(device).eval()
+    pages = -(-length // PAGE)
+    cache = torch.zeros(cfg.num_hidden_layers, pages, PAGE, cfg.kv_cache_dim, dtype=dtype, device=device)
+    cls = TritonMLABackend if backend == "triton" else TorchRefBackend
+    attn = cls(cache, cfg.kv_lora_rank)
+    ids = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    batch = ForwardBatch.build([], [SeqChunk(ids, 0, list(range(pages)), "all")], PAGE, device, attn)
+    with torch.no_grad():
+        h = model(batch.input_ids, batch.positions, batch)
+        logits = model.compute_logits(h[batch.logits_indices]).float()
+    del model, cache
+    return logits
+
+
+def prefill_refs(ckpt: str, device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the fp32 torch path's logits of a `length`-token prefill, the bf16 torch path's per-row errors to it)."""
+    ref = run_prefill(ckpt, device, torch.float32, "torch", "torch", length)
+    return ref, _row_errs(run_prefill(ckpt, device, torch.bfloat16, "torch", "torch", length), ref)
+
+
+def check_prefill_logits(ckpt: str, device, moe_impl: str, length: int, refs=None) -> dict:
+    """A `length`-token prefill in bf16 through the Triton path against the fp32 torch reference, held to
+    check_model_backends' bf16 criterion (the typical row within max(2e-2, 1.5 x the bf16 torch path's median), at
+    most max(20%, 2 x its share) of rows off by more than 5e-2) -> the errors. refs: prefill_refs' (computed if
+    None)."""
+    ref, base = refs if refs is not None else prefill_refs(ckpt, device, length)
+    rows = _row_errs(run_prefill(ckpt, device, torch.bfloat16, "triton", moe_impl, length), ref)
+    err, far = rows.median().item(), (rows > 5e-2).float().mean().item()
+    base_err, base_far = base.median().item(), (base > 5e-2).float().mean().item()
+    msg = (
+        f"{length}-token prefill (bf16, moe={moe_impl}): per-row rel err median {err:.3e} (torch path "
+        f"{base_err:.3e}), rows > 5e-2: {far:.1%} (torch path {base_far:.1%})"
+    )
+    assert err < max(2e-2, 1.5 * base_err) and far <= max(0.2, 2 * base_far), msg
+    return dict(median=err, far=far, torch_median=base_err, torch_far=base_far, msg=msg)
+
+
 def _row_errs(o: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return (o - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)
 

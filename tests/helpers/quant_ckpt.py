@@ -16,7 +16,7 @@ from mlaserve.models.make_random import make_random
 
 BLOCK = 128
 
-# Dims that are not multiples of 128: partial FP8 blocks everywhere (kv_a_proj_with_mqa has 160 + 16 = 176 rows,
+# Dims that are not multiples of 128: partial FP8 blocks everywhere (kv_a_proj_with_mqa has 160 + 8 = 168 rows,
 # like DeepSeek's 576); q_a_proj's 256 rows fill whole blocks, so it still shares one GEMM with kv_a (stack_rows).
 FP8_ODD = {
     "hidden_size": 192,
@@ -25,6 +25,10 @@ FP8_ODD = {
     "q_lora_rank": 256,
     "kv_lora_rank": 160,
 }
+
+# FP8_ODD as the Triton MLA kernels take it (kv_lora_rank a power of two): kv_a_proj_with_mqa's 256 + 8 = 264 rows
+# still end inside a block, and hidden, intermediate and moe_intermediate stay off the 128 grid.
+FP8_ODD_TRITON = dict(FP8_ODD, kv_lora_rank=256)
 
 # FP8 dims whose TP2 shards fill whole blocks (q_b and o_proj 256 = 4 heads x 64, the MLPs 256) while kv_a (80 rows)
 # and kv_b's shards (224 rows, expanded) still end inside a block.

@@ -34,13 +34,15 @@ def test_act_quant_padded_rows(kdev):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF])
-@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
 @pytest.mark.parametrize(
     "N,K,cfg",
     [
-        (300, 200, dict(BLOCK_N=8)),  # partial block row and column; one trip of 2 groups
-        (576, 256, dict(BLOCK_N=32, BLOCK_K=128)),  # kv_a's rows (4.5 block rows); two trips
-        (130, 520, dict(BLOCK_N=16, BLOCK_K=256)),  # 2 + 1 masked trips
+        (300, 200, dict(BLOCK_N=8)),  # partial block row and column; one masked trip (the default 256 columns)
+        (300, 200, dict(BLOCK_N=8, BLOCK_K=128)),  # no whole step: a last two trips, the second masked
+        (576, 256, dict(BLOCK_N=32, BLOCK_K=128)),  # kv_a's rows (4.5 block rows); one step of two whole trips
+        (256, 384, dict(BLOCK_N=4, BLOCK_K=128)),  # no masks: one step of two trips, then an odd last trip
+        (130, 520, dict(BLOCK_N=16, BLOCK_K=128)),  # two steps, then a masked last trip; rows end mid-program
     ],
 )
 def test_gemv(kdev, dtype, M, N, K, cfg):
@@ -96,8 +98,8 @@ def test_checks_name_the_argument(kdev):
         fp8_block_linear(x, w, s[:1])
     with pytest.raises(ValueError, match=r"out must be \[2, 200\] torch.float32"):
         fp8_block_linear(x, w, s, torch.empty(2, 200, dtype=BF, device=kdev))
-    with pytest.raises(ValueError, match="form 'gemv' serves up to 8 rows"):
-        fp8_block_linear(torch.randn(9, 300, device=kdev), w, s, config=dict(form="gemv"))
+    with pytest.raises(ValueError, match="form 'gemv' serves up to 4 rows"):
+        fp8_block_linear(torch.randn(5, 300, device=kdev), w, s, config=dict(form="gemv"))
     with pytest.raises(ValueError, match="is not one of"):
         fp8_block_linear(x, w, s, config=dict(form="cublas"))
     if kdev == "cpu":

@@ -17,6 +17,7 @@ GEMV = dict(gemv1=dict(BLOCK_N=32, BLOCK_K=128), gemv2=dict(BLOCK_N=64, BLOCK_K=
         (1, 200, 48, 8, 8, 0, 2),  # D: 2 column blocks, the second partial; I < 128
         (2, 256, 176, 6, 3, 2, 2),  # EP: experts [2, 5) of 6; I = 176: gate / up each 2 scale rows, one partial
         (4, 128, 160, 8, 8, 0, 4),  # 16 pairs: the most the GEMV form serves by default
+        (1, 520, 640, 4, 4, 0, 2),  # D: two steps of two trips and a masked last; I: the first step, one more, a last
     ],
 )
 def test_gemv_form(kdev, T, D, I, E_total, E_local, offset, K):
@@ -27,6 +28,11 @@ def test_gemv_form(kdev, T, D, I, E_total, E_local, offset, K):
 def test_gemv_form_bf16_with_add(kdev):
     cfg = dict(gemv=GEMV)
     fc.check_fp8_moe(kdev, BF, T=3, D=200, I=48, E_total=8, E_local=8, offset=0, K=2, config=cfg, add=True)
+
+
+def test_gemv_form_default_tiles(kdev):
+    """fp8_moe_gemv_config's own tiles (whole 1024- and 256-column trips, no masks) on a pair of steps."""
+    fc.check_fp8_moe(kdev, BF, T=2, D=2048, I=256, E_total=4, E_local=4, offset=0, K=2)
 
 
 @pytest.mark.parametrize("a8", [False, True])
@@ -91,3 +97,26 @@ def test_checks_name_the_argument(kdev):
         fp8_fused_experts(x, w13, s13, w2, s2, w, ids, config=dict(no_align=False, gemv=True))
     with pytest.raises(ValueError, match="add"):
         fp8_fused_experts(x, w13, s13, w2, s2, w, ids, add=x[:2], config=dict(gemv=GEMV))
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+def test_fused_norm_equals_sum_then_add_norm(kdev, gemv):
+    """norm=(weight, eps, residual): the add + RMSNorm after the MoE fused into the sum gives the bits of the
+    unfused output followed by add_rms_norm (the quantized MoE layer's fused path, one rank)."""
+    from mlaserve.kernels.fp8_moe import fp8_fused_experts
+    from mlaserve.kernels.rmsnorm import add_rms_norm
+    from tests.helpers.kernel_checks import poisoned_empty
+
+    T, D, I, E, K = 3, 200, 48, 8, 2
+    w13, s13, w2, s2 = fc.make_fp8_experts(kdev, E=E, D=D, I=I)
+    x = torch.randn(T, D, device=kdev).to(BF)
+    ids, w = fc.moe_routing(kdev, T=T, K=K, E_total=E)
+    add = fc.strided_rows(T, D, BF, kdev)
+    residual = fc.strided_rows(T, D, BF, kdev)
+    nw = (1 + 0.1 * torch.randn(D, device=kdev)).to(BF)
+    cfg = dict(gemv=GEMV) if gemv else dict(gemv=False, BLOCK_M=16, gemm2=dict(BLOCK_N=64))
+    with poisoned_empty():
+        out = fp8_fused_experts(x, w13, s13, w2, s2, w, ids, add=add, config=cfg)
+        ref_normed, ref_s = add_rms_norm(out, residual, nw, 1e-6)
+        normed, s = fp8_fused_experts(x, w13, s13, w2, s2, w, ids, add=add, norm=(nw, 1e-6, residual), config=cfg)
+    assert torch.equal(s, ref_s) and torch.equal(normed, ref_normed)
