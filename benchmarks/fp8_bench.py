@@ -236,7 +236,7 @@ def run_fp8_moe(rep: Report, sz: Sizes):
                         all_local=all_local,
                         config=c,  # noqa: B023
                     )
-                    a8, wbytes = moe_form(T, K, E, cfg, BF)[2], 3 * D * I + scale_bytes
+                    a8, wbytes = moe_form(T, K, E, cfg, dtype=BF)[2], 3 * D * I + scale_bytes
                 nbytes = n_exp * wbytes + 2 * T * D * 2
                 case = f"{name} T={T} experts={n_exp:.0f} {label}"
                 extra = dict(shape=name, T=T, experts=n_exp, form=label)

@@ -95,7 +95,7 @@ def check_fp8_moe(
     x = torch.randn(T, D, device=device).to(dtype)
     ids, w = moe_routing(device, T=T, K=K, E_total=E_total)
     shared = strided_rows(T, D, dtype, device) if add else None
-    _, gemv, a8 = moe_form(T, K, E_local, config, dtype)
+    _, gemv, a8 = moe_form(T, K, E_local, config, dtype=dtype)
     with poisoned_empty():
         out = fp8_fused_experts(
             x, w13, s13, w2, s2, w, ids, offset, add=shared, all_local=E_local == E_total, config=config
