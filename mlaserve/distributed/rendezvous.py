@@ -24,11 +24,10 @@ from .heartbeat import start_beating
 from .tp import RankInfo
 
 log = logging.getLogger("mlaserve.distributed")
-# How long a rank waits for its process group's teardown. On two H200s NCCL's teardown after TP2 under CUDA graphs
-# never returned (sessions 7-8: with both GPUs idle, and as an abort of the communicator too): live graphs with
-# NCCL kernels in them block ncclCommDestroy (pytorch/pytorch#115388), so every rank now resets its graphs first
-# (ModelRunner.release_graphs; on two H200s in session 9 the close then took 0.3-0.5 s). Should anything else
-# hold the communicator, a closing engine still must not wait forever: it leaves the rest to process exit.
+# How long a rank waits for its process group's teardown. Live CUDA graphs with NCCL kernels in them block
+# ncclCommDestroy, and an abort of the communicator too (pytorch/pytorch#115388), so every rank resets its graphs
+# first (ModelRunner.release_graphs). Should anything else hold the communicator, a closing engine still must not
+# wait forever: it leaves the rest to process exit.
 TEARDOWN_TIMEOUT_S = 15.0
 
 

@@ -78,8 +78,8 @@ class GraphRunner:
         # A step's positions, KV slots and lengths go in one copy (each copy is one more operation between two
         # replays, ~1.5 us of a batch-1 step): each graph's batch views its own region of this buffer (_views).
         # Regions are disjoint, so a graph replayed on its last inputs (a benchmark's replay loop) reads its own
-        # inputs, never another graph's: session 15's shared layouts let a batch-32 graph read a smaller graph's
-        # lengths as KV slots.
+        # inputs, never another graph's (shared layouts would let a batch-32 graph read a smaller graph's lengths
+        # as KV slots).
         self._offset: dict[tuple, int] = {}
         words = 0
         for key in self._keys():

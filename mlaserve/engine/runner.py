@@ -191,7 +191,7 @@ class ModelRunner:
 
     def release_graphs(self) -> None:
         """Destroy the captured graphs before the process group goes: graphs with NCCL all-reduces in them keep
-        ncclCommDestroy (and an abort) waiting forever (pytorch/pytorch#115388; seen on two H200s in sessions 7-8)."""
+        ncclCommDestroy (and an abort) waiting forever (pytorch/pytorch#115388)."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None

@@ -335,10 +335,7 @@ def _tma_default(x: torch.Tensor, bm: int, on: bool) -> bool:
 
 def _gemv_default(x: torch.Tensor, no_align: bool, kernels: KernelConfig) -> bool | dict:
     """The GEMV form (moe_gemv.py) for per-pair blocks (1-2 token steps) of 16-bit steps on the GPU, as
-    KernelConfig.moe_gemv_config says (MLASERVE_MOE_GEMV=0 turns it off).
-    M1 on an H200 (session 12): batch 1 TPOT 1.94 -> 1.86 ms, batch 2 2.99 -> 2.79. On by default since session 13,
-    when the gpu suite passed with it (the capture failure it once showed was the cyclic GC destroying an earlier
-    engine's graphs mid-capture, now paused by capture.gc_paused; docs/kernels.md, moe_gemv)."""
+    KernelConfig.moe_gemv_config says (MLASERVE_MOE_GEMV=0 turns it off; docs/experiments.md has its A/B)."""
     if not (no_align and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     return kernels.moe_gemv_config()
@@ -477,8 +474,8 @@ def fused_experts(
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     pdl = pdl_args(x, kernels.pdl)  # the two GEMMs launch alike
     if prewait is None:
-        # GEMM2's reads before its wait: under PDL, for the per-pair blocks of decode steps of 1-2 tokens (M1 on an
-        # H200, session 10: batch 1 TPOT -0.02 ms; at batch 32, aligned blocks, +0.1 ms). MLASERVE_MOE_PREWAIT=0: off.
+        # GEMM2's reads before its wait: under PDL, for the per-pair blocks of decode steps of 1-2 tokens only (on
+        # aligned blocks it lost: docs/experiments.md). MLASERVE_MOE_PREWAIT=0: off.
         prewait = pdl["PDL"] and no_align and kernels.moe_prewait
     g13 = g1s = g3s = g2 = g2s = None  # None arguments are constexpr: the pointer kernels have no descriptors
     if tma:

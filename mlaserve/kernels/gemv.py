@@ -4,11 +4,9 @@ cuBLAS runs the batch-1 projections as 64x8-tile GEMMs that reach a third to a h
 [2048, 2048] and [3648, 2048] weights (6.0 / 6.7 us, kernels_bench lin_decode). Here each program owns BLOCK_N
 output columns and loads their [BLOCK_N, BLOCK_K] weight slab as one register tile (BLOCK_K = K: one trip, every
 load in flight together), multiplies by x in fp32 and reduces over K, for each of up to GEMV_MAX_TOKENS rows of x.
-layers.linear sends batch-1 projections of up to KernelConfig.gemv_max_bytes of weight here. Against cuBLAS (H200,
-session 10) it also wins at 2 rows (6.0 / 6.7 and 3.0 / 6.0 us for the two M1 weights) but not from 4 or 8 rows up for
-q|kv_a. layers.linear sends 1-2-row steps: M1 batch 2 TPOT 3.11 -> 2.99 ms on an H200 (session 11), batch 1 equal.
-Since session 14 layer 0's dense MLP (138 MB; cuBLAS ~45 us) and the lm_head (layers.embedding, fp32 out) come here
-too at 1-2 rows: M1 batch 1 1.851 -> 1.832 ms (the MLP) and 1.841 -> 1.831 ms (the lm_head) on an H200.
+layers.linear sends 1-2-row steps with up to KernelConfig.gemv_max_bytes of weight here (against cuBLAS it wins at 1
+and 2 rows, not from 4 rows up: the crossover `kernels_bench --only lin_decode` measures), layer 0's dense MLP
+included; layers.embedding sends the lm_head (fp32 out) at 1-2 rows. The A/Bs behind each: docs/experiments.md.
 """
 
 from __future__ import annotations

@@ -370,10 +370,8 @@ def mla_decode(
         part_o = part_lse = out  # unused
     use_tma = _use_tma(cfg, kv_cache, P)
     if _few(programs, q.dtype) and not use_tma:
-        # batch 1-3 (latency bound): 16-token tiles and splits, 2 stages (one tile ahead), up to 128 splits. H200,
-        # B=1 H=16, split + combine, against 32-token tiles at 2 stages and <= 64 splits (session 10, ab2 log):
-        # ctx 512 7.1 / 8.5 us, 2k 8.2 / 9.2, 8k 14.6 / 17.0; M1 batch 1 TPOT ctx 512 1.93 / 1.98 ms, 8k 2.21 /
-        # 2.39. (3 stages: 10.0 us at 512. 16-token tiles with only 64 splits lost at 8k: 21.9 us, 2.50 ms.)
+        # batch 1-3 (latency bound): 16-token tiles and splits, 2 stages (one tile ahead), up to 128 splits; they
+        # beat 32-token tiles with <= 64 splits at every context (`kernels_bench --only mla_sweep`).
         cfg = {**cfg, **FEW_PROGRAMS, **(config or {})}
     kv_n = kv_p = None  # None arguments are constexpr: the pointer variant has no descriptor parameters
     if use_tma:  # descriptors of the cache as rows [pages * page_size, R + P]: the [N, R] latent and [N, P] rope

@@ -66,8 +66,7 @@ def moe_config(
         s2 = 4
         if tma:
             # TMA tiles land in shared memory twice as wide as the pointer loads' (compile_check: 80 / 120 KB at
-            # 3 / 4 stages), so fewer stages keep 2-3 programs per SM. H200, M1 engine at batch 1 ctx 512 (session
-            # 8, router unfused): TPOT 2.12 -> 2.02 ms with TMA at 2 / 3 stages, 2.04 at 3 / 3; batch 8 and 32 equal.
+            # 3 / 4 stages), so fewer stages keep 2-3 programs per SM (2 / 3 stages measured best on M1 at batch 1).
             s1, s2 = 2, 3
         c1 = dict(BLOCK_M=16, BLOCK_N=bn1, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s1)
         c2 = dict(BLOCK_M=16, BLOCK_N=bn2, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=s2)

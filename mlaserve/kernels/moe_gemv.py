@@ -170,8 +170,8 @@ def _moe_gemv2_kernel(
 
 def moe_gemv_config(D: int, I: int) -> dict:
     """Rows per program and the K trip of each GEMV: gemv.py's two rows (gate and up: four) with the whole row in
-    one trip up to 2048 columns (longer rows loop), 2-4 warps. (gemv2's first trip of Moonlight's 1408-wide rows as
-    1024 + 512 loads, 80 registers instead of 125, was slower: 1.90 against 1.87 ms at batch 1, session 13.)"""
+    one trip up to 2048 columns (longer rows loop), 2-4 warps (splitting a 1408-wide trip to save registers was
+    slower: docs/experiments.md)."""
     return dict(
         gemv1=dict(BLOCK_N=2, BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4),
         gemv2=dict(BLOCK_N=4, BLOCK_K=min(triton.next_power_of_2(I), 2048), num_warps=2),

@@ -1,4 +1,4 @@
-"""Routed experts kept quantized in memory, as their checkpoints store them (QUANT_SPEC.md's layouts).
+"""Routed experts kept quantized in memory, as their checkpoints store them (docs/design.md section 5).
 
 - Int4Experts (compressed-tensors pack-quantized, Kimi-K2.5): w13_packed int32 [E, 2I, D/8] (gate rows, then up
   rows), w13_scale bf16 [E, 2I, D/32], w2_packed int32 [E, D, I/8], w2_scale bf16 [E, D, I/32].

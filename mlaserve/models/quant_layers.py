@@ -14,7 +14,7 @@ from ..layers.moe import Experts, ExpertsBase
 from ..layers.quant_experts import Fp8Experts, Int4Experts
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
-# FP8 kv_b_proj is held dequantized in the model dtype: the absorbed MLA projections (w_kc, w_vc: DESIGN.md section
+# FP8 kv_b_proj is held dequantized in the model dtype: the absorbed MLA projections (w_kc, w_vc: docs/design.md section
 # 1) are per-head views of it, run by torch.bmm and the head GEMV, as vLLM and SGLang do.
 EXPANDED = ("kv_b_proj",)
 

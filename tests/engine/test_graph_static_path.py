@@ -193,7 +193,8 @@ def test_greedy_decode_steps_take_the_graphs_argmax(tiny_ckpt, monkeypatch):
 def test_packed_input_regions_are_disjoint(tiny_ckpt):
     """Each graph's packed inputs (positions, KV slots, lengths and ring row) have a region of their own, 16-byte
     aligned, and a fill writes only its graph's region: a graph replayed on its last inputs (a benchmark's replay
-    loop) never reads another graph's values (session 15: a batch-32 graph read a smaller one's lengths as slots)."""
+    loop) never reads another graph's values (shared layouts once let a batch-32 graph read a smaller one's lengths
+    as slots)."""
     from mlaserve.attention.base import SeqChunk
 
     engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=32, prefill_graph_max_tokens=512)

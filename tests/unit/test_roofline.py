@@ -55,7 +55,7 @@ def test_quantized_floors_count_the_bytes_stored():
         routed = 3 * expected_experts(bf16, batch) * p.expert  # 3 MoE layers
         saved = decode_bytes(bf16, batch, 512) - decode_bytes(int4, batch, 512)
         assert saved == pytest.approx(routed * (2 - INT4_BYTES), rel=1e-9)
-    assert decode_floor_s(int4, 1, 512) * 1e3 == pytest.approx(1.12, abs=0.01)  # bf16: 1.5 (BENCHMARK.md)
+    assert decode_floor_s(int4, 1, 512) * 1e3 == pytest.approx(1.12, abs=0.01)  # bf16: 1.5 (docs/benchmarking.md)
 
     raw = load_preset("deepseek-v3")
     raw["num_hidden_layers"] = 5
