@@ -1,7 +1,8 @@
 """The INT4 (W4A16) MoE of a decode step as grouped GEMVs: packed weight rows streamed whole, unpacked in registers.
 
-Layout (compressed-tensors pack-quantized, docs/design.md section 5): row r of a weight is int32 words [K/8], column c's nibble
-at bits 4*(c % 8) of word c // 8, stored q + 8; bf16 scales [K/32]; w[r, c] = (nibble - 8) * scale[r, c // 32].
+Layout (compressed-tensors pack-quantized, docs/design.md section 5): row r of a weight is int32 words [K/8],
+column c's nibble at bits 4*(c % 8) of word c // 8, stored q + 8; bf16 scales [K/32];
+w[r, c] = (nibble - 8) * scale[r, c // 32].
 
 A program owns ROWS rows of one (token, k) pair's expert and walks their K extent G groups (of 32 columns, 4 words)
 per trip: the words come as [ROWS, 4G] (16-byte loads, each row's bytes contiguous; warps on rows, lanes on

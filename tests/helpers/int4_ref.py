@@ -1,7 +1,7 @@
 """The INT4 experts' torch reference (any device): compressed-tensors pack-quantized words, dequantized exactly.
 
-Layout (docs/design.md section 5): packed int32 [..., out, in/8], column c's nibble at bits 4*(c % 8) of word c // 8, stored
-q + 8 (q in [-8, 7]); scale bf16 [..., out, in/32]; w[r, c] = (nibble(r, c) - 8) * scale[r, c // 32].
+Layout (docs/design.md section 5): packed int32 [..., out, in/8], column c's nibble at bits 4*(c % 8) of word
+c // 8, stored q + 8 (q in [-8, 7]); scale bf16 [..., out, in/32]; w[r, c] = (nibble(r, c) - 8) * scale[r, c // 32].
 `int4_fused_experts_ref` is the executable spec of kernels.int4_moe.int4_fused_experts.
 """
 
