@@ -3,6 +3,8 @@ fused_experts on the same (dequantized) weights, torch's `_weight_int4pack_mm` a
 
     PYTHONPATH=$PWD python benchmarks/kernels_bench.py --only int4_moe --time-limit 900
     INT4_BENCH_SHAPES=kimi-tp4,kimi-ep8 ... --only int4_moe     # some shapes only (a run under 10 minutes)
+    INT4_BENCH_STEPS=1,2,8 INT4_BENCH_SWEEPS=0 ...               # some steps; no GEMM/FMA sweeps nor anchor
+    INT4_BENCH_BF16=0 INT4_BENCH_FORMS=gemv_mma,gemm ...           # no bf16 fused_experts rows; these forms only
 
 Shapes: kimi (7168 -> 2048, 384 experts), kimi-tp4 (I=512), kimi-tp8 (I=256), kimi-ep8 (48 local experts of 384:
 `busy` routes every pair to a local expert, as the busiest rank sees it; `random` over all 384, about one local
@@ -11,7 +13,9 @@ chunk (the GEMM form). Each timed call cycles through ROTATE routings over disjo
 from HBM, not L2 (the union exceeds its 50 MB). bytes: what one call reads, packed words + scales of the distinct
 local experts it selects + x; TB/s against the 4.3 TB/s copy ceiling. The bf16 rows time fused_experts on the same
 weights dequantized to bf16 (2 bytes a weight). Rows `gemv kernels` time the two GEMV launches alone (no sum).
-`form*` marks the form int4_fused_experts picks by default.
+`form*` marks the form int4_fused_experts picks by default; at steps up to 8 the FMA GEMV (gemv_fma) is timed beside
+the tensor-core one (gemv_mma). Rows `mma kernels` time the tensor-core GEMV's two launches alone, default tiles then
+MMA1_SWEEP / MMA2_SWEEP (at one token, and the default at 2 and 8).
 """
 
 from __future__ import annotations
@@ -63,6 +67,44 @@ GEMM_SWEEP = [
 ]
 
 
+MMA1_SWEEP = [  # overrides of mma_config's gemv1 (skipped where they do not apply)
+    dict(MUL=False),
+    dict(MR=2, PREFETCH=False),
+    dict(MR=2, PREFETCH=True),
+    dict(MR=4, PREFETCH=True),
+    dict(MR=1, PREFETCH=True),
+    dict(MR=1, PREFETCH=False),
+    dict(WG=8),
+    dict(MR=2, WG=8, PREFETCH=True),
+]
+MMA2_SWEEP = [
+    dict(MUL=False),
+    dict(MR=1),
+    dict(MR=4),
+    dict(PREFETCH=True),
+    dict(WG=8),
+    dict(WG=2),
+]
+
+
+def mma_variants(D: int, I: int, pairs: int, sweep: bool) -> list[tuple[dict, dict]]:
+    """(gemv1, gemv2) MMA configs: the default, then each sweep entry that applies to the shape."""
+    from mlaserve.kernels.int4_moe import mma_config
+
+    c1, c2 = mma_config(D, I, pairs)
+    out = [(c1, c2)]
+    if not sweep:
+        return out
+    ng = {1: D // 32, 2: I // 32}
+    for which, sw, base in ((1, MMA1_SWEEP, c1), (2, MMA2_SWEEP, c2)):
+        for v in sw:
+            c = dict(base, **v)
+            if ng[which] % (4 * c["WG"]) or c == base:
+                continue
+            out.append((c, c2) if which == 1 else (c1, c))
+    return out
+
+
 def gemv2_variant(v: dict, D: int, I: int, pairs: int) -> dict:
     """A GEMV2_SWEEP entry as a gemv2 config for this shape."""
     from mlaserve.kernels.int4_moe import gemv_config
@@ -112,18 +154,22 @@ def run_int4_moe(rep: Report, sz: Sizes):
             return _run(rep, sz, SMOKE_SHAPES, (1, 5), 2)
     only = os.environ.get("INT4_BENCH_SHAPES")
     shapes = {k: v for k, v in SHAPES.items() if not only or k in only.split(",")}
-    return _run(rep, sz, shapes, STEPS, 8)
+    steps = tuple(int(t) for t in os.environ.get("INT4_BENCH_STEPS", ",".join(map(str, STEPS))).split(","))
+    return _run(rep, sz, shapes, steps, 8)
 
 
 def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
     from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.kernels.int4_moe import GEMV_MAX_PAIRS, gemm_config, gemv_config, int4_fused_experts
+    from mlaserve.kernels.int4_moe import GEMV_MAX_PAIRS, gemm_config, gemv_config, int4_fused_experts, mma_config
     from mlaserve.kernels.int4_ref import int4_fused_experts_ref, random_int4_experts
 
     dev = sz.dev
+    bf16 = os.environ.get("INT4_BENCH_BF16", "1") != "0"
+    sweeps = os.environ.get("INT4_BENCH_SWEEPS", "1") != "0"
+    only_forms = [f for f in os.environ.get("INT4_BENCH_FORMS", "").split(",") if f]
     for name, (D, I, E, E_all) in shapes.items():
         w = random_int4_experts(E, D, I, dev)
-        w13, w2 = dequant_bf16(w, D, I)
+        w13, w2 = dequant_bf16(w, D, I) if bf16 else (None, None)
         for T in steps:
             for busy in (True, False) if E < E_all else (True,):
                 sets = routings(T, K, E, E_all, busy, dev)
@@ -134,11 +180,22 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                 nbytes = n_exp * expert_bytes(D, I) + x.numel() * 2
                 default = "gemv" if T * K <= min(GEMV_MAX_PAIRS, E) else "gemm"
                 forms = ("gemv", "gemm") if T in BOTH_FORMS else (default,)
+                if "gemv" in forms and dev == "cuda":
+                    forms = ("gemv_mma", "gemv_fma") + forms[1:]
+                    default = "gemv_mma" if default == "gemv" else default
+                if only_forms:
+                    forms = tuple(f for f in forms if f in only_forms)
                 ref = int4_fused_experts_ref(x.float(), *w, ws[0], sets[0], 0) if T <= 8 or dev != "cuda" else None
                 for form in forms:
-                    cfgs = gemv_config(D, I, T * K) if form == "gemv" else gemm_config(T, K, E, D, I, BF)
+                    if form == "gemv_mma":
+                        cfgs = mma_config(D, I, T * K)
+                    else:
+                        cfgs = gemv_config(D, I, T * K) if form.startswith("gemv") else gemm_config(T, K, E, D, I, BF)
                     out = int4_fused_experts(x, *w, ws[0], sets[0], 0, all_local=busy, config=dict(form=form))
-                    err = rel(out, ref if ref is not None else fused_experts(x, w13, w2, ws[0], sets[0], 0))
+                    if ref is None and not bf16:
+                        err = float("nan")
+                    else:
+                        err = rel(out, ref if ref is not None else fused_experts(x, w13, w2, ws[0], sets[0], 0))
                     calls = list(zip(sets, ws))
                     ms = bench(
                         lambda f=form, c=calls: [  # noqa: B023
@@ -161,22 +218,25 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                         experts=n_exp,
                         config=[{k: str(v) for k, v in c.items()} for c in cfgs],
                     )
-                calls = list(zip(sets, ws))
-                ms = bench(lambda c=calls: [fused_experts(x, w13, w2, tw, ids, 0) for ids, tw in c], sz) / len(calls)
-                rep.add(
-                    "int4_moe",
-                    f"{name}{route} T={T} bf16 fused_experts (same weights)",
-                    ms,
-                    n_exp * 3 * D * I * 2 + x.numel() * 2,
-                    shape=name,
-                    T=T,
-                    form="bf16",
-                    route=route.strip() or None,
-                    experts=n_exp,
-                )
+                if bf16:
+                    calls = list(zip(sets, ws))
+                    ms = bench(lambda c=calls: [fused_experts(x, w13, w2, tw, ids, 0) for ids, tw in c], sz)
+                    rep.add(
+                        "int4_moe",
+                        f"{name}{route} T={T} bf16 fused_experts (same weights)",
+                        ms / len(calls),
+                        n_exp * 3 * D * I * 2 + x.numel() * 2,
+                        shape=name,
+                        T=T,
+                        form="bf16",
+                        route=route.strip() or None,
+                        experts=n_exp,
+                    )
                 if T <= 2 and busy:
-                    _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes)
-        if name in ("kimi", "tiny"):  # the tile sweeps and the anchor at the full expert shape
+                    _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes, sweeps)
+                if T <= 8 and busy and dev == "cuda":
+                    _mma_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes)
+        if name in ("kimi", "tiny") and sweeps and bf16:
             _sweeps(rep, sz, name, D, I, E, K, w, w13, w2)
             _anchor(rep, sz, D, I)
         w = w13 = w2 = None
@@ -184,7 +244,7 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
             torch.cuda.empty_cache()
 
 
-def _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
+def _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes, sweep=True):
     """The two GEMV launches alone (preallocated buffers, no sum), default tiles then GEMV1/GEMV2_SWEEP."""
     from mlaserve.kernels.int4_gemv import int4_gemv
     from mlaserve.kernels.int4_moe import gemv_config
@@ -196,8 +256,8 @@ def _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
     c1, c2 = gemv_config(D, I, T * K)
     variants = [(c1, c2)] + [(dict(c1, **v), c2) for v in GEMV1_SWEEP[1:]]
     variants += [(c1, gemv2_variant(v, D, I, T * K)) for v in GEMV2_SWEEP[1:]]
-    if T > 1 or sz.dev != "cuda":
-        variants = variants[: 1 if T > 1 else 2]
+    if T > 1 or sz.dev != "cuda" or not sweep:
+        variants = variants[: 1 if T > 1 or not sweep else 2]
     for v1, v2 in variants:
         try:
             ms = bench(
@@ -217,6 +277,36 @@ def _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
             )
         except Exception as e:  # e.g. out of registers
             print(f"int4 gemv {v1} {v2}: {type(e).__name__}: {str(e)[:160]}")
+
+
+def _mma_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
+    """The tensor-core GEMV's two launches alone (preallocated buffers, no sum): default tiles, and at one token
+    the MMA1_SWEEP / MMA2_SWEEP variants."""
+    from mlaserve.kernels.int4_mma_gemv import int4_gemv_mma
+    from mlaserve.kernels.pdl import pdl_args
+
+    D, I = x.shape[1], w[0].shape[1] // 2
+    hbuf = torch.empty(T * K, I, dtype=BF, device=sz.dev)
+    y = torch.empty(T * K, D, dtype=BF, device=sz.dev)
+    for v1, v2 in mma_variants(D, I, T * K, sweep=T == 1):
+        try:
+            ms = bench(
+                lambda a=v1, b=v2: [  # noqa: B023
+                    int4_gemv_mma(x, *w, tw, ids, 0, hbuf, y, pdl_args(x), a, b) for ids, tw in zip(sets, ws)
+                ],
+                sz,
+            ) / len(sets)
+            rep.add(
+                "int4_mma",
+                f"{name} T={T} mma kernels {cfg_label(v1)} | {cfg_label(v2)}",
+                ms,
+                nbytes,
+                shape=name,
+                T=T,
+                config=[{k: str(val) for k, val in c.items()} for c in (v1, v2)],
+            )
+        except Exception as e:  # e.g. out of registers
+            print(f"int4 mma {v1} {v2}: {type(e).__name__}: {str(e)[:160]}")
 
 
 def _sweeps(rep, sz, name, D, I, E, K, w, w13, w2):

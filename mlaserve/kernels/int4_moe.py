@@ -1,6 +1,7 @@
 """The fused MoE on INT4 experts (W4A16, compressed-tensors pack-quantized, group 32): the GEMV form for steps of few
-(token, k) pairs (int4_gemv.py), grouped tiled GEMMs over moe_align's blocks for larger ones (int4_gemm.py), then the
-sum over k (moe_sum.py). No host sync; buffers sized from shapes only (CUDA-graph safe).
+(token, k) pairs (on the tensor cores, int4_mma_gemv.py, where it applies; else FMAs, int4_gemv.py), grouped tiled
+GEMMs over moe_align's blocks for larger ones (int4_gemm.py), then the sum over k (moe_sum.py). No host
+sync; buffers sized from shapes only (CUDA-graph safe).
 
 Reference: int4_ref.int4_fused_experts_ref (dequantize, then layers.moe.fused_experts_ref).
 """
@@ -12,6 +13,7 @@ import triton
 
 from .int4_gemm import int4_gemm
 from .int4_gemv import int4_gemv
+from .int4_mma_gemv import int4_gemv_mma, mma_config, mma_supported
 from .moe_align import moe_align
 from .moe_sum import moe_sum
 from .pdl import pdl_args
@@ -116,8 +118,10 @@ def int4_fused_experts(
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
     pdl: None (on where pdl.py enables it), a bool, or pdl_args' dict.
-    config (benchmarks, tests): "form": "gemv" / "gemm" (default: gemv up to min(GEMV_MAX_PAIRS, E) pairs); "gemv1",
-    "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
+    config (benchmarks, tests): "form": "gemv" / "gemm" (default: gemv up to min(GEMV_MAX_PAIRS, E) pairs), "gemv"
+    meaning "gemv_mma" where mma_supported, else "gemv_fma"; "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL"}),
+    "gemv1", "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the
+    defaults."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if T == 0:  # checks `add`; empty
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local)
@@ -126,13 +130,25 @@ def int4_fused_experts(
     elif pdl is None:
         pdl = pdl_args(x)
     cfg = dict(config or {})
-    bad = set(cfg) - {"form", "gemv1", "gemv2", "gemm1", "gemm2"}
+    keys = ("form", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2")
+    bad = set(cfg) - set(keys)
     if bad:
-        raise ValueError(f"config keys {sorted(bad)} are not among form, gemv1, gemv2, gemm1, gemm2")
+        raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
     TK = T * K
     form = cfg.get("form") or ("gemv" if TK <= min(GEMV_MAX_PAIRS, E) else "gemm")
-    y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if form == "gemv":
+        form = "gemv_mma" if mma_supported(x, D, I) else "gemv_fma"
+    y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
+    if form == "gemv_mma":
+        if not mma_supported(x, D, I):
+            raise ValueError(f"config: form='gemv_mma' needs bf16 x on sm_80+ and D={D}, I={I} multiples of 128")
+        c1, c2 = mma_config(D, I, TK)
+        c1, c2 = dict(c1, **cfg.get("mma1", {})), dict(c2, **cfg.get("mma2", {}))
+        hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
+        int4_gemv_mma(
+            x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2
+        )
+    elif form == "gemv_fma":
         c1, c2 = gemv_config(D, I, TK)
         c1, c2 = dict(c1, **cfg.get("gemv1", {})), dict(c2, **cfg.get("gemv2", {}))
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
@@ -168,5 +184,5 @@ def int4_fused_experts(
             c2,
         )
     else:
-        raise ValueError(f"config: form={form!r} must be 'gemv' or 'gemm'")
+        raise ValueError(f"config: form={form!r} must be 'gemv', 'gemv_mma', 'gemv_fma' or 'gemm'")
     return moe_sum(y, topk_ids, expert_offset, E, add, None, all_local)

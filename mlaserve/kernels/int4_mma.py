@@ -1,0 +1,224 @@
+"""The INT4 (W4A16) MoE of a decode step as grouped GEMVs on the tensor cores: packed weights unpacked in registers
+to bf16 with one LOP3 per two weights, dotted with x by `mma.sync` (fp32 accumulation), scaled per group in fp32.
+
+Why: the FMA form (int4_gemv.py) spends ~2.5 instructions a weight on the unpack and the FMA (half of them on the
+integer pipe, which issues at half rate), so it tops out near 3.1 TB/s. Here a weight costs ~0.9 integer and ~0.3
+other instructions, so the kernels can stream at memory speed.
+
+Layout (compressed-tensors pack-quantized, QUANT_SPEC.md): row r of a weight is int32 words [K/8], column c's
+nibble at bits 4*(c % 8) of word c // 8, stored n = q + 8; bf16 scales [K/32]; w[r, c] = (n - 8) * scale[r, c // 32].
+
+Lanes. Every tile is a logical [MR, 128 * WG] tensor that Triton lays out as 16-byte vectors, lane l of warp w
+holding columns 128 w + 4 l .. + 3 (checked on the compiled kernel: `check_layout`). Lane (g = l // 4, t = l % 4)
+of warp column wg holds, for logical row m, the 4 words of group 4 wg + t (of the trip) of the "top" row 8 m + g
+and of the "bottom" row (gemv1: the up row of gate row 8 m + g; gemv2: row 8 (MR + m) + g). So the 4 lanes t of a
+quad share the rows, and the 8 quads of a warp share the 4 groups.
+Unpack: for nibble pair j (nibbles j, j + 4 at bits 4j, 4j + 16), (w >> (4j - 3)) & 0x00780078 | 0x43004300 is a
+bf16 pair (128 + 8 n_j, 128 + 8 n_{j+4}), exact.
+MMA (m16n8k16, A row-major 16x16 bf16, B 16x8): A rows 0-7 are the quads' top rows, rows 8-15 their bottom rows,
+lane (g, t) holding k-slots 2t, 2t + 1, 2t + 8, 2t + 9 of both. B column n comes from the lanes (n, t'); only the
+diagonal lanes (n, n), n < 4, load x (the x of group n, the rest of B is zero), so D[g][n] is the dot of quad g's
+rows with group n alone: lane (g, t < 2) gets groups 2t, 2t + 1 of its top row (c0, c1) and bottom row (c2, c3),
+ready for their fp32 scales. A k-slot pair holds nibble pair (j, j + 4), B the matching x pair, so
+    D = sum_c (128 + 8 n_c) x_c - 192 sum_c x_c = 8 sum_c (n_c - 8) x_c,
+the -192 x sums (same for all rows) coming from one more chain of MMAs per trip (A = -192) and seeding C.
+fp32 products are exact; the cancellation costs ~2^-19 relative. The final sums are scaled by 1/8 (exact).
+
+gemv1: H[p, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n]), stored with each 8 columns as pairs (j, j + 4)
+(so gemv2 loads its B operand as is). gemv2: Y[p, d] = topk_weight[p] * (H[p] . down[e, d]).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .pdl import pdl_wait
+
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+# x pairs (x[8e + j], x[8e + j + 4]) of word e from its natural pairs P[4e + i] = (x[8e + 2i], x[8e + 2i + 1])
+PREP_ASM = tl.constexpr("""{ // int4_mma:prep
+prmt.b32 $0, $4, $6, 0x5410;
+prmt.b32 $1, $4, $6, 0x7632;
+prmt.b32 $2, $5, $7, 0x5410;
+prmt.b32 $3, $5, $7, 0x7632;
+}""")
+# -192 * (sum of the group's x) for c0..c3 of every lane: A = -192 everywhere, B = the 16 x-pair registers
+XSUM_ASM = tl.constexpr(
+    "{ // int4_mma:xsum\n.reg .b32 c;\n.reg .f32 d<4>;\nmov.b32 c, 0xC340C340;\n"
+    + "".join(f"mov.f32 d{i}, 0f00000000;\n" for i in range(4))
+    + "".join(
+        f"{MMA} {{d0,d1,d2,d3}}, {{c,c,c,c}}, {{${4 + 2 * i},${5 + 2 * i}}}, {{d0,d1,d2,d3}};\n" for i in range(8)
+    )
+    + "".join(f"mov.f32 ${i}, d{i};\n" for i in range(4))
+    + "}"
+)
+
+
+def _unpack(src: str, dst: str, mul: bool) -> str:
+    """The 4 bf16 pairs of word `src` into registers dst0..dst3 (pair j: nibbles j, j + 4). mul: the right shifts as
+    mul.hi (the FMA pipe's IMAD.HI) instead of shr (the integer pipe's SHF, which the LOP3s also need)."""
+    ops = ["shl.b32 t, {}, 3"]
+    ops += [f"mul.hi.u32 t, {{}}, {1 << (32 - s):#010x}" if mul else f"shr.u32 t, {{}}, {s}" for s in (1, 5, 9)]
+    out = []
+    for j, op in enumerate(ops):
+        out += [op.format(src) + ";", f"lop3.b32 {dst}{j}, t, 0x00780078, k, 0xEA;"]  # (t & mask) | k
+    return "\n".join(out) + "\n"
+
+
+# acc' = acc + scale * D over one trip's 4 words of a top and a bottom row. Operands: $0-3 acc' (f32); $4-7 top
+# words, $8-11 bottom words, $12-27 x pairs (word e, pair j: $12 + 4e + j), $28-31 the -192 x sums (f32), $32-33
+# top scales (bf16 x4), $34-35 bottom scales, $36-39 the lane's scale selector, $40-43 acc (f32).
+
+
+def _main_asm(mul: bool) -> str:
+    return (
+        "{ // int4_mma:main\n.reg .b32 t, k, st, sb, a<4>, b<4>;\n.reg .f32 d<4>, s<4>;\nmov.b32 k, 0x43004300;\n"
+        + "".join(f"mov.f32 d{i}, ${28 + i};\n" for i in range(4))
+        + "".join(
+            _unpack(f"${4 + e}", "a", mul)
+            + _unpack(f"${8 + e}", "b", mul)
+            + f"{MMA} {{d0,d1,d2,d3}}, {{a0,b0,a1,b1}}, {{${12 + 4 * e},${13 + 4 * e}}}, {{d0,d1,d2,d3}};\n"
+            + f"{MMA} {{d0,d1,d2,d3}}, {{a2,b2,a3,b3}}, {{${14 + 4 * e},${15 + 4 * e}}}, {{d0,d1,d2,d3}};\n"
+            for e in range(4)
+        )
+        + "prmt.b32 st, $32, $33, $36;\nprmt.b32 sb, $34, $35, $36;\n"
+        + "shl.b32 s0, st, 16;\nand.b32 s1, st, 0xFFFF0000;\nshl.b32 s2, sb, 16;\nand.b32 s3, sb, 0xFFFF0000;\n"
+        + "".join(f"fma.rn.f32 ${i}, d{i}, s{i}, ${40 + i};\n" for i in range(4))
+        + "}"
+    )
+
+
+MAIN_ASM = tl.constexpr(_main_asm(False))
+MAIN_ASM_MUL = tl.constexpr(_main_asm(True))
+MAIN_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 24 + ["f"] * 4 + ["r"] * 8 + ["f"] * 4))
+PREP_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r,r,r")
+XSUM_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 16))
+
+
+@triton.jit
+def _lanes(WG: tl.constexpr):
+    """Per logical column v [1, 128 WG]: the word offset in a row (group 4 wg + t, word e), the scale offset (group
+    4 wg + e), the x-pair offset (group 4 wg + t, pair e), the diagonal lanes (which load x), the trip group of the
+    lane, the trip group of the scale, the lane's scale selector (PRMT: groups 0, 1 or 2, 3)."""
+    v = tl.arange(0, 128 * WG)[None, :]
+    t = (v // 4) % 4
+    grp = 4 * (v // 128) + t
+    woff = 16 * (v // 128) + v % 16
+    sgrp = 4 * (v // 128) + v % 4
+    xoff = 16 * grp + v % 4
+    diag = (v // 16) % 8 == t
+    sel = tl.where(t % 2 == 1, 0x7654, 0x3210)
+    return woff, sgrp, xoff, diag, grp, sel
+
+
+@triton.jit
+def _trip_w(wt_ptr, wb_ptr, st_ptr, sb_ptr, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN: tl.constexpr):
+    """Words [MR, V] of the top / bottom rows and their scales [MR, V] (bf16, groups 4 wg + e) for trip g0; t_ok /
+    b_ok: which top / bottom rows are real. EVEN: all are, and NG is a multiple of the trip."""
+    if EVEN:
+        on = g0 < NG
+        wt = tl.load(wt_ptr + (4 * g0 + woff), mask=on)
+        wb = tl.load(wb_ptr + (4 * g0 + woff), mask=on)
+        st = tl.load(st_ptr + (g0 + sgrp), mask=on)
+        sb = tl.load(sb_ptr + (g0 + sgrp), mask=on)
+    else:
+        wm = g0 + grp < NG
+        sm = g0 + sgrp < NG
+        wt = tl.load(wt_ptr + (4 * g0 + woff), mask=t_ok & wm, other=0)
+        wb = tl.load(wb_ptr + (4 * g0 + woff), mask=b_ok & wm, other=0)
+        st = tl.load(st_ptr + (g0 + sgrp), mask=t_ok & sm, other=0.0)
+        sb = tl.load(sb_ptr + (g0 + sgrp), mask=b_ok & sm, other=0.0)
+    return wt, wb, st, sb
+
+
+@triton.jit
+def _trip_x(x_ptr, g0, NG, xoff, diag, grp, PERM: tl.constexpr):
+    """The diagonal lanes' x pairs of their group [1, V] x 4 (pair registers of words 0..3), zero elsewhere, and
+    the -192 x sums. PERM: x is stored as pairs (j, j + 4) already (gemv1's H)."""
+    on = diag & (g0 + grp < NG)
+    y0 = tl.load(x_ptr + (16 * g0 + xoff), mask=on, other=0)
+    y1 = tl.load(x_ptr + (16 * g0 + xoff + 4), mask=on, other=0)
+    y2 = tl.load(x_ptr + (16 * g0 + xoff + 8), mask=on, other=0)
+    y3 = tl.load(x_ptr + (16 * g0 + xoff + 12), mask=on, other=0)
+    if not PERM:
+        y0 = tl.inline_asm_elementwise(PREP_ASM, PREP_CONSTRAINTS, [y0], dtype=tl.int32, is_pure=True, pack=4)
+        y1 = tl.inline_asm_elementwise(PREP_ASM, PREP_CONSTRAINTS, [y1], dtype=tl.int32, is_pure=True, pack=4)
+        y2 = tl.inline_asm_elementwise(PREP_ASM, PREP_CONSTRAINTS, [y2], dtype=tl.int32, is_pure=True, pack=4)
+        y3 = tl.inline_asm_elementwise(PREP_ASM, PREP_CONSTRAINTS, [y3], dtype=tl.int32, is_pure=True, pack=4)
+    xs = tl.inline_asm_elementwise(XSUM_ASM, XSUM_CONSTRAINTS, [y0, y1, y2, y3], dtype=tl.float32, is_pure=True, pack=4)
+    return y0, y1, y2, y3, xs
+
+
+@triton.jit
+def _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL: tl.constexpr):
+    if MUL:
+        return tl.inline_asm_elementwise(
+            MAIN_ASM_MUL,
+            MAIN_CONSTRAINTS,
+            [wt, wb, y0, y1, y2, y3, xs, st, sb, sel, acc],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=4,
+        )
+    return tl.inline_asm_elementwise(
+        MAIN_ASM,
+        MAIN_CONSTRAINTS,
+        [wt, wb, y0, y1, y2, y3, xs, st, sb, sel, acc],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _mma_dot(
+    wt_ptr,
+    wb_ptr,
+    st_ptr,
+    sb_ptr,
+    t_ok,
+    b_ok,
+    x_ptr,
+    NG,
+    MR: tl.constexpr,
+    WG: tl.constexpr,
+    EVEN: tl.constexpr,
+    PERM: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    WAIT: tl.constexpr,
+    MUL: tl.constexpr,
+):
+    """8 * sum over the K = 32 NG columns of the top and bottom rows' w . x, as acc [MR, 128 WG] (lanes above).
+    w*_ptr / s*_ptr [MR, 128 WG]: each element's row start (words / scales); x_ptr: x as int32 pairs. PREFETCH:
+    each trip's loads are issued before the previous trip's MMAs. WAIT: the kernel's PDL wait comes between the
+    first trip's weights and its x."""
+    woff, sgrp, xoff, diag, grp, sel = _lanes(WG)
+    acc = tl.zeros([MR, 128 * WG], tl.float32)
+    TRIP: tl.constexpr = 4 * WG
+    wt, wb, st, sb = _trip_w(wt_ptr, wb_ptr, st_ptr, sb_ptr, t_ok, b_ok, 0, NG, woff, sgrp, grp, EVEN)
+    pdl_wait(WAIT)
+    y0, y1, y2, y3, xs = _trip_x(x_ptr, 0, NG, xoff, diag, grp, PERM)
+    if PREFETCH:
+        for g0 in range(TRIP, NG + TRIP, TRIP):
+            nt, nb, nst, nsb = _trip_w(wt_ptr, wb_ptr, st_ptr, sb_ptr, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN)
+            n0, n1, n2, n3, nxs = _trip_x(x_ptr, g0, NG, xoff, diag, grp, PERM)
+            acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL)
+            wt, wb, st, sb, y0, y1, y2, y3, xs = nt, nb, nst, nsb, n0, n1, n2, n3, nxs
+    else:
+        acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL)
+        for g0 in range(TRIP, NG, TRIP):
+            wt, wb, st, sb = _trip_w(wt_ptr, wb_ptr, st_ptr, sb_ptr, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN)
+            y0, y1, y2, y3, xs = _trip_x(x_ptr, g0, NG, xoff, diag, grp, PERM)
+            acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL)
+    return acc
+
+
+@triton.jit
+def _row_sums(acc, MR: tl.constexpr, WG: tl.constexpr):
+    """acc [MR, 128 WG] -> (top, bottom) [MR, 8] fp32: each row's dot (lane (g, t < 2) elements 0, 1 top, 2, 3
+    bottom; lanes t >= 2 hold zeros), times the 1/8 of the unpack's scaling."""
+    a = tl.reshape(acc, (MR, WG, 8, 4, 2, 2))
+    a = tl.sum(tl.sum(tl.sum(a, 5), 3), 1)  # [MR, 8, 2]
+    top, bot = tl.split(a)
+    return top * 0.125, bot * 0.125
