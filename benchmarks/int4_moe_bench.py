@@ -15,7 +15,7 @@ local experts it selects + x; TB/s against the 4.3 TB/s copy ceiling. The bf16 r
 weights dequantized to bf16 (2 bytes a weight). Rows `gemv kernels` time the two GEMV launches alone (no sum).
 `form*` marks the form int4_fused_experts picks by default; at steps up to 8 the FMA GEMV (gemv_fma) is timed beside
 the tensor-core one (gemv_mma). Rows `mma kernels` time the tensor-core GEMV's two launches alone, default tiles then
-MMA1_SWEEP / MMA2_SWEEP (at one token, and the default at 2 and 8).
+MMA_SWEEP (at one token), then the fastest of them together (at 1, 2 and 8).
 """
 
 from __future__ import annotations
@@ -67,41 +67,78 @@ GEMM_SWEEP = [
 ]
 
 
-MMA1_SWEEP = [  # overrides of mma_config's gemv1 (skipped where they do not apply)
-    dict(MUL=False),
-    dict(MR=2, PREFETCH=False),
-    dict(MR=2, PREFETCH=True),
-    dict(MR=4, PREFETCH=True),
-    dict(MR=1, PREFETCH=True),
-    dict(MR=1, PREFETCH=False),
-    dict(WG=8),
-    dict(MR=2, WG=8, PREFETCH=True),
-]
-MMA2_SWEEP = [
-    dict(MUL=False),
-    dict(MR=1),
-    dict(MR=4),
-    dict(PREFETCH=True),
-    dict(WG=8),
-    dict(WG=2),
-]
+# tensor-core GEMV tiles per (D, I): gemv1 variants (timed with the default gemv2), gemv2 variants (with the default
+# gemv1); the fastest of each are then timed together at 1, 2 and 8 tokens
+_A, _B = dict(WG=4), dict(WG=4, MUL=False)
+MMA_SWEEP = {
+    (7168, 2048): (
+        [
+            dict(MR=4, **_B),
+            dict(MR=4, **_A, MUL=True),
+            dict(MR=2, **_B, maxnreg=64),
+            dict(MR=2, **_A, MUL=True, maxnreg=64),
+            dict(MR=2, **_B, NS=2, maxnreg=64),
+            dict(MR=4, **_B, NS=2, maxnreg=128),
+            dict(MR=1, **_B, maxnreg=64),
+            dict(MR=1, **_B, NS=3, maxnreg=64),
+        ],
+        [
+            dict(MR=2, **_B),
+            dict(MR=2, **_B, maxnreg=64),
+            dict(MR=1, **_B),
+            dict(MR=1, **_B, NS=2),
+            dict(MR=1, WG=16, MUL=False, NB=2, NS=3),
+            dict(MR=1, WG=16, MUL=False, NB=4, NS=3),
+            dict(MR=2, WG=8, MUL=False),
+        ],
+    ),
+    (7168, 512): (
+        [
+            dict(MR=1, **_B, NS=3),
+            dict(MR=1, **_B, NS=4, maxnreg=64),
+            dict(MR=1, WG=8, MUL=False, NS=3),
+            dict(MR=2, WG=8, MUL=False, PREFETCH=True),
+            dict(MR=1, **_B, PREFETCH=True),
+            dict(MR=2, **_B, NS=3, maxnreg=64),
+        ],
+        [
+            dict(MR=1, **_B),
+            dict(MR=1, **_B, NB=4, NS=3),
+            dict(MR=1, **_B, NB=8, NS=4),
+            dict(MR=2, **_B, NB=4, NS=3),
+            dict(MR=2, **_B),
+        ],
+    ),
+    (7168, 256): (
+        [
+            dict(MR=1, **_B, NS=3),
+            dict(MR=1, **_B, NS=4, maxnreg=64),
+            dict(MR=1, WG=8, MUL=False, NS=3),
+            dict(MR=2, WG=8, MUL=False, PREFETCH=True),
+            dict(MR=1, WG=8, MUL=False, NS=4),
+        ],
+        [
+            dict(MR=1, WG=2, MUL=False),
+            dict(MR=2, WG=2, MUL=False, NB=4, NS=4),
+            dict(MR=1, WG=2, MUL=False, NB=8, NS=4),
+            dict(MR=2, WG=2, MUL=False),
+            dict(MR=4, WG=2, MUL=False, NB=2, NS=3),
+        ],
+    ),
+}
+FMA_EXTRA = [(dict(ROWS=32, num_warps=8), {}), ({}, dict(maxnreg=64))]  # gemv1 / gemv2 overrides, at (7168, 2048)
+MMA_BEST: dict = {}  # (D, I) -> the fastest (gemv1, gemv2) at one token
 
 
 def mma_variants(D: int, I: int, pairs: int, sweep: bool) -> list[tuple[dict, dict]]:
-    """(gemv1, gemv2) MMA configs: the default, then each sweep entry that applies to the shape."""
+    """(gemv1, gemv2) MMA configs: the default, then (sweep) MMA_SWEEP's for the shape."""
     from mlaserve.kernels.int4_moe import mma_config
 
     c1, c2 = mma_config(D, I, pairs)
     out = [(c1, c2)]
-    if not sweep:
-        return out
-    ng = {1: D // 32, 2: I // 32}
-    for which, sw, base in ((1, MMA1_SWEEP, c1), (2, MMA2_SWEEP, c2)):
-        for v in sw:
-            c = dict(base, **v)
-            if ng[which] % (4 * c["WG"]) or c == base:
-                continue
-            out.append((c, c2) if which == 1 else (c1, c))
+    if sweep:
+        v1, v2 = MMA_SWEEP.get((D, I), ([], []))
+        out += [(v, c2) for v in v1 if v != c1] + [(c1, v) for v in v2 if v != c2]
     return out
 
 
@@ -160,7 +197,7 @@ def run_int4_moe(rep: Report, sz: Sizes):
 
 def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
     from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.kernels.int4_moe import GEMV_MAX_PAIRS, gemm_config, gemv_config, int4_fused_experts, mma_config
+    from mlaserve.kernels.int4_moe import default_form, gemm_config, gemv_config, int4_fused_experts, mma_config
     from mlaserve.kernels.int4_ref import int4_fused_experts_ref, random_int4_experts
 
     dev = sz.dev
@@ -178,7 +215,7 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                 route = "" if E == E_all else (" busy" if busy else " random")
                 n_exp = sum(int(ids[ids < E].unique().numel()) for ids in sets) / len(sets)
                 nbytes = n_exp * expert_bytes(D, I) + x.numel() * 2
-                default = "gemv" if T * K <= min(GEMV_MAX_PAIRS, E) else "gemm"
+                default = default_form(T * K, E)
                 forms = ("gemv", "gemm") if T in BOTH_FORMS else (default,)
                 if "gemv" in forms and dev == "cuda":
                     forms = ("gemv_mma", "gemv_fma") + forms[1:]
@@ -280,33 +317,51 @@ def _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes, sweep=True):
 
 
 def _mma_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
-    """The tensor-core GEMV's two launches alone (preallocated buffers, no sum): default tiles, and at one token
-    the MMA1_SWEEP / MMA2_SWEEP variants."""
+    """The tensor-core GEMV's two launches alone (preallocated buffers, no sum): default tiles; at one token
+    MMA_SWEEP's variants, then the fastest gemv1 with the fastest gemv2 (also at 2 and 8 tokens)."""
+    from mlaserve.kernels.int4_gemv import int4_gemv
     from mlaserve.kernels.int4_mma_gemv import int4_gemv_mma
+    from mlaserve.kernels.int4_moe import gemv_config
     from mlaserve.kernels.pdl import pdl_args
 
     D, I = x.shape[1], w[0].shape[1] // 2
     hbuf = torch.empty(T * K, I, dtype=BF, device=sz.dev)
     y = torch.empty(T * K, D, dtype=BF, device=sz.dev)
-    for v1, v2 in mma_variants(D, I, T * K, sweep=T == 1):
+
+    def run(v1, v2, fma=False):
+        fn = int4_gemv if fma else int4_gemv_mma
         try:
             ms = bench(
-                lambda a=v1, b=v2: [  # noqa: B023
-                    int4_gemv_mma(x, *w, tw, ids, 0, hbuf, y, pdl_args(x), a, b) for ids, tw in zip(sets, ws)
-                ],
-                sz,
+                lambda: [fn(x, *w, tw, ids, 0, hbuf, y, pdl_args(x), v1, v2) for ids, tw in zip(sets, ws)], sz
             ) / len(sets)
-            rep.add(
-                "int4_mma",
-                f"{name} T={T} mma kernels {cfg_label(v1)} | {cfg_label(v2)}",
-                ms,
-                nbytes,
-                shape=name,
-                T=T,
-                config=[{k: str(val) for k, val in c.items()} for c in (v1, v2)],
-            )
         except Exception as e:  # e.g. out of registers
-            print(f"int4 mma {v1} {v2}: {type(e).__name__}: {str(e)[:160]}")
+            print(f"int4 {'fma' if fma else 'mma'} {v1} {v2}: {type(e).__name__}: {str(e)[:160]}")
+            return float("inf")
+        rep.add(
+            "int4_gemv" if fma else "int4_mma",
+            f"{name} T={T} {'gemv' if fma else 'mma'} kernels {cfg_label(v1)} | {cfg_label(v2)}",
+            ms,
+            nbytes,
+            shape=name,
+            T=T,
+            config=[{k: str(val) for k, val in c.items()} for c in (v1, v2)],
+        )
+        return ms
+
+    variants = mma_variants(D, I, T * K, sweep=T == 1 and (D, I) not in MMA_BEST)
+    times = [run(v1, v2) for v1, v2 in variants]
+    if len(variants) > 1:
+        c1, c2 = variants[0]
+        b1 = min((t, i) for i, (t, v) in enumerate(zip(times, variants)) if v[1] is c2)[1]
+        b2 = min((t, i) for i, (t, v) in enumerate(zip(times, variants)) if v[0] is c1)[1]
+        MMA_BEST[(D, I)] = (variants[b1][0], variants[b2][1])
+        if (D, I) == (7168, 2048):
+            f1, f2 = gemv_config(D, I, T * K)
+            for o1, o2 in FMA_EXTRA:
+                run(dict(f1, **o1), dict(f2, **o2), fma=True)
+    if (D, I) in MMA_BEST and MMA_BEST[(D, I)] not in variants:
+        print(f"int4 mma best {name}: {MMA_BEST[(D, I)]}")
+        run(*MMA_BEST[(D, I)])
 
 
 def _sweeps(rep, sz, name, D, I, E, K, w, w13, w2):

@@ -98,12 +98,16 @@ def run_ptx(asm: str, operands: list[np.ndarray], n_out: int) -> list[np.ndarray
                 put(tok, v)
             continue
         args = [x.strip() for x in rest.split(",")]
-        if op in ("mov.b32", "mov.f32"):
+        if op == "mov.u32" and args[1] == "%laneid":
+            put(args[0], np.broadcast_to(np.arange(32, dtype=np.uint32), shape))
+        elif op in ("mov.b32", "mov.f32"):
             put(args[0], val(args[1]))
         elif op == "shl.b32":
             put(args[0], val(args[1]) << np.uint32(int(args[2], 0)))
         elif op == "shr.u32":
             put(args[0], val(args[1]) >> np.uint32(int(args[2], 0)))
+        elif op == "mad.lo.u32":
+            put(args[0], val(args[1]) * val(args[2]) + val(args[3]))
         elif op == "mul.hi.u32":
             put(args[0], ((val(args[1]).astype(np.uint64) * val(args[2]).astype(np.uint64)) >> 32))
         elif op == "and.b32":

@@ -68,7 +68,8 @@ def _unpack(src: str, dst: str, mul: bool) -> str:
 
 # acc' = acc + scale * D over one trip's 4 words of a top and a bottom row. Operands: $0-3 acc' (f32); $4-7 top
 # words, $8-11 bottom words, $12-27 x pairs (word e, pair j: $12 + 4e + j), $28-31 the -192 x sums (f32), $32-33
-# top scales (bf16 x4), $34-35 bottom scales, $36-39 the lane's scale selector, $40-43 acc (f32).
+# top scales (bf16 x4: groups 0-3 of the warp's trip), $34-35 bottom scales, $36-39 acc (f32). Lane t = laneid % 4
+# takes the scales of groups 2 (t % 2), 2 (t % 2) + 1 (PRMT selector 0x3210 or 0x7654).
 
 
 def _main_asm(mul: bool) -> str:
@@ -82,16 +83,17 @@ def _main_asm(mul: bool) -> str:
             + f"{MMA} {{d0,d1,d2,d3}}, {{a2,b2,a3,b3}}, {{${14 + 4 * e},${15 + 4 * e}}}, {{d0,d1,d2,d3}};\n"
             for e in range(4)
         )
-        + "prmt.b32 st, $32, $33, $36;\nprmt.b32 sb, $34, $35, $36;\n"
+        + "mov.u32 t, %laneid;\nand.b32 t, t, 1;\nmad.lo.u32 t, t, 0x4444, 0x3210;\n"
+        + "prmt.b32 st, $32, $33, t;\nprmt.b32 sb, $34, $35, t;\n"
         + "shl.b32 s0, st, 16;\nand.b32 s1, st, 0xFFFF0000;\nshl.b32 s2, sb, 16;\nand.b32 s3, sb, 0xFFFF0000;\n"
-        + "".join(f"fma.rn.f32 ${i}, d{i}, s{i}, ${40 + i};\n" for i in range(4))
+        + "".join(f"fma.rn.f32 ${i}, d{i}, s{i}, ${36 + i};\n" for i in range(4))
         + "}"
     )
 
 
 MAIN_ASM = tl.constexpr(_main_asm(False))
 MAIN_ASM_MUL = tl.constexpr(_main_asm(True))
-MAIN_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 24 + ["f"] * 4 + ["r"] * 8 + ["f"] * 4))
+MAIN_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 24 + ["f"] * 4 + ["r"] * 4 + ["f"] * 4))
 PREP_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r,r,r")
 XSUM_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 16))
 
@@ -100,7 +102,7 @@ XSUM_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 16))
 def _lanes(WG: tl.constexpr):
     """Per logical column v [1, 128 WG]: the word offset in a row (group 4 wg + t, word e), the scale offset (group
     4 wg + e), the x-pair offset (group 4 wg + t, pair e), the diagonal lanes (which load x), the trip group of the
-    lane, the trip group of the scale, the lane's scale selector (PRMT: groups 0, 1 or 2, 3)."""
+    lane's words."""
     v = tl.arange(0, 128 * WG)[None, :]
     t = (v // 4) % 4
     grp = 4 * (v // 128) + t
@@ -108,27 +110,27 @@ def _lanes(WG: tl.constexpr):
     sgrp = 4 * (v // 128) + v % 4
     xoff = 16 * grp + v % 4
     diag = (v // 16) % 8 == t
-    sel = tl.where(t % 2 == 1, 0x7654, 0x3210)
-    return woff, sgrp, xoff, diag, grp, sel
+    return woff, sgrp, xoff, diag, grp
 
 
 @triton.jit
-def _trip_w(wt_ptr, wb_ptr, st_ptr, sb_ptr, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN: tl.constexpr):
-    """Words [MR, V] of the top / bottom rows and their scales [MR, V] (bf16, groups 4 wg + e) for trip g0; t_ok /
+def _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN: tl.constexpr):
+    """Words [MR, V] of the top / bottom rows and their scales [MR, V] (bf16, groups 4 wg + e) for trip g0: W / Wb,
+    S / Sb the top / bottom rows' word and scale bases, wrow / srow [MR, V] int32 each lane's row offsets. t_ok /
     b_ok: which top / bottom rows are real. EVEN: all are, and NG is a multiple of the trip."""
     if EVEN:
         on = g0 < NG
-        wt = tl.load(wt_ptr + (4 * g0 + woff), mask=on)
-        wb = tl.load(wb_ptr + (4 * g0 + woff), mask=on)
-        st = tl.load(st_ptr + (g0 + sgrp), mask=on)
-        sb = tl.load(sb_ptr + (g0 + sgrp), mask=on)
+        wt = tl.load(W + (wrow + 4 * g0 + woff), mask=on)
+        wb = tl.load(Wb + (wrow + 4 * g0 + woff), mask=on)
+        st = tl.load(S + (srow + g0 + sgrp), mask=on)
+        sb = tl.load(Sb + (srow + g0 + sgrp), mask=on)
     else:
         wm = g0 + grp < NG
         sm = g0 + sgrp < NG
-        wt = tl.load(wt_ptr + (4 * g0 + woff), mask=t_ok & wm, other=0)
-        wb = tl.load(wb_ptr + (4 * g0 + woff), mask=b_ok & wm, other=0)
-        st = tl.load(st_ptr + (g0 + sgrp), mask=t_ok & sm, other=0.0)
-        sb = tl.load(sb_ptr + (g0 + sgrp), mask=b_ok & sm, other=0.0)
+        wt = tl.load(W + (wrow + 4 * g0 + woff), mask=t_ok & wm, other=0)
+        wb = tl.load(Wb + (wrow + 4 * g0 + woff), mask=b_ok & wm, other=0)
+        st = tl.load(S + (srow + g0 + sgrp), mask=t_ok & sm, other=0.0)
+        sb = tl.load(Sb + (srow + g0 + sgrp), mask=b_ok & sm, other=0.0)
     return wt, wb, st, sb
 
 
@@ -151,12 +153,12 @@ def _trip_x(x_ptr, g0, NG, xoff, diag, grp, PERM: tl.constexpr):
 
 
 @triton.jit
-def _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL: tl.constexpr):
+def _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, acc, MUL: tl.constexpr):
     if MUL:
         return tl.inline_asm_elementwise(
             MAIN_ASM_MUL,
             MAIN_CONSTRAINTS,
-            [wt, wb, y0, y1, y2, y3, xs, st, sb, sel, acc],
+            [wt, wb, y0, y1, y2, y3, xs, st, sb, acc],
             dtype=tl.float32,
             is_pure=True,
             pack=4,
@@ -164,7 +166,7 @@ def _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL: tl.constexpr):
     return tl.inline_asm_elementwise(
         MAIN_ASM,
         MAIN_CONSTRAINTS,
-        [wt, wb, y0, y1, y2, y3, xs, st, sb, sel, acc],
+        [wt, wb, y0, y1, y2, y3, xs, st, sb, acc],
         dtype=tl.float32,
         is_pure=True,
         pack=4,
@@ -173,10 +175,12 @@ def _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL: tl.constexpr):
 
 @triton.jit
 def _mma_dot(
-    wt_ptr,
-    wb_ptr,
-    st_ptr,
-    sb_ptr,
+    W,
+    Wb,
+    S,
+    Sb,
+    wrow,
+    srow,
     t_ok,
     b_ok,
     x_ptr,
@@ -188,29 +192,32 @@ def _mma_dot(
     PREFETCH: tl.constexpr,
     WAIT: tl.constexpr,
     MUL: tl.constexpr,
+    NS: tl.constexpr,
 ):
     """8 * sum over the K = 32 NG columns of the top and bottom rows' w . x, as acc [MR, 128 WG] (lanes above).
-    w*_ptr / s*_ptr [MR, 128 WG]: each element's row start (words / scales); x_ptr: x as int32 pairs. PREFETCH:
-    each trip's loads are issued before the previous trip's MMAs. WAIT: the kernel's PDL wait comes between the
-    first trip's weights and its x."""
-    woff, sgrp, xoff, diag, grp, sel = _lanes(WG)
+    W / Wb, S / Sb: the top / bottom rows' word / scale bases; wrow / srow [MR, 128 WG] int32: each element's row
+    offset from them (words / scales); x_ptr: x as int32 pairs. PREFETCH:
+    each trip's loads are issued before the previous trip's MMAs (in registers). NS > 1: trips after the first are
+    loaded NS - 1 ahead by cp.async into shared memory (Triton's pipeliner), which holds far more bytes in flight
+    than registers. WAIT: the kernel's PDL wait comes between the first trip's weights and its x."""
+    woff, sgrp, xoff, diag, grp = _lanes(WG)
     acc = tl.zeros([MR, 128 * WG], tl.float32)
     TRIP: tl.constexpr = 4 * WG
-    wt, wb, st, sb = _trip_w(wt_ptr, wb_ptr, st_ptr, sb_ptr, t_ok, b_ok, 0, NG, woff, sgrp, grp, EVEN)
+    wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, 0, NG, woff, sgrp, grp, EVEN)
     pdl_wait(WAIT)
     y0, y1, y2, y3, xs = _trip_x(x_ptr, 0, NG, xoff, diag, grp, PERM)
     if PREFETCH:
         for g0 in range(TRIP, NG + TRIP, TRIP):
-            nt, nb, nst, nsb = _trip_w(wt_ptr, wb_ptr, st_ptr, sb_ptr, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN)
+            nt, nb, nst, nsb = _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN)
             n0, n1, n2, n3, nxs = _trip_x(x_ptr, g0, NG, xoff, diag, grp, PERM)
-            acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL)
+            acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, acc, MUL)
             wt, wb, st, sb, y0, y1, y2, y3, xs = nt, nb, nst, nsb, n0, n1, n2, n3, nxs
     else:
-        acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL)
-        for g0 in range(TRIP, NG, TRIP):
-            wt, wb, st, sb = _trip_w(wt_ptr, wb_ptr, st_ptr, sb_ptr, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN)
+        acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, acc, MUL)
+        for g0 in tl.range(TRIP, NG, TRIP, num_stages=NS):
+            wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN)
             y0, y1, y2, y3, xs = _trip_x(x_ptr, g0, NG, xoff, diag, grp, PERM)
-            acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, sel, acc, MUL)
+            acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, acc, MUL)
     return acc
 
 

@@ -17,15 +17,8 @@ import triton
 import triton.language as tl
 
 from .int4_gemv import _pair
-from .int4_mma import _mma_dot, _row_sums
+from .int4_mma import _lanes, _mma, _mma_dot, _row_sums, _trip_w, _trip_x
 from .pdl import pdl_release, pdl_wait
-
-
-@triton.jit
-def _rows(W, S, e, r, stride_we, stride_wn, stride_se, stride_sn4):
-    """Word and scale row starts of rows r [MR, V] of expert e."""
-    r = r.to(tl.int64)
-    return W + e * stride_we + r * stride_wn, S + e * stride_se + r * (4 * stride_sn4)
 
 
 @triton.jit(do_not_specialize=["expert_offset"])
@@ -51,6 +44,7 @@ def _int4_mma_gemv1_kernel(
     EVEN: tl.constexpr,
     PREFETCH: tl.constexpr,
     MUL: tl.constexpr,
+    NS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Hbuf[p, n] for the 8 MR gate rows n of program's block (top rows) and their up rows I + n (bottom rows)."""
@@ -65,16 +59,26 @@ def _int4_mma_gemv1_kernel(
     n0 = (tl.program_id(0) % nb) * ROWS
     m = tl.arange(0, MR)[:, None]
     n = n0 + 8 * m + (tl.arange(0, 128 * WG)[None, :] // 16) % 8  # [MR, V]: each lane's gate row
-    wt, st = _rows(W13, S13, e, n, stride_we, stride_wn, stride_se, stride_sn4)
-    wb, sb = _rows(W13, S13, e, n + I, stride_we, stride_wn, stride_se, stride_sn4)
+    W, S = W13 + e * stride_we, S13 + e * stride_se  # expert e; rows as int32 offsets (fewer registers)
+    Wb, Sb = W + I * stride_wn, S + I * (4 * stride_sn4)
     x = X32 + (p // TOPK).to(tl.int64) * stride_xt
-    acc = _mma_dot(wt, wb, st, sb, n < I, n < I, x, NG, MR, WG, EVEN, False, PREFETCH, False, MUL)
+    wrow, srow = n * stride_wn, n * (4 * stride_sn4)
+    acc = _mma_dot(W, Wb, S, Sb, wrow, srow, n < I, n < I, x, NG, MR, WG, EVEN, False, PREFETCH, False, MUL, NS)
     gate, up = _row_sums(acc, MR, WG)  # [MR, 8]
     h = gate * tl.sigmoid(gate) * up
     g = tl.arange(0, 8)[None, :]
     col = n0 + 8 * m + g
     pos = n0 + 8 * m + 2 * (g % 4) + g // 4  # column 8 i + j at 8 i + 2 (j % 4) + j // 4: pairs (j, j + 4)
     tl.store(Hbuf + p * stride_hm + pos, h.to(Hbuf.dtype.element_ty), mask=col < I)
+
+
+@triton.jit
+def _store_rows(acc, Y, r0, tw, D, MR: tl.constexpr, WG: tl.constexpr):
+    """Y[r0 + r] = tw * (row r's sum) for the block's 16 MR rows (top: the first 8 MR)."""
+    top, bot = _row_sums(acc, MR, WG)  # [MR, 8]
+    rt = r0 + 8 * tl.arange(0, MR)[:, None] + tl.arange(0, 8)[None, :]
+    tl.store(Y + rt, (top * tw).to(Y.dtype.element_ty), mask=rt < D)
+    tl.store(Y + rt + 8 * MR, (bot * tw).to(Y.dtype.element_ty), mask=rt + 8 * MR < D)
 
 
 @triton.jit(do_not_specialize=["expert_offset"])
@@ -97,45 +101,63 @@ def _int4_mma_gemv2_kernel(
     E_LOCAL,
     MR: tl.constexpr,
     WG: tl.constexpr,
+    NB: tl.constexpr,
     EVEN: tl.constexpr,
     PREFETCH: tl.constexpr,
     MUL: tl.constexpr,
+    NS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Y[p, d] for the program's 16 MR rows d (top: the first 8 MR). The routing is read before the PDL wait through
-    L2, and so are the first trip's weights (pdl.py): only Hbuf waits."""
+    """Y[p, d] for NB blocks of 16 MR rows d (top: a block's first 8 MR). The routing is read before the PDL wait
+    through L2, and so are the first trip's weights (pdl.py): only Hbuf waits.
+    NB > 1 (K in one trip, NG <= 4 WG): x is unpacked once, and the blocks' loads run NS - 1 blocks ahead."""
     pdl_release(PDL)
     ROWS: tl.constexpr = 16 * MR
-    nb = tl.cdiv(D, ROWS)
-    p = tl.program_id(0) // nb
+    nprog = tl.cdiv(tl.cdiv(D, ROWS), NB)
+    p = tl.program_id(0) // nprog
     e, own = _pair(p, TopkIds, expert_offset, E_LOCAL, PDL)
     if not own:
         return
-    d0 = (tl.program_id(0) % nb) * ROWS
+    d0 = (tl.program_id(0) % nprog) * (NB * ROWS)
     m = tl.arange(0, MR)[:, None]
-    d = d0 + 8 * m + (tl.arange(0, 128 * WG)[None, :] // 16) % 8  # [MR, V]: each lane's top row
-    wt, st = _rows(W2, S2, e, d, stride_we, stride_wn, stride_se, stride_sn4)
-    wb, sb = _rows(W2, S2, e, d + 8 * MR, stride_we, stride_wn, stride_se, stride_sn4)
+    dl = 8 * m + (tl.arange(0, 128 * WG)[None, :] // 16) % 8  # [MR, V]: each lane's top row in a block
+    W, S = W2 + e * stride_we, S2 + e * stride_se
+    Wb, Sb = W + 8 * MR * stride_wn, S + 8 * MR * (4 * stride_sn4)
     tw = tl.load(TopkW + p, cache_modifier=".cg")
     h = H32 + p.to(tl.int64) * stride_hm
-    acc = _mma_dot(wt, wb, st, sb, d < D, d + 8 * MR < D, h, NG, MR, WG, EVEN, True, PREFETCH, PDL, MUL)
-    top, bot = _row_sums(acc, MR, WG)  # [MR, 8]
-    rt = d0 + 8 * m + tl.arange(0, 8)[None, :]
-    tl.store(Y + p * stride_yt + rt, (top * tw).to(Y.dtype.element_ty), mask=rt < D)
-    tl.store(Y + p * stride_yt + rt + 8 * MR, (bot * tw).to(Y.dtype.element_ty), mask=rt + 8 * MR < D)
+    y = Y + p * stride_yt
+    d = d0 + dl
+    wrow, srow = d * stride_wn, d * (4 * stride_sn4)
+    if NB == 1:
+        acc = _mma_dot(
+            W, Wb, S, Sb, wrow, srow, d < D, d + 8 * MR < D, h, NG, MR, WG, EVEN, True, PREFETCH, PDL, MUL, NS
+        )
+        _store_rows(acc, y, d0, tw, D, MR, WG)
+    else:
+        woff, sgrp, xoff, diag, grp = _lanes(WG)
+        wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, d < D, d + 8 * MR < D, 0, NG, woff, sgrp, grp, EVEN)
+        pdl_wait(PDL)
+        y0, y1, y2, y3, xs = _trip_x(h, 0, NG, xoff, diag, grp, True)
+        zero = tl.zeros([MR, 128 * WG], tl.float32)
+        _store_rows(_mma(wt, wb, st, sb, y0, y1, y2, y3, xs, zero, MUL), y, d0, tw, D, MR, WG)
+        for r0 in tl.range(d0 + ROWS, tl.minimum(d0 + NB * ROWS, D), ROWS, num_stages=NS):
+            d = r0 + dl
+            wrow, srow = d * stride_wn, d * (4 * stride_sn4)
+            wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, d < D, d + 8 * MR < D, 0, NG, woff, sgrp, grp, EVEN)
+            _store_rows(_mma(wt, wb, st, sb, y0, y1, y2, y3, xs, zero, MUL), y, r0, tw, D, MR, WG)
 
 
 def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
     """(gemv1, gemv2) tiles. gemv1 (K = D): 4 warps over trips of 16 groups, 8 MR gate rows (and their up rows) a
-    program: MR 4 while that leaves 512 programs (one wave at 4 programs an SM), fewer rows with the next trip's
-    loads issued early (PREFETCH) at small I. gemv2 (K = I): 16 MR rows over trips of 4 WG groups (WG <= K/128)."""
+    program: MR 4 while that leaves 512 programs (one wave at 4 programs an SM), else one block of 8 rows with its
+    next trips loaded ahead by cp.async (NS 3). gemv2 (K = I): 16 MR rows over trips of 4 WG groups (WG <= K/128)."""
     ng2 = I // 32
     mr1 = 4
     while mr1 > 1 and pairs * triton.cdiv(I, 8 * mr1) < 512:
         mr1 //= 2
-    c1 = dict(MR=mr1, WG=4, PREFETCH=mr1 < 4, MUL=True)
+    c1 = dict(MR=mr1, WG=4, MUL=False) if mr1 == 4 else dict(MR=mr1, WG=4, MUL=False, NS=3)
     wg2 = 4 if ng2 % 16 == 0 else 2 if ng2 % 8 == 0 else 1
-    c2 = dict(MR=2, WG=wg2, PREFETCH=False, MUL=True)
+    c2 = dict(MR=2, WG=wg2, MUL=False)
     return c1, c2
 
 
@@ -185,8 +207,9 @@ def check_layout(kernel, WG: int) -> None:
 
 def int4_gemv_mma(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2):
     """Both GEMVs into hbuf [TK, I] (bf16, pair order) and y [TK, D] (the caller checked every shape and
-    mma_supported). c1 / c2: {"MR", "WG", "PREFETCH", "MUL"} (gemv1: 8 MR gate rows a program, gemv2: 16 MR rows;
-    WG warps)."""
+    mma_supported). c1 / c2: {"MR", "WG", "PREFETCH", "MUL", "NS", "maxnreg"} and c2's "NB" (gemv1: 8 MR gate rows
+    a program, gemv2: NB blocks of 16 MR rows; WG warps; NS: cp.async stages; maxnreg: a register cap, for more
+    programs an SM)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
@@ -221,12 +244,17 @@ def int4_gemv_mma(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hb
         EVEN=ng1 % (4 * c1["WG"]) == 0 and I % (8 * c1["MR"]) == 0,
         PREFETCH=c1.get("PREFETCH", False),
         MUL=c1.get("MUL", False),
+        NS=c1.get("NS", 1),
         num_warps=c1["WG"],
         num_stages=1,
+        maxnreg=c1.get("maxnreg"),
         **pdl,
     )
     h32 = hbuf.view(torch.int32)
-    k2 = _int4_mma_gemv2_kernel[(T * K * triton.cdiv(D, 16 * c2["MR"]),)](
+    nb = c2.get("NB", 1)
+    if nb > 1 and ng2 > 4 * c2["WG"]:
+        raise ValueError(f"MMA GEMV config {c2}: NB > 1 needs K/32={ng2} <= 4 WG (one trip)")
+    k2 = _int4_mma_gemv2_kernel[(T * K * triton.cdiv(triton.cdiv(D, 16 * c2["MR"]), nb),)](
         h32,
         w2,
         s2,
@@ -245,11 +273,14 @@ def int4_gemv_mma(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hb
         E,
         MR=c2["MR"],
         WG=c2["WG"],
+        NB=nb,
         EVEN=ng2 % (4 * c2["WG"]) == 0 and D % (16 * c2["MR"]) == 0,
         PREFETCH=c2.get("PREFETCH", False),
         MUL=c2.get("MUL", False),
+        NS=c2.get("NS", 1),
         num_warps=c2["WG"],
         num_stages=1,
+        maxnreg=c2.get("maxnreg"),
         **pdl,
     )
     check_layout(k1, c1["WG"])

@@ -18,12 +18,20 @@ from .moe_align import moe_align
 from .moe_sum import moe_sum
 from .pdl import pdl_args
 
-# Up to this many (token, k) pairs, and no more than the local experts, each pair streams its expert's rows by itself
-# (GEMV form): decode and verify of up to 8 requests at Kimi's K=8 and 384 experts, where pairs seldom share an
-# expert. Above it the pairs of one expert share its weight tiles (GEMM form): under EP8 (48 local experts) 64 busy
-# pairs read 36 experts' weights, not 64.
-GEMV_MAX_PAIRS = 64
+# The GEMV form streams each (token, k) pair's expert by itself; the GEMM form reads each selected expert once for
+# all its pairs, but unpacks every tile once per block of pairs and so streams about 3x slower (one H200, Kimi-K2.5
+# shapes). So the GEMV form runs while the pairs are at most GEMV_SHARING x the distinct experts they are expected
+# to select (TK draws over E local experts: E (1 - (1 - 1/E)^TK)), up to GEMV_MAX_PAIRS: at 384 experts up to ~1000
+# pairs (decode of 128 requests), under EP8 (48 local experts) up to ~130 (16 busy requests).
+GEMV_SHARING = 3.0
+GEMV_MAX_PAIRS = 1024
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def default_form(pairs: int, E: int) -> str:
+    """'gemv' or 'gemm' for `pairs` (token, k) pairs over E local experts (see GEMV_SHARING)."""
+    distinct = E * (1.0 - (1.0 - 1.0 / E) ** pairs)
+    return "gemv" if pairs <= GEMV_MAX_PAIRS and pairs <= GEMV_SHARING * distinct else "gemm"
 
 
 def gemv_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
@@ -118,7 +126,7 @@ def int4_fused_experts(
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
     pdl: None (on where pdl.py enables it), a bool, or pdl_args' dict.
-    config (benchmarks, tests): "form": "gemv" / "gemm" (default: gemv up to min(GEMV_MAX_PAIRS, E) pairs), "gemv"
+    config (benchmarks, tests): "form": "gemv" / "gemm" (default: default_form(T * K, E)), "gemv"
     meaning "gemv_mma" where mma_supported, else "gemv_fma"; "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL"}),
     "gemv1", "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the
     defaults."""
@@ -135,7 +143,7 @@ def int4_fused_experts(
     if bad:
         raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
     TK = T * K
-    form = cfg.get("form") or ("gemv" if TK <= min(GEMV_MAX_PAIRS, E) else "gemm")
+    form = cfg.get("form") or default_form(TK, E)
     if form == "gemv":
         form = "gemv_mma" if mma_supported(x, D, I) else "gemv_fma"
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)

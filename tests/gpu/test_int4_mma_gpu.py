@@ -22,7 +22,7 @@ def _probe():
     globals()["_mma"] = int4_mma._mma
 
     @triton.jit
-    def probe(Wt, Wb, Y, XB, XS, S, Sel, Acc, OutP, OutS, OutA, MUL: tl.constexpr):
+    def probe(Wt, Wb, Y, XB, XS, S, Acc, OutP, OutS, OutA, MUL: tl.constexpr):
         v = tl.arange(0, 128)[None, :]
         y = tl.load(Y + v)
         tl.store(OutP + v, tl.inline_asm_elementwise(PREP_ASM, PREP_CONSTRAINTS, [y], tl.int32, True, 4))  # noqa: F821
@@ -32,8 +32,8 @@ def _probe():
         tl.store(OutS + v, xs)
         wt, wb = tl.load(Wt + v), tl.load(Wb + v)
         st, sb = tl.load(S + v), tl.load(S + 128 + v)
-        xs, sel, acc = tl.load(XS + v), tl.load(Sel + v), tl.load(Acc + v)
-        acc = _mma(wt, wb, st, sb, b0, b1, b2, b3, xs, sel, acc, MUL)  # noqa: F821
+        xs, acc = tl.load(XS + v), tl.load(Acc + v)
+        acc = _mma(wt, wb, st, sb, b0, b1, b2, b3, xs, acc, MUL)  # noqa: F821
         tl.store(OutA + v, acc)
 
     return probe
@@ -55,8 +55,7 @@ def test_mma_ptx_matches_the_model(mul):
     xb = _bf16_bits(512) | (_bf16_bits(512) << 16)
     xs, acc = torch.randn(128), torch.randn(128)
     s = (torch.rand(256) + 0.5).to(torch.bfloat16)
-    sel = torch.tensor([0x3210, 0x7654], dtype=torch.int32)[torch.randint(0, 2, (128,))]
-    dev = [t.cuda() for t in (words[0], words[1], y, xb, xs, s, sel, acc)]
+    dev = [t.cuda() for t in (words[0], words[1], y, xb, xs, s, acc)]
     outs = [torch.empty(128, dtype=dt, device="cuda") for dt in (torch.int32, torch.float32, torch.float32)]
     k = _probe()[(1,)](*dev, *outs, MUL=mul, num_warps=1)
     check_layout(k, 1)
@@ -76,6 +75,6 @@ def test_mma_ptx_matches_the_model(mul):
     want_s = back(run_ptx(XSUM_ASM.value, zeros() + xbr, 4), np.float32)
     np.testing.assert_allclose(outs[1].cpu().numpy(), want_s, rtol=1e-5, atol=1e-3)
     ops = zeros() + regs(words[0]) + regs(words[1]) + xbr + regs(xs) + regs(s[:128].view(torch.int16), 16)
-    ops += regs(s[128:].view(torch.int16), 16) + regs(sel) + regs(acc)
+    ops += regs(s[128:].view(torch.int16), 16) + regs(acc)
     want_a = back(run_ptx((MAIN_ASM_MUL if mul else MAIN_ASM).value, ops, 4), np.float32)
     np.testing.assert_allclose(outs[2].cpu().numpy(), want_a, rtol=1e-5, atol=1e-2)

@@ -91,7 +91,7 @@ def test_int4_moe_cuda_graph_replay(T, offset, E_all):
 
 def test_int4_moe_swept_configs_are_correct():
     # every tile kernels_bench --only int4_moe times, so a fast config is never a wrong one
-    from benchmarks.int4_moe_bench import GEMM_SWEEP, GEMV1_SWEEP, GEMV2_SWEEP, gemv2_variant, mma_variants
+    from benchmarks.int4_moe_bench import GEMM_SWEEP, GEMV1_SWEEP, GEMV2_SWEEP, gemv2_variant
 
     for D, I in SHAPES.values():
         w = experts(D, I, 16)
@@ -99,8 +99,19 @@ def test_int4_moe_swept_configs_are_correct():
             check(w, 1, form="gemv_fma", config=dict(gemv1=v))
         for v in GEMV2_SWEEP:
             check(w, 1, form="gemv_fma", config=dict(gemv2=gemv2_variant(v, D, I, K)))
-        for c1, c2 in mma_variants(D, I, K, sweep=True):
-            check(w, 1, form="gemv_mma", config=dict(mma1=c1, mma2=c2))
     w = experts(7168, 2048, 16)
     for c in GEMM_SWEEP:
         check(w, 96, form="gemm", config=dict(gemm1=c, gemm2=c))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_int4_moe_mma_sweep_is_correct(shape):
+    # every tensor-core GEMV tile kernels_bench times (register caps, cp.async stages, row blocks), at 1 and 3 tokens
+    from benchmarks.int4_moe_bench import mma_variants
+
+    D, I = SHAPES[shape]
+    w = experts(D, I, 16)
+    for c1, c2 in mma_variants(D, I, K, sweep=True):
+        check(w, 1, form="gemv_mma", config=dict(mma1=c1, mma2=c2))
+    for c1, c2 in mma_variants(D, I, K, sweep=True)[1::3]:
+        check(w, 3, form="gemv_mma", config=dict(mma1=c1, mma2=c2))

@@ -127,6 +127,19 @@ def test_gemv_mma_form(kdev, mma, T, D, I, offset, add, cfg):
     )
 
 
+@pytest.mark.parametrize(
+    "D,I,c2",
+    [
+        # gemv2 over blocks of 16 rows, 3 a program (40 blocks: the last program has one), K in one trip
+        (640, 128, dict(MR=1, WG=1, NB=3, NS=2)),
+        # blocks of 32 rows, 5 a program over 12 blocks; one trip of 8 groups over 4 (a masked half trip)
+        (384, 128, dict(MR=2, WG=2, NB=5, NS=3, MUL=False)),
+    ],
+)
+def test_gemv_mma_row_blocks(kdev, mma, D, I, c2):
+    check(kdev, torch.bfloat16, 2, D, I, E=5, K=2, offset=1, config=dict(form="gemv_mma", mma2=c2), seed=35)
+
+
 def test_gemv_picks_mma_where_it_applies(kdev, mma, monkeypatch):
     # bf16 with D, I multiples of 128: the tensor-core GEMV; fp32 (or other sizes): the FMA GEMV
     from mlaserve.kernels import int4_moe
@@ -165,10 +178,10 @@ def test_int32_ids_and_default_form(kdev, form, monkeypatch):
         monkeypatch.setattr(int4_moe, name, lambda *a, _f=fn, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
     check(kdev, torch.bfloat16, T=3, D=64, I=32, E=6, K=2, offset=1, seed=23, ids_dtype=torch.int32)
     assert calls == [f"int4_{form}"]
-    # never more pairs than local experts: 6 pairs over 5 experts take the GEMM form whatever the limit
+    # pairs that share experts heavily take the GEMM form whatever the limit: 40 pairs over 2 experts
     calls.clear()
     monkeypatch.setattr(int4_moe, "GEMV_MAX_PAIRS", 64)
-    check(kdev, torch.bfloat16, T=3, D=64, I=32, E=5, K=2, seed=24, foreign=0)
+    check(kdev, torch.bfloat16, T=20, D=64, I=32, E=2, K=2, seed=24, foreign=0)
     assert calls == ["int4_gemm"]
 
 
