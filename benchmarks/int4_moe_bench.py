@@ -68,76 +68,73 @@ GEMM_SWEEP = [
 
 
 # tensor-core GEMV tiles per (D, I): gemv1 variants (timed with the default gemv2), gemv2 variants (with the default
-# gemv1); the fastest of each are then timed together at 1, 2 and 8 tokens
-_A, _B = dict(WG=4), dict(WG=4, MUL=False)
+# gemv1); the fastest of each are then timed together at 1, 2 and 8 tokens. MMA_QUICK: the few timed without
+# INT4_BENCH_SWEEPS. The GPU tests check every one of them.
+_B = dict(MUL=False)
+_CAP = dict(MUL=False, maxnreg=64)
 MMA_SWEEP = {
     (7168, 2048): (
         [
-            dict(MR=4, **_B),
-            dict(MR=4, **_A, MUL=True),
-            dict(MR=2, **_B, maxnreg=64),
-            dict(MR=2, **_A, MUL=True, maxnreg=64),
-            dict(MR=2, **_B, NS=2, maxnreg=64),
-            dict(MR=4, **_B, NS=2, maxnreg=128),
-            dict(MR=1, **_B, maxnreg=64),
-            dict(MR=1, **_B, NS=3, maxnreg=64),
+            dict(MR=4, WG=4, **_B),
+            dict(MR=2, WG=4, MUL=True, maxnreg=64),
+            dict(MR=1, WG=4, **_CAP),
+            dict(MR=2, WG=4, **_CAP, NS=2),
+            dict(MR=2, WG=8, **_B, PREFETCH=True),
         ],
         [
-            dict(MR=2, **_B),
-            dict(MR=2, **_B, maxnreg=64),
-            dict(MR=1, **_B),
-            dict(MR=1, **_B, NS=2),
-            dict(MR=1, WG=16, MUL=False, NB=2, NS=3),
-            dict(MR=1, WG=16, MUL=False, NB=4, NS=3),
-            dict(MR=2, WG=8, MUL=False),
+            dict(MR=2, WG=4, **_B),
+            dict(MR=2, WG=2, **_CAP),
+            dict(MR=1, WG=2, **_CAP),
+            dict(MR=1, WG=4, **_CAP),
+            dict(MR=1, WG=16, **_B, NB=2),
         ],
     ),
     (7168, 512): (
         [
-            dict(MR=1, **_B, NS=3),
-            dict(MR=1, **_B, NS=4, maxnreg=64),
-            dict(MR=1, WG=8, MUL=False, NS=3),
-            dict(MR=2, WG=8, MUL=False, PREFETCH=True),
-            dict(MR=1, **_B, PREFETCH=True),
-            dict(MR=2, **_B, NS=3, maxnreg=64),
+            dict(MR=2, WG=4, **_CAP),
+            dict(MR=1, WG=4, **_B, PREFETCH=True),
+            dict(MR=1, WG=8, **_B, NS=3),
+            dict(MR=2, WG=16, **_CAP),
         ],
         [
-            dict(MR=1, **_B),
-            dict(MR=1, **_B, NB=4, NS=3),
-            dict(MR=1, **_B, NB=8, NS=4),
-            dict(MR=2, **_B, NB=4, NS=3),
-            dict(MR=2, **_B),
+            dict(MR=1, WG=4, **_B),
+            dict(MR=2, WG=2, **_CAP),
+            dict(MR=2, WG=4, **_CAP),
+            dict(MR=1, WG=4, **_B, NB=4),
+            dict(MR=2, WG=4, **_B, NB=2, NS=2),
         ],
     ),
     (7168, 256): (
         [
-            dict(MR=1, **_B, NS=3),
-            dict(MR=1, **_B, NS=4, maxnreg=64),
-            dict(MR=1, WG=8, MUL=False, NS=3),
-            dict(MR=2, WG=8, MUL=False, PREFETCH=True),
-            dict(MR=1, WG=8, MUL=False, NS=4),
+            dict(MR=2, WG=4, **_CAP),
+            dict(MR=1, WG=8, **_B, NS=3),
+            dict(MR=1, WG=16, **_CAP),
         ],
         [
-            dict(MR=1, WG=2, MUL=False),
-            dict(MR=2, WG=2, MUL=False, NB=4, NS=4),
-            dict(MR=1, WG=2, MUL=False, NB=8, NS=4),
-            dict(MR=2, WG=2, MUL=False),
-            dict(MR=4, WG=2, MUL=False, NB=2, NS=3),
+            dict(MR=2, WG=2, **_CAP),
+            dict(MR=2, WG=2, **_B, NB=4, NS=4),
+            dict(MR=1, WG=2, **_B, NB=8),
+            dict(MR=4, WG=2, **_B),
         ],
     ),
+}
+MMA_QUICK = {
+    (7168, 2048): ([], [dict(MR=2, WG=2, **_CAP), dict(MR=1, WG=4, **_CAP)]),
+    (7168, 512): ([dict(MR=2, WG=4, **_CAP)], [dict(MR=2, WG=2, **_CAP)]),
+    (7168, 256): ([dict(MR=2, WG=4, **_CAP)], [dict(MR=2, WG=2, **_CAP)]),
 }
 FMA_EXTRA = [(dict(ROWS=32, num_warps=8), {}), ({}, dict(maxnreg=64))]  # gemv1 / gemv2 overrides, at (7168, 2048)
 MMA_BEST: dict = {}  # (D, I) -> the fastest (gemv1, gemv2) at one token
 
 
-def mma_variants(D: int, I: int, pairs: int, sweep: bool) -> list[tuple[dict, dict]]:
-    """(gemv1, gemv2) MMA configs: the default, then (sweep) MMA_SWEEP's for the shape."""
+def mma_variants(D: int, I: int, pairs: int, sweep: bool, table: dict = MMA_SWEEP) -> list[tuple[dict, dict]]:
+    """(gemv1, gemv2) MMA configs: the default, then (sweep) the table's for the shape."""
     from mlaserve.kernels.int4_moe import mma_config
 
     c1, c2 = mma_config(D, I, pairs)
     out = [(c1, c2)]
     if sweep:
-        v1, v2 = MMA_SWEEP.get((D, I), ([], []))
+        v1, v2 = table.get((D, I), ([], []))
         out += [(v, c2) for v in v1 if v != c1] + [(c1, v) for v in v2 if v != c2]
     return out
 
@@ -223,34 +220,40 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                 if only_forms:
                     forms = tuple(f for f in forms if f in only_forms)
                 ref = int4_fused_experts_ref(x.float(), *w, ws[0], sets[0], 0) if T <= 8 or dev != "cuda" else None
-                for form in forms:
+                variants = [(f, {}, "") for f in forms]
+                if "gemv_mma" in forms and T <= 8:  # its two extras off, one at a time
+                    variants += [("gemv_mma", dict(fuse_sum=False), " +moe_sum")]
+                    variants += [("gemv_mma", dict(pair=False), " unpaired")] if T > 1 else []
+                for form, extra, tag in variants:
                     if form == "gemv_mma":
                         cfgs = mma_config(D, I, T * K)
                     else:
                         cfgs = gemv_config(D, I, T * K) if form.startswith("gemv") else gemm_config(T, K, E, D, I, BF)
-                    out = int4_fused_experts(x, *w, ws[0], sets[0], 0, all_local=busy, config=dict(form=form))
+                    cfg = dict(form=form, **extra)
+                    out = int4_fused_experts(x, *w, ws[0], sets[0], 0, all_local=busy, config=cfg)
                     if ref is None and not bf16:
                         err = float("nan")
                     else:
                         err = rel(out, ref if ref is not None else fused_experts(x, w13, w2, ws[0], sets[0], 0))
                     calls = list(zip(sets, ws))
                     ms = bench(
-                        lambda f=form, c=calls: [  # noqa: B023
-                            int4_fused_experts(x, *w, tw, ids, 0, all_local=busy, config=dict(form=f)) for ids, tw in c
+                        lambda f=cfg, c=calls: [  # noqa: B023
+                            int4_fused_experts(x, *w, tw, ids, 0, all_local=busy, config=f) for ids, tw in c
                         ],
                         sz,
                     ) / len(calls)
+                    star = "*" if form == default and not extra else ""
                     rep.add(
                         "int4_moe",
-                        f"{name}{route} T={T} {form}{'*' if form == default else ''} experts={n_exp:.0f} "
+                        f"{name}{route} T={T} {form}{star}{tag} experts={n_exp:.0f} "
                         f"{cfg_label(cfgs[0])} | {cfg_label(cfgs[1])}",
                         ms,
                         nbytes,
                         err=err,
                         shape=name,
                         T=T,
-                        form=form,
-                        default=form == default,
+                        form=form + tag.replace(" ", "_"),
+                        default=bool(star),
                         route=route.strip() or None,
                         experts=n_exp,
                         config=[{k: str(v) for k, v in c.items()} for c in cfgs],
@@ -320,7 +323,7 @@ def _mma_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
     """The tensor-core GEMV's two launches alone (preallocated buffers, no sum): default tiles; at one token
     MMA_SWEEP's variants, then the fastest gemv1 with the fastest gemv2 (also at 2 and 8 tokens)."""
     from mlaserve.kernels.int4_gemv import int4_gemv
-    from mlaserve.kernels.int4_mma_gemv import int4_gemv_mma
+    from mlaserve.kernels.int4_mma_run import int4_gemv_mma
     from mlaserve.kernels.int4_moe import gemv_config
     from mlaserve.kernels.pdl import pdl_args
 
@@ -348,14 +351,15 @@ def _mma_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
         )
         return ms
 
-    variants = mma_variants(D, I, T * K, sweep=T == 1 and (D, I) not in MMA_BEST)
+    table = MMA_SWEEP if os.environ.get("INT4_BENCH_SWEEPS", "1") != "0" else MMA_QUICK
+    variants = mma_variants(D, I, T * K, sweep=T == 1 and (D, I) not in MMA_BEST, table=table)
     times = [run(v1, v2) for v1, v2 in variants]
     if len(variants) > 1:
         c1, c2 = variants[0]
         b1 = min((t, i) for i, (t, v) in enumerate(zip(times, variants)) if v[1] is c2)[1]
         b2 = min((t, i) for i, (t, v) in enumerate(zip(times, variants)) if v[0] is c1)[1]
         MMA_BEST[(D, I)] = (variants[b1][0], variants[b2][1])
-        if (D, I) == (7168, 2048):
+        if (D, I) == (7168, 2048) and table is MMA_SWEEP:
             f1, f2 = gemv_config(D, I, T * K)
             for o1, o2 in FMA_EXTRA:
                 run(dict(f1, **o1), dict(f2, **o2), fma=True)

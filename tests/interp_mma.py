@@ -1,7 +1,7 @@
 """The Triton interpreter cannot run inline PTX; this runs the few PTX instructions kernels/int4_mma.py uses, warp by
 warp, so its kernels run (and are checked against the torch reference) on CPU.
 
-The lane model is the one int4_mma.py assumes and int4_mma_gemv.check_layout verifies on compiled kernels: an asm op
+The lane model is the one int4_mma.py assumes and int4_mma.check_layout verifies on compiled kernels: an asm op
 on a logical [R, V] tile runs once per (row r, 128 columns, lane l), on the 4 consecutive elements 4 l .. 4 l + 3
 (pack 4); 32-bit operands are one register an element, 16-bit ones two elements a register (low half first).
 mma.sync m16n8k16 (bf16 -> fp32) follows PTX's fragment layout: lane (g, t) = (l // 4, l % 4) holds A[g][2t, 2t+1],
@@ -145,6 +145,13 @@ def emulate_mma():
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
         if "int4_mma:" not in asm:
             return orig(self, asm, constraints, values, types, is_pure, pack)
+        if "int4_mma:fence" in asm:  # programs run one at a time here: a fence orders nothing
+
+            class Fence:
+                def get_result(self, i):
+                    return interp.TensorHandle(np.zeros((), np.int32), tl.int32)
+
+            return Fence()
         shape = values[0].data.shape
         ops = []
         outs = [str(t.scalar if hasattr(t, "scalar") else t) for t in types]

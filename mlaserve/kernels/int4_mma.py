@@ -1,9 +1,9 @@
 """The INT4 (W4A16) MoE of a decode step as grouped GEMVs on the tensor cores: packed weights unpacked in registers
 to bf16 with one LOP3 per two weights, dotted with x by `mma.sync` (fp32 accumulation), scaled per group in fp32.
 
-Why: the FMA form (int4_gemv.py) spends ~2.5 instructions a weight on the unpack and the FMA (half of them on the
-integer pipe, which issues at half rate), so it tops out near 3.1 TB/s. Here a weight costs ~0.9 integer and ~0.3
-other instructions, so the kernels can stream at memory speed.
+Why: the FMA form (int4_gemv.py) spends ~3.3 instructions a weight (unpack, FMA, layout shuffles through shared
+memory); here a weight costs ~0.9 integer and ~0.4 other instructions, which leaves the issue slots to the loads.
+What sets the speed is then how many programs stream at once: 64-register tiles, 8 programs an SM (int4_mma_run).
 
 Layout (compressed-tensors pack-quantized, QUANT_SPEC.md): row r of a weight is int32 words [K/8], column c's
 nibble at bits 4*(c % 8) of word c // 8, stored n = q + 8; bf16 scales [K/32]; w[r, c] = (n - 8) * scale[r, c // 32].
@@ -19,7 +19,9 @@ MMA (m16n8k16, A row-major 16x16 bf16, B 16x8): A rows 0-7 are the quads' top ro
 lane (g, t) holding k-slots 2t, 2t + 1, 2t + 8, 2t + 9 of both. B column n comes from the lanes (n, t'); only the
 diagonal lanes (n, n), n < 4, load x (the x of group n, the rest of B is zero), so D[g][n] is the dot of quad g's
 rows with group n alone: lane (g, t < 2) gets groups 2t, 2t + 1 of its top row (c0, c1) and bottom row (c2, c3),
-ready for their fp32 scales. A k-slot pair holds nibble pair (j, j + 4), B the matching x pair, so
+ready for their fp32 scales. Columns 4-7 serve a second token of the same expert (token B) for free: the lanes
+(n + 4, n) load its x, and lane (g, t >= 2) gets its groups 2 (t - 2), 2 (t - 2) + 1.
+A k-slot pair holds nibble pair (j, j + 4), B the matching x pair, so
     D = sum_c (128 + 8 n_c) x_c - 192 sum_c x_c = 8 sum_c (n_c - 8) x_c,
 the -192 x sums (same for all rows) coming from one more chain of MMAs per trip (A = -192) and seeding C.
 fp32 products are exact; the cancellation costs ~2^-19 relative. The final sums are scaled by 1/8 (exact).
@@ -29,6 +31,8 @@ gemv1: H[p, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n]), stored with ea
 """
 
 from __future__ import annotations
+
+import re
 
 import triton
 import triton.language as tl
@@ -101,8 +105,8 @@ XSUM_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 16))
 @triton.jit
 def _lanes(WG: tl.constexpr):
     """Per logical column v [1, 128 WG]: the word offset in a row (group 4 wg + t, word e), the scale offset (group
-    4 wg + e), the x-pair offset (group 4 wg + t, pair e), the diagonal lanes (which load x), the trip group of the
-    lane's words."""
+    4 wg + e), the x-pair offset (group 4 wg + t, pair e), the lanes that load x (the diagonal (t, t): token A;
+    (t + 4, t): token B, a second pair of the same expert, when there is one), the trip group of the lane's words."""
     v = tl.arange(0, 128 * WG)[None, :]
     t = (v // 4) % 4
     grp = 4 * (v // 128) + t
@@ -110,7 +114,8 @@ def _lanes(WG: tl.constexpr):
     sgrp = 4 * (v // 128) + v % 4
     xoff = 16 * grp + v % 4
     diag = (v // 16) % 8 == t
-    return woff, sgrp, xoff, diag, grp
+    diag_b = (v // 16) % 8 == t + 4
+    return woff, sgrp, xoff, diag, diag_b, grp
 
 
 @triton.jit
@@ -135,14 +140,16 @@ def _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN:
 
 
 @triton.jit
-def _trip_x(x_ptr, g0, NG, xoff, diag, grp, PERM: tl.constexpr):
-    """The diagonal lanes' x pairs of their group [1, V] x 4 (pair registers of words 0..3), zero elsewhere, and
-    the -192 x sums. PERM: x is stored as pairs (j, j + 4) already (gemv1's H)."""
-    on = diag & (g0 + grp < NG)
-    y0 = tl.load(x_ptr + (16 * g0 + xoff), mask=on, other=0)
-    y1 = tl.load(x_ptr + (16 * g0 + xoff + 4), mask=on, other=0)
-    y2 = tl.load(x_ptr + (16 * g0 + xoff + 8), mask=on, other=0)
-    y3 = tl.load(x_ptr + (16 * g0 + xoff + 12), mask=on, other=0)
+def _trip_x(xa_ptr, xb_ptr, has_b, g0, NG, xoff, diag, diag_b, grp, PERM: tl.constexpr):
+    """The x pairs of the lanes' group [1, V] x 4 (pair registers of words 0..3): token A's (xa_ptr) on the diagonal
+    lanes, token B's (xb_ptr, if has_b) on the second diagonal, zero elsewhere; and the -192 x sums (D columns 0-3
+    token A's, 4-7 token B's). PERM: x is stored as pairs (j, j + 4) already (gemv1's H)."""
+    on = (diag | (diag_b & has_b)) & (g0 + grp < NG)
+    off = 16 * g0 + xoff
+    y0 = tl.load(tl.where(diag, xa_ptr, xb_ptr) + off, mask=on, other=0)
+    y1 = tl.load(tl.where(diag, xa_ptr, xb_ptr) + (off + 4), mask=on, other=0)
+    y2 = tl.load(tl.where(diag, xa_ptr, xb_ptr) + (off + 8), mask=on, other=0)
+    y3 = tl.load(tl.where(diag, xa_ptr, xb_ptr) + (off + 12), mask=on, other=0)
     if not PERM:
         y0 = tl.inline_asm_elementwise(PREP_ASM, PREP_CONSTRAINTS, [y0], dtype=tl.int32, is_pure=True, pack=4)
         y1 = tl.inline_asm_elementwise(PREP_ASM, PREP_CONSTRAINTS, [y1], dtype=tl.int32, is_pure=True, pack=4)
@@ -183,7 +190,9 @@ def _mma_dot(
     srow,
     t_ok,
     b_ok,
-    x_ptr,
+    xa_ptr,
+    xb_ptr,
+    has_b,
     NG,
     MR: tl.constexpr,
     WG: tl.constexpr,
@@ -196,36 +205,68 @@ def _mma_dot(
 ):
     """8 * sum over the K = 32 NG columns of the top and bottom rows' w . x, as acc [MR, 128 WG] (lanes above).
     W / Wb, S / Sb: the top / bottom rows' word / scale bases; wrow / srow [MR, 128 WG] int32: each element's row
-    offset from them (words / scales); x_ptr: x as int32 pairs. PREFETCH:
+    offset from them (words / scales); xa_ptr / xb_ptr: tokens A / B's x as int32 pairs (has_b: B is real), whose
+    sums land in the lanes t < 2 / t >= 2. PREFETCH:
     each trip's loads are issued before the previous trip's MMAs (in registers). NS > 1: trips after the first are
     loaded NS - 1 ahead by cp.async into shared memory (Triton's pipeliner), which holds far more bytes in flight
     than registers. WAIT: the kernel's PDL wait comes between the first trip's weights and its x."""
-    woff, sgrp, xoff, diag, grp = _lanes(WG)
+    woff, sgrp, xoff, diag, diag_b, grp = _lanes(WG)
     acc = tl.zeros([MR, 128 * WG], tl.float32)
     TRIP: tl.constexpr = 4 * WG
     wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, 0, NG, woff, sgrp, grp, EVEN)
     pdl_wait(WAIT)
-    y0, y1, y2, y3, xs = _trip_x(x_ptr, 0, NG, xoff, diag, grp, PERM)
+    y0, y1, y2, y3, xs = _trip_x(xa_ptr, xb_ptr, has_b, 0, NG, xoff, diag, diag_b, grp, PERM)
     if PREFETCH:
         for g0 in range(TRIP, NG + TRIP, TRIP):
             nt, nb, nst, nsb = _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN)
-            n0, n1, n2, n3, nxs = _trip_x(x_ptr, g0, NG, xoff, diag, grp, PERM)
+            n0, n1, n2, n3, nxs = _trip_x(xa_ptr, xb_ptr, has_b, g0, NG, xoff, diag, diag_b, grp, PERM)
             acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, acc, MUL)
             wt, wb, st, sb, y0, y1, y2, y3, xs = nt, nb, nst, nsb, n0, n1, n2, n3, nxs
     else:
         acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, acc, MUL)
         for g0 in tl.range(TRIP, NG, TRIP, num_stages=NS):
             wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN)
-            y0, y1, y2, y3, xs = _trip_x(x_ptr, g0, NG, xoff, diag, grp, PERM)
+            y0, y1, y2, y3, xs = _trip_x(xa_ptr, xb_ptr, has_b, g0, NG, xoff, diag, diag_b, grp, PERM)
             acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, acc, MUL)
     return acc
 
 
 @triton.jit
 def _row_sums(acc, MR: tl.constexpr, WG: tl.constexpr):
-    """acc [MR, 128 WG] -> (top, bottom) [MR, 8] fp32: each row's dot (lane (g, t < 2) elements 0, 1 top, 2, 3
-    bottom; lanes t >= 2 hold zeros), times the 1/8 of the unpack's scaling."""
-    a = tl.reshape(acc, (MR, WG, 8, 4, 2, 2))
-    a = tl.sum(tl.sum(tl.sum(a, 5), 3), 1)  # [MR, 8, 2]
-    top, bot = tl.split(a)
-    return top * 0.125, bot * 0.125
+    """acc [MR, 128 WG] -> [MR, 8, 2, 2] fp32 (row 8 m + g, token A / B, top / bottom row): each row's dot (lane
+    (g, t) elements 0, 1 top, 2, 3 bottom, of token A for t < 2, token B for t >= 2), times the 1/8 of the
+    unpack's scaling."""
+    a = tl.reshape(acc, (MR, WG, 8, 2, 2, 2, 2))  # m, wg, g, token, t % 2, top / bottom, group parity
+    a = tl.sum(tl.sum(tl.sum(a, 6), 4), 1)  # [MR, 8, 2, 2]
+    return a * 0.125
+
+
+_LAYOUT = re.compile(r"#(\w+) = #ttg\.blocked<\{(.*?)\}>")
+_CHECKED: set = set()
+
+
+def _layout_ok(ttgir: str, WG: int) -> str:
+    """'' if every inline-asm op of the kernel works on 16-byte lane vectors laid out as int4_mma.py assumes, else
+    what differs."""
+    want = f"sizePerThread = [1, 4], threadsPerWarp = [1, 32], warpsPerCTA = [1, {WG}], order = [1, 0]"
+    layouts = {m.group(1): m.group(2) for m in _LAYOUT.finditer(ttgir)}
+    for line in ttgir.splitlines():
+        if "tt.elementwise_inline_asm" not in line:
+            continue
+        bad = [x for x in re.findall(r"tensor<[^>]*#(\w+)>", line) if layouts.get(x) != want]
+        if bad:
+            return f"inline asm on #{bad[0]} = {layouts.get(bad[0], 'a non-blocked layout')}, want {want}"
+    return ""
+
+
+def check_layout(kernel, WG: int) -> None:
+    """Raise if the compiled kernel's tiles are not laid out as the MMA lanes assume (a Triton whose layouts
+    differ would give wrong sums silently). Once per compiled kernel."""
+    asm = getattr(kernel, "asm", None)
+    key = (getattr(kernel, "hash", None), WG)
+    if asm is None or key in _CHECKED:  # the interpreter, or checked
+        return
+    why = _layout_ok(asm["ttgir"], WG)
+    if why:
+        raise RuntimeError(f"int4 MMA GEMV: {why}; run with config form='gemv_fma'")
+    _CHECKED.add(key)

@@ -5,14 +5,14 @@ gemv1: program (pair p, gate rows n0 .. n0 + 8 MR) -> Hbuf[p, n] = silu(gate . x
 stored as pairs (j, j + 4). gemv2: program (pair p, rows d0 .. d0 + 16 MR) -> Y[p, d] = topk_weight[p] * (down . H).
 A program of WG warps walks K in trips of 4 WG groups (128 WG columns), each warp on 4 groups of every row. (Warps
 on rows too would narrow the loads of x, a [1, 128 WG] tile, below 16 bytes a lane, and so change its layout.)
-Pairs of experts outside [offset, offset + E) exit at once.
+Pairs of experts outside [offset, offset + E) exit at once. Two pairs of one expert (a step of several tokens) are
+done by the first one's programs as tokens A and B (int4_mma.py), so the expert is read once for both (_partner).
+gemv2 can also sum each token's K rows (the MoE output, what moe_sum does) without another launch: the last of the
+K pairs' programs to write a block of rows adds them up (_report; a count per token and block, reset after use).
 """
 
 from __future__ import annotations
 
-import re
-
-import torch
 import triton
 import triton.language as tl
 
@@ -21,7 +21,40 @@ from .int4_mma import _lanes, _mma, _mma_dot, _row_sums, _trip_w, _trip_x
 from .pdl import pdl_release, pdl_wait
 
 
-@triton.jit(do_not_specialize=["expert_offset"])
+@triton.jit
+def _fence():
+    """fence.acq_rel.gpu in every thread (orders its Y stores before the program's count)."""
+    tl.inline_asm_elementwise(
+        "fence.acq_rel.gpu; // int4_mma:fence $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _partner(p, TopkIds, TK, TKP: tl.constexpr, CG: tl.constexpr):
+    """(skip, q, has_q) for pair p: the pairs of one expert are done two at a time, the first pair's programs
+    taking the second (q) as token B; the second pair's programs skip; a third pair of the expert runs alone.
+    TK pairs, TKP a power of 2 >= TK (0: no pairing). CG: read the routing through L2 (before a PDL wait)."""
+    skip = p < 0  # false (as a tensor)
+    q = p
+    has_q = p < 0
+    if TKP > 0:
+        i = tl.arange(0, TKP)
+        if CG:
+            ids = tl.load(TopkIds + i, mask=i < TK, other=-1, cache_modifier=".cg")
+            e = tl.load(TopkIds + p, cache_modifier=".cg")
+        else:
+            ids = tl.load(TopkIds + i, mask=i < TK, other=-1)
+            e = tl.load(TopkIds + p)
+        same = ids == e
+        lead = tl.min(tl.where(same, i, TKP))
+        second = tl.min(tl.where(same & (i > lead), i, TKP))
+        has_q = (lead == p) & (second < TKP)
+        skip = (lead != p) & (second == p)
+        q = tl.where(has_q, second, p)
+    return skip, q, has_q
+
+
+@triton.jit(do_not_specialize=["expert_offset", "TK"])
 def _int4_mma_gemv1_kernel(
     X32,
     W13,
@@ -30,6 +63,7 @@ def _int4_mma_gemv1_kernel(
     TopkIds,
     I,
     NG,
+    TK,
     stride_xt,
     stride_we,
     stride_wn,
@@ -39,6 +73,7 @@ def _int4_mma_gemv1_kernel(
     expert_offset,
     E_LOCAL,
     TOPK: tl.constexpr,
+    TKP: tl.constexpr,
     MR: tl.constexpr,
     WG: tl.constexpr,
     EVEN: tl.constexpr,
@@ -47,7 +82,8 @@ def _int4_mma_gemv1_kernel(
     NS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Hbuf[p, n] for the 8 MR gate rows n of program's block (top rows) and their up rows I + n (bottom rows)."""
+    """Hbuf[p, n] (and Hbuf[q, n] for a pair q of the same expert, _partner) for the 8 MR gate rows n of the
+    program's block (top rows) and their up rows I + n (bottom rows)."""
     pdl_wait(PDL)
     pdl_release(PDL)  # only now: gemv2 reads the routing before its own wait (pdl.py)
     ROWS: tl.constexpr = 8 * MR
@@ -56,49 +92,61 @@ def _int4_mma_gemv1_kernel(
     e, own = _pair(p, TopkIds, expert_offset, E_LOCAL, False)
     if not own:
         return
+    skip, q, has_q = _partner(p, TopkIds, TK, TKP, False)
+    if skip:
+        return
     n0 = (tl.program_id(0) % nb) * ROWS
     m = tl.arange(0, MR)[:, None]
     n = n0 + 8 * m + (tl.arange(0, 128 * WG)[None, :] // 16) % 8  # [MR, V]: each lane's gate row
     W, S = W13 + e * stride_we, S13 + e * stride_se  # expert e; rows as int32 offsets (fewer registers)
     Wb, Sb = W + I * stride_wn, S + I * (4 * stride_sn4)
-    x = X32 + (p // TOPK).to(tl.int64) * stride_xt
+    xa = X32 + (p // TOPK).to(tl.int64) * stride_xt
+    xb = X32 + (q // TOPK).to(tl.int64) * stride_xt
     wrow, srow = n * stride_wn, n * (4 * stride_sn4)
-    acc = _mma_dot(W, Wb, S, Sb, wrow, srow, n < I, n < I, x, NG, MR, WG, EVEN, False, PREFETCH, False, MUL, NS)
-    gate, up = _row_sums(acc, MR, WG)  # [MR, 8]
-    h = gate * tl.sigmoid(gate) * up
+    acc = _mma_dot(
+        W, Wb, S, Sb, wrow, srow, n < I, n < I, xa, xb, has_q, NG, MR, WG, EVEN, False, PREFETCH, False, MUL, NS
+    )
+    gate, up = tl.split(_row_sums(acc, MR, WG))  # [MR, 8, 2]: tokens A, B
+    h_a, h_b = tl.split(gate * tl.sigmoid(gate) * up)
     g = tl.arange(0, 8)[None, :]
     col = n0 + 8 * m + g
     pos = n0 + 8 * m + 2 * (g % 4) + g // 4  # column 8 i + j at 8 i + 2 (j % 4) + j // 4: pairs (j, j + 4)
-    tl.store(Hbuf + p * stride_hm + pos, h.to(Hbuf.dtype.element_ty), mask=col < I)
+    tl.store(Hbuf + p * stride_hm + pos, h_a.to(Hbuf.dtype.element_ty), mask=col < I)
+    tl.store(Hbuf + q * stride_hm + pos, h_b.to(Hbuf.dtype.element_ty), mask=(col < I) & has_q)
 
 
 @triton.jit
-def _store_rows(acc, Y, r0, tw, D, MR: tl.constexpr, WG: tl.constexpr):
-    """Y[r0 + r] = tw * (row r's sum) for the block's 16 MR rows (top: the first 8 MR)."""
-    top, bot = _row_sums(acc, MR, WG)  # [MR, 8]
+def _store_rows(acc, Ya, Yb, has_b, r0, tw_a, tw_b, D, MR: tl.constexpr, WG: tl.constexpr):
+    """Ya[r0 + r] = tw_a * (row r's sum for token A), and Yb's for token B (if has_b), for the block's 16 MR rows
+    (top: the first 8 MR)."""
+    top, bot = tl.split(_row_sums(acc, MR, WG))  # [MR, 8, 2]: tokens A, B
+    top_a, top_b = tl.split(top)
+    bot_a, bot_b = tl.split(bot)
     rt = r0 + 8 * tl.arange(0, MR)[:, None] + tl.arange(0, 8)[None, :]
-    tl.store(Y + rt, (top * tw).to(Y.dtype.element_ty), mask=rt < D)
-    tl.store(Y + rt + 8 * MR, (bot * tw).to(Y.dtype.element_ty), mask=rt + 8 * MR < D)
+    rb = rt + 8 * MR
+    tl.store(Ya + rt, (top_a * tw_a).to(Ya.dtype.element_ty), mask=rt < D)
+    tl.store(Ya + rb, (bot_a * tw_a).to(Ya.dtype.element_ty), mask=rb < D)
+    tl.store(Yb + rt, (top_b * tw_b).to(Yb.dtype.element_ty), mask=(rt < D) & has_b)
+    tl.store(Yb + rb, (bot_b * tw_b).to(Yb.dtype.element_ty), mask=(rb < D) & has_b)
 
 
-@triton.jit(do_not_specialize=["expert_offset"])
-def _int4_mma_gemv2_kernel(
+@triton.jit
+def _gemv2_blocks(
     H32,
-    W2,
-    S2,
+    W,
+    S,
     Y,
     TopkW,
-    TopkIds,
+    p,
+    q,
+    has_q,
+    c,
     D,
     NG,
     stride_hm,
-    stride_we,
     stride_wn,
-    stride_se,
     stride_sn4,
     stride_yt,
-    expert_offset,
-    E_LOCAL,
     MR: tl.constexpr,
     WG: tl.constexpr,
     NB: tl.constexpr,
@@ -108,180 +156,204 @@ def _int4_mma_gemv2_kernel(
     NS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Y[p, d] for NB blocks of 16 MR rows d (top: a block's first 8 MR). The routing is read before the PDL wait
-    through L2, and so are the first trip's weights (pdl.py): only Hbuf waits.
-    NB > 1 (K in one trip, NG <= 4 WG): x is unpacked once, and the blocks' loads run NS - 1 blocks ahead."""
-    pdl_release(PDL)
+    """Y rows of pair p (and q) for the NB blocks of chunk c."""
     ROWS: tl.constexpr = 16 * MR
-    nprog = tl.cdiv(tl.cdiv(D, ROWS), NB)
-    p = tl.program_id(0) // nprog
-    e, own = _pair(p, TopkIds, expert_offset, E_LOCAL, PDL)
-    if not own:
-        return
-    d0 = (tl.program_id(0) % nprog) * (NB * ROWS)
+    d0 = c * (NB * ROWS)
     m = tl.arange(0, MR)[:, None]
     dl = 8 * m + (tl.arange(0, 128 * WG)[None, :] // 16) % 8  # [MR, V]: each lane's top row in a block
-    W, S = W2 + e * stride_we, S2 + e * stride_se
     Wb, Sb = W + 8 * MR * stride_wn, S + 8 * MR * (4 * stride_sn4)
-    tw = tl.load(TopkW + p, cache_modifier=".cg")
-    h = H32 + p.to(tl.int64) * stride_hm
-    y = Y + p * stride_yt
+    tw_a = tl.load(TopkW + p, cache_modifier=".cg")
+    tw_b = tl.load(TopkW + q, cache_modifier=".cg")
+    ha, hb = H32 + p.to(tl.int64) * stride_hm, H32 + q.to(tl.int64) * stride_hm
+    ya, yb = Y + p * stride_yt, Y + q * stride_yt
     d = d0 + dl
     wrow, srow = d * stride_wn, d * (4 * stride_sn4)
+    t_ok, b_ok = d < D, d + 8 * MR < D
     if NB == 1:
         acc = _mma_dot(
-            W, Wb, S, Sb, wrow, srow, d < D, d + 8 * MR < D, h, NG, MR, WG, EVEN, True, PREFETCH, PDL, MUL, NS
+            W, Wb, S, Sb, wrow, srow, t_ok, b_ok, ha, hb, has_q, NG, MR, WG, EVEN, True, PREFETCH, PDL, MUL, NS
         )
-        _store_rows(acc, y, d0, tw, D, MR, WG)
+        _store_rows(acc, ya, yb, has_q, d0, tw_a, tw_b, D, MR, WG)
     else:
-        woff, sgrp, xoff, diag, grp = _lanes(WG)
-        wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, d < D, d + 8 * MR < D, 0, NG, woff, sgrp, grp, EVEN)
+        woff, sgrp, xoff, diag, diag_b, grp = _lanes(WG)
+        wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, 0, NG, woff, sgrp, grp, EVEN)
         pdl_wait(PDL)
-        y0, y1, y2, y3, xs = _trip_x(h, 0, NG, xoff, diag, grp, True)
+        y0, y1, y2, y3, xs = _trip_x(ha, hb, has_q, 0, NG, xoff, diag, diag_b, grp, True)
         zero = tl.zeros([MR, 128 * WG], tl.float32)
-        _store_rows(_mma(wt, wb, st, sb, y0, y1, y2, y3, xs, zero, MUL), y, d0, tw, D, MR, WG)
+        acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, zero, MUL)
+        _store_rows(acc, ya, yb, has_q, d0, tw_a, tw_b, D, MR, WG)
         for r0 in tl.range(d0 + ROWS, tl.minimum(d0 + NB * ROWS, D), ROWS, num_stages=NS):
             d = r0 + dl
             wrow, srow = d * stride_wn, d * (4 * stride_sn4)
             wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, d < D, d + 8 * MR < D, 0, NG, woff, sgrp, grp, EVEN)
-            _store_rows(_mma(wt, wb, st, sb, y0, y1, y2, y3, xs, zero, MUL), y, r0, tw, D, MR, WG)
+            acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, zero, MUL)
+            _store_rows(acc, ya, yb, has_q, r0, tw_a, tw_b, D, MR, WG)
 
 
-def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
-    """(gemv1, gemv2) tiles. gemv1 (K = D): 4 warps over trips of 16 groups, 8 MR gate rows (and their up rows) a
-    program: MR 4 while that leaves 512 programs (one wave at 4 programs an SM), else one block of 8 rows with its
-    next trips loaded ahead by cp.async (NS 3). gemv2 (K = I): 16 MR rows over trips of 4 WG groups (WG <= K/128)."""
-    ng2 = I // 32
-    mr1 = 4
-    while mr1 > 1 and pairs * triton.cdiv(I, 8 * mr1) < 512:
-        mr1 //= 2
-    c1 = dict(MR=mr1, WG=4, MUL=False) if mr1 == 4 else dict(MR=mr1, WG=4, MUL=False, NS=3)
-    wg2 = 4 if ng2 % 16 == 0 else 2 if ng2 % 8 == 0 else 1
-    c2 = dict(MR=2, WG=wg2, MUL=False)
-    return c1, c2
-
-
-def mma_supported(x: torch.Tensor, D: int, I: int) -> bool:
-    """The tensor-core GEMV needs bf16 activations on sm_80+ compiled kernels (mma.sync m16n8k16 bf16), x pairs
-    addressable as int32 (even row stride), and rows whose words and scales start on 16 / 8 bytes (D, I multiples
-    of 128: 16 words, 4 scales); everything else takes the FMA GEMV."""
-    if x.dtype != torch.bfloat16 or D % 128 or I % 128 or x.stride(0) % 2 or x.storage_offset() % 2:
-        return False
-    if not x.is_cuda:
-        import os
-
-        return os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter tests emulate the MMA (tests/interp_mma.py)
-    return torch.cuda.get_device_capability(x.device)[0] >= 8
-
-
-_LAYOUT = re.compile(r"#(\w+) = #ttg\.blocked<\{(.*?)\}>")
-_CHECKED: set = set()
-
-
-def _layout_ok(ttgir: str, WG: int) -> str:
-    """'' if every inline-asm op of the kernel works on 16-byte lane vectors laid out as int4_mma.py assumes, else
-    what differs."""
-    want = f"sizePerThread = [1, 4], threadsPerWarp = [1, 32], warpsPerCTA = [1, {WG}], order = [1, 0]"
-    layouts = {m.group(1): m.group(2) for m in _LAYOUT.finditer(ttgir)}
-    for line in ttgir.splitlines():
-        if "tt.elementwise_inline_asm" not in line:
-            continue
-        bad = [x for x in re.findall(r"tensor<[^>]*#(\w+)>", line) if layouts.get(x) != want]
-        if bad:
-            return f"inline asm on #{bad[0]} = {layouts.get(bad[0], 'a non-blocked layout')}, want {want}"
-    return ""
-
-
-def check_layout(kernel, WG: int) -> None:
-    """Raise if the compiled kernel's tiles are not laid out as the MMA lanes assume (a Triton whose layouts
-    differ would give wrong sums silently). Once per compiled kernel."""
-    asm = getattr(kernel, "asm", None)
-    key = (getattr(kernel, "hash", None), WG)
-    if asm is None or key in _CHECKED:  # the interpreter, or checked
-        return
-    why = _layout_ok(asm["ttgir"], WG)
-    if why:
-        raise RuntimeError(f"int4 MMA GEMV: {why}; run with config form='gemv_fma'")
-    _CHECKED.add(key)
-
-
-def int4_gemv_mma(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2):
-    """Both GEMVs into hbuf [TK, I] (bf16, pair order) and y [TK, D] (the caller checked every shape and
-    mma_supported). c1 / c2: {"MR", "WG", "PREFETCH", "MUL", "NS", "maxnreg"} and c2's "NB" (gemv1: 8 MR gate rows
-    a program, gemv2: NB blocks of 16 MR rows; WG warps; NS: cp.async stages; maxnreg: a register cap, for more
-    programs an SM)."""
-    T, D = x.shape
-    E, I2, _ = w13.shape
-    I = I2 // 2
-    K = topk_ids.shape[-1]
-    ids = topk_ids.reshape(-1)
-    ng1, ng2 = D // 32, I // 32
-    for c, ng in ((c1, ng1), (c2, ng2)):
-        if "num_warps" in c or ng % 4:
-            raise ValueError(
-                f"MMA GEMV config {c}: WG sets the warps (no num_warps); K/32={ng} must be a multiple of 4"
+@triton.jit
+def _report(
+    Cnt,
+    Y,
+    TopkIds,
+    Out,
+    Add,
+    t,
+    c,
+    nprog,
+    D,
+    stride_yt,
+    stride_add,
+    expert_offset,
+    E_LOCAL,
+    TOPK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    ALL_OWN: tl.constexpr,
+):
+    """One of token t's K pairs has its Y rows of chunk c written (the caller fenced them); the last of the K to
+    report sums the K rows as moe_sum does (k order, fp32, experts of other ranks skipped; + Add after rounding)
+    into Out[t], and resets the count for the next call."""
+    old = tl.atomic_add(Cnt + t * nprog + c, 1, sem="acq_rel", scope="gpu")
+    if old == TOPK - 1:
+        _fence()
+        tl.store(Cnt + t * nprog + c, 0)
+        rows = c * CHUNK + tl.arange(0, CHUNK)
+        ok = rows < D
+        acc = tl.zeros([CHUNK], tl.float32)
+        for k in tl.static_range(TOPK):
+            pk = t * TOPK + k
+            if ALL_OWN:
+                on = ok
+            else:
+                ek = tl.load(TopkIds + pk, cache_modifier=".cg") - expert_offset
+                on = ok & (ek >= 0) & (ek < E_LOCAL)
+            acc += tl.load(Y + pk.to(tl.int64) * stride_yt + rows, mask=on, other=0.0, cache_modifier=".cg").to(
+                tl.float32
             )
-    x32 = x.view(torch.int32)
-    k1 = _int4_mma_gemv1_kernel[(T * K * triton.cdiv(I, 8 * c1["MR"]),)](
-        x32,
-        w13,
-        s13,
-        hbuf,
-        ids,
-        I,
-        ng1,
-        x32.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        s13.stride(0),
-        s13.stride(1) // 4,
-        hbuf.stride(0),
-        expert_offset,
-        E,
-        TOPK=K,
-        MR=c1["MR"],
-        WG=c1["WG"],
-        EVEN=ng1 % (4 * c1["WG"]) == 0 and I % (8 * c1["MR"]) == 0,
-        PREFETCH=c1.get("PREFETCH", False),
-        MUL=c1.get("MUL", False),
-        NS=c1.get("NS", 1),
-        num_warps=c1["WG"],
-        num_stages=1,
-        maxnreg=c1.get("maxnreg"),
-        **pdl,
-    )
-    h32 = hbuf.view(torch.int32)
-    nb = c2.get("NB", 1)
-    if nb > 1 and ng2 > 4 * c2["WG"]:
-        raise ValueError(f"MMA GEMV config {c2}: NB > 1 needs K/32={ng2} <= 4 WG (one trip)")
-    k2 = _int4_mma_gemv2_kernel[(T * K * triton.cdiv(triton.cdiv(D, 16 * c2["MR"]), nb),)](
-        h32,
-        w2,
-        s2,
-        y,
-        topk_weights.reshape(-1),
-        ids,
-        D,
-        ng2,
-        h32.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        s2.stride(0),
-        s2.stride(1) // 4,
-        y.stride(0),
-        expert_offset,
-        E,
-        MR=c2["MR"],
-        WG=c2["WG"],
-        NB=nb,
-        EVEN=ng2 % (4 * c2["WG"]) == 0 and D % (16 * c2["MR"]) == 0,
-        PREFETCH=c2.get("PREFETCH", False),
-        MUL=c2.get("MUL", False),
-        NS=c2.get("NS", 1),
-        num_warps=c2["WG"],
-        num_stages=1,
-        maxnreg=c2.get("maxnreg"),
-        **pdl,
-    )
-    check_layout(k1, c1["WG"])
-    check_layout(k2, c2["WG"])
+        if HAS_ADD:
+            acc = acc.to(Y.dtype.element_ty).to(tl.float32)
+            acc += tl.load(Add + t.to(tl.int64) * stride_add + rows, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Out + t.to(tl.int64) * D + rows, acc.to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["expert_offset", "TK"])
+def _int4_mma_gemv2_kernel(
+    H32,
+    W2,
+    S2,
+    Y,
+    TopkW,
+    TopkIds,
+    Out,
+    Add,
+    Cnt,
+    D,
+    NG,
+    TK,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn4,
+    stride_yt,
+    stride_add,
+    expert_offset,
+    E_LOCAL,
+    TOPK: tl.constexpr,
+    TKP: tl.constexpr,
+    MR: tl.constexpr,
+    WG: tl.constexpr,
+    NB: tl.constexpr,
+    EVEN: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    MUL: tl.constexpr,
+    NS: tl.constexpr,
+    SUM: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    ALL_OWN: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Y[p, d] (and Y[q, d], _partner) for NB blocks of 16 MR rows d (top: a block's first 8 MR). The routing is
+    read before the PDL wait through L2, and so are the first trip's weights (pdl.py): only Hbuf waits.
+    NB > 1 (K in one trip, NG <= 4 WG): x is unpacked once, and the blocks' loads run NS - 1 blocks ahead.
+    SUM: also Out[t] = sum over the token's K pairs (+ Add), by the last program of the K to finish the rows
+    (_report; Cnt [T, programs a pair] counts, zero between calls)."""
+    pdl_release(PDL)
+    ROWS: tl.constexpr = 16 * MR
+    nprog = tl.cdiv(tl.cdiv(D, ROWS), NB)
+    p = tl.program_id(0) // nprog
+    c = tl.program_id(0) % nprog
+    e, own = _pair(p, TopkIds, expert_offset, E_LOCAL, PDL)
+    skip, q, has_q = _partner(p, TopkIds, TK, TKP, PDL)
+    skip = skip & own  # another rank's pairs report themselves
+    has_q = has_q & own
+    if own & (skip == 0):
+        W, S = W2 + e * stride_we, S2 + e * stride_se
+        _gemv2_blocks(
+            H32,
+            W,
+            S,
+            Y,
+            TopkW,
+            p,
+            q,
+            has_q,
+            c,
+            D,
+            NG,
+            stride_hm,
+            stride_wn,
+            stride_sn4,
+            stride_yt,
+            MR,
+            WG,
+            NB,
+            EVEN,
+            PREFETCH,
+            MUL,
+            NS,
+            PDL,
+        )
+    if SUM:
+        if skip == 0:  # a skipped pair is reported by the program that did its rows
+            _fence()
+            tl.debug_barrier()  # every thread's rows stored and fenced before the count
+            _report(
+                Cnt,
+                Y,
+                TopkIds,
+                Out,
+                Add,
+                p // TOPK,
+                c,
+                nprog,
+                D,
+                stride_yt,
+                stride_add,
+                expert_offset,
+                E_LOCAL,
+                TOPK,
+                NB * ROWS,
+                HAS_ADD,
+                ALL_OWN,
+            )
+            if has_q:
+                _report(
+                    Cnt,
+                    Y,
+                    TopkIds,
+                    Out,
+                    Add,
+                    q // TOPK,
+                    c,
+                    nprog,
+                    D,
+                    stride_yt,
+                    stride_add,
+                    expert_offset,
+                    E_LOCAL,
+                    TOPK,
+                    NB * ROWS,
+                    HAS_ADD,
+                    ALL_OWN,
+                )

@@ -1,5 +1,5 @@
 """The fused MoE on INT4 experts (W4A16, compressed-tensors pack-quantized, group 32): the GEMV form for steps of few
-(token, k) pairs (on the tensor cores, int4_mma_gemv.py, where it applies; else FMAs, int4_gemv.py), grouped tiled
+(token, k) pairs (on the tensor cores, int4_mma_run.py, where it applies; else FMAs, int4_gemv.py), grouped tiled
 GEMMs over moe_align's blocks for larger ones (int4_gemm.py), then the sum over k (moe_sum.py). No host
 sync; buffers sized from shapes only (CUDA-graph safe).
 
@@ -13,7 +13,7 @@ import triton
 
 from .int4_gemm import int4_gemm
 from .int4_gemv import int4_gemv
-from .int4_mma_gemv import int4_gemv_mma, mma_config, mma_supported
+from .int4_mma_run import int4_gemv_mma, mma_config, mma_supported, sum_counts
 from .moe_align import moe_align
 from .moe_sum import moe_sum
 from .pdl import pdl_args
@@ -126,10 +126,11 @@ def int4_fused_experts(
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
     pdl: None (on where pdl.py enables it), a bool, or pdl_args' dict.
-    config (benchmarks, tests): "form": "gemv" / "gemm" (default: default_form(T * K, E)), "gemv"
-    meaning "gemv_mma" where mma_supported, else "gemv_fma"; "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL"}),
-    "gemv1", "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the
-    defaults."""
+    config (benchmarks, tests): "form": "gemv" / "gemm" (default: default_form(T * K, E)), "gemv" meaning
+    "gemv_mma" where mma_supported, else "gemv_fma"; for gemv_mma "pair" (two pairs of one expert in one pass) and
+    "fuse_sum" (the top-k sum inside gemv2), both default True; "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL",
+    "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1", "gemv2" ({"ROWS", "G",
+    "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if T == 0:  # checks `add`; empty
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, None, all_local)
@@ -138,7 +139,7 @@ def int4_fused_experts(
     elif pdl is None:
         pdl = pdl_args(x)
     cfg = dict(config or {})
-    keys = ("form", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2")
+    keys = ("form", "pair", "fuse_sum", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2")
     bad = set(cfg) - set(keys)
     if bad:
         raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
@@ -151,11 +152,37 @@ def int4_fused_experts(
         if not mma_supported(x, D, I):
             raise ValueError(f"config: form='gemv_mma' needs bf16 x on sm_80+ and D={D}, I={I} multiples of 128")
         c1, c2 = mma_config(D, I, TK)
-        c1, c2 = dict(c1, **cfg.get("mma1", {})), dict(c2, **cfg.get("mma2", {}))
+        o1, o2 = cfg.get("mma1", {}), cfg.get("mma2", {})
+        c1, c2 = (dict(o) if "MR" in o else dict(c, **o) for c, o in ((c1, o1), (c2, o2)))  # with MR: a whole tile
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
+        # the top-k sum inside gemv2 (no moe_sum launch), where its counts exist
+        counts = sum_counts(x.device, T * triton.cdiv(triton.cdiv(D, 16 * c2["MR"]), c2.get("NB", 1)))
+        fuse = cfg.get("fuse_sum", True) and counts is not None
+        if fuse and add is not None and (add.shape != (T, D) or add.dtype != x.dtype or add.stride(-1) != 1):
+            raise ValueError(f"add must be [{T}, {D}] {x.dtype} with a unit last stride, got {tuple(add.shape)}")
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device) if fuse else None
         int4_gemv_mma(
-            x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2
+            x,
+            w13_packed,
+            w13_scale,
+            w2_packed,
+            w2_scale,
+            topk_weights,
+            topk_ids,
+            expert_offset,
+            hbuf,
+            y,
+            pdl,
+            c1,
+            c2,
+            pair=cfg.get("pair", True),
+            out=out,
+            add=add if fuse else None,
+            counts=counts if fuse else None,
+            all_local=all_local,
         )
+        if fuse:
+            return out
     elif form == "gemv_fma":
         c1, c2 = gemv_config(D, I, TK)
         c1, c2 = dict(c1, **cfg.get("gemv1", {})), dict(c2, **cfg.get("gemv2", {}))

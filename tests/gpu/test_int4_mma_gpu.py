@@ -45,8 +45,7 @@ def _bf16_bits(n):
 
 @pytest.mark.parametrize("mul", [False, True])
 def test_mma_ptx_matches_the_model(mul):
-    from mlaserve.kernels.int4_mma import MAIN_ASM, MAIN_ASM_MUL, PREP_ASM, XSUM_ASM
-    from mlaserve.kernels.int4_mma_gemv import check_layout
+    from mlaserve.kernels.int4_mma import MAIN_ASM, MAIN_ASM_MUL, PREP_ASM, XSUM_ASM, check_layout
     from tests.interp_mma import _to_regs, run_ptx
 
     g = torch.Generator().manual_seed(0)

@@ -107,11 +107,26 @@ def test_int4_moe_swept_configs_are_correct():
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_int4_moe_mma_sweep_is_correct(shape):
     # every tensor-core GEMV tile kernels_bench times (register caps, cp.async stages, row blocks), at 1 and 3 tokens
-    from benchmarks.int4_moe_bench import mma_variants
+    from benchmarks.int4_moe_bench import MMA_QUICK, mma_variants
 
     D, I = SHAPES[shape]
     w = experts(D, I, 16)
-    for c1, c2 in mma_variants(D, I, K, sweep=True):
+    variants = mma_variants(D, I, K, sweep=True) + mma_variants(D, I, K, sweep=True, table=MMA_QUICK)[1:]
+    for c1, c2 in variants:
         check(w, 1, form="gemv_mma", config=dict(mma1=c1, mma2=c2))
-    for c1, c2 in mma_variants(D, I, K, sweep=True)[1::3]:
+    for c1, c2 in variants[1::3]:  # 3 tokens: pairs of one expert (16 experts), two at a time
         check(w, 3, form="gemv_mma", config=dict(mma1=c1, mma2=c2))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_int4_moe_pairs_and_fused_sum(shape):
+    # 8 tokens over 12 experts: most experts serve several pairs (two at a time, a third alone), under EP with
+    # other ranks' pairs; the fused top-k sum and the pairing each on and off; then repeated calls (the sum's
+    # counts reset themselves)
+    D, I = SHAPES[shape]
+    w = experts(D, I, 12)
+    for pair in (True, False):
+        for fuse in (True, False):
+            check(w, 8, offset=4, E_all=20, form="gemv_mma", config=dict(pair=pair, fuse_sum=fuse), add=True)
+    for _ in range(3):
+        check(w, 8, form="gemv_mma")

@@ -127,13 +127,21 @@ def test_gemv_mma_form(kdev, mma, T, D, I, offset, add, cfg):
     )
 
 
+@pytest.mark.parametrize("pair,c2", [(True, {}), (True, dict(MR=1, WG=1, NB=4)), (False, {})])
+def test_gemv_mma_pairs_of_one_expert(kdev, mma, pair, c2):
+    # 5 tokens x 2 over 3 local experts and 2 foreign: most experts serve 2-4 pairs (the first two in one pass, a
+    # third and fourth alone) and the foreign ones none; with pair=False every pair alone, and the sum by moe_sum
+    cfg = dict(form="gemv_mma", pair=pair, fuse_sum=pair, mma2=c2)
+    check(kdev, torch.bfloat16, 5, 256, 128, E=3, K=2, offset=2, config=cfg, seed=36, add=True)
+
+
 @pytest.mark.parametrize(
     "D,I,c2",
     [
-        # gemv2 over blocks of 16 rows, 3 a program (40 blocks: the last program has one), K in one trip
-        (640, 128, dict(MR=1, WG=1, NB=3, NS=2)),
-        # blocks of 32 rows, 5 a program over 12 blocks; one trip of 8 groups over 4 (a masked half trip)
-        (384, 128, dict(MR=2, WG=2, NB=5, NS=3, MUL=False)),
+        # gemv2 over blocks of 32 rows, 8 a program (20 blocks: the last program has 4), K in one trip
+        (640, 128, dict(MR=2, WG=1, NB=8, NS=2)),
+        # blocks of 32 rows, 8 a program over 12 blocks; one trip of 8 groups over 4 (a masked half trip)
+        (384, 128, dict(MR=2, WG=2, NB=8, NS=3, MUL=False)),
     ],
 )
 def test_gemv_mma_row_blocks(kdev, mma, D, I, c2):
