@@ -13,9 +13,10 @@ chunk (the GEMM form). Each timed call cycles through ROTATE routings over disjo
 from HBM, not L2 (the union exceeds its 50 MB). bytes: what one call reads, packed words + scales of the distinct
 local experts it selects + x; TB/s against the 4.3 TB/s copy ceiling. The bf16 rows time fused_experts on the same
 weights dequantized to bf16 (2 bytes a weight). Rows `gemv kernels` time the two GEMV launches alone (no sum).
-`form*` marks the form int4_fused_experts picks by default; at steps up to 8 the FMA GEMV (gemv_fma) is timed beside
-the tensor-core one (gemv_mma). Rows `mma kernels` time the tensor-core GEMV's two launches alone, default tiles then
-MMA_SWEEP (at one token), then the fastest of them together (at 1, 2 and 8).
+`form*` marks the form int4_fused_experts picks by default; where the GEMV form runs, the FMA GEMV (gemv_fma) and
+the tensor-core one (gemv_mma) are both timed, the latter at 2-8 tokens also without pairing (`unpaired`). Rows
+`mma kernels` time the tensor-core GEMV's two launches alone, default tiles then MMA_SWEEP (MMA_QUICK with
+INT4_BENCH_SWEEPS=0) at one token, then the fastest of them together at 1, 2 and 8.
 """
 
 from __future__ import annotations
@@ -194,7 +195,14 @@ def run_int4_moe(rep: Report, sz: Sizes):
 
 def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
     from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.kernels.int4_moe import default_form, gemm_config, gemv_config, int4_fused_experts, mma_config
+    from mlaserve.kernels.int4_moe import (
+        default_form,
+        gemm_config,
+        gemv_config,
+        int4_fused_experts,
+        mma_config,
+        mma_preferred,
+    )
     from mlaserve.kernels.int4_ref import int4_fused_experts_ref, random_int4_experts
 
     dev = sz.dev
@@ -216,14 +224,14 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                 forms = ("gemv", "gemm") if T in BOTH_FORMS else (default,)
                 if "gemv" in forms and dev == "cuda":
                     forms = ("gemv_mma", "gemv_fma") + forms[1:]
-                    default = "gemv_mma" if default == "gemv" else default
+                    if default == "gemv":
+                        default = "gemv_mma" if mma_preferred(D, I, T * K) else "gemv_fma"
                 if only_forms:
                     forms = tuple(f for f in forms if f in only_forms)
                 ref = int4_fused_experts_ref(x.float(), *w, ws[0], sets[0], 0) if T <= 8 or dev != "cuda" else None
                 variants = [(f, {}, "") for f in forms]
-                if "gemv_mma" in forms and T <= 8:  # its two extras off, one at a time
-                    variants += [("gemv_mma", dict(fuse_sum=False), " +moe_sum")]
-                    variants += [("gemv_mma", dict(pair=False), " unpaired")] if T > 1 else []
+                if "gemv_mma" in forms and 1 < T <= 8:  # pairs of one expert apart
+                    variants += [("gemv_mma", dict(pair=False), " unpaired")]
                 for form, extra, tag in variants:
                     if form == "gemv_mma":
                         cfgs = mma_config(D, I, T * K)

@@ -145,13 +145,6 @@ def emulate_mma():
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
         if "int4_mma:" not in asm:
             return orig(self, asm, constraints, values, types, is_pure, pack)
-        if "int4_mma:fence" in asm:  # programs run one at a time here: a fence orders nothing
-
-            class Fence:
-                def get_result(self, i):
-                    return interp.TensorHandle(np.zeros((), np.int32), tl.int32)
-
-            return Fence()
         shape = values[0].data.shape
         ops = []
         outs = [str(t.scalar if hasattr(t, "scalar") else t) for t in types]

@@ -7,8 +7,6 @@ A program of WG warps walks K in trips of 4 WG groups (128 WG columns), each war
 on rows too would narrow the loads of x, a [1, 128 WG] tile, below 16 bytes a lane, and so change its layout.)
 Pairs of experts outside [offset, offset + E) exit at once. Two pairs of one expert (a step of several tokens) are
 done by the first one's programs as tokens A and B (int4_mma.py), so the expert is read once for both (_partner).
-gemv2 can also sum each token's K rows (the MoE output, what moe_sum does) without another launch: the last of the
-K pairs' programs to write a block of rows adds them up (_report; a count per token and block, reset after use).
 """
 
 from __future__ import annotations
@@ -19,14 +17,6 @@ import triton.language as tl
 from .int4_gemv import _pair
 from .int4_mma import _lanes, _mma, _mma_dot, _row_sums, _trip_w, _trip_x
 from .pdl import pdl_release, pdl_wait
-
-
-@triton.jit
-def _fence():
-    """fence.acq_rel.gpu in every thread (orders its Y stores before the program's count)."""
-    tl.inline_asm_elementwise(
-        "fence.acq_rel.gpu; // int4_mma:fence $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-    )
 
 
 @triton.jit
@@ -190,52 +180,6 @@ def _gemv2_blocks(
             _store_rows(acc, ya, yb, has_q, r0, tw_a, tw_b, D, MR, WG)
 
 
-@triton.jit
-def _report(
-    Cnt,
-    Y,
-    TopkIds,
-    Out,
-    Add,
-    t,
-    c,
-    nprog,
-    D,
-    stride_yt,
-    stride_add,
-    expert_offset,
-    E_LOCAL,
-    TOPK: tl.constexpr,
-    CHUNK: tl.constexpr,
-    HAS_ADD: tl.constexpr,
-    ALL_OWN: tl.constexpr,
-):
-    """One of token t's K pairs has its Y rows of chunk c written (the caller fenced them); the last of the K to
-    report sums the K rows as moe_sum does (k order, fp32, experts of other ranks skipped; + Add after rounding)
-    into Out[t], and resets the count for the next call."""
-    old = tl.atomic_add(Cnt + t * nprog + c, 1, sem="acq_rel", scope="gpu")
-    if old == TOPK - 1:
-        _fence()
-        tl.store(Cnt + t * nprog + c, 0)
-        rows = c * CHUNK + tl.arange(0, CHUNK)
-        ok = rows < D
-        acc = tl.zeros([CHUNK], tl.float32)
-        for k in tl.static_range(TOPK):
-            pk = t * TOPK + k
-            if ALL_OWN:
-                on = ok
-            else:
-                ek = tl.load(TopkIds + pk, cache_modifier=".cg") - expert_offset
-                on = ok & (ek >= 0) & (ek < E_LOCAL)
-            acc += tl.load(Y + pk.to(tl.int64) * stride_yt + rows, mask=on, other=0.0, cache_modifier=".cg").to(
-                tl.float32
-            )
-        if HAS_ADD:
-            acc = acc.to(Y.dtype.element_ty).to(tl.float32)
-            acc += tl.load(Add + t.to(tl.int64) * stride_add + rows, mask=ok, other=0.0).to(tl.float32)
-        tl.store(Out + t.to(tl.int64) * D + rows, acc.to(Out.dtype.element_ty), mask=ok)
-
-
 @triton.jit(do_not_specialize=["expert_offset", "TK"])
 def _int4_mma_gemv2_kernel(
     H32,
@@ -244,9 +188,6 @@ def _int4_mma_gemv2_kernel(
     Y,
     TopkW,
     TopkIds,
-    Out,
-    Add,
-    Cnt,
     D,
     NG,
     TK,
@@ -256,10 +197,8 @@ def _int4_mma_gemv2_kernel(
     stride_se,
     stride_sn4,
     stride_yt,
-    stride_add,
     expert_offset,
     E_LOCAL,
-    TOPK: tl.constexpr,
     TKP: tl.constexpr,
     MR: tl.constexpr,
     WG: tl.constexpr,
@@ -268,16 +207,11 @@ def _int4_mma_gemv2_kernel(
     PREFETCH: tl.constexpr,
     MUL: tl.constexpr,
     NS: tl.constexpr,
-    SUM: tl.constexpr,
-    HAS_ADD: tl.constexpr,
-    ALL_OWN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Y[p, d] (and Y[q, d], _partner) for NB blocks of 16 MR rows d (top: a block's first 8 MR). The routing is
     read before the PDL wait through L2, and so are the first trip's weights (pdl.py): only Hbuf waits.
-    NB > 1 (K in one trip, NG <= 4 WG): x is unpacked once, and the blocks' loads run NS - 1 blocks ahead.
-    SUM: also Out[t] = sum over the token's K pairs (+ Add), by the last program of the K to finish the rows
-    (_report; Cnt [T, programs a pair] counts, zero between calls)."""
+    NB > 1 (K in one trip, NG <= 4 WG): x is unpacked once, and the blocks' loads run NS - 1 blocks ahead."""
     pdl_release(PDL)
     ROWS: tl.constexpr = 16 * MR
     nprog = tl.cdiv(tl.cdiv(D, ROWS), NB)
@@ -285,8 +219,6 @@ def _int4_mma_gemv2_kernel(
     c = tl.program_id(0) % nprog
     e, own = _pair(p, TopkIds, expert_offset, E_LOCAL, PDL)
     skip, q, has_q = _partner(p, TopkIds, TK, TKP, PDL)
-    skip = skip & own  # another rank's pairs report themselves
-    has_q = has_q & own
     if own & (skip == 0):
         W, S = W2 + e * stride_we, S2 + e * stride_se
         _gemv2_blocks(
@@ -314,46 +246,3 @@ def _int4_mma_gemv2_kernel(
             NS,
             PDL,
         )
-    if SUM:
-        if skip == 0:  # a skipped pair is reported by the program that did its rows
-            _fence()
-            tl.debug_barrier()  # every thread's rows stored and fenced before the count
-            _report(
-                Cnt,
-                Y,
-                TopkIds,
-                Out,
-                Add,
-                p // TOPK,
-                c,
-                nprog,
-                D,
-                stride_yt,
-                stride_add,
-                expert_offset,
-                E_LOCAL,
-                TOPK,
-                NB * ROWS,
-                HAS_ADD,
-                ALL_OWN,
-            )
-            if has_q:
-                _report(
-                    Cnt,
-                    Y,
-                    TopkIds,
-                    Out,
-                    Add,
-                    q // TOPK,
-                    c,
-                    nprog,
-                    D,
-                    stride_yt,
-                    stride_add,
-                    expert_offset,
-                    E_LOCAL,
-                    TOPK,
-                    NB * ROWS,
-                    HAS_ADD,
-                    ALL_OWN,
-                )

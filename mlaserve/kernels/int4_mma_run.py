@@ -1,5 +1,4 @@
-"""Running the tensor-core INT4 GEMV (int4_mma_gemv.py): when it applies, its tiles, the counts of its fused top-k
-sum, and the launches."""
+"""Running the tensor-core INT4 GEMV (int4_mma_gemv.py): when it applies, its tiles, and the launches."""
 
 from __future__ import annotations
 
@@ -10,6 +9,17 @@ from .int4_mma import check_layout
 from .int4_mma_gemv import _int4_mma_gemv1_kernel, _int4_mma_gemv2_kernel
 
 PAIR_MAX = 128  # every program scans the step's ids: a [PAIR_MAX] load
+PAIR_MIN_SHARED = 0.05
+
+
+def pair_worthwhile(pairs: int, E: int) -> bool:
+    """Pair experts (_partner) in steps of 2..PAIR_MAX pairs where, drawn at random over the E local experts, at
+    least PAIR_MIN_SHARED of them would share an expert: the pairing's scan and registers slow a step whose pairs
+    share nothing, and real routings share more than random ones (docs/performance.md)."""
+    if not 1 < pairs <= PAIR_MAX:
+        return False
+    distinct = E * (1.0 - (1.0 - 1.0 / E) ** pairs)
+    return 1.0 - distinct / pairs >= PAIR_MIN_SHARED
 
 
 def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
@@ -31,6 +41,13 @@ def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
     return c1, c2
 
 
+def mma_preferred(D: int, I: int, pairs: int) -> bool:
+    """Where the tensor-core GEMV measured faster than the FMA one (one H200, kernels_bench --only int4_moe; numbers
+    in docs/performance.md): the whole Kimi-K2.5 expert and its EP shards (I >= 1024) at every step, the MoE-TP4
+    shard (I = 512) at one token; smaller shards and TP4 steps of several tokens stay on FMAs."""
+    return I >= 1024 or (I >= 512 and pairs <= 8)
+
+
 def mma_supported(x: torch.Tensor, D: int, I: int) -> bool:
     """The tensor-core GEMV needs bf16 activations on sm_80+ compiled kernels (mma.sync m16n8k16 bf16), x pairs
     addressable as int32 (even row stride), and rows whose words and scales start on 16 / 8 bytes (D, I multiples
@@ -44,46 +61,12 @@ def mma_supported(x: torch.Tensor, D: int, I: int) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 8
 
 
-_COUNTS: dict = {}  # device -> int32 counts of the fused sum, zero between calls
-
-
-def sum_counts(device: torch.device, n: int) -> torch.Tensor | None:
-    """n zeroed int32 counts for the fused top-k sum (kept per device and reset by the kernel itself), or None
-    while a CUDA graph is being captured and no buffer that large exists yet (then the caller sums apart)."""
-    buf = _COUNTS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return buf
-
-
-def int4_gemv_mma(
-    x,
-    w13,
-    s13,
-    w2,
-    s2,
-    topk_weights,
-    topk_ids,
-    expert_offset,
-    hbuf,
-    y,
-    pdl,
-    c1,
-    c2,
-    pair=True,
-    out=None,
-    add=None,
-    counts=None,
-    all_local=True,
-):
+def int4_gemv_mma(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2, pair=True):
     """Both GEMVs into hbuf [TK, I] (bf16, pair order) and y [TK, D] (the caller checked every shape and
     mma_supported). c1 / c2: {"MR", "WG", "PREFETCH", "MUL", "NS", "maxnreg"} and c2's "NB" (gemv1: 8 MR gate rows
     a program, gemv2: NB blocks of 16 MR rows; WG warps; NS: cp.async stages; maxnreg: a register cap, for more
     programs an SM). pair: the pairs of one expert two at a time (each expert's weights read once for both; steps of
-    up to PAIR_MAX pairs). out [T, D] with counts (sum_counts(T * gemv2 programs a pair)): gemv2 also sums each
-    token's pairs into out (+ add [T, D]), as moe_sum(y, topk_ids, expert_offset, E, add, None, all_local) would."""
+    up to PAIR_MAX pairs)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
@@ -97,7 +80,7 @@ def int4_gemv_mma(
             )
     x32 = x.view(torch.int32)
     TK = T * K
-    tkp = triton.next_power_of_2(TK) if pair and 1 < T and TK <= PAIR_MAX else 0  # one token: all experts differ
+    tkp = triton.next_power_of_2(TK) if pair and T > 1 and pair_worthwhile(TK, E) else 0  # one token: no sharing
     k1 = _int4_mma_gemv1_kernel[(TK * triton.cdiv(I, 8 * c1["MR"]),)](
         x32,
         w13,
@@ -130,8 +113,6 @@ def int4_gemv_mma(
     )
     h32 = hbuf.view(torch.int32)
     nb = c2.get("NB", 1)
-    if out is not None and counts is None:
-        raise ValueError("int4_gemv_mma: out needs counts (sum_counts)")
     if nb & (nb - 1) or (nb > 1 and ng2 > 4 * c2["WG"]):
         raise ValueError(f"MMA GEMV config {c2}: NB must be a power of 2, and > 1 only with K/32={ng2} <= 4 WG")
     k2 = _int4_mma_gemv2_kernel[(TK * triton.cdiv(triton.cdiv(D, 16 * c2["MR"]), nb),)](
@@ -141,9 +122,6 @@ def int4_gemv_mma(
         y,
         topk_weights.reshape(-1),
         ids,
-        y if out is None else out,
-        y if add is None else add,
-        ids if counts is None else counts,
         D,
         ng2,
         TK,
@@ -153,10 +131,8 @@ def int4_gemv_mma(
         s2.stride(0),
         s2.stride(1) // 4,
         y.stride(0),
-        0 if add is None else add.stride(0),
         expert_offset,
         E,
-        TOPK=K,
         TKP=tkp,
         MR=c2["MR"],
         WG=c2["WG"],
@@ -165,9 +141,6 @@ def int4_gemv_mma(
         PREFETCH=c2.get("PREFETCH", False),
         MUL=c2.get("MUL", False),
         NS=c2.get("NS", 1),
-        SUM=out is not None,
-        HAS_ADD=add is not None,
-        ALL_OWN=bool(all_local),
         num_warps=c2["WG"],
         num_stages=1,
         maxnreg=c2.get("maxnreg"),

@@ -13,7 +13,7 @@ import triton
 
 from .int4_gemm import int4_gemm
 from .int4_gemv import int4_gemv
-from .int4_mma_run import int4_gemv_mma, mma_config, mma_supported, sum_counts
+from .int4_mma_run import int4_gemv_mma, mma_config, mma_preferred, mma_supported
 from .moe_align import moe_align
 from .moe_sum import moe_sum
 from .pdl import pdl_args
@@ -127,8 +127,8 @@ def int4_fused_experts(
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
     pdl: None (on where pdl.py enables it), a bool, or pdl_args' dict.
     config (benchmarks, tests): "form": "gemv" / "gemm" (default: default_form(T * K, E)), "gemv" meaning
-    "gemv_mma" where mma_supported, else "gemv_fma"; for gemv_mma "pair" (two pairs of one expert in one pass) and
-    "fuse_sum" (the top-k sum inside gemv2), both default True; "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL",
+    "gemv_mma" where mma_supported and mma_preferred, else "gemv_fma"; for gemv_mma "pair" (two pairs of one expert
+    in one pass, default True); "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL",
     "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1", "gemv2" ({"ROWS", "G",
     "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
@@ -139,14 +139,14 @@ def int4_fused_experts(
     elif pdl is None:
         pdl = pdl_args(x)
     cfg = dict(config or {})
-    keys = ("form", "pair", "fuse_sum", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2")
+    keys = ("form", "pair", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2")
     bad = set(cfg) - set(keys)
     if bad:
         raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
     TK = T * K
     form = cfg.get("form") or default_form(TK, E)
     if form == "gemv":
-        form = "gemv_mma" if mma_supported(x, D, I) else "gemv_fma"
+        form = "gemv_mma" if mma_supported(x, D, I) and mma_preferred(D, I, TK) else "gemv_fma"
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if form == "gemv_mma":
         if not mma_supported(x, D, I):
@@ -155,12 +155,6 @@ def int4_fused_experts(
         o1, o2 = cfg.get("mma1", {}), cfg.get("mma2", {})
         c1, c2 = (dict(o) if "MR" in o else dict(c, **o) for c, o in ((c1, o1), (c2, o2)))  # with MR: a whole tile
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
-        # the top-k sum inside gemv2 (no moe_sum launch), where its counts exist
-        counts = sum_counts(x.device, T * triton.cdiv(triton.cdiv(D, 16 * c2["MR"]), c2.get("NB", 1)))
-        fuse = cfg.get("fuse_sum", True) and counts is not None
-        if fuse and add is not None and (add.shape != (T, D) or add.dtype != x.dtype or add.stride(-1) != 1):
-            raise ValueError(f"add must be [{T}, {D}] {x.dtype} with a unit last stride, got {tuple(add.shape)}")
-        out = torch.empty(T, D, dtype=x.dtype, device=x.device) if fuse else None
         int4_gemv_mma(
             x,
             w13_packed,
@@ -176,13 +170,7 @@ def int4_fused_experts(
             c1,
             c2,
             pair=cfg.get("pair", True),
-            out=out,
-            add=add if fuse else None,
-            counts=counts if fuse else None,
-            all_local=all_local,
         )
-        if fuse:
-            return out
     elif form == "gemv_fma":
         c1, c2 = gemv_config(D, I, TK)
         c1, c2 = dict(c1, **cfg.get("gemv1", {})), dict(c2, **cfg.get("gemv2", {}))

@@ -130,8 +130,8 @@ def test_gemv_mma_form(kdev, mma, T, D, I, offset, add, cfg):
 @pytest.mark.parametrize("pair,c2", [(True, {}), (True, dict(MR=1, WG=1, NB=4)), (False, {})])
 def test_gemv_mma_pairs_of_one_expert(kdev, mma, pair, c2):
     # 5 tokens x 2 over 3 local experts and 2 foreign: most experts serve 2-4 pairs (the first two in one pass, a
-    # third and fourth alone) and the foreign ones none; with pair=False every pair alone, and the sum by moe_sum
-    cfg = dict(form="gemv_mma", pair=pair, fuse_sum=pair, mma2=c2)
+    # third and fourth alone) and the foreign ones none; with pair=False every pair alone
+    cfg = dict(form="gemv_mma", pair=pair, mma2=c2)
     check(kdev, torch.bfloat16, 5, 256, 128, E=3, K=2, offset=2, config=cfg, seed=36, add=True)
 
 
@@ -149,16 +149,19 @@ def test_gemv_mma_row_blocks(kdev, mma, D, I, c2):
 
 
 def test_gemv_picks_mma_where_it_applies(kdev, mma, monkeypatch):
-    # bf16 with D, I multiples of 128: the tensor-core GEMV; fp32 (or other sizes): the FMA GEMV
+    # bf16 with D, I multiples of 128 (I = 512: one token): the tensor-core GEMV; fp32, or other sizes, or I = 512
+    # at several tokens: the FMA GEMV
     from mlaserve.kernels import int4_moe
 
     calls = []
     for name in ("int4_gemv", "int4_gemv_mma"):
         fn = getattr(int4_moe, name)
         monkeypatch.setattr(int4_moe, name, lambda *a, _f=fn, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
-    check(kdev, torch.bfloat16, T=1, D=256, I=128, E=4, K=2, seed=33, ids_dtype=torch.int32)
-    check(kdev, torch.float32, T=1, D=256, I=128, E=4, K=2, seed=34)
-    assert calls == ["int4_gemv_mma", "int4_gemv"]
+    check(kdev, torch.bfloat16, T=1, D=128, I=512, E=4, K=2, seed=33, ids_dtype=torch.int32)
+    check(kdev, torch.float32, T=1, D=128, I=512, E=4, K=2, seed=34)
+    check(kdev, torch.bfloat16, T=5, D=128, I=512, E=4, K=2, seed=37)
+    check(kdev, torch.bfloat16, T=1, D=256, I=128, E=4, K=2, seed=38)
+    assert calls == ["int4_gemv_mma", "int4_gemv", "int4_gemv", "int4_gemv"]
     with pytest.raises(ValueError, match="gemv_mma"):
         check(kdev, torch.bfloat16, T=1, D=96, I=64, E=3, K=2, config=dict(form="gemv_mma"))
 
