@@ -3,6 +3,8 @@ fused_experts on the same (dequantized) weights, torch's `_weight_int4pack_mm` a
 
     PYTHONPATH=$PWD python benchmarks/kernels_bench.py --only int4_moe --time-limit 900
     INT4_BENCH_SHAPES=kimi-tp4,kimi-ep8 ... --only int4_moe     # some shapes only (a run under 10 minutes)
+    INT4_BENCH_STEPS=1,2,8 INT4_BENCH_SWEEPS=0 ...               # some steps; no GEMM/FMA sweeps nor anchor
+    INT4_BENCH_BF16=0 INT4_BENCH_FORMS=gemv_mma,gemm ...           # no bf16 fused_experts rows; these forms only
 
 Shapes: kimi (7168 -> 2048, 384 experts), kimi-tp4 (I=512), kimi-tp8 (I=256), kimi-ep8 (48 local experts of 384:
 `busy` routes every pair to a local expert, as the busiest rank sees it; `random` over all 384, about one local
@@ -11,7 +13,10 @@ chunk (the GEMM form). Each timed call cycles through ROTATE routings over disjo
 from HBM, not L2 (the union exceeds its 50 MB). bytes: what one call reads, packed words + scales of the distinct
 local experts it selects + x; TB/s against the 4.3 TB/s copy ceiling. The bf16 rows time fused_experts on the same
 weights dequantized to bf16 (2 bytes a weight). Rows `gemv kernels` time the two GEMV launches alone (no sum).
-`form*` marks the form int4_fused_experts picks by default.
+`form*` marks the form int4_fused_experts picks by default; where the GEMV form runs, the FMA GEMV (gemv_fma) and
+the tensor-core one (gemv_mma) are both timed, the latter at 2-8 tokens also without pairing (`unpaired`). Rows
+`mma kernels` time the tensor-core GEMV's two launches alone, default tiles then MMA_SWEEP (MMA_QUICK with
+INT4_BENCH_SWEEPS=0) at one token, then the fastest of them together at 1, 2 and 8.
 """
 
 from __future__ import annotations
@@ -63,6 +68,78 @@ GEMM_SWEEP = [
 ]
 
 
+# tensor-core GEMV tiles per (D, I): gemv1 variants (timed with the default gemv2), gemv2 variants (with the default
+# gemv1); the fastest of each are then timed together at 1, 2 and 8 tokens. MMA_QUICK: the few timed without
+# INT4_BENCH_SWEEPS. The GPU tests check every one of them.
+_B = dict(MUL=False)
+_CAP = dict(MUL=False, maxnreg=64)
+MMA_SWEEP = {
+    (7168, 2048): (
+        [
+            dict(MR=4, WG=4, **_B),
+            dict(MR=2, WG=4, MUL=True, maxnreg=64),
+            dict(MR=1, WG=4, **_CAP),
+            dict(MR=2, WG=4, **_CAP, NS=2),
+            dict(MR=2, WG=8, **_B, PREFETCH=True),
+        ],
+        [
+            dict(MR=2, WG=4, **_B),
+            dict(MR=2, WG=2, **_CAP),
+            dict(MR=1, WG=2, **_CAP),
+            dict(MR=1, WG=4, **_CAP),
+            dict(MR=1, WG=16, **_B, NB=2),
+        ],
+    ),
+    (7168, 512): (
+        [
+            dict(MR=2, WG=4, **_CAP),
+            dict(MR=1, WG=4, **_B, PREFETCH=True),
+            dict(MR=1, WG=8, **_B, NS=3),
+            dict(MR=2, WG=16, **_CAP),
+        ],
+        [
+            dict(MR=1, WG=4, **_B),
+            dict(MR=2, WG=2, **_CAP),
+            dict(MR=2, WG=4, **_CAP),
+            dict(MR=1, WG=4, **_B, NB=4),
+            dict(MR=2, WG=4, **_B, NB=2, NS=2),
+        ],
+    ),
+    (7168, 256): (
+        [
+            dict(MR=2, WG=4, **_CAP),
+            dict(MR=1, WG=8, **_B, NS=3),
+            dict(MR=1, WG=16, **_CAP),
+        ],
+        [
+            dict(MR=2, WG=2, **_CAP),
+            dict(MR=2, WG=2, **_B, NB=4, NS=4),
+            dict(MR=1, WG=2, **_B, NB=8),
+            dict(MR=4, WG=2, **_B),
+        ],
+    ),
+}
+MMA_QUICK = {
+    (7168, 2048): ([], [dict(MR=2, WG=2, **_CAP), dict(MR=1, WG=4, **_CAP)]),
+    (7168, 512): ([dict(MR=2, WG=4, **_CAP)], [dict(MR=2, WG=2, **_CAP)]),
+    (7168, 256): ([dict(MR=2, WG=4, **_CAP)], [dict(MR=2, WG=2, **_CAP)]),
+}
+FMA_EXTRA = [(dict(ROWS=32, num_warps=8), {}), ({}, dict(maxnreg=64))]  # gemv1 / gemv2 overrides, at (7168, 2048)
+MMA_BEST: dict = {}  # (D, I) -> the fastest (gemv1, gemv2) at one token
+
+
+def mma_variants(D: int, I: int, pairs: int, sweep: bool, table: dict = MMA_SWEEP) -> list[tuple[dict, dict]]:
+    """(gemv1, gemv2) MMA configs: the default, then (sweep) the table's for the shape."""
+    from mlaserve.kernels.int4_moe import mma_config
+
+    c1, c2 = mma_config(D, I, pairs)
+    out = [(c1, c2)]
+    if sweep:
+        v1, v2 = table.get((D, I), ([], []))
+        out += [(v, c2) for v in v1 if v != c1] + [(c1, v) for v in v2 if v != c2]
+    return out
+
+
 def gemv2_variant(v: dict, D: int, I: int, pairs: int) -> dict:
     """A GEMV2_SWEEP entry as a gemv2 config for this shape."""
     from mlaserve.kernels.int4_moe import gemv_config
@@ -112,18 +189,29 @@ def run_int4_moe(rep: Report, sz: Sizes):
             return _run(rep, sz, SMOKE_SHAPES, (1, 5), 2)
     only = os.environ.get("INT4_BENCH_SHAPES")
     shapes = {k: v for k, v in SHAPES.items() if not only or k in only.split(",")}
-    return _run(rep, sz, shapes, STEPS, 8)
+    steps = tuple(int(t) for t in os.environ.get("INT4_BENCH_STEPS", ",".join(map(str, STEPS))).split(","))
+    return _run(rep, sz, shapes, steps, 8)
 
 
 def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
     from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.kernels.int4_moe import GEMV_MAX_PAIRS, gemm_config, gemv_config, int4_fused_experts
+    from mlaserve.kernels.int4_moe import (
+        default_form,
+        gemm_config,
+        gemv_config,
+        int4_fused_experts,
+        mma_config,
+        mma_preferred,
+    )
     from tests.helpers.int4_ref import int4_fused_experts_ref, random_int4_experts
 
     dev = sz.dev
+    bf16 = os.environ.get("INT4_BENCH_BF16", "1") != "0"
+    sweeps = os.environ.get("INT4_BENCH_SWEEPS", "1") != "0"
+    only_forms = [f for f in os.environ.get("INT4_BENCH_FORMS", "").split(",") if f]
     for name, (D, I, E, E_all) in shapes.items():
         w = random_int4_experts(E, D, I, dev)
-        w13, w2 = dequant_bf16(w, D, I)
+        w13, w2 = dequant_bf16(w, D, I) if bf16 else (None, None)
         for T in steps:
             for busy in (True, False) if E < E_all else (True,):
                 sets = routings(T, K, E, E_all, busy, dev)
@@ -132,51 +220,71 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                 route = "" if E == E_all else (" busy" if busy else " random")
                 n_exp = sum(int(ids[ids < E].unique().numel()) for ids in sets) / len(sets)
                 nbytes = n_exp * expert_bytes(D, I) + x.numel() * 2
-                default = "gemv" if T * K <= min(GEMV_MAX_PAIRS, E) else "gemm"
+                default = default_form(T * K, E)
                 forms = ("gemv", "gemm") if T in BOTH_FORMS else (default,)
+                if "gemv" in forms and dev == "cuda":
+                    forms = ("gemv_mma", "gemv_fma") + forms[1:]
+                    if default == "gemv":
+                        default = "gemv_mma" if mma_preferred(D, I, T * K) else "gemv_fma"
+                if only_forms:
+                    forms = tuple(f for f in forms if f in only_forms)
                 ref = int4_fused_experts_ref(x.float(), *w, ws[0], sets[0], 0) if T <= 8 or dev != "cuda" else None
-                for form in forms:
-                    cfgs = gemv_config(D, I, T * K) if form == "gemv" else gemm_config(T, K, E, D, I, BF)
-                    out = int4_fused_experts(x, *w, ws[0], sets[0], 0, all_local=busy, config=dict(form=form))
-                    err = rel(out, ref if ref is not None else fused_experts(x, w13, w2, ws[0], sets[0], 0))
+                variants = [(f, {}, "") for f in forms]
+                if "gemv_mma" in forms and 1 < T <= 8:  # pairs of one expert apart
+                    variants += [("gemv_mma", dict(pair=False), " unpaired")]
+                for form, extra, tag in variants:
+                    if form == "gemv_mma":
+                        cfgs = mma_config(D, I, T * K)
+                    else:
+                        cfgs = gemv_config(D, I, T * K) if form.startswith("gemv") else gemm_config(T, K, E, D, I, BF)
+                    cfg = dict(form=form, **extra)
+                    out = int4_fused_experts(x, *w, ws[0], sets[0], 0, all_local=busy, config=cfg)
+                    if ref is None and not bf16:
+                        err = float("nan")
+                    else:
+                        err = rel(out, ref if ref is not None else fused_experts(x, w13, w2, ws[0], sets[0], 0))
                     calls = list(zip(sets, ws))
                     ms = bench(
-                        lambda f=form, c=calls: [  # noqa: B023
-                            int4_fused_experts(x, *w, tw, ids, 0, all_local=busy, config=dict(form=f)) for ids, tw in c
+                        lambda f=cfg, c=calls: [  # noqa: B023
+                            int4_fused_experts(x, *w, tw, ids, 0, all_local=busy, config=f) for ids, tw in c
                         ],
                         sz,
                     ) / len(calls)
+                    star = "*" if form == default and not extra else ""
                     rep.add(
                         "int4_moe",
-                        f"{name}{route} T={T} {form}{'*' if form == default else ''} experts={n_exp:.0f} "
+                        f"{name}{route} T={T} {form}{star}{tag} experts={n_exp:.0f} "
                         f"{cfg_label(cfgs[0])} | {cfg_label(cfgs[1])}",
                         ms,
                         nbytes,
                         err=err,
                         shape=name,
                         T=T,
-                        form=form,
-                        default=form == default,
+                        form=form + tag.replace(" ", "_"),
+                        default=bool(star),
                         route=route.strip() or None,
                         experts=n_exp,
                         config=[{k: str(v) for k, v in c.items()} for c in cfgs],
                     )
-                calls = list(zip(sets, ws))
-                ms = bench(lambda c=calls: [fused_experts(x, w13, w2, tw, ids, 0) for ids, tw in c], sz) / len(calls)
-                rep.add(
-                    "int4_moe",
-                    f"{name}{route} T={T} bf16 fused_experts (same weights)",
-                    ms,
-                    n_exp * 3 * D * I * 2 + x.numel() * 2,
-                    shape=name,
-                    T=T,
-                    form="bf16",
-                    route=route.strip() or None,
-                    experts=n_exp,
-                )
+                if bf16:
+                    calls = list(zip(sets, ws))
+                    ms = bench(lambda c=calls: [fused_experts(x, w13, w2, tw, ids, 0) for ids, tw in c], sz)
+                    rep.add(
+                        "int4_moe",
+                        f"{name}{route} T={T} bf16 fused_experts (same weights)",
+                        ms / len(calls),
+                        n_exp * 3 * D * I * 2 + x.numel() * 2,
+                        shape=name,
+                        T=T,
+                        form="bf16",
+                        route=route.strip() or None,
+                        experts=n_exp,
+                    )
                 if T <= 2 and busy:
-                    _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes)
-        if name in ("kimi", "tiny"):  # the tile sweeps and the anchor at the full expert shape
+                    _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes, sweeps)
+                if T <= 8 and busy and dev == "cuda":
+                    _mma_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes)
+        if name in ("kimi", "tiny") and sweeps and bf16:
             _sweeps(rep, sz, name, D, I, E, K, w, w13, w2)
             _anchor(rep, sz, D, I)
         w = w13 = w2 = None
@@ -184,7 +292,7 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
             torch.cuda.empty_cache()
 
 
-def _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
+def _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes, sweep=True):
     """The two GEMV launches alone (preallocated buffers, no sum), default tiles then GEMV1/GEMV2_SWEEP."""
     from mlaserve.kernels.int4_gemv import int4_gemv
     from mlaserve.kernels.int4_moe import gemv_config
@@ -196,8 +304,8 @@ def _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
     c1, c2 = gemv_config(D, I, T * K)
     variants = [(c1, c2)] + [(dict(c1, **v), c2) for v in GEMV1_SWEEP[1:]]
     variants += [(c1, gemv2_variant(v, D, I, T * K)) for v in GEMV2_SWEEP[1:]]
-    if T > 1 or sz.dev != "cuda":
-        variants = variants[: 1 if T > 1 else 2]
+    if T > 1 or sz.dev != "cuda" or not sweep:
+        variants = variants[: 1 if T > 1 or not sweep else 2]
     for v1, v2 in variants:
         try:
             ms = bench(
@@ -217,6 +325,55 @@ def _gemv_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
             )
         except Exception as e:  # e.g. out of registers
             print(f"int4 gemv {v1} {v2}: {type(e).__name__}: {str(e)[:160]}")
+
+
+def _mma_rows(rep, sz, name, T, K, x, w, sets, ws, nbytes):
+    """The tensor-core GEMV's two launches alone (preallocated buffers, no sum): default tiles; at one token
+    MMA_SWEEP's variants, then the fastest gemv1 with the fastest gemv2 (also at 2 and 8 tokens)."""
+    from mlaserve.kernels.int4_gemv import int4_gemv
+    from mlaserve.kernels.int4_mma_run import int4_gemv_mma
+    from mlaserve.kernels.int4_moe import gemv_config
+    from mlaserve.kernels.pdl import pdl_args
+
+    D, I = x.shape[1], w[0].shape[1] // 2
+    hbuf = torch.empty(T * K, I, dtype=BF, device=sz.dev)
+    y = torch.empty(T * K, D, dtype=BF, device=sz.dev)
+
+    def run(v1, v2, fma=False):
+        fn = int4_gemv if fma else int4_gemv_mma
+        try:
+            ms = bench(
+                lambda: [fn(x, *w, tw, ids, 0, hbuf, y, pdl_args(x), v1, v2) for ids, tw in zip(sets, ws)], sz
+            ) / len(sets)
+        except Exception as e:  # e.g. out of registers
+            print(f"int4 {'fma' if fma else 'mma'} {v1} {v2}: {type(e).__name__}: {str(e)[:160]}")
+            return float("inf")
+        rep.add(
+            "int4_gemv" if fma else "int4_mma",
+            f"{name} T={T} {'gemv' if fma else 'mma'} kernels {cfg_label(v1)} | {cfg_label(v2)}",
+            ms,
+            nbytes,
+            shape=name,
+            T=T,
+            config=[{k: str(val) for k, val in c.items()} for c in (v1, v2)],
+        )
+        return ms
+
+    table = MMA_SWEEP if os.environ.get("INT4_BENCH_SWEEPS", "1") != "0" else MMA_QUICK
+    variants = mma_variants(D, I, T * K, sweep=T == 1 and (D, I) not in MMA_BEST, table=table)
+    times = [run(v1, v2) for v1, v2 in variants]
+    if len(variants) > 1:
+        c1, c2 = variants[0]
+        b1 = min((t, i) for i, (t, v) in enumerate(zip(times, variants)) if v[1] is c2)[1]
+        b2 = min((t, i) for i, (t, v) in enumerate(zip(times, variants)) if v[0] is c1)[1]
+        MMA_BEST[(D, I)] = (variants[b1][0], variants[b2][1])
+        if (D, I) == (7168, 2048) and table is MMA_SWEEP:
+            f1, f2 = gemv_config(D, I, T * K)
+            for o1, o2 in FMA_EXTRA:
+                run(dict(f1, **o1), dict(f2, **o2), fma=True)
+    if (D, I) in MMA_BEST and MMA_BEST[(D, I)] not in variants:
+        print(f"int4 mma best {name}: {MMA_BEST[(D, I)]}")
+        run(*MMA_BEST[(D, I)])
 
 
 def _sweeps(rep, sz, name, D, I, E, K, w, w13, w2):

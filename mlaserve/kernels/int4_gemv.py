@@ -210,7 +210,8 @@ def _int4_gemv2_kernel(
 
 def int4_gemv(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2):
     """Both GEMVs into hbuf [TK, I] and y [TK, D] (the caller checked every shape). c1 / c2: gemv1 / gemv2 configs
-    {"ROWS", "G", "num_warps"} (ROWS of gemv1: gate rows, each with its up row)."""
+    {"ROWS", "G", "num_warps"} and optionally "PREFETCH", "num_stages", "maxnreg" (a register cap, for more programs an
+    SM) (ROWS of gemv1: gate rows, each with its up row)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
@@ -241,6 +242,7 @@ def int4_gemv(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, 
         PREFETCH=c1.get("PREFETCH", ng1 > c1["G"]),
         num_warps=c1["num_warps"],
         num_stages=c1.get("num_stages", 2),
+        maxnreg=c1.get("maxnreg"),
         **pdl,
     )
     _int4_gemv2_kernel[(T * K * triton.cdiv(D, c2["ROWS"]),)](
@@ -267,5 +269,6 @@ def int4_gemv(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, 
         PREFETCH=c2.get("PREFETCH", ng2 > c2["G"]),
         num_warps=c2["num_warps"],
         num_stages=c2.get("num_stages", 2),
+        maxnreg=c2.get("maxnreg"),
         **pdl,
     )

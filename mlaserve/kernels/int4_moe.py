@@ -1,6 +1,7 @@
 """The fused MoE on INT4 experts (W4A16, compressed-tensors pack-quantized, group 32): the GEMV form for steps of few
-(token, k) pairs (int4_gemv.py), grouped tiled GEMMs over moe_align's blocks for larger ones (int4_gemm.py), then the
-sum over k (moe_sum.py). No host sync; buffers sized from shapes only (CUDA-graph safe).
+(token, k) pairs (on the tensor cores, int4_mma_run.py, where it applies; else FMAs, int4_gemv.py), grouped tiled
+GEMMs over moe_align's blocks for larger ones (int4_gemm.py), then the sum over k (moe_sum.py). No host
+sync; buffers sized from shapes only (CUDA-graph safe).
 
 Reference: tests/helpers/int4_ref.py, int4_fused_experts_ref (dequantize, then layers.moe.fused_experts_ref).
 """
@@ -13,16 +14,25 @@ import triton
 from ..kernel_config import KernelConfig
 from .int4_gemm import int4_gemm
 from .int4_gemv import int4_gemv
+from .int4_mma_run import int4_gemv_mma, mma_config, mma_preferred, mma_supported
 from .moe_align import moe_align
 from .moe_sum import moe_sum
 from .pdl import pdl_args
 
-# Up to this many (token, k) pairs, and no more than the local experts, each pair streams its expert's rows by itself
-# (GEMV form): decode and verify of up to 8 requests at Kimi's K=8 and 384 experts, where pairs seldom share an
-# expert. Above it the pairs of one expert share its weight tiles (GEMM form): under EP8 (48 local experts) 64 busy
-# pairs read 36 experts' weights, not 64.
-GEMV_MAX_PAIRS = 64
+# The GEMV form streams each (token, k) pair's expert by itself; the GEMM form reads each selected expert once for
+# all its pairs, but unpacks every tile once per block of pairs and so streams about 3x slower (one H200, Kimi-K2.5
+# shapes). So the GEMV form runs while the pairs are at most GEMV_SHARING x the distinct experts they are expected
+# to select (TK draws over E local experts: E (1 - (1 - 1/E)^TK)), up to GEMV_MAX_PAIRS: at 384 experts up to ~1000
+# pairs (decode of 128 requests), under EP8 (48 local experts) up to ~130 (16 busy requests).
+GEMV_SHARING = 3.0
+GEMV_MAX_PAIRS = 1024
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def default_form(pairs: int, E: int) -> str:
+    """'gemv' or 'gemm' for `pairs` (token, k) pairs over E local experts (see GEMV_SHARING)."""
+    distinct = E * (1.0 - (1.0 - 1.0 / E) ** pairs)
+    return "gemv" if pairs <= GEMV_MAX_PAIRS and pairs <= GEMV_SHARING * distinct else "gemm"
 
 
 def gemv_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
@@ -119,21 +129,50 @@ def int4_fused_experts(
     x [T, D]; w13_packed int32 [E, 2I, D/8] (gate rows, then up rows), w13_scale [E, 2I, D/32]; w2_packed int32
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
-    config (benchmarks, tests): "form": "gemv" / "gemm" (default: gemv up to min(GEMV_MAX_PAIRS, E) pairs); "gemv1",
-    "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults.
-    kernels: its pdl switch (kernel_config.py)."""
+    kernels: its pdl switch (kernel_config.py).
+    config (benchmarks, tests): "form": "gemv" / "gemm" (default: default_form(T * K, E)), "gemv" meaning
+    "gemv_mma" where mma_supported and mma_preferred, else "gemv_fma"; for gemv_mma "pair" (two pairs of one expert
+    in one pass, default True); "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL",
+    "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1", "gemv2" ({"ROWS", "G",
+    "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if T == 0:  # checks `add`; empty
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
     pdl = pdl_args(x, kernels.pdl)  # every launch alike
     cfg = dict(config or {})
-    bad = set(cfg) - {"form", "gemv1", "gemv2", "gemm1", "gemm2"}
+    keys = ("form", "pair", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2")
+    bad = set(cfg) - set(keys)
     if bad:
-        raise ValueError(f"config keys {sorted(bad)} are not among form, gemv1, gemv2, gemm1, gemm2")
+        raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
     TK = T * K
-    form = cfg.get("form") or ("gemv" if TK <= min(GEMV_MAX_PAIRS, E) else "gemm")
-    y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
+    form = cfg.get("form") or default_form(TK, E)
     if form == "gemv":
+        form = "gemv_mma" if mma_supported(x, D, I) and mma_preferred(D, I, TK) else "gemv_fma"
+    y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
+    if form == "gemv_mma":
+        if not mma_supported(x, D, I):
+            raise ValueError(f"config: form='gemv_mma' needs bf16 x on sm_80+ and D={D}, I={I} multiples of 128")
+        c1, c2 = mma_config(D, I, TK)
+        o1, o2 = cfg.get("mma1", {}), cfg.get("mma2", {})
+        c1, c2 = (dict(o) if "MR" in o else dict(c, **o) for c, o in ((c1, o1), (c2, o2)))  # with MR: a whole tile
+        hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
+        int4_gemv_mma(
+            x,
+            w13_packed,
+            w13_scale,
+            w2_packed,
+            w2_scale,
+            topk_weights,
+            topk_ids,
+            expert_offset,
+            hbuf,
+            y,
+            pdl,
+            c1,
+            c2,
+            pair=cfg.get("pair", True),
+        )
+    elif form == "gemv_fma":
         c1, c2 = gemv_config(D, I, TK)
         c1, c2 = dict(c1, **cfg.get("gemv1", {})), dict(c2, **cfg.get("gemv2", {}))
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
@@ -169,5 +208,5 @@ def int4_fused_experts(
             c2,
         )
     else:
-        raise ValueError(f"config: form={form!r} must be 'gemv' or 'gemm'")
+        raise ValueError(f"config: form={form!r} must be 'gemv', 'gemv_mma', 'gemv_fma' or 'gemm'")
     return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)

@@ -1,6 +1,7 @@
 """The INT4 MoE kernels (kernels/int4_moe.py) on CUDA at Kimi-K2.5's expert shapes (full, MoE-TP4/TP8 shards, EP8
-with 48 local experts), both forms, every tile config kernels_bench sweeps, and CUDA-graph capture + replay with new
-routings. Run:  PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_int4_moe_gpu.py"""
+with 48 local experts), all forms (GEMV on the tensor cores, GEMV on FMAs, GEMM), every tile config kernels_bench
+sweeps, and CUDA-graph capture + replay with new routings. Run:
+PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_int4_moe_gpu.py"""
 
 import pytest
 import torch
@@ -61,15 +62,17 @@ def check(w, T, offset=0, E_all=None, form=None, config=None, ids_dtype=torch.in
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("T,form", [(1, None), (2, None), (3, "gemv"), (8, None), (1, "gemm"), (40, None)])
+@pytest.mark.parametrize(
+    "T,form", [(1, None), (2, None), (3, "gemv"), (8, None), (1, "gemv_fma"), (2, "gemv_fma"), (1, "gemm"), (40, None)]
+)
 def test_int4_moe_kimi_shapes(shape, T, form):
-    # 24 experts of the real shape (the kernels never see the expert count but through the ids); T=40: the GEMM
+    # 32 experts of the real shape (the kernels never see the expert count but through the ids); T=40: the GEMM
     # form (320 pairs), most experts with several rows
     D, I = SHAPES[shape]
-    check(experts(D, I, 24), T, form=form, add=T == 2, ids_dtype=torch.int32 if T == 3 else torch.int64)
+    check(experts(D, I, 32), T, form=form, add=T == 2, ids_dtype=torch.int32 if T == 3 else torch.int64)
 
 
-@pytest.mark.parametrize("T,form", [(1, None), (2, None), (8, "gemv"), (8, "gemm"), (300, None)])
+@pytest.mark.parametrize("T,form", [(1, None), (2, None), (8, "gemv"), (8, "gemv_fma"), (8, "gemm"), (300, None)])
 def test_int4_moe_expert_parallel(T, form):
     # EP8: this rank owns experts [96, 144) of 384; T=300: 2400 pairs, the multi-program align
     check(experts(7168, 2048, 48), T, offset=96, E_all=384, form=form)
@@ -93,9 +96,33 @@ def test_int4_moe_swept_configs_are_correct():
     for D, I in SHAPES.values():
         w = experts(D, I, 16)
         for v in GEMV1_SWEEP:
-            check(w, 1, form="gemv", config=dict(gemv1=v))
+            check(w, 1, form="gemv_fma", config=dict(gemv1=v))
         for v in GEMV2_SWEEP:
-            check(w, 1, form="gemv", config=dict(gemv2=gemv2_variant(v, D, I, K)))
+            check(w, 1, form="gemv_fma", config=dict(gemv2=gemv2_variant(v, D, I, K)))
     w = experts(7168, 2048, 16)
     for c in GEMM_SWEEP:
         check(w, 96, form="gemm", config=dict(gemm1=c, gemm2=c))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_int4_moe_mma_sweep_is_correct(shape):
+    # every tensor-core GEMV tile kernels_bench times (register caps, cp.async stages, row blocks), at 1 and 3 tokens
+    from benchmarks.int4_moe_bench import MMA_QUICK, mma_variants
+
+    D, I = SHAPES[shape]
+    w = experts(D, I, 16)
+    variants = mma_variants(D, I, K, sweep=True) + mma_variants(D, I, K, sweep=True, table=MMA_QUICK)[1:]
+    for c1, c2 in variants:
+        check(w, 1, form="gemv_mma", config=dict(mma1=c1, mma2=c2))
+    for c1, c2 in variants[1::3]:  # 3 tokens: pairs of one expert (16 experts), two at a time
+        check(w, 3, form="gemv_mma", config=dict(mma1=c1, mma2=c2))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_int4_moe_pairs_of_one_expert(shape):
+    # 8 tokens over 12 experts: most experts serve several pairs (two at a time, a third alone), under EP with
+    # other ranks' pairs; the pairing on and off
+    D, I = SHAPES[shape]
+    w = experts(D, I, 12)
+    for pair in (True, False):
+        check(w, 8, offset=4, E_all=20, form="gemv_mma", config=dict(pair=pair), add=True)

@@ -49,7 +49,7 @@ def check(kdev, dtype, T, D, I, E, K, offset=0, config=None, add=False, seed=0, 
 
 
 # few programs per call keep the interpreter fast: whole rows in one trip, many rows a program
-GEMV = dict(form="gemv", gemv1=dict(ROWS=16), gemv2=dict(ROWS=64))
+GEMV = dict(form="gemv_fma", gemv1=dict(ROWS=16), gemv2=dict(ROWS=64))
 GEMM = dict(form="gemm")
 
 
@@ -69,14 +69,102 @@ def test_gemm_form(kdev, dtype, T, offset, add):
     "cfg",
     [
         # gemv1 over 3 trips of 1 group with the next trip's loads first; gemv2 over 2 trips, plain
-        dict(form="gemv", gemv1=dict(ROWS=16, G=1, PREFETCH=True), gemv2=dict(ROWS=64, G=1)),
+        dict(form="gemv_fma", gemv1=dict(ROWS=16, G=1, PREFETCH=True), gemv2=dict(ROWS=64, G=1)),
         # 2-group trips over 3 groups (a masked half trip), row blocks past I and D (masked rows)
-        dict(form="gemv", gemv1=dict(ROWS=8, G=2), gemv2=dict(ROWS=64, G=2, PREFETCH=True)),
+        dict(form="gemv_fma", gemv1=dict(ROWS=8, G=2), gemv2=dict(ROWS=64, G=2, PREFETCH=True)),
     ],
 )
 def test_gemv_trips_and_tails(kdev, cfg):
     # D = 96: 3 groups; I = 64 with gemv2 rows of 64 over D = 96 (the second block half real)
     check(kdev, torch.float32, T=1, D=96, I=64, E=3, K=2, config=cfg, seed=20)
+
+
+@pytest.fixture
+def mma(kdev):
+    """The tensor-core GEMV's inline PTX, run by tests/interp_mma.py under the interpreter (compiled on a GPU)."""
+    if kdev != "cpu":
+        yield
+        return
+    from tests.interp_mma import emulate_mma
+
+    with emulate_mma():
+        yield
+
+
+@pytest.mark.parametrize(
+    "T,D,I,offset,add,cfg",
+    [
+        # the default tiles: one trip of 16 groups over D = 512 (gemv1), 4 over I = 128 (gemv2, one warp column)
+        (1, 512, 128, 0, False, {}),
+        # gemv1 over a masked half trip (12 groups, trips of 16), gemv2 over 2-warp trips of 8 groups; EP offsets
+        (3, 384, 256, 2, True, dict(mma1=dict(MR=4, WG=4), mma2=dict(MR=2, WG=2))),
+        # next trip's loads first, shifts by shr, 8 warps over 32-group trips (gemv1: 3 trips, the last masked)
+        (
+            2,
+            640,
+            128,
+            1,
+            False,
+            dict(
+                mma1=dict(MR=1, WG=8, PREFETCH=True, MUL=False),
+                mma2=dict(MR=4, WG=1, PREFETCH=True),
+            ),
+        ),
+    ],
+)
+def test_gemv_mma_form(kdev, mma, T, D, I, offset, add, cfg):
+    check(
+        kdev,
+        torch.bfloat16,
+        T,
+        D,
+        I,
+        E=5,
+        K=2,
+        offset=offset,
+        config=dict(form="gemv_mma", **cfg),
+        add=add,
+        seed=30 + T,
+    )
+
+
+@pytest.mark.parametrize("pair,c2", [(True, {}), (True, dict(MR=1, WG=1, NB=4)), (False, {})])
+def test_gemv_mma_pairs_of_one_expert(kdev, mma, pair, c2):
+    # 5 tokens x 2 over 3 local experts and 2 foreign: most experts serve 2-4 pairs (the first two in one pass, a
+    # third and fourth alone) and the foreign ones none; with pair=False every pair alone
+    cfg = dict(form="gemv_mma", pair=pair, mma2=c2)
+    check(kdev, torch.bfloat16, 5, 256, 128, E=3, K=2, offset=2, config=cfg, seed=36, add=True)
+
+
+@pytest.mark.parametrize(
+    "D,I,c2",
+    [
+        # gemv2 over blocks of 32 rows, 8 a program (20 blocks: the last program has 4), K in one trip
+        (640, 128, dict(MR=2, WG=1, NB=8, NS=2)),
+        # blocks of 32 rows, 8 a program over 12 blocks; one trip of 8 groups over 4 (a masked half trip)
+        (384, 128, dict(MR=2, WG=2, NB=8, NS=3, MUL=False)),
+    ],
+)
+def test_gemv_mma_row_blocks(kdev, mma, D, I, c2):
+    check(kdev, torch.bfloat16, 2, D, I, E=5, K=2, offset=1, config=dict(form="gemv_mma", mma2=c2), seed=35)
+
+
+def test_gemv_picks_mma_where_it_applies(kdev, mma, monkeypatch):
+    # bf16 with D, I multiples of 128 (I = 512: one token): the tensor-core GEMV; fp32, or other sizes, or I = 512
+    # at several tokens: the FMA GEMV
+    from mlaserve.kernels import int4_moe
+
+    calls = []
+    for name in ("int4_gemv", "int4_gemv_mma"):
+        fn = getattr(int4_moe, name)
+        monkeypatch.setattr(int4_moe, name, lambda *a, _f=fn, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    check(kdev, torch.bfloat16, T=1, D=128, I=512, E=4, K=2, seed=33, ids_dtype=torch.int32)
+    check(kdev, torch.float32, T=1, D=128, I=512, E=4, K=2, seed=34)
+    check(kdev, torch.bfloat16, T=5, D=128, I=512, E=4, K=2, seed=37)
+    check(kdev, torch.bfloat16, T=1, D=256, I=128, E=4, K=2, seed=38)
+    assert calls == ["int4_gemv_mma", "int4_gemv", "int4_gemv", "int4_gemv"]
+    with pytest.raises(ValueError, match="gemv_mma"):
+        check(kdev, torch.bfloat16, T=1, D=96, I=64, E=3, K=2, config=dict(form="gemv_mma"))
 
 
 def test_gemm_masked_k_and_n(kdev):
@@ -102,10 +190,10 @@ def test_int32_ids_and_default_form(kdev, form, monkeypatch):
         monkeypatch.setattr(int4_moe, name, lambda *a, _f=fn, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
     check(kdev, torch.bfloat16, T=3, D=64, I=32, E=6, K=2, offset=1, seed=23, ids_dtype=torch.int32)
     assert calls == [f"int4_{form}"]
-    # never more pairs than local experts: 6 pairs over 5 experts take the GEMM form whatever the limit
+    # pairs that share experts heavily take the GEMM form whatever the limit: 40 pairs over 2 experts
     calls.clear()
     monkeypatch.setattr(int4_moe, "GEMV_MAX_PAIRS", 64)
-    check(kdev, torch.bfloat16, T=3, D=64, I=32, E=5, K=2, seed=24, foreign=0)
+    check(kdev, torch.bfloat16, T=20, D=64, I=32, E=2, K=2, seed=24, foreign=0)
     assert calls == ["int4_gemm"]
 
 
