@@ -6,6 +6,8 @@
 #     m1       benchmarks/bench_engine.py on M1 (made at /tmp/m1 if absent), transformers after it (M1_ARGS; M1_S)
 #     spec     the same with an EAGLE3 draft at /tmp/m1-draft, K=1 N=2 (SPEC_ARGS, e.g. --profile; SPEC_S)
 #     m2       M2: Kimi-K2.5 shapes, 4 layers, random weights in place (M2_S)
+#     int4     Kimi-K2.5 shapes, 4 layers, INT4 experts, dummy weights (INT4_S)
+#     fp8      DeepSeek-V3 shapes, 6 layers, FP8 blocks, dummy weights, then the same model in bf16 (FP8_S)
 #     tp       two GPUs: the NCCL parity test and TP2 under CUDA graphs against one GPU (TP_S)
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
@@ -40,6 +42,17 @@ if [[ $stages == *" m2 "* ]]; then
   el "M2 engine bench (random weights in place)"
   timeout ${M2_S:-300} python3 benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy --label m2 --gpu-mem 0.95 \
     --batches 1,8 --contexts 512 --ttft 512,8192 2>&1 | tee "$OUT/m2.log" | tail -12
+fi
+if [[ $stages == *" int4 "* ]]; then
+  el "Kimi-K2.5 INT4 experts engine bench"
+  timeout ${INT4_S:-300} python3 benchmarks/bench_engine.py --preset kimi-k2.5 --layers 4 --dummy --quantization int4-experts \
+    --label kimi-int4 --gpu-mem 0.95 --batches 1,8 --contexts 512 --ttft 512 2>&1 | tee "$OUT/int4.log" | tail -14
+fi
+if [[ $stages == *" fp8 "* ]]; then
+  el "DeepSeek-V3 FP8 engine bench, then bf16 in the same run"
+  timeout ${FP8_S:-400} python3 benchmarks/bench_engine.py --preset deepseek-v3 --layers 6 --dummy --quantization fp8-block \
+    --compare-unquantized --label dsv3-fp8 --gpu-mem 0.95 --batches 1,8 --contexts 512 --ttft 8192 2>&1 \
+    | tee "$OUT/fp8.log" | tail -20
 fi
 if [[ $stages == *" tp "* ]]; then  # needs two GPUs
   el "TP2: NCCL parity, then TP2 under CUDA graphs against one GPU (PDL on and off)"

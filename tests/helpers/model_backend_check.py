@@ -4,6 +4,8 @@ Shared by the interpreter test (tiny preset on CPU) and the gpu test."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tests.helpers.kernel_checks import TOL, rel_err
@@ -98,10 +100,42 @@ def run_prefill(ckpt: str, device, dtype, backend: str, moe_impl: str, length: i
     return logits
 
 
-def prefill_refs(ckpt: str, device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (the fp32 torch path's logits of a `length`-token prefill, the bf16 torch path's per-row errors to it)."""
-    ref = run_prefill(ckpt, device, torch.float32, "torch", "torch", length)
-    return ref, _row_errs(run_prefill(ckpt, device, torch.bfloat16, "torch", "torch", length), ref)
+def prefill_refs(ckpt: str, device, length: int, a8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the fp32 torch path's logits of a `length`-token prefill, the bf16 torch path's per-row errors to it).
+    a8: both torch paths quantize the FP8 layers' activations as the checkpoint's `activation_scheme: dynamic`
+    declares (a8_reference)."""
+    with a8_reference(a8):
+        ref = run_prefill(ckpt, device, torch.float32, "torch", "torch", length)
+        return ref, _row_errs(run_prefill(ckpt, device, torch.bfloat16, "torch", "torch", length), ref)
+
+
+@contextlib.contextmanager
+def a8_reference(on: bool = True):
+    """The torch path of every FP8 layer quantizes its activations per token per 128 channels before each GEMM
+    (the experts: x and silu(gate) * up), as DeepSeek-V3's `activation_scheme: dynamic` and the W8A8 kernels do
+    (kernels/fp8_reference.py's maths); the library's torch path is the weight-only spec. Off: unchanged."""
+    if not on:
+        yield
+        return
+    from mlaserve.kernels.fp8_reference import fp8_block_linear_ref, fp8_fused_experts_ref
+    from mlaserve.layers import fp8_linear as lin
+    from mlaserve.layers.quant_experts import Fp8Experts
+
+    def linear(x, weight, scale_inv, impl="torch", pdl=True):
+        assert impl == "torch", impl
+        return fp8_block_linear_ref(x, weight, scale_inv, a8=True).to(x.dtype)
+
+    def experts(self, x, topk_weights, topk_ids, impl="torch", add=None, shared=None, norm=None):
+        assert impl == "torch" and shared is None and norm is None, impl
+        y = fp8_fused_experts_ref(x, *self.stored(), topk_weights, topk_ids, self.expert_offset, a8=True)
+        return y.to(x.dtype) if add is None else y.to(x.dtype) + add
+
+    saved = lin.fp8_linear, Fp8Experts.forward
+    lin.fp8_linear, Fp8Experts.forward = linear, experts
+    try:
+        yield
+    finally:
+        lin.fp8_linear, Fp8Experts.forward = saved
 
 
 def check_prefill_logits(ckpt: str, device, moe_impl: str, length: int, refs=None) -> dict:
