@@ -49,6 +49,12 @@ class KernelConfig:
     no_align_max_pairs: int = 16
     # routing: bf16 steps of up to this many tokens run the router GEMM as split-K partials summed by the routing
     router_splitk_max_tokens: int = 32
+    # FP8 checkpoints (linears and experts): steps of more than this many tokens quantize their activations per
+    # token per 128 channels (W8A8, the checkpoint's `activation_scheme: dynamic`), smaller ones compute on them
+    # as they are (W8A16). One edge for both, in tokens, at a prefill-graph bucket at or above every decode
+    # graph's tokens (engine/cuda_graph.graph_safe_kernels raises it), so that a step padded into a CUDA graph and
+    # its eager twin quantize alike: the two schemes differ by ~2% in the logits, enough to change greedy tokens
+    fp8_a8_min_tokens: int = 256
 
     # ---- the all-reduce under TP ----
     # MLASERVE_ALLREDUCE: auto (by message size, distributed/allreduce.py), nccl, or one_shot / two_shot (that
@@ -63,6 +69,7 @@ class KernelConfig:
             "fuse_shared_max_tokens",
             "no_align_max_pairs",
             "router_splitk_max_tokens",
+            "fp8_a8_min_tokens",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

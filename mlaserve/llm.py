@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -63,6 +64,7 @@ class LLM:
         **engine_kwargs,
     ):
         from .config import ModelConfig, ParallelConfig
+        from .engine.cuda_graph import graph_safe_kernels
         from .engine.engine import LLMEngine
 
         model = model or default_model_path()
@@ -78,6 +80,9 @@ class LLM:
             **({"dist_init_timeout_s": dist_init_timeout} if dist_init_timeout is not None else {}),
         )
         spec = SpecConfig.from_dict(speculative_config) if speculative_config else None
+        q = spec.num_steps + 1 if spec is not None else 1  # tokens a request decodes per step
+        kernels = graph_safe_kernels(self.engine_config.kernels, self.engine_config.max_num_seqs, q)
+        self.engine_config = dataclasses.replace(self.engine_config, kernels=kernels)  # what every rank gets
         self._workers = None
         self._on_rank_failure = on_rank_failure  # None: raise in the main thread (_rank_failed)
         self._busy = 0  # > 0 while the main thread runs the engine

@@ -14,19 +14,33 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
 from ..capture import DECODE_BATCH_SIZES, gc_paused
+from ..kernel_config import KernelConfig
 from ..layers.sampler import greedy_into
 
 log = logging.getLogger("mlaserve.cuda_graph")
 
 PREFILL_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request)
+
+
+def graph_safe_kernels(kernels: KernelConfig, max_num_seqs: int, decode_q_len: int) -> KernelConfig:
+    """kernels with fp8_a8_min_tokens raised, where needed, to the smallest prefill bucket at or above the largest
+    decode graph's tokens (max_num_seqs x decode_q_len): then every step and its padded graph twin fall on the
+    same side of it (decode graphs all at or below; a prefill of n tokens and its bucket both above or both at or
+    below). Past the largest bucket: that many tokens. Applied to the config every rank gets, graphs or not, so
+    enforce_eager computes what the graphs do."""
+    need = max(kernels.fp8_a8_min_tokens, max_num_seqs * decode_q_len)
+    edge = next((t for t in PREFILL_TOKEN_BUCKETS if t >= need), need)
+    return kernels if edge == kernels.fp8_a8_min_tokens else replace(kernels, fp8_a8_min_tokens=edge)
+
+
 HOST_RING = 4  # rows of the pinned ring decode graphs write their arg-max to; >= 3: the engine reads step N back
 # before it launches step N + 2, so a row is read before the step RING later overwrites it
 

@@ -7,6 +7,7 @@ The engine builds the model runner, the KV pool and the scheduler, then steps wi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -17,6 +18,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..distributed.tp import RankInfo
 from ..tokenizer import Tokenizer
 from ..types import Request, SamplingParams, Usage
+from .cuda_graph import graph_safe_kernels
 from .kv_pool import KVPool
 from .loop import Loop, OverlapLoop
 from .postprocess import Postprocessor, ReqState, StepOutput
@@ -39,6 +41,9 @@ class LLMEngine:
         ranks: RankInfo = RankInfo(),
     ):
         cfg.validate()
+        # the FP8 activation edge where CUDA-graph padding cannot cross it (LLM applied it already for TP ranks)
+        q = spec.num_steps + 1 if spec is not None else 1
+        cfg = dataclasses.replace(cfg, kernels=graph_safe_kernels(cfg.kernels, cfg.max_num_seqs, q))
         self.cfg, self.spec = cfg, spec
         self.model_config = model_cfg or ModelConfig.from_pretrained(cfg.model)
         extra = 0

@@ -28,8 +28,6 @@ from .moe_config import KEYS, moe_config
 from .moe_sum import moe_sum
 from .pdl import pdl_args
 
-A8_MIN_ROWS_PER_EXPERT = 48  # T*K/E above this: the A8 form (fp8_moe_config's 64-row tiles)
-
 
 def fp8_moe_config(
     T: int, K: int, E: int, D: int, I: int, a8: bool, dtype: torch.dtype = torch.bfloat16, **override
@@ -87,6 +85,7 @@ def moe_form(
     config=None,
     no_align_max_pairs: int = KernelConfig.no_align_max_pairs,
     dtype: torch.dtype = torch.bfloat16,
+    a8_above: int = KernelConfig.fp8_a8_min_tokens,
 ) -> tuple[bool, bool, bool]:
     """-> (no_align, gemv, a8): fp8_fused_experts' form for T tokens of top-K over E local experts with x in `dtype`
     (config's "no_align" / "gemv" / "a8", else the defaults: per-pair blocks up to no_align_max_pairs pairs; fp32 x
@@ -94,7 +93,7 @@ def moe_form(
     cfg = config or {}
     no_align = bool(cfg.get("no_align", T * K <= no_align_max_pairs))
     gemv = cfg.get("gemv", no_align)
-    a8_default = T * K / E > A8_MIN_ROWS_PER_EXPERT and dtype != torch.float32
+    a8_default = T > a8_above and dtype != torch.float32  # in tokens, as the linears (KernelConfig says why)
     a8 = not gemv and bool(cfg.get("a8", a8_default))
     return no_align, gemv, a8
 
@@ -151,8 +150,8 @@ def fp8_fused_experts(
     topk_ids [T, K] int. Equals fp8_reference.fp8_fused_experts_ref(a8=False) (GEMV and A16 forms) or (a8=True).
     all_local: every id names a local expert (the sum reads no ids). config (benchmarks, tests): fp8_moe_config
     overrides (flat, "gemm1", "gemm2"), "no_align" (default T*K <= kernels.no_align_max_pairs), "gemv" (default:
-    no_align; moe GEMV tiles as a dict), "a8" (default: more than A8_MIN_ROWS_PER_EXPERT rows per expert).
-    kernels: pdl and no_align_max_pairs (kernel_config.py)."""
+    no_align; moe GEMV tiles as a dict), "a8" (default: more than kernels.fp8_a8_min_tokens tokens).
+    kernels: pdl, no_align_max_pairs and fp8_a8_min_tokens (kernel_config.py)."""
     _check(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids)
     T, D = x.shape
     E, I2, _ = w13.shape
@@ -161,7 +160,7 @@ def fp8_fused_experts(
     if T == 0:  # checks `add`; empty
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
     TK = T * K
-    no_align, gemv, a8 = moe_form(T, K, E, config, kernels.no_align_max_pairs, x.dtype)
+    no_align, gemv, a8 = moe_form(T, K, E, config, kernels.no_align_max_pairs, x.dtype, kernels.fp8_a8_min_tokens)
     config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8")}
     launch = pdl_args(x, kernels.pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)

@@ -17,15 +17,19 @@ from .quant import BLOCK, cdiv, dequant_fp8_block
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, impl: str = "torch", pdl: bool = True
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    impl: str = "torch",
+    kernels: KernelConfig = KernelConfig(),
 ) -> torch.Tensor:
     """x [M, K] @ dequant(weight)^T -> [M, N] in x.dtype. impl "triton": the FP8 kernel (kernels/fp8_linear.py,
-    launched with PDL when pdl: KernelConfig.pdl); "torch": the reference, on the weight dequantized per call (exact
+    with kernels' pdl and fp8_a8_min_tokens); "torch": the reference, on the weight dequantized per call (exact
     fp32 products, then x's dtype)."""
     if impl == "triton":
         from ..kernels.fp8_linear import fp8_block_linear  # triton: imported where it runs
 
-        return fp8_block_linear(x, weight, scale_inv, pdl=pdl)
+        return fp8_block_linear(x, weight, scale_inv, pdl=kernels.pdl, a8_above=kernels.fp8_a8_min_tokens)
     return F.linear(x, dequant_fp8_block(weight, scale_inv).to(x.dtype))
 
 
@@ -97,10 +101,10 @@ class Fp8Linear(nn.Module):
 
     def forward_stacked(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         """x @ W^T for a weight and scales stacked by stack_rows (linear_many) or this layer's own."""
-        return fp8_linear(x, weight, scale_inv, self.impl, self.kernels.pdl)
+        return fp8_linear(x, weight, scale_inv, self.impl, self.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.impl, self.kernels.pdl)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.impl, self.kernels)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shard={self.shard}, fp8 block {BLOCK}"

@@ -46,26 +46,22 @@ def test_quantized_logits_within_the_bf16_tolerance(real_ckpt):
     print(f"{scheme}: logits per-row rel err median per step {errs}")
 
 
-def test_fp8_prefill_logits_within_the_bf16_tolerance(real_ckpt, monkeypatch):
+def test_fp8_prefill_logits_within_the_bf16_tolerance(real_ckpt):
     """A 2048-token prefill of the FP8 checkpoint (2 layers, real shapes): the dense linears take scaled_mm's W8A8
-    (M >= SCALED_MM_MIN_ROWS) and the MoE its W8A8 grouped GEMMs (512 rows an expert). Held to the bf16 criterion
+    (above KernelConfig.fp8_a8_min_tokens) and the MoE its W8A8 grouped GEMMs. Held to the bf16 criterion
     against the fp32 reference of what the checkpoint declares (`activation_scheme: dynamic`: activations
     quantized per token per 128 channels, a8_reference), and, with every FP8 kernel kept W8A16, against the
     weight-only reference. W8A8's distance from the weight-only reference (what activation quantization costs at the
     model level) is printed, not asserted: it is the checkpoint's scheme, not an error of the kernels."""
-    from mlaserve.kernels import fp8_linear, fp8_moe
+    from mlaserve.kernel_config import KernelConfig
     from tests.helpers.model_backend_check import check_prefill_logits, prefill_refs
 
     scheme, path = real_ckpt
     if scheme != "fp8-block":
         pytest.skip("the FP8 checkpoint's W8A8 forms")
     refs = prefill_refs(path, "cuda", 2048)
-    with monkeypatch.context() as m:
-        m.setattr(fp8_linear, "SCALED_MM_MIN_ROWS", 1 << 30)
-        m.setattr(fp8_linear, "A16_MAX_ROWS", 1 << 30)
-        m.setattr(fp8_moe, "A8_MIN_ROWS_PER_EXPERT", float("inf"))
-        a16 = check_prefill_logits(path, "cuda", "triton", 2048, refs)
-        print(f"\nW8A16 everywhere, weight-only reference: {a16['msg']}")
+    a16 = check_prefill_logits(path, "cuda", "triton", 2048, refs, kernels=KernelConfig(fp8_a8_min_tokens=1 << 30))
+    print(f"\nW8A16 everywhere, weight-only reference: {a16['msg']}")
     try:
         print(
             f"W8A8 (default), weight-only reference: {check_prefill_logits(path, 'cuda', 'triton', 2048, refs)['msg']}"

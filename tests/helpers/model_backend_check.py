@@ -73,18 +73,22 @@ def run_model(
     return logits
 
 
-def run_prefill(ckpt: str, device, dtype, backend: str, moe_impl: str, length: int, seed: int = 0) -> torch.Tensor:
+def run_prefill(
+    ckpt: str, device, dtype, backend: str, moe_impl: str, length: int, seed: int = 0, kernels=None
+) -> torch.Tensor:
     """One prompt of `length` random tokens prefilled in one step -> fp32 logits [length, vocab] (every position:
-    a long step runs the large-step forms, e.g. the FP8 kernels' W8A8)."""
+    a long step runs the large-step forms, e.g. the FP8 kernels' W8A8). kernels: a KernelConfig (default: the
+    defaults)."""
     from mlaserve.attention.base import ForwardBatch, SeqChunk
     from mlaserve.attention.torch_ref import TorchRefBackend
     from mlaserve.attention.triton_mla import TritonMLABackend
     from mlaserve.config import ModelConfig
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.models.deepseek_v3 import DeepseekV3ForCausalLM
     from mlaserve.models.weights import load_weights
 
     cfg = ModelConfig.from_pretrained(ckpt)
-    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl)
+    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl, kernels=kernels or KernelConfig())
     load_weights(model, ckpt, progress=False)
     model.to(device).eval()
     pages = -(-length // PAGE)
@@ -121,7 +125,7 @@ def a8_reference(on: bool = True):
     from mlaserve.layers import fp8_linear as lin
     from mlaserve.layers.quant_experts import Fp8Experts
 
-    def linear(x, weight, scale_inv, impl="torch", pdl=True):
+    def linear(x, weight, scale_inv, impl="torch", kernels=None):
         assert impl == "torch", impl
         return fp8_block_linear_ref(x, weight, scale_inv, a8=True).to(x.dtype)
 
@@ -138,13 +142,13 @@ def a8_reference(on: bool = True):
         lin.fp8_linear, Fp8Experts.forward = saved
 
 
-def check_prefill_logits(ckpt: str, device, moe_impl: str, length: int, refs=None) -> dict:
+def check_prefill_logits(ckpt: str, device, moe_impl: str, length: int, refs=None, kernels=None) -> dict:
     """A `length`-token prefill in bf16 through the Triton path against the fp32 torch reference, held to
     check_model_backends' bf16 criterion (the typical row within max(2e-2, 1.5 x the bf16 torch path's median), at
     most max(20%, 2 x its share) of rows off by more than 5e-2) -> the errors. refs: prefill_refs' (computed if
     None)."""
     ref, base = refs if refs is not None else prefill_refs(ckpt, device, length)
-    rows = _row_errs(run_prefill(ckpt, device, torch.bfloat16, "triton", moe_impl, length), ref)
+    rows = _row_errs(run_prefill(ckpt, device, torch.bfloat16, "triton", moe_impl, length, kernels=kernels), ref)
     err, far = rows.median().item(), (rows > 5e-2).float().mean().item()
     base_err, base_far = base.median().item(), (base > 5e-2).float().mean().item()
     msg = (

@@ -66,12 +66,17 @@ def test_tiled_multi_program_align_ep(kdev, monkeypatch):
 
 
 def test_forms_and_empty(kdev):
-    from mlaserve.kernels.fp8_moe import A8_MIN_ROWS_PER_EXPERT, moe_form
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels.fp8_moe import moe_form
+
+    edge = KernelConfig.fp8_a8_min_tokens
 
     assert moe_form(1, 8, 256) == (True, True, False)  # decode: the GEMV form
     assert moe_form(16, 8, 256) == (False, False, False)  # 128 pairs: aligned tiles, W8A16
     assert moe_form(8192, 8, 256) == (False, False, True)  # prefill: W8A8
-    assert moe_form(A8_MIN_ROWS_PER_EXPERT, 1, 1)[2] is False
+    # W8A8 above the edge in tokens, whatever the rows per expert (KernelConfig.fp8_a8_min_tokens says why)
+    assert moe_form(edge, 8, 8)[2] is False and moe_form(edge + 1, 1, 256)[2] is True
+    assert moe_form(8192, 8, 256, a8_above=8192)[2] is False
     fc.check_fp8_moe(kdev, F32, T=0, D=128, I=128, E_total=4, E_local=4, offset=0, K=2)
 
 

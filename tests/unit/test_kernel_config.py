@@ -96,3 +96,35 @@ def test_no_module_reads_the_environment_at_its_point_of_use():
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 found.append(f"{path.relative_to(PKG.parent)}:{node.lineno}")
     assert not found, found
+
+
+def test_the_fp8_activation_edge_is_one_cuda_graph_padding_cannot_cross():
+    """Every step and its padded graph twin quantize the FP8 layers' activations alike: decode graphs (up to
+    max_num_seqs x q tokens) all at or below the edge, and a prefill of n tokens on the same side as its bucket."""
+    from mlaserve.capture import DECODE_BATCH_SIZES
+    from mlaserve.engine.cuda_graph import PREFILL_TOKEN_BUCKETS, graph_safe_kernels
+
+    base = KernelConfig()
+    for max_num_seqs in (1, 8, 64, 256, 300, 1024):
+        for q in (1, 2, 3, 4, 5):
+            edge = graph_safe_kernels(base, max_num_seqs, q).fp8_a8_min_tokens
+            bs = [b for b in DECODE_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
+            assert all(b * q <= edge for b in bs), (max_num_seqs, q, edge)
+            for n in range(1, PREFILL_TOKEN_BUCKETS[-1] + 1):
+                bucket = next(t for t in PREFILL_TOKEN_BUCKETS if t >= n)
+                assert (n > edge) == (bucket > edge), (max_num_seqs, q, n, edge)
+    assert graph_safe_kernels(base, 256, 1) is base  # nothing to raise: the same object
+    assert graph_safe_kernels(base, 256, 3).fp8_a8_min_tokens == 1024
+
+
+def test_the_engine_applies_the_edge(tiny_ckpt, tmp_path):
+    """Raised for a verify width of 3 at 128 requests (384 decode-graph tokens -> the 512 bucket), graphs or not."""
+    from mlaserve.config import EngineConfig, SpecConfig
+    from mlaserve.engine.engine import LLMEngine
+
+    (tmp_path / "r.jsonl").write_text('{"prompt_token_ids": [1], "output_token_ids": [2]}\n')
+    spec = SpecConfig.from_dict(dict(algorithm="REPLAY", num_steps=2, replay_path=str(tmp_path / "r.jsonl")))
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", max_num_seqs=128), spec=spec)
+    assert eng.cfg.kernels.fp8_a8_min_tokens == 512 and eng.runner.kernels.fp8_a8_min_tokens == 512
+    plain = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", max_num_seqs=128))
+    assert plain.runner.kernels.fp8_a8_min_tokens == KernelConfig.fp8_a8_min_tokens
