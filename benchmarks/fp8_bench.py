@@ -15,6 +15,7 @@ several routings) that they stream from HBM, not L2 (triton's graph timing does 
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -45,7 +46,8 @@ MOE_T = (1, 2, 4, 8, 16, 32, 64, 256, 2048, 8192)
 # fp8_gemv tiles (rows a program, columns a trip, warps) timed beside the default on these shapes, at 1-4 rows
 GEMV_SWEEP = ((2, 1024, 4), (8, 1024, 4), (4, 2048, 8), (4, 512, 2), (8, 512, 2), (16, 512, 2))
 GEMV_SWEEP_SHAPES = ("q_a|kv_a", "o_proj", "dense gate|up")
-# W8A8 grouped-GEMM tiles beside the default at an 8192-token prefill (64x128 tiles, GEMM1 on 8 warps)
+# W8A8 grouped-GEMM tiles beside the default at an 8192-token prefill (64x128 tiles, GEMM1 on 8 warps);
+# FP8_BENCH_A8_TILES (a JSON list of fp8_moe_config overrides) replaces them
 MOE_A8_SWEEP = (dict(num_stages=4), dict(GROUP_M=16, gemm2=dict(BLOCK_N=256, num_warps=8)))
 # fp8_moe_gemv tiles ((rows, columns, warps) of gemv1, of gemv2) beside the default, at T = 1 and 2
 MOE_GEMV_SWEEP = (
@@ -180,7 +182,8 @@ def _moe_variants(name: str, T: int, K: int) -> list:
             c = {f"gemv{i}": dict(BLOCK_N=n, BLOCK_K=k, num_warps=w) for i, (n, k, w) in ((1, g1), (2, g2))}
             out.append((f"fp8 gemv N{g1[0]} K{g1[1]} w{g1[2]} / N{g2[0]} K{g2[1]} w{g2[2]}", dict(gemv=c)))
     if name == "ds-v3" and T == 8192:
-        out += [(f"fp8 tiled a8=True {c}", dict(c, gemv=False, a8=True)) for c in MOE_A8_SWEEP]
+        sweep = json.loads(os.environ["FP8_BENCH_A8_TILES"]) if os.environ.get("FP8_BENCH_A8_TILES") else MOE_A8_SWEEP
+        out += [(f"fp8 tiled a8=True {c}", dict(c, gemv=False, a8=True)) for c in sweep]
     if name == "ds-v3" and T in (16, 64, 2048, 8192):
         tiles = (
             dict(BLOCK_M=32),
