@@ -395,8 +395,17 @@ def main():
                     accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1),
                 )
             )
+    if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)
+        res["profile_eagle3"] = profile(engine_spec, vocab, 0, "decode_b1_eagle3")
     if a.replay_sweep:
         from benchmarks.replay_sweep import replay_sweep
+
+        # the EAGLE3 engine's draft KV cache is held outside the runner's pool: free it before each K's engine
+        # allocates its own
+        engine_spec = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
         if torch.cuda.is_available():  # plain decode's graphs again (a speculative engine above re-captured them)
             engine.runner.release_graphs()
@@ -418,8 +427,6 @@ def main():
         rows.append(dict(r, figure=f"{r['figure']}, unquantized bf16 (child process)"))
     if a.profile and not a.spec_only and engine is not None:
         res["profile"] = profile(engine, vocab, max(ttfts))
-    if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)
-        res["profile_eagle3"] = profile(engine_spec, vocab, 0, "decode_b1_eagle3")
     if a.hf and a.hf_last:  # transformers after mlaserve, once mlaserve's memory is back (its KV cache is most)
         engine = engine_spec = None  # noqa: F841
         gc.collect()
