@@ -93,13 +93,13 @@ def _timed(fn, weights, sz: Sizes) -> float:
 
 def _linear_variants(name: str, M: int) -> list:
     """(label, fp8_block_linear config or None for the bf16 baselines) at one shape and row count."""
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_ROWS
-    from mlaserve.kernels.fp8_linear import GEMV_MAX_ROWS
     from mlaserve.kernels.gemv import GEMV_MAX_TOKENS
 
     out = [("bf16 F.linear (cuBLAS)", None)] + ([("bf16 gemv", None)] if M <= GEMV_MAX_TOKENS else [])
     forms = [{}, dict(form="triton", a8=False), dict(form="triton", a8=True), dict(form="scaled_mm")]  # {}: default
-    if GEMV_MAX_ROWS < M <= FP8_GEMV_MAX_ROWS:
+    if KernelConfig.fp8_gemv_max_rows < M <= FP8_GEMV_MAX_ROWS:
         forms.append(dict(form="gemv"))  # the GEMV where it is not the default (rows 3-4)
     if name in GEMV_SWEEP_SHAPES and M <= FP8_GEMV_MAX_ROWS:
         forms += [dict(form="gemv", BLOCK_N=n, BLOCK_K=k, num_warps=w) for n, k, w in GEMV_SWEEP]

@@ -55,6 +55,16 @@ class KernelConfig:
     # graph's tokens (engine/cuda_graph.graph_safe_kernels raises it), so that a step padded into a CUDA graph and
     # its eager twin quantize alike: the two schemes differ by ~2% in the logits, enough to change greedy tokens
     fp8_a8_min_tokens: int = 256
+    # FP8 linears: up to this many rows the W8A16 GEMV (kernels/fp8_gemv.py, at most its FP8_GEMV_MAX_ROWS); W8A8
+    # steps of at least fp8_scaled_mm_min_rows rows go to torch's scaled_mm where it runs, else the Triton GEMM
+    # (kernels_bench --only fp8_linear times every form at every row count)
+    fp8_gemv_max_rows: int = 2
+    fp8_scaled_mm_min_rows: int = 256
+    # INT4 experts: the GEMV form (each pair streams its expert) while the pairs are at most int4_gemv_sharing x
+    # the distinct experts they are expected to select and at most int4_gemv_max_pairs; else the grouped GEMM,
+    # which reads an expert once for all its pairs but streams ~3x slower (kernels_bench --only int4_moe)
+    int4_gemv_max_pairs: int = 1024
+    int4_gemv_sharing: float = 3.0
 
     # ---- the all-reduce under TP ----
     # MLASERVE_ALLREDUCE: auto (by message size, distributed/allreduce.py), nccl, or one_shot / two_shot (that
@@ -70,10 +80,17 @@ class KernelConfig:
             "no_align_max_pairs",
             "router_splitk_max_tokens",
             "fp8_a8_min_tokens",
+            "fp8_gemv_max_rows",
+            "fp8_scaled_mm_min_rows",
+            "int4_gemv_max_pairs",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"kernels.{name}: must be an integer >= 0, got {v!r}")
+        if isinstance(self.int4_gemv_sharing, bool) or not (
+            isinstance(self.int4_gemv_sharing, (int, float)) and self.int4_gemv_sharing > 0
+        ):
+            raise ValueError(f"kernels.int4_gemv_sharing: must be a number > 0, got {self.int4_gemv_sharing!r}")
         if self.allreduce not in ALLREDUCE_BACKENDS:
             raise ValueError(
                 f"kernels.allreduce (MLASERVE_ALLREDUCE): must be one of {', '.join(ALLREDUCE_BACKENDS)}, "

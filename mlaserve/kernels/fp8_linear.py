@@ -1,12 +1,12 @@
 """y = x @ dequant(weight)^T for 128x128 block-scaled FP8 weights (DeepSeek-V3/R1, Kimi-K2): one entry point,
 three forms chosen by the row count M.
 
-- M <= GEMV_MAX_ROWS (decode, verify): fp8_gemv.py's W8A16 GEMV, the fp8 rows streamed whole and scaled in
+- M <= kernels.fp8_gemv_max_rows (decode, verify): fp8_gemv.py's W8A16 GEMV, the fp8 rows streamed whole and scaled in
   registers. cuBLAS's block-scaled GEMM takes 16.7 us for 8 rows of a 7168 -> 2048 weight (0.9 TB/s, H200, torch
   2.11), far off the weight stream's floor.
-- up to a8_above rows (KernelConfig.fp8_a8_min_tokens), or where scaled_mm cannot run: fp8_gemm.py's tiled
-  Triton GEMM, W8A16 (no quantization launch) up to a8_above rows, W8A8 above.
-- above a8_above rows (and at least SCALED_MM_MIN_ROWS) W8A8 by DeepSeek's recipe: fp8_act_quant (per token,
+- up to kernels.fp8_a8_min_tokens rows, or where scaled_mm cannot run: fp8_gemm.py's tiled Triton GEMM, W8A16
+  (no quantization launch) up to that edge, W8A8 above.
+- above the edge (and at least kernels.fp8_scaled_mm_min_rows) W8A8 by DeepSeek's recipe: fp8_act_quant (per token,
   per 128 channels), then torch's F.scaled_mm(BlockWise1x128, BlockWise128x128) (cuBLASLt's sm_90 kernels).
 The form thresholds are set by kernels_bench --only fp8_linear, which times every form at every M; the W8A8 edge
 is where CUDA-graph padding cannot cross it (KernelConfig.fp8_a8_min_tokens).
@@ -35,8 +35,6 @@ __all__ = [
     "linear_form",
 ]
 
-GEMV_MAX_ROWS = 2  # up to here the GEMV (<= FP8_GEMV_MAX_ROWS): decode at batch 1-2, verify of width 2
-SCALED_MM_MIN_ROWS = 256  # scaled_mm from here on where it can run
 FORMS = ("gemv", "triton", "scaled_mm")
 
 
@@ -91,20 +89,20 @@ def linear_form(
     weight: torch.Tensor,
     weight_scale_inv: torch.Tensor,
     config=None,
-    a8_above: int = KernelConfig.fp8_a8_min_tokens,
+    kernels: KernelConfig = KernelConfig(),
 ) -> tuple[str, bool]:
-    """-> (form, a8): the form fp8_block_linear runs (config's "form", else by M) and whether it quantizes x:
-    above a8_above rows (KernelConfig.fp8_a8_min_tokens, where it says why the edge is one for every form)."""
+    """-> (form, a8): the form fp8_block_linear runs (config's "form", else by M and kernels' FP8 thresholds) and
+    whether it quantizes x: above kernels.fp8_a8_min_tokens rows (kernel_config.py says why one edge)."""
     cfg = config or {}
     M = x.shape[0]
     # fp32 x asks for fp32 products: never W8A8 unless forced (its fp8 MMAs sum K=128 products at the tensor cores'
     # reduced fp8 accumulation precision, and x itself is rounded to 3 mantissa bits)
-    a8_default = M > a8_above and x.dtype != torch.float32
+    a8_default = M > kernels.fp8_a8_min_tokens and x.dtype != torch.float32
     form = cfg.get("form")
     if form is None:
-        if M <= GEMV_MAX_ROWS and not a8_default:
+        if M <= min(kernels.fp8_gemv_max_rows, FP8_GEMV_MAX_ROWS) and not a8_default:
             form = "gemv"
-        elif a8_default and M >= SCALED_MM_MIN_ROWS and scaled_mm_serves(x, weight, weight_scale_inv):
+        elif a8_default and M >= kernels.fp8_scaled_mm_min_rows and scaled_mm_serves(x, weight, weight_scale_inv):
             form = "scaled_mm"
         else:
             form = "triton"
@@ -143,17 +141,17 @@ def fp8_block_linear(
     out: torch.Tensor | None = None,
     *,
     config: dict | None = None,
-    pdl: bool = True,
-    a8_above: int = KernelConfig.fp8_a8_min_tokens,
+    kernels: KernelConfig = KernelConfig(),
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, any strides) @ dequant(weight e4m3 [N, K], weight_scale_inv fp32 [ceil(N/128),
     ceil(K/128)])^T -> [M, N] in x.dtype (new, or `out`: a view with a unit last stride). Small M computes on x
     itself (W8A16: fp8_block_linear_ref(a8=False)); large M quantizes x per token per 128 channels first (W8A8:
     fp8_block_linear_ref(a8=True)). CUDA only (the CPU path dequantizes). config (benchmarks, tests): "form" (one
-    of FORMS), "a8" (the Triton GEMM's form), and fp8_gemv / fp8_gemm tile keys. pdl, a8_above: KernelConfig's pdl
-    and fp8_a8_min_tokens."""
+    of FORMS), "a8" (the Triton GEMM's form), and fp8_gemv / fp8_gemm tile keys. kernels: pdl and the FP8 thresholds
+    (kernel_config.py)."""
     _check(x, weight, weight_scale_inv, out)
-    form, a8 = linear_form(x, weight, weight_scale_inv, config, a8_above)
+    form, a8 = linear_form(x, weight, weight_scale_inv, config, kernels)
+    pdl = kernels.pdl
     cfg = {k: v for k, v in (config or {}).items() if k not in ("form", "a8")}
     M, N = x.shape[0], weight.shape[0]
     if form == "gemv" and M > FP8_GEMV_MAX_ROWS:

@@ -19,20 +19,16 @@ from .moe_align import moe_align
 from .moe_sum import moe_sum
 from .pdl import pdl_args
 
-# The GEMV form streams each (token, k) pair's expert by itself; the GEMM form reads each selected expert once for
-# all its pairs, but unpacks every tile once per block of pairs and so streams about 3x slower (one H200, Kimi-K2.5
-# shapes). So the GEMV form runs while the pairs are at most GEMV_SHARING x the distinct experts they are expected
-# to select (TK draws over E local experts: E (1 - (1 - 1/E)^TK)), up to GEMV_MAX_PAIRS: at 384 experts up to ~1000
-# pairs (decode of 128 requests), under EP8 (48 local experts) up to ~130 (16 busy requests).
-GEMV_SHARING = 3.0
-GEMV_MAX_PAIRS = 1024
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def default_form(pairs: int, E: int) -> str:
-    """'gemv' or 'gemm' for `pairs` (token, k) pairs over E local experts (see GEMV_SHARING)."""
+def default_form(pairs: int, E: int, kernels: KernelConfig = KernelConfig()) -> str:
+    """'gemv' or 'gemm' for `pairs` (token, k) pairs over E local experts: the GEMV form while the pairs are at
+    most kernels.int4_gemv_sharing x the distinct experts they are expected to select (pairs draws over E:
+    E (1 - (1 - 1/E)^pairs)) and at most kernels.int4_gemv_max_pairs (at 384 experts ~1000 pairs, decode of 128
+    requests; under EP8's 48 local experts ~130)."""
     distinct = E * (1.0 - (1.0 - 1.0 / E) ** pairs)
-    return "gemv" if pairs <= GEMV_MAX_PAIRS and pairs <= GEMV_SHARING * distinct else "gemm"
+    return "gemv" if pairs <= kernels.int4_gemv_max_pairs and pairs <= kernels.int4_gemv_sharing * distinct else "gemm"
 
 
 def gemv_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
@@ -129,8 +125,8 @@ def int4_fused_experts(
     x [T, D]; w13_packed int32 [E, 2I, D/8] (gate rows, then up rows), w13_scale [E, 2I, D/32]; w2_packed int32
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
-    kernels: its pdl switch (kernel_config.py).
-    config (benchmarks, tests): "form": "gemv" / "gemm" (default: default_form(T * K, E)), "gemv" meaning
+    kernels: its pdl switch and the INT4 GEMV thresholds (kernel_config.py).
+    config (benchmarks, tests): "form": "gemv" / "gemm" (default: default_form(T * K, E, kernels)), "gemv" meaning
     "gemv_mma" where mma_supported and mma_preferred, else "gemv_fma"; for gemv_mma "pair" (two pairs of one expert
     in one pass, default True); "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL",
     "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1", "gemv2" ({"ROWS", "G",
@@ -145,7 +141,7 @@ def int4_fused_experts(
     if bad:
         raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
     TK = T * K
-    form = cfg.get("form") or default_form(TK, E)
+    form = cfg.get("form") or default_form(TK, E, kernels)
     if form == "gemv":
         form = "gemv_mma" if mma_supported(x, D, I) and mma_preferred(D, I, TK) else "gemv_fma"
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)

@@ -24,12 +24,12 @@ def fp8_linear(
     kernels: KernelConfig = KernelConfig(),
 ) -> torch.Tensor:
     """x [M, K] @ dequant(weight)^T -> [M, N] in x.dtype. impl "triton": the FP8 kernel (kernels/fp8_linear.py,
-    with kernels' pdl and fp8_a8_min_tokens); "torch": the reference, on the weight dequantized per call (exact
+    with kernels' pdl and FP8 thresholds); "torch": the reference, on the weight dequantized per call (exact
     fp32 products, then x's dtype)."""
     if impl == "triton":
         from ..kernels.fp8_linear import fp8_block_linear  # triton: imported where it runs
 
-        return fp8_block_linear(x, weight, scale_inv, pdl=kernels.pdl, a8_above=kernels.fp8_a8_min_tokens)
+        return fp8_block_linear(x, weight, scale_inv, kernels=kernels)
     return F.linear(x, dequant_fp8_block(weight, scale_inv).to(x.dtype))
 
 

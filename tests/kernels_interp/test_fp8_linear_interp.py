@@ -69,22 +69,26 @@ def test_triton_gemm_bf16_own_output(kdev, a8):
 
 
 def test_default_forms_and_empty(kdev):
-    """By row count: the GEMV up to GEMV_MAX_ROWS, the Triton GEMM above, W8A8 above a8_above rows
-    (KernelConfig.fp8_a8_min_tokens), by scaled_mm there on sm_90 CUDA. M = 0 gives an empty result."""
+    """By row count: the GEMV up to kernels.fp8_gemv_max_rows, the Triton GEMM above, W8A8 above
+    kernels.fp8_a8_min_tokens rows, by scaled_mm there on sm_90 CUDA. M = 0 gives an empty result."""
     from mlaserve.kernel_config import KernelConfig
     from mlaserve.kernels import fp8_linear as fl
     from mlaserve.kernels.fp8_reference import make_fp8_weight
 
     w, s = make_fp8_weight(64, 256, device=kdev)
-    cases = [(1, "gemv"), (fl.GEMV_MAX_ROWS, "gemv"), (fl.GEMV_MAX_ROWS + 1, "triton")]
+    g = KernelConfig.fp8_gemv_max_rows
+    cases = [(1, "gemv"), (g, "gemv"), (g + 1, "triton")]
     for M, want in cases:
         assert fl.linear_form(torch.empty(M, 256, device=kdev), w, s) == (want, False)
     edge = KernelConfig.fp8_a8_min_tokens
     assert fl.linear_form(torch.empty(edge, 256, dtype=BF, device=kdev), w, s) == ("triton", False)
     big = torch.empty(edge + 1, 256, dtype=BF, device=kdev)
     assert fl.linear_form(big, w, s)[1] and (kdev == "cuda" or fl.linear_form(big, w, s)[0] == "triton")
-    assert fl.linear_form(big, w, s, a8_above=edge + 1) == ("triton", False)
-    assert fl.linear_form(torch.empty(2, 256, dtype=BF, device=kdev), w, s, a8_above=1) == ("triton", True)
+    assert fl.linear_form(big, w, s, kernels=KernelConfig(fp8_a8_min_tokens=edge + 1)) == ("triton", False)
+    one = KernelConfig(fp8_a8_min_tokens=1)
+    assert fl.linear_form(torch.empty(2, 256, dtype=BF, device=kdev), w, s, kernels=one) == ("triton", True)
+    wide = KernelConfig(fp8_gemv_max_rows=4)
+    assert fl.linear_form(torch.empty(4, 256, dtype=BF, device=kdev), w, s, kernels=wide) == ("gemv", False)
     assert fl.fp8_block_linear(torch.empty(0, 256, device=kdev), w, s).shape == (0, 64)
     fc.check_fp8_linear(kdev, F32, M=9, N=64, K=256, weight=(w, s), config=dict(BLOCK_N=32))  # default form
 

@@ -35,14 +35,14 @@ def inputs(kdev, dtype, T, D, I, E, K, offset, seed=0, foreign=2, ids_dtype=torc
     return x, w, ids, tw
 
 
-def check(kdev, dtype, T, D, I, E, K, offset=0, config=None, add=False, seed=0, foreign=2, ids_dtype=torch.int64):
+def check(kdev, dtype, T, D, I, E, K, offset=0, config=None, add=False, seed=0, foreign=2, ids_dtype=torch.int64, **kw):
     from mlaserve.kernels.int4_moe import int4_fused_experts
     from tests.helpers.int4_ref import int4_fused_experts_ref
 
     x, w, ids, tw = inputs(kdev, dtype, T, D, I, E, K, offset, seed, foreign, ids_dtype)
     extra = torch.randn(T, D).to(dtype).to(kdev) if add else None
     with poisoned_empty():
-        out = int4_fused_experts(x, *w, tw, ids, offset, add=extra, all_local=foreign == 0, config=config)
+        out = int4_fused_experts(x, *w, tw, ids, offset, add=extra, all_local=foreign == 0, config=config, **kw)
     assert out.shape == (T, D) and out.dtype == dtype
     ref = int4_fused_experts_ref(x.float(), *w, tw, ids, offset, add=None if extra is None else extra.float())
     assert_close(out, ref, dtype, f"int4 moe T={T} D={D} I={I} E={E} K={K} off={offset} {config} {dtype}")
@@ -180,20 +180,21 @@ def test_gemm_many_rows_per_expert(kdev):
 
 @pytest.mark.parametrize("form", ["gemv", "gemm"])
 def test_int32_ids_and_default_form(kdev, form, monkeypatch):
-    # int32 ids; the form picked by the pair count (GEMV_MAX_PAIRS lowered so 3 tokens x 2 pairs exceed it or not)
+    # int32 ids; the form picked by the pair count (kernels.int4_gemv_max_pairs lowered so 3 tokens x 2 pairs
+    # exceed it or not)
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.kernels import int4_moe
 
-    monkeypatch.setattr(int4_moe, "GEMV_MAX_PAIRS", 6 if form == "gemv" else 5)
     calls = []
     for name in ("int4_gemv", "int4_gemm"):
         fn = getattr(int4_moe, name)
         monkeypatch.setattr(int4_moe, name, lambda *a, _f=fn, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
-    check(kdev, torch.bfloat16, T=3, D=64, I=32, E=6, K=2, offset=1, seed=23, ids_dtype=torch.int32)
+    limit = KernelConfig(int4_gemv_max_pairs=6 if form == "gemv" else 5)
+    check(kdev, torch.bfloat16, T=3, D=64, I=32, E=6, K=2, offset=1, seed=23, ids_dtype=torch.int32, kernels=limit)
     assert calls == [f"int4_{form}"]
     # pairs that share experts heavily take the GEMM form whatever the limit: 40 pairs over 2 experts
     calls.clear()
-    monkeypatch.setattr(int4_moe, "GEMV_MAX_PAIRS", 64)
-    check(kdev, torch.bfloat16, T=20, D=64, I=32, E=2, K=2, seed=24, foreign=0)
+    check(kdev, torch.bfloat16, T=20, D=64, I=32, E=2, K=2, seed=24, foreign=0, kernels=KernelConfig())
     assert calls == ["int4_gemm"]
 
 
