@@ -1,4 +1,6 @@
-"""The INT4 experts' torch reference (any device): compressed-tensors pack-quantized words, dequantized exactly.
+"""The INT4 experts' torch reference (any device): compressed-tensors pack-quantized words, dequantized exactly by
+the format's rules in mlaserve/layers/quant.py (re-exported here; tests/unit/test_int4_pack.py holds them to a
+per-element decode and to compressed-tensors' own packer).
 
 Layout (docs/design.md section 5): packed int32 [..., out, in/8], column c's nibble at bits 4*(c % 8) of word
 c // 8, stored q + 8 (q in [-8, 7]); scale bf16 [..., out, in/32]; w[r, c] = (nibble(r, c) - 8) * scale[r, c // 32].
@@ -10,47 +12,7 @@ from __future__ import annotations
 import torch
 
 from mlaserve.layers.moe import fused_experts_ref
-
-GROUP = 32  # columns per scale
-
-
-def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """packed int32 [..., out, in/8] -> the stored nibbles q + 8, int32 [..., out, in] in [0, 15]."""
-    if packed.dtype != torch.int32:
-        raise ValueError(f"packed weights must be int32, got {packed.dtype}")
-    shifts = 4 * torch.arange(8, dtype=torch.int32, device=packed.device)
-    # >> is arithmetic on int32: the sign bits it brings into the top nibble's word lie above bit 3, masked off
-    nib = (packed[..., None] >> shifts) & 0xF  # [..., out, in/8, 8]
-    return nib.reshape(*packed.shape[:-1], 8 * packed.shape[-1])[..., :in_features]  # -1 fails on 0 rows
-
-
-def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:
-    """packed int32 [..., out, in/8], scale [..., out, in/32] -> fp32 [..., out, in]: (nibble - 8) * scale."""
-    q = (unpack_int4(packed, in_features) - 8).float()
-    s = scale.float().repeat_interleave(GROUP, dim=-1)[..., :in_features]
-    return q * s
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q int [..., out, in] in [-8, 7], in % 8 == 0 -> packed int32 [..., out, in/8] (the inverse of unpack_int4)."""
-    if q.shape[-1] % 8:
-        raise ValueError(f"pack_int4: in_features={q.shape[-1]} must be a multiple of 8")
-    if q.min() < -8 or q.max() > 7:
-        raise ValueError("pack_int4: values must lie in [-8, 7]")
-    nib = (q.to(torch.int64) + 8).reshape(*q.shape[:-1], -1, 8)
-    word = (nib << (4 * torch.arange(8, device=q.device))).sum(-1)  # [0, 2^32)
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-
-
-def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., out, in] (in % 32 == 0) -> (packed int32 [..., out, in/8], scale bf16 [..., out, in/32]): symmetric,
-    group 32, scale = max|w| / 7 per group, rounded to bf16 before the values are."""
-    if w.shape[-1] % GROUP:
-        raise ValueError(f"quantize_int4: in_features={w.shape[-1]} must be a multiple of {GROUP}")
-    g = w.float().reshape(*w.shape[:-1], -1, GROUP)
-    scale = (g.abs().amax(-1) / 7).clamp_min(1e-8).to(torch.bfloat16)
-    q = torch.round(g / scale.float()[..., None]).clamp(-8, 7).reshape(w.shape)
-    return pack_int4(q), scale
+from mlaserve.layers.quant import GROUP, dequant_int4, pack_int4, quantize_int4, unpack_int4  # noqa: F401 (the format)
 
 
 def random_int4_experts(E: int, D: int, I: int, device, *, generator=None, scale_range=(0.5, 1.5)):
