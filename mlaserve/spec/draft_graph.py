@@ -94,10 +94,10 @@ class DraftGraphs:
         base, acc = self.base[:B], self.acc[:B]
         live = (base >= 0)[:, None]
         start = base.clamp(min=0)
-        table = self.page_table[:B].long()
+        table = self.page_table[:B]
 
         def slots(q):  # q [B, m] positions -> their KV slots [B, m]; padding rows write none
-            page = table.gather(1, (q // ps).clamp(max=self.max_pages - 1))
+            page = table.gather(1, (q // ps).clamp(max=self.max_pages - 1)).long()
             return torch.where(live, page * ps + q % ps, -1)
 
         q = start[:, None] + self.ar_n  # [B, N]
