@@ -381,8 +381,9 @@ def main():
         spec = SpecConfig(draft_model=a.draft, num_steps=1, num_draft_tokens=2)
         engine_spec = LLMEngine(cfg, runner=engine.runner, spec=spec)
         for b in (1, 8):
+            st0, g0 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
             s, tok, _, _ = ml_tpot(engine_spec, b, 512, vocab)
-            st = engine_spec.stats()
+            st, g1 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
             rows.append(
                 dict(
                     figure=f"TPOT b{b} ctx512 EAGLE3 K=1 N=2 (random draft)",
@@ -393,6 +394,8 @@ def main():
                     floor_ms=decode_floor_s(mcfg, b, 512) * 1e3,
                     ratio=s / tok / decode_floor_s(mcfg, b, 512),  # per token, against plain decode's floor
                     accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1),
+                    # decode-only steps that verified, accepted and drafted on the device (one read back): 1.0
+                    device_step_share=(st["spec_device_steps"] - st0["spec_device_steps"]) / max(g1 - g0, 1),
                 )
             )
     if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)

@@ -62,9 +62,9 @@ def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, bat
         for a in accs:
             eng.proposer.rate = 1.0 - a  # the same engine and graphs for every acceptance
             for b in batches:
-                st0 = eng.stats()
+                st0, g0 = eng.stats(), eng.loop.greedy_decode_steps
                 s, tok, _, _ = ml_tpot(eng, b, ctx, vocab)
-                st1 = eng.stats()
+                st1, g1 = eng.stats(), eng.loop.greedy_decode_steps
                 n = max(st1["spec_steps"] - st0["spec_steps"], 1)
                 measured = [
                     (x - y) / n for x, y in zip(st1["spec_accepted_per_position"], st0["spec_accepted_per_position"])
@@ -82,6 +82,8 @@ def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, bat
                         plain_ms=base[b] * 1e3,
                         speedup=base[b] / (s / tok),
                         measured_acceptance_per_position=measured,
+                        # decode-only steps that verified, accepted and drafted on the device (one read back): 1.0
+                        device_step_share=(st1["spec_device_steps"] - st0["spec_device_steps"]) / max(g1 - g0, 1),
                         floor_ms=floor * 1e3,
                         ratio=s / tok / floor,
                     )
@@ -90,6 +92,7 @@ def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, bat
                     f"{rows[-1]['figure']}: {rows[-1]['ms']:.3f} ms/token ({s * 1e3:.3f} ms/step, {tok:.2f} tok/step),"
                     f" plain {base[b] * 1e3:.3f} ms: x{rows[-1]['speedup']:.3f}; measured per position "
                     + ", ".join(f"{m:.3f}" for m in measured)
+                    + f"; device steps {100 * rows[-1]['device_step_share']:.0f}%"
                 )
         del eng
         gc.collect()

@@ -79,6 +79,11 @@ class LLMEngine:
             self.runner.capture_graphs(self.spec_k + 1, self.max_model_len)
             if hasattr(self.proposer, "capture_graphs"):  # the draft runs on rank 0 only: no collectives inside
                 self.proposer.capture_graphs(cfg.max_num_seqs, self.runner.graphs.max_pages)
+        elif self.runner.device.type == "cpu" and hasattr(self.proposer, "capture_graphs"):
+            # the draft's static step, run eagerly: a greedy decode-only verify drafts from its device outputs on
+            # the CPU too (spec_loop.py), so the path the GPU's graphs take is the one CI runs
+            pages = self.runner.graph_max_pages(self.spec_k + 1, self.max_model_len)
+            self.proposer.capture_graphs(cfg.max_num_seqs, pages, use_graphs=False)
         self.post = Postprocessor(self.scheduler, self.states, self.max_model_len)
         if spec is not None:
             from .spec_loop import SpecLoop
@@ -173,6 +178,7 @@ class LLMEngine:
             "spec_draft_tokens": getattr(self.loop, "spec_draft_tokens", 0),
             "spec_accepted_tokens": getattr(self.loop, "spec_accepted_tokens", 0),
             "spec_accepted_per_position": list(getattr(self.loop, "spec_accepted_per_position", ())),
+            "spec_device_steps": getattr(self.loop, "spec_device_steps", 0),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_pages_used": self.pool.num_used,

@@ -126,16 +126,20 @@ class ModelRunner:
         if self.ranks.world_size > 1 and self.ranks.rank == 0:
             self.park()
             tp.broadcast_object(("capture", decode_q_len, max_model_len, use_graphs))
-        max_pages = -(-(max_model_len + 2 * decode_q_len) // self.cfg.page_size)
         self.graphs = GraphRunner(
             self,
             decode_q_len,
             self.cfg.max_num_seqs,
             self.cfg.prefill_graph_max_tokens,
-            max_pages,
+            self.graph_max_pages(decode_q_len, max_model_len),
             use_graphs=use_graphs,
         )
         self.graphs.capture()
+
+    def graph_max_pages(self, decode_q_len: int, max_model_len: int) -> int:
+        """Page-table columns of the static steps: a request at max_model_len plus a verify's and its drafts'
+        overshoot."""
+        return -(-(max_model_len + 2 * decode_q_len) // self.cfg.page_size)
 
     def build_batch(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> ForwardBatch:
         return ForwardBatch.build(decode, prefill, self.cfg.page_size, self.device, self.attn)

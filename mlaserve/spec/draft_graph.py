@@ -2,8 +2,11 @@
 
 A decode-only step has fixed shapes: each request extends the draft over all N = K+1 verified positions (rows past
 its accepted count a write KV that the next step overwrites before anything reads it; the causal mask keeps them out
-of rows <= a), takes row a, then chains K-1 one-token draft steps. All positions and slots are known on the host
-once the verify's tokens are, so the host fills static buffers and replays one graph.
+of rows <= a), takes row a, then chains K-1 one-token draft steps. The graph's inputs are the verify's target tokens
+y [B, N] and accepted counts a [B] (on the device, straight from the verify, or written from the host), each row's
+first verified position and the page table (from the host: known before the verify runs). Everything that depends
+on a (the row taken, the chained positions, KV slots and lengths) is computed inside the graph, so verify -> accept
+-> draft needs no host round trip.
 """
 
 from __future__ import annotations
@@ -19,22 +22,32 @@ log = logging.getLogger("mlaserve.spec")
 
 
 class DraftGraphs:
+    """`use_graphs=False` runs the same static step eagerly (the CPU path, and how the CPU tests check it)."""
+
     def __init__(self, proposer, max_bs: int, max_pages: int, hidden_dim: int, use_graphs: bool = True):
         self.p, self.K, self.N = proposer, proposer.k, proposer.k + 1
         self.bs_list = [b for b in DECODE_BATCH_SIZES if b < max_bs] + [max_bs]
         self.max_pages, self.use_graphs = max_pages, use_graphs
-        dev, B, N = proposer.device, self.bs_list[-1], self.K + 1
+        dev, B, N, K1 = proposer.device, self.bs_list[-1], self.K + 1, max(self.K - 1, 1)
         i64 = dict(dtype=torch.int64, device=dev)
-        self.ext_ids = torch.zeros(B * N, **i64)
+        # inputs
+        self.ext_ids = torch.zeros(B * N, **i64)  # y, row by row
+        self.acc = torch.zeros(B, **i64)
+        self.base = torch.full((B,), -1, **i64)  # each row's first verified position; -1: a padding row
+        self.page_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
+        self.hidden = torch.zeros(B * N, hidden_dim, dtype=proposer.draft.fc.weight.dtype, device=dev)
+        # derived inside the step (_prepare)
         self.ext_pos = torch.zeros(B * N, **i64)
         self.ext_slots = torch.full((B * N,), -1, **i64)
         self.ext_seq = torch.zeros(B, dtype=torch.int32, device=dev)
         self.rows = torch.zeros(B, **i64)
-        self.dec_pos = torch.zeros(max(self.K - 1, 1), B, **i64)
-        self.dec_slots = torch.full((max(self.K - 1, 1), B), -1, **i64)
-        self.dec_seq = torch.zeros(max(self.K - 1, 1), B, dtype=torch.int32, device=dev)
-        self.page_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros(B * N, hidden_dim, dtype=proposer.draft.fc.weight.dtype, device=dev)
+        self.dec_pos = torch.zeros(K1, B, **i64)
+        self.dec_slots = torch.full((K1, B), -1, **i64)
+        self.dec_seq = torch.zeros(K1, B, dtype=torch.int32, device=dev)
+        self.ar_n = torch.arange(N, **i64)
+        self.ar_k = torch.arange(K1, **i64)
+        self.row0 = torch.arange(B, **i64) * N
+        self._table: tuple | None = None  # (shape, values) of the last page-table write
         self.graphs: dict[int, tuple] = {}  # B -> (graph | None, batches, output [B, K])
         self.pool = None
 
@@ -75,7 +88,35 @@ class DraftGraphs:
         ]
         return [ext] + decs
 
-    def _forward(self, B: int, batches: list[ForwardBatch]) -> torch.Tensor:
+    def _prepare(self, B: int) -> None:
+        """The extension's and the chain's positions, KV slots and lengths, and the rows taken, from the inputs."""
+        N, ps = self.N, self.p.page_size
+        base, acc = self.base[:B], self.acc[:B]
+        live = (base >= 0)[:, None]
+        start = base.clamp(min=0)
+        table = self.page_table[:B]
+
+        def slots(q):  # q [B, m] positions -> their KV slots [B, m]; padding rows write none
+            page = table.gather(1, (q // ps).clamp(max=self.max_pages - 1)).long()
+            return torch.where(live, page * ps + q % ps, -1)
+
+        q = start[:, None] + self.ar_n  # [B, N]
+        self.ext_pos[: B * N].copy_(q.view(-1))
+        self.ext_slots[: B * N].copy_(slots(q).view(-1))
+        self.ext_seq[:B].copy_(start + N)
+        self.rows[:B].copy_(self.row0[:B] + acc)
+        if self.K > 1:
+            q = (start + acc + 1)[:, None] + self.ar_k  # [B, K-1]: the chained steps' positions
+            self.dec_pos[:, :B].copy_(q.T)
+            self.dec_slots[:, :B].copy_(slots(q).T)
+            self.dec_seq[:, :B].copy_((q + 1).T)
+
+    def _forward(self, B: int, batches: list[ForwardBatch], mirrors: bool = False) -> torch.Tensor:
+        """mirrors: fill the chained steps' host lengths (the reference backends read them; eager only)."""
+        self._prepare(B)
+        if mirrors:
+            for i, b in enumerate(batches[1:]):
+                b.seq_lens_cpu[:] = self.dec_seq[i, :B].tolist()
         draft, ext = self.p.draft, batches[0]
         normed, h = draft(ext.input_ids, ext.positions, self.hidden[: B * self.N], ext)
         tok, h = draft.draft_token_ids(normed[self.rows[:B]]), h[self.rows[:B]]
@@ -90,12 +131,13 @@ class DraftGraphs:
     def capture(self) -> None:
         with gc_paused(self.use_graphs):  # see capture.gc_paused
             self._capture_all()
-        log.info("captured %d draft graphs (batch sizes %s, %d draft steps)", len(self.graphs), self.bs_list, self.K)
+        what = "captured %d draft graphs" if self.use_graphs else "static draft step, run eagerly, for %d batch sizes"
+        log.info(what + " (batch sizes %s, %d draft steps)", len(self.graphs), self.bs_list, self.K)
 
     def _capture_all(self) -> None:
         for B in reversed(self.bs_list):
             batches = self._batches(B)
-            self._fill(B, batches, [])
+            self._fill(B, batches, [], [])
             if not self.use_graphs:
                 self.graphs[B] = (None, batches, None)
                 continue
@@ -108,65 +150,55 @@ class DraftGraphs:
             self.pool = g.pool()
             self.graphs[B] = (g, batches, out)
 
+    def fits(self, pages: list[list[int]]) -> bool:
+        return self.bucket(len(pages)) is not None and all(len(p) <= self.max_pages for p in pages)
+
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.bs_list if b >= n), None)
 
-    def _fill(self, B: int, batches: list[ForwardBatch], chunks) -> None:
-        N, K, ps = self.N, self.K, self.p.page_size
-        ids, pos, slots, seq, rows, table = [], [], [], [], [], []
-        width = max([len(c.req.pages) for c in chunks] + [1])  # only the page-table columns in use
-        dpos, dslots, dseq = [[] for _ in range(K - 1)], [[] for _ in range(K - 1)], [[] for _ in range(K - 1)]
-
-        def slot(pages, q):
-            return pages[q // ps] * ps + q % ps
-
-        for b, c in enumerate(chunks):
-            a = len(c.token_ids) - 1
-            ids += c.token_ids + [c.token_ids[-1]] * (N - 1 - a)
-            pos += range(c.start, c.start + N)
-            slots += [slot(c.req.pages, q) for q in range(c.start, c.start + N)]
-            seq.append(c.start + N)
-            rows.append(b * N + a)
-            table.append(c.req.pages + [0] * (width - len(c.req.pages)))
-            for i in range(K - 1):
-                q = c.start + a + 1 + i
-                dpos[i].append(q)
-                dslots[i].append(slot(c.req.pages, q))
-                dseq[i].append(q + 1)
-        pad = B - len(chunks)
-        ids += [0] * (pad * N)
-        pos += list(range(N)) * pad
-        slots += [-1] * (pad * N)
-        seq += [N] * pad
-        rows += [b * N for b in range(len(chunks), B)]
-        table += [[0] * width] * pad
-        for i in range(K - 1):
-            dpos[i] += [N + i] * pad
-            dslots[i] += [-1] * pad
-            dseq[i] += [N + i + 1] * pad
-        self.ext_ids[: B * N].copy_(torch.tensor(ids), non_blocking=True)
-        self.ext_pos[: B * N].copy_(torch.tensor(pos), non_blocking=True)
-        self.ext_slots[: B * N].copy_(torch.tensor(slots), non_blocking=True)
-        self.ext_seq[:B].copy_(torch.tensor(seq, dtype=torch.int32), non_blocking=True)
-        self.rows[:B].copy_(torch.tensor(rows), non_blocking=True)
-        self.page_table[:B, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
-        batches[0].seq_lens_cpu[:] = seq  # host mirrors for the eager (reference backend) replay
-        for i in range(K - 1):
-            self.dec_pos[i, :B].copy_(torch.tensor(dpos[i]), non_blocking=True)
-            self.dec_slots[i, :B].copy_(torch.tensor(dslots[i]), non_blocking=True)
-            self.dec_seq[i, :B].copy_(torch.tensor(dseq[i], dtype=torch.int32), non_blocking=True)
-            batches[1 + i].seq_lens_cpu[:] = dseq[i]
+    def _fill(self, B: int, batches: list[ForwardBatch], starts: list[int], pages: list[list[int]]) -> None:
+        """The host's inputs: each row's first verified position and the page table (only the columns in use,
+        and only when it changed)."""
+        pad = B - len(starts)
+        self.base[:B].copy_(torch.tensor(starts + [-1] * pad), non_blocking=True)
+        width = max([len(p) for p in pages] + [1])
+        table = [p + [0] * (width - len(p)) for p in pages] + [[0] * width] * pad
+        view = self.page_table[:B, :width]
+        if self._table != (view.shape, table):
+            view.copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+            self._table = (view.shape, table)
+        batches[0].seq_lens_cpu[:] = [s + self.N for s in starts] + [self.N] * pad  # host mirrors (eager)
 
     @torch.inference_mode()
-    def run(self, chunks) -> dict[str, list[int]]:
-        """chunks: one per verified request, each with all N aux rows in `hidden`."""
-        B = self.bucket(len(chunks))
+    def run_verified(
+        self, y: torch.Tensor, acc: torch.Tensor, hidden: torch.Tensor, starts: list[int], pages: list[list[int]]
+    ) -> torch.Tensor:
+        """Draft after a verify, from its device outputs: y [n, N] target tokens, acc [n] accepted counts,
+        hidden [n * N, 3D] its aux hidden states; starts: each row's first verified position -> drafts [n, K] on the
+        device (a static buffer under graphs: read it before the next run)."""
+        n, N = len(starts), self.N
+        B = self.bucket(n)
         graph, batches, out = self.graphs[B]
-        self._fill(B, batches, chunks)
-        self.hidden[: len(chunks) * self.N].copy_(torch.cat([c.hidden for c in chunks]))
+        self._fill(B, batches, starts, pages)
+        self.ext_ids[: n * N].copy_(y.reshape(-1))
+        self.acc[:n].copy_(acc)
+        if n < B:  # padding rows: take row 0 of their own
+            self.acc[n:B].zero_()
+        self.hidden[: n * N].copy_(hidden)
         if graph is not None:
             graph.replay()
         else:
-            out = self._forward(B, batches)
-        drafts = out[: len(chunks)].tolist()
+            out = self._forward(B, batches, mirrors=True)
+        return out[:n]
+
+    @torch.inference_mode()
+    def run(self, chunks) -> dict[str, list[int]]:
+        """chunks: one per verified request (its emitted tokens), each with all N aux rows in `hidden`."""
+        N = self.N
+        y = [c.token_ids + [c.token_ids[-1]] * (N - len(c.token_ids)) for c in chunks]
+        dev = self.p.device
+        y = torch.tensor(y, dtype=torch.int64).to(dev, non_blocking=True)
+        acc = torch.tensor([len(c.token_ids) - 1 for c in chunks], dtype=torch.int64).to(dev, non_blocking=True)
+        hidden = torch.cat([c.hidden for c in chunks])
+        drafts = self.run_verified(y, acc, hidden, [c.start for c in chunks], [c.req.pages for c in chunks]).tolist()
         return {c.req.request_id: d for c, d in zip(chunks, drafts)}

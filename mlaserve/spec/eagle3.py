@@ -152,11 +152,28 @@ class Eagle3Proposer:
         self.graphs.capture()
 
     @torch.inference_mode()
+    def propose_verified(
+        self, y: torch.Tensor, acc: torch.Tensor, hidden: torch.Tensor | None, reqs: list[Request]
+    ) -> torch.Tensor | None:
+        """Draft after a decode-only verify, from its device outputs (y [B, N] target tokens, acc [B] accepted counts,
+        hidden [B * N, 3D] aux hidden states; each request's num_computed_tokens still the verify's first position)
+        -> drafts [B, K] on the device, with no host round trip; None: the static step does not fit (the caller reads
+        y and acc back and calls propose)."""
+        pages = [r.pages for r in reqs]
+        if self.graphs is None or hidden is None or not self.graphs.fits(pages):
+            return None
+        return self.graphs.run_verified(y, acc, hidden, [r.num_computed_tokens for r in reqs], pages)
+
+    @torch.inference_mode()
     def propose(self, chunks: list[DraftChunk]) -> dict[str, list[int]]:
         """Extend the draft over every chunk; for those with `propose`, return num_steps draft tokens."""
         if not chunks:
             return {}
-        if self.graphs is not None and all(c.verify for c in chunks) and self.graphs.bucket(len(chunks)):
+        if (
+            self.graphs is not None
+            and all(c.verify for c in chunks)
+            and self.graphs.fits([c.req.pages for c in chunks])
+        ):
             return self.graphs.run(chunks)
         seq = [SeqChunk(c.token_ids, c.start, c.req.pages, "last" if c.propose else "none") for c in chunks]
         tokens, h = self._run(seq, torch.cat([c.hidden[: len(c.token_ids)] for c in chunks]))

@@ -8,9 +8,9 @@ from mlaserve.engine.engine import LLMEngine
 _engines: list = []
 
 
-def make_engine(model: str, **kw) -> LLMEngine:
+def make_engine(model: str, spec=None, **kw) -> LLMEngine:
     kw.setdefault("device", "cpu")
-    eng = LLMEngine(EngineConfig(model=model, **kw))
+    eng = LLMEngine(EngineConfig(model=model, **kw), spec=spec)
     _engines.append(eng)
     return eng
 

@@ -68,8 +68,8 @@ def test_static_path_with_speculation(tiny_ckpt, tmp_path):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_draft_graph_static_path_proposes_like_eager(tiny_ckpt, tmp_path, k):
-    """The graphed draft step (all N verified rows, K-1 chained steps, padded batch) proposes the eager draft's
-    tokens, and the outputs stay the plain engine's."""
+    """The draft's static step (all N verified rows, K-1 chained steps, padded batch), fed by the verify on the device
+    (the default on the CPU), proposes the eager draft's tokens, and the outputs stay the plain engine's."""
     from mlaserve.config import EngineConfig, SpecConfig
     from mlaserve.engine.engine import LLMEngine
     from mlaserve.models.make_random_draft import make_random_draft
@@ -83,18 +83,19 @@ def test_draft_graph_static_path_proposes_like_eager(tiny_ckpt, tmp_path, k):
             EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4),
             spec=SpecConfig(draft_model=draft, num_steps=k),
         )
-        if mode == "static":
-            eng.proposer.capture_graphs(4, 64, use_graphs=False)
+        if mode == "eager":
+            eng.proposer.graphs = None
         log = seen[mode] = []
-        orig = eng.proposer.propose
+        step = eng.step
 
-        def record(chunks, o=orig, lg=log):
-            r = o(chunks)
-            lg.append([r[c.req.request_id] for c in chunks if c.propose])  # in chunk order: ids differ per engine
-            return r
+        def logged(s=step, e=eng, lg=log):
+            out = s()
+            lg.append([e.states[r.request_id].drafts for r in e.scheduler.running if r.request_id in e.states])
+            return out
 
-        eng.proposer.propose = record
+        eng.step = logged
         assert _gen(eng, prompts) == ref
+        assert (eng.stats()["spec_device_steps"] > 0) == (mode == "static")
         eng.pool.check()
     assert seen["eager"] == seen["static"]
 

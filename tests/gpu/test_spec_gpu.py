@@ -1,6 +1,7 @@
 """On a GPU, under CUDA graphs: a draft trained on the GPU by train-draft keeps speculative greedy equal to plain for
-K = 1, 2, 3 through the draft's captured graph step, and the REPLAY draft's acceptance per position is exactly what
-its misses imply (full acceptance, none, and partial)."""
+K = 1, 2, 3 through the draft's captured graph step fed by the verify on the device (one read back a step), and
+drafts what the eager engine drafts; the REPLAY draft's acceptance per position is exactly what its misses imply
+(full acceptance, none, and partial)."""
 
 import random
 
@@ -24,9 +25,10 @@ def _greedy(ckpt, prompts, spec=None, **kw):
     graphs = getattr(llm.engine.proposer, "graphs", None) or getattr(
         getattr(llm.engine.proposer, "inner", None), "graphs", None
     )
-    if graphs is not None:  # count the steps the draft's captured graphs served
-        run = graphs.run
+    if graphs is not None:  # count the steps the draft's captured graphs served (fed by the device, or the host)
+        run, run_verified = graphs.run, graphs.run_verified
         graphs.run = lambda chunks: draft_runs.append(len(chunks)) or run(chunks)
+        graphs.run_verified = lambda y, *a: draft_runs.append(y.shape[0]) or run_verified(y, *a)
     sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     return [o.token_ids for o in outs], [list(o.usage.spec_accepted_per_position) for o in outs], llm, draft_runs
@@ -54,6 +56,7 @@ def test_trained_draft_under_graphs_keeps_greedy(tiny_ckpt, trained, plain, k):
     st = llm.engine.stats()
     print(f"K={k}: {st['spec_steps']} verify steps, accepted per position {st['spec_accepted_per_position']}")
     assert st["spec_accepted_per_position"][0] > 0 and draft_runs  # accepted drafts, through the captured step
+    assert st["spec_device_steps"] == llm.engine.loop.greedy_decode_steps > 0  # every decode step on the device
     assert all(g[0] is not None for g in llm.engine.proposer.graphs.graphs.values())
     assert [sum(r[i] for r in per_req) for i in range(k)] == st["spec_accepted_per_position"]
 
@@ -74,3 +77,37 @@ def test_replay_exact_acceptance_under_graphs(tiny_ckpt, plain, tmp_path, k, rat
     assert got == plain
     assert per_req == [expected_per_position(p, k, rate, 0, max_tokens=MAX) for p in prompts]
     assert draft_runs  # the EAGLE3 draft's captured step ran under the replayed tokens
+    st = llm.engine.stats()
+    assert st["spec_device_steps"] == llm.engine.loop.greedy_decode_steps > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_device_step_drafts_like_eager(tiny_ckpt, trained, plain, k):
+    """The captured draft step fed by the verify on the device against the eager engine (enforce_eager: the host
+    path, the draft run eagerly): the same outputs (plain greedy's), the same drafts after every step, and the same
+    acceptance."""
+    from mlaserve import LLM, SamplingParams
+
+    seen = {}
+    for eager in (True, False):
+        llm = LLM(
+            tiny_ckpt,
+            device="cuda",
+            dtype="float32",
+            speculative_config={"draft_model": trained, "num_steps": k},
+            num_pages=2048,
+            page_size=64,
+            enforce_eager=eager,
+        )
+        eng, log = llm.engine, []
+        rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)) for p in _prompts()]
+        out = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += o.new_token_ids
+            log.append([eng.states[r.request_id].drafts for r in eng.scheduler.running if r.request_id in eng.states])
+        st = eng.stats()
+        assert [out[r] for r in rids] == plain
+        assert (st["spec_device_steps"] > 0) != eager
+        seen[eager] = log, st["spec_accepted_per_position"]
+    assert seen[True] == seen[False]

@@ -1,6 +1,7 @@
 """`mlaserve train-draft` on the tiny target, inside the test: the draft is in the published EAGLE3 format, its
 training forward is the engine's draft forward, it keeps speculative greedy equal to plain greedy for K = 1, 2, 3
-(eager and through the draft's graph-step path), and it is accepted far more often than a random draft."""
+(eager, through the draft's static step fed from the host, and fed by the verify on the device), and it is accepted
+far more often than a random draft."""
 
 import json
 import os
@@ -116,27 +117,32 @@ def test_training_forward_is_the_engine_draft_forward(tiny_ckpt, trained):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_spec_greedy_equals_plain(tiny_ckpt, trained, plain, k):
-    """Eager, and through the draft's graph step (all N verified rows, K-1 chained, padded; run eagerly here): the
-    outputs are plain greedy's, and the two paths propose the same tokens and accept the same counts."""
-    seen, ran = {}, []
-    for mode in ("eager", "graph-step"):
+    """Three ways to draft after a greedy decode-only verify: eagerly from the host's tokens, through the draft's
+    static graph step fed from the host, and through that step fed by the verify on the device (the default; run
+    eagerly here). The outputs are plain greedy's, and all three draft the same tokens and accept the same counts."""
+    seen = {}
+    for mode in ("eager", "host-fed", "device"):
         eng = LLMEngine(
             EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=8),
             spec=SpecConfig(draft_model=trained, num_steps=k, num_draft_tokens=k + 1),
         )
-        if mode == "graph-step":
-            eng.proposer.capture_graphs(8, 64, use_graphs=False)
+        assert eng.proposer.graphs is not None  # the CPU runs the draft's static step eagerly
+        ran = []
+        if mode == "eager":
+            eng.proposer.graphs = None
+        elif mode == "host-fed":
+            eng.proposer.propose_verified = lambda *a: None
             graph_run = eng.proposer.graphs.run
-            eng.proposer.graphs.run = lambda chunks, r=graph_run, log=ran: log.append(len(chunks)) or r(chunks)
-        proposed = []
-        propose = eng.proposer.propose
+            eng.proposer.graphs.run = lambda chunks, r=graph_run, lg=ran: lg.append(len(chunks)) or r(chunks)
+        drafts = []  # after each step: every running request's drafts, in the scheduler's order
+        step = eng.step
 
-        def record(chunks, o=propose, log=proposed):
-            r = o(chunks)
-            log.append([r[c.req.request_id] for c in chunks if c.propose])  # in chunk order: ids differ per engine
-            return r
+        def logged(s=step, e=eng, log=drafts):
+            out = s()
+            log.append([e.states[r.request_id].drafts for r in e.scheduler.running if r.request_id in e.states])
+            return out
 
-        eng.proposer.propose = record
+        eng.step = logged
         got = run(eng, held_out())
         assert [tokens(e) for e in got] == plain
         st = eng.stats()
@@ -144,9 +150,12 @@ def test_spec_greedy_equals_plain(tiny_ckpt, trained, plain, k):
         assert sum(st["spec_accepted_per_position"]) == st["spec_accepted_tokens"]
         per_req = [list(e[-1].usage.spec_accepted_per_position) for e in got]
         assert [sum(r[i] for r in per_req) for i in range(k)] == st["spec_accepted_per_position"]
-        seen[mode] = proposed, st["spec_accepted_per_position"]
-    assert ran
-    assert seen["eager"] == seen["graph-step"]
+        if mode == "device":  # every decode-only step: held here by each step's one read back
+            assert st["spec_device_steps"] > 0 and st["spec_device_steps"] == eng.loop.greedy_decode_steps
+        else:
+            assert st["spec_device_steps"] == 0 and (mode == "eager" or ran)
+        seen[mode] = drafts, st["spec_accepted_per_position"]
+    assert seen["eager"] == seen["host-fed"] == seen["device"]
 
 
 def _acceptance(ckpt, draft, k, prompts):

@@ -1,0 +1,175 @@
+"""The speculative step on the device (engine/spec_loop.py): a decode-only verify of greedy requests accepts and
+drafts from its device outputs and is read back once. Its outputs must be plain greedy's token for token (EAGLE3 and
+REPLAY drafts, K = 1..3, several batch sizes), its acceptance exactly what REPLAY's misses imply, and every event
+(tokens, text, finish and stop reasons) the plain engine's for requests ending by EOS, length and stop string,
+arriving and leaving mid-run; no KV page may leak (the conftest checks the pool). Each step's path is counted, so a
+regression to the host path fails here."""
+
+import random
+
+import pytest
+
+from mlaserve.config import SpecConfig
+from mlaserve.engine import spec_loop
+from mlaserve.models.make_random_draft import make_random_draft
+from mlaserve.spec.replay import write_recordings
+from mlaserve.tokenizer import Tokenizer
+from mlaserve.types import SamplingParams
+
+from ..spec.test_replay import expected_per_position
+from .conftest import make_engine
+
+MAX = 20
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.randrange(1, 50))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_ckpt, tmp_path_factory):
+    return make_random_draft("tiny-eagle3", str(tmp_path_factory.mktemp("d")), target=tiny_ckpt, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_ckpt):
+    """Plain greedy outputs of the 8 prompts (batch-invariant on the CPU: a prefix of them is batch n's)."""
+    eng = make_engine(tiny_ckpt, page_size=4)
+    rids = [eng.add_request(p, GREEDY) for p in _prompts(8)]
+    out = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[r] for r in rids]
+
+
+@pytest.fixture(scope="module")
+def recording(plain, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("rec") / "r.jsonl")
+    write_recordings(path, zip(_prompts(8), plain))
+    return path
+
+
+def _run(eng, prompts, monkeypatch):
+    """-> outputs; checks that every decode-only step took the device path with one read back."""
+    reads = []
+    real = spec_loop.read_rows
+    monkeypatch.setattr(spec_loop, "read_rows", lambda parts: reads.append(len(parts)) or real(parts))
+    verify_chunks = []
+    propose = eng.proposer.propose
+    eng.proposer.propose = lambda chunks: verify_chunks.extend(c for c in chunks if c.verify) or propose(chunks)
+    rids = [eng.add_request(p, GREEDY) for p in prompts]
+    out = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    st = eng.stats()
+    assert st["spec_device_steps"] == eng.loop.greedy_decode_steps == len(reads) > 0, st
+    assert all(n == 3 for n in reads)  # (y, accepted, drafts) in one read
+    assert not verify_chunks  # nothing drafted from the host after a verify
+    return [out[r] for r in rids]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_eagle3_device_step_equals_plain(tiny_ckpt, draft, plain, monkeypatch, k, batch):
+    eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, max_num_seqs=8)
+    assert _run(eng, _prompts(batch), monkeypatch) == plain[:batch]
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["replay", "replay+draft"])
+@pytest.mark.parametrize("k,rate", [(1, 0.0), (2, 0.5), (3, 0.5), (3, 0.0), (2, 1.0)])
+def test_replay_device_step_exact_acceptance(tiny_ckpt, draft, plain, recording, monkeypatch, k, rate, with_draft):
+    spec = SpecConfig.from_dict(
+        dict(
+            algorithm="REPLAY",
+            num_steps=k,
+            replay_path=recording,
+            replay_miss_rate=rate,
+            replay_seed=3,
+            draft_model=draft if with_draft else None,
+        )
+    )
+    eng = make_engine(tiny_ckpt, spec=spec, page_size=4, max_num_seqs=8)
+    prompts = _prompts(8)
+    assert _run(eng, prompts, monkeypatch) == plain  # without a draft model the device step drafts nothing
+    want = [expected_per_position(p, k, rate, 3, max_tokens=MAX) for p in prompts]
+    assert eng.stats()["spec_accepted_per_position"] == [sum(c[i] for c in want) for i in range(k)]
+    assert all(t.recorded is not None for t in eng.proposer.tracks.values())  # no output left its recording
+
+
+def _drive(engine, arrivals, aborts):
+    """arrivals: {call: [(key, prompt, params)]}; aborts: {call: [key]} -> {key: events}."""
+    ids, events, call = {}, {}, 0
+    while engine.has_unfinished() or call <= max(arrivals):
+        for key, prompt, params in arrivals.get(call, []):
+            ids[key] = engine.add_request(prompt, params)
+        for key in aborts.get(call, []):
+            engine.abort_request(ids[key])
+        for o in engine.step():
+            key = next(k for k, r in ids.items() if r == o.request_id)
+            events.setdefault(key, []).append(o)
+        call += 1
+    return events
+
+
+def _summary(evs):
+    e = evs[-1]
+    toks = [t for x in evs for t in x.new_token_ids]
+    return toks, "".join(x.new_text for x in evs), e.finished, e.finish_reason, e.stop_reason, e.usage.completion_tokens
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_requests_ending_mid_step_and_arriving(tiny_ckpt, draft, plain, recording, k):
+    """EOS, stop token, stop string and length inside a verify's accepted tokens; arrivals and an abort mid-run.
+    The REPLAY draft at full acceptance makes every step emit K + 1 tokens, so the stops fall inside a step."""
+    prompts = _prompts(8)
+    g0 = plain[0]
+    tok = Tokenizer.from_pretrained(tiny_ckpt)
+    text = tok.decode(g0)
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(len(text) // 2, len(text) - 2)
+            if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
+        ),
+        None,
+    )
+    g = dict(temperature=0, ignore_eos=True)
+    arrivals = {
+        0: [
+            ("len", prompts[0], SamplingParams(max_tokens=7, **g)),
+            ("stop_tok", prompts[0], SamplingParams(max_tokens=MAX, stop_token_ids=[g0[6]], **g)),
+            ("eos", prompts[1], SamplingParams(temperature=0, max_tokens=MAX)),
+            ("full", prompts[2], SamplingParams(max_tokens=MAX, **g)),
+        ],
+        3: [("late", prompts[3], SamplingParams(max_tokens=9, **g))],
+        5: [("aborted", prompts[4], SamplingParams(max_tokens=MAX, **g)), ("late2", prompts[5], GREEDY)],
+    }
+    if stop:
+        arrivals[0].append(("stop_str", prompts[0], SamplingParams(max_tokens=MAX, stop=[stop], **g)))
+    aborts = {8: ["aborted"]}
+    runs = {}
+    for mode in ("plain", "spec"):
+        spec = None
+        if mode == "spec":
+            spec = SpecConfig.from_dict(
+                dict(algorithm="REPLAY", num_steps=k, replay_path=recording, replay_miss_rate=0.0, draft_model=draft)
+            )
+        eng = make_engine(tiny_ckpt, spec=spec, page_size=4, max_num_seqs=8, disable_overlap_schedule=True)
+        eng.eos_token_ids = frozenset({plain[1][5]})  # "eos" ends at its 6th token
+        runs[mode] = _drive(eng, arrivals, aborts)
+        if mode == "spec":
+            assert eng.stats()["spec_device_steps"] > 0
+    for key in runs["plain"]:
+        a, b = _summary(runs["plain"][key]), _summary(runs["spec"][key])
+        if key == "aborted":  # more tokens a step: the abort lands later in the output
+            assert a[0][: len(b[0])] == b[0][: len(a[0])] and not a[2] and not b[2]
+            continue
+        assert a == b, f"{key}: plain {a} vs speculative {b}"
+    spec = runs["spec"]
+    assert spec["eos"][-1].finish_reason == "stop" and len(_summary(spec["eos"])[0]) == 6
+    assert spec["len"][-1].finish_reason == "length" and spec["stop_tok"][-1].stop_reason == g0[6]
+    assert any(len(e.new_token_ids) > 1 for e in spec["full"])  # verify steps emitted several tokens
