@@ -138,6 +138,7 @@ class Request:
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token: id -> logprob
     cumulative_logprob: float = 0.0  # of the tokens whose logprob was computed
     track_logprob: bool = False  # compute each sampled token's logprob even without params.logprobs (best_of)
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # position -> id -> logprob
     fork_of: Request | None = None  # a sibling of the same prompt (n > 1): its full prompt pages are shared
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -30,6 +30,7 @@ from ..attention.base import SeqChunk
 from ..layers.sampler import SamplingRow, sample, top_logprobs
 from ..types import Request, RequestStatus
 from .postprocess import StepOutput
+from .prompt_logprobs import prompt_logprobs
 from .scheduler import SchedulerOutput
 
 
@@ -94,8 +95,13 @@ class Loop:
         else:  # each at position num_tokens, its id on the device
             decode = [SeqChunk([0], c.req.num_tokens, c.req.pages, "last") for c in out.decode]
         prefill = [seq_chunk(c.req, c.num_new, c.sample) for c in out.prefill]
+        for c, ch in zip(out.prefill, prefill):
+            if c.req.params.prompt_logprobs is not None and ch.num_cached < len(c.req.prompt_token_ids):
+                ch.need_logits = "all"  # every prompt position's logits (prompt_logprobs.py)
         logits, _, greedy = self.runner.execute(decode, prefill, decode_tokens=decode_tokens)
         self.num_steps += 1
+        if any(ch.need_logits == "all" for ch in prefill):
+            logits = prompt_logprobs(out.prefill, prefill, logits, len(decode))
         return self.sample(out, logits, greedy, pending=decode_tokens)
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor, greedy=None, pending=None) -> Launched:

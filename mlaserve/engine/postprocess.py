@@ -84,6 +84,9 @@ class Postprocessor:
         """Append tokens one by one, stopping at the first stop condition; emits one event."""
         st = self.states[req.request_id]
         p = req.params
+        prompt_lps = None
+        if p.prompt_logprobs is not None and not req.output_token_ids:  # the first event carries them
+            prompt_lps = [None] + [req.prompt_logprobs.get(i) for i in range(1, len(req.prompt_token_ids))]
         added, text, reason, stop_reason = [], "", None, None
         for t in new_tokens:
             req.output_token_ids.append(t)
@@ -122,6 +125,7 @@ class Postprocessor:
             self.usage(req),
             top[: len(added)] if top is not None else None,
             cumulative_logprob=req.cumulative_logprob if logprobs is not None else None,
+            prompt_logprobs=prompt_lps,
         )
 
     def at_length(self, req: Request, more: int = 0) -> bool:
