@@ -50,8 +50,12 @@ def _logprobs(
 ):
     if not req.logprobs:
         return None
-    top = [list(zip(ctx.token_texts(list(d)), d.values())) for d in tops or []] if req.top_logprobs else None
-    return chat_logprobs(ctx.token_texts(ids), lps or [], top)
+    top = (
+        [list(zip(ctx.token_texts(list(d), req.return_tokens_as_token_ids), d.values())) for d in tops or []]
+        if req.top_logprobs
+        else None
+    )
+    return chat_logprobs(ctx.token_texts(ids, req.return_tokens_as_token_ids), lps or [], top)
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, gen, rid: str, created: int):

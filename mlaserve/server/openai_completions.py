@@ -35,8 +35,9 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
         return _response(ctx, req, prompts, outs, rid, created)
 
 
-def _top(ctx: ServingContext, tops: list[dict[int, float] | None]) -> list[dict[str, float] | None]:
-    return [None if d is None else dict(zip(ctx.token_texts(list(d)), d.values())) for d in tops]
+def _top(ctx: ServingContext, req: CompletionRequest, tops: list[dict[int, float] | None]) -> list[dict | None]:
+    as_ids = req.return_tokens_as_token_ids
+    return [None if d is None else dict(zip(ctx.token_texts(list(d), as_ids), d.values())) for d in tops]
 
 
 def _echo(ctx: ServingContext, req: CompletionRequest, prompt: list[int], o: StepOutput) -> dict:
@@ -47,7 +48,7 @@ def _echo(ctx: ServingContext, req: CompletionRequest, prompt: list[int], o: Ste
         lps = [None if e is None else e[t] for t, e in zip(prompt, entries)]
         k = req.logprobs
         tops = [None if e is None else dict(list(e.items())[: k + 1]) for e in entries]
-        part.update(lps=lps, tops=_top(ctx, tops))
+        part.update(lps=lps, tops=_top(ctx, req, tops))
     return part
 
 
@@ -70,9 +71,16 @@ def _choice(
     if req.return_token_ids:
         c["token_ids"] = ids
     if req.logprobs is not None:
-        tok_text, top = ctx.token_texts(ids), _top(ctx, [_with_sampled(t, lp, d) for t, lp, d in zip(ids, lps, tops)])
+        tok_text, top = (
+            ctx.token_texts(ids, req.return_tokens_as_token_ids),
+            _top(ctx, req, [_with_sampled(t, lp, d) for t, lp, d in zip(ids, lps, tops)]),
+        )
         if echo is not None:
-            tok_text, lps, top = ctx.token_texts(echo["ids"]) + tok_text, echo["lps"] + lps, echo["tops"] + top
+            tok_text, lps, top = (
+                ctx.token_texts(echo["ids"], req.return_tokens_as_token_ids) + tok_text,
+                echo["lps"] + lps,
+                echo["tops"] + top,
+            )
         c["logprobs"] = completion_logprobs(tok_text, lps, offset, top)
     if echo is not None:
         c["text"] = echo["text"] + text

@@ -87,6 +87,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0)
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (texts can collide)
     user: str | None = None
     # known fields the engine cannot honour: a 400 naming the field when set to anything but these
     response_format: Any = None
