@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..engine.engine import StepOutput
-from .protocol import ChatCompletionRequest, chat_logprobs, chunk, new_id, now, usage_json
+from .protocol import ChatCompletionRequest, chat_logprobs, chunk, new_id, now, prompt_logprobs_json, usage_json
 from .serving import APIError, EventStream, ServingContext, collect, sse
 
 
@@ -111,4 +111,5 @@ def _response(
         "model": ctx.model_name,
         "choices": choices,
         "usage": usage_json(events[-1].usage),  # the last event holds the request's usage (all its choices)
+        "prompt_logprobs": prompt_logprobs_json(events[0].prompt_logprobs, ctx.token_texts),
     }

@@ -5,11 +5,22 @@ logprobs, the first token's None)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..engine.engine import StepOutput
-from .protocol import CompletionRequest, chunk, completion_logprobs, new_id, now, sum_usage, usage_json
+from .protocol import (
+    CompletionRequest,
+    chunk,
+    completion_logprobs,
+    new_id,
+    now,
+    prompt_logprobs_json,
+    sum_usage,
+    usage_json,
+)
 from .serving import APIError, EventStream, ServingContext, collect, sse
 
 
@@ -82,6 +93,8 @@ def _choice(
                 echo["tops"] + top,
             )
         c["logprobs"] = completion_logprobs(tok_text, lps, offset, top)
+    if req.prompt_logprobs is not None and o.prompt_logprobs is not None:
+        c["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs, ctx.token_texts)
     if echo is not None:
         c["text"] = echo["text"] + text
         if req.return_token_ids:
@@ -138,7 +151,8 @@ def _response(
             tops = [x for o in steps for x in o.new_top_logprobs or []] or [{}] * len(ids)
             echo = _echo(ctx, req, prompts[i], steps[0]) if req.echo else None
             text = "".join(o.new_text for o in steps)
-            choices.append(_choice(ctx, req, i * req.n + j, ids, text, steps[-1], lps, tops, 0, echo))
+            last = dataclasses.replace(steps[-1], prompt_logprobs=steps[0].prompt_logprobs)
+            choices.append(_choice(ctx, req, i * req.n + j, ids, text, last, lps, tops, 0, echo))
         usages.append(outs[i][-1].usage)  # the last event holds the request's usage (all its choices)
     return {
         "id": rid,

@@ -343,3 +343,16 @@ def chat_logprobs(tokens: list[str], logprobs: list[float], top: list[list[tuple
             for i, (t, lp) in enumerate(zip(tokens, logprobs))
         ]
     }
+
+
+def prompt_logprobs_json(entries: list[dict[int, float] | None] | None, texts) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, decoded_token}}, the prompt's
+    own token first. texts(ids) -> their texts."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {str(t): {"logprob": lp, "decoded_token": x} for (t, lp), x in zip(e.items(), texts(list(e)))}
+        for e in entries
+    ]

@@ -118,6 +118,9 @@ def test_echo_with_prompt_logprobs(server, offline, client):
     assert lp.token_logprobs[1:12] == pytest.approx(want, abs=1e-4)
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": prompt}).json()["prompt"]
     assert r.choices[0].text.startswith(text)
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}  # vLLM's extra, no echo
+    plp = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and [plp[i][str(prompt[i])]["logprob"] for i in range(1, 12)] == pytest.approx(want, abs=1e-4)
 
 
 def test_best_of(client):
