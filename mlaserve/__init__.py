@@ -2,6 +2,6 @@
 
 from .llm import LLM
 from .types import SamplingParams
+from .version import __version__
 
-__all__ = ["LLM", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]

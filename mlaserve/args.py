@@ -40,6 +40,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="dummy: random weights in place, reading no weight files",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most alternatives a request's logprobs, top_logprobs or prompt_logprobs may ask for",
+    )
     add_parallel_args(p)
     s = p.add_argument_group("speculative decoding")
     s.add_argument(
@@ -95,6 +101,7 @@ ENGINE_FIELDS = (
     "moe_backend",
     "load_format",
     "seed",
+    "max_logprobs",
 )
 
 

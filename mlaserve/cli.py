@@ -14,6 +14,8 @@ import importlib
 import logging
 import sys
 
+from .version import __version__
+
 # subcommand -> module holding add_cli_args(parser) and cli_main(args)
 COMMANDS = {
     "serve": ("mlaserve.server.api", "run the OpenAI-compatible HTTP server"),
@@ -32,18 +34,20 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         prog="mlaserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    fmt = argparse.ArgumentDefaultsHelpFormatter  # every --help shows the defaults
     # Import only the module of the command being run: keeps `mlaserve --help` and each command fast.
     wanted = next((a for a in argv if a in COMMANDS or a == "bench"), None)
     for name, (mod, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
         if name == wanted:
             importlib.import_module(mod).add_cli_args(p)
             p.set_defaults(module=mod)
     bench = sub.add_parser("bench", help="serving benchmark tools")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH_COMMAND")
     for name, (mod, help_) in BENCH_COMMANDS.items():
-        p = bench_sub.add_parser(name, help=help_, description=help_)
+        p = bench_sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
         if wanted == "bench" and name in argv:
             importlib.import_module(mod).add_cli_args(p)
             p.set_defaults(module=mod)

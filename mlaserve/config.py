@@ -453,6 +453,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": safetensors; "dummy": random weights in place (no files read)
     seed: int = 0
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server: 503)
+    max_logprobs: int = 20  # the most alternatives logprobs / prompt_logprobs may ask for
     # the kernels' switches and thresholds; by default the MLASERVE_* environment's, read once here
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
 
@@ -465,6 +466,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}: must be >= {lo}, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages: must be >= 2, got {self.num_pages}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -203,31 +203,54 @@ class LLM:
         for (ids, _), sp in zip(encoded, params):  # refuse the whole call before queueing anything
             self.engine.validate(ids, sp)
         rids = [self.engine.add_request(ids, sp) for (ids, _), sp in zip(encoded, params)]
-        results: dict[str, dict] = {r: {"ids": [], "text": "", "lp": [], "reason": None, "stop": None} for r in rids}
-        usage = {}
+        n_of = dict(zip(rids, (sp.n for sp in params)))
+        results: dict[str, dict[int, dict]] = {r: {} for r in rids}
+        usage, prompt_lps, done = {}, {}, {r: 0 for r in rids}
         bar = tqdm(total=len(rids), desc="Generating", unit="req", disable=not use_tqdm or len(rids) < 2)
         with self._engine_call():
             while self.engine.has_unfinished():
                 if self._workers is not None and self._workers.failure is not None:
                     raise self._workers.failure
                 for o in self.engine.step():
-                    r = results[o.request_id]
+                    r = results[o.request_id].setdefault(
+                        o.index, {"ids": [], "text": "", "lp": [], "top": [], "reason": None, "stop": None}
+                    )
                     r["ids"] += o.new_token_ids
                     r["text"] += o.new_text
                     r["lp"] += o.new_logprobs or []
+                    r["top"] += o.new_top_logprobs or []
+                    r["cum"] = o.cumulative_logprob
+                    if o.prompt_logprobs is not None:
+                        prompt_lps[o.request_id] = o.prompt_logprobs
                     if o.finished:
                         r["reason"], r["stop"] = o.finish_reason, o.stop_reason
                         usage[o.request_id] = o.usage
-                        bar.update()
+                        done[o.request_id] += 1
+                        if done[o.request_id] == n_of[o.request_id]:
+                            bar.update()
             self.engine.runner.park()  # TP: the other ranks wait on the host group until the next call
         bar.close()
         outs = []
         for rid, (ids, text), sp in zip(rids, encoded, params):
-            r = results[rid]
-            comp = CompletionOutput(
-                r["ids"], r["text"], r["reason"], r["lp"] if sp.logprobs is not None else None, r["stop"]
+            comps = []
+            for i in range(sp.n):
+                r = results[rid][i]
+                lp = sp.logprobs is not None
+                comps.append(
+                    CompletionOutput(
+                        r["ids"],
+                        r["text"],
+                        r["reason"],
+                        r["lp"] if lp else None,
+                        r["stop"],
+                        top_logprobs=r["top"] if lp else None,
+                        cumulative_logprob=r.get("cum"),
+                        index=i,
+                    )
+                )
+            outs.append(
+                RequestOutput(rid, ids, comps, True, usage[rid], prompt=text, prompt_logprobs=prompt_lps.get(rid))
             )
-            outs.append(RequestOutput(rid, ids, [comp], True, usage[rid], prompt=text))
         return outs
 
 

@@ -21,12 +21,25 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob (+ top-k alternatives)
+    prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob (+ top-k), from token 1 on
+    n: int = 1  # sequences returned for the prompt
+    best_of: int | None = None  # sequences generated (>= n); the n of highest cumulative logprob are returned
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: positive logits divided, negative multiplied
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:  # JSON object keys arrive as strings
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias: keys must be token ids (integers)") from None
         self.validate()
 
     def validate(self) -> None:
@@ -47,8 +60,29 @@ class SamplingParams:
             bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                bad(name, f"must be a non-negative integer, got {v!r}")
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", f"must be a positive integer, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            bad("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2 <= v <= 2:
+                bad(name, f"must be in [-2, 2], got {v!r}")
+        if not _is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
+        for t, b in (self.logit_bias or {}).items():
+            if t < 0:
+                bad("logit_bias", f"token id {t} is negative")
+            if not _is_num(b) or not -100 <= b <= 100:
+                bad("logit_bias", f"the bias of token {t} must be in [-100, 100], got {b!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -57,6 +91,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Sampling reads the request's own tokens (presence, frequency or repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """The logits are changed before sampling (penalties, logit_bias, min_tokens): no graph arg-max."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences generated for the prompt: best_of, else n."""
+        return self.best_of or self.n
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class RequestStatus(enum.Enum):
@@ -78,6 +135,11 @@ class Request:
     arrival: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token: id -> logprob
+    cumulative_logprob: float = 0.0  # of the tokens whose logprob was computed
+    track_logprob: bool = False  # compute each sampled token's logprob even without params.logprobs (best_of)
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # position -> id -> logprob
+    fork_of: Request | None = None  # a sibling of the same prompt (n > 1): its full prompt pages are shared
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
@@ -122,6 +184,9 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None
     stop_reason: str | int | None = None
+    top_logprobs: list[dict[int, float]] | None = None  # per token: the logprobs top alternatives, id -> logprob
+    cumulative_logprob: float | None = None
+    index: int = 0
 
 
 @dataclass
@@ -142,6 +207,7 @@ class RequestOutput:
     finished: bool
     usage: Usage
     prompt: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (None for the first)
 
     # Convenience: the single completion's fields, as docs/design.md's `.token_ids` / `.text`.
     @property

@@ -123,7 +123,12 @@ class GraphRunner:
         if decode and not prefill:
             b = next((b for b in self.bs_list if b >= len(decode)), None)
             return None if b is None else ("decode", b)
-        if prefill and not decode and len(prefill) <= PREFILL_MAX_REQS and all(c.num_cached == 0 for c in prefill):
+        if (
+            prefill
+            and not decode
+            and len(prefill) <= PREFILL_MAX_REQS
+            and all(c.num_cached == 0 and c.need_logits != "all" for c in prefill)  # the graph keeps last rows only
+        ):
             n = sum(len(c.token_ids) for c in prefill)
             t = next((t for t in self.prefill_buckets if t >= n), None)
             return None if t is None else ("prefill", t)

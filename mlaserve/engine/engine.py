@@ -21,6 +21,7 @@ from ..types import Request, SamplingParams, Usage
 from .cuda_graph import graph_safe_kernels
 from .kv_pool import KVPool
 from .loop import Loop, OverlapLoop
+from .parallel import ParallelSampling
 from .postprocess import Postprocessor, ReqState, StepOutput
 from .runner import ModelRunner, resolve_dtype
 from .scheduler import Scheduler
@@ -70,6 +71,7 @@ class LLMEngine:
         self.pool = KVPool(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.pool, decode_q_len=self.spec_k + 1)
         self.states: dict[str, ReqState] = {}
+        self.parallel = ParallelSampling()
         self.generator = torch.Generator(device=self.runner.device).manual_seed(cfg.seed)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
@@ -112,24 +114,58 @@ class LLMEngine:
                 f"max_tokens: {params.max_tokens} plus the prompt's {n} tokens exceeds max_model_len "
                 f"{self.max_model_len}"
             )
-        if self.spec_k and params.logprobs is not None:
-            raise ValueError("logprobs: not supported together with speculative decoding")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.cfg.max_logprobs:
+                raise ValueError(f"{name}: {k} exceeds the server's max_logprobs {self.cfg.max_logprobs}")
+        for t in params.logit_bias or ():
+            if t >= V:
+                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {V})")
+        if self.spec_k:  # the verify step samples from raw logits and returns no logprobs
+            for name, on in (
+                ("logprobs", params.logprobs is not None),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
+                ("best_of", params.num_seqs > params.n),
+                ("presence_penalty", bool(params.presence_penalty)),
+                ("frequency_penalty", bool(params.frequency_penalty)),
+                ("repetition_penalty", params.repetition_penalty != 1.0),
+                ("logit_bias", bool(params.logit_bias)),
+                ("min_tokens", params.min_tokens > 0),
+            ):
+                if on:
+                    raise ValueError(f"{name}: not supported together with speculative decoding")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
         if self.pool.pages_for(n + 1) > self.pool.num_pages:
             raise ValueError(f"prompt: {n} tokens need more KV pages than the cache holds ({self.pool.num_pages})")
-        if self.scheduler.num_unfinished >= self.cfg.max_queue_len:
+        if params.num_seqs > self.cfg.max_queue_len:
+            what = "best_of" if params.best_of else "n"
+            raise ValueError(f"{what}: {params.num_seqs} sequences exceed max_queue_len {self.cfg.max_queue_len}")
+        if self.scheduler.num_unfinished + params.num_seqs > self.cfg.max_queue_len:
             raise OverflowError(
                 f"the engine already holds {self.scheduler.num_unfinished} requests "
                 f"(max_queue_len {self.cfg.max_queue_len})"
             )
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; n > 1 or best_of: its sequences as child requests (parallel.py), whose events carry
+        this request id and their choice as StepOutput.index."""
         self.validate(prompt_token_ids, params)
-        req = Request(list(prompt_token_ids), params, arrival=time.monotonic())
+        if request_id is not None and (request_id in self.states or request_id in self.parallel.groups):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if params.num_seqs == 1:
+            reqs = [self._add(list(prompt_token_ids), params, request_id)]
+            rid = reqs[0].request_id
+        else:
+            rid = request_id or Request([], params).request_id
+            reqs = self.parallel.children(rid, list(prompt_token_ids), params, self._add)
+        for r in reqs:
+            self.scheduler.add(r)
+        return rid
+
+    def _add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        req = Request(prompt_token_ids, params, arrival=time.monotonic())
         if request_id is not None:
-            if request_id in self.states:
-                raise ValueError(f"request_id: {request_id!r} is already in use")
             req.request_id = request_id
         gen = None
         if params.seed is not None and not params.greedy:
@@ -137,11 +173,14 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop=params.stop)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         self.states[req.request_id] = ReqState(req, detok, gen, eos)
-        self.scheduler.add(req)
-        return req.request_id
+        return req
 
     def abort_request(self, request_id: str) -> bool:
-        """Finish a request now and free its pages; False if it is unknown or already done."""
+        """Finish a request (every sequence of it) now and free its pages; False if it is unknown or already done."""
+        children = self.parallel.child_ids(request_id)
+        if children is not None:
+            self.parallel.drop(request_id)
+            return any([self.abort_request(c) for c in children])
         st = self.states.pop(request_id, None)
         if st is None:
             return False
@@ -154,7 +193,8 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One step's events (loop.py: plain, overlapped or speculative)."""
-        return self.loop.step()
+        outs = self.loop.step()
+        return self.parallel.route(outs) if self.parallel.groups else outs
 
     def usage(self, req: Request) -> Usage:
         return self.post.usage(req)

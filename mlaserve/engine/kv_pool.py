@@ -73,6 +73,13 @@ class KVPool:
             self._ref(p)
         return pages
 
+    def share(self, pages: list[int]) -> list[int]:
+        """Another reference to each of `pages` (full, computed pages of a prompt that a sibling request shares)."""
+        for p in pages:
+            assert self.ref[p] > 0, f"page {p} is not held"
+            self._ref(p)
+        return list(pages)
+
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
         self.queries += num_tokens
         self.hits += num_hit

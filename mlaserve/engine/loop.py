@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.base import SeqChunk
-from ..layers.sampler import SamplingRow, sample
+from ..layers.sampler import SamplingRow, sample, top_logprobs
 from ..types import Request, RequestStatus
 from .postprocess import StepOutput
+from .prompt_logprobs import prompt_logprobs
 from .scheduler import SchedulerOutput
 
 
@@ -48,18 +49,22 @@ class Launched:
     out: SchedulerOutput
     tokens: torch.Tensor | None  # [sampled chunks] int64
     logprobs: torch.Tensor | None
-    host: tuple | None = None  # (tokens, logprobs or None) in host memory (pinned on CUDA)
+    host: tuple | None = None  # (tokens, logprobs or None[, top ids, top logprobs]) in host memory (pinned on CUDA)
     ready: torch.cuda.Event | None = None
+    top: tuple | None = None  # (ids [sampled chunks, k], logprobs [sampled chunks, k]): the top alternatives
 
-    def read(self) -> tuple[list[int], list[float] | None]:
+    def read(self) -> tuple[list[int], list[float] | None, tuple | None]:
+        """-> (tokens, their logprobs or None, (top ids, top logprobs) as nested lists or None)."""
         if self.tokens is None:
-            return [], None
+            return [], None, None
         if self.host is None:
-            return self.tokens.tolist(), self.logprobs.tolist() if self.logprobs is not None else None
-        if self.ready is not None:
-            self.ready.synchronize()
-        tok, lp = self.host
-        return tok.tolist(), lp.tolist() if lp is not None else None
+            ts = (self.tokens, self.logprobs, *(self.top or ()))
+        else:
+            if self.ready is not None:
+                self.ready.synchronize()
+            ts = self.host
+        tok, lp, *top = (None if t is None else t.tolist() for t in ts)
+        return tok, lp, tuple(top) if top else None
 
 
 class Loop:
@@ -90,45 +95,61 @@ class Loop:
         else:  # each at position num_tokens, its id on the device
             decode = [SeqChunk([0], c.req.num_tokens, c.req.pages, "last") for c in out.decode]
         prefill = [seq_chunk(c.req, c.num_new, c.sample) for c in out.prefill]
+        for c, ch in zip(out.prefill, prefill):
+            if c.req.params.prompt_logprobs is not None and ch.num_cached < len(c.req.prompt_token_ids):
+                ch.need_logits = "all"  # every prompt position's logits (prompt_logprobs.py)
         logits, _, greedy = self.runner.execute(decode, prefill, decode_tokens=decode_tokens)
         self.num_steps += 1
-        return self.sample(out, logits, greedy)
+        if any(ch.need_logits == "all" for ch in prefill):
+            logits = prompt_logprobs(out.prefill, prefill, logits, len(decode))
+        return self.sample(out, logits, greedy, pending=decode_tokens)
 
-    def sample(self, out: SchedulerOutput, logits: torch.Tensor, greedy=None) -> Launched:
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor, greedy=None, pending=None) -> Launched:
         """Queue the sampling of the chunks that asked for it (tokens [n] int64, logprobs [n] or None, on the
         device) and, on CUDA, their copy to pinned host memory: no host sync here. greedy: the decode graph's own
-        arg-max of these rows (GreedyTokens), which a step of greedy rows without logprobs takes as it is."""
+        arg-max of these rows (GreedyTokens), which a step of greedy rows without logprobs or logits processors
+        takes as it is. pending [n] or None: the tokens the step in flight feeds these rows (overlapped decode)."""
         sampled = [c for c in out.chunks if c.sample]
         if not sampled:
             return Launched(out, None, None)
-        want_lp = any(c.req.params.logprobs is not None for c in sampled)
+        want_lp = any(c.req.params.logprobs is not None or c.req.track_logprob for c in sampled)
+        rows = [self._row(c.req) for c in sampled]
         if (
             greedy is not None
             and len(sampled) == len(greedy.device)
             and not want_lp
-            and all(c.req.params.greedy for c in sampled)
+            and all(c.req.params.greedy and not r.active(pending is not None) for c, r in zip(sampled, rows))
         ):
             step = Launched(out, greedy.device, None, host=(greedy.host, None))
             if greedy.device.is_cuda:  # the graph wrote the host row itself: only an event to wait on
                 step.ready = torch.cuda.Event()
                 step.ready.record()
             return step
-        rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
-        step = Launched(out, *sample(logits, rows, self.generator, want_lp, self.runner.kernels.pdl))
+        step = Launched(out, *sample(logits, rows, self.generator, want_lp, self.runner.kernels.pdl, pending))
+        k = max((c.req.params.logprobs or 0 for c in sampled), default=0)
+        if k:
+            step.top = top_logprobs(logits, k)
         if step.tokens.is_cuda:
             step.host = tuple(
                 None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                for t in (step.tokens, step.logprobs)
+                for t in (step.tokens, step.logprobs, *(step.top or ()))
             )
             step.ready = torch.cuda.Event()
             step.ready.record()
         return step
 
+    def _row(self, req: Request) -> SamplingRow:
+        st = self.states[req.request_id]
+        if not req.params.processes_logits:
+            return SamplingRow(req.params, st.generator)
+        stop = st.eos | frozenset(req.params.stop_token_ids)
+        return SamplingRow(req.params, st.generator, req.prompt_token_ids, req.output_token_ids, stop, st.cache)
+
     def process(self, step: Launched) -> list[StepOutput]:
         """Read the step's tokens back (its one host sync) and postprocess them."""
-        tokens, logprobs = step.read()
+        tokens, logprobs, top = step.read()
         self.post.commit(step.out)
-        return self.post.sampled(step.out, tokens, logprobs)
+        return self.post.sampled(step.out, tokens, logprobs, top)
 
     def launch_next(self, cur: Launched) -> Launched | None:
         """Launch the step after `cur` from cur's device tokens, if its schedule is certain; else None."""

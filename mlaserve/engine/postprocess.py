@@ -3,7 +3,7 @@ full pages in the prefix cache, finish requests (freeing their pages), and emit 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,10 @@ class StepOutput:
     stop_reason: str | int | None
     new_logprobs: list[float] | None
     usage: Usage
+    new_top_logprobs: list[dict[int, float]] | None = None  # per new token: id -> logprob (params.logprobs > 0)
+    index: int = 0  # the choice of its request (n > 1: engine/parallel.py)
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # params.prompt_logprobs: on the first event
 
 
 @dataclass
@@ -35,6 +39,7 @@ class ReqState:
     generator: torch.Generator | None  # the request's own (seeded) sampling generator
     eos: frozenset[int]
     drafts: list[int] | None = None  # speculative decoding: the proposer's tokens for the next verify step
+    cache: dict = field(default_factory=dict)  # the sampler's per-request tensors (logits_process.SamplingRow)
 
 
 class Postprocessor:
@@ -51,20 +56,37 @@ class Postprocessor:
             c.req.num_computed_tokens += c.num_new
             self.scheduler.commit_pages(c.req)
 
-    def sampled(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float] | None) -> list[StepOutput]:
-        """Append the step's sampled tokens (one per sampling chunk, in chunk order) -> one event per request."""
+    def sampled(
+        self, out: SchedulerOutput, tokens: list[int], logprobs: list[float] | None, top: tuple | None = None
+    ) -> list[StepOutput]:
+        """Append the step's sampled tokens (one per sampling chunk, in chunk order) -> one event per request.
+        top: (ids [n][k], logprobs [n][k]) of the rows' top alternatives, k the step's largest params.logprobs."""
         results = []
         for j, c in enumerate(c for c in out.chunks if c.sample):
             if c.req.status == RequestStatus.FINISHED:  # stopped on the step before, or aborted: drop its token
                 continue
-            lp = [logprobs[j]] if logprobs is not None and c.req.params.logprobs is not None else None
-            results.append(self.append(c.req, [tokens[j]], lp))
+            p = c.req.params
+            lp = [logprobs[j]] if logprobs is not None and (p.logprobs is not None or c.req.track_logprob) else None
+            tops = None
+            if p.logprobs is not None:
+                k = p.logprobs
+                tops = [dict(zip(top[0][j][:k], top[1][j][:k])) if k else {}]
+            results.append(self.append(c.req, [tokens[j]], lp, tops))
         return results
 
-    def append(self, req: Request, new_tokens: list[int], logprobs: list[float] | None) -> StepOutput:
+    def append(
+        self,
+        req: Request,
+        new_tokens: list[int],
+        logprobs: list[float] | None,
+        top: list[dict[int, float]] | None = None,
+    ) -> StepOutput:
         """Append tokens one by one, stopping at the first stop condition; emits one event."""
         st = self.states[req.request_id]
         p = req.params
+        prompt_lps = None
+        if p.prompt_logprobs is not None and not req.output_token_ids:  # the first event carries them
+            prompt_lps = [None] + [req.prompt_logprobs.get(i) for i in range(1, len(req.prompt_token_ids))]
         added, text, reason, stop_reason = [], "", None, None
         for t in new_tokens:
             req.output_token_ids.append(t)
@@ -85,6 +107,9 @@ class Postprocessor:
             text += st.detok.flush()[0]  # release text held back for a possible stop string or half character
         if logprobs is not None:
             req.output_logprobs += logprobs[: len(added)]
+            req.cumulative_logprob += sum(logprobs[: len(added)])
+        if top is not None:
+            req.output_top_logprobs += top[: len(added)]
         self.num_generated_tokens += len(added)
         if reason:
             self.scheduler.finish(req, reason, stop_reason)
@@ -98,6 +123,9 @@ class Postprocessor:
             stop_reason,
             logprobs[: len(added)] if logprobs is not None else None,
             self.usage(req),
+            top[: len(added)] if top is not None else None,
+            cumulative_logprob=req.cumulative_logprob if logprobs is not None else None,
+            prompt_logprobs=prompt_lps,
         )
 
     def at_length(self, req: Request, more: int = 0) -> bool:

@@ -109,10 +109,14 @@ class Scheduler:
             budget -= n
             i += 1
 
+        held = []  # forks whose sibling has not computed the shared pages yet: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if self._fork_waits(req):
+                held.append(self.waiting.popleft())
+                continue
             tokens = req.all_token_ids
-            cached = self.pool.match_prefix(tokens)
+            cached = self._cached_prefix(req, tokens)
             num_cached = len(cached) * self.pool.page_size
             n = min(len(tokens) - num_cached, budget, self.cfg.chunked_prefill_size)
             sample = num_cached + n == len(tokens)
@@ -130,7 +134,33 @@ class Scheduler:
             self.running.append(req)
             out.prefill.append(ScheduledChunk(req, n, sample=sample))
             budget -= n
+        self.waiting.extendleft(reversed(held))
         return out
+
+    def _shared_pages(self, req: Request) -> int:
+        """Full pages of req's prompt a fork can take from its sibling (the last prompt token is always computed)."""
+        return (len(req.prompt_token_ids) - 1) // self.pool.page_size
+
+    def _fork_waits(self, req: Request) -> bool:
+        """A fork waits while its sibling (running or queued) has not yet computed the pages they share."""
+        src, need = req.fork_of, self._shared_pages(req) * self.pool.page_size
+        if src is None or src.status == RequestStatus.FINISHED or need == 0:
+            return False
+        return src.status != RequestStatus.RUNNING or src.num_computed_tokens < need
+
+    def _cached_prefix(self, req: Request, tokens: list[int]) -> list[int]:
+        """The pages of req's computed prefix, referenced for it: its sibling's prompt pages (a fork), or the prefix
+        cache's. None for a request that wants prompt logprobs: every prompt position must be computed."""
+        if req.params.prompt_logprobs is not None:
+            return []
+        cached = self.pool.match_prefix(tokens)
+        src = req.fork_of
+        if src is not None and src.status == RequestStatus.RUNNING and req.num_preemptions == 0:
+            k = min(self._shared_pages(req), src.num_computed_tokens // self.pool.page_size, len(src.pages))
+            if k > len(cached):
+                self.pool.free(cached)
+                cached = self.pool.share(src.pages[:k])
+        return cached
 
     def schedule_decode(self, reqs: list[Request]) -> SchedulerOutput:
         """One decode token for each of `reqs` (running requests, in order), planned while the step before is in

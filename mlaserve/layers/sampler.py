@@ -1,28 +1,18 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, sampled-token logprobs.
+"""Token sampling: logits processors (penalties, logit_bias, min_tokens: logits_process.py), then greedy or
+temperature, top-k, top-p, min-p with per-request seeds; logprobs of the sampled tokens and the top alternatives.
 
 Every row is sampled from its own logits alone; a seeded request draws its noise from its own
-generator, so the same seed gives the same tokens whatever else is in the batch.
+generator, so the same seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
+raw logits (vLLM's default, raw_logprobs), before any processor, temperature or mask.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..types import SamplingParams
+from .logits_process import SamplingRow, _to, process_logits
 
-
-@dataclass
-class SamplingRow:
-    params: SamplingParams
-    generator: torch.Generator | None  # the request's own (seeded) generator, else None
-
-
-def _to(values: list, dev, dtype=None) -> torch.Tensor:
-    """A small host list on `dev` without a stream sync (torch.tensor(..., device=cuda) waits for the stream,
-    which would stall the overlapped decode loop behind the step it just launched)."""
-    return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+__all__ = ["SamplingRow", "greedy_into", "greedy_tokens", "sample", "top_logprobs"]
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -81,9 +71,11 @@ def sample(
     generator: torch.Generator | None = None,
     want_logprobs: bool = False,
     pdl: bool = True,
+    pending: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V] fp32 -> (tokens [B] int64, logprobs of those tokens under the model [B] or None). pdl: for the
-    arg-max kernel (KernelConfig.pdl)."""
+    arg-max kernel (KernelConfig.pdl). pending [B] or None: each row's token in flight (process_logits)."""
+    raw, logits = logits, process_logits(logits, rows, pending)
     tokens = greedy_tokens(logits, pdl)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
@@ -96,5 +88,17 @@ def sample(
         tokens[sel] = (probs / noise).argmax(-1)
     logprobs = None
     if want_logprobs:
-        logprobs = logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        logprobs = raw.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, logprobs
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> the k most likely tokens of each row under the model: (ids [B, k] int64, logprobs [B, k]),
+    most likely first (ties: the lower id first, as torch.topk on the CPU and GPU may not, so sorted stably)."""
+    lp = logits.float().log_softmax(-1)
+    vals, ids = lp.topk(k, dim=-1)
+    # order equal logprobs by token id: a reference computed with a stable sort agrees
+    order = torch.argsort(ids, dim=-1)
+    vals, ids = vals.gather(1, order), ids.gather(1, order)
+    order = torch.argsort(-vals, dim=-1, stable=True)
+    return ids.gather(1, order), vals.gather(1, order)

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import LLMEngine
-from . import openai_chat, openai_completions
+from ..version import __version__
+from . import openai_chat, openai_completions, tokenize
 from .async_engine import AsyncEngine
 from .metrics import Metrics
 from .protocol import error_json, now
@@ -73,7 +74,7 @@ def speculative_card(spec) -> dict:
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 << 20) -> FastAPI:
-    app = FastAPI(title="mlaserve", version="0.1.0", docs_url=None, redoc_url=None)
+    app = FastAPI(title="mlaserve", version=__version__, docs_url=None, redoc_url=None)
     ctx = ServingContext(engine, model_name, max_request_bytes)
     metrics = engine.metrics
     card = model_card(engine.engine, model_name)  # static: made once, stamped with the server's start
@@ -116,12 +117,17 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 
             raise APIError(404, f"model: {model!r} does not exist; this server serves {model_name!r}", "model")
         return card
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render() if metrics else b"", media_type="text/plain; version=0.0.4")
 
     openai_completions.register(app, ctx)
     openai_chat.register(app, ctx)
+    tokenize.register(app, ctx)
     return app
 
 

@@ -43,13 +43,14 @@ def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
 
 class Generation:
     """The engine requests of one HTTP request (one per prompt): iterate (prompt index, StepOutput) as steps
-    produce them. abort() frees every unfinished one at once; call it when the consumer stops early."""
+    produce them (StepOutput.index: the choice, n > 1). abort() frees every unfinished one at once; call it when the
+    consumer stops early."""
 
-    def __init__(self, owner: AsyncEngine, request_ids: list[str], loop: asyncio.AbstractEventLoop):
+    def __init__(self, owner: AsyncEngine, request_ids: list[str], loop: asyncio.AbstractEventLoop, n: int = 1):
         self.owner, self.request_ids, self.loop = owner, request_ids, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.accepted: asyncio.Future = loop.create_future()
-        self.unfinished = set(request_ids)
+        self.unfinished = {rid: n for rid in request_ids}  # request id -> choices still running
 
     def __aiter__(self) -> AsyncIterator[tuple[int, StepOutput]]:
         return self._events()
@@ -61,8 +62,10 @@ class Generation:
                 self.unfinished.clear()  # the engine is gone: nothing left to abort
                 raise item
             index, out = item
-            if out.finished:
-                self.unfinished.discard(out.request_id)
+            if out.finished and out.request_id in self.unfinished:
+                self.unfinished[out.request_id] -= 1
+                if not self.unfinished[out.request_id]:
+                    del self.unfinished[out.request_id]
             yield index, out
 
     def abort(self) -> None:
@@ -79,6 +82,7 @@ class _Live:
     index: int
     arrival: float
     first_token: float | None = None
+    remaining: int = 1  # choices still running (n)
 
 
 class AsyncEngine:
@@ -130,7 +134,8 @@ class AsyncEngine:
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> Generation:
         """Queue one engine request per prompt, all or none; returns once the engine thread has accepted them."""
-        gen = Generation(self, [f"{request_id}-{i}" for i in range(len(prompts))], asyncio.get_running_loop())
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        gen = Generation(self, ids, asyncio.get_running_loop(), params.n)
         self._submit(("add", gen, prompts, params, time.monotonic()))
         try:
             await gen.accepted
@@ -155,15 +160,15 @@ class AsyncEngine:
             for ids in prompts:  # all or none: refuse the lot before queueing any
                 eng.validate(ids, params)
             held = eng.scheduler.num_unfinished
-            if held + len(prompts) > eng.cfg.max_queue_len:
+            if held + len(prompts) * params.num_seqs > eng.cfg.max_queue_len:
                 raise OverflowError(
-                    f"the engine holds {held} requests; {len(prompts)} more exceed max_queue_len "
+                    f"the engine holds {held} requests; {len(prompts) * params.num_seqs} more exceed max_queue_len "
                     f"{eng.cfg.max_queue_len}"
                 )
             for i, (rid, ids) in enumerate(zip(gen.request_ids, prompts)):
                 eng.add_request(ids, params, request_id=rid)
                 with self._lock:
-                    self._live[rid] = _Live(gen, i, arrival)
+                    self._live[rid] = _Live(gen, i, arrival, remaining=params.n)
         except Exception as e:  # noqa: BLE001 - any refusal belongs to this request, never to the engine
             for rid in gen.request_ids:
                 with self._lock:
@@ -200,13 +205,15 @@ class AsyncEngine:
             with self._lock:
                 live = self._live.get(o.request_id)
                 if live is not None and o.finished:
-                    del self._live[o.request_id]
+                    live.remaining -= 1
+                    if not live.remaining:
+                        del self._live[o.request_id]
             if live is None:
                 continue
             if live.first_token is None and o.new_token_ids:
                 live.first_token = now
             by_loop.setdefault(live.gen.loop, []).append((live.gen.queue, (live.index, o)))
-            if o.finished:
+            if o.finished and not live.remaining:  # the request's last choice: its usage counts them all
                 if self.metrics:
                     ttft = None if live.first_token is None else live.first_token - live.arrival
                     self.metrics.observe_finished(o.finish_reason, o.usage, ttft, now - live.arrival)

@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions: the model's chat template, then one engine request; SSE streams one
-chat.completion.chunk per engine step (the first carries the assistant role)."""
+"""POST /v1/chat/completions: the model's chat template, then one engine request (n choices); SSE streams one
+chat.completion.chunk per engine step and choice (each choice's first carries the assistant role)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..engine.engine import StepOutput
-from .protocol import ChatCompletionRequest, chat_logprobs, chunk, new_id, now, usage_json
+from .protocol import ChatCompletionRequest, chat_logprobs, chunk, new_id, now, prompt_logprobs_json, usage_json
 from .serving import APIError, EventStream, ServingContext, collect, sse
 
 
@@ -28,7 +28,10 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
             msg = str(e)
             raise APIError(400, msg if msg.startswith("messages") else f"messages: {msg}", "messages") from None
         try:
-            params = req.sampling_params(req.max_completion_tokens or req.max_tokens, 0 if req.logprobs else None)
+            lp = (req.top_logprobs or 0) if req.logprobs else None
+            if lp and lp > ctx.llm.cfg.max_logprobs:
+                raise ValueError(f"top_logprobs: {lp} exceeds the server's max_logprobs {ctx.llm.cfg.max_logprobs}")
+            params = req.sampling_params(req.max_completion_tokens or req.max_tokens, lp, req.prompt_logprobs)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":")[0]) from None
         ids = await ctx.encode(text, add_special_tokens=False, field="messages")
@@ -42,20 +45,30 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
         return _response(ctx, req, outs[0], rid, created)
 
 
-def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, ids: list[int], lps: list[float] | None):
-    return chat_logprobs(ctx.token_texts(ids), lps or []) if req.logprobs else None
+def _logprobs(
+    ctx: ServingContext, req: ChatCompletionRequest, ids: list[int], lps: list[float] | None, tops: list | None
+):
+    if not req.logprobs:
+        return None
+    top = (
+        [list(zip(ctx.token_texts(list(d), req.return_tokens_as_token_ids), d.values())) for d in tops or []]
+        if req.top_logprobs
+        else None
+    )
+    return chat_logprobs(ctx.token_texts(ids, req.return_tokens_as_token_ids), lps or [], top)
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, gen, rid: str, created: int):
-    name, first, usage = ctx.model_name, True, None
+    name, started, usage = ctx.model_name, set(), None
     async for _, o in gen:
+        first = o.index not in started
+        started.add(o.index)
         delta = {"role": "assistant", "content": o.new_text} if first else {"content": o.new_text}
-        first = False
         c = {
-            "index": 0,
+            "index": o.index,
             "delta": delta,
             "finish_reason": o.finish_reason,
-            "logprobs": _logprobs(ctx, req, o.new_token_ids, o.new_logprobs),
+            "logprobs": _logprobs(ctx, req, o.new_token_ids, o.new_logprobs, o.new_top_logprobs),
         }
         if req.return_token_ids:
             c["token_ids"] = o.new_token_ids
@@ -70,24 +83,33 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, gen, rid: str
     yield "data: [DONE]\n\n"
 
 
-def _response(ctx: ServingContext, req: ChatCompletionRequest, steps: list[StepOutput], rid: str, created: int) -> dict:
-    last = steps[-1]
-    ids = [t for o in steps for t in o.new_token_ids]
-    c = {
-        "index": 0,
-        "message": {"role": "assistant", "content": "".join(o.new_text for o in steps)},
-        "finish_reason": last.finish_reason,
-        "logprobs": _logprobs(ctx, req, ids, [x for o in steps for x in o.new_logprobs or []]),
-    }
-    if last.finish_reason == "stop" and last.stop_reason is not None:
-        c["stop_reason"] = last.stop_reason
-    if req.return_token_ids:
-        c["token_ids"] = ids
+def _response(
+    ctx: ServingContext, req: ChatCompletionRequest, events: list[StepOutput], rid: str, created: int
+) -> dict:
+    choices = []
+    for j in range(req.n):
+        steps = [o for o in events if o.index == j]
+        last = steps[-1]
+        ids = [t for o in steps for t in o.new_token_ids]
+        lps = [x for o in steps for x in o.new_logprobs or []]
+        tops = [x for o in steps for x in o.new_top_logprobs or []]
+        c = {
+            "index": j,
+            "message": {"role": "assistant", "content": "".join(o.new_text for o in steps)},
+            "finish_reason": last.finish_reason,
+            "logprobs": _logprobs(ctx, req, ids, lps, tops),
+        }
+        if last.finish_reason == "stop" and last.stop_reason is not None:
+            c["stop_reason"] = last.stop_reason
+        if req.return_token_ids:
+            c["token_ids"] = ids
+        choices.append(c)
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": ctx.model_name,
-        "choices": [c],
-        "usage": usage_json(last.usage),
+        "choices": choices,
+        "usage": usage_json(events[-1].usage),  # the last event holds the request's usage (all its choices)
+        "prompt_logprobs": prompt_logprobs_json(events[0].prompt_logprobs, ctx.token_texts),
     }

@@ -1,5 +1,7 @@
 """OpenAI-compatible request schemas (pydantic, strict: "5" is not an integer) and response builders, with vLLM's
-common extensions (top_k, min_p, ignore_eos, stop_token_ids, return_token_ids)."""
+common extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, prompt_logprobs,
+return_token_ids). Unknown fields are ignored, as vLLM does; known fields the engine cannot honour (structured output,
+tools, beam search, suffix, ...) are a 400 naming them when set."""
 
 from __future__ import annotations
 
@@ -12,8 +14,48 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..types import SamplingParams, Usage
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+MAX_N = 128  # sequences per prompt (n, best_of)
 MAX_STOP = 64  # stop strings per request, each at most MAX_STOP_LEN characters: the detokenizer scans them per token
 MAX_STOP_LEN = 1024
+
+
+# field -> the values that mean "off" (accepted); anything else is refused
+UNSUPPORTED = {
+    "response_format": ("text",),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "allowed_token_ids": (),
+    "bad_words": ((), []),
+    "logits_processors": ((), []),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+}
+CHAT_UNSUPPORTED = {"tools": ((), []), "tool_choice": ("none", "auto"), "continue_final_message": (False,)}
+UNSUPPORTED_WHY = {
+    "response_format": "structured output is not supported (only type text)",
+    "guided_json": "structured output is not supported",
+    "guided_regex": "structured output is not supported",
+    "guided_choice": "structured output is not supported",
+    "guided_grammar": "structured output is not supported",
+    "structured_outputs": "structured output is not supported",
+    "use_beam_search": "beam search is not supported",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+}
+
+
+def _refuse(name: str, v, ok: tuple):
+    """v unless it asks for what the engine cannot do (anything but None or the `ok` values): then ValueError."""
+    if v is not None and v not in ok and not (isinstance(v, dict) and v.get("type") in ok):
+        raise ValueError(f"{UNSUPPORTED_WHY.get(name, 'is not supported by this server')}, got {v!r}")
+    return v
 
 
 class StreamOptions(BaseModel):
@@ -37,24 +79,46 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (texts can collide)
     user: str | None = None
+    # known fields the engine cannot honour: a 400 naming the field when set to anything but these
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
 
-    @field_validator("n")
+    @field_validator(*UNSUPPORTED)
     @classmethod
-    def _one_choice(cls, v):
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
-        return v
+    def _unsupported(cls, v, info):
+        return _refuse(info.field_name, v, UNSUPPORTED[info.field_name])
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v):
-        if v:
-            raise ValueError(f"penalties are not supported; must be 0, got {v!r}")
+    def _bias(cls, v):
+        for k, b in (v or {}).items():
+            if not k.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"the bias of token {k} must be in [-100, 100], got {b!r}")
         return v
 
     @field_validator("stop")
@@ -82,9 +146,19 @@ class _SamplingFields(BaseModel):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None, best_of=None
+    ) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams validates)."""
         return SamplingParams(
+            n=self.n,
+            best_of=best_of,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None,
+            min_tokens=self.min_tokens,
+            prompt_logprobs=prompt_logprobs,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
@@ -105,22 +179,24 @@ def _is_token_ids(x) -> bool:
 class CompletionRequest(_SamplingFields):
     prompt: Any  # a string, a list of token ids, or a list of either: normalised to a list of prompts below
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)  # the limit is the engine's max_logprobs
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
-    def _unsupported(cls, v):
+    def _suffix(cls, v):
         if v:
-            raise ValueError(f"is not supported, got {v!r}")
+            raise ValueError(f"is not supported (no fill-in-the-middle), got {v!r}")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("best_of")
     @classmethod
-    def _sampled_only(cls, v):
-        if v:  # the engine returns the sampled token's logprob only
-            raise ValueError(f"top alternatives are not supported; use 0 (the sampled token's logprob), got {v}")
+    def _best_of(cls, v, info):
+        n = info.data.get("n", 1)
+        if v is not None and v < n:
+            raise ValueError(f"must be >= n ({n}), got {v}")
         return v
 
     @field_validator("prompt", mode="before")
@@ -151,9 +227,25 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # the limit is the engine's max_logprobs
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    continue_final_message: Any = None
+    echo: Any = None
+
+    @field_validator(*CHAT_UNSUPPORTED)
+    @classmethod
+    def _chat_unsupported(cls, v, info):
+        return _refuse(info.field_name, v, CHAT_UNSUPPORTED[info.field_name])
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v not in (None, False):
+            raise ValueError(f"is not supported for chat completions, got {v!r}")
+        return v
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -165,9 +257,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("top_logprobs")
     @classmethod
-    def _sampled_only(cls, v):
-        if v:
-            raise ValueError(f"top alternatives are not supported; use 0 (the sampled token's logprob), got {v}")
+    def _needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
         return v
 
 
@@ -224,19 +316,43 @@ def chunk(obj: str, rid: str, model: str, created: int, choices: list[dict], usa
     return out
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int) -> dict:
-    """The legacy completions shape; text_offset counts characters from the completion's start."""
+def completion_logprobs(
+    tokens: list[str],
+    logprobs: list[float | None],
+    offset: int,
+    top: list[dict[str, float] | None] | None = None,
+) -> dict:
+    """The legacy completions shape; text_offset counts characters from the completion's start (with echo, the
+    prompt's). top: per token, its text -> logprob for the sampled token and the top alternatives."""
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
+def chat_logprobs(tokens: list[str], logprobs: list[float], top: list[list[tuple[str, float]]] | None = None) -> dict:
+    """top: per token, the (text, logprob) of its top_logprobs alternatives, most likely first."""
+
+    def entry(t: str, lp: float) -> dict:
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-            for t, lp in zip(tokens, logprobs)
+            {**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in (top[i] if top else [])]}
+            for i, (t, lp) in enumerate(zip(tokens, logprobs))
         ]
     }
+
+
+def prompt_logprobs_json(entries: list[dict[int, float] | None] | None, texts) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, decoded_token}}, the prompt's
+    own token first. texts(ids) -> their texts."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {str(t): {"logprob": lp, "decoded_token": x} for (t, lp), x in zip(e.items(), texts(list(e)))}
+        for e in entries
+    ]

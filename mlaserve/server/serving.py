@@ -151,7 +151,10 @@ class ServingContext:
         except EngineDeadError as e:  # the engine stopped (a dead rank, a failed step): this server cannot serve
             raise APIError(503, str(e)) from None
 
-    def token_texts(self, ids: list[int]) -> list[str]:
+    def token_texts(self, ids: list[int], as_ids: bool = False) -> list[str]:
+        """Each token's text; as_ids (vLLM's return_tokens_as_token_ids): "token_id:N", which never collide."""
+        if as_ids:
+            return [f"token_id:{t}" for t in ids]
         if self.tok is None:
             return [str(t) for t in ids]
         return [self.tok.decode([t], skip_special_tokens=False) for t in ids]

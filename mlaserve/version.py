@@ -1,0 +1,3 @@
+"""The package version (pyproject.toml carries the same)."""
+
+__version__ = "0.1.0"
