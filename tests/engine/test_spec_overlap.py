@@ -12,52 +12,10 @@ from mlaserve.attention.base import ForwardBatch, SeqChunk
 from mlaserve.config import SpecConfig
 from mlaserve.tokenizer import Tokenizer
 from mlaserve.types import SamplingParams
+from tests.helpers.oracle_draft import install_oracle
 
 from .conftest import make_engine
 from .test_spec_device_path import GREEDY, MAX, _drive, _prompts, _summary, draft, plain  # noqa: F401 (fixtures)
-
-
-class OracleDraft:
-    """A test-only device proposer: each request's plain greedy continuation, looked up on the device from the
-    verify's positions and accepted counts, with a deliberate miss at every position p with p % 5 == 0 (so steps
-    accept 0..K tokens). The EAGLE3 draft's own steps still run beside it (their KV, their device step)."""
-
-    def __init__(self, inner, prompts, outputs, vocab):
-        self.inner, self.k, self.vocab = inner, inner.k, vocab
-        width = max(len(p) + len(o) for p, o in zip(prompts, outputs)) + 4 * (self.k + 1)
-        seqs = [p + o + [0] * (width - len(p) - len(o)) for p, o in zip(prompts, outputs)]
-        self.table = torch.tensor(seqs, dtype=torch.int64, device=inner.device)  # [n, width]
-        self.row = {tuple(p): i for i, p in enumerate(prompts)}
-
-    def _drafts(self, rows: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """rows [B], first [B]: the first drafted position -> [B, K] drafts."""
-        pos = first[:, None] + torch.arange(self.k, device=first.device)
-        d = self.table[rows].gather(1, pos.clamp(max=self.table.shape[1] - 1))
-        return torch.where(pos % 5 == 0, (d + 1) % self.vocab, d)
-
-    def propose_verified(self, y, acc, hidden, reqs, starts=None, shift=None):
-        if self.inner.propose_verified(y, acc, hidden, reqs, starts, shift) is None:
-            return None
-        starts = torch.tensor([r.num_computed_tokens for r in reqs] if starts is None else starts)
-        first = starts + (0 if shift is None else shift) + acc + 2  # y[acc] sits at start + 1 + acc
-        rows = torch.tensor([self.row[tuple(r.prompt_token_ids)] for r in reqs])
-        return self._drafts(rows, first)
-
-    def propose(self, chunks):
-        out = self.inner.propose(chunks)
-        for c in chunks:
-            if c.propose:  # the chunk's last token sits at start + len(token_ids)
-                first = torch.tensor([c.start + len(c.token_ids) + 1])
-                out[c.req.request_id] = self._drafts(torch.tensor([self.row[tuple(c.req.prompt_token_ids)]]), first)[
-                    0
-                ].tolist()
-        return out
-
-
-def _oracle(eng, prompts, outputs):
-    oracle = OracleDraft(eng.proposer, prompts, outputs, eng.model_config.vocab_size)
-    eng.proposer = eng.loop.loop.proposer = oracle
-    return eng
 
 
 def _run(eng, prompts):
@@ -93,9 +51,7 @@ def test_oracle_overlapped_equals_serial_and_plain(tiny_ckpt, draft, plain, k): 
             max_num_seqs=8,
             disable_overlap_schedule=not overlap,
         )
-        oracle = OracleDraft(eng.proposer, prompts, plain, eng.model_config.vocab_size)
-        eng.proposer = oracle
-        (eng.loop.loop if overlap else eng.loop).proposer = oracle
+        oracle = install_oracle(eng, prompts, plain)
         log = drafted[overlap] = {}
         inner = oracle.inner.propose_verified
 
@@ -151,7 +107,7 @@ def test_overlapped_requests_ending_mid_step_and_arriving(tiny_ckpt, draft, plai
         spec = SpecConfig(draft_model=draft, num_steps=k) if mode == "spec" else None
         eng = make_engine(tiny_ckpt, spec=spec, page_size=4, max_num_seqs=8)
         if mode == "spec":
-            _oracle(eng, prompts, plain)
+            install_oracle(eng, prompts, plain)
             abort = eng.abort_request
             eng.abort_request = lambda rid, e=eng, a=abort: inflight_aborts.append(e.loop.pending) or a(rid)
         eng.eos_token_ids = frozenset({plain[1][5]})  # "eos" ends at its 6th token
@@ -179,7 +135,7 @@ def test_overlapped_verify_through_static_buffers(tiny_ckpt, draft, plain, k):  
     prompts = _prompts(3)
     eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, max_num_seqs=4)
     eng.runner.capture_graphs(k + 1, eng.max_model_len, use_graphs=False)
-    _oracle(eng, prompts, plain)
+    install_oracle(eng, prompts, plain)
     shifted = []
     run = eng.runner.graphs.run
     eng.runner.graphs.run = lambda key, d, p, t=None, s=None: shifted.append(s is not None) or run(key, d, p, t, s)
