@@ -382,7 +382,7 @@ def main():
         engine_spec = LLMEngine(cfg, runner=engine.runner, spec=spec)
         for b in (1, 8):
             st0, g0 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
-            s, tok, _, _ = ml_tpot(engine_spec, b, 512, vocab)
+            s, tok, overlapped, _ = ml_tpot(engine_spec, b, 512, vocab)
             st, g1 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
             rows.append(
                 dict(
@@ -396,6 +396,8 @@ def main():
                     accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1),
                     # decode-only steps that verified, accepted and drafted on the device (one read back): 1.0
                     device_step_share=(st["spec_device_steps"] - st0["spec_device_steps"]) / max(g1 - g0, 1),
+                    # timed verify steps launched while the one before was in flight (spec_loop.py): 1.0
+                    overlapped=overlapped,
                 )
             )
     if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)

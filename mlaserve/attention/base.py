@@ -47,6 +47,21 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    def shift_decode(self, shift: torch.Tensor, page_size: int) -> None:
+        """Move the first len(shift) decode requests' tokens shift [n] (int64, on the device) positions on: their
+        positions, lengths and KV slots (looked up again in the page table), all on the device. An overlapped
+        verify step is filled for zero accepted tokens before the step in flight has said how many it accepted.
+        The host length mirrors follow only for a backend that reads them (one read back)."""
+        n, q = shift.shape[0], self.decode_q_len
+        pos = self.positions[: n * q].view(n, q)
+        pos += shift[:, None]
+        self.seq_lens[:n] += shift.to(self.seq_lens.dtype)
+        page = self.page_table[:n].gather(1, pos // page_size).long()  # [n, q]
+        self.slot_mapping[: n * q].copy_((page * page_size + pos % page_size).view(-1))
+        if self.attn is None or self.attn.reads_host_decode_lens:
+            for b, s in enumerate(shift.tolist()):
+                self.seq_lens_cpu[b] += s
+
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decode_reqs * self.decode_q_len
@@ -105,6 +120,8 @@ class ForwardBatch:
 
 class AttentionBackend(ABC):
     """Owns the paged latent cache [layers, pages, page_size, R+P] and computes MLA attention over it."""
+
+    reads_host_decode_lens = True  # decode reads seq_lens_cpu (the reference backends); False: only the device's
 
     def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int):
         self.kv_cache = kv_cache

@@ -21,6 +21,8 @@ from .base import AttentionBackend, ForwardBatch
 
 
 class TritonMLABackend(AttentionBackend):
+    reads_host_decode_lens = False  # decode reads batch.seq_lens on the device; the host mirrors size prefill
+
     def __init__(
         self,
         kv_cache: torch.Tensor,

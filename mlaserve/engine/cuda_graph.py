@@ -331,18 +331,27 @@ class GraphRunner:
 
     @torch.inference_mode()
     def run(
-        self, key: tuple, decode: list[SeqChunk], prefill: list[SeqChunk], decode_tokens: torch.Tensor | None = None
+        self,
+        key: tuple,
+        decode: list[SeqChunk],
+        prefill: list[SeqChunk],
+        decode_tokens: torch.Tensor | None = None,
+        decode_shift: torch.Tensor | None = None,
     ):
         """Replay the graph for `key` on these chunks -> (logits of the requested rows, aux of real tokens, the
-        graph's GreedyTokens or None). decode_tokens: the decode chunks' input ids on the device (one each), copied
-        in after the host's, unless they are the input ids already (the last decode graph's arg-max, in order)."""
+        graph's GreedyTokens or None). decode_tokens: the decode chunks' input ids on the device, copied in after
+        the host's, unless they are the input ids already (the last decode graph's arg-max, in order).
+        decode_shift: the decode chunks' positions moved on the device (ForwardBatch.shift_decode)."""
         g = self.graphs[key]
         chunks = decode + prefill
+        n_dec = sum(len(c.token_ids) for c in decode)
         if g.ring_row is not None:
             self._ring = (self._ring + 1) % HOST_RING
-        self._fill(key, g, chunks, 0 if decode_tokens is None else len(decode))
-        if decode_tokens is not None and not self._are_input_ids(decode_tokens, len(decode)):
-            self.input_ids[: len(decode)].copy_(decode_tokens)
+        self._fill(key, g, chunks, 0 if decode_tokens is None else n_dec)
+        if decode_tokens is not None and not self._are_input_ids(decode_tokens, n_dec):
+            self.input_ids[:n_dec].copy_(decode_tokens)
+        if decode_shift is not None:
+            g.batch.shift_decode(decode_shift, self.page_size)
         if g.graph is not None:
             g.graph.replay()
             logits, aux = g.logits, g.aux

@@ -2,7 +2,7 @@
 so one request's bad input cannot disturb the others), one step's events out.
 
 The engine builds the model runner, the KV pool and the scheduler, then steps with the loop its mode needs
-(loop.py): plain, overlapped (one rank, no speculation; the default) or speculative (spec_loop.py).
+(loop.py): plain or speculative (spec_loop.py), each overlapped with the host on one rank (the default).
 """
 
 from __future__ import annotations
@@ -91,10 +91,10 @@ class LLMEngine:
             from .spec_loop import SpecLoop
 
             self.loop = SpecLoop(self)
-        elif ranks.world_size > 1 or cfg.disable_overlap_schedule:
+        else:
             self.loop = Loop(self)
-        else:  # overlapped decode (loop.py): one rank, no speculation
-            self.loop = OverlapLoop(Loop(self))
+        if ranks.world_size == 1 and not cfg.disable_overlap_schedule:  # overlapped steps (loop.py): one rank
+            self.loop = OverlapLoop(self.loop)
 
     # ---- requests ------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

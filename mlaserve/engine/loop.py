@@ -16,8 +16,8 @@ Requests that step i's token ends by length sit step i+1 out; one that step i en
 one more token, which process() drops (its pages are freed at once: later GPU work queues behind step i+1). Then
 step i is read back and postprocessed while the GPU runs step i+1.
 
-A mode overlaps by giving `launch_next`: a verify step (SpecLoop) would fill step i+1 from step i's accepted tokens
-and new drafts on the device, its positions moved there by the accepted counts.
+A mode overlaps by giving `launch_next`: a verify step (SpecLoop) fills step i+1 from step i's accepted tokens
+and new drafts on the device, its positions moved there by the accepted counts (spec_loop.py).
 """
 
 from __future__ import annotations
@@ -208,13 +208,11 @@ class OverlapLoop:
     def pending(self) -> bool:
         return self.inflight is not None
 
-    @property
-    def num_steps(self) -> int:
-        return self.loop.num_steps
-
-    @property
-    def num_overlapped_steps(self) -> int:
-        return self.loop.num_overlapped_steps
+    def __getattr__(self, name: str):
+        """The wrapped loop's counters (num_steps, the speculative counts, ...)."""
+        if name == "loop":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.loop, name)
 
     def step(self) -> list[StepOutput]:
         cur, self.inflight = self.inflight, None

@@ -145,20 +145,27 @@ class ModelRunner:
         return ForwardBatch.build(decode, prefill, self.cfg.page_size, self.device, self.attn)
 
     @torch.inference_mode()
-    def execute(self, decode: list[SeqChunk], prefill: list[SeqChunk], decode_tokens: torch.Tensor | None = None):
+    def execute(
+        self,
+        decode: list[SeqChunk],
+        prefill: list[SeqChunk],
+        decode_tokens: torch.Tensor | None = None,
+        decode_shift: torch.Tensor | None = None,
+    ):
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
         the EAGLE3 aux hidden states [T, 3D] of every token, or None; the decode graph's own arg-max of those rows,
-        a GreedyTokens (engine/cuda_graph.py), or None). decode_tokens [len(decode)] on the device
-        (single rank, one token per decode chunk): the decode chunks' input ids, in place of their token_ids (the
-        tokens the step in flight sampled, not yet read back: the chunks' token_ids then give only their length)."""
+        a GreedyTokens (engine/cuda_graph.py), or None). Device-side inputs (single rank) of a step launched before
+        the step in flight is read back: decode_tokens [decode tokens] the decode chunks' input ids, in place of
+        their token_ids (which then give only their lengths); decode_shift [len(decode)] int64, how many positions
+        each decode chunk starts past its num_cached (ForwardBatch.shift_decode; its pages must cover that)."""
         if self.ranks.world_size > 1:
-            if decode_tokens is not None:
-                raise ValueError("decode_tokens: device-side inputs need a single rank")
+            if decode_tokens is not None or decode_shift is not None:
+                raise ValueError("decode_tokens, decode_shift: device-side inputs need a single rank")
             if not self._awake:
                 tp.broadcast_object(("wake",))
                 self._awake = True
             self.steps.send(decode, prefill)  # the other ranks run the same forward
-        return self.execute_local(decode, prefill, decode_tokens)
+        return self.execute_local(decode, prefill, decode_tokens, decode_shift)
 
     def park(self) -> None:
         """Rank 0, when the engine goes idle: the other ranks stop waiting for steps inside the model group (whose
@@ -168,20 +175,29 @@ class ModelRunner:
             self._awake = False
 
     @torch.inference_mode()
-    def execute_local(self, decode: list[SeqChunk], prefill: list[SeqChunk], decode_tokens: torch.Tensor | None = None):
-        if decode_tokens is not None and (
-            decode_tokens.shape != (len(decode),) or any(len(c.token_ids) != 1 for c in decode)
-        ):
+    def execute_local(
+        self,
+        decode: list[SeqChunk],
+        prefill: list[SeqChunk],
+        decode_tokens: torch.Tensor | None = None,
+        decode_shift: torch.Tensor | None = None,
+    ):
+        n_dec = sum(len(c.token_ids) for c in decode)
+        if decode_tokens is not None and decode_tokens.shape != (n_dec,):
+            raise ValueError(f"decode_tokens: need one id per decode token ({n_dec}), got {tuple(decode_tokens.shape)}")
+        if decode_shift is not None and decode_shift.shape != (len(decode),):
             raise ValueError(
-                f"decode_tokens: need one token per decode chunk ({len(decode)}), got {tuple(decode_tokens.shape)}"
+                f"decode_shift: need one per decode chunk ({len(decode)}), got {tuple(decode_shift.shape)}"
             )
         key = self.graphs.key_for(decode, prefill) if self.graphs is not None else None
         if key is not None:
             self.graph_steps += 1
-            return self.graphs.run(key, decode, prefill, decode_tokens)
+            return self.graphs.run(key, decode, prefill, decode_tokens, decode_shift)
         batch = self.build_batch(decode, prefill)
-        if decode_tokens is not None:  # decode chunks come first, one token each
-            batch.input_ids[: len(decode)].copy_(decode_tokens)
+        if decode_tokens is not None:  # decode chunks come first
+            batch.input_ids[:n_dec].copy_(decode_tokens)
+        if decode_shift is not None:
+            batch.shift_decode(decode_shift, self.cfg.page_size)
         out = self.model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         return self.model.compute_logits(hidden[batch.logits_indices]), aux, None

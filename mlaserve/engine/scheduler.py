@@ -174,6 +174,18 @@ class Scheduler:
             out.decode.append(ScheduledChunk(req, 1, sample=True))
         return out
 
+    def schedule_verify(self, reqs: list[Request], num_new: int, reserve: int) -> SchedulerOutput:
+        """A verify of num_new tokens for each of `reqs` (running requests, in order), planned while the verify
+        before is in flight: how many tokens that one accepts is not known yet, so each request gets the pages of
+        `reserve` tokens past its num_computed_tokens, the most it can need (speculative overlap,
+        engine/spec_loop.py). The caller checked that the pages fit: nobody is preempted and nobody admitted."""
+        out = SchedulerOutput()
+        for req in reqs:
+            if not self._grow(req, req.num_computed_tokens + reserve):
+                raise RuntimeError(f"{req.request_id}: no KV page for an overlapped verify step")
+            out.decode.append(ScheduledChunk(req, num_new, sample=True))
+        return out
+
     def commit_pages(self, req: Request) -> None:
         """Register the request's newly full, computed pages in the prefix cache."""
         done = self.committed_pages.get(req.request_id, 0)

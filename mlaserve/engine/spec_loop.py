@@ -2,10 +2,19 @@
 N = K + 1), prefill chunks as usual; then the drafts are verified, the accepted tokens appended, and the proposer
 drafts again over every request's new tokens.
 
-A decode-only step of greedy requests stays on the device from verify to draft: the target's tokens y [B, N] and
-accepted counts a [B] feed the draft's static step directly (spec/draft_graph.py), and (y, a, drafts) come back
-together in one read. Other steps (prefill chunks, sampled requests, a proposer without a device step) read the
-verify back, then propose from the host.
+A decode-only step of greedy requests stays on the device from verify to draft: launch() verifies (target tokens
+y [B, N], accepted counts a [B]) and feeds them to the draft's static step (spec/draft_graph.py), and (y, a, drafts)
+come back together in one read. Other steps (prefill chunks, sampled requests, a proposer without a device step)
+read the verify back, then propose from the host.
+
+Overlapped verify (OverlapLoop, loop.py). While such a step i is in flight, launch_next launches step i+1 from its
+device outputs when that schedule is certain whatever step i accepts (next_verify): each request is fed
+[y[a], drafts] from the device; its positions, lengths and KV slots are filled on the host for a = 0 (first position
+num_computed_tokens + 1) and moved on by a on the device (ForwardBatch.shift_decode), and so is the draft's step.
+Pages are taken for the most step i can accept. Then step i is read back and processed: num_computed_tokens grows
+by what it accepted, and a request it ends (EOS, a stop, its max_tokens; or an abort meanwhile) has step i+1's
+tokens dropped (its pages are freed at once: later work queues behind step i+1). REPLAY's drafts are chosen on the host
+after the read (verified_drafts), so its steps do not overlap.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from ..attention.base import SeqChunk
 from ..layers.sampler import SamplingRow, sample
 from ..spec.eagle3 import DraftChunk
 from ..spec.verify import count_accepted, verify_greedy, verify_sampled
+from ..types import Request, RequestStatus
 from .loop import Loop, seq_chunk
 from .postprocess import StepOutput
 from .scheduler import ScheduledChunk, SchedulerOutput
@@ -29,25 +39,38 @@ log = logging.getLogger("mlaserve.engine")
 @dataclass
 class VerifyStep:
     """A launched verify step: its schedule, the logits of every verified row and prefill's last rows, the EAGLE3
-    aux hidden states of every token (the proposer's input), and the drafts it verifies ([B, K] on the device)."""
+    aux hidden states of every token (the proposer's input), and the drafts it verifies ([B, K] on the device).
+    A greedy decode-only step also holds its device outputs (y [B, N], accepted [B], next drafts [B, K] or None)
+    and their copy on the way to the host."""
 
     out: SchedulerOutput
     logits: torch.Tensor
     aux: torch.Tensor | None
     drafts: torch.Tensor | None = None
+    verified: tuple | None = None
+    rows: QueuedRows | None = None
 
 
-def read_rows(parts: list[torch.Tensor]) -> list[list[int]]:
-    """[B, *] integer tensors on the device -> their rows side by side, read back in one host sync (through pinned
-    memory and an event on CUDA, so work queued later does not delay the read)."""
-    t = torch.cat([p.to(torch.int64) for p in parts], dim=1)
-    if t.is_cuda:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        ready.synchronize()
-        t = host
-    return t.tolist()
+class QueuedRows:
+    """[B, *] integer tensors on the device, side by side, on their way to the host (through pinned memory and an
+    event on CUDA, so work queued later does not delay the read); read() is the step's one host sync."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.t = torch.cat([p.to(torch.int64) for p in parts], dim=1)  # a fresh tensor: static outputs may change
+        self.ready = None
+        if self.t.is_cuda:
+            self.t = torch.empty(self.t.shape, dtype=self.t.dtype, pin_memory=True).copy_(self.t, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def read(self) -> list[list[int]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.t.tolist()
+
+
+def queue_rows(parts: list[torch.Tensor]) -> QueuedRows:
+    return QueuedRows(parts)
 
 
 class SpecLoop(Loop):
@@ -60,59 +83,124 @@ class SpecLoop(Loop):
         self.spec_device_steps = 0  # of those, the steps that went verify -> accept -> draft on the device
         self._accept_log = [0, 0]  # accepted, steps since the last log line
 
-    def launch(self, out: SchedulerOutput, decode_tokens: torch.Tensor | None = None) -> VerifyStep:
-        drafts = [self.states[c.req.request_id].drafts for c in out.decode]
-        decode = [
-            SeqChunk(seq_chunk(c.req, 1, True).token_ids + d, c.req.num_computed_tokens, c.req.pages, "all")
-            for c, d in zip(out.decode, drafts)
-        ]
+    def launch(
+        self, out: SchedulerOutput, decode_tokens: torch.Tensor | None = None, decode_shift: torch.Tensor | None = None
+    ) -> VerifyStep:
+        """Run the verify's forward and, for a greedy decode-only step, verify and draft on the device; no host
+        sync. decode_tokens [B, N], decode_shift [B] on the device: an overlapped step (launch_next)."""
+        N = self.k + 1
+        if decode_tokens is None:
+            drafts = [self.states[c.req.request_id].drafts for c in out.decode]
+            decode = [
+                SeqChunk(seq_chunk(c.req, 1, True).token_ids + d, c.req.num_computed_tokens, c.req.pages, "all")
+                for c, d in zip(out.decode, drafts)
+            ]
+            # the drafts on the device for the verify's comparison, queued before the forward (no stream sync)
+            dev = torch.tensor(drafts, dtype=torch.int64).to(self.runner.device, non_blocking=True) if drafts else None
+            ids = None
+        else:  # filled for zero accepted tokens by the step in flight, moved on by decode_shift on the device
+            decode = [SeqChunk([0] * N, c.req.num_computed_tokens + 1, c.req.pages, "all") for c in out.decode]
+            dev, ids = decode_tokens[:, 1:], decode_tokens.reshape(-1)
         prefill = [seq_chunk(c.req, c.num_new, c.sample) for c in out.prefill]
-        # the drafts on the device for the verify's comparison, queued before the forward (no stream sync)
-        dev = torch.tensor(drafts, dtype=torch.int64).to(self.runner.device, non_blocking=True) if drafts else None
-        logits, aux, _ = self.runner.execute(decode, prefill)
+        logits, aux, _ = self.runner.execute(decode, prefill, decode_tokens=ids, decode_shift=decode_shift)
         self.num_steps += 1
-        return VerifyStep(out, logits, aux, dev)
-
-    def launch_next(self, cur: VerifyStep) -> None:
-        return None  # verify steps are not overlapped yet (the module docstring of loop.py says how they would be)
-
-    def process(self, step: VerifyStep) -> list[StepOutput]:
-        """Verify each decode request's drafts, sample finished prefills, then let the draft propose again."""
-        out = step.out
+        step = VerifyStep(out, logits, aux, dev)
         if out.decode and not out.prefill and all(c.req.params.greedy for c in out.decode):
-            return self._process_greedy(step)
-        return self._process_mixed(step)
+            self._verify_on_device(step, [c.num_cached for c in decode], decode_shift)
+        return step
 
-    def _process_greedy(self, step: VerifyStep) -> list[StepOutput]:
-        """A decode-only step of greedy requests: verify, accept and draft on the device, then one read back."""
+    def _verify_on_device(self, step: VerifyStep, starts: list[int], shift: torch.Tensor | None) -> None:
+        """Verify, accept and draft from the device outputs, and queue their one read back."""
         out, N = step.out, self.k + 1
         B = len(out.decode)
         self.greedy_decode_steps += 1
         dec = step.logits[: B * N].view(B, N, -1)
         y, acc = verify_greedy(dec, step.drafts, self.runner.kernels.pdl)  # [B, N], [B]
-        reqs = [c.req for c in out.decode]
         hidden = step.aux[: B * N] if step.aux is not None else None
         propose = getattr(self.proposer, "propose_verified", None)
-        drafts = propose(y, acc, hidden, reqs) if propose is not None else None
-        rows = read_rows([y, acc[:, None]] + ([drafts] if drafts is not None else []))  # the step's one host sync
+        reqs = [c.req for c in out.decode]
+        drafts = propose(y, acc, hidden, reqs, starts, shift) if propose is not None else None
+        step.verified = (y, acc, drafts)
+        step.rows = queue_rows([y, acc[:, None]] + ([drafts] if drafts is not None else []))
+
+    def launch_next(self, cur: VerifyStep) -> VerifyStep | None:
+        """Launch the verify after `cur` from cur's device outputs (the module docstring), if its schedule is
+        certain; else None."""
+        if cur.verified is None or cur.verified[2] is None or hasattr(self.proposer, "verified_drafts"):
+            return None  # no device drafts to feed (or REPLAY's, chosen on the host)
+        reqs = self.next_verify(cur.out)
+        if not reqs:
+            return None
+        N = self.k + 1
+        out = self.scheduler.schedule_verify(reqs, N, 2 * N + self.k)
+        y, acc, drafts = cur.verified
+        row = {id(c.req): j for j, c in enumerate(cur.out.decode)}
+        idx = [row[id(r)] for r in reqs]
+        if idx != list(range(len(cur.out.decode))):
+            sel = torch.tensor(idx).to(y.device, non_blocking=True)  # no stream sync
+            y, acc, drafts = y[sel], acc[sel], drafts[sel]
+        acc = acc.to(torch.int64)
+        ids = torch.cat([y.gather(1, acc[:, None]), drafts.to(torch.int64)], dim=1)  # [B, N]: a fresh tensor
+        return self.launch(out, decode_tokens=ids, decode_shift=acc)
+
+    def next_verify(self, out: SchedulerOutput) -> list[Request] | None:
+        """The requests that verify after `out`, in the scheduler's order, when that schedule is certain whatever
+        `out` accepts: `out` is a decode-only step of every running request (each is greedy and decodes next), no
+        waiting request would be admitted, and the pages for the most `out` can accept are free without
+        preempting anyone. A request that `out` surely ends by length, or whose next verify could pass
+        max_model_len, sits it out; one that `out` may end (by length, EOS, a stop) is fed and its tokens dropped
+        if it ends. None: not certain."""
+        sch, pool, N = self.scheduler, self.scheduler.pool, self.k + 1
+        if out.prefill or not out.decode or len(out.decode) != len(sch.running):
+            return None
+        ending, pages = set(), 0
+        for c in out.decode:
+            req = c.req
+            if req.status != RequestStatus.RUNNING or req.request_id not in self.states or not req.params.greedy:
+                return None
+            if self.post.at_length(req, 1) or req.num_tokens + N >= self.post.max_model_len:
+                ending.add(id(req))
+            else:
+                pages += max(0, pool.pages_for(req.num_computed_tokens + 2 * N + self.k) - len(req.pages))
+        n = len(sch.running) - len(ending)
+        if sch.waiting and n < self.cfg.max_num_seqs:
+            return None  # a waiting request gets admitted: schedule after reading this step back
+        if pages > pool.num_free or n * N > self.cfg.max_num_batched_tokens:
+            return None
+        return [r for r in sch.running if id(r) not in ending]
+
+    def process(self, step: VerifyStep) -> list[StepOutput]:
+        """Verify each decode request's drafts, sample finished prefills, then let the draft propose again."""
+        if step.verified is not None:
+            return self._process_greedy(step)
+        return self._process_mixed(step)
+
+    def _process_greedy(self, step: VerifyStep) -> list[StepOutput]:
+        """A decode-only step of greedy requests, verified and drafted on the device: its one read back."""
+        out, N = step.out, self.k + 1
+        drafts = step.verified[2]
+        rows = step.rows.read()  # the step's one host sync
         if drafts is not None:
             self.spec_device_steps += 1
         final = getattr(self.proposer, "verified_drafts", None)
-        results, chunks = [], []
+        results, chunks, accepted = [], [], 0
         for b, c in enumerate(out.decode):
+            if c.req.status == RequestStatus.FINISHED:  # ended by the step before, or aborted: drop its tokens
+                continue
             a = rows[b][N]
             toks, start = rows[b][: a + 1], c.req.num_computed_tokens
             ev = self._accept(c, toks)
             results.append(ev)
+            accepted += a
             if ev.finished:
                 continue
-            if drafts is None:
+            if drafts is None:  # aux is still this step's: no step is launched after one without device drafts
                 chunks.append(DraftChunk(c.req, toks, start, _rows(step.aux, b * N, N), propose=True, verify=True))
             else:
                 d = rows[b][N + 1 :]
                 self.states[c.req.request_id].drafts = final(c.req, d) if final is not None else d
         self._propose(chunks)
-        self._log_acceptance(B, sum(r[N] for r in rows))
+        self._log_acceptance(len(results), accepted)
         return results
 
     def _process_mixed(self, step: VerifyStep) -> list[StepOutput]:

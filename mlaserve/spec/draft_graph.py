@@ -115,6 +115,7 @@ class DraftGraphs:
         """mirrors: fill the chained steps' host lengths (the reference backends read them; eager only)."""
         self._prepare(B)
         if mirrors:
+            batches[0].seq_lens_cpu[:] = self.ext_seq[:B].tolist()
             for i, b in enumerate(batches[1:]):
                 b.seq_lens_cpu[:] = self.dec_seq[i, :B].tolist()
         draft, ext = self.p.draft, batches[0]
@@ -167,19 +168,27 @@ class DraftGraphs:
         if self._table != (view.shape, table):
             view.copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
             self._table = (view.shape, table)
-        batches[0].seq_lens_cpu[:] = [s + self.N for s in starts] + [self.N] * pad  # host mirrors (eager)
 
     @torch.inference_mode()
     def run_verified(
-        self, y: torch.Tensor, acc: torch.Tensor, hidden: torch.Tensor, starts: list[int], pages: list[list[int]]
+        self,
+        y: torch.Tensor,
+        acc: torch.Tensor,
+        hidden: torch.Tensor,
+        starts: list[int],
+        pages: list[list[int]],
+        shift: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Draft after a verify, from its device outputs: y [n, N] target tokens, acc [n] accepted counts,
-        hidden [n * N, 3D] its aux hidden states; starts: each row's first verified position -> drafts [n, K] on the
-        device (a static buffer under graphs: read it before the next run)."""
+        hidden [n * N, 3D] its aux hidden states; starts: each row's first verified position, plus shift [n] (int64
+        on the device) when the verify was launched before the step before it was read back -> drafts [n, K] on
+        the device (a static buffer under graphs: copy it before the next run)."""
         n, N = len(starts), self.N
         B = self.bucket(n)
         graph, batches, out = self.graphs[B]
         self._fill(B, batches, starts, pages)
+        if shift is not None:
+            self.base[:n] += shift
         self.ext_ids[: n * N].copy_(y.reshape(-1))
         self.acc[:n].copy_(acc)
         if n < B:  # padding rows: take row 0 of their own

@@ -153,16 +153,23 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose_verified(
-        self, y: torch.Tensor, acc: torch.Tensor, hidden: torch.Tensor | None, reqs: list[Request]
+        self,
+        y: torch.Tensor,
+        acc: torch.Tensor,
+        hidden: torch.Tensor | None,
+        reqs: list[Request],
+        starts: list[int] | None = None,
+        shift: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Draft after a decode-only verify, from its device outputs (y [B, N] target tokens, acc [B] accepted counts,
-        hidden [B * N, 3D] aux hidden states; each request's num_computed_tokens still the verify's first position)
-        -> drafts [B, K] on the device, with no host round trip; None: the static step does not fit (the caller reads
-        y and acc back and calls propose)."""
+        hidden [B * N, 3D] aux hidden states) -> drafts [B, K] on the device, with no host round trip; None: the
+        static step does not fit (the caller reads y and acc back and calls propose). The verify's first positions:
+        starts (default each request's num_computed_tokens) plus shift [B] on the device, if given."""
         pages = [r.pages for r in reqs]
         if self.graphs is None or hidden is None or not self.graphs.fits(pages):
             return None
-        return self.graphs.run_verified(y, acc, hidden, [r.num_computed_tokens for r in reqs], pages)
+        starts = [r.num_computed_tokens for r in reqs] if starts is None else starts
+        return self.graphs.run_verified(y, acc, hidden, starts, pages, shift)
 
     @torch.inference_mode()
     def propose(self, chunks: list[DraftChunk]) -> dict[str, list[int]]:

@@ -140,13 +140,13 @@ class ReplayProposer:
         self.proposed_tokens += self.k
         return out
 
-    def propose_verified(self, y, acc, hidden, reqs):
+    def propose_verified(self, y, acc, hidden, reqs, starts=None, shift=None):
         """The device step after a decode-only verify (Eagle3Proposer.propose_verified): the draft model's drafts
         [B, K] when one runs, or nothing to draft ([B, 0]); the replayed tokens are chosen once the step is read back
         (verified_drafts). None: the draft model's static step does not fit."""
         if self.inner is None:
             return y.new_empty((y.shape[0], 0))
-        return self.inner.propose_verified(y, acc, hidden, reqs)
+        return self.inner.propose_verified(y, acc, hidden, reqs, starts, shift)
 
     def verified_drafts(self, req: Request, drafts: list[int]) -> list[int]:
         """The drafts after a device step, once the step's tokens are appended: the recording's, the draft model's

@@ -55,8 +55,8 @@ def recording(plain, tmp_path_factory):
 def _run(eng, prompts, monkeypatch):
     """-> outputs; checks that every decode-only step took the device path with one read back."""
     reads = []
-    real = spec_loop.read_rows
-    monkeypatch.setattr(spec_loop, "read_rows", lambda parts: reads.append(len(parts)) or real(parts))
+    real = spec_loop.queue_rows
+    monkeypatch.setattr(spec_loop, "queue_rows", lambda parts: reads.append(len(parts)) or real(parts))
     verify_chunks = []
     propose = eng.proposer.propose
     eng.proposer.propose = lambda chunks: verify_chunks.extend(c for c in chunks if c.verify) or propose(chunks)

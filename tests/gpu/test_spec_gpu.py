@@ -1,7 +1,9 @@
 """On a GPU, under CUDA graphs: a draft trained on the GPU by train-draft keeps speculative greedy equal to plain for
 K = 1, 2, 3 through the draft's captured graph step fed by the verify on the device (one read back a step), and
 drafts what the eager engine drafts; the REPLAY draft's acceptance per position is exactly what its misses imply
-(full acceptance, none, and partial)."""
+(full acceptance, none, and partial); verify steps overlapped with the host (positions moved on the device by the
+accepted counts) keep greedy equal to plain at several tokens accepted a step, and draft what the serial loop
+drafts."""
 
 import random
 
@@ -57,6 +59,7 @@ def test_trained_draft_under_graphs_keeps_greedy(tiny_ckpt, trained, plain, k):
     print(f"K={k}: {st['spec_steps']} verify steps, accepted per position {st['spec_accepted_per_position']}")
     assert st["spec_accepted_per_position"][0] > 0 and draft_runs  # accepted drafts, through the captured step
     assert st["spec_device_steps"] == llm.engine.loop.greedy_decode_steps > 0  # every decode step on the device
+    assert st["overlapped_steps"] > 0  # verify steps launched while the one before was in flight
     assert all(g[0] is not None for g in llm.engine.proposer.graphs.graphs.values())
     assert [sum(r[i] for r in per_req) for i in range(k)] == st["spec_accepted_per_position"]
 
@@ -111,3 +114,56 @@ def test_device_step_drafts_like_eager(tiny_ckpt, trained, plain, k):
         assert (st["spec_device_steps"] > 0) != eager
         seen[eager] = log, st["spec_accepted_per_position"]
     assert seen[True] == seen[False]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_overlapped_verify_under_graphs(tiny_ckpt, plain, tmp_path, k):
+    """A device oracle draft (tests/helpers/oracle_draft.py: most drafts accepted) through the verify's and the
+    draft's captured graphs, overlapped and serial (disable_overlap_schedule): both give plain greedy's outputs,
+    only the first overlaps, and their EAGLE3 drafts agree at every (position, accepted count) both saw."""
+    import torch
+
+    from mlaserve import LLM, SamplingParams
+    from mlaserve.models.make_random_draft import make_random_draft
+    from tests.helpers.oracle_draft import install_oracle
+
+    prompts = _prompts()
+    draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
+    drafted = {}
+    for overlap in (True, False):
+        llm = LLM(
+            tiny_ckpt,
+            device="cuda",
+            dtype="float32",
+            speculative_config={"draft_model": draft, "num_steps": k},
+            num_pages=2048,
+            page_size=64,
+            disable_overlap_schedule=not overlap,
+        )
+        eng = llm.engine
+        oracle = install_oracle(eng, prompts, plain)
+        inner, log = oracle.inner.propose_verified, drafted.setdefault(overlap, {})
+
+        def logged(y, acc, hidden, reqs, starts=None, shift=None, f=inner, lg=log):
+            d = f(y, acc, hidden, reqs, starts, shift)
+            s = torch.tensor([r.num_computed_tokens for r in reqs] if starts is None else starts, device=y.device)
+            lg.setdefault("steps", []).append((reqs, s + (0 if shift is None else shift), acc.clone(), d.clone()))
+            return d
+
+        oracle.inner.propose_verified = logged
+        rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)) for p in prompts]
+        out = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += o.new_token_ids
+        assert [out[r] for r in rids] == plain
+        st = eng.stats()
+        assert (st["overlapped_steps"] > 0) == overlap, st
+        assert st["spec_device_steps"] == eng.loop.greedy_decode_steps > 0, st
+        assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st
+        table = {}
+        for reqs, s, a, d in log.pop("steps"):  # read back after the run: no syncs inside it
+            for r, x, n, row in zip(reqs, s.tolist(), a.tolist(), d.tolist()):
+                table[(tuple(r.prompt_token_ids), x, n)] = row
+        drafted[overlap] = table
+    assert drafted[False] and {x: drafted[True].get(x) for x in drafted[False]} == drafted[False]
