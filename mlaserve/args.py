@@ -5,9 +5,12 @@ imports the command line."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 from .config import ParallelConfig
 from .types import SamplingParams
+
+log = logging.getLogger("mlaserve")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -17,14 +20,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's) | bfloat16 | float16 | float32")
     g.add_argument("--page-size", type=int, default=64, help="tokens per KV-cache page")
     g.add_argument("--num-pages", type=int, default=None, help="KV-cache pages (default: sized from memory)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    g.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=0.90)
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="CPU: KV-cache size")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    g.add_argument(
+        "--max-num-seqs", "--max-running-requests", type=int, default=256, help="most requests running at once"
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
     g.add_argument("--chunked-prefill-size", type=int, default=8192, help="largest prefill chunk per request")
-    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
+        "--max-model-len",
+        "--context-length",
+        type=int,
+        default=None,
+        help="prompt + output limit (default: the model's)",
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--disable-radix-cache",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="no prefix caching (on by default)",
+    )
+    g.add_argument("--enforce-eager", "--disable-cuda-graph", action="store_true", help="no CUDA graphs")
     g.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
@@ -46,6 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=20,
         help="the most alternatives a request's logprobs, top_logprobs or prompt_logprobs may ask for",
     )
+    add_compat_args(p)
     add_parallel_args(p)
     s = p.add_argument_group("speculative decoding")
     s.add_argument(
@@ -106,6 +125,8 @@ ENGINE_FIELDS = (
 
 
 def engine_kwargs_from_args(args) -> dict:
+    for line in compat_notes(args):
+        log.info(line)
     kw = {f: getattr(args, f) for f in ENGINE_FIELDS}
     for f in ("tp", "attn_tp_size", "moe_tp_size", "ep_size"):
         if getattr(args, f, None) is not None:
@@ -167,11 +188,73 @@ def sampling_params_from_args(args) -> SamplingParams:
     )
 
 
+def kv_cache_dtype(value: str) -> str:
+    """--kv-cache-dtype: the latent cache is held in the model's dtype (--dtype); anything else is refused, never
+    ignored."""
+    if value == "auto":
+        return value
+    if value.startswith("fp8"):
+        raise argparse.ArgumentTypeError(
+            f"{value}: an FP8 KV cache is not implemented yet (the MLA kernels read the latent cache in the model's "
+            "dtype); use auto"
+        )
+    raise argparse.ArgumentTypeError(f"{value!r}: the KV cache is held in the model's dtype (--dtype); use auto")
+
+
+def add_compat_args(p: argparse.ArgumentParser) -> None:
+    """vLLM flags that people paste, each accepted with the meaning it has here (SGLang's names are aliases on the
+    flags above: --mem-fraction-static, --context-length, --max-running-requests, --disable-radix-cache,
+    --disable-cuda-graph, --tp-size)."""
+    g = p.add_argument_group("accepted for compatibility")
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted: mlaserve runs no code from the model folder (its model classes are built in)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        type=kv_cache_dtype,
+        default="auto",
+        help="auto: the model's dtype (an FP8 cache is refused until implemented)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="accepted: prefix caching is on unless --no-prefix-caching",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action="store_true",
+        help="accepted: prefill is always chunked (--chunked-prefill-size, --max-num-batched-tokens)",
+    )
+    g.add_argument(
+        "--swap-space",
+        type=float,
+        default=None,
+        help="accepted: a preempted request's KV is recomputed, never swapped to the CPU, so no swap space is used",
+    )
+
+
+def compat_notes(args) -> list[str]:
+    """One line for each accepted compatibility flag that was given, saying what it means here."""
+    notes = []
+    if getattr(args, "trust_remote_code", False):
+        notes.append("--trust-remote-code: accepted; mlaserve runs no code from the model folder")
+    if getattr(args, "enable_chunked_prefill", False):
+        notes.append("--enable-chunked-prefill: accepted; prefill is always chunked")
+    if getattr(args, "swap_space", None) is not None:
+        notes.append("--swap-space: accepted; preempted requests recompute their KV, nothing is swapped")
+    return notes
+
+
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism (one process per rank; world = attn-tp = moe-tp * ep)")
     g.add_argument(
         "--tp",
         "--tensor-parallel-size",
+        "--tp-size",
         dest="tp",
         type=int,
         default=None,

@@ -20,3 +20,33 @@ def test_help_shows_defaults(argv, capsys):
     assert "(default:" in out
     if argv == ["serve"]:
         assert "--max-logprobs" in out and "(default: 20)" in " ".join(out.split())
+
+
+def test_pasted_vllm_and_sglang_flags_mean_what_they_say():
+    """vLLM's flags are accepted with their meaning here, SGLang's names are aliases, an FP8 KV cache is refused."""
+    import argparse
+
+    from mlaserve.args import add_engine_args, compat_notes, engine_kwargs_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    a = p.parse_args(
+        ["--mem-fraction-static", "0.5", "--context-length", "4096", "--max-running-requests", "7", "--tp-size", "2"]
+        + ["--disable-cuda-graph", "--disable-radix-cache", "--trust-remote-code", "--swap-space", "4"]
+    )
+    kw = engine_kwargs_from_args(a)
+    assert kw["gpu_memory_utilization"] == 0.5 and kw["max_model_len"] == 4096 and kw["max_num_seqs"] == 7
+    assert kw["tp"] == 2 and kw["enforce_eager"] and kw["enable_prefix_caching"] is False
+    assert [n.split(":")[0] for n in compat_notes(a)] == ["--trust-remote-code", "--swap-space"]
+    assert p.parse_args([]).enable_prefix_caching is True
+    assert p.parse_args(["--enable-prefix-caching"]).enable_prefix_caching is True
+    assert p.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert p.parse_args(["--kv-cache-dtype", "auto"]).kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize("value,says", [("fp8", "FP8 KV cache is not implemented"), ("float16", "model's dtype")])
+def test_kv_cache_dtype_other_than_auto_is_refused_in_one_line(value, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--kv-cache-dtype", value, "--prompt", "hi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "--kv-cache-dtype" in err[-1] and says in err[-1]
