@@ -63,19 +63,34 @@ def _side(runs: list[tuple[str, dict]], key: str) -> dict:
     return {"runs": vals, "median": statistics.median(known), "min": min(known), "max": max(known)}
 
 
+def verdict(b: dict, c: dict, higher: bool) -> str:
+    """'better' / 'worse' when the candidate's median moved the good / bad way and lies outside the baseline's
+    run-to-run range; 'within range' when it lies inside it (or with one run a side, when equal); 'n/a'."""
+    if b["median"] is None or c["median"] is None:
+        return "n/a"
+    if b["min"] <= c["median"] <= b["max"]:
+        return "within range"
+    return "better" if (c["median"] > b["median"]) == higher else "worse"
+
+
 def figure_rows(base: list[tuple[str, dict]], cand: list[tuple[str, dict]]) -> list[dict]:
-    """Per figure: median over runs of each run's median, the min-max range per side, % improvement."""
+    """Per figure: median over runs of each run's median, the min-max range per side, the raw change (candidate -
+    baseline, in the figure's unit), % improvement (positive = better), which way is better, and a verdict."""
     rows = []
     for name, key, unit, higher in FIGURES:
         b, c = _side(base, key), _side(cand, key)
+        known = b["median"] is not None and c["median"] is not None
         rows.append(
             {
                 "figure": name,
                 "key": key,
                 "unit": unit,
+                "better": "higher" if higher else "lower",
                 "baseline": b,
                 "candidate": c,
+                "change": c["median"] - b["median"] if known else None,
                 "change_pct": pct_improvement(b["median"], c["median"], higher),
+                "verdict": verdict(b, c, higher),
             }
         )
     return rows
@@ -164,17 +179,18 @@ def _num(v, unit: str = "") -> str:
 
 def format_table(rows: list[dict], nb: int, nc: int) -> str:
     hdr = (
-        f"{'figure (median)':<26}{f'baseline (n={nb})':>14}{'baseline range':>24}"
-        f"{f'candidate (n={nc})':>16}{'candidate range':>24}{'change':>10}"
+        f"{'figure (median)':<26}{'better':>8}{f'baseline (n={nb})':>14}{'baseline range':>24}"
+        f"{f'candidate (n={nc})':>16}{'candidate range':>24}{'change':>12}{'improvement':>13}{'verdict':>15}"
     )
     lines = [hdr, "-" * len(hdr)]
     for r in rows:
         b, c = r["baseline"], r["candidate"]
         ch = "n/a" if r["change_pct"] is None else f"{r['change_pct']:+.3f}%"
+        raw = "n/a" if r["change"] is None else f"{r['change']:+.3f}"
         lines.append(
-            f"{r['figure'] + ' (' + r['unit'] + ')':<26}{_num(b['median']):>14}"
+            f"{r['figure'] + ' (' + r['unit'] + ')':<26}{r['better']:>8}{_num(b['median']):>14}"
             f"{_num(b['min']) + ' - ' + _num(b['max']):>24}{_num(c['median']):>16}"
-            f"{_num(c['min']) + ' - ' + _num(c['max']):>24}{ch:>10}"
+            f"{_num(c['min']) + ' - ' + _num(c['max']):>24}{raw:>12}{ch:>13}{r['verdict']:>15}"
         )
     return "\n".join(lines)
 

@@ -169,6 +169,12 @@ def test_figure_rows_median_of_medians():
     assert rows["TTFT"]["change_pct"] == pytest.approx(25.0)
     assert rows["output throughput"]["change_pct"] == pytest.approx(20.0)
     assert rows["E2EL"]["change_pct"] is None
+    # which way is better, the raw change in the figure's unit, and the verdict against the baseline's range
+    assert rows["TTFT"]["better"] == "lower" and rows["output throughput"]["better"] == "higher"
+    assert rows["TTFT"]["change"] == pytest.approx(-5.0) and rows["TTFT"]["verdict"] == "within range"
+    assert rows["output throughput"]["change"] == pytest.approx(20.0)
+    assert rows["output throughput"]["verdict"] == "better"
+    assert rows["TPOT"]["verdict"] == "within range" and rows["E2EL"]["verdict"] == "n/a"
 
 
 def test_unreadable_file_exits_2(tmp_path, capsys):
