@@ -225,6 +225,7 @@ def cli_main(args) -> int:
     rc = run_if_follower_node(args)
     if rc is not None:
         return rc
+    check_port_free(args.host, args.port)  # before minutes of loading, not after
     llm = LLM(args.model, max_queue_len=args.max_queue_len, **engine_kwargs_from_args(args))
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.engine_config.model))
     server = Server(llm.engine, name, args.host, args.port, args.max_request_bytes, log_level=args.log_level.lower())
@@ -242,6 +243,17 @@ def cli_main(args) -> int:
             os._exit(1)
         llm.close()
     return rc
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError naming --host / --port when the server could not bind them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
 
 
 def _exit_after(seconds: float, e: BaseException) -> None:

@@ -50,3 +50,29 @@ def test_kv_cache_dtype_other_than_auto_is_refused_in_one_line(value, says, caps
         main(["generate", "--kv-cache-dtype", value, "--prompt", "hi"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "--kv-cache-dtype" in err[-1] and says in err[-1]
+
+
+def test_an_error_is_one_line_with_exit_code_2_and_debug_shows_the_traceback(tmp_path, capsys):
+    from mlaserve.config import ConfigError
+
+    missing = str(tmp_path / "no-model")
+    assert main(["generate", missing, "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mlaserve: error: ") and "config.json" in err[0]
+    with pytest.raises(ConfigError):
+        main(["generate", missing, "--prompt", "hi", "--debug"])
+    with pytest.raises(ConfigError):
+        main(["--debug", "generate", missing, "--prompt", "hi"])
+
+
+def test_serve_checks_the_port_before_loading_the_model(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # the model folder does not exist either: the port's error coming first proves the order
+        assert main(["serve", str(tmp_path / "no-model"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--port {port}" in err[0] and "config.json" not in err[0]
