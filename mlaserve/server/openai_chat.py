@@ -15,18 +15,7 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req: ChatCompletionRequest = await ctx.parse(request, ChatCompletionRequest)
-        tok = ctx.tok
-        if tok is None or not tok.has_chat_template:
-            raise APIError(400, "messages: this model has no chat template; use /v1/completions", "messages")
-        try:
-            text = tok.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
-            )
-        except (ValueError, TypeError) as e:
-            msg = str(e)
-            raise APIError(400, msg if msg.startswith("messages") else f"messages: {msg}", "messages") from None
+        text = ctx.render_chat(req)
         try:
             lp = (req.top_logprobs or 0) if req.logprobs else None
             if lp and lp > ctx.llm.cfg.max_logprobs:

@@ -99,6 +99,22 @@ class ServingContext:
         return req
 
     # ---- prompts -------------------------------------------------------------------------------------
+    def render_chat(self, req) -> str:
+        """A request's `messages` through the model's chat template (req: the chat or tokenize request) -> the
+        prompt text; a 400 naming `messages` when there is no template or the template rejects them."""
+        tok = self.tok
+        if tok is None or not tok.has_chat_template:
+            raise APIError(400, "messages: this model has no chat template; use /v1/completions", "messages")
+        try:
+            return tok.apply_chat_template(
+                [m.model_dump(exclude_none=True) for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise APIError(400, msg if msg.startswith("messages") else f"messages: {msg}", "messages") from None
+
     async def encode(self, text: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
         if self.tok is None:
             raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)

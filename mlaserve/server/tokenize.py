@@ -44,16 +44,7 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
         if tok is None:
             raise APIError(400, "prompt: this model has no tokenizer", "prompt")
         if req.messages is not None:
-            if not tok.has_chat_template:
-                raise APIError(400, "messages: this model has no chat template", "messages")
-            try:
-                text = tok.apply_chat_template(
-                    [m.model_dump(exclude_none=True) for m in req.messages],
-                    add_generation_prompt=req.add_generation_prompt,
-                    **(req.chat_template_kwargs or {}),
-                )
-            except (ValueError, TypeError) as e:
-                raise APIError(400, f"messages: {e}", "messages") from None
+            text = ctx.render_chat(req)
             ids = await ctx.encode(text, add_special_tokens=bool(req.add_special_tokens), field="messages")
         elif req.prompt is not None:
             special = True if req.add_special_tokens is None else req.add_special_tokens
