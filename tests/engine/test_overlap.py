@@ -10,33 +10,8 @@ import pytest
 from mlaserve.tokenizer import Tokenizer
 from mlaserve.types import SamplingParams
 
+from ..helpers.engine_drive import drive, summary
 from .conftest import make_engine
-
-
-def _drive(engine, arrivals, aborts):
-    """arrivals: {call: [(key, prompt, params)]}; aborts: {call: [key]} -> {key: events} and the calls made."""
-    ids, events, call = {}, {}, 0
-    while engine.has_unfinished() or call <= max(arrivals):
-        for key, prompt, params in arrivals.get(call, []):
-            ids[key] = engine.add_request(prompt, params)
-        for key in aborts.get(call, []):
-            engine.abort_request(ids[key])
-        for o in engine.step():
-            key = next(k for k, r in ids.items() if r == o.request_id)
-            events.setdefault(key, []).append(o)
-        call += 1
-    return events
-
-
-def _summary(evs):
-    return (
-        [t for e in evs for t in e.new_token_ids],
-        "".join(e.new_text for e in evs),
-        evs[-1].finished,
-        evs[-1].finish_reason,
-        evs[-1].stop_reason,
-        evs[-1].usage.completion_tokens,
-    )
 
 
 def _workload(tiny_ckpt):
@@ -83,12 +58,12 @@ def test_overlapped_decode_equals_plain_loop(tiny_ckpt, page_size):
     runs = []
     for overlap in (False, True):
         engine = make_engine(tiny_ckpt, page_size=page_size, max_num_seqs=8, disable_overlap_schedule=not overlap)
-        runs.append((_drive(engine, arrivals, aborts), engine.stats()["overlapped_steps"]))
+        runs.append((drive(engine, arrivals, aborts), engine.stats()["overlapped_steps"]))
     (plain, n_plain), (over, n_over) = runs
     assert n_plain == 0 and n_over > 10, (n_plain, n_over)
     assert plain.keys() == over.keys()
     for key in plain:
-        a, b = _summary(plain[key]), _summary(over[key])
+        a, b = summary(plain[key]), summary(over[key])
         if key == "aborted":  # overlapped, admissions wait for the launched step: the abort lands earlier in it
             assert b[0] == a[0][: len(b[0])] and not a[2] and not b[2], (a, b)
             continue

@@ -16,6 +16,7 @@ from mlaserve.spec.replay import write_recordings
 from mlaserve.tokenizer import Tokenizer
 from mlaserve.types import SamplingParams
 
+from ..helpers.engine_drive import drive, ending_mid_step, stop_string_in, summary
 from ..spec.test_replay import expected_per_position
 from .conftest import make_engine
 
@@ -100,54 +101,15 @@ def test_replay_device_step_exact_acceptance(tiny_ckpt, draft, plain, recording,
     assert all(t.recorded is not None for t in eng.proposer.tracks.values())  # no output left its recording
 
 
-def _drive(engine, arrivals, aborts):
-    """arrivals: {call: [(key, prompt, params)]}; aborts: {call: [key]} -> {key: events}."""
-    ids, events, call = {}, {}, 0
-    while engine.has_unfinished() or call <= max(arrivals):
-        for key, prompt, params in arrivals.get(call, []):
-            ids[key] = engine.add_request(prompt, params)
-        for key in aborts.get(call, []):
-            engine.abort_request(ids[key])
-        for o in engine.step():
-            key = next(k for k, r in ids.items() if r == o.request_id)
-            events.setdefault(key, []).append(o)
-        call += 1
-    return events
-
-
-def _summary(evs):
-    e = evs[-1]
-    toks = [t for x in evs for t in x.new_token_ids]
-    return toks, "".join(x.new_text for x in evs), e.finished, e.finish_reason, e.stop_reason, e.usage.completion_tokens
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_requests_ending_mid_step_and_arriving(tiny_ckpt, draft, plain, recording, k):
     """EOS, stop token, stop string and length inside a verify's accepted tokens; arrivals and an abort mid-run.
     The REPLAY draft at full acceptance makes every step emit K + 1 tokens, so the stops fall inside a step."""
     prompts = _prompts(8)
     g0 = plain[0]
-    tok = Tokenizer.from_pretrained(tiny_ckpt)
-    text = tok.decode(g0)
-    stop = next(
-        (
-            text[i : i + 2]
-            for i in range(len(text) // 2, len(text) - 2)
-            if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
-        ),
-        None,
-    )
+    stop = stop_string_in(Tokenizer.from_pretrained(tiny_ckpt).decode(g0))
     g = dict(temperature=0, ignore_eos=True)
-    arrivals = {
-        0: [
-            ("len", prompts[0], SamplingParams(max_tokens=7, **g)),
-            ("stop_tok", prompts[0], SamplingParams(max_tokens=MAX, stop_token_ids=[g0[6]], **g)),
-            ("eos", prompts[1], SamplingParams(temperature=0, max_tokens=MAX)),
-            ("full", prompts[2], SamplingParams(max_tokens=MAX, **g)),
-        ],
-        3: [("late", prompts[3], SamplingParams(max_tokens=9, **g))],
-        5: [("aborted", prompts[4], SamplingParams(max_tokens=MAX, **g)), ("late2", prompts[5], GREEDY)],
-    }
+    arrivals = ending_mid_step(prompts, g0, MAX, GREEDY)
     if stop:
         arrivals[0].append(("stop_str", prompts[0], SamplingParams(max_tokens=MAX, stop=[stop], **g)))
     aborts = {8: ["aborted"]}
@@ -160,16 +122,16 @@ def test_requests_ending_mid_step_and_arriving(tiny_ckpt, draft, plain, recordin
             )
         eng = make_engine(tiny_ckpt, spec=spec, page_size=4, max_num_seqs=8, disable_overlap_schedule=True)
         eng.eos_token_ids = frozenset({plain[1][5]})  # "eos" ends at its 6th token
-        runs[mode] = _drive(eng, arrivals, aborts)
+        runs[mode] = drive(eng, arrivals, aborts)
         if mode == "spec":
             assert eng.stats()["spec_device_steps"] > 0
     for key in runs["plain"]:
-        a, b = _summary(runs["plain"][key]), _summary(runs["spec"][key])
+        a, b = summary(runs["plain"][key]), summary(runs["spec"][key])
         if key == "aborted":  # more tokens a step: the abort lands later in the output
             assert a[0][: len(b[0])] == b[0][: len(a[0])] and not a[2] and not b[2]
             continue
         assert a == b, f"{key}: plain {a} vs speculative {b}"
     spec = runs["spec"]
-    assert spec["eos"][-1].finish_reason == "stop" and len(_summary(spec["eos"])[0]) == 6
+    assert spec["eos"][-1].finish_reason == "stop" and len(summary(spec["eos"])[0]) == 6
     assert spec["len"][-1].finish_reason == "length" and spec["stop_tok"][-1].stop_reason == g0[6]
     assert any(len(e.new_token_ids) > 1 for e in spec["full"])  # verify steps emitted several tokens

@@ -12,10 +12,11 @@ from mlaserve.attention.base import ForwardBatch, SeqChunk
 from mlaserve.config import SpecConfig
 from mlaserve.tokenizer import Tokenizer
 from mlaserve.types import SamplingParams
+from tests.helpers.engine_drive import drive, ending_mid_step, stop_string_in, summary
 from tests.helpers.oracle_draft import install_oracle
 
 from .conftest import make_engine
-from .test_spec_device_path import GREEDY, MAX, _drive, _prompts, _summary, draft, plain  # noqa: F401 (fixtures)
+from .test_spec_device_path import GREEDY, MAX, _prompts, draft, plain  # noqa: F401 (fixtures)
 
 
 def _run(eng, prompts):
@@ -78,27 +79,10 @@ def test_overlapped_requests_ending_mid_step_and_arriving(tiny_ckpt, draft, plai
     step is in flight."""
     prompts = _prompts(8)
     g0 = plain[0]
-    text = Tokenizer.from_pretrained(tiny_ckpt).decode(g0)
-    stop = next(
-        (
-            text[i : i + 2]
-            for i in range(len(text) // 2, len(text) - 2)
-            if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
-        ),
-        None,
-    )
+    stop = stop_string_in(Tokenizer.from_pretrained(tiny_ckpt).decode(g0))
     g = dict(temperature=0, ignore_eos=True)
-    arrivals = {
-        0: [
-            ("len", prompts[0], SamplingParams(max_tokens=7, **g)),
-            ("stop_tok", prompts[0], SamplingParams(max_tokens=MAX, stop_token_ids=[g0[6]], **g)),
-            ("eos", prompts[1], SamplingParams(temperature=0, max_tokens=MAX)),
-            ("full", prompts[2], SamplingParams(max_tokens=MAX, **g)),
-        ],
-        3: [("late", prompts[3], SamplingParams(max_tokens=9, **g))],
-        5: [("aborted", prompts[4], SamplingParams(max_tokens=MAX, **g)), ("late2", prompts[5], GREEDY)],
-        9: [("late3", prompts[6], SamplingParams(max_tokens=13, **g))],
-    }
+    arrivals = ending_mid_step(prompts, g0, MAX, GREEDY)
+    arrivals[9] = [("late3", prompts[6], SamplingParams(max_tokens=13, **g))]
     if stop:
         arrivals[0].append(("stop_str", prompts[0], SamplingParams(max_tokens=MAX, stop=[stop], **g)))
     aborts = {8: ["aborted"]}
@@ -111,19 +95,19 @@ def test_overlapped_requests_ending_mid_step_and_arriving(tiny_ckpt, draft, plai
             abort = eng.abort_request
             eng.abort_request = lambda rid, e=eng, a=abort: inflight_aborts.append(e.loop.pending) or a(rid)
         eng.eos_token_ids = frozenset({plain[1][5]})  # "eos" ends at its 6th token
-        runs[mode] = _drive(eng, arrivals, aborts)
+        runs[mode] = drive(eng, arrivals, aborts)
         if mode == "spec":
             st = eng.stats()
             assert st["overlapped_steps"] > 0 and st["spec_device_steps"] > 0, st
     assert inflight_aborts == [True]  # the abort came while a step was in flight
     for key in runs["plain"]:
-        a, b = _summary(runs["plain"][key]), _summary(runs["spec"][key])
+        a, b = summary(runs["plain"][key]), summary(runs["spec"][key])
         if key == "aborted":  # more tokens a step: the abort lands later in the output
             assert a[0][: len(b[0])] == b[0][: len(a[0])] and not a[2] and not b[2]
             continue
         assert a == b, f"{key}: plain {a} vs speculative {b}"
     spec = runs["spec"]
-    assert spec["eos"][-1].finish_reason == "stop" and len(_summary(spec["eos"])[0]) == 6
+    assert spec["eos"][-1].finish_reason == "stop" and len(summary(spec["eos"])[0]) == 6
     assert spec["len"][-1].finish_reason == "length" and spec["stop_tok"][-1].stop_reason == g0[6]
     assert any(len(e.new_token_ids) > 1 for e in spec["full"])  # verify steps emitted several tokens
 
