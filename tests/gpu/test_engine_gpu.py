@@ -206,7 +206,8 @@ def test_rmsnorm_kernel_matches_reference():
 
 def _overlap_runs(ckpt, device):
     from tests.engine.conftest import make_engine
-    from tests.engine.test_overlap import _drive, _workload
+    from tests.engine.test_overlap import _workload
+    from tests.helpers.engine_drive import drive
 
     arrivals, aborts = _workload(ckpt)
     runs = []
@@ -214,20 +215,20 @@ def _overlap_runs(ckpt, device):
         eng = make_engine(
             ckpt, device=device, page_size=16, max_num_seqs=8, num_pages=512, disable_overlap_schedule=disable
         )
-        runs.append((_drive(eng, arrivals, aborts), eng.stats()["overlapped_steps"], eng))
+        runs.append((drive(eng, arrivals, aborts), eng.stats()["overlapped_steps"], eng))
     return runs
 
 
 def test_overlapped_decode_with_graphs_equals_plain_loop(tiny_ckpt):
     """On CUDA graphs (device-side input ids, tokens read back through pinned memory and an event) the overlapped
     loop emits the plain loop's events for every request of the mixed workload of tests/engine/test_overlap.py."""
-    from tests.engine.test_overlap import _summary
+    from tests.helpers.engine_drive import summary
 
     (plain, n0, _), (over, n1, eng) = _overlap_runs(tiny_ckpt, "cuda")
     assert eng.runner.graphs is not None and eng.runner.graphs.graphs
     assert n0 == 0 and n1 > 10, (n0, n1)
     for key in plain:
         if key != "aborted":  # its abort lands at another point of its decode in the overlapped loop
-            assert _summary(plain[key]) == _summary(over[key]), key
+            assert summary(plain[key]) == summary(over[key]), key
     eng.pool.check()
     assert eng.pool.num_free == eng.pool.num_pages
