@@ -393,6 +393,9 @@ def main():
                     plain_ms=base[b] * 1e3,
                     floor_ms=decode_floor_s(mcfg, b, 512) * 1e3,
                     ratio=s / tok / decode_floor_s(mcfg, b, 512),  # per token, against plain decode's floor
+                    # the verify's own floor: two tokens a request read the experts both select
+                    verify_floor_ms=decode_floor_s(mcfg, b, 512, q_len=2) * 1e3,
+                    step_x_verify_floor=s / decode_floor_s(mcfg, b, 512, q_len=2),
                     accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1),
                     # decode-only steps that verified, accepted and drafted on the device (one read back): 1.0
                     device_step_share=(st["spec_device_steps"] - st0["spec_device_steps"]) / max(g1 - g0, 1),

@@ -2,8 +2,9 @@
 
 For each batch: plain TPOT first (bench_engine.ml_tpot), then the plain greedy outputs of the same prompts recorded.
 For each K, one REPLAY engine on the same runner (its verify graphs at width K+1; with --draft the EAGLE3 draft's
-forward and graphs run each step and only its tokens are replaced), and for each acceptance a (miss rate 1 - a) its
-TPOT per token. Rows: per-token TPOT, speedup over plain, tokens per step and the acceptance per position measured;
+forward and graphs run each step and only its tokens are replaced) replaying its own greedy outputs (recorded with
+every draft a miss), and for each acceptance a (miss rate 1 - a) its TPOT per token. Rows: per-token TPOT,
+speedup over plain, tokens per step and the acceptance per position measured;
 then the break-even acceptance per (K, batch), interpolated where the speedup crosses 1.
 
     python benchmarks/bench_engine.py --model /tmp/m1 --draft /tmp/m1-draft --replay-sweep --batches 1,8 --out $OUT
@@ -46,7 +47,7 @@ def break_even(points: list[tuple[float, float]]) -> float | None:
 
 def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, batches, ctx: int, out_dir: str):
     from mlaserve.engine.engine import LLMEngine
-    from mlaserve.spec.replay import write_recordings
+    from mlaserve.spec.replay import read_recordings, write_recordings
 
     base, recs = {}, []
     longest = max(tpot_max_tokens(engine, b, ctx, 32, max(ks)) for b in batches)
@@ -59,6 +60,16 @@ def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, bat
     for k in ks:
         spec = SpecConfig(algorithm="REPLAY", draft_model=draft, num_steps=k, num_draft_tokens=k + 1, replay_path=path)
         eng = LLMEngine(cfg, runner=engine.runner, spec=spec)
+        # The recording replayed at width K + 1 is that engine's own greedy output (every draft a miss): in bf16 a
+        # verify row of width 3+ can round differently from a decode row, and a target that leaves the recording
+        # gets no replayed drafts at all.
+        eng.proposer.rate = 1.0
+        own = [r for b in batches for r in record_greedy(eng, b, ctx, vocab, longest)]
+        same = sum(o == p_out for (_, o), (_, p_out) in zip(own, recs))
+        log(f"K={k}: {same} of {len(own)} verify-width greedy outputs equal plain decode's")
+        kpath = os.path.join(out_dir, f"replay_sweep_recordings_k{k}.jsonl")
+        write_recordings(kpath, own)
+        eng.proposer.recordings, eng.proposer.tracks = read_recordings(kpath), {}
         for a in accs:
             eng.proposer.rate = 1.0 - a  # the same engine and graphs for every acceptance
             for b in batches:
@@ -86,6 +97,7 @@ def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, bat
                         device_step_share=(st1["spec_device_steps"] - st0["spec_device_steps"]) / max(g1 - g0, 1),
                         floor_ms=floor * 1e3,
                         ratio=s / tok / floor,
+                        verify_floor_ms=decode_floor_s(mcfg, b, ctx, q_len=k + 1) * 1e3,  # the step's own floor
                     )
                 )
                 log(
