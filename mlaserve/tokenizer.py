@@ -218,7 +218,10 @@ class Tokenizer:
                 "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
             )
         if self._template is None:
-            self._template = _compile_chat_template(self.chat_template)
+            try:
+                self._template = _compile_chat_template(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"chat template: the model's template does not compile (line {e.lineno}: {e})") from e
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
         if self.sort_tools and variables["tools"] is not None:
             variables["tools"] = _sorted_deep(variables["tools"])

@@ -21,10 +21,11 @@ class ChoiceOutput:
         self.sent_args: list[int] = []  # per streamed call: argument characters sent
         self.called = False
 
-    def _parse(self, final: bool) -> tuple[str | None, str, list[ToolCall]]:
+    def _parse(self, final: bool) -> tuple[str | None, str | None, list[ToolCall]]:
+        """-> (reasoning, content: None while the model still reasons, calls)."""
         reasoning, content = self.reasoning.split(self.text, final) if self.reasoning else (None, self.text)
         if content is None:
-            return reasoning, "", []
+            return reasoning, None, []
         if self.forced is not None:  # tool_choice named or required: the output is JSON (vLLM's forms)
             if not final:
                 return reasoning, "", []
@@ -45,6 +46,7 @@ class ChoiceOutput:
         if reasoning is not None and len(reasoning) > self.sent_reasoning:
             out["reasoning_content"] = reasoning[self.sent_reasoning :]
             self.sent_reasoning = len(reasoning)
+        content = content or ""
         if len(content) > self.sent_content:
             out["content"] = content[self.sent_content :]
             self.sent_content = len(content)
@@ -67,7 +69,8 @@ class ChoiceOutput:
     def message(self) -> dict:
         """The non-streamed assistant message of the whole text."""
         reasoning, content, calls = self._parse(final=True)
-        msg: dict = {"role": "assistant", "content": content or (None if calls else content)}
+        # null content while the model never finished reasoning, or beside tool calls (vLLM)
+        msg: dict = {"role": "assistant", "content": None if content is None or (calls and not content) else content}
         if self.reasoning is not None:
             msg["reasoning_content"] = reasoning
         if calls:

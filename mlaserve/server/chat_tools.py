@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .chat_output import ChoiceOutput
@@ -40,8 +41,10 @@ class ChatOptions:
 def sampling_defaults(model_dir: str, options: ChatOptions) -> dict:
     """generation_config.json's sampling fields, which requests that leave them unset take (--generation-config
     auto); none with vllm or without the file."""
+    if not model_dir or options.generation_config != "auto":
+        return {}
     path = os.path.join(model_dir, "generation_config.json")
-    if options.generation_config != "auto" or not os.path.isfile(path):
+    if not os.path.isfile(path):
         return {}
     try:
         with open(path, encoding="utf-8") as f:
@@ -115,9 +118,10 @@ class ChatPlan:
 
     template_tools: list[dict] | None
     keep_ids: frozenset[int]
-    make_output: object  # () -> ChoiceOutput | None
+    make_output: Callable[[], ChoiceOutput | None]
 
     def output(self) -> ChoiceOutput | None:
+        """A fresh parser state for one choice; None when the text passes through as content."""
         return self.make_output()
 
 

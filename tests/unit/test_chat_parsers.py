@@ -106,7 +106,7 @@ def test_reasoning_then_content_and_tools(step):
     # R1: the template opened <think>; no end yet: all reasoning. Kimi: a tool section ends the reasoning.
     r1 = ChoiceOutput(REASONING_PARSERS["deepseek_r1"](), None)
     r1.text = "still thinking"
-    assert r1.message() == {"role": "assistant", "content": "", "reasoning_content": "still thinking"}
+    assert r1.message() == {"role": "assistant", "content": None, "reasoning_content": "still thinking"}
     k = ChoiceOutput(REASONING_PARSERS["kimi_k2"](), TOOL_PARSERS["kimi_k2"]())
     k.text = "hmm" + KIMI[len("Let me check.") :]
     m = k.message()
@@ -114,3 +114,17 @@ def test_reasoning_then_content_and_tools(step):
     off = ChoiceOutput(REASONING_PARSERS["kimi_k2"]({"thinking": False}), None)
     off.text = "plain</think>x"
     assert off.message()["content"] == "plain</think>x"
+
+
+def test_forced_tool_choice_without_a_parser():
+    """tool_choice named / required with no --tool-call-parser: the output read in vLLM's guided-JSON forms."""
+    named = ChoiceOutput(None, None, forced="get_weather")
+    assert named.delta('{"city":', False) == {}  # nothing until the whole text is known
+    d = named.delta(' "Paris"}', True)
+    assert d["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    req = ChoiceOutput(None, None, forced="required")
+    req.text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]'
+    assert [c["function"]["name"] for c in req.message()["tool_calls"]] == ["a", "b"]
+    bad = ChoiceOutput(None, None, forced="required")
+    bad.text = "not json"
+    assert bad.message()["content"] == "not json" and bad.finish_reason("stop") == "stop"
