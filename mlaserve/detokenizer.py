@@ -30,6 +30,7 @@ class IncrementalDetokenizer:
         stop: Iterable[str] = (),
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        keep_special_token_ids: frozenset[int] = frozenset(),
     ):
         stop = [stop] if isinstance(stop, str) else list(stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
@@ -39,6 +40,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
+        self.keep = frozenset(keep_special_token_ids)
         self.include_stop_str_in_output = include_stop_str_in_output
         self._ids = list(prompt_ids[-self.PROMPT_CONTEXT :]) if tokenizer is not None else []
         self._prefix = 0  # ids[prefix:read] were decoded last time: context for the next decode
@@ -65,7 +67,10 @@ class IncrementalDetokenizer:
 
     # ---- ids -> whole characters ------------------------------------------------------------------------------
     def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
+        ids = self._ids[start:end]
+        if self.keep:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, keep=self.keep)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _advance(self, force: bool) -> str:
         """Decode the pending ids; return the new text up to the last whole character."""

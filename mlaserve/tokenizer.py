@@ -31,6 +31,15 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _sorted_deep(x):
+    """Kimi's tokenizer sorts tool schemas' keys before its template sees them."""
+    if isinstance(x, dict):
+        return {k: _sorted_deep(v) for k, v in sorted(x.items())}
+    if isinstance(x, list):
+        return [_sorted_deep(v) for v in x]
+    return x
+
+
 def _as_id_list(value) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
@@ -76,14 +85,15 @@ def _compile_chat_template(source: str) -> jinja2.Template:
 
 
 def _normalize_messages(messages: list[dict]) -> list[dict]:
-    """Drop None-valued keys (as transformers does) and flatten text-part lists into one string."""
+    """Drop None-valued keys but `content` (DeepSeek's template tests `content is none` on tool-call turns), and
+    flatten text-part lists into one string."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list of objects")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}]: must be an object, got {type(message).__name__}")
-        message = {k: v for k, v in message.items() if v is not None}
+        message = {k: v for k, v in message.items() if v is not None or k == "content"}
         content = message.get("content")
         if isinstance(content, list):
             texts = []
@@ -110,6 +120,16 @@ class Tokenizer:
         self.backend = backend
         config = config or {}
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
+        # add_bos_token / add_eos_token (LlamaTokenizerFast's keys, DeepSeek's config): encode(add_special_tokens=
+        # True) follows them; unset, the tokenizer.json post-processor decides.
+        self.add_bos: bool | None = (
+            config.get("add_bos_token") if isinstance(config.get("add_bos_token"), bool) else None
+        )
+        self.add_eos: bool = config.get("add_eos_token") is True
+        self.sort_tools = False  # Kimi's tokenizer sorts tool schemas' keys
         # Special-token strings the template sees (bos_token, eos_token, ...), as transformers passes them.
         self.special_tokens: dict[str, str] = {}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
@@ -141,16 +161,18 @@ class Tokenizer:
         """Load from a model folder (tokenizer.json, or Kimi's tiktoken.model); None when it has neither (the
         engine then works on token ids)."""
         tok_file = os.path.join(path, "tokenizer.json")
+        kimi = False
         if os.path.isfile(tok_file):
             backend = HFTokenizer.from_file(tok_file)
         elif os.path.isfile(os.path.join(path, "tiktoken.model")):  # Kimi's published tokenizer
-            from .paths import cache_dir
-            from .tokenizer_tiktoken import load_cached
+            from .tokenizer_tiktoken import TiktokenBackend
 
-            backend = load_cached(path, bytes_to_unicode(), os.path.join(cache_dir(), "tokenizers"))
+            backend, kimi = TiktokenBackend(path, bytes_to_unicode()), True
         else:
             return None
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        if kimi:
+            config = {k: v for k, v in config.items() if k not in ("add_bos_token", "add_eos_token")}  # Kimi adds none
         template = config.get("chat_template")
         if isinstance(template, list):  # [{name, template}, ...]: the "default" one, as transformers picks
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -159,20 +181,33 @@ class Tokenizer:
         if os.path.isfile(jinja_file):  # transformers 5 writes it; it wins over tokenizer_config.json
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
-        return cls(
+        tok = cls(
             backend,
             config,
             template if isinstance(template, str) else None,
             _read_json(os.path.join(path, "generation_config.json")),
             _read_json(os.path.join(path, "config.json")),
         )
+        tok.sort_tools = kimi
+        return tok
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text: must be a string, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens or self.add_bos is None:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        if self.add_eos and self.eos_token_ids:
+            ids = [*ids, self.eos_token_ids[0]]
+        return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()) -> str:
+        """keep: special ids decoded even with skip_special_tokens (the markers a tool or reasoning parser reads)."""
+        if skip_special_tokens and keep:
+            ids = [i for i in ids if i not in self.special_ids or i in keep]
+            return self.backend.decode(ids, skip_special_tokens=False)
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
@@ -183,13 +218,21 @@ class Tokenizer:
                 "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
             )
         if self._template is None:
-            self._template = _compile_chat_template(self.chat_template)
+            try:
+                self._template = _compile_chat_template(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"chat template: the model's template does not compile (line {e.lineno}: {e})") from e
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
+        if self.sort_tools and variables["tools"] is not None:
+            variables["tools"] = _sorted_deep(variables["tools"])
         variables.update(messages=_normalize_messages(messages), add_generation_prompt=add_generation_prompt)
         try:
             return self._template.render(**variables)
         except jinja2.TemplateError as e:  # raise_exception() in the template: bad input, not a server fault
             raise ValueError(f"chat template: {e}") from e
+        except (TypeError, KeyError, AttributeError, IndexError, ValueError, ZeroDivisionError) as e:
+            # a template that fails on these messages (a None where it adds strings, a missing key): the request's
+            raise ValueError(f"chat template: failed to render these messages: {type(e).__name__}: {e}") from e
 
 
 # ---- the byte-level tokenizer of random checkpoints ---------------------------------------------------------------
@@ -197,7 +240,8 @@ class Tokenizer:
 CHATML_TEMPLATE = (
     "{{- bos_token }}"
     "{%- for message in messages %}"
-    "{%- set content = message['content'] if message['content'] is defined else '' %}"
+    "{%- set content = message['content'] if message['content'] is defined else none %}"
+    "{%- set content = '' if content is none else content %}"
     "{%- if content is not string %}"
     "{%- set content = content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\\n') %}"
     "{%- endif %}"

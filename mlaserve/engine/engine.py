@@ -170,7 +170,13 @@ class LLMEngine:
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, stop=params.stop)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            req.prompt_token_ids,
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            keep_special_token_ids=params.keep_special_token_ids,
+        )
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         self.states[req.request_id] = ReqState(req, detok, gen, eos)
         return req

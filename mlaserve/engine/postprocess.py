@@ -91,14 +91,16 @@ class Postprocessor:
         for t in new_tokens:
             req.output_token_ids.append(t)
             added.append(t)
+            if t in p.stop_token_ids:  # a stop token's own text is not output (vLLM)
+                reason, stop_reason = "stop", t
+                break
+            if t in st.eos:
+                reason = "stop"
+                break
             delta, stop_str = st.detok.step([t])
             text += delta
             if stop_str is not None:
                 reason, stop_reason = "stop", stop_str
-            elif t in p.stop_token_ids:
-                reason, stop_reason = "stop", t
-            elif t in st.eos:
-                reason = "stop"
             elif self.at_length(req):
                 reason = "length"
             if reason:

@@ -25,6 +25,7 @@ from ..engine.engine import LLMEngine
 from ..version import __version__
 from . import openai_chat, openai_completions, tokenize
 from .async_engine import AsyncEngine
+from .chat_tools import ChatOptions
 from .metrics import Metrics
 from .protocol import error_json, now
 from .serving import APIError, ServingContext
@@ -73,9 +74,11 @@ def speculative_card(spec) -> dict:
     return out
 
 
-def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 << 20) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 << 20, chat_options: ChatOptions | None = None
+) -> FastAPI:
     app = FastAPI(title="mlaserve", version=__version__, docs_url=None, redoc_url=None)
-    ctx = ServingContext(engine, model_name, max_request_bytes)
+    ctx = ServingContext(engine, model_name, max_request_bytes, chat_options)
     metrics = engine.metrics
     card = model_card(engine.engine, model_name)  # static: made once, stamped with the server's start
 
@@ -142,13 +145,14 @@ class Server:
         port: int = 8000,
         max_request_bytes: int = 16 << 20,
         log_level: str = "info",
+        chat_options: ChatOptions | None = None,
     ):
         self.model_name = model_name
         self.metrics = Metrics(model_name, spec_positions=engine.spec_k)
         self.async_engine = AsyncEngine(engine, self.metrics, on_fatal=self._fatal)
         self.rank_failure: BaseException | None = None  # a tensor-parallel rank died (watch_ranks)
         self._exit_after_s: float | None = None
-        self.app = build_app(self.async_engine, model_name, max_request_bytes)
+        self.app = build_app(self.async_engine, model_name, max_request_bytes, chat_options)
         # A bounded graceful shutdown: a dead engine must bring the server down even with clients attached.
         self.uvicorn = uvicorn.Server(
             uvicorn.Config(self.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
@@ -212,7 +216,39 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-request-bytes", type=int, default=16 << 20, help="larger request bodies get 413 (default: %(default)s)"
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="parse the model's tool calls into `tool_calls`: kimi_k2, deepseek_v3, deepseek_v31",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto", the default with tools); needs '
+        "--tool-call-parser",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="return the model's thinking as `reasoning_content`: deepseek_r1, deepseek_v3, kimi_k2",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="auto: the model's generation_config.json sets the sampling defaults (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) of requests that leave them unset; vllm: ignore it (default: %(default)s)",
+    )
     add_engine_args(p)
+
+
+def chat_options_from_args(args) -> ChatOptions:
+    """Raises ValueError naming the flag."""
+    return ChatOptions(
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        generation_config=args.generation_config,
+    )
 
 
 def cli_main(args) -> int:
@@ -225,10 +261,19 @@ def cli_main(args) -> int:
     rc = run_if_follower_node(args)
     if rc is not None:
         return rc
+    chat_options = chat_options_from_args(args)
     check_port_free(args.host, args.port)  # before minutes of loading, not after
     llm = LLM(args.model, max_queue_len=args.max_queue_len, **engine_kwargs_from_args(args))
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.engine_config.model))
-    server = Server(llm.engine, name, args.host, args.port, args.max_request_bytes, log_level=args.log_level.lower())
+    server = Server(
+        llm.engine,
+        name,
+        args.host,
+        args.port,
+        args.max_request_bytes,
+        log_level=args.log_level.lower(),
+        chat_options=chat_options,
+    )
     server.watch_ranks(llm, exit_after_s=RANK_FAILURE_EXIT_S)
     try:
         rc = server.run()

@@ -32,7 +32,7 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
         if req.echo and req.logprobs is not None:
             prompt_lp = max(prompt_lp or 0, req.logprobs)
         try:
-            params = req.sampling_params(req.max_tokens, req.logprobs, prompt_lp, req.best_of)
+            params = req.sampling_params(req.max_tokens, req.logprobs, prompt_lp, req.best_of, ctx.sampling_defaults)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":")[0]) from None
         prompts = [p if isinstance(p, list) else await ctx.encode(p, add_special_tokens=True) for p in req.prompts()]

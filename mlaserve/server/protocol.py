@@ -1,7 +1,7 @@
 """OpenAI-compatible request schemas (pydantic, strict: "5" is not an integer) and response builders, with vLLM's
 common extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, prompt_logprobs,
-return_token_ids). Unknown fields are ignored, as vLLM does; known fields the engine cannot honour (structured output,
-tools, beam search, suffix, ...) are a 400 naming them when set."""
+return_token_ids, skip_special_tokens). Unknown fields are ignored, as vLLM does; known fields the engine cannot honour
+(structured output, beam search, suffix, ...) are a 400 naming them when set."""
 
 from __future__ import annotations
 
@@ -33,11 +33,10 @@ UNSUPPORTED = {
     "bad_words": ((), []),
     "logits_processors": ((), []),
     "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
 }
-CHAT_UNSUPPORTED = {"tools": ((), []), "tool_choice": ("none", "auto"), "continue_final_message": (False,)}
+CHAT_UNSUPPORTED = {"continue_final_message": (False,)}
 UNSUPPORTED_WHY = {
     "response_format": "structured output is not supported (only type text)",
     "guided_json": "structured output is not supported",
@@ -46,8 +45,6 @@ UNSUPPORTED_WHY = {
     "guided_grammar": "structured output is not supported",
     "structured_outputs": "structured output is not supported",
     "use_beam_search": "beam search is not supported",
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
 }
 
 
@@ -102,7 +99,7 @@ class _SamplingFields(BaseModel):
     bad_words: Any = None
     logits_processors: Any = None
     include_stop_str_in_output: Any = None
-    skip_special_tokens: Any = None
+    skip_special_tokens: bool = True
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
 
@@ -147,28 +144,38 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None, best_of=None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        best_of=None,
+        defaults: dict | None = None,
     ) -> SamplingParams:
-        """Raises ValueError naming the field (SamplingParams validates)."""
+        """Raises ValueError naming the field (SamplingParams validates). defaults: the model's generation_config
+        values for the sampling fields the request leaves unset."""
+        d = defaults or {}
         return SamplingParams(
             n=self.n,
             best_of=best_of,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", 1.0)
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
             logit_bias={int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None,
             min_tokens=self.min_tokens,
             prompt_logprobs=prompt_logprobs,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=d.get("top_k", -1) if self.top_k is None else self.top_k,
+            min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p,
             max_tokens=max_tokens,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -230,7 +237,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0)  # the limit is the engine's max_logprobs
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
-    tools: Any = None
+    tools: Any = None  # checked with tool_choice by chat_tools (errors naming tools[i]...)
     tool_choice: Any = None
     continue_final_message: Any = None
     echo: Any = None

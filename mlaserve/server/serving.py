@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from ..engine.engine import StepOutput
 from ..types import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, Generation
+from .chat_tools import ChatOptions, sampling_defaults
 from .protocol import error_json
 
 log = logging.getLogger("mlaserve.server")
@@ -55,10 +56,15 @@ def _reject_constant(name: str):
 class ServingContext:
     """One server's engine, tokenizer and limits, with the steps every endpoint takes."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, max_request_bytes: int):
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, max_request_bytes: int, chat_options: ChatOptions | None = None
+    ):
         self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
         self.llm = engine.engine
         self.tok = self.llm.tokenizer
+        self.chat_options = chat_options or ChatOptions()
+        # generation_config.json's sampling fields: the defaults of requests that leave them unset
+        self.sampling_defaults = sampling_defaults(self.llm.cfg.model or "", self.chat_options)
         self.metrics = engine.metrics
         # The longest token text: a prompt string longer than max_model_len of them cannot fit (refused untokenized)
         self.max_token_chars = 0
@@ -99,17 +105,18 @@ class ServingContext:
         return req
 
     # ---- prompts -------------------------------------------------------------------------------------
-    def render_chat(self, req) -> str:
-        """A request's `messages` through the model's chat template (req: the chat or tokenize request) -> the
-        prompt text; a 400 naming `messages` when there is no template or the template rejects them."""
+    def render_chat(self, req, tools: list[dict] | None = None) -> str:
+        """A request's `messages` (and `tools`) through the model's chat template (req: the chat or tokenize request)
+        -> the prompt text; a 400 naming `messages` when there is no template or the template rejects them."""
         tok = self.tok
         if tok is None or not tok.has_chat_template:
             raise APIError(400, "messages: this model has no chat template; use /v1/completions", "messages")
         try:
+            kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
             return tok.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in req.messages],
+                [m.model_dump() for m in req.messages],  # a null content stays (templates test `content is none`)
                 add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
+                **kwargs,
             )
         except (ValueError, TypeError) as e:
             msg = str(e)

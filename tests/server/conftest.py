@@ -37,9 +37,13 @@ class Running:
         return self.result.get("rc")
 
 
-def start_server(model: str, name: str = "tiny", max_request_bytes: int = 4 << 20, **engine_kw) -> Running:
+def start_server(
+    model: str, name: str = "tiny", max_request_bytes: int = 4 << 20, chat_options=None, **engine_kw
+) -> Running:
     llm = LLM(model, **{**ENGINE_KW, **engine_kw})
-    server = Server(llm.engine, name, max_request_bytes=max_request_bytes, log_level="warning")
+    server = Server(
+        llm.engine, name, max_request_bytes=max_request_bytes, log_level="warning", chat_options=chat_options
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     result: dict = {}

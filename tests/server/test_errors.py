@@ -89,7 +89,28 @@ BAD = [
     ),
     ("chat top_logprobs without logprobs", CHAT, {"messages": MSG, "top_logprobs": 5}, 400, "top_logprobs"),
     ("chat top_logprobs too many", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ("chat tools", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    # tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice and a parser, as vLLM
+    (
+        "chat tools",
+        CHAT,
+        {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tool_choice",
+    ),
+    (
+        "chat tool schema",
+        CHAT,
+        {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
+        400,
+        "tools",
+    ),
+    (
+        "chat tool_choice unknown",
+        CHAT,
+        {"messages": MSG, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        400,
+        "tool_choice",
+    ),
     (
         "chat json_schema",
         CHAT,

@@ -76,3 +76,18 @@ def test_serve_checks_the_port_before_loading_the_model(tmp_path, capsys):
         assert main(["serve", str(tmp_path / "no-model"), "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--port {port}" in err[0] and "config.json" not in err[0]
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        (["--tool-call-parser", "hermes"], "--tool-call-parser: must be one of kimi_k2, deepseek_v3, deepseek_v31"),
+        (["--reasoning-parser", "qwen3"], "--reasoning-parser: must be one of deepseek_r1, deepseek_v3, kimi_k2"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: needs --tool-call-parser"),
+        (["--generation-config", "file"], "--generation-config: must be auto or vllm"),
+    ],
+)
+def test_serve_refuses_unknown_parsers_before_loading_the_model(flags, says, tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "no-model"), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and "config.json" not in err[0]

@@ -1,77 +1,166 @@
-"""Kimi's tiktoken.model format converts to a byte-level BPE that encodes exactly as tiktoken does."""
+"""Kimi's tiktoken.model folder tokenizes exactly as Kimi's tokenization_kimi.py does (tiktoken with Kimi's pattern,
+the reserved ids named by added_tokens_decoder), on a >= 50k-rank file trained here on >= 1 MB of mixed text."""
 
 import base64
+import glob
 import json
+import os
 import random
+import sysconfig
 
 import pytest
 
-from mlaserve.tokenizer import Tokenizer
-from mlaserve.tokenizer_tiktoken import KIMI_PAT, NUM_RESERVED
+from mlaserve.tokenizer import Tokenizer, bytes_to_unicode
 
 tiktoken = pytest.importorskip("tiktoken")
+from tiktoken.load import load_tiktoken_bpe  # noqa: E402
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. It's 2026; we'll serve 8,192 tokens at 4.3 TB/s!",
-    "Multi-head latent attention caches c_kv and k_pe: 576 values per token per layer.",
-    "大规模语言模型推理引擎。你好，世界！月之暗面 Kimi 模型。",
-    "def forward(self, x):\n    return self.down(self.act(self.gate(x)) * self.up(x))\n\n",
-    "Ünïcödé, emoji 🚀🔥, accents café naïve — and    spaces\t\ttabs\r\nnewlines.",
-] * 20
+# Written out here (not imported) so that a typo in mlaserve's copy fails the test.
+KIMI_PAT_REF = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+NUM_RANKS = 52_000
+NAMED = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
+NAMED += ["<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+NAMED += ["<think>", "</think>"]
+NOT_SPECIAL = {"<think>", "</think>"}  # added tokens flagged "special": false are kept by skip_special_tokens
 
 
-def _write_kimi_folder(folder):
-    """Train a small byte-level BPE, write it as tiktoken ranks (rank = 256 + merge index) plus Kimi-style specials."""
-    from tokenizers import Tokenizer as HF
-    from tokenizers import models, pre_tokenizers, trainers
-
-    hf = HF(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.train_from_iterator(
-        CORPUS,
-        trainers.BpeTrainer(vocab_size=600, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+def _mixed_text(rng: random.Random, skip: int, nbytes: int) -> list[str]:
+    """The machine's Python stdlib sources (every other file from `skip`), CJK, emoji, whitespace runs, numbers."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[skip::2]
+    parts, size = [], 0
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            t = fh.read()
+        parts.append(t)
+        size += len(t.encode())
+        if size > nbytes:
+            break
+    han = [chr(c) for c in range(0x4E00, 0x4E00 + 3000)] + [chr(c) for c in range(0x3041, 0x3097)]
+    n = nbytes // 100
+    parts.append(
+        "".join("".join(rng.choices(han, k=rng.randint(1, 12))) + rng.choice("，。！？、 \n") for _ in range(n))
     )
-    from mlaserve.tokenizer import bytes_to_unicode
+    emoji = ["🚀", "🔥", "👍🏽", "👨\u200d👩\u200d👧", "😀", "🇯🇵", "é", "ñ", " ", "\n", "Ωmega"]
+    parts.append("".join(rng.choice(emoji) for _ in range(n)))
+    runs = [" " * rng.randint(1, 40), "\t" * rng.randint(1, 5), "\n" * rng.randint(1, 4), "\r\n", "\u3000"]
+    parts.append("".join(rng.choice(runs) + rng.choice(["x", "if", "1", "Ü"]) for _ in range(n)))
+    parts.append(
+        " ".join(str(rng.randint(0, 10 ** rng.randint(1, 12))) + rng.choice(["", ".5", "e3", "%"]) for _ in range(n))
+    )
+    return parts
 
+
+@pytest.fixture(scope="session")
+def kimi_folder(tmp_path_factory):
+    """A byte-level BPE trained on ~1.4 MB, its merges as tiktoken ranks (bytes first, then merge order), and a
+    tokenizer_config.json naming some of the 258 reserved ids as Kimi's does."""
+    from tokenizers import Regex, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
+
+    texts = _mixed_text(random.Random(0), 0, 1_000_000)
+    assert sum(len(t.encode()) for t in texts) >= 1_000_000
+    hf = HF(models.BPE())
+    split = pre_tokenizers.Split(Regex(KIMI_PAT_REF), behavior="isolated")
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    hf.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=NUM_RANKS, show_progress=False, initial_alphabet=alphabet)
+    )
     dec = {c: b for b, c in bytes_to_unicode().items()}
-    vocab = json.loads(hf.to_str())["model"]["vocab"]
-    ranks = {bytes(dec[c] for c in tok): rank for tok, rank in vocab.items()}
-    # tiktoken ranks must follow BPE order: bytes first (0..255 by byte value), then merges in training order.
-    order = sorted(ranks, key=lambda t: (len(t) > 1, ranks[t] if len(t) > 1 else t[0]))
-    ranks = {t: i for i, t in enumerate(order)}
+    ranks = {bytes([b]): b for b in range(256)}
+    for m in json.loads(hf.to_str())["model"]["merges"]:
+        a, b = m.split(" ") if isinstance(m, str) else m
+        ranks.setdefault(bytes(dec[c] for c in a + b), len(ranks))
+    assert len(ranks) >= 50_000
+    folder = tmp_path_factory.mktemp("kimi")
     with open(folder / "tiktoken.model", "w") as f:
         for t, r in ranks.items():
             f.write(f"{base64.b64encode(t).decode()} {r}\n")
     base = len(ranks)
-    specials = {base: "[BOS]", base + 1: "[EOS]", base + 2: "<|im_end|>", base + 3: "<|im_user|>"}
+    named = {base + i: c for i, c in enumerate(NAMED)}
     cfg = {
         "bos_token": "[BOS]",
         "eos_token": "[EOS]",
-        "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in specials.items()},
+        "added_tokens_decoder": {str(i): {"content": c, "special": c not in NOT_SPECIAL} for i, c in named.items()},
         "chat_template": "{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}",
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return ranks, specials
+    return folder, named
 
 
-def test_tiktoken_folder_matches_tiktoken(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLASERVE_CACHE", str(tmp_path / "cache"))
-    ranks, specials = _write_kimi_folder(tmp_path)
+def _kimi_reference(folder, named):
+    """tokenization_kimi.py's construction: reserved ids base .. base + 257, unnamed ones <|reserved_token_i|>."""
+    ranks = load_tiktoken_bpe(str(folder / "tiktoken.model"))
     base = len(ranks)
-    all_specials = {c: i for i, c in specials.items()}
-    all_specials.update({f"<|reserved_token_{i}|>": i for i in range(base, base + NUM_RESERVED) if i not in specials})
-    ref = tiktoken.Encoding("kimi-test", pat_str=KIMI_PAT, mergeable_ranks=ranks, special_tokens=all_specials)
-    tok = Tokenizer.from_pretrained(str(tmp_path))
-    assert tok.vocab_size == base + NUM_RESERVED and tok.bos_token_id == base and base + 1 in tok.eos_token_ids
-    rng = random.Random(0)
-    texts = list(dict.fromkeys(CORPUS)) + [
-        "".join(rng.choice("ab 你好\n🚀'sLl9.,") for _ in range(60)) for _ in range(50)
+    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + 256 + 2)}
+    return tiktoken.Encoding("kimi-ref", pat_str=KIMI_PAT_REF, mergeable_ranks=ranks, special_tokens=specials), base
+
+
+def _kimi_encode(enc, text: str) -> list[int]:
+    """tokenization_kimi.py's encode: 400k-character slices, runs of > 25k (non-)whitespace cut, specials allowed."""
+    out = []
+    for i in range(0, len(text), 400_000):
+        s = text[i : i + 400_000]
+        run, space, start = 0, s[:1].isspace(), 0
+        pieces = []
+        for j, ch in enumerate(s):
+            if ch.isspace() != space:
+                run, space = 1, ch.isspace()
+            else:
+                run += 1
+                if run > 25_000:
+                    pieces.append(s[start:j])
+                    start, run = j, 1
+        pieces.append(s[start:])
+        for p in pieces:
+            out += enc.encode(p, allowed_special="all")
+    return out
+
+
+def test_large_rank_file_encodes_as_tiktoken(kimi_folder):
+    folder, named = kimi_folder
+    ref, base = _kimi_reference(folder, named)
+    tok = Tokenizer.from_pretrained(str(folder))
+    assert tok.vocab_size == base + 258 and tok.bos_token_id == base and tok.eos_token_ids[0] == base + 1
+    # held-out text: the other half of the stdlib, fresh CJK / emoji / whitespace / numbers
+    texts = _mixed_text(random.Random(1), 1, 300_000)
+    rng = random.Random(2)
+    specials = [*NAMED, f"<|reserved_token_{base + 100}|>"]
+    texts += [
+        "".join(rng.choice(["ab", " 你好", "\n\n", "🚀", "'s", "Ll9", ".,", " " * 3, *specials]) for _ in range(80))
     ]
+    texts += ["a" * 30_000 + " " * 30_000 + "b", "", " ", "\r\n\r\n  \t"]
     for t in texts:
-        assert tok.encode(t) == ref.encode(t, disallowed_special=()), t
-        assert tok.decode(tok.encode(t)) == t
-    assert tok.encode("[BOS]hi<|im_end|>") == [base] + ref.encode("hi", disallowed_special=()) + [base + 2]
+        ids = tok.encode(t)
+        assert ids == _kimi_encode(ref, t), t[:200]
+        assert tok.decode(ids, skip_special_tokens=False) == t
+    assert tok.encode("[BOS]hi<|im_end|>") == [base, *ref.encode("hi"), base + 2]
+    assert tok.encode("x", add_special_tokens=True) == ref.encode("x")  # Kimi adds no BOS
+
+
+def test_special_flags_and_kept_markers(kimi_folder):
+    folder, named = kimi_folder
+    tok = Tokenizer.from_pretrained(str(folder))
+    ids = {c: i for i, c in named.items()}
+    seq = tok.encode("<think>why</think>so<|tool_call_begin|>f<|im_end|>")
+    assert seq[0] == ids["<think>"] and seq[-1] == ids["<|im_end|>"]
+    # "special": false tokens survive skip_special_tokens; special ones go unless kept
+    assert tok.decode(seq) == "<think>why</think>sof"
+    keep = frozenset({ids["<|tool_call_begin|>"]})
+    assert tok.decode(seq, keep=keep) == "<think>why</think>so<|tool_call_begin|>f"
+    assert tok.decode(seq, skip_special_tokens=False).endswith("f<|im_end|>")
+    assert tok.backend.token_to_id("<|im_end|>") == ids["<|im_end|>"]
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_user|>hi<|im_end|>"
-    # The conversion is cached: a second load reads the cached tokenizer.json.
-    assert list((tmp_path / "cache" / "tokenizers").iterdir())
-    assert Tokenizer.from_pretrained(str(tmp_path)).encode(texts[0]) == tok.encode(texts[0])

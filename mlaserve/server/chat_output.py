@@ -1,0 +1,105 @@
+"""One chat choice's text through the reasoning and tool-call parsers: streamed deltas (reasoning_content, content,
+tool_calls with index, id, name, then argument fragments) and the final message, as vLLM returns them. A tool-calls
+section the model leaves malformed comes back as plain content with the engine's finish_reason."""
+
+from __future__ import annotations
+
+import json
+
+from .reasoning import ReasoningParser
+from .tool_parsers import ToolCall, ToolParser
+from .tool_parsers.base import new_tool_call_id
+
+
+class ChoiceOutput:
+    """Feed each step's new text; `delta()` gives what is new since the last call, `message()` the whole answer."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, forced: str | None = None):
+        self.reasoning, self.tools, self.forced = reasoning, tools, forced
+        self.text = ""
+        self.sent_reasoning = self.sent_content = 0
+        self.sent_args: list[int] = []  # per streamed call: argument characters sent
+        self.called = False
+
+    def _parse(self, final: bool) -> tuple[str | None, str | None, list[ToolCall]]:
+        """-> (reasoning, content: None while the model still reasons, calls)."""
+        reasoning, content = self.reasoning.split(self.text, final) if self.reasoning else (None, self.text)
+        if content is None:
+            return reasoning, None, []
+        if self.forced is not None:  # tool_choice named or required: the output is JSON (vLLM's forms)
+            if not final:
+                return reasoning, "", []
+            calls = forced_calls(content, self.forced)
+            return reasoning, ("" if calls else content), calls
+        if self.tools is None:
+            return reasoning, content, []
+        text, calls, malformed = self.tools.parse(content, final)
+        if final and malformed:
+            return reasoning, content, []  # the raw text (vLLM), markers and all
+        return reasoning, text, calls
+
+    def delta(self, new_text: str, final: bool) -> dict:
+        """The delta message for this step (empty when the parsers hold everything back)."""
+        self.text += new_text
+        reasoning, content, calls = self._parse(final)
+        out: dict = {}
+        if reasoning is not None and len(reasoning) > self.sent_reasoning:
+            out["reasoning_content"] = reasoning[self.sent_reasoning :]
+            self.sent_reasoning = len(reasoning)
+        content = content or ""
+        if len(content) > self.sent_content:
+            out["content"] = content[self.sent_content :]
+            self.sent_content = len(content)
+        deltas = []
+        for i, c in enumerate(calls):
+            if i == len(self.sent_args):
+                if c.name is None:
+                    break
+                fn = {"name": c.name, "arguments": c.arguments}
+                deltas.append({"index": i, "id": c.id, "type": "function", "function": fn})
+                self.sent_args.append(len(c.arguments))
+            elif len(c.arguments) > self.sent_args[i]:
+                deltas.append({"index": i, "function": {"arguments": c.arguments[self.sent_args[i] :]}})
+                self.sent_args[i] = len(c.arguments)
+        if deltas:
+            out["tool_calls"] = deltas
+            self.called = True
+        return out
+
+    def message(self) -> dict:
+        """The non-streamed assistant message of the whole text."""
+        reasoning, content, calls = self._parse(final=True)
+        # null content while the model never finished reasoning, or beside tool calls (vLLM)
+        msg: dict = {"role": "assistant", "content": None if content is None or (calls and not content) else content}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
+            self.called = True
+        return msg
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        return "tool_calls" if engine_reason is not None and self.called else engine_reason
+
+
+def forced_calls(text: str, forced: str) -> list[ToolCall]:
+    """tool_choice a named function: the output is its arguments (a JSON object); "required": a JSON array of
+    {"name", "parameters"}. Anything else is no call (the text is the content)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if forced != "required":
+        ok = isinstance(value, dict)
+        return [ToolCall(new_tool_call_id(), forced, json.dumps(value, ensure_ascii=False), True)] if ok else []
+    if not isinstance(value, list) or not all(
+        isinstance(v, dict) and isinstance(v.get("name"), str) and isinstance(v.get("parameters", {}), dict)
+        for v in value
+    ):
+        return []
+    return [
+        ToolCall(new_tool_call_id(), v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False), True)
+        for v in value
+    ]
