@@ -518,7 +518,8 @@ class SpecConfig:
     algorithm: str = "EAGLE3"
     num_steps: int = 1
     num_draft_tokens: int = 2
-    # 0: capture the residual stream entering layer `id` (vLLM); 1: leaving layer `id` (SGLang/SpecForge).
+    # The draft's explicit aux layer ids: 0: capture the residual stream entering layer `id` (vLLM); 1: leaving it
+    # (SGLang/SpecForge). Not applied to the default ids (2, L // 2, L - 3), which both read as entering.
     aux_layer_offset: int = 0
     replay_path: str | None = None
     replay_miss_rate: float = 0.0
