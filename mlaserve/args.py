@@ -85,7 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         choices=[0, 1],
-        help="0: the draft reads the stream entering its aux layer ids (vLLM); 1: leaving them (SGLang)",
+        help="the draft's explicit eagle_aux_hidden_state_layer_ids: 0 reads the stream entering those layers (vLLM), "
+        "1 leaving them (SGLang); the default ids (2, L/2, L-3) are read the same way by both",
     )
     s.add_argument(
         "--speculative-replay-path",

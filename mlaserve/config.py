@@ -14,12 +14,22 @@ if TYPE_CHECKING:
 
 from .kernel_config import KernelConfig
 
-# Architectures whose text model is DeepSeek-V3 shaped, and where its weights sit.
+# Architectures whose text model is DeepSeek-V3 shaped (V2: the same MLA and MoE, softmax routing), and where its
+# weights sit.
 SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "",
+    "DeepseekV2ForCausalLM": "",
     "KimiK25ForConditionalGeneration": "language_model.",
 }
 
+
+# MoE routings: (topk_method, scoring_func) -> what mlaserve implements. V3: noaux_tc over biased sigmoid scores;
+# V2 / V2-Lite: softmax scores, top-k over all experts (greedy) or within the best groups by their max score.
+ROUTINGS = {
+    ("noaux_tc", "sigmoid"): "DeepSeek-V3",
+    ("greedy", "softmax"): "DeepSeek-V2",
+    ("group_limited_greedy", "softmax"): "DeepSeek-V2",
+}
 
 # dtype names a config.json (torch_dtype) or --dtype may give -> torch's attribute names
 DTYPES = {
@@ -269,6 +279,8 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     rope: RopeConfig
+    topk_method: str = "noaux_tc"  # a ROUTINGS key with scoring_func
+    scoring_func: str = "sigmoid"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
@@ -288,6 +300,11 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
 
+    @property
+    def has_correction_bias(self) -> bool:
+        """noaux_tc routers carry `e_score_correction_bias`; DeepSeek-V2's do not."""
+        return self.topk_method == "noaux_tc"
+
     def is_moe_layer(self, layer_id: int) -> bool:
         return (
             self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace and layer_id % self.moe_layer_freq == 0
@@ -305,6 +322,8 @@ class ModelConfig:
         arch = archs[0] if archs else None
         if arch is None and cfg.get("model_type") in ("deepseek_v3", "kimi_k2"):
             arch = "DeepseekV3ForCausalLM"
+        if arch is None and cfg.get("model_type") == "deepseek_v2":
+            arch = "DeepseekV2ForCausalLM"
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{source}: unsupported architecture {arch!r}; mlaserve serves "
@@ -322,12 +341,13 @@ class ModelConfig:
                 raise ConfigError(f"{source}: missing required field {name!r}")
             return default
 
-        topk_method = get("topk_method", "noaux_tc")
-        scoring = get("scoring_func", "sigmoid")
-        if int(get("n_routed_experts", 0)) > 0 and (topk_method != "noaux_tc" or scoring != "sigmoid"):
+        v2 = arch == "DeepseekV2ForCausalLM"
+        topk_method = get("topk_method", "greedy" if v2 else "noaux_tc")
+        scoring = get("scoring_func", "softmax" if v2 else "sigmoid")
+        if int(get("n_routed_experts", 0)) > 0 and (topk_method, scoring) not in ROUTINGS:
             raise ConfigError(
-                f"{source}: routing topk_method={topk_method!r} scoring_func={scoring!r} is not supported; "
-                "mlaserve implements DeepSeek-V3's noaux_tc with sigmoid scoring"
+                f"{source}: routing topk_method={topk_method!r} scoring_func={scoring!r} is not supported; mlaserve "
+                f"implements {', '.join(f'{m} with {s} scoring ({who})' for (m, s), who in ROUTINGS.items())}"
             )
         if get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{source}: hidden_act={get('hidden_act')!r} is not supported (only 'silu')")
@@ -337,6 +357,9 @@ class ModelConfig:
         if int(get("num_key_value_heads", heads)) != heads:
             raise ConfigError(f"{source}: num_key_value_heads must equal num_attention_heads for MLA")
         n_group = int(get("n_group", 1))
+        topk_group = int(get("topk_group", 1))
+        if topk_method == "greedy":  # top-k over all experts: the groups play no part
+            n_group = topk_group = 1
         n_experts = int(get("n_routed_experts", 0))
         if n_experts and n_experts % n_group:
             raise ConfigError(f"{source}: n_routed_experts={n_experts} is not divisible by n_group={n_group}")
@@ -364,14 +387,16 @@ class ModelConfig:
             n_shared_experts=int(get("n_shared_experts", 0)),
             num_experts_per_tok=int(get("num_experts_per_tok", 0)),
             n_group=n_group,
-            topk_group=int(get("topk_group", 1)),
+            topk_group=topk_group,
             first_k_dense_replace=int(get("first_k_dense_replace", 0)),
             moe_layer_freq=int(get("moe_layer_freq", 1)),
-            norm_topk_prob=bool(get("norm_topk_prob", True)),
+            norm_topk_prob=bool(get("norm_topk_prob", not v2)),
             routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(get("max_position_embeddings", 4096)),
             rope=_rope_from_hf(text, source),
+            topk_method=topk_method,
+            scoring_func=scoring,
             bos_token_id=text.get("bos_token_id"),
             eos_token_ids=eos_ids,
             tie_word_embeddings=bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
@@ -493,7 +518,8 @@ class SpecConfig:
     algorithm: str = "EAGLE3"
     num_steps: int = 1
     num_draft_tokens: int = 2
-    # 0: capture the residual stream entering layer `id` (vLLM); 1: leaving layer `id` (SGLang/SpecForge).
+    # The draft's explicit aux layer ids: 0: capture the residual stream entering layer `id` (vLLM); 1: leaving it
+    # (SGLang/SpecForge). Not applied to the default ids (2, L // 2, L - 3), which both read as entering.
     aux_layer_offset: int = 0
     replay_path: str | None = None
     replay_miss_rate: float = 0.0

@@ -1,11 +1,14 @@
-"""DeepSeek-V3 `noaux_tc` routing after the router GEMM, in Triton: one program per token; decode steps feed it
-split-K router partials (router_partials), summed in the kernel.
+"""DeepSeek-V3 `noaux_tc` and DeepSeek-V2 softmax routing after the router GEMM, in Triton: one program per token;
+decode steps feed it split-K router partials (router_partials), summed in the kernel.
 
-sigmoid -> + e_score_correction_bias -> group score = sum of the group's top-2 -> keep the best topk_group groups
--> top-K experts by biased score among them -> weights = unbiased scores, normalised, scaled. Same maths as
-layers.moe.route_noaux_tc. Ties: every arg-max takes the LOWEST index among equal values (tl.argmax's
-tie_break_left); torch.topk leaves the order of ties unspecified, so exact ties (measure zero for random fp32
-logits) may pick a different but equally-scored expert.
+V3 (sigmoid): sigmoid -> + e_score_correction_bias -> group score = sum of the group's top-2 -> keep the best
+topk_group groups -> top-K experts by biased score among them -> weights = unbiased scores, normalised, scaled. Same
+maths as layers.moe.route_noaux_tc. V2 (softmax): softmax over the experts (bias zeros) -> group score = the group's
+max (group_limited_greedy; greedy has no groups) -> the same selection and weights: layers.moe.route_softmax.
+
+Ties: every arg-max takes the LOWEST index among equal values (tl.argmax's tie_break_left); torch.topk leaves the
+order of ties unspecified, so exact ties (measure zero for random fp32 logits) may pick a different but
+equally-scored expert.
 
 With num_shared = S > 0 the kernels also write S always-selected columns after the K routed ones: ids
 shared_id0 + s, weight exactly 1.0 (not scaled): the shared experts' slots of fused_experts(shared=...).
@@ -56,6 +59,7 @@ def _route_rows(
     BLOCK_K: tl.constexpr,
     N_SHARED: tl.constexpr,
     SPLIT: tl.constexpr,
+    SOFTMAX: tl.constexpr = False,
 ):
     """Routes tokens t [R] (int64; t_ok [R] masks them): rows t of Weights/Ids [T, TOP_K + N_SHARED]; bias: Bias
     [BLOCK_E] (the e_score_correction_bias, -inf past E), loaded by the caller before its PDL wait. Each token's
@@ -64,7 +68,14 @@ def _route_rows(
     offs = tl.arange(0, BLOCK_E)
     rows = Logits + t * stride_lt  # [R]
     ok = t_ok[:, None] & (offs < E)[None, :]
-    score = tl.sigmoid(_logits(rows[:, None] + offs[None, :], ok, stride_ls, SPLIT))  # [R, E]
+    logits = _logits(rows[:, None] + offs[None, :], ok, stride_ls, SPLIT)  # [R, E]
+    if SOFTMAX:  # masked lanes: exp(-inf) = 0, then the bias's -inf
+        lmax = tl.max(tl.where(ok, logits, float("-inf")), 1)  # [R]
+        expo = tl.exp(tl.where(ok, logits, float("-inf")) - lmax[:, None])
+        denom = tl.sum(expo, 1)  # [R]
+        score = expo / denom[:, None]
+    else:
+        score = tl.sigmoid(logits)
     choice = score + bias[None, :]
     if USE_GROUPS:
         GS: tl.constexpr = E // N_GROUP
@@ -75,16 +86,23 @@ def _route_rows(
         else:  # the grouped view loaded again (the same sum, so the same values)
             ok2 = (g < N_GROUP)[:, None] & (s < GS)[None, :]
             idx2 = g[:, None] * GS + s[None, :]  # [G, S]
-            c2 = tl.sigmoid(
-                _logits(rows[:, None, None] + idx2[None, :, :], t_ok[:, None, None] & ok2[None, :, :], stride_ls, SPLIT)
+            l2 = _logits(
+                rows[:, None, None] + idx2[None, :, :], t_ok[:, None, None] & ok2[None, :, :], stride_ls, SPLIT
             )
+            if SOFTMAX:  # the same elementwise ops on the same values as above: the same scores
+                c2 = tl.exp(l2 - lmax[:, None, None]) / denom[:, None, None]
+            else:
+                c2 = tl.sigmoid(l2)
             c2 = tl.where(
                 ok2[None, :, :], c2 + tl.load(Bias + idx2, mask=ok2, other=0.0)[None, :, :], float("-inf")
             )  # [R, G, S]
         top1 = tl.max(c2, 2)
-        first = tl.argmax(c2, 2)
-        top2 = tl.max(tl.where(s[None, None, :] == first[:, :, None], float("-inf"), c2), 2)
-        gscore = tl.where((g < N_GROUP)[None, :], top1 + top2, float("-inf"))  # [R, G]
+        if SOFTMAX:  # V2's group_limited_greedy: a group scores its best expert
+            gsum = top1
+        else:
+            first = tl.argmax(c2, 2)
+            gsum = top1 + tl.max(tl.where(s[None, None, :] == first[:, :, None], float("-inf"), c2), 2)
+        gscore = tl.where((g < N_GROUP)[None, :], gsum, float("-inf"))  # [R, G]
         in_kept = tl.zeros([t.shape[0], BLOCK_E], tl.int32) != 0  # expert in a kept group? [R, E]
         for _ in tl.static_range(TOPK_GROUP):
             best = tl.argmax(gscore, 1)  # [R]
@@ -138,6 +156,7 @@ def _route_kernel(
     BLOCK_K: tl.constexpr,
     N_SHARED: tl.constexpr = 0,
     SPLIT: tl.constexpr = 1,
+    SOFTMAX: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """One program per token. SPLIT > 1: Logits holds split-K partials [SPLIT, T, E] (stride_ls apart)."""
@@ -170,6 +189,7 @@ def _route_kernel(
         BLOCK_K,
         N_SHARED,
         SPLIT,
+        SOFTMAX,
     )
 
 
@@ -270,8 +290,12 @@ def _router_partial_kernel(
     )
 
 
-def _routing_meta(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, num_shared: int) -> dict:
+def _routing_meta(
+    E: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, num_shared: int, scoring_func: str
+) -> dict:
     """Checks a routing config; -> the routing constexprs of _route_rows."""
+    if scoring_func not in ("sigmoid", "softmax"):
+        raise ValueError(f"routing scoring_func={scoring_func!r}: sigmoid (DeepSeek-V3) or softmax (DeepSeek-V2)")
     if E > 1024 or E % n_group or top_k > 16 or n_group > 64 or topk_group > n_group:
         raise ValueError(
             f"routing E={E} (<= 1024, divisible by n_group={n_group}), top_k={top_k} (<= 16), "
@@ -293,6 +317,7 @@ def _routing_meta(E: int, top_k: int, n_group: int, topk_group: int, norm_topk_p
         BLOCK_S=max(2, triton.next_power_of_2(E // n_group)),
         BLOCK_K=max(2, triton.next_power_of_2(top_k + num_shared)),
         N_SHARED=num_shared,
+        SOFTMAX=scoring_func == "softmax",
     )
 
 
@@ -307,10 +332,11 @@ def route_noaux_tc_logits(
     num_shared: int = 0,
     shared_id0: int = 0,
     pdl: bool = True,
+    scoring_func: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] fp32 -> (weights [T, K+S] fp32, ids [T, K+S] int64); the fused form of route_noaux_tc, plus
-    S = num_shared columns of ids shared_id0 + s with weight 1.0. logits may also be split-K partials [SPLIT, T, E]
-    (router_partials), summed in the kernel."""
+    """logits [T, E] fp32 -> (weights [T, K+S] fp32, ids [T, K+S] int64); the fused form of route_noaux_tc
+    (scoring_func "softmax": of route_softmax, with bias zeros), plus S = num_shared columns of ids shared_id0 + s
+    with weight 1.0. logits may also be split-K partials [SPLIT, T, E] (router_partials), summed in the kernel."""
     split = 1
     if logits.dim() == 3:
         split = logits.shape[0]
@@ -322,7 +348,7 @@ def route_noaux_tc_logits(
         raise ValueError(f"router logits [T, E] and bias [E] must be fp32; got {logits.dtype}, {tuple(bias.shape)}")
     if logits.stride(-1) != 1:
         raise ValueError("router logits need a unit last stride")
-    meta = _routing_meta(E, top_k, n_group, topk_group, norm_topk_prob, num_shared)
+    meta = _routing_meta(E, top_k, n_group, topk_group, norm_topk_prob, num_shared, scoring_func)
     KS = top_k + num_shared
     weights = torch.empty(T, KS, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, KS, dtype=torch.int64, device=logits.device)
@@ -409,6 +435,7 @@ def route_splitk(
     num_shared: int = 0,
     shared_id0: int = 0,
     pdl: bool = True,
+    scoring_func: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] bf16, w [E, D] bf16 -> route_noaux_tc_logits(router_partials(x, w), ...): two launches."""
     return route_noaux_tc_logits(
@@ -422,6 +449,7 @@ def route_splitk(
         num_shared,
         shared_id0,
         pdl,
+        scoring_func,
     )
 
 
@@ -433,9 +461,9 @@ def route_noaux_tc_fused(
     splitk_max_tokens: int = KernelConfig.router_splitk_max_tokens,
     pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate: layers.moe.TopkRouter; x [T, D] -> (weights [T, K+S] fp32, ids [T, K+S] int64), S = num_shared
-    columns of ids shared_id0 + s with weight 1.0 after the routed K (see route_noaux_tc_logits). bf16 steps of
-    up to splitk_max_tokens tokens run the router GEMM as split-K partials."""
+    """gate: layers.moe.TopkRouter (its config's scoring_func: V3 or V2 routing); x [T, D] -> (weights [T, K+S] fp32,
+    ids [T, K+S] int64), S = num_shared columns of ids shared_id0 + s with weight 1.0 after the routed K (see
+    route_noaux_tc_logits). bf16 steps of up to splitk_max_tokens tokens run the router GEMM as split-K partials."""
     c = gate.cfg
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
     args = (
@@ -452,9 +480,9 @@ def route_noaux_tc_fused(
     if (
         w16 is not None and T <= splitk_max_tokens and x.stride(-1) == 1 and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS
     ):  # the router GEMM as split-K partials
-        return route_splitk(x, w16, *args, pdl)
+        return route_splitk(x, w16, *args, pdl, c.scoring_func)
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
     else:
         logits = F.linear(x.float(), gate.weight)  # [T, E] fp32 (cuBLAS; a Triton GEMV measured slower in decode)
-    return route_noaux_tc_logits(logits, *args, pdl)
+    return route_noaux_tc_logits(logits, *args, pdl, c.scoring_func)

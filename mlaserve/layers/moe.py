@@ -1,4 +1,4 @@
-"""Mixture-of-experts: DeepSeek-V3 `noaux_tc` routing and routed experts stacked per layer.
+"""Mixture-of-experts: DeepSeek-V3 `noaux_tc` and DeepSeek-V2 softmax routing, routed experts stacked per layer.
 
 The functions here are the executable spec (torch, any device); `kernels/` holds the fused Triton
 versions that the GPU path swaps in and that are tested against these.
@@ -43,6 +43,32 @@ def route_noaux_tc(
     return weights * scaling, ids
 
 
+def route_softmax(
+    router_logits: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's `greedy` / `group_limited_greedy`: router_logits [T, E] fp32 -> (weights [T, K] fp32, ids [T, K]
+    int64). Scores are the softmax over all experts; with groups (n_group > 1, topk_group < n_group) a group's score
+    is its best expert's, and only the best `topk_group` groups compete. Weights are the scores themselves."""
+    T, E = router_logits.shape
+    scores = router_logits.softmax(dim=-1)
+    choice = scores
+    if n_group > 1 and topk_group < n_group:
+        group_scores = scores.view(T, n_group, E // n_group).amax(-1)  # [T, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False).indices, True)
+        choice = scores.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def fused_experts_ref(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -67,13 +93,16 @@ def fused_experts_ref(
 
 
 class TopkRouter(nn.Module):
-    """HF `mlp.gate`: weight [E, D] and e_score_correction_bias [E], both kept in fp32."""
+    """HF `mlp.gate`: weight [E, D] and (noaux_tc only) e_score_correction_bias [E], both kept in fp32."""
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
         self.weight = new_param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32, loader=self._load)
-        self.e_score_correction_bias = new_param(cfg.n_routed_experts, dtype=torch.float32)
+        if cfg.has_correction_bias:
+            self.e_score_correction_bias = new_param(cfg.n_routed_experts, dtype=torch.float32)
+        else:  # DeepSeek-V2: no bias in the checkpoint; the fused routing kernel adds these zeros
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts), persistent=False)
         self._w16, self._w16_key = None, None  # bf16_weight's cache
 
     def _load(self, param, src) -> None:
@@ -98,6 +127,15 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
+        if c.scoring_func == "softmax":
+            return route_softmax(
+                self.logits(x),
+                c.num_experts_per_tok,
+                c.n_group,
+                c.topk_group,
+                c.norm_topk_prob,
+                c.routed_scaling_factor,
+            )
         return route_noaux_tc(
             self.logits(x),
             self.e_score_correction_bias,

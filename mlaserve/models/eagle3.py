@@ -1,108 +1,38 @@
-"""EAGLE3 draft models in their published formats.
+"""EAGLE3 draft models in their published formats (configs: eagle3_config.py).
 
-`LlamaForCausalLMEagle3` (SpecForge / SGLang layout): fc over the target's concatenated auxiliary hidden
-states, one `midlayer` whose q/k/v take [input_layernorm(embed) | hidden_norm(hidden)] (2H wide), MLP,
-final norm, lm_head over `draft_vocab_size` mapped to target ids by `d2t` (target = i + d2t[i]).
+`LlamaForCausalLMEagle3` (SpecForge / SGLang layout; speculators' `Eagle3Speculator` maps onto it): fc over the
+target's concatenated auxiliary hidden states (optionally normed first: `input_norm`, or `fc_norm.{i}` per state),
+one `midlayer` whose q/k/v take [input_layernorm(embed) | hidden_norm(hidden)] (2H wide), MLP, final norm, lm_head
+over `draft_vocab_size` mapped to target ids by `d2t` (target = i + d2t[i]).
 `Eagle3DeepseekV3ForCausalLM`: the same, with an MLA midlayer (its latent KV in a cache of its own).
 
-forward(ids, positions, hidden, batch) -> (normed hidden for logits, pre-norm hidden for the next draft step).
+forward(ids, positions, hidden, batch) -> (normed hidden for logits, the hidden the next draft step reads: the
+pre-norm stream, or the normed one under `norm_output`).
 """
 
 from __future__ import annotations
-
-import json
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import ForwardBatch
-from ..config import ModelConfig
 from ..layers.linear import Linear, checked_copy
 from ..layers.norm import RMSNorm
+from ..layers.rotary_llama import apply_rope_neox, llama_rope
 from .deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP
+from .eagle3_config import LLAMA_ARCHS, MLA_ARCHS, DraftConfig
 from .weights import CheckpointError, checkpoint_files
 
-LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-MLA_ARCHS = ("Eagle3DeepseekV3ForCausalLM", "Eagle3DeepseekV2ForCausalLM")
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    architecture: str
-    hidden_size: int
-    target_hidden_size: int
-    vocab_size: int
-    draft_vocab_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    aux_layer_ids: tuple[int, ...] | None
-    tie_word_embeddings: bool
-    mla: ModelConfig | None = None  # the MLA midlayer's shapes (MLA drafts only)
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> DraftConfig:
-        f = os.path.join(path, "config.json")
-        if not os.path.isfile(f):
-            raise CheckpointError(f"{f}: not found; the EAGLE3 draft folder needs config.json and *.safetensors")
-        with open(f) as fh:
-            c = json.load(fh)
-        arch = (c.get("architectures") or [None])[0]
-        if arch not in LLAMA_ARCHS + MLA_ARCHS:
-            raise CheckpointError(
-                f"{f}: unsupported draft architecture {arch!r}; mlaserve loads {', '.join(LLAMA_ARCHS + MLA_ARCHS)}"
-            )
-        rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-        if arch in LLAMA_ARCHS and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise CheckpointError(f"{f}: rope scaling {rope!r} is not supported for Llama-style drafts")
-        H = int(c["hidden_size"])
-        heads = int(c["num_attention_heads"])
-        eagle = c.get("eagle_config") or {}
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or c.get("eagle_aux_hidden_state_layer_ids")
-        mla = None
-        if arch in MLA_ARCHS:
-            mla = ModelConfig.from_hf(
-                {
-                    **c,
-                    "architectures": ["DeepseekV3ForCausalLM"],
-                    "num_hidden_layers": 1,
-                    "n_routed_experts": 0,
-                    "first_k_dense_replace": 1,
-                },
-                f,
-            )
-        return cls(
-            architecture=arch,
-            hidden_size=H,
-            target_hidden_size=int(c.get("target_hidden_size") or H),
-            vocab_size=int(c["vocab_size"]),
-            draft_vocab_size=int(c.get("draft_vocab_size") or c["vocab_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or H // heads),
-            intermediate_size=int(c["intermediate_size"]),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(c.get("rope_theta", 10000.0)),
-            aux_layer_ids=tuple(ids) if ids else None,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings")),
-            mla=mla,
-        )
+__all__ = ["LLAMA_ARCHS", "MLA_ARCHS", "DraftConfig", "Eagle3Draft", "load_draft", "rope_neox"]
 
 
 def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama RoPE (rotate-half layout). x [T, heads, d]."""
+    """Llama RoPE (rotate-half layout, no scaling). x [T, heads, d]."""
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     f = positions.float()[:, None] * inv  # [T, d/2]
-    cos, sin = f.cos()[:, None], f.sin()[:, None]
-    x1, x2 = x[..., : d // 2].float(), x[..., d // 2 :].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return apply_rope_neox(x, f.cos(), f.sin())
 
 
 class LlamaEagle3Attention(nn.Module):
@@ -117,10 +47,11 @@ class LlamaEagle3Attention(nn.Module):
         self.v_proj = Linear(2 * cfg.hidden_size, nkv * hd, dtype=dtype)
         self.o_proj = Linear(nh * hd, cfg.hidden_size, dtype=dtype)
 
-    def forward(self, x, positions, batch: ForwardBatch):
+    def forward(self, x, cos, sin, batch: ForwardBatch):
+        """x [T, 2H]; cos/sin [T, d/2] fp32 (the scaled RoPE's, attention_factor included)."""
         c, T = self.cfg, x.shape[0]
-        q = rope_neox(self.q_proj(x).view(T, c.num_attention_heads, c.head_dim), positions, c.rope_theta)
-        k = rope_neox(self.k_proj(x).view(T, c.num_key_value_heads, c.head_dim), positions, c.rope_theta)
+        q = apply_rope_neox(self.q_proj(x).view(T, c.num_attention_heads, c.head_dim), cos, sin)
+        k = apply_rope_neox(self.k_proj(x).view(T, c.num_key_value_heads, c.head_dim), cos, sin)
         v = self.v_proj(x).view(T, c.num_key_value_heads, c.head_dim)
         out = batch.attn.forward(q, k, v, c.head_dim**-0.5, batch)  # [T, nh, hd]
         return self.o_proj(out.reshape(T, -1))
@@ -130,6 +61,7 @@ class Eagle3MidLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, dtype):
         super().__init__()
         H = cfg.hidden_size
+        self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         if cfg.mla is not None:
@@ -139,10 +71,12 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = DeepseekV3MLP(H, cfg.intermediate_size, _ranks1(), dtype)
 
-    def forward(self, embeds, hidden, positions, batch, rope=None):
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
-        a = self.self_attn(x, positions, batch) if rope is None else self.self_attn(x, *rope, batch)
+    def forward(self, embeds, hidden, batch, rope):
+        """rope: (cos, sin) of the step's positions."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [T, 2H]
+        a = self.self_attn(x, *rope, batch)
         x, h = self.post_attention_layernorm(a, residual)  # h = residual + a, fused into the norm
         return self.mlp(x), h  # the output and the stream it adds to
 
@@ -159,7 +93,12 @@ class Eagle3Draft(nn.Module):
         self.cfg = cfg
         H = cfg.hidden_size
         self.embed_tokens = None  # set to the draft's own, or shared with the target at load
-        self.fc = Linear(3 * cfg.target_hidden_size, H, dtype=dtype)
+        Ht, n = cfg.target_hidden_size, cfg.num_aux_hidden_states
+        self.input_norm = RMSNorm(n * Ht, cfg.rms_norm_eps, dtype=dtype) if cfg.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps, dtype=dtype) for _ in range(n)) if cfg.fc_norm else None
+        )
+        self.fc = Linear(cfg.fc_in_features, H, dtype=dtype)
         self.midlayer = Eagle3MidLayer(cfg, dtype)
         self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(H, cfg.draft_vocab_size, dtype=dtype)
@@ -169,15 +108,35 @@ class Eagle3Draft(nn.Module):
             from ..layers.rotary import RotaryEmbedding
 
             self.rotary = RotaryEmbedding(cfg.mla.rope, cfg.mla.qk_rope_head_dim)
+        else:
+            inv_freq, self.rope_scale = llama_rope(
+                dict(cfg.rope_scaling), cfg.rope_theta, cfg.head_dim, cfg.max_position_embeddings
+            )
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, d/2] fp32 of the midlayer's RoPE."""
+        if self.rotary is not None:
+            return self.rotary(positions)
+        f = positions.float()[:, None] * self.inv_freq
+        return f.cos() * self.rope_scale, f.sin() * self.rope_scale
+
+    def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [T, n*Ht] -> fc's output [T, H], through the config's norms."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(aux)
 
     def forward(self, input_ids, positions, hidden, batch: ForwardBatch):
-        """hidden: the target's aux states [T, 3*Ht] or the draft's own previous output [T, H]."""
+        """hidden: the target's aux states [T, n*Ht] or the draft's own previous output [T, H]."""
         embeds = self.embed_tokens(input_ids)
         if hidden.shape[-1] != self.cfg.hidden_size:
-            hidden = self.fc(hidden.to(embeds.dtype))
-        rope = self.rotary(positions) if self.rotary is not None else None
-        out, residual = self.midlayer(embeds, hidden, positions, batch, rope)
-        return self.norm(out, residual)  # (norm(h), h) with h = residual + out
+            hidden = self.combine_aux(hidden.to(embeds.dtype))
+        out, residual = self.midlayer(embeds, hidden, batch, self.rope(positions))
+        normed, h = self.norm(out, residual)  # h = residual + out
+        return normed, normed if self.cfg.norm_output else h
 
     def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens in target ids. normed [n, H] -> [n]."""
@@ -220,6 +179,8 @@ def load_draft(path: str, dtype, device, target_embed: nn.Module) -> Eagle3Draft
         with safe_open(file, framework="pt", device="cpu") as h:
             for key in h.keys():
                 name = key[len("model.") :] if key.startswith("model.") else key
+                if name.startswith("layers.0."):  # speculators' and some SpecForge drafts' name for the midlayer
+                    name = "midlayer." + name[len("layers.0.") :]
                 t = h.get_tensor(key)
                 if name == "t2d":  # used by training only; checked against d2t
                     t2d = t

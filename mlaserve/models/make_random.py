@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..config import ModelConfig, torch_dtype
+from ..config import SUPPORTED_ARCHITECTURES, ModelConfig, torch_dtype
 from ..layers.quant import quantize_fp8_block, quantize_int4
 from ..quantization import published_config
 from ..tokenizer import write_byte_level_tokenizer
@@ -76,7 +76,9 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float 
         m = p + "mlp."
         if cfg.is_moe_layer(i):
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-            specs += [lin(m + "gate.weight", E, D, 2.0), (m + "gate.e_score_correction_bias", (E,), "bias")]
+            specs.append(lin(m + "gate.weight", E, D, 2.0))
+            if cfg.has_correction_bias:
+                specs.append((m + "gate.e_score_correction_bias", (E,), "bias"))
             for e in range(E):
                 specs += mlp(f"{m}experts.{e}.", I)
             if cfg.n_shared_experts:
@@ -141,8 +143,8 @@ def make_random(
     raw.pop("_note", None)
     scheme = raw.pop("_quantization", "none") if quantization is None else quantization
     raw.pop("_quantization", None)
-    if raw.get("architectures", [""])[0] != "DeepseekV3ForCausalLM" and "text_config" not in raw:
-        raise ValueError(f"preset {preset!r} is not a DeepSeek-V3 target (use make-random-draft for EAGLE3)")
+    if raw.get("architectures", [""])[0] not in SUPPORTED_ARCHITECTURES and "text_config" not in raw:
+        raise ValueError(f"preset {preset!r} is not a DeepSeek-V3 (or V2) target (use make-random-draft for EAGLE3)")
     if wrapper and "text_config" not in raw:
         raw = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": raw}
     text = raw["text_config"] if "text_config" in raw else raw

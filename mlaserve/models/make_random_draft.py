@@ -52,7 +52,9 @@ def draft_tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], float | str]
 
     a, m = "midlayer.self_attn.", "midlayer.mlp."
     return [
-        lin("fc.weight", H, 3 * Ht),
+        lin(
+            "fc.weight", H, len((c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or (0, 0, 0)) * Ht
+        ),
         ("midlayer.input_layernorm.weight", (H,), "norm"),
         ("midlayer.hidden_norm.weight", (H,), "norm"),
         lin(a + "q_proj.weight", nh * hd, 2 * H),

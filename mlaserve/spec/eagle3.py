@@ -28,20 +28,34 @@ class DraftChunk:
     req: Request
     token_ids: list[int]  # tokens at positions start+1 .. start+n (the "next token" of each pair)
     start: int  # first position
-    hidden: torch.Tensor  # [n, 3*D] target aux hidden states at positions start .. start+n-1 (verify: all N rows)
+    # [n, A*D] target aux hidden states (A = num_aux_hidden_states) at positions start .. start+n-1 (verify: all N rows)
+    hidden: torch.Tensor
     propose: bool  # this request decodes next: chain num_steps draft tokens after the chunk
     verify: bool = False  # the chunk follows a verify: token_ids are the emitted 1 + a tokens
 
 
 def aux_layer_ids(cfg: DraftConfig, num_layers: int, offset: int) -> tuple[int, ...]:
-    """The target layers whose incoming residual stream the draft reads (id + offset; num_layers = final)."""
-    ids = cfg.aux_layer_ids or (2, num_layers // 2, num_layers - 3)
-    out = tuple(i + offset for i in ids)
-    bad = [i for i in out if not 0 <= i <= num_layers]
-    if bad or len(out) != 3:
+    """The target layers whose incoming residual stream the draft reads (num_layers = the final pre-norm stream).
+
+    Explicit `eagle_aux_hidden_state_layer_ids` get + offset: vLLM reads id i as the stream entering layer i (offset
+    0), SGLang as the output of layer i (offset 1). The default ids (2, L // 2, L - 3) are the streams entering those
+    layers in both, so the offset does not apply to them."""
+    n = getattr(cfg, "num_aux_hidden_states", 3)
+    if cfg.aux_layer_ids:
+        out = tuple(i + offset for i in cfg.aux_layer_ids)
+    elif n == 3:
+        out = (2, num_layers // 2, num_layers - 3)
+    else:
         raise ValueError(
-            f"speculative_config.draft_model: eagle_aux_hidden_state_layer_ids {list(ids)} (aux_layer_offset "
-            f"{offset}) do not fit the target's num_hidden_layers {num_layers}: need 3 ids in 0..{num_layers - offset}"
+            f"speculative_config.draft_model: num_aux_hidden_states={n} without eagle_aux_hidden_state_layer_ids; "
+            "the default layers are three: give the draft's layer ids"
+        )
+    bad = [i for i in out if not 0 <= i <= num_layers]
+    if bad or len(out) != n:
+        shown = list(cfg.aux_layer_ids or out)
+        raise ValueError(
+            f"speculative_config.draft_model: eagle_aux_hidden_state_layer_ids {shown} (aux_layer_offset {offset} on "
+            f"explicit ids) do not fit the target's num_hidden_layers {num_layers}: need {n} layers in 0..{num_layers}"
         )
     return out
 
@@ -148,7 +162,7 @@ class Eagle3Proposer:
     def capture_graphs(self, max_bs: int, max_pages: int, use_graphs: bool = True) -> None:
         from .draft_graph import DraftGraphs
 
-        self.graphs = DraftGraphs(self, max_bs, max_pages, 3 * self.draft.cfg.target_hidden_size, use_graphs)
+        self.graphs = DraftGraphs(self, max_bs, max_pages, self.draft.cfg.fc_in_features, use_graphs)
         self.graphs.capture()
 
     @torch.inference_mode()

@@ -232,3 +232,20 @@ def test_overlapped_decode_with_graphs_equals_plain_loop(tiny_ckpt):
             assert summary(plain[key]) == summary(over[key]), key
     eng.pool.check()
     assert eng.pool.num_free == eng.pool.num_pages
+
+
+@pytest.mark.parametrize("v2", ["v2_lite", "v2_group_limited"])
+def test_deepseek_v2_graphs_equal_eager_and_reference(tmp_path, v2):
+    """DeepSeek-V2-Lite-shaped and group-limited V2 models (tests/model/test_parity_hf_v2.py's configs): the Triton
+    path (softmax routing kernel, fused shared experts) under CUDA graphs gives the torch reference's tokens (fp32)."""
+    from tests.model.helpers import make_tiny
+    from tests.model.test_parity_hf_v2 import CONFIGS
+
+    ckpt = make_tiny(tmp_path, seed=4, **CONFIGS[v2])
+    prompts = _prompts(12)
+    ref, _ = _greedy(
+        dict(dtype="float32", enforce_eager=True, attention_backend="torch", moe_backend="torch"), ckpt, prompts
+    )
+    graphs, llm = _greedy(dict(dtype="float32"), ckpt, prompts)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert graphs == ref

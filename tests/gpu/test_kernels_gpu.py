@@ -350,6 +350,24 @@ def test_routing_real(E, G, TG, K):
     kc.check_routing("cuda", T=4096, E=E, n_group=G, topk_group=TG, K=K)
 
 
+@pytest.mark.parametrize("E,G,TG,K,S,scaling", [(64, 1, 1, 6, 2, 1.0), (160, 8, 3, 6, 2, 16.0)])
+def test_routing_softmax_real(E, G, TG, K, S, scaling):
+    """DeepSeek-V2-Lite (greedy) and DeepSeek-V2 (group_limited_greedy) routing at real sizes."""
+    kc.check_routing(
+        "cuda",
+        T=4096,
+        E=E,
+        n_group=G,
+        topk_group=TG,
+        K=K,
+        norm=False,
+        scaling=scaling,
+        num_shared=S,
+        shared_id0=E,
+        scoring_func="softmax",
+    )
+
+
 def test_routing_cuda_graph():
     from mlaserve.kernels.routing import route_noaux_tc_logits
     from mlaserve.layers.moe import route_noaux_tc

@@ -172,3 +172,15 @@ def test_overlapped_verify_under_graphs(tiny_ckpt, plain, tmp_path, k):
                 table[(tuple(r.prompt_token_ids), x, n)] = row
         drafted[overlap] = table
     assert drafted[False] and {x: drafted[True].get(x) for x in drafted[False]} == drafted[False]
+
+
+@pytest.mark.parametrize("fmt", ["specforge_llama3", "vllm_yarn_fc_norm", "linear_norm_before_fc", "speculators"])
+def test_published_draft_formats_under_graphs(tiny_ckpt, plain, tmp_path, fmt):
+    """Each published draft format (tests/spec/test_eagle3_formats.py writes them; one reads four aux states) through
+    the Triton GQA attention and the draft's captured step: plain greedy's outputs, the captured step used."""
+    from tests.spec.test_eagle3_formats import FORMATS, write_draft
+
+    write_draft(tmp_path / fmt, FORMATS[fmt], seed=5)
+    got, _, llm, draft_runs = _greedy(tiny_ckpt, _prompts(), {"draft_model": str(tmp_path / fmt), "num_steps": 2})
+    assert got == plain
+    assert draft_runs

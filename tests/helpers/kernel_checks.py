@@ -271,17 +271,20 @@ def check_moe_align(device, *, T: int, K: int, E_total: int, E_local: int, offse
     assert expert_ids[:nb].tolist() == blocks and (expert_ids[nb:] == -1).all(), "moe_align expert ids differ"
 
 
-def _near_tie(choice: torch.Tensor, n_group: int, topk_group: int, K: int, eps: float = 1e-5) -> bool:
+def _near_tie(
+    choice: torch.Tensor, n_group: int, topk_group: int, K: int, eps: float = 1e-5, group_top: int = 2
+) -> bool:
     """Does this token's selection hinge on two values closer than eps (float64)? Then fp32 rounding may pick
-    either, and a different but equally scored choice is not a kernel bug."""
+    either, and a different but equally scored choice is not a kernel bug. group_top: a group scores the sum of its
+    top 2 (V3) or its max (V2)."""
     c = choice.double()
     E = c.shape[0]
     if n_group > 1 and topk_group < n_group:
-        gs = c.view(n_group, E // n_group).topk(2, -1).values.sum(-1).sort(descending=True).values
+        gs = c.view(n_group, E // n_group).topk(group_top, -1).values.sum(-1).sort(descending=True).values
         if gs[topk_group - 1] - gs[topk_group] < eps:
             return True
         keep = torch.zeros(n_group, dtype=torch.bool, device=c.device)
-        keep[c.view(n_group, -1).topk(2, -1).values.sum(-1).topk(topk_group).indices] = True
+        keep[c.view(n_group, -1).topk(group_top, -1).values.sum(-1).topk(topk_group).indices] = True
         c = c.masked_fill(~keep.repeat_interleave(E // n_group), float("-inf"))
     top = c.sort(descending=True).values
     return bool(top[K - 1] - top[K] < eps)
@@ -299,17 +302,28 @@ def check_routing(
     scaling: float = 2.5,
     num_shared: int = 0,
     shared_id0: int = 0,
+    scoring_func: str = "sigmoid",
 ):
-    """num_shared: the S extra columns (ids shared_id0 + s, weight exactly 1.0) after the routed K."""
+    """num_shared: the S extra columns (ids shared_id0 + s, weight exactly 1.0) after the routed K. scoring_func
+    "softmax": DeepSeek-V2's routing (bias zeros) against layers.moe.route_softmax. Every buffer the kernel
+    allocates starts poisoned."""
     from mlaserve.kernels.routing import route_noaux_tc_logits
-    from mlaserve.layers.moe import route_noaux_tc
+    from mlaserve.layers.moe import route_noaux_tc, route_softmax
 
-    logits = torch.randn(T, E, device=device)
-    bias = 0.1 * torch.randn(E, device=device)
-    w, ids = route_noaux_tc_logits(logits, bias, K, n_group, topk_group, norm, scaling, num_shared, shared_id0)
-    rw, rids = route_noaux_tc(logits, bias, K, n_group, topk_group, norm, scaling)
+    softmax = scoring_func == "softmax"
+    logits = (3 if softmax else 1) * torch.randn(T, E, device=device)
+    bias = torch.zeros(E, device=device) if softmax else 0.1 * torch.randn(E, device=device)
+    with poisoned_empty():
+        w, ids = route_noaux_tc_logits(
+            logits, bias, K, n_group, topk_group, norm, scaling, num_shared, shared_id0, scoring_func=scoring_func
+        )
+    if softmax:
+        rw, rids = route_softmax(logits, K, n_group, topk_group, norm, scaling)
+    else:
+        rw, rids = route_noaux_tc(logits, bias, K, n_group, topk_group, norm, scaling)
     S = num_shared
     assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (T, K + S)
+    assert not w.isnan().any() and (ids >= 0).all(), "routing left poisoned outputs unwritten"
     if S:
         want = torch.arange(shared_id0, shared_id0 + S, device=device).expand(T, S)
         assert torch.equal(ids[:, K:], want), f"shared ids {ids[:, K:].tolist()[:4]} want {want.tolist()[:4]}"
@@ -318,8 +332,8 @@ def check_routing(
     ids_s, o = ids.sort(-1)  # compare as sets per token
     rids_s, ro = rids.sort(-1)
     bad = (ids_s != rids_s).any(-1).nonzero().reshape(-1).tolist()
-    choice = logits.sigmoid() + bias
-    unexplained = [t for t in bad if not _near_tie(choice[t], n_group, topk_group, K)]
+    choice = logits.double().softmax(-1) if softmax else logits.sigmoid() + bias
+    unexplained = [t for t in bad if not _near_tie(choice[t], n_group, topk_group, K, group_top=1 if softmax else 2)]
     if unexplained:
         t = unexplained[0]
         raise AssertionError(

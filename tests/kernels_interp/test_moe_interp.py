@@ -145,16 +145,47 @@ def test_routing(kdev, E, G, TG, K):
     check_routing(kdev, T=7, E=E, n_group=G, topk_group=TG, K=K, norm=K != 5)
 
 
-def test_routing_fused_matches_router_module(kdev):
+@pytest.mark.parametrize(
+    "E,G,TG,K,S,norm,scaling",
+    [
+        (64, 1, 1, 6, 2, False, 1.0),  # DeepSeek-V2-Lite: greedy top-6 of 64, 2 shared slots
+        (160, 8, 3, 6, 0, False, 16.0),  # DeepSeek-V2 / V2.5: group_limited_greedy, 8 groups keep 3
+        (24, 4, 2, 3, 1, True, 2.0),  # groups of 6 (not a power of two: the grouped view loaded again); normalised
+        (8, 2, 1, 2, 0, False, 1.0),
+    ],
+)
+def test_routing_softmax(kdev, E, G, TG, K, S, norm, scaling):
+    """DeepSeek-V2's softmax routing (greedy / group_limited_greedy, no bias) against layers.moe.route_softmax."""
+    check_routing(
+        kdev,
+        T=9,
+        E=E,
+        n_group=G,
+        topk_group=TG,
+        K=K,
+        norm=norm,
+        scaling=scaling,
+        num_shared=S,
+        shared_id0=E,
+        scoring_func="softmax",
+    )
+
+
+@pytest.mark.parametrize("preset", ["tiny", "v2"])
+def test_routing_fused_matches_router_module(kdev, preset):
     from mlaserve.config import ModelConfig
     from mlaserve.kernels.routing import route_noaux_tc_fused
     from mlaserve.layers.moe import TopkRouter
     from mlaserve.models.make_random import load_preset
 
-    cfg = ModelConfig.from_hf(load_preset("tiny"))
+    raw = load_preset("tiny")
+    if preset == "v2":  # DeepSeek-V2's group_limited_greedy: softmax, groups by their max, no correction bias
+        raw |= dict(architectures=["DeepseekV2ForCausalLM"], topk_method="group_limited_greedy", scoring_func="softmax")
+    cfg = ModelConfig.from_hf(raw)
     gate = TopkRouter(cfg).to(kdev)
     gate.weight.data.normal_()
-    gate.e_score_correction_bias.data.normal_(0, 0.1)
+    if cfg.has_correction_bias:
+        gate.e_score_correction_bias.data.normal_(0, 0.1)
     x = torch.randn(6, cfg.hidden_size, device=kdev).to(torch.bfloat16)
     w, ids = route_noaux_tc_fused(gate, x)
     rw, rids = gate(x)

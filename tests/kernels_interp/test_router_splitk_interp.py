@@ -16,9 +16,11 @@ def test_router_partials_sum_to_the_gemm(kdev, T, E, D):
     torch.testing.assert_close(part.sum(0), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("scoring_func", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("n_group,topk_group,num_shared", [(1, 1, 0), (4, 2, 2)])
-def test_routing_from_partials_equals_routing_from_logits(kdev, n_group, topk_group, num_shared):
+def test_routing_from_partials_equals_routing_from_logits(kdev, n_group, topk_group, num_shared, scoring_func):
     from mlaserve.kernels.routing import route_noaux_tc_logits, router_partials
+    from tests.helpers import kernel_checks as kc
     from tests.helpers.kernel_checks import nan_like
 
     T, E, D = 7, 32, 192
@@ -30,9 +32,12 @@ def test_routing_from_partials_equals_routing_from_logits(kdev, n_group, topk_gr
     logits.copy_(part[0])
     for s in range(1, part.shape[0]):  # the kernel's order: partial 0, then + 1, + 2, ...
         logits += part[s]
+    if scoring_func == "softmax":  # DeepSeek-V2: no correction bias
+        bias.zero_()
     args = (bias, 4, n_group, topk_group, True, 2.5, num_shared, E)
-    w1, i1 = route_noaux_tc_logits(part, *args)
-    w2, i2 = route_noaux_tc_logits(logits, *args)
+    with kc.poisoned_empty():
+        w1, i1 = route_noaux_tc_logits(part, *args, scoring_func=scoring_func)
+        w2, i2 = route_noaux_tc_logits(logits, *args, scoring_func=scoring_func)
     assert torch.equal(i1, i2)
     assert torch.equal(w1, w2)
 

@@ -1,6 +1,10 @@
-"""transformers' DeepseekV3ForCausalLM as the reference: full-prompt logits and greedy generation."""
+"""transformers' DeepseekV3ForCausalLM (or DeepseekV2ForCausalLM, as config.json names it) as the reference:
+full-prompt logits and greedy generation."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 import torch
@@ -8,7 +12,10 @@ import torch
 
 def hf_model(path: str, dtype=torch.float32):
     transformers = pytest.importorskip("transformers")
-    return transformers.DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    with open(os.path.join(path, "config.json")) as f:
+        arch = json.load(f)["architectures"][0]
+    cls = transformers.DeepseekV2ForCausalLM if arch == "DeepseekV2ForCausalLM" else transformers.DeepseekV3ForCausalLM
+    return cls.from_pretrained(str(path), dtype=dtype).eval()
 
 
 @torch.no_grad()

@@ -100,7 +100,17 @@ def test_t2d_disagrees_with_d2t(tiny_ckpt, good, tmp_path):
     refused(tiny_ckpt, edited(good, tmp_path, tensors=flip), "t2d marks 257 target ids", "disagree")
 
 
-@pytest.mark.parametrize("ids", [[0, 1, 7], [0, 1]])
+@pytest.mark.parametrize("ids", [[0, 1, 7], [0, -1, 2]])
 def test_aux_layer_ids(tiny_ckpt, good, tmp_path, ids):
     d = edited(good, tmp_path, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}})
     refused(tiny_ckpt, d, f"eagle_aux_hidden_state_layer_ids {ids}", "num_hidden_layers 3")
+
+
+def test_aux_state_count_must_match_fc(tiny_ckpt, good, tmp_path):
+    """Two aux ids make fc read 2 x hidden_size; a checkpoint whose fc reads three is refused naming fc.weight, and
+    num_aux_hidden_states disagreeing with the ids is refused naming both."""
+    d = edited(good, tmp_path, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2]}})
+    refused(tiny_ckpt, d, "fc.weight", "(64, 192)", "expected (64, 128)")
+    bad = {"num_aux_hidden_states": 4, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+    os.rename(d, str(tmp_path / "first"))
+    refused(tiny_ckpt, edited(good, tmp_path, bad), "num_aux_hidden_states=4", "has 3 ids")

@@ -156,3 +156,24 @@ def test_bad_config_names_the_field(change, field):
     raw.update(change)
     with pytest.raises(ConfigError, match=r"^some/config\.json: .*" + field):
         ModelConfig.from_hf(raw, "some/config.json")
+
+
+def test_deepseek_v2_routing_and_defaults():
+    """DeepseekV2ForCausalLM: softmax routing, no correction bias, norm_topk_prob false unless set; greedy drops the
+    groups; a V2 routing under another scoring is refused naming both fields."""
+    from mlaserve.models.make_random import load_preset
+
+    raw = load_preset("deepseek-v2-lite")
+    c = ModelConfig.from_hf(raw)
+    assert (c.architecture, c.topk_method, c.scoring_func) == ("DeepseekV2ForCausalLM", "greedy", "softmax")
+    assert not c.has_correction_bias and not c.norm_topk_prob and c.q_lora_rank is None
+    no_norm = {k: v for k, v in raw.items() if k != "norm_topk_prob"}
+    assert not ModelConfig.from_hf(no_norm).norm_topk_prob
+    greedy = ModelConfig.from_hf({**raw, "n_group": 8, "topk_group": 3})
+    assert (greedy.n_group, greedy.topk_group) == (1, 1)
+    grouped = ModelConfig.from_hf({**raw, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3})
+    assert (grouped.n_group, grouped.topk_group) == (8, 3)
+    by_type = {k: v for k, v in raw.items() if k != "architectures"}
+    assert ModelConfig.from_hf(by_type).architecture == "DeepseekV2ForCausalLM"
+    with pytest.raises(ConfigError, match="topk_method='greedy' scoring_func='sigmoid'"):
+        ModelConfig.from_hf({**raw, "scoring_func": "sigmoid"})

@@ -83,3 +83,43 @@ def test_router_bf16_weight_only_when_exact_and_refreshed_after_loads():
     assert gate.bf16_weight() is w16  # cached
     gate.weight.weight_loader(gate.weight, gate.weight.detach() + 1e-3)  # a load of values bf16 cannot hold
     assert gate.bf16_weight() is None
+
+
+@pytest.mark.parametrize(
+    "E,K,G,TG,method",
+    [
+        (8, 2, 1, 1, "greedy"),
+        (64, 6, 1, 1, "greedy"),
+        (16, 4, 4, 2, "group_limited_greedy"),
+        (32, 6, 8, 3, "group_limited_greedy"),
+    ],
+)
+def test_route_softmax_matches_transformers_v2(E, K, G, TG, method):
+    """DeepSeek-V2's routing (layers/moe.py route_softmax) against transformers' DeepseekV2TopkRouter: softmax scores,
+    greedy or group_limited_greedy (a group's score is its max), weights times routed_scaling_factor, unnormalised."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from mlaserve.layers.moe import route_softmax
+
+    cfg = transformers.DeepseekV2Config(
+        hidden_size=E,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        n_group=G,
+        topk_group=TG,
+        topk_method=method,
+        routed_scaling_factor=16.0,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
+    hf = DeepseekV2TopkRouter(cfg)
+    with torch.no_grad():
+        hf.weight.copy_(torch.eye(E))
+    logits = 3 * torch.randn(257, E, generator=torch.Generator().manual_seed(E + K))
+    _, ref_w, ref_ids = hf(logits)
+    w, ids = route_softmax(logits, K, G, TG, False, 16.0)
+    ids_s, order = ids.sort(-1)
+    ref_s, ref_order = ref_ids.sort(-1)
+    assert torch.equal(ids_s, ref_s)
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-6, atol=1e-7)
