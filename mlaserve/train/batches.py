@@ -37,11 +37,12 @@ class PackedBatches:
 
     def __call__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch `index` -> (inputs [B, S], targets [B, S]) on the tokens' device, int64."""
-        first = index * self.B
+        first, got = index * self.B, 0
         starts = []
-        while len(starts) < self.B:  # a micro-batch may span the end of one epoch and the start of the next
-            epoch, pos = divmod(first + len(starts), self.windows)
-            starts.append(self._order(epoch)[pos : pos + self.B - len(starts)])
+        while got < self.B:  # a micro-batch may span the end of one epoch and the start of the next
+            epoch, pos = divmod(first + got, self.windows)
+            starts.append(self._order(epoch)[pos : pos + self.B - got])
+            got += len(starts[-1])
         rows = torch.cat(starts) * self.S  # [B]
         seqs = self.tokens[rows[:, None] + self._span].long()  # [B, S+1]
         return seqs[:, :-1], seqs[:, 1:]

@@ -1,8 +1,9 @@
 """The training corpus: the .py files of the standard library and site-packages, deduplicated by content and pinned
 by a manifest (root folders, each file's path, sha256 and byte count, and the manifest's own hash).
 
-A file belongs to the held-out split when its sha256, read as a number, is 0 modulo 100 (1 %, by content alone:
-the same file is held out on every machine). A manifest rebuilds the same corpus from the same or relocated roots.
+A file belongs to the held-out split when its sha256, read as a number, is 0 modulo `held_out_mod` (100: 1 %, by
+content alone, so the same file is held out on every machine). A manifest rebuilds the same corpus from the same
+or relocated roots.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 MANIFEST_VERSION = 1
-HELD_OUT_MOD = 100  # 1 file in 100 (by hash) is held out
+HELD_OUT_MOD = 100  # by default 1 file in 100 (by hash) is held out
 MAX_FILE_BYTES = 1 << 19  # larger .py files are mostly generated tables and data
 
 
@@ -27,9 +28,8 @@ class SourceFile:
     sha256: str
     bytes: int
 
-    @property
-    def held_out(self) -> bool:
-        return int(self.sha256[:16], 16) % HELD_OUT_MOD == 0
+    def held_out(self, mod: int = HELD_OUT_MOD) -> bool:
+        return int(self.sha256[:16], 16) % mod == 0
 
 
 def default_roots() -> list[str]:
@@ -97,26 +97,29 @@ def scan(roots: list[str], max_bytes: int | None = None, workers: int = 16) -> l
     return files
 
 
-def manifest_hash(roots_named: list[str], files: list[SourceFile]) -> str:
-    """sha256 of the canonical file list (hash, byte count and path of each, in hash order) and the root names."""
-    h = hashlib.sha256(json.dumps(roots_named).encode())
+def manifest_hash(roots_named: list[str], files: list[SourceFile], held_out_mod: int) -> str:
+    """sha256 of the canonical file list (hash, byte count and path of each, in hash order), the root names and
+    the held-out rule."""
+    h = hashlib.sha256(json.dumps([roots_named, held_out_mod]).encode())
     for f in sorted(files, key=lambda f: f.sha256):
         h.update(f"{f.sha256} {f.bytes} {f.root} {f.path}\n".encode())
     return h.hexdigest()
 
 
 def write_manifest(path: str, roots: list[str], files: list[SourceFile], settings: dict) -> dict:
+    """settings["held_out_mod"] (default HELD_OUT_MOD) decides the split and is recorded."""
     names = [os.path.basename(r.rstrip("/")) for r in roots]
+    mod = settings.setdefault("held_out_mod", HELD_OUT_MOD)
     m = {
         "version": MANIFEST_VERSION,
-        "sha256": manifest_hash(names, files),
+        "sha256": manifest_hash(names, files, mod),
         "roots": roots,
         "root_names": names,
-        "settings": {**settings, "held_out": f"int(sha256[:16], 16) % {HELD_OUT_MOD} == 0"},
+        "settings": {**settings, "held_out": f"int(sha256[:16], 16) % {mod} == 0"},
         "num_files": len(files),
         "bytes": sum(f.bytes for f in files),
-        "held_out_files": sum(f.held_out for f in files),
-        "held_out_bytes": sum(f.bytes for f in files if f.held_out),
+        "held_out_files": sum(f.held_out(mod) for f in files),
+        "held_out_bytes": sum(f.bytes for f in files if f.held_out(mod)),
         "files": [[f.sha256, f.bytes, f.root, f.path] for f in files],
     }
     tmp = path + ".tmp"
@@ -140,7 +143,7 @@ def read_manifest(path: str, roots: list[str] | None = None) -> tuple[dict, list
             raise ValueError(f"--roots: the manifest has {len(m['roots'])} roots ({m['root_names']}), got {len(roots)}")
         m["roots"] = [os.path.realpath(r) for r in roots]
     files = [SourceFile(root, p, h, n) for h, n, root, p in m["files"]]
-    if manifest_hash(m["root_names"], files) != m["sha256"]:
+    if manifest_hash(m["root_names"], files, m["settings"]["held_out_mod"]) != m["sha256"]:
         raise ValueError(f"--manifest: {path}'s file list does not match its own sha256 (edited by hand?)")
     return m, files
 

@@ -181,12 +181,22 @@ class DeepseekV3ForTraining(nn.Module):
                 loads.append(load)
         return self.model.norm(x), torch.stack(loads) if loads else x.new_zeros(0)
 
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy (fp32) of the logits of h [B, S, D] against targets [B, S] (-100: ignored)."""
+        logits = self.lm_head(h).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
     def forward(self, ids: torch.Tensor, targets: torch.Tensor):
         """-> (summed cross-entropy over all targets (fp32), tokens per expert [L_moe, E])."""
         h, loads = self.hidden(ids)
-        logits = self.lm_head(h).float()
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-        return loss, loads
+        return self.head_loss(h, targets), loads
+
+    def compile_regions(self) -> None:
+        """torch.compile each decoder layer (the MoE layers share one graph) and the loss head; parameter names
+        are unchanged, so checkpoints do not depend on it."""
+        for layer in self.model.layers:
+            layer.compile()
+        self.head_loss = torch.compile(self.head_loss)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF names and per-expert tensors (detached, on their device, in the parameters' dtype)."""

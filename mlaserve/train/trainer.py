@@ -131,15 +131,18 @@ class Trainer:
         self.step += 1
         return total / s.tokens_per_step
 
-    def run(self, deadline: float | None, save_every_s: float | None, log_every: int = 10, progress=True) -> bool:
-        """Steps until the schedule ends or time.monotonic() passes `deadline`; saves then (and every
-        `save_every_s`). -> whether the schedule is complete."""
+    def run(
+        self, deadline: float | None, save_every_s: float | None, log_every: int = 10, progress=True, until=None
+    ) -> bool:
+        """Steps until the schedule ends, time.monotonic() passes `deadline` or step `until` is reached; saves then
+        (and every `save_every_s`). -> whether the schedule is complete."""
         s = self.s
+        last = s.steps if until is None else min(until, s.steps)
         bar = tqdm(total=s.steps, initial=self.step, unit="step", disable=not progress, dynamic_ncols=True)
         losses: list[torch.Tensor] = []
         t_log = t_save = time.monotonic()
         steps_at_log = self.step
-        while self.step < s.steps and (deadline is None or time.monotonic() < deadline):
+        while self.step < last and (deadline is None or time.monotonic() < deadline):
             losses.append(self.train_step())
             done = self.step == s.steps
             if self.step % log_every == 0 or done:
