@@ -1,12 +1,12 @@
 """`mlaserve train-model WORK`: train a small DeepSeek-V3-architecture model on the Python source of this machine.
 
-Stages, each reusing its output in WORK when it exists (so the same command resumes):
+Stages, each reusing its output in WORK when it exists (so the same command resumes; --stage X stops after X):
 1. corpus     corpus/manifest.json: the stdlib's and site-packages' .py files, deduplicated, 1 % held out by hash
 2. tokenizer  tokenizer/: byte-level BPE (--vocab-size) with BOS and EOS
 3. tokens     corpus/train.bin, corpus/held_out.bin: uint16, BOS file EOS per file
-4. train      checkpoint/checkpoint.pt: until --tokens are seen or --time-limit minutes pass (then run again)
-5. card       model/: the HF folder (config.json, model.safetensors, tokenizer), README.md with the held-out
-              loss and bits per byte and continuations, loss.png
+4. train      checkpoint/checkpoint.pt: until --tokens are seen or --time-limit minutes pass (run again to resume);
+              then model/: the HF folder (config.json, model.safetensors, tokenizer), README.md (the model card:
+              held-out loss and bits per byte, continuations) and loss.png
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from .prepare import Corpus, build_tokenizer, build_tokens, read_token_info
 from .trainer import Schedule, Trainer
 
 log = logging.getLogger("mlaserve.train")
-STAGES = ("corpus", "tokenizer", "tokens", "train", "card")
+STAGES = ("corpus", "tokenizer", "tokens", "train")
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("work", help="the work folder (corpus, tokenizer, checkpoint, and the model in WORK/model)")
-    p.add_argument("--stage", default="all", choices=("all", *STAGES), help="run one stage (default: all)")
+    p.add_argument("--stage", default="all", choices=("all", *STAGES), help="stop after this stage (default: all)")
     p.add_argument("--roots", nargs="+", default=None, help="folders of .py files (default: stdlib, site-packages)")
     p.add_argument("--manifest", default=None, help="rebuild the corpus of this manifest.json (with --roots: moved)")
     p.add_argument("--max-corpus-mb", type=float, default=400.0, help="corpus size cap (lowest hashes kept)")
@@ -195,27 +195,21 @@ def train_model(args) -> dict:
     _check(args)
     deadline = t0 + args.time_limit * 60 if args.time_limit else None
     device = _device(args.device)
-    stage = args.stage
+    upto = STAGES.index(args.stage) if args.stage != "all" else len(STAGES) - 1
     work = args.work
     os.makedirs(work, exist_ok=True)
     corpus = Corpus(work, args.workers)
     tok_dir = os.path.join(work, "tokenizer")
-    if stage in ("all", "corpus") and (stage == "corpus" or not corpus.exists):
+    if not corpus.exists:
         corpus.build(args.roots, args.manifest, args.max_corpus_mb, args.held_out_mod)
-    elif not corpus.exists:
-        raise ValueError(f"{corpus.manifest_path} does not exist: run the corpus stage first")
-    if stage == "tokenizer" or (stage == "all" and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json"))):
+    if upto >= 1 and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
         build_tokenizer(corpus, tok_dir, args.vocab_size, args.tokenizer_sample_mb, args.seq_len)
     info = read_token_info(corpus)
-    if stage == "tokens" or (stage == "all" and info is None):
+    if upto >= 2 and info is None:
         info = build_tokens(corpus, tok_dir)
-    if stage in ("corpus", "tokenizer", "tokens"):
+    if upto < 3:
         return {}
-    if info is None:
-        raise ValueError(f"{corpus.dir}/tokens.json is missing or stale: run the tokens stage first")
-    if stage == "card" and not os.path.isfile(os.path.join(work, "checkpoint", "checkpoint.pt")):
-        raise ValueError(f"{work}/checkpoint/checkpoint.pt does not exist: run the train stage first")
-    trainer, done = _train(args, corpus, info, deadline if stage != "card" else time.monotonic(), device)
+    trainer, done = _train(args, corpus, info, deadline, device)
     facts = _card(args, corpus, info, trainer, done, device)
     print(
         f"train-model: step {facts['step']}/{facts['steps']}, {facts['tokens_per_s'] / 1e6:.2f} M tokens/s, "
