@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import statistics
 import time
 
@@ -42,7 +43,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=1024, help="packed sequence length (= max_position_embeddings)")
     p.add_argument("--micro-batch", type=int, default=64, help="sequences per forward")
     p.add_argument("--batch-tokens", type=int, default=262144, help="tokens per optimizer step")
-    p.add_argument("--tokens", type=float, default=400e6, help="training tokens in all (sets the step count)")
+    p.add_argument("--tokens", type=float, default=600e6, help="training tokens in all (sets the step count)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's floor, as a fraction of --lr")
     p.add_argument("--warmup-steps", type=int, default=100)
@@ -69,8 +70,8 @@ def _command(args) -> str:
         if k in skip or v is None or v is False:
             continue
         flag = "--" + k.replace("_", "-")
-        flags += [flag] if v is True else [flag, " ".join(map(str, v)) if isinstance(v, list) else f"{v}"]
-    return " ".join(["mlaserve train-model", args.work, *flags])
+        flags += [flag] if v is True else [flag, *(map(shlex.quote, map(str, v if isinstance(v, list) else [v])))]
+    return " ".join(["mlaserve train-model", shlex.quote(args.work), *flags])
 
 
 def _device(name: str) -> torch.device:
