@@ -24,7 +24,7 @@ if [[ $MODE == tests ]]; then
   exit
 fi
 
-common=(--tokens "${TOKENS:-600e6}" ${ARGS})
+common=(--tokens "${TOKENS:-500e6}" ${ARGS})
 if [[ $MODE == bench ]]; then
   timeout 560 python3 -m mlaserve --log-level INFO train-model "$WORK" "${common[@]}" --stop-at-step "${STEPS:-60}" \
     --card-samples 0 --time-limit "${TIME_LIMIT:-8.5}" 2>&1 | tee "$OUT/train.log" | tail -40

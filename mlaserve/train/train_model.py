@@ -43,7 +43,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=1024, help="packed sequence length (= max_position_embeddings)")
     p.add_argument("--micro-batch", type=int, default=64, help="sequences per forward")
     p.add_argument("--batch-tokens", type=int, default=262144, help="tokens per optimizer step")
-    p.add_argument("--tokens", type=float, default=600e6, help="training tokens in all (sets the step count)")
+    p.add_argument("--tokens", type=float, default=500e6, help="training tokens in all (sets the step count)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's floor, as a fraction of --lr")
     p.add_argument("--warmup-steps", type=int, default=100)
