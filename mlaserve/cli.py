@@ -5,6 +5,7 @@ mlaserve generate [MODEL]       offline generation
 mlaserve bench serve|compare    serving benchmark and A/B comparison
 mlaserve make-random PRESET OUT random HF-format checkpoint
 mlaserve train-draft TARGET OUT distill an EAGLE3 draft from a target's hidden states and greedy outputs
+mlaserve train-model WORK       train a small DeepSeek-V3 model on this machine's Python source (a resumable recipe)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ COMMANDS = {
     "generate": ("mlaserve.llm", "generate text offline from a prompt"),
     "make-random": ("mlaserve.models.make_random_cli", "write a random HF-format checkpoint from a preset"),
     "train-draft": ("mlaserve.train.train_draft", "distill an EAGLE3 draft from a target's own greedy outputs"),
+    "train-model": ("mlaserve.train.train_model", "train a small DeepSeek-V3 model on this machine's Python source"),
 }
 BENCH_COMMANDS = {
     "serve": ("mlaserve.bench.serve", "benchmark a running server (docs/benchmarking.md protocol)"),
