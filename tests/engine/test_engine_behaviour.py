@@ -76,6 +76,27 @@ def test_prefix_cache_hit_same_output(tiny_ckpt, page_size):
     assert tok(outs[True]) == tok(outs[False])
 
 
+def test_live_requests_share_cached_prefix_pages(tiny_ckpt):
+    """A request arriving while another with the same prefix is still decoding holds that request's full prefix pages
+    by reference: each shared page counted once in the pool, with two references."""
+    rng = random.Random(4)
+    prefix = [rng.randrange(512) for _ in range(40)]  # 2 full pages of 16 and 8 tokens
+    engine = make_engine(tiny_ckpt, page_size=16, num_pages=64)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ra = engine.add_request(prefix + [1, 2], sp)
+    while len(engine.pool.cached) < 2:  # a's prefill: its 2 full pages computed and registered (maybe a step late)
+        engine.step()
+    rb = engine.add_request(prefix + [3, 4, 5], sp)
+    a, b = engine.states[ra].req, engine.states[rb].req
+    while not b.pages:  # scheduled at the next step (the overlapped loop schedules one step ahead)
+        engine.step()
+    shared = [p for p in a.pages if p in b.pages]
+    assert shared == a.pages[:2] == b.pages[:2] and all(engine.pool.ref[p] == 2 for p in shared)
+    assert engine.pool.num_used == len(a.pages) + len(b.pages) - 2  # 3 + 3 held, 2 of them by both
+    assert b.num_cached_tokens == 32 and engine.stats()["prefix_cache_hits"] == 32
+    run_all(engine)
+
+
 def test_abort_frees_pages_at_once(tiny_ckpt):
     engine = make_engine(tiny_ckpt, page_size=16)
     rids = [
