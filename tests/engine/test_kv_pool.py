@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from mlaserve.engine.kv_pool import KVPool
 
 
@@ -115,3 +117,51 @@ def test_shared_pages_are_counted_once():
     pool.free(second)
     pool.check()
     assert pool.num_free == 8
+
+
+def test_lookup_stats_add_up():
+    pool = KVPool(4, 2)
+    assert (pool.queries, pool.hits) == (0, 0)
+    pool.record_lookup(10, 4)
+    pool.record_lookup(6, 0)
+    assert (pool.queries, pool.hits) == (16, 4)
+
+
+def test_reset_prefix_cache_frees_only_unheld_pages():
+    pool = KVPool(4, 2)
+    held = pool.allocate(1)
+    pool.commit([1, 1], held, 2, 0)
+    idle = _cached_request(pool, [2, 2])
+    pool.reset_prefix_cache()
+    assert pool.match_prefix([2, 2, 9]) == [] and idle in pool.free_pages and not pool.evictable
+    assert pool.num_free == 3 and pool.ref[held[0]] == 1
+    pool.check()
+    pool.free(held)  # the held page keeps its hash until its owner frees it
+    assert list(pool.evictable) == held
+
+
+def test_misuse_is_caught():
+    pool = KVPool(4, 2)
+    with pytest.raises(AssertionError, match="page 3 is not held"):
+        pool.share([3])
+    pages = pool.allocate(1)
+    pool.free(pages)
+    with pytest.raises(AssertionError, match=f"page {pages[0]} freed twice"):
+        pool.free(pages)
+
+
+@pytest.mark.parametrize(
+    "corrupt,msg",
+    [
+        (lambda pool, p: pool.free_pages.append(pool.free_pages[0]), "duplicate page in free list"),
+        (lambda pool, p: pool.free_pages.append(p), "^$"),  # a held page also free: the overlap assertion itself
+        (lambda pool, p: pool.free_pages.remove(3), "a page is lost"),
+    ],
+)
+def test_check_names_the_broken_invariant(corrupt, msg):
+    pool = KVPool(4, 2)
+    p = pool.allocate(1)[0]
+    pool.check()
+    corrupt(pool, p)
+    with pytest.raises(AssertionError, match=msg):
+        pool.check()
