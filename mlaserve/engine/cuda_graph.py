@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -112,6 +113,10 @@ class GraphRunner:
         self._ring = 0  # the host ring row of the last (or next: run) decode step
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
+        # what ran, by kind ("decode": q_len 1, "verify": q_len N, "prefill"): every run of the static path, and
+        # those of them that replayed a captured graph (the rest ran the same static path eagerly)
+        self.static_runs: Counter[str] = Counter()
+        self.graph_replays: Counter[str] = Counter()
         # decode graphs fork the KV store onto it (one stream for all layers and graphs: they never run at once)
         self.side_stream = torch.cuda.Stream(dev) if use_graphs and torch.device(dev).type == "cuda" else None
 
@@ -352,8 +357,11 @@ class GraphRunner:
             self.input_ids[:n_dec].copy_(decode_tokens)
         if decode_shift is not None:
             g.batch.shift_decode(decode_shift, self.page_size)
+        kind = key[0] if key[0] == "prefill" else ("decode" if self.q == 1 else "verify")
+        self.static_runs[kind] += 1
         if g.graph is not None:
             g.graph.replay()
+            self.graph_replays[kind] += 1
             logits, aux = g.logits, g.aux
         else:
             logits, aux = self._forward(g.batch, g.ring_row)

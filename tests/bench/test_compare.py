@@ -98,37 +98,125 @@ def test_identical_runs_exit_0(tmp_path, capsys):
     assert ttft["baseline"]["min"] < ttft["baseline"]["max"] and ttft["change_pct"] > 0  # candidate is faster
 
 
-@pytest.mark.parametrize(
-    "what", ["text", "event_vector", "output_token_ids", "event_total", "proxy", "failed", "per_position"]
-)
-def test_any_difference_exits_1(tmp_path, capsys, what):
+def _drop(d, idx):
+    d["requests"] = [r for r in d["requests"] if r["index"] != idx]
+    d.update(summarize_run(d["requests"]))
+
+
+def _reindex(d, old, new):
+    next(r for r in d["requests"] if r["index"] == old)["index"] = new
+
+
+# each difference the identity check claims: how to make it in one candidate run, and every problem it must name
+DIFFS = {
+    "text": (lambda d: d["requests"][1].update(text="request 1 says ho"), ["request 1: generated text differs"]),
+    "event_vector": (
+        lambda d: d["requests"][1].update(event_vector=[1, 2, 1, 2]),
+        ["request 1: event vector differs at event 1"],
+    ),
+    "output_token_ids": (
+        lambda d: d["requests"][1].update(output_token_ids=[0, 1, 2, 3, 4, 9]),
+        ["request 1: output token ids differ from token 5"],
+    ),
+    "event_total": (
+        lambda d: d.update(event_total=d["event_total"] + 1),
+        ["event total 10 differs from base-0.json's 9"],
+    ),
+    "proxy": (lambda d: d.update(acceptance_proxy=d["acceptance_proxy"] + 1e-9), ["acceptance proxy"]),
+    "failed": (
+        lambda d: (
+            d["requests"][1].update(success=False, error="HTTP 500: boom"),
+            d.update(summarize_run(d["requests"])),
+        ),
+        # the failed request's events and accepted drafts leave the totals too
+        ["completed 2/3 requests (request 1: HTTP 500: boom)", "event total 6 differs", "position [4] differ"],
+    ),
+    "per_position": (
+        lambda d: d.update(accepted_per_position_usage=[5]),
+        ["accepted tokens per draft position [5] differ"],
+    ),
+    "prompts": (lambda d: d.update(prompts_sha256="abd"), ["prompts differ from base-0.json"]),
+    "missing_request": (
+        lambda d: _drop(d, 2),
+        ["completed 2/3 requests", "request 2 is missing from cand-1.json", "event total 6 differs", "[4] differ"],
+    ),
+    "other_request": (  # the same number of requests, but not the same set
+        lambda d: _reindex(d, 2, 7),
+        ["request 2 is missing from cand-1.json", "request 7 is missing from base-0.json"],
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(DIFFS))
+def test_any_difference_exits_1_and_names_itself(tmp_path, capsys, what):
     bad = _result(0.9)
-    r1 = bad["requests"][1]
-    if what == "text":
-        r1["text"] = "request 1 says ho"
-    elif what == "event_vector":
-        r1["event_vector"] = [1, 2, 1, 2]
-    elif what == "output_token_ids":
-        r1["output_token_ids"] = [0, 1, 2, 3, 4, 9]
-    elif what == "event_total":
-        bad["event_total"] += 1
-    elif what == "proxy":
-        bad["acceptance_proxy"] += 1e-9
-    elif what == "per_position":
-        bad["accepted_per_position_usage"] = [5]
-    else:
-        r1.update(success=False, error="HTTP 500: boom")
-        bad.update(summarize_run(bad["requests"]))
-    rc = _compare(tmp_path, [_result(), _result()], [_result(0.9), bad])
-    out = capsys.readouterr().out
+    make, names = DIFFS[what]
+    make(bad)
+    out_json = tmp_path / "cmp.json"
+    rc = _compare(tmp_path, [_result(), _result()], [_result(0.9), bad], "--save-result", str(out_json))
+    out = capsys.readouterr().out.replace(f"{tmp_path}/", "")
     assert rc == 1, out
-    assert "OUTPUTS DIFFER" in out and "cand-1.json" in out
-    if what in ("text", "event_vector", "output_token_ids"):
-        assert "request 1:" in out
-    if what == "failed":
-        assert "completed 2/3 requests" in out and "HTTP 500" in out
-    if what == "per_position":
-        assert "accepted tokens per draft position [5] differ" in out
+    problems = [p.replace(f"{tmp_path}/", "") for p in json.loads(out_json.read_text())["problems"]]
+    assert f"OUTPUTS DIFFER or runs failed ({len(problems)} problems)" in out
+    assert all(p.startswith("cand-1.json") for p in problems), problems  # only the run that differs, named
+    assert len(problems) == len(names), problems  # each difference once, and nothing else reported
+    for name in names:
+        assert any(name in p for p in problems), (name, problems)
+    assert not json.loads(out_json.read_text())["identical"]
+
+
+def test_max_diffs_caps_the_differences_named(tmp_path, capsys):
+    bad = _result()
+    for r in bad["requests"]:
+        r["text"] += "!"
+    assert _compare(tmp_path, [_result()], [bad], "--max-diffs", "2") == 1
+    out = capsys.readouterr().out
+    assert "request 0: generated text" in out and "request 1: generated text" in out
+    assert "request 2: generated text" not in out and "... and 1 more differences" in out
+
+
+def _warnings(tmp_path, capsys) -> list[str]:
+    out = capsys.readouterr().out.replace(f"{tmp_path}/", "")
+    return [x for x in out.splitlines() if x.startswith("warning: ")]
+
+
+@pytest.mark.parametrize(
+    "key,value,flag",
+    [
+        ("num_prompts", 4, "--num-prompts 4"),
+        ("max_concurrency", 8, "--max-concurrency 8"),
+        ("request_rate", 2.0, "--request-rate 2.0"),
+        ("input_len", 5, "--input-len 5"),
+        ("output_len", 7, "--output-len 7"),
+        ("seed", 1, "--seed 1"),
+        ("num_warmups", 2, "--num-warmups 2"),
+        ("temperature", 0.5, "--temperature 0.5"),
+        ("ignore_eos", False, "--ignore-eos False"),
+    ],
+)
+def test_protocol_differences_are_warned_about_by_name(tmp_path, capsys, key, value, flag):
+    """A protocol difference is a warning naming the flag and both values; it does not fail the compare on its own
+    (outputs that match are still the same outputs), so the exit code stays 0."""
+    other = _result()
+    other["config"][key] = value
+    # 4 prompts asked for and 3 completed is also a failed run
+    assert _compare(tmp_path, [_result(), _result()], [other]) == (1 if key == "num_prompts" else 0)
+    was = _result()["config"][key]
+    assert _warnings(tmp_path, capsys) == [f"warning: cand-0.json: {flag} differs from base-0.json's {was}"]
+
+
+def test_run_level_warnings(tmp_path, capsys):
+    spec = {"algorithm": "REPLAY", "benchmark_only": True, "replay_miss_rate": 0.3}
+    other = _result()
+    other.update(speculative=spec, event_counting="events")
+    assert _compare(tmp_path, [_result()], [other]) == 0
+    warnings = _warnings(tmp_path, capsys)
+    assert warnings == [
+        f"warning: cand-0.json: speculative decoding {spec} differs from base-0.json's",
+        "warning: cand-0.json: server sent no token_ids; event vectors count 1 token per event",
+        "warning: cand-0.json: ran the benchmark-only REPLAY draft (miss rate 0.3): its speed is at a set acceptance "
+        "rate, not a trained draft's",
+    ], warnings
 
 
 def test_difference_in_a_baseline_run_is_caught(tmp_path, capsys):

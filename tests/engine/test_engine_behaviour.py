@@ -76,6 +76,27 @@ def test_prefix_cache_hit_same_output(tiny_ckpt, page_size):
     assert tok(outs[True]) == tok(outs[False])
 
 
+def test_live_requests_share_cached_prefix_pages(tiny_ckpt):
+    """A request arriving while another with the same prefix is still decoding holds that request's full prefix pages
+    by reference: each shared page counted once in the pool, with two references."""
+    rng = random.Random(4)
+    prefix = [rng.randrange(512) for _ in range(40)]  # 2 full pages of 16 and 8 tokens
+    engine = make_engine(tiny_ckpt, page_size=16, num_pages=64)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ra = engine.add_request(prefix + [1, 2], sp)
+    while len(engine.pool.cached) < 2:  # a's prefill: its 2 full pages computed and registered (maybe a step late)
+        engine.step()
+    rb = engine.add_request(prefix + [3, 4, 5], sp)
+    a, b = engine.states[ra].req, engine.states[rb].req
+    while not b.pages:  # scheduled at the next step (the overlapped loop schedules one step ahead)
+        engine.step()
+    shared = [p for p in a.pages if p in b.pages]
+    assert shared == a.pages[:2] == b.pages[:2] and all(engine.pool.ref[p] == 2 for p in shared)
+    assert engine.pool.num_used == len(a.pages) + len(b.pages) - 2  # 3 + 3 held, 2 of them by both
+    assert b.num_cached_tokens == 32 and engine.stats()["prefix_cache_hits"] == 32
+    run_all(engine)
+
+
 def test_abort_frees_pages_at_once(tiny_ckpt):
     engine = make_engine(tiny_ckpt, page_size=16)
     rids = [
@@ -198,3 +219,30 @@ def test_logprobs_are_returned(tiny_ckpt):
     )[0]
     lp = out.outputs[0].logprobs
     assert len(lp) == 5 and all(x <= 0 for x in lp)
+
+
+def test_sampled_logprobs_equal_a_reference_log_softmax(tiny_ckpt):
+    """At temperature > 0 the logprob returned is the sampled token's (not the arg-max's) under the model's raw
+    log-softmax, and the top alternatives are that row's k most likely tokens with their logprobs."""
+    import torch
+
+    from mlaserve import LLM
+    from tests.helpers.ref_sampling import model_logits
+
+    llm = LLM(tiny_ckpt, device="cpu")
+    prompt = _prompts(1, seed=12)[0]
+    sp = SamplingParams(temperature=1.5, seed=21, max_tokens=16, ignore_eos=True, logprobs=4)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    ref = model_logits(llm.engine, prompt + out.token_ids[:-1])[len(prompt) - 1 :].log_softmax(-1)  # [16, V]
+    assert len(out.logprobs) == len(out.top_logprobs) == 16
+    not_argmax = 0
+    for i, tok in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-4), i
+        not_argmax += tok != int(ref[i].argmax())
+        top = out.top_logprobs[i]
+        want = torch.topk(ref[i], 4)
+        assert set(top) == set(want.indices.tolist()), (i, top)  # the k alternatives, not the arg-max alone
+        for t, lp in zip(want.indices.tolist(), want.values.tolist()):
+            assert top[t] == pytest.approx(lp, abs=1e-4), (i, t)
+        assert top.get(tok, out.logprobs[i]) == pytest.approx(out.logprobs[i], abs=1e-6)
+    assert not_argmax >= 8, not_argmax  # the sampled path leaves the arg-max: the test tells the two apart

@@ -33,6 +33,10 @@ def test_static_path_matches_eager(tiny_ckpt, n):
     engine.runner.graphs.run = lambda key, d, p, *a: (used.append(key), orig(key, d, p, *a))[1]
     assert _gen(engine, prompts) == ref
     assert any(k[0] == "decode" for k in used) and any(k[0] == "prefill" for k in used)
+    runs = engine.runner.graphs.static_runs  # what ran, counted by the runner itself
+    assert runs["decode"] == sum(k[0] == "decode" for k in used) and runs["prefill"] == len(used) - runs["decode"]
+    assert runs["verify"] == 0 and not engine.runner.graphs.graph_replays  # eager: nothing captured to replay
+    assert engine.runner.graph_steps == len(used)
 
 
 def test_release_graphs_then_eager(tiny_ckpt):
@@ -61,7 +65,16 @@ def test_static_path_with_speculation(tiny_ckpt, tmp_path):
         spec=SpecConfig(draft_model=draft, num_steps=2),
     )
     eng.runner.capture_graphs(3, eng.max_model_len, use_graphs=False)
+    verifies = []
+    fwd = eng.runner.execute_local
+    eng.runner.execute_local = lambda decode, prefill, *a: (
+        verifies.append(len(decode)) if decode and not prefill else None,
+        fwd(decode, prefill, *a),
+    )[1]
     assert _gen(eng, prompts) == ref
+    # every verify step (decode chunks of q_len 3, no prefill beside them) took the static path
+    runs = eng.runner.graphs.static_runs
+    assert verifies and runs["verify"] == len(verifies) and runs["decode"] == 0, (runs, verifies)
     eng.pool.check()
     assert eng.pool.num_free == eng.pool.num_pages
 

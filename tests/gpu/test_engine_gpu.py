@@ -129,7 +129,12 @@ def test_graphs_equal_eager_and_reference(tiny_ckpt, dtype):
     )
     eager, _ = _greedy(dict(dtype=dtype, enforce_eager=True), tiny_ckpt, prompts)
     graphs, llm = _greedy(dict(dtype=dtype), tiny_ckpt, prompts)
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    gr = llm.engine.runner.graphs
+    assert gr is not None and gr.graphs
+    # replayed, not only captured: decode steps replayed graphs, and every static-path step was a replay (12 prompts
+    # prefill in one step of more requests than a prefill graph holds: eager)
+    assert gr.graph_replays["decode"] > 0, gr.graph_replays
+    assert gr.graph_replays == gr.static_runs
     assert graphs == eager
     if dtype == "float32":  # bf16 may flip near-ties between the reference and the fused kernels
         assert eager == ref
@@ -187,6 +192,10 @@ def test_graphs_with_speculation(tiny_ckpt, tmp_path):
     for k in (1, 3):
         got, llm = _greedy(dict(dtype="float32"), tiny_ckpt, prompts, spec={"draft_model": draft, "num_steps": k})
         assert llm.engine.proposer.graphs is not None and llm.engine.proposer.graphs.graphs  # the draft step too
+        gr = llm.engine.runner.graphs
+        # the verify steps replayed the target's captured graphs (q_len k + 1), none ran the q_len-1 decode graphs
+        assert gr.graph_replays["verify"] > 0 and gr.graph_replays == gr.static_runs, gr.static_runs
+        assert gr.static_runs["decode"] == 0
         assert got == base
 
 

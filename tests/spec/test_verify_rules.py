@@ -95,3 +95,52 @@ def test_sampled_matches_the_target_distribution():
     assert torch.allclose(freq, torch.tensor(p2), atol=0.04), freq
     acc = per_position([len(o) - 1 for o in outs], 2)  # P(accept 1) = p0(1); P(accept both) = p0(1) * p1(1)
     assert abs(acc[0] / len(outs) - 0.3) < 0.015 and abs(acc[1] / len(outs) - 0.18) < 0.015, acc
+
+
+def test_count_accepted_pads_a_short_list_to_k():
+    counts = [5]
+    count_accepted(counts, 2, 3)
+    assert counts == [6, 1, 0]
+
+
+def _seeded_runs(row_seed, engine_seed, global_seed, n=200):
+    """verify_sampled n times on a fixed 8-token target with 3 drafts that are often rejected (so the residual and
+    bonus draws run too), the global RNG reseeded first: a draw taken from it would show as a different output."""
+    torch.manual_seed(global_seed)
+    lg = torch.log(torch.tensor([[0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05]] * 4))
+    row_gen = None if row_seed is None else torch.Generator().manual_seed(row_seed)
+    row = SamplingRow(SamplingParams(temperature=1.0), row_gen)
+    g = torch.Generator().manual_seed(engine_seed)
+    return [verify_sampled(lg, [0, 1, 0], row, g) for _ in range(n)]
+
+
+def test_sampled_draws_only_from_the_request_generator():
+    """A seeded request draws every random number (accept, residual, bonus) from its own generator, the others
+    from the engine's: the global RNG never, so the same seeds give the same tokens."""
+    a = _seeded_runs(7, 100, global_seed=1)
+    assert a == _seeded_runs(7, 200, global_seed=2)  # the request's generator: the engine's does not matter
+    assert a == _seeded_runs(None, 7, global_seed=3)  # the same stream when it is the engine's
+    assert a != _seeded_runs(8, 7, global_seed=1)
+    lens = {len(o) for o in a}
+    assert lens == {1, 2, 3, 4}, lens  # rejections at every position and all accepted (the bonus draw)
+
+
+def test_sampled_applies_temperature_and_top_k():
+    """The rule runs on the request's filtered distribution: with top_k = 1 it accepts exactly the drafts equal to
+    each row's arg-max and emits the arg-max at the first rejection (greedy's tokens); temperature sharpens p."""
+    torch.manual_seed(0)
+    lg = torch.randn(4, 8)
+    y = lg.argmax(-1).tolist()
+    row = SamplingRow(SamplingParams(temperature=1.0, top_k=1), None)
+    g = torch.Generator().manual_seed(0)
+    for drafts in ([y[0], y[1], y[2]], [y[0], (y[1] + 1) % 8, y[2]], [(y[0] + 1) % 8, y[1], y[2]]):
+        a = 0
+        while a < 3 and drafts[a] == y[a]:
+            a += 1
+        assert verify_sampled(lg, drafts, row, g) == y[: a + 1]
+    # temperature 0.25 on p = (0.6, 0.4): p' = (0.6^4, 0.4^4) / sum = (0.835, 0.165): draft 1 accepted w.p. 0.165
+    cold = SamplingRow(SamplingParams(temperature=0.25), None)
+    lg = torch.log(torch.tensor([[0.6, 0.4], [0.5, 0.5]]))
+    outs = [verify_sampled(lg, [1], cold, g) for _ in range(4000)]
+    rate = sum(len(o) == 2 for o in outs) / len(outs)
+    assert abs(rate - 0.165) < 0.02, rate  # at temperature 1 it would be 0.4

@@ -94,10 +94,34 @@ def test_dist_init_addr_forms_accepted():
         assert ParallelConfig(dist_init_addr=addr).dist_init_addr == addr
 
 
+def _splits(par: ParallelConfig, cfg: ModelConfig) -> dict[str, int]:
+    """What each rank of an accepted layout holds: every split exact (the product back to the whole)."""
+    out = dict(
+        heads=cfg.num_attention_heads // par.attn_tp_size,
+        experts=cfg.n_routed_experts // par.ep_size,
+        expert_inter=cfg.moe_intermediate_size // par.moe_tp_size,
+    )
+    assert out["heads"] * par.attn_tp_size == cfg.num_attention_heads
+    assert out["experts"] * par.ep_size == cfg.n_routed_experts
+    assert out["expert_inter"] * par.moe_tp_size == cfg.moe_intermediate_size
+    # each rank one (moe-TP, EP) cell of the grid, every cell once
+    cells = {(par.rank_info(r).moe_tp_rank, par.rank_info(r).ep_rank) for r in range(par.world_size)}
+    assert cells == {(t, e) for t in range(par.moe_tp_size) for e in range(par.ep_size)}
+    return out
+
+
 def test_valid_sizes_pass(tiny):
-    ParallelConfig(2, 2, 1).validate(tiny)
-    ParallelConfig(2, 1, 2).validate(tiny)
-    ParallelConfig(2, 2, 1).validate(tiny.replace(vocab_size=509))  # the vocab is padded, any size works
+    assert ParallelConfig(2, 2, 1).validate(tiny) is None
+    assert _splits(ParallelConfig(2, 2, 1), tiny) == dict(heads=2, experts=8, expert_inter=16)
+    assert ParallelConfig(2, 1, 2).validate(tiny) is None
+    assert _splits(ParallelConfig(2, 1, 2), tiny) == dict(heads=2, experts=4, expert_inter=32)
+    assert ParallelConfig(2, 2, 1).validate(tiny.replace(vocab_size=509)) is None  # the vocab is padded: any size
     kimi = ModelConfig.from_hf(load_preset("kimi-k2.5"))
+    want = {
+        (8, 8, 1): dict(heads=8, experts=384, expert_inter=256),
+        (8, 1, 8): dict(heads=8, experts=48, expert_inter=2048),
+        (16, 16, 1): dict(heads=4, experts=384, expert_inter=128),
+    }
     for par in (ParallelConfig.from_tp(8), ParallelConfig.from_tp(8, ep_size=8), ParallelConfig.from_tp(16)):
-        par.validate(kimi)
+        assert par.validate(kimi) is None
+        assert _splits(par, kimi) == want[sizes(par)]

@@ -78,3 +78,23 @@ def test_llm_tp2_on_the_graph_path_matches_tp1(tiny_ckpt, tp1):
     finally:
         llm.close()
     assert workers.results == {1: f"rank 1: {steps} steps, {runner.graph_steps} by the graph runner"}
+
+
+def test_llm_tp2_replay_draft_exact_acceptance(tiny_ckpt, tp1, tmp_path):
+    """Speculation that accepts under TP2: the REPLAY draft proposes TP1's recorded outputs with seeded misses, so
+    the outputs are TP1's and each request's acceptance per draft position is exactly what the misses imply."""
+    from mlaserve.spec.replay import write_recordings
+    from tests.spec.test_replay import expected_per_position
+
+    path = str(tmp_path / "replay.jsonl")
+    write_recordings(path, zip(_prompts(), tp1))
+    spec = dict(algorithm="REPLAY", num_steps=2, replay_path=path, replay_miss_rate=0.3, replay_seed=7)
+    llm = LLM(tiny_ckpt, device="cpu", tp=2, on_rank_failure=lambda e: None, speculative_config=spec)
+    try:
+        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert [o.token_ids for o in outs] == tp1
+        got = [list(o.usage.spec_accepted_per_position) for o in outs]
+        want = [expected_per_position(p, 2, 0.3, 7, max_tokens=12) for p in _prompts()]
+        assert got == want and sum(map(sum, want)) > 0, (got, want)
+    finally:
+        llm.close()

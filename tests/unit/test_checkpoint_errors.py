@@ -1,6 +1,7 @@
 """A bad checkpoint raises one clear CheckpointError / ConfigError that names the file and the tensor."""
 
 import os
+import re
 import shutil
 
 import pytest
@@ -30,7 +31,27 @@ def load_error(path, kind=CheckpointError) -> str:
 
 
 def test_good_checkpoint_loads(ckpt):
-    load_model(ckpt)
+    """The intact copy loads every tensor of the checkpoint into the parameter of that name, bit for bit."""
+    from safetensors.torch import load_file
+
+    model = load_model(ckpt)
+    params = dict(model.named_parameters())
+    saved = {}
+    for f in sorted(os.listdir(ckpt)):
+        if f.endswith(".safetensors"):
+            saved.update(load_file(os.path.join(ckpt, f)))
+    assert saved
+    for name, t in saved.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m is None:
+            got = params[name]
+        elif m[3] == "down":  # routed experts are stacked: down_proj [E, H, I]
+            got = params[f"{m[1]}.down_proj"][int(m[2])]
+        else:  # gate_up_proj [E, 2I, H]: gate rows, then up rows
+            half = params[f"{m[1]}.gate_up_proj"][int(m[2])].chunk(2)
+            got = half[0] if m[3] == "gate" else half[1]
+        assert torch.equal(got.detach(), t.to(got.dtype)), name
+    assert sum(p.numel() for p in params.values()) == sum(t.numel() for t in saved.values())  # nothing left unloaded
 
 
 @pytest.mark.parametrize(

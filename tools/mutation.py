@@ -1,0 +1,157 @@
+"""Mutation testing of the core modules with mutmut: each module mutated alone, against the tests that cover it.
+
+    pip install -e ".[mutation]"
+    python tools/mutation.py                      # every module below, one after another
+    python tools/mutation.py spec/verify.py       # one module (a key of MODULES)
+    python tools/mutation.py --list               # the modules and their tests
+
+Each module runs in its own copy of the tree (build/mutation/<name>/, mutmut writes its mutants/ there), with a
+pyproject.toml whose [tool.mutmut] mutates that one file and runs only its tests, one mutant at a time (the tests
+are CPU-bound: --max-children 1 unless given). The result of each module (killed, survived, timed out, and the
+surviving mutants' names) goes to build/mutation/<name>.json and is printed; `mutmut show NAME` run in
+build/mutation/<name>/ prints a mutant's diff. docs/testing.md holds the last scores and why each survivor is
+accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "build" / "mutation"
+
+# module (under mlaserve/) -> the tests that cover it, quickest first
+MODULES = {
+    "engine/kv_pool.py": [
+        "tests/engine/test_kv_pool.py",
+        "tests/engine/test_parallel_sampling.py::test_n_shares_prompt_pages",
+    ],
+    "engine/scheduler.py": [
+        "tests/engine/test_engine_behaviour.py",
+        "tests/engine/test_parallel_sampling.py::test_n_shares_prompt_pages",
+    ],
+    "spec/verify.py": ["tests/spec/test_verify_rules.py"],
+    "layers/sampler.py": [
+        "tests/unit/test_sampler.py",
+        "tests/unit/test_logits_process.py",
+        "tests/engine/test_engine_behaviour.py::test_sampled_logprobs_equal_a_reference_log_softmax",
+    ],
+    "bench/compare.py": ["tests/bench/test_compare.py"],
+    "detokenizer.py": ["tests/unit/test_detokenizer.py"],
+    "server/serving.py": ["tests/server/test_errors.py", "tests/server/test_sampling_api.py"],
+}
+# module -> the functions mutated (mutmut's name globs); absent: all. compare.py: the identity check (what decides
+# the exit code); its figures, table, prose and CLI printing are presentation, ~500 more mutants that a CPU shared
+# with others cannot afford each run
+FUNCTIONS = {
+    "bench/compare.py": ["load_runs", "_first_diff", "_request_diffs", "identity_problems", "config_warnings"],
+}
+
+
+def mutant_globs(module: str) -> list[str]:
+    dotted = "mlaserve." + module.removesuffix(".py").replace("/", ".")
+    return [f"{dotted}.x_{f}__mutmut_*" for f in FUNCTIONS.get(module, [])]
+
+
+def _toml_list(xs: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(x) for x in xs) + "]"
+
+
+def prepare(module: str) -> Path:
+    """A copy of the tree for one module, its pyproject.toml carrying the [tool.mutmut] section."""
+    work = OUT / module.replace("/", "_").removesuffix(".py")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    for d in ("mlaserve", "tests"):
+        shutil.copytree(ROOT / d, work / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    tests = MODULES[module]
+    conf = (ROOT / "pyproject.toml").read_text()
+    conf += (
+        "\n[tool.mutmut]\n"
+        'source_paths = ["mlaserve"]\n'
+        f"only_mutate = {_toml_list(['mlaserve/' + module])}\n"
+        f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
+        'process_isolation = "forkserver"\n'
+        "use_git_change_detection = false\n"
+    )
+    (work / "pyproject.toml").write_text(conf)
+    return work
+
+
+def results(work: Path, globs: list[str]) -> dict[str, list[str]]:
+    """`mutmut results --all true` -> {status: [mutant names]}, of the mutants matching globs (all when empty)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    by: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*(\S+):\s*(.+?)\s*$", line)
+        if m and (not globs or any(fnmatch.fnmatch(m[1], g) for g in globs)):
+            by.setdefault(m[2], []).append(m[1])
+    return by
+
+
+def run(module: str, max_children: int) -> dict:
+    work = prepare(module)
+    # the copy's mlaserve (mutmut puts mutants/ first on the path), never the tree's: drop the root from PYTHONPATH
+    keep = [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x and Path(x).resolve() != ROOT]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(keep))
+    print(f"== {module}: mutmut over {' '.join(MODULES[module])} (log: {work}.log)", flush=True)
+    with open(f"{work}.log", "w") as log:
+        cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *mutant_globs(module)]
+        subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+    by = results(work, mutant_globs(module))
+    killed = len(by.get("killed", []))
+    total = sum(len(v) for v in by.values())
+    summary = {
+        "module": module,
+        "tests": MODULES[module],
+        "functions": FUNCTIONS.get(module, "all"),
+        "total": total,
+        "killed": killed,
+        "counts": {k: len(v) for k, v in sorted(by.items())},
+        "not_killed": {k: v for k, v in sorted(by.items()) if k != "killed"},
+        "score": killed / total if total else None,
+    }
+    (OUT / f"{work.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"== {module}: {killed}/{total} killed; {summary['counts']}", flush=True)
+    for status, names in summary["not_killed"].items():
+        for n in names:
+            print(f"   {status}: {n}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("modules", nargs="*", help="keys of MODULES (default: all)")
+    p.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default: 1)")
+    p.add_argument("--list", action="store_true", help="print the modules and their tests")
+    args = p.parse_args(argv)
+    if args.list:
+        for m, t in MODULES.items():
+            print(f"{m}: {' '.join(t)}")
+        return 0
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        p.error(f"unknown module(s) {unknown}; choose from {list(MODULES)}")
+    for m in args.modules or list(MODULES):
+        run(m, args.max_children)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
