@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from ..attention.base import SeqChunk
+from .cuda_graph import PREFILL_MAX_REQS
 
 log = logging.getLogger("mlaserve.warmup")
 
@@ -31,14 +32,15 @@ LADDER_RATIO = 1.25  # above DENSE_TOKENS, a count every 25 % (the MoE bands are
 
 @dataclass(frozen=True)
 class WarmupStep:
-    """One eager step: `decode` requests of `q_len` tokens each at `context` tokens cached, and one prefill chunk of
-    `prefill` tokens after `cached` cached ones (0: none)."""
+    """One eager step: `decode` requests of `q_len` tokens each at `context` tokens cached, and `prefill` tokens
+    after `cached` cached ones (0: none), in one chunk or split over `requests` chunks."""
 
     decode: int
     q_len: int
     context: int
     prefill: int
     cached: int
+    requests: int = 1
 
     @property
     def tokens(self) -> int:
@@ -103,6 +105,10 @@ def plan(
         for p in prefills:
             if cached + p < max_model_len:
                 steps.append(WarmupStep(0, q, 0, p, cached))
+    # fresh prefills of more requests than a prefill graph holds (always eager)
+    if max_num_seqs > PREFILL_MAX_REQS:
+        n = PREFILL_MAX_REQS + 1
+        steps += [WarmupStep(0, q, 0, p, 0, n) for p in prefills if p >= n and -(-p // n) < max_model_len]
     for n in range(1, max_num_seqs + 1):
         ctx = contexts[n % len(contexts)]
         room = budget - n * q
@@ -131,8 +137,9 @@ def _chunks(step: WarmupStep, num_pages: int, page_size: int) -> tuple[list[SeqC
 
     decode = [SeqChunk([1] * step.q_len, step.context, pages(step.context + step.q_len)) for _ in range(step.decode)]
     prefill = []
-    if step.prefill:
-        prefill.append(SeqChunk([1] * step.prefill, step.cached, pages(step.cached + step.prefill)))
+    for i in range(step.requests if step.prefill else 0):  # the tokens split as evenly as they go
+        n = step.prefill // step.requests + (i < step.prefill % step.requests)
+        prefill.append(SeqChunk([1] * n, step.cached, pages(step.cached + n)))
     return decode, prefill
 
 
@@ -154,11 +161,18 @@ def _draft(proposer, decode: list[SeqChunk], prefill: list[SeqChunk], aux: torch
     proposer.propose(chunks)
 
 
+def _step(runner, decode: list[SeqChunk], prefill: list[SeqChunk], draft) -> None:
+    from ..layers.sampler import greedy_tokens
+
+    logits, aux, _ = runner.execute(decode, prefill)
+    greedy_tokens(logits, runner.kernels.pdl)  # the sampler's arg-max over the step's rows
+    if draft is not None:
+        _draft(draft, decode, prefill, aux)
+
+
 @torch.inference_mode()
 def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
     """Run the warm-up steps through the engine's runner (and its EAGLE3 draft); -> seconds taken (logged)."""
-    from ..layers.sampler import greedy_tokens
-
     runner, cfg = engine.runner, engine.cfg
     if steps is None:
         mc = engine.model_config
@@ -183,10 +197,15 @@ def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
     draft = engine.proposer if engine.spec_k and hasattr(engine.proposer, "draft") else None  # EAGLE3, not REPLAY
     for step in steps:
         decode, prefill = _chunks(step, runner.num_pages, cfg.page_size)
-        logits, aux, _ = runner.execute(decode, prefill)
-        greedy_tokens(logits, runner.kernels.pdl)  # the sampler's arg-max over the step's rows
-        if draft is not None:
-            _draft(draft, decode, prefill, aux)
+        _step(runner, decode, prefill, draft)
+        if runner.graphs is not None and runner.ranks.world_size == 1 and runner.graphs.key_for(decode, prefill):
+            # the same step eagerly (a prompt-logprobs prefill runs so): on one rank, where no other rank replays
+            # the graph's collectives meanwhile
+            graphs, runner.graphs = runner.graphs, None
+            try:
+                _step(runner, decode, prefill, draft)
+            finally:
+                runner.graphs = graphs
     if runner.ranks.world_size > 1:
         runner.park()
     if runner.device.type == "cuda":

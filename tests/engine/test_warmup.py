@@ -6,8 +6,8 @@ nothing to compile on a GPU: tests/gpu/test_no_jit_gpu.py."""
 import pytest
 
 from mlaserve.config import SpecConfig
-from mlaserve.engine.cuda_graph import PREFILL_TOKEN_BUCKETS
-from mlaserve.engine.warmup import DENSE_TOKENS, WarmupStep, plan, token_edges, token_ladder, warm_up
+from mlaserve.engine.cuda_graph import PREFILL_MAX_REQS, PREFILL_TOKEN_BUCKETS
+from mlaserve.engine.warmup import DENSE_TOKENS, WarmupStep, _chunks, plan, token_edges, token_ladder, warm_up
 from mlaserve.kernel_config import KernelConfig
 from mlaserve.types import SamplingParams
 from tests.engine.conftest import make_engine, run_all
@@ -48,7 +48,9 @@ def test_plan_covers_every_decode_count_mixed_and_prefill(q):
     # prefill chunks alone, fresh and after cached context, at every ladder count up to the chunk size
     ladder = token_ladder(1, chunk, [32, 256])
     for cached in (0, page):
-        assert {s.prefill for s in steps if s.decode == 0 and s.cached == cached} == set(ladder)
+        assert {s.prefill for s in steps if s.decode == 0 and s.cached == cached and s.requests == 1} == set(ladder)
+    # and split over more requests than a prefill graph holds
+    assert {s.prefill for s in steps if s.requests == PREFILL_MAX_REQS + 1} == {t for t in ladder if t >= 9}
     # and beside a decode
     assert {s.prefill for s in steps if s.decode == 1} >= set(ladder) - {chunk}
     # decode-only steps only when there are no graphs
@@ -57,11 +59,19 @@ def test_plan_covers_every_decode_count_mixed_and_prefill(q):
     assert {s.decode for s in eager if not s.prefill} == set(range(1, S + 1))
 
 
+def test_chunks_split_the_prefill_and_cycle_the_pages():
+    dec, pre = _chunks(WarmupStep(2, 3, 13, 20, 16, requests=9), num_pages=5, page_size=16)
+    assert [len(c.token_ids) for c in dec] == [3, 3] and all(c.num_cached == 13 for c in dec)
+    assert [len(c.token_ids) for c in pre] == [3, 3] + [2] * 7 and all(c.num_cached == 16 for c in pre)
+    assert all(len(c.pages) * 16 >= c.num_cached + len(c.token_ids) for c in dec + pre)
+    assert all(0 <= p < 5 for c in dec + pre for p in c.pages)
+
+
 def test_plan_respects_limits():
     # one sequence: no mixed steps; a prefill never passes max_model_len, a step never the token budget
     steps = plan(1, 1, 512, 512, 16, 300)
     assert steps and all(s.decode == 0 for s in steps)
-    assert all(s.cached + s.prefill < 300 and s.tokens <= 512 for s in steps)
+    assert all(s.cached + -(-s.prefill // s.requests) < 300 and s.tokens <= 512 for s in steps)
     steps = plan(4, 8, 40, 40, 16, 4096)  # the budget leaves little room beside 8 verifies of 4
     assert all(s.tokens <= 40 for s in steps)
     assert not [s for s in steps if s.decode * 4 >= 40 and s.prefill]
