@@ -105,10 +105,13 @@ def plan(
         for p in prefills:
             if cached + p < max_model_len:
                 steps.append(WarmupStep(0, q, 0, p, cached))
-    # fresh prefills of more requests than a prefill graph holds (always eager)
+    # prefills of more requests than a prefill graph holds (always eager), fresh and after cached context
     if max_num_seqs > PREFILL_MAX_REQS:
         n = PREFILL_MAX_REQS + 1
-        steps += [WarmupStep(0, q, 0, p, 0, n) for p in prefills if p >= n and -(-p // n) < max_model_len]
+        for cached in (0, page_size):
+            steps += [
+                WarmupStep(0, q, 0, p, cached, n) for p in prefills if p >= n and cached + -(-p // n) < max_model_len
+            ]
     for n in range(1, max_num_seqs + 1):
         ctx = contexts[n % len(contexts)]
         room = budget - n * q
