@@ -138,7 +138,8 @@ def _chunks(step: WarmupStep, num_pages: int, page_size: int) -> tuple[list[SeqC
         nxt = (nxt + n) % num_pages
         return ids
 
-    decode = [SeqChunk([1] * step.q_len, step.context, pages(step.context + step.q_len)) for _ in range(step.decode)]
+    q, ctx = step.q_len, step.context  # every decode row has logits (a verify's N rows, as the spec loop asks)
+    decode = [SeqChunk([1] * q, ctx, pages(ctx + q), "all") for _ in range(step.decode)]
     prefill = []
     for i in range(step.requests if step.prefill else 0):  # the tokens split as evenly as they go
         n = step.prefill // step.requests + (i < step.prefill % step.requests)

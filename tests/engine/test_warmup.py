@@ -63,7 +63,7 @@ def test_plan_covers_every_decode_count_mixed_and_prefill(q):
 
 def test_chunks_split_the_prefill_and_cycle_the_pages():
     dec, pre = _chunks(WarmupStep(2, 3, 13, 20, 16, requests=9), num_pages=5, page_size=16)
-    assert [len(c.token_ids) for c in dec] == [3, 3] and all(c.num_cached == 13 for c in dec)
+    assert [len(c.token_ids) for c in dec] == [3, 3] and all(c.num_cached == 13 and c.need_logits == "all" for c in dec)
     assert [len(c.token_ids) for c in pre] == [3, 3] + [2] * 7 and all(c.num_cached == 16 for c in pre)
     assert all(len(c.pages) * 16 >= c.num_cached + len(c.token_ids) for c in dec + pre)
     assert all(0 <= p < 5 for c in dec + pre for p in c.pages)
