@@ -473,6 +473,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     disable_overlap_schedule: bool = False  # True: read each decode step back before launching the next
     prefill_graph_max_tokens: int = 8192
+    warmup: bool = True  # GPU: run every eager step shape at start-up, so no Triton kernel compiles while serving
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     moe_backend: str = "auto"  # "auto" | "torch" | "triton"
     load_format: str = "auto"  # "auto": safetensors; "dummy": random weights in place (no files read)

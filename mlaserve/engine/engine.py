@@ -25,6 +25,7 @@ from .parallel import ParallelSampling
 from .postprocess import Postprocessor, ReqState, StepOutput
 from .runner import ModelRunner, resolve_dtype
 from .scheduler import Scheduler
+from .warmup import warm_up
 
 __all__ = ["LLMEngine", "StepOutput"]
 
@@ -86,6 +87,9 @@ class LLMEngine:
             # the CPU too (spec_loop.py), so the path the GPU's graphs take is the one CI runs
             pages = self.runner.graph_max_pages(self.spec_k + 1, self.max_model_len)
             self.proposer.capture_graphs(cfg.max_num_seqs, pages, use_graphs=False)
+        self.warmup_seconds = None  # the start-up warm-up's time (warmup.py), when it ran
+        if self.runner.device.type == "cuda" and cfg.warmup:  # after capture: the graphs' shapes are compiled
+            self.warmup_seconds = warm_up(self)
         self.post = Postprocessor(self.scheduler, self.states, self.max_model_len)
         if spec is not None:
             from .spec_loop import SpecLoop

@@ -1,0 +1,219 @@
+"""Start-up warm-up: run every step shape the engine can launch eagerly, so that no Triton kernel compiles while
+serving.
+
+A Triton kernel compiles once per variant: its constexprs (tile sizes picked from the token count, GEMV or GEMM
+forms, the MoE's BLOCK_M band) and the specialization of its other arguments (an int equal to 1 or divisible by 16,
+a pointer 16-byte aligned; a slice of the step's metadata at the decode rows moves a pointer by the decode count).
+CUDA graphs compile their fixed shapes when they are captured; the steps no graph fits run eagerly at any size:
+mixed steps (decode rows with a prefill chunk), prefill chunks with cached context (prefix hits, the second chunk of
+a long prompt), more prefill requests than a graph holds, and every step under enforce_eager. The plan visits, for
+those, every decode count up to max_num_seqs (with both residues of the step's tokens mod 16 and page tables of 1,
+16 and 17 columns), and prefill chunks at a ladder of token counts with every threshold a kernel picks its form by on
+both sides of it. EAGLE3 drafts extend over the same chunks. Pages are reused freely: the cache holds nothing yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ..attention.base import SeqChunk
+from .cuda_graph import PREFILL_MAX_REQS
+
+log = logging.getLogger("mlaserve.warmup")
+
+DENSE_TOKENS = 48  # every token count up to this: the small-step thresholds (GEMV rows, split-K router, fusion)
+LADDER_RATIO = 1.25  # above DENSE_TOKENS, a count every 25 % (the MoE bands are 3x wide), each also plus one
+
+
+@dataclass(frozen=True)
+class WarmupStep:
+    """One eager step: `decode` requests of `q_len` tokens each at `context` tokens cached, and `prefill` tokens
+    after `cached` cached ones (0: none), in one chunk or split over `requests` chunks."""
+
+    decode: int
+    q_len: int
+    context: int
+    prefill: int
+    cached: int
+    requests: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.decode * self.q_len + self.prefill
+
+
+def token_edges(kernels, num_experts: int, top_k: int, n_shared: int, ep_size: int = 1) -> list[int]:
+    """Token counts at which a kernel changes its form: KernelConfig's thresholds and the MoE tile bands of
+    kernels/moe_config.py (rows per expert T*K/E at 16, 48 and 160; one row per expert at T*K = E), for the experts
+    one rank holds with and without the fused shared slots."""
+    edges = [
+        kernels.gemv_serve_tokens,
+        kernels.head_gemv_max_tokens,
+        kernels.fuse_shared_max_tokens,
+        kernels.router_splitk_max_tokens,
+        kernels.fp8_a8_min_tokens,
+        kernels.fp8_gemv_max_rows,
+        kernels.fp8_scaled_mm_min_rows,
+    ]
+    if num_experts and top_k:
+        edges += [kernels.no_align_max_pairs // top_k, kernels.int4_gemv_max_pairs // top_k]
+        for e in {num_experts // max(ep_size, 1) + s for s in (0, n_shared)}:
+            edges += [e // top_k] + [rows * e // top_k for rows in (16, 48, 160)]
+    return sorted({e for e in edges if e > 0})
+
+
+def token_ladder(lo: int, hi: int, edges: list[int] = ()) -> list[int]:
+    """Token counts in [lo, hi]: every one up to DENSE_TOKENS, then a count every LADDER_RATIO rounded to 16 and that
+    plus one (both specializations), each edge with its neighbours and the multiples of 16 around it, and hi."""
+    out = set(range(lo, min(hi, DENSE_TOKENS) + 1))
+    v = float(DENSE_TOKENS)
+    while v < hi:
+        v *= LADDER_RATIO
+        t = int(v + 8) // 16 * 16
+        out |= {t, t + 1}
+    for e in edges:
+        out |= {e - 1, e, e + 1, e + 2, e // 16 * 16, e // 16 * 16 + 16, e // 16 * 16 + 17}
+    out |= {t for k in range(4, hi.bit_length() + 1) for t in (1 << k, (1 << k) + 1)}  # the prefill graph buckets
+    out |= {hi - 1, hi}
+    return sorted(t for t in out if lo <= t <= hi)
+
+
+def plan(
+    decode_q_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    chunked_prefill_size: int,
+    page_size: int,
+    max_model_len: int,
+    edges: list[int] = (),
+    decode_only: bool = False,
+) -> list[WarmupStep]:
+    """The eager steps to run at start-up. decode_only: decode-only steps run eagerly too (no CUDA graphs)."""
+    q, budget = decode_q_len, max_num_batched_tokens
+    chunk = min(chunked_prefill_size, budget)
+    # decode contexts whose page tables (with the step's other chunks) are 1, 16 and 17 columns wide
+    contexts = [c for c in (page_size - q, 16 * page_size - q, 17 * page_size - q) if 0 <= c and c + q < max_model_len]
+    contexts = contexts or [0]
+    steps: list[WarmupStep] = []
+    prefills = token_ladder(1, chunk, edges)
+    for cached in (0, page_size):  # fresh prefills, and chunks after cached context (prefix hits, chunked prompts)
+        for p in prefills:
+            if cached + p < max_model_len:
+                steps.append(WarmupStep(0, q, 0, p, cached))
+    # prefills of more requests than a prefill graph holds (always eager), fresh and after cached context
+    if max_num_seqs > PREFILL_MAX_REQS:
+        n = PREFILL_MAX_REQS + 1
+        for cached in (0, page_size):
+            steps += [
+                WarmupStep(0, q, 0, p, cached, n) for p in prefills if p >= n and cached + -(-p // n) < max_model_len
+            ]
+    for n in range(1, max_num_seqs + 1):
+        ctx = contexts[n % len(contexts)]
+        room = budget - n * q
+        if decode_only:
+            steps.append(WarmupStep(n, q, ctx, 0, 0))
+        if max_num_seqs < 2 or room < 1:  # no mixed step: one request at a time, or no token left for a prefill
+            continue
+        fill = -(n * q) % 16 or 16  # the step's tokens a multiple of 16, then not
+        for p in {min(fill, room), min(fill + 1, room)}:
+            steps.append(WarmupStep(n, q, ctx, p, 0))
+    if max_num_seqs >= 2:  # large mixed steps: a prefill chunk at every ladder count beside a decode
+        steps += [WarmupStep(1, q, contexts[0], p, 0) for p in prefills if q + p <= budget]
+    return steps
+
+
+def _chunks(step: WarmupStep, num_pages: int, page_size: int) -> tuple[list[SeqChunk], list[SeqChunk]]:
+    """Host chunks for a step; page ids cycle through the cache (its contents do not matter yet)."""
+    nxt = 0
+
+    def pages(n_tokens: int) -> list[int]:
+        nonlocal nxt
+        n = -(-n_tokens // page_size)
+        ids = [(nxt + i) % num_pages for i in range(n)]
+        nxt = (nxt + n) % num_pages
+        return ids
+
+    q, ctx = step.q_len, step.context  # every decode row has logits (a verify's N rows, as the spec loop asks)
+    decode = [SeqChunk([1] * q, ctx, pages(ctx + q), "all") for _ in range(step.decode)]
+    prefill = []
+    for i in range(step.requests if step.prefill else 0):  # the tokens split as evenly as they go
+        n = step.prefill // step.requests + (i < step.prefill % step.requests)
+        prefill.append(SeqChunk([1] * n, step.cached, pages(step.cached + n)))
+    return decode, prefill
+
+
+def _draft(proposer, decode: list[SeqChunk], prefill: list[SeqChunk], aux: torch.Tensor | None) -> None:
+    """The EAGLE3 draft's eager extension over the step's chunks (as the speculative loop's mixed steps run it):
+    verify rows with all drafts accepted, then the prefill chunk, each proposing."""
+    from ..spec.eagle3 import DraftChunk
+
+    if aux is None:
+        return
+    chunks, row = [], 0
+    for i, c in enumerate(decode + prefill):
+        n = len(c.token_ids)
+        req = SimpleNamespace(request_id=f"warmup-{i}", pages=c.pages)
+        chunks.append(
+            DraftChunk(req, c.token_ids, c.num_cached, aux[row : row + n], propose=True, verify=i < len(decode))
+        )
+        row += n
+    proposer.propose(chunks)
+
+
+def _step(runner, decode: list[SeqChunk], prefill: list[SeqChunk], draft) -> None:
+    from ..layers.sampler import greedy_tokens
+
+    logits, aux, _ = runner.execute(decode, prefill)
+    greedy_tokens(logits, runner.kernels.pdl)  # the sampler's arg-max over the step's rows
+    if draft is not None:
+        _draft(draft, decode, prefill, aux)
+
+
+@torch.inference_mode()
+def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
+    """Run the warm-up steps through the engine's runner (and its EAGLE3 draft); -> seconds taken (logged)."""
+    runner, cfg = engine.runner, engine.cfg
+    if steps is None:
+        mc = engine.model_config
+        edges = token_edges(
+            runner.kernels,
+            getattr(mc, "n_routed_experts", 0) or 0,
+            getattr(mc, "num_experts_per_tok", 0) or 0,
+            getattr(mc, "n_shared_experts", 0) or 0,
+            runner.ranks.ep_size,
+        )
+        steps = plan(
+            engine.spec_k + 1,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.chunked_prefill_size,
+            cfg.page_size,
+            engine.max_model_len,
+            edges,
+            decode_only=runner.graphs is None,
+        )
+    t0 = time.perf_counter()
+    draft = engine.proposer if engine.spec_k and hasattr(engine.proposer, "draft") else None  # EAGLE3, not REPLAY
+    for step in steps:
+        decode, prefill = _chunks(step, runner.num_pages, cfg.page_size)
+        _step(runner, decode, prefill, draft)
+        if runner.graphs is not None and runner.ranks.world_size == 1 and runner.graphs.key_for(decode, prefill):
+            # the same step eagerly (a prompt-logprobs prefill runs so): on one rank, where no other rank replays
+            # the graph's collectives meanwhile
+            graphs, runner.graphs = runner.graphs, None
+            try:
+                _step(runner, decode, prefill, draft)
+            finally:
+                runner.graphs = graphs
+    if runner.ranks.world_size > 1:
+        runner.park()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - t0
+    log.info("warm-up: %d eager step shapes (kernel variants compiled) in %.1fs", len(steps), seconds)
+    return seconds

@@ -1,0 +1,103 @@
+"""On a GPU: after start-up (graph capture and the warm-up, engine/warmup.py) a varied workload compiles no Triton
+kernel: prompts of 1 to 8k tokens, batches of 1 to max_num_seqs, mixed prefill + decode steps, chunked prompts,
+prefix hits, sampled and greedy rows, and EAGLE3 verifies. Compiles are counted by Triton's post-compile hook (a
+miss of a kernel's in-memory cache: a disk-cache hit counts too, it still stalls the step); a failure names each
+kernel variant that compiled, which says what the warm-up plan misses."""
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+MAX_SEQS = 64
+CHUNK = 2048
+
+
+class CompileCounter:
+    """Triton's jit_post_compile_hook while installed: the repr of every kernel variant compiled (name, launch
+    options and argument specialization)."""
+
+    def __init__(self):
+        self.compiled: list[str] = []
+
+    def __enter__(self):
+        import triton
+
+        self.knobs = triton.knobs.runtime
+        self.prev = self.knobs.jit_post_compile_hook
+        self.knobs.jit_post_compile_hook = self._hook
+        return self
+
+    def _hook(self, *, repr, **info):
+        self.compiled.append(repr)
+        return None
+
+    def __exit__(self, *exc):
+        self.knobs.jit_post_compile_hook = self.prev
+
+
+def _llm(ckpt, spec=None):
+    from mlaserve import LLM
+
+    return LLM(
+        ckpt,
+        device="cuda",
+        dtype="bfloat16",
+        speculative_config=spec,
+        max_model_len=16448,
+        max_num_seqs=MAX_SEQS,
+        max_num_batched_tokens=8192,
+        chunked_prefill_size=CHUNK,
+        num_pages=4096,
+        page_size=64,
+    )
+
+
+def _workload(llm, spec: bool) -> None:
+    """Prompt lengths 1..8k alone; batches 1..MAX_SEQS of mixed lengths and output lengths (requests finish at
+    different steps while others prefill: mixed steps); repeated prompts (prefix hits); sampled rows."""
+    from mlaserve import SamplingParams
+
+    rng = random.Random(20260724)
+    greedy = dict(temperature=0, ignore_eos=True)
+    lengths = [1, 2, 3, 5, 15, 16, 17, 31, 33, 63, 64, 65, 100, 255, 256, 257, 1000, 2047, 2049, 4095, 4097, 8191, 8192]
+    for n in lengths:
+        llm.generate([[rng.randrange(512) for _ in range(n)]], SamplingParams(max_tokens=3, **greedy), use_tqdm=False)
+    for b in (1, 2, 3, 5, 8, 13, 17, 31, 33, 47, MAX_SEQS):
+        prompts = [[rng.randrange(512) for _ in range(rng.choice([1, 7, 40, 300, 1500]))] for _ in range(b)]
+        params = [SamplingParams(max_tokens=rng.randrange(1, 40), **greedy) for _ in range(b)]
+        if not spec:  # sampled rows beside greedy ones (speculation here is greedy-only in this test)
+            params = [
+                p if i % 3 else SamplingParams(max_tokens=p.max_tokens, temperature=0.8, top_p=0.9, seed=i)
+                for i, p in enumerate(params)
+            ]
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts[: max(1, b // 2)], params[: max(1, b // 2)], use_tqdm=False)  # prefix-cache hits
+    # long prompts arriving while others decode: the engine interleaves their chunks with decode steps
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (6000, 3, 9, 2500, 70, 8000, 1)]
+    llm.generate(prompts, [SamplingParams(max_tokens=m, **greedy) for m in (5, 60, 40, 8, 30, 2, 64)], use_tqdm=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "eagle3"])
+def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative):
+    pytest.importorskip("triton")
+    spec = None
+    if speculative:
+        from mlaserve.models.make_random_draft import make_random_draft
+
+        draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
+        spec = {"draft_model": draft, "num_steps": 1}  # verify width 2, as the seed's protocol runs
+    with CompileCounter() as start:
+        llm = _llm(tiny_ckpt, spec)
+    assert start.compiled, "start-up compiled nothing: the hook is not called on this Triton"
+    assert llm.engine.warmup_seconds is not None
+    print(f"\nstart-up: {len(start.compiled)} kernel variants, warm-up {llm.engine.warmup_seconds:.1f}s")
+    with CompileCounter() as serving:
+        _workload(llm, speculative)
+        torch.cuda.synchronize()
+    assert not serving.compiled, f"{len(serving.compiled)} Triton compiles while serving:\n" + "\n".join(
+        sorted(set(serving.compiled))
+    )
