@@ -25,6 +25,7 @@ from ..engine.engine import LLMEngine
 from ..version import __version__
 from . import openai_chat, openai_completions, tokenize
 from .async_engine import AsyncEngine
+from .internal_errors import InternalErrors, internal_error_message
 from .metrics import Metrics
 from .protocol import error_json, now
 from .serving import APIError, ServingContext
@@ -96,10 +97,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 
         }.get(e.status_code, str(e.detail))
         return error(e.status_code, f"path: {what}", "path")
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        log.exception("unexpected error serving %s", request.url.path)
-        return error(500, f"internal error: {e!r}")
+    app.add_middleware(InternalErrors, respond=lambda eid: error(500, internal_error_message(eid)))
 
     @app.get("/health")
     async def health():
