@@ -70,6 +70,7 @@ class LLMEngine:
                 self.model_config.max_position_embeddings,
             )
         self.pool = KVPool(self.runner.num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.max_model_len = self._fit_cache(self.max_model_len)
         self.scheduler = Scheduler(cfg, self.pool, decode_q_len=self.spec_k + 1)
         self.states: dict[str, ReqState] = {}
         self.parallel = ParallelSampling()
@@ -100,6 +101,32 @@ class LLMEngine:
         if ranks.world_size == 1 and not cfg.disable_overlap_schedule:  # overlapped steps (loop.py): one rank
             self.loop = OverlapLoop(self.loop)
 
+    @property
+    def cache_tokens(self) -> int:
+        """The longest request the KV cache holds alone: its pages, less the verify step's and its drafts' slots
+        past the fed tokens (2 K) that speculative decoding reserves."""
+        return self.pool.num_pages * self.pool.page_size - 2 * self.spec_k
+
+    def _cache_note(self) -> str:
+        p = self.pool
+        reserve = f", less {2 * self.spec_k} for speculative steps" if self.spec_k else ""
+        return f"the KV cache holds {self.cache_tokens} tokens ({p.num_pages} pages of {p.page_size}{reserve})"
+
+    def _fit_cache(self, max_model_len: int) -> int:
+        """vLLM's rule: one request of max_model_len tokens must fit the KV cache; a smaller cache lowers it."""
+        if self.cache_tokens < self.pool.page_size:
+            raise ValueError(f"num_pages: {self._cache_note()}, less than one page: no request fits; give more pages")
+        if max_model_len > self.cache_tokens:
+            log.warning(
+                "max_model_len lowered from %d to %d: %s; give it more pages (--num-pages, --gpu-memory-utilization, "
+                "--kv-cache-memory-gb) to serve longer requests",
+                max_model_len,
+                self.cache_tokens,
+                self._cache_note(),
+            )
+            return self.cache_tokens
+        return max_model_len
+
     # ---- requests ------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field and the limit; nothing is queued."""
@@ -112,11 +139,14 @@ class LLMEngine:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
                 raise ValueError(f"prompt: token id {t!r} at index {i} is outside the vocabulary [0, {V})")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt: {n} tokens leave no room to generate within max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"prompt: {n} tokens leave no room to generate within max_model_len {self.max_model_len} "
+                f"({self._cache_note()})"
+            )
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(
-                f"max_tokens: {params.max_tokens} plus the prompt's {n} tokens exceeds max_model_len "
-                f"{self.max_model_len}"
+                f"max_tokens: {params.max_tokens} plus the prompt's {n} tokens is {n + params.max_tokens}, more than "
+                f"max_model_len {self.max_model_len} ({self._cache_note()})"
             )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
@@ -140,8 +170,6 @@ class LLMEngine:
                     raise ValueError(f"{name}: not supported together with speculative decoding")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
-        if self.pool.pages_for(n + 1) > self.pool.num_pages:
-            raise ValueError(f"prompt: {n} tokens need more KV pages than the cache holds ({self.pool.num_pages})")
         if params.num_seqs > self.cfg.max_queue_len:
             what = "best_of" if params.best_of else "n"
             raise ValueError(f"{what}: {params.num_seqs} sequences exceed max_queue_len {self.cfg.max_queue_len}")
@@ -204,7 +232,22 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """One step's events (loop.py: plain, overlapped or speculative)."""
         outs = self.loop.step()
+        if self.scheduler.cannot_fit:
+            outs += self._cannot_fit_events()
         return self.parallel.route(outs) if self.parallel.groups else outs
+
+    def _cannot_fit_events(self) -> list[StepOutput]:
+        """The last event of each request the scheduler finished because the whole cache cannot hold it."""
+        outs = []
+        for req in self.scheduler.cannot_fit:
+            st = self.states.pop(req.request_id, None)
+            if st is None:
+                continue
+            log.warning("%s: finished by length at %d tokens: %s", req.request_id, req.num_tokens, self._cache_note())
+            text = st.detok.flush()[0]
+            outs.append(StepOutput(req.request_id, [], text, True, "length", None, None, self.usage(req)))
+        self.scheduler.cannot_fit.clear()
+        return outs
 
     def usage(self, req: Request) -> Usage:
         return self.post.usage(req)

@@ -5,6 +5,12 @@ Each step computes, for every scheduled request, the next `num_new` tokens of it
 (plus its speculative draft tokens when verifying). When a step reaches the end of a request's
 tokens, its last position is sampled. Running requests are served before waiting ones; when pages run
 out, the newest running request is preempted (its pages freed, its KV recomputed later).
+
+Admission is first come, first served, with a bounded skip-ahead: a waiting request whose first chunk finds too few
+free pages stays at its place while later requests that fit are admitted past it, until SKIP_AHEAD_LIMIT of them
+have been; from then on admission waits for it, so running requests drain and free its pages. A request that
+cannot fit even with the whole cache to itself (the engine refuses those before queueing) is finished by length
+(`cannot_fit`), never recomputed in a loop.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from dataclasses import dataclass, field
 from ..config import EngineConfig
 from ..types import Request, RequestStatus
 from .kv_pool import KVPool
+
+# How many later requests may be admitted past a waiting request that lacks pages before admission waits for it:
+# enough that a long prompt does not hold short ones back, few enough that it is never starved by them.
+SKIP_AHEAD_LIMIT = 32
 
 
 @dataclass
@@ -47,6 +57,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.committed_pages: dict[str, int] = {}  # request id -> pages registered in the prefix cache
         self.num_preemptions = 0
+        self.skip_ahead_limit = SKIP_AHEAD_LIMIT
+        self.bypassed: dict[str, int] = {}  # waiting request id -> later requests admitted past it
+        self.cannot_fit: list[Request] = []  # finished by length here: too long for the whole cache (engine emits)
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -103,17 +116,25 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status == RequestStatus.WAITING:  # preempted itself: nothing after it is left
+                if not self.running:  # it had the whole cache and still did not fit: it never will
+                    self._finish_cannot_fit(req)
                 break
             chunk = ScheduledChunk(req, n, sample=sample)
             (out.decode if decoding else out.prefill).append(chunk)
             budget -= n
             i += 1
+        if not out.preempted:
+            self._admit(out, budget, overshoot)
+        return out
 
-        held = []  # forks whose sibling has not computed the shared pages yet: they keep their place
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
-            if self._fork_waits(req):
-                held.append(self.waiting.popleft())
+    def _admit(self, out: SchedulerOutput, budget: int, overshoot: int) -> None:
+        """Admit waiting requests in order under the budget; those that must wait keep their place (module doc)."""
+        kept = []  # requests that stay waiting, in order
+        short = []  # of those, the ones short of pages
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting.popleft()
+            if self._fork_waits(req):  # its sibling has not computed the shared pages yet
+                kept.append(req)
                 continue
             tokens = req.all_token_ids
             cached = self._cached_prefix(req, tokens)
@@ -123,9 +144,20 @@ class Scheduler:
             req.pages = list(cached)  # _grow appends to req.pages
             if not self._grow(req, num_cached + n + (overshoot if sample else 0)):
                 self._release(req)
-                break
+                if not self.running:  # the whole cache is free and its first chunk does not fit: it never will
+                    self._finish_cannot_fit(req)
+                    continue
+                kept.append(req)
+                short.append(req)
+                if (
+                    self.bypassed.get(req.request_id, 0) >= self.skip_ahead_limit
+                    or len(short) >= self.skip_ahead_limit  # bounds the scan of a long queue
+                    or self.pool.num_free == 0
+                ):
+                    break  # FCFS from here: nobody else is admitted past it
+                continue
             self.pool.record_lookup(len(tokens), num_cached)
-            self.waiting.popleft()
+            self.bypassed.pop(req.request_id, None)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
             req.num_computed_tokens = num_cached
@@ -134,8 +166,15 @@ class Scheduler:
             self.running.append(req)
             out.prefill.append(ScheduledChunk(req, n, sample=sample))
             budget -= n
-        self.waiting.extendleft(reversed(held))
-        return out
+            for k in short:  # admitted past them
+                self.bypassed[k.request_id] = self.bypassed.get(k.request_id, 0) + 1
+            if any(self.bypassed[k.request_id] >= self.skip_ahead_limit for k in short):
+                break
+        self.waiting.extendleft(reversed(kept))
+
+    def _finish_cannot_fit(self, req: Request) -> None:
+        self.finish(req, "length")
+        self.cannot_fit.append(req)
 
     def _shared_pages(self, req: Request) -> int:
         """Full pages of req's prompt a fork can take from its sibling (the last prompt token is always computed)."""
@@ -205,5 +244,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
+        self.bypassed.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason

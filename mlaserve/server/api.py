@@ -26,6 +26,7 @@ from ..version import __version__
 from . import openai_chat, openai_completions, tokenize
 from .async_engine import AsyncEngine
 from .chat_tools import ChatOptions
+from .internal_errors import InternalErrors, internal_error_message
 from .metrics import Metrics
 from .protocol import error_json, now
 from .serving import APIError, ServingContext
@@ -99,10 +100,7 @@ def build_app(
         }.get(e.status_code, str(e.detail))
         return error(e.status_code, f"path: {what}", "path")
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        log.exception("unexpected error serving %s", request.url.path)
-        return error(500, f"internal error: {e!r}")
+    app.add_middleware(InternalErrors, respond=lambda eid: error(500, internal_error_message(eid)))
 
     @app.get("/health")
     async def health():

@@ -16,6 +16,7 @@ from ..engine.engine import StepOutput
 from ..types import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, Generation
 from .chat_tools import ChatOptions, sampling_defaults
+from .internal_errors import internal_error_message, log_internal_error, new_error_id
 from .protocol import error_json
 
 log = logging.getLogger("mlaserve.server")
@@ -51,6 +52,33 @@ def validation_error(e: ValidationError) -> APIError:
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
+
+
+def bad_unicode(data, path: str = "") -> tuple[str, int] | None:
+    """The first string (or key) in a parsed JSON body that is not valid unicode: JSON's \\ud800 escapes decode
+    to lone surrogates, which no tokenizer or UTF-8 response can hold -> (its field, e.g. messages[0].content, and
+    the character's index); None when every string is valid."""
+    if isinstance(data, str):
+        if data.isascii():
+            return None
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path or "body", e.start
+        return None
+    if isinstance(data, dict):
+        for k, v in data.items():
+            sub = f"{path}.{k}" if path else str(k)
+            bad = bad_unicode(k, sub) or bad_unicode(v, sub)
+            if bad:
+                return bad
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            if not isinstance(v, (int, float)):  # token ids: nothing to check
+                bad = bad_unicode(v, f"{path}[{i}]")
+                if bad:
+                    return bad
+    return None
 
 
 class ServingContext:
@@ -96,6 +124,13 @@ class ServingContext:
             raise APIError(400, f"body: malformed JSON: {e}", "body") from None
         if not isinstance(data, dict):
             raise APIError(400, f"body: must be a JSON object, got {type(data).__name__}", "body")
+        try:
+            bad = bad_unicode(data)
+        except RecursionError:
+            raise APIError(400, "body: nested too deeply", "body") from None
+        if bad is not None:
+            field, i = bad
+            raise APIError(400, f"{field}: not valid unicode (a lone surrogate at character {i})", field)
         try:
             req = schema.model_validate(data)
         except ValidationError as e:
@@ -189,12 +224,15 @@ def sse(obj) -> str:
 
 
 async def _guarded(events):
-    """An SSE body: an engine failure mid-stream ends it with an error event, then [DONE]."""
+    """An SSE body: a failure mid-stream (the engine's, or a bug) ends it with an error event holding an error id
+    (the log holds the details under it), then [DONE]."""
     try:
         async for e in events:
             yield e
-    except EngineDeadError as e:
-        yield sse(error_json(str(e), 500))
+    except Exception as e:  # noqa: BLE001 - the stream has started: an event is all the client can still get
+        eid = new_error_id()
+        log_internal_error(eid, "a streamed response failed", e)
+        yield sse(error_json(internal_error_message(eid), 500))
         yield "data: [DONE]\n\n"
 
 
@@ -235,10 +273,7 @@ async def collect(request: Request, gen: Generation) -> dict[int, list[StepOutpu
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
-            try:
-                return task.result()
-            except EngineDeadError as e:
-                raise APIError(500, str(e)) from None
+            return task.result()  # an engine failure is an internal error (internal_errors.py)
         return None
     finally:
         task.cancel()

@@ -3,6 +3,7 @@ brings the server down with status 1 and a message: never a hang."""
 
 import asyncio
 import json
+import logging
 import time
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 from .conftest import start_server
 
 
-def test_engine_failure_stops_the_server(tiny_ckpt, capfd):
+def test_engine_failure_stops_the_server(tiny_ckpt, capfd, caplog):
     run = start_server(tiny_ckpt)
     eng = run.engine
     real_step = eng.step
@@ -38,9 +39,15 @@ def test_engine_failure_stops_the_server(tiny_ckpt, capfd):
 
             return await asyncio.gather(client.post("/v1/completions", json=body), streamed())
 
-    plain, events = asyncio.run(main())
-    assert plain.status_code == 500 and "injected step failure" in plain.json()["error"]["message"]
-    assert "injected step failure" in events[-1]["error"]["message"], events[-1]
+    with caplog.at_level(logging.ERROR, logger="mlaserve.server"):
+        plain, events = asyncio.run(main())
+    # a 500 carries an error id, never the exception; the log holds the exception under that id
+    for msg in (plain.json()["error"]["message"], events[-1]["error"]["message"]):
+        assert msg.startswith("internal error err-") and "injected" not in msg, msg
+        eid = msg.split()[2].rstrip(":")
+        logged = [r for r in caplog.records if eid in r.getMessage()]
+        assert logged and "injected step failure" in str(logged[0].exc_info[1]), eid
+    assert plain.status_code == 500
 
     run.thread.join(timeout=30)
     assert not run.thread.is_alive(), "the server did not exit after the engine died"
