@@ -23,8 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import LLMEngine
 from ..version import __version__
-from . import openai_chat, openai_completions, tokenize
+from . import guard, openai_chat, openai_completions, tokenize
 from .async_engine import AsyncEngine
+from .guard import HTTPLimits
+from .http_limits import uvicorn_kwargs
 from .metrics import Metrics
 from .protocol import error_json, now
 from .serving import APIError, ServingContext
@@ -48,7 +50,7 @@ def model_card(llm: LLMEngine, model_name: str) -> dict:
         "object": "model",
         "created": now(),
         "owned_by": "mlaserve",
-        "root": llm.cfg.model,
+        "root": model_name,  # never the folder: no filesystem path in any response
         "max_model_len": llm.max_model_len,
         "vocab_size": llm.model_config.vocab_size,
         "bos_token_id": bos,
@@ -73,8 +75,11 @@ def speculative_card(spec) -> dict:
     return out
 
 
-def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 << 20) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 << 20, limits: HTTPLimits = HTTPLimits()
+) -> FastAPI:
     app = FastAPI(title="mlaserve", version=__version__, docs_url=None, redoc_url=None)
+    guard.install(app, limits)
     ctx = ServingContext(engine, model_name, max_request_bytes)
     metrics = engine.metrics
     card = model_card(engine.engine, model_name)  # static: made once, stamped with the server's start
@@ -142,16 +147,24 @@ class Server:
         port: int = 8000,
         max_request_bytes: int = 16 << 20,
         log_level: str = "info",
+        limits: HTTPLimits = HTTPLimits(),
     ):
         self.model_name = model_name
         self.metrics = Metrics(model_name, spec_positions=engine.spec_k)
         self.async_engine = AsyncEngine(engine, self.metrics, on_fatal=self._fatal)
         self.rank_failure: BaseException | None = None  # a tensor-parallel rank died (watch_ranks)
         self._exit_after_s: float | None = None
-        self.app = build_app(self.async_engine, model_name, max_request_bytes)
+        self.app = build_app(self.async_engine, model_name, max_request_bytes, limits)
         # A bounded graceful shutdown: a dead engine must bring the server down even with clients attached.
         self.uvicorn = uvicorn.Server(
-            uvicorn.Config(self.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+            uvicorn.Config(
+                self.app,
+                host=host,
+                port=port,
+                log_level=log_level,
+                timeout_graceful_shutdown=5,
+                **uvicorn_kwargs(limits),
+            )
         )
 
     def _fatal(self, e: BaseException) -> None:
@@ -212,7 +225,57 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-request-bytes", type=int, default=16 << 20, help="larger request bodies get 413 (default: %(default)s)"
     )
+    add_http_args(p)
     add_engine_args(p)
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    d = HTTPLimits()
+    g = p.add_argument_group("http")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"a key clients must send as 'Authorization: Bearer <key>' (repeatable; also ${guard.API_KEY_ENV}, "
+        "comma-separated); /health and /version stay open",
+    )
+    g.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    g.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        help="CORS: origins browsers may call from (repeatable or comma-separated; '*' for any); off by default",
+    )
+    g.add_argument(
+        "--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, help="idle keep-alive connections close"
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        help="seconds for a request's line and headers to arrive; later: 408 and the connection closed",
+    )
+    g.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=d.max_header_bytes,
+        help="largest request line and headers in bytes; larger: 431",
+    )
+    g.add_argument("--h11-max-header-count", type=int, default=d.max_header_count, help="more header lines: 431")
+
+
+def http_limits_from_args(args) -> HTTPLimits:
+    """Raises ValueError naming the flag."""
+    origins = [o.strip() for v in args.allowed_origins or () for o in v.split(",") if o.strip()]
+    return HTTPLimits(
+        api_keys=guard.api_keys(args.api_key),
+        metrics_require_key=args.metrics_require_key,
+        allowed_origins=tuple(origins),
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        header_timeout_s=args.header_timeout,
+        max_header_bytes=args.h11_max_incomplete_event_size,
+        max_header_count=args.h11_max_header_count,
+    )
 
 
 def cli_main(args) -> int:
@@ -222,13 +285,18 @@ def cli_main(args) -> int:
     if args.max_queue_len < 1 or args.max_request_bytes < 1:
         print("mlaserve serve: --max-queue-len and --max-request-bytes must be >= 1", file=sys.stderr)
         return 2
+    limits = http_limits_from_args(args)
+    if args.metrics_require_key and not limits.api_keys:
+        raise ValueError(f"--metrics-require-key: give --api-key (or ${guard.API_KEY_ENV}) too")
     rc = run_if_follower_node(args)
     if rc is not None:
         return rc
     check_port_free(args.host, args.port)  # before minutes of loading, not after
     llm = LLM(args.model, max_queue_len=args.max_queue_len, **engine_kwargs_from_args(args))
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.engine_config.model))
-    server = Server(llm.engine, name, args.host, args.port, args.max_request_bytes, log_level=args.log_level.lower())
+    server = Server(
+        llm.engine, name, args.host, args.port, args.max_request_bytes, log_level=args.log_level.lower(), limits=limits
+    )
     server.watch_ranks(llm, exit_after_s=RANK_FAILURE_EXIT_S)
     try:
         rc = server.run()
