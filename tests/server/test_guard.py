@@ -244,3 +244,21 @@ def test_garbage_is_json_400(keyed):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     # the server still serves
     assert httpx.get(f"{keyed.url}/health").status_code == 200
+
+
+def test_serve_flags(monkeypatch, capsys):
+    from mlaserve.cli import build_parser, main
+    from mlaserve.server.api import http_limits_from_args
+
+    monkeypatch.setenv("MLASERVE_API_KEY", "e1,e2")
+    argv = ["serve", "--api-key", "a", "--api-key", "b", "--allowed-origins", "https://x,https://y"]
+    argv += ["--allowed-origins", "https://z", "--header-timeout", "3", "--h11-max-header-count", "50"]
+    lim = http_limits_from_args(build_parser(argv).parse_args(argv))
+    assert lim.api_keys == ("a", "b", "e1", "e2")
+    assert lim.allowed_origins == ("https://x", "https://y", "https://z")
+    assert lim.header_timeout_s == 3 and lim.max_header_count == 50 and not lim.metrics_require_key
+    monkeypatch.delenv("MLASERVE_API_KEY")
+    assert main(["serve", "--metrics-require-key"]) == 2
+    assert "--metrics-require-key: give --api-key" in capsys.readouterr().err
+    assert main(["serve", "--header-timeout", "0"]) == 2
+    assert "--header-timeout: must be > 0" in capsys.readouterr().err
