@@ -78,7 +78,7 @@ class GrammarCompiler:
             stop_token_ids=self.stop_ids or None,
             add_prefix_space=meta["add_prefix_space"],
         )
-        return xgr.GrammarCompiler(info, max_threads=1)
+        return xgr.GrammarCompiler(info, cache_enabled=False)  # cached here instead, bounded (CACHE_SIZE)
 
     def compile(self, so: StructuredOutput):
         """-> the compiled grammar (cached); ValueError naming so.field when it is invalid."""
