@@ -61,10 +61,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def _build(self):
-        try:
-            import xgrammar as xgr
-        except ImportError as e:
-            raise ValueError(f"structured output needs the xgrammar package ({e})") from None
+        import xgrammar as xgr
+
         backend = self.tokenizer.backend
         vocab = [""] * self.vocab_size  # ids past the tokenizer's (lm_head padding) stay empty: never allowed
         for text, i in backend.get_vocab(with_added_tokens=True).items():
@@ -90,7 +88,10 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
             if self._compiler is None:
-                self._compiler = self._build()
+                try:
+                    self._compiler = self._build()
+                except ImportError as e:
+                    raise ValueError(f"{so.field}: structured output needs the xgrammar package ({e})") from None
         c = self._compiler
         try:
             if so.kind == "json":

@@ -225,57 +225,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-request-bytes", type=int, default=16 << 20, help="larger request bodies get 413 (default: %(default)s)"
     )
-    add_http_args(p)
+    guard.add_http_args(p)
     add_engine_args(p)
-
-
-def add_http_args(p: argparse.ArgumentParser) -> None:
-    d = HTTPLimits()
-    g = p.add_argument_group("http")
-    g.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help=f"a key clients must send as 'Authorization: Bearer <key>' (repeatable; also ${guard.API_KEY_ENV}, "
-        "comma-separated); /health and /version stay open",
-    )
-    g.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
-    g.add_argument(
-        "--allowed-origins",
-        action="append",
-        default=None,
-        help="CORS: origins browsers may call from (repeatable or comma-separated; '*' for any); off by default",
-    )
-    g.add_argument(
-        "--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, help="idle keep-alive connections close"
-    )
-    g.add_argument(
-        "--header-timeout",
-        type=float,
-        default=d.header_timeout_s,
-        help="seconds for a request's line and headers to arrive; later: 408 and the connection closed",
-    )
-    g.add_argument(
-        "--h11-max-incomplete-event-size",
-        type=int,
-        default=d.max_header_bytes,
-        help="largest request line and headers in bytes; larger: 431",
-    )
-    g.add_argument("--h11-max-header-count", type=int, default=d.max_header_count, help="more header lines: 431")
-
-
-def http_limits_from_args(args) -> HTTPLimits:
-    """Raises ValueError naming the flag."""
-    origins = [o.strip() for v in args.allowed_origins or () for o in v.split(",") if o.strip()]
-    return HTTPLimits(
-        api_keys=guard.api_keys(args.api_key),
-        metrics_require_key=args.metrics_require_key,
-        allowed_origins=tuple(origins),
-        timeout_keep_alive_s=args.timeout_keep_alive,
-        header_timeout_s=args.header_timeout,
-        max_header_bytes=args.h11_max_incomplete_event_size,
-        max_header_count=args.h11_max_header_count,
-    )
 
 
 def cli_main(args) -> int:
@@ -285,7 +236,7 @@ def cli_main(args) -> int:
     if args.max_queue_len < 1 or args.max_request_bytes < 1:
         print("mlaserve serve: --max-queue-len and --max-request-bytes must be >= 1", file=sys.stderr)
         return 2
-    limits = http_limits_from_args(args)
+    limits = guard.http_limits_from_args(args)
     if args.metrics_require_key and not limits.api_keys:
         raise ValueError(f"--metrics-require-key: give --api-key (or ${guard.API_KEY_ENV}) too")
     rc = run_if_follower_node(args)
@@ -298,6 +249,12 @@ def cli_main(args) -> int:
         llm.engine, name, args.host, args.port, args.max_request_bytes, log_level=args.log_level.lower(), limits=limits
     )
     server.watch_ranks(llm, exit_after_s=RANK_FAILURE_EXIT_S)
+    if limits.api_keys:
+        log.info(
+            "API keys: %d; open without one: /health, /version%s",
+            len(limits.api_keys),
+            "" if limits.metrics_require_key else ", /metrics",
+        )
     try:
         rc = server.run()
     finally:

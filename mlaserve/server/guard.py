@@ -1,5 +1,6 @@
 """What every HTTP request passes before a route: CORS (only with --allowed-origins), API keys, a JSON content type
 on POST, and a Retry-After on every 503. A plain ASGI middleware, so streamed responses pass through untouched.
+Also the server's HTTP settings (HTTPLimits, which http_limits.py enforces in uvicorn) and their `serve` flags.
 
     /health, /version          open
     /metrics                   open unless metrics_require_key
@@ -8,6 +9,7 @@ on POST, and a Retry-After on every 503. A plain ASGI middleware, so streamed re
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import json
 import os
@@ -62,6 +64,56 @@ def api_keys(flags: list[str] | None, environ=os.environ) -> tuple[str, ...]:
     """--api-key values (repeatable) and $MLASERVE_API_KEY (comma-separated), in order, without repeats."""
     env = [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
     return tuple(dict.fromkeys([*(flags or []), *env]))
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """The `mlaserve serve` flags of HTTPLimits."""
+    d = HTTPLimits()
+    g = p.add_argument_group("http")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"a key clients must send as 'Authorization: Bearer <key>' (repeatable; also ${API_KEY_ENV}, "
+        "comma-separated); /health and /version stay open",
+    )
+    g.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    g.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        help="CORS: origins browsers may call from (repeatable or comma-separated; '*' for any); off by default",
+    )
+    g.add_argument(
+        "--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, help="idle keep-alive connections close"
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        help="seconds for a request's line and headers to arrive; later: 408 and the connection closed",
+    )
+    g.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=d.max_header_bytes,
+        help="largest request line and headers in bytes; larger: 431",
+    )
+    g.add_argument("--h11-max-header-count", type=int, default=d.max_header_count, help="more header lines: 431")
+
+
+def http_limits_from_args(args) -> HTTPLimits:
+    """Raises ValueError naming the flag."""
+    origins = [o.strip() for v in args.allowed_origins or () for o in v.split(",") if o.strip()]
+    return HTTPLimits(
+        api_keys=api_keys(args.api_key),
+        metrics_require_key=args.metrics_require_key,
+        allowed_origins=tuple(origins),
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        header_timeout_s=args.header_timeout,
+        max_header_bytes=args.h11_max_incomplete_event_size,
+        max_header_count=args.h11_max_header_count,
+    )
 
 
 def _header(scope, name: bytes) -> str | None:

@@ -248,7 +248,7 @@ def test_garbage_is_json_400(keyed):
 
 def test_serve_flags(monkeypatch, capsys):
     from mlaserve.cli import build_parser, main
-    from mlaserve.server.api import http_limits_from_args
+    from mlaserve.server.guard import http_limits_from_args
 
     monkeypatch.setenv("MLASERVE_API_KEY", "e1,e2")
     argv = ["serve", "--api-key", "a", "--api-key", "b", "--allowed-origins", "https://x,https://y"]
