@@ -16,6 +16,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .guard import HTTPLimits, api_error
 
+DRAIN_S = 2.0  # after an error response, the client's unread bytes are drained this long before the close
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
@@ -43,6 +44,7 @@ class LimitedH11Protocol(H11Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._head_timer = None
+        self._draining = False
         self._error: h11.RemoteProtocolError | None = None
         next_event = self.conn.next_event
 
@@ -81,6 +83,8 @@ class LimitedH11Protocol(H11Protocol):
             self._head_timer = None
 
     def data_received(self, data: bytes) -> None:
+        if self._draining:  # the rest of a refused request: read and dropped (see _close_after_error)
+            return
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the request's head is in: its body is the route's business
             self._cancel_head_timer()
@@ -104,7 +108,9 @@ class LimitedH11Protocol(H11Protocol):
         if partial:  # a request was started: say why it is dropped; an idle connection is just closed
             msg = f"request: the request line and headers did not arrive within {self.limits.header_timeout_s:g} s"
             self._write_error(408, msg, "request")
-        self.transport.close()
+            self._close_after_error()
+        else:
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         e = self._error
@@ -115,7 +121,17 @@ class LimitedH11Protocol(H11Protocol):
             text = f"request: malformed HTTP request ({e})" if e is not None and status == 400 else str(e)
         self.logger.warning("%s", text)
         self._write_error(status, text, "headers" if status == 431 else "request")
-        self.transport.close()
+        self._close_after_error()
+
+    def _close_after_error(self) -> None:
+        """Send the error, then end our side, but read the client's leftover bytes for a moment before closing:
+        closing a socket with unread data resets the connection, and the client would never see the status."""
+        if self.transport.can_write_eof():
+            self._draining = True
+            self.transport.write_eof()
+            self.loop.call_later(DRAIN_S, self.transport.close)
+        else:
+            self.transport.close()
 
     def _write_error(self, status: int, message: str, param: str) -> None:
         """A JSON error written straight to the socket: h11 cannot answer a request it never parsed."""

@@ -233,6 +233,13 @@ def test_large_header_431(keyed):
     assert status == 431 and "4096" in body["error"]["message"]
 
 
+def test_one_megabyte_header_gets_a_status(keyed):
+    """Far over the limit, sent whole: the client still reads the 431 (no reset with the data unread)."""
+    resp = _raw(keyed.port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+    status, body = _status_and_json(resp)
+    assert status == 431 and body["error"]["param"] == "headers"
+
+
 def test_many_headers_431(keyed):
     headers = b"".join(b"X-%d: 1\r\n" % i for i in range(30))
     status, body = _status_and_json(_raw(keyed.port, b"GET /health HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n"))
