@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import torch
 
-BITS = torch.arange(32, dtype=torch.int32)
-
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [n, W] int32 -> allowed [n, vocab_size] bool (W * 32 >= vocab_size)."""
-    bits = (bitmask.unsqueeze(-1) >> BITS.to(bitmask.device)) & 1  # [n, W, 32]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made there: no host copy, no sync
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [n, W, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
