@@ -9,9 +9,15 @@
 #     int4     Kimi-K2.5 shapes, 4 layers, INT4 experts, dummy weights (INT4_S)
 #     fp8      DeepSeek-V3 shapes, 6 layers, FP8 blocks, dummy weights, then the same model in bf16 (FP8_S)
 #     tp       two GPUs: the NCCL parity test and TP2 under CUDA graphs against one GPU (TP_S)
+#     structured  benchmarks/structured_cost.py: structured output's cost per decode step on M1 shapes (STRUCT_S)
+# Packages the machine lacks (xgrammar, apache-tvm-ffi, the server's) travel as wheels in .whl/, installed first.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site || exit 1
+fi
 stages=" $* "
 t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
@@ -58,6 +64,11 @@ if [[ $stages == *" tp "* ]]; then  # needs two GPUs
   el "TP2: NCCL parity, then TP2 under CUDA graphs against one GPU (PDL on and off)"
   timeout ${TP_S:-300} python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE tests/tp/test_tp_parity.py \
     tests/gpu/test_tp_graphs_gpu.py -k "nccl or graphs" 2>&1 | tee "$OUT/tp.log" | tail -4
+fi
+if [[ $stages == *" structured "* ]]; then
+  el "structured output: cost per decode step at batch 1 and 8, plain greedy beside it (M1 shapes, dummy weights)"
+  timeout ${STRUCT_S:-300} python3 benchmarks/structured_cost.py --preset moonlight-16b-a3b --batches 1,8 --tokens 256 \
+    --out "$OUT/structured_cost.json" 2>&1 | tee "$OUT/structured.log" | grep -vE "it/s|Loading" | tail -8
 fi
 find benchmarks/results -maxdepth 1 -name "*.json" -newer "$OUT/env.txt" -exec cp {} "$OUT/" \; 2>/dev/null
 el "done"

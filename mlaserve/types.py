@@ -6,6 +6,35 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match (vLLM's StructuredOutputsParams, one kind at a time):
+
+        json         spec: a JSON schema (its JSON text)
+        json_object  any JSON object (spec None)
+        regex        spec: a regular expression
+        choice       choices: the output is exactly one of them
+        grammar      spec: an EBNF (GBNF) grammar, or Lark when it has no '::='
+
+    field: the request field that asked for it, named in errors (response_format, guided_json, ...)."""
+
+    kind: str
+    spec: str | None = None
+    choices: tuple[str, ...] = ()
+    field: str = "structured_outputs"
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"{self.field}: unknown kind {self.kind!r}; one of {', '.join(STRUCTURED_KINDS)}")
+        if self.kind == "choice":
+            if not self.choices or any(not isinstance(c, str) or not c for c in self.choices):
+                raise ValueError(f"{self.field}: the choices must be a non-empty list of non-empty strings")
+        elif self.kind != "json_object" and (not isinstance(self.spec, str) or not self.spec):
+            raise ValueError(f"{self.field}: a {self.kind} needs a non-empty string")
+
 
 @dataclass
 class SamplingParams:
@@ -31,6 +60,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     skip_special_tokens: bool = True  # the output text leaves out special tokens
     keep_special_token_ids: frozenset[int] = frozenset()  # ... but these (a tool or reasoning parser's markers)
+    structured: StructuredOutput | None = None  # the output follows a JSON schema, regex, choice or grammar
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -85,6 +115,8 @@ class SamplingParams:
             bad("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -103,8 +135,8 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """The logits are changed before sampling (penalties, logit_bias, min_tokens): no graph arg-max."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        """The logits are changed before sampling (penalties, logit_bias, min_tokens, a grammar): no graph arg-max."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
 
     @property
     def num_seqs(self) -> int:

@@ -19,6 +19,7 @@ from ..distributed.tp import RankInfo
 from ..tokenizer import Tokenizer
 from ..types import Request, SamplingParams, Usage
 from .cuda_graph import graph_safe_kernels
+from .grammar import GrammarCompiler
 from .kv_pool import KVPool
 from .loop import Loop, OverlapLoop
 from .parallel import ParallelSampling
@@ -79,6 +80,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         if self.runner.device.type == "cuda" and not cfg.enforce_eager:
             self.runner.capture_graphs(self.spec_k + 1, self.max_model_len)
             if hasattr(self.proposer, "capture_graphs"):  # the draft runs on rank 0 only: no collectives inside
@@ -165,9 +167,12 @@ class LLMEngine:
                 ("repetition_penalty", params.repetition_penalty != 1.0),
                 ("logit_bias", bool(params.logit_bias)),
                 ("min_tokens", params.min_tokens > 0),
+                (params.structured and params.structured.field, params.structured is not None),
             ):
                 if on:
                     raise ValueError(f"{name}: not supported together with speculative decoding")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a ValueError naming the field; cached for _add
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
         if params.num_seqs > self.cfg.max_queue_len:
@@ -210,7 +215,8 @@ class LLMEngine:
             keep_special_token_ids=params.keep_special_token_ids,
         )
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        self.states[req.request_id] = ReqState(req, detok, gen, eos)
+        grammar = self.grammars.state(params.structured) if params.structured is not None else None
+        self.states[req.request_id] = ReqState(req, detok, gen, eos, grammar=grammar)
         return req
 
     def abort_request(self, request_id: str) -> bool:

@@ -143,7 +143,9 @@ class Loop:
         if not req.params.processes_logits:
             return SamplingRow(req.params, st.generator)
         stop = st.eos | frozenset(req.params.stop_token_ids)
-        return SamplingRow(req.params, st.generator, req.prompt_token_ids, req.output_token_ids, stop, st.cache)
+        return SamplingRow(
+            req.params, st.generator, req.prompt_token_ids, req.output_token_ids, stop, st.cache, st.grammar
+        )
 
     def process(self, step: Launched) -> list[StepOutput]:
         """Read the step's tokens back (its one host sync) and postprocess them."""
@@ -184,6 +186,7 @@ class Loop:
                 req.status != RequestStatus.RUNNING
                 or req.request_id not in self.states
                 or (id(c) in decoding and c.num_new != 1)
+                or self.states[req.request_id].grammar is not None  # its mask needs the token `out` samples
             ):
                 return None
             if self.post.at_length(req, 1):

@@ -9,6 +9,7 @@ import torch
 
 from ..detokenizer import IncrementalDetokenizer
 from ..types import Request, RequestStatus, Usage
+from .grammar import GrammarState
 from .scheduler import Scheduler, SchedulerOutput
 
 
@@ -40,6 +41,7 @@ class ReqState:
     eos: frozenset[int]
     drafts: list[int] | None = None  # speculative decoding: the proposer's tokens for the next verify step
     cache: dict = field(default_factory=dict)  # the sampler's per-request tensors (logits_process.SamplingRow)
+    grammar: GrammarState | None = None  # structured output: the request's matcher (grammar.py)
 
 
 class Postprocessor:
@@ -99,6 +101,13 @@ class Postprocessor:
                 break
             delta, stop_str = st.detok.step([t])
             text += delta
+            if st.grammar is not None and (not st.grammar.accept(t) or st.grammar.terminated):
+                # terminated: the grammar is complete and took a stop token; a refused token cannot be sampled
+                # (the mask allows only what the matcher accepts), and ends the request rather than break it
+                reason = "stop"
+                if t in p.stop_token_ids:
+                    stop_reason = t
+                break
             if stop_str is not None:
                 reason, stop_reason = "stop", stop_str
             elif self.at_length(req):

@@ -6,7 +6,8 @@
     frequency_penalty   logits -= f * (times the token was generated)
     presence_penalty    logits -= p * (the token was generated)
 
-in that order (bias and masks first, then penalties). No loop over the vocabulary: each is one scatter or one
+in that order (bias and masks first, then penalties), and last a grammar's token bitmask (structured output:
+grammar_mask.py). No loop over the vocabulary: each is one scatter or one
 elementwise op over the rows [P, V]; the host builds only the index lists of the rows' token ids.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..types import SamplingParams
+from .grammar_mask import apply_bitmask, fill_bitmasks
 
 
 @dataclass
@@ -31,11 +33,17 @@ class SamplingRow:
     output_ids: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and stop_token_ids
     cache: dict | None = None
+    grammar: object | None = None  # structured output: fill_bitmask(bitmask, row) (engine/grammar.py)
 
     def active(self, pending: bool) -> bool:
         """The logits of this row change this step (min_tokens counts a token in flight, `pending`)."""
         p = self.params
-        return p.penalized or bool(p.logit_bias) or len(self.output_ids) + pending < p.min_tokens
+        return (
+            p.penalized
+            or bool(p.logit_bias)
+            or len(self.output_ids) + pending < p.min_tokens
+            or self.grammar is not None
+        )
 
 
 def _to(values: list, dev, dtype=None) -> torch.Tensor:
@@ -52,7 +60,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch
     act = [i for i, r in enumerate(rows) if r.active(n_pend)]
     if not act:
         return logits
-    logits = logits.clone()
+    raw, logits = logits, logits.clone()
     dev, V = logits.device, logits.shape[1]
     # logit_bias and min_tokens: one index_put each over (row, token) pairs
     ri, ti, vals = [], [], []
@@ -73,6 +81,11 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch
     pen = [i for i in act if rows[i].params.penalized]
     if pen:
         logits[_to(pen, dev)] = _penalize(logits[_to(pen, dev)], [rows[i] for i in pen], pending, pen)
+    gram = [i for i in act if rows[i].grammar is not None]
+    if gram:
+        if pending is not None:  # the matcher has not seen the token in flight: its mask would be a step behind
+            raise RuntimeError("a grammar row cannot be sampled while its previous token is in flight")
+        apply_bitmask(logits, gram, fill_bitmasks([rows[i].grammar for i in gram], V, dev), raw)
     return logits
 
 

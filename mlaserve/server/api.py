@@ -23,9 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import LLMEngine
 from ..version import __version__
-from . import openai_chat, openai_completions, tokenize
+from . import guard, openai_chat, openai_completions, tokenize
 from .async_engine import AsyncEngine
 from .chat_tools import ChatOptions
+from .guard import HTTPLimits
+from .http_limits import uvicorn_kwargs
 from .internal_errors import InternalErrors, internal_error_message
 from .metrics import Metrics
 from .protocol import error_json, now
@@ -50,7 +52,7 @@ def model_card(llm: LLMEngine, model_name: str) -> dict:
         "object": "model",
         "created": now(),
         "owned_by": "mlaserve",
-        "root": llm.cfg.model,
+        "root": model_name,  # never the folder: no filesystem path in any response
         "max_model_len": llm.max_model_len,
         "vocab_size": llm.model_config.vocab_size,
         "bos_token_id": bos,
@@ -76,9 +78,14 @@ def speculative_card(spec) -> dict:
 
 
 def build_app(
-    engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 << 20, chat_options: ChatOptions | None = None
+    engine: AsyncEngine,
+    model_name: str,
+    max_request_bytes: int = 16 << 20,
+    chat_options: ChatOptions | None = None,
+    limits: HTTPLimits = HTTPLimits(),
 ) -> FastAPI:
     app = FastAPI(title="mlaserve", version=__version__, docs_url=None, redoc_url=None)
+    guard.install(app, limits)
     ctx = ServingContext(engine, model_name, max_request_bytes, chat_options)
     metrics = engine.metrics
     card = model_card(engine.engine, model_name)  # static: made once, stamped with the server's start
@@ -144,16 +151,24 @@ class Server:
         max_request_bytes: int = 16 << 20,
         log_level: str = "info",
         chat_options: ChatOptions | None = None,
+        limits: HTTPLimits = HTTPLimits(),
     ):
         self.model_name = model_name
         self.metrics = Metrics(model_name, spec_positions=engine.spec_k)
         self.async_engine = AsyncEngine(engine, self.metrics, on_fatal=self._fatal)
         self.rank_failure: BaseException | None = None  # a tensor-parallel rank died (watch_ranks)
         self._exit_after_s: float | None = None
-        self.app = build_app(self.async_engine, model_name, max_request_bytes, chat_options)
+        self.app = build_app(self.async_engine, model_name, max_request_bytes, chat_options, limits)
         # A bounded graceful shutdown: a dead engine must bring the server down even with clients attached.
         self.uvicorn = uvicorn.Server(
-            uvicorn.Config(self.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+            uvicorn.Config(
+                self.app,
+                host=host,
+                port=port,
+                log_level=log_level,
+                timeout_graceful_shutdown=5,
+                **uvicorn_kwargs(limits),
+            )
         )
 
     def _fatal(self, e: BaseException) -> None:
@@ -236,6 +251,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="auto: the model's generation_config.json sets the sampling defaults (temperature, top_p, top_k, min_p, "
         "repetition_penalty) of requests that leave them unset; vllm: ignore it (default: %(default)s)",
     )
+    guard.add_http_args(p)
     add_engine_args(p)
 
 
@@ -256,6 +272,9 @@ def cli_main(args) -> int:
     if args.max_queue_len < 1 or args.max_request_bytes < 1:
         print("mlaserve serve: --max-queue-len and --max-request-bytes must be >= 1", file=sys.stderr)
         return 2
+    limits = guard.http_limits_from_args(args)
+    if args.metrics_require_key and not limits.api_keys:
+        raise ValueError(f"--metrics-require-key: give --api-key (or ${guard.API_KEY_ENV}) too")
     rc = run_if_follower_node(args)
     if rc is not None:
         return rc
@@ -271,8 +290,15 @@ def cli_main(args) -> int:
         args.max_request_bytes,
         log_level=args.log_level.lower(),
         chat_options=chat_options,
+        limits=limits,
     )
     server.watch_ranks(llm, exit_after_s=RANK_FAILURE_EXIT_S)
+    if limits.api_keys:
+        log.info(
+            "API keys: %d; open without one: /health, /version%s",
+            len(limits.api_keys),
+            "" if limits.metrics_require_key else ", /metrics",
+        )
     try:
         rc = server.run()
     finally:

@@ -1,7 +1,8 @@
 """OpenAI-compatible request schemas (pydantic, strict: "5" is not an integer) and response builders, with vLLM's
 common extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, prompt_logprobs,
-return_token_ids, skip_special_tokens). Unknown fields are ignored, as vLLM does; known fields the engine cannot honour
-(structured output, beam search, suffix, ...) are a 400 naming them when set."""
+return_token_ids, skip_special_tokens) and structured output (response_format, guided_*, structured_outputs:
+structured.py). Unknown fields are ignored, as vLLM does; known fields the engine cannot honour (beam search, suffix,
+...) are a 400 naming them when set."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..types import SamplingParams, Usage
+from .structured import structured_output
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 MAX_N = 128  # sequences per prompt (n, best_of)
@@ -21,12 +23,6 @@ MAX_STOP_LEN = 1024
 
 # field -> the values that mean "off" (accepted); anything else is refused
 UNSUPPORTED = {
-    "response_format": ("text",),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "allowed_token_ids": (),
@@ -38,12 +34,6 @@ UNSUPPORTED = {
 }
 CHAT_UNSUPPORTED = {"continue_final_message": (False,)}
 UNSUPPORTED_WHY = {
-    "response_format": "structured output is not supported (only type text)",
-    "guided_json": "structured output is not supported",
-    "guided_regex": "structured output is not supported",
-    "guided_choice": "structured output is not supported",
-    "guided_grammar": "structured output is not supported",
-    "structured_outputs": "structured output is not supported",
     "use_beam_search": "beam search is not supported",
 }
 
@@ -86,13 +76,14 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (texts can collide)
     user: str | None = None
-    # known fields the engine cannot honour: a 400 naming the field when set to anything but these
+    # structured output: one of these (structured.py)
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # known fields the engine cannot honour: a 400 naming the field when set to anything but these
     use_beam_search: Any = None
     length_penalty: Any = None
     allowed_token_ids: Any = None
@@ -155,6 +146,7 @@ class _SamplingFields(BaseModel):
         values for the sampling fields the request leaves unset."""
         d = defaults or {}
         return SamplingParams(
+            structured=structured_output(self),
             n=self.n,
             best_of=best_of,
             presence_penalty=self.presence_penalty or 0.0,

@@ -197,6 +197,8 @@ class ServingContext:
                 field,
             )
         try:
+            if params.structured is not None:  # compiled off the event loop; validate() then finds it cached
+                await asyncio.to_thread(self.llm.grammars.compile, params.structured)
             for ids in prompts:
                 self.check_length(ids, field)
                 self.engine.validate(ids, params)

@@ -14,6 +14,7 @@ import pytest
 from mlaserve import LLM
 from mlaserve.bench.metrics import parse_prometheus
 from mlaserve.server.api import Server
+from mlaserve.server.guard import HTTPLimits
 
 ENGINE_KW = dict(device="cpu", num_pages=512, page_size=16)
 
@@ -38,11 +39,21 @@ class Running:
 
 
 def start_server(
-    model: str, name: str = "tiny", max_request_bytes: int = 4 << 20, chat_options=None, **engine_kw
+    model: str,
+    name: str = "tiny",
+    max_request_bytes: int = 4 << 20,
+    chat_options=None,
+    limits: HTTPLimits | None = None,
+    **engine_kw,
 ) -> Running:
     llm = LLM(model, **{**ENGINE_KW, **engine_kw})
     server = Server(
-        llm.engine, name, max_request_bytes=max_request_bytes, log_level="warning", chat_options=chat_options
+        llm.engine,
+        name,
+        max_request_bytes=max_request_bytes,
+        log_level="warning",
+        chat_options=chat_options,
+        limits=limits or HTTPLimits(),
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

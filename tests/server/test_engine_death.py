@@ -67,3 +67,4 @@ def test_engine_failure_stops_the_server(tiny_ckpt, capfd, caplog):
     assert time.monotonic() - t0 < 10
     assert health.status_code == 503 and "injected step failure" in health.json()["error"]["message"]
     assert refused.status_code == 503 and "engine" in refused.json()["error"]["message"]
+    assert health.headers["retry-after"] == refused.headers["retry-after"] == "1"

@@ -1,0 +1,124 @@
+"""Structured output through xgrammar: a request's StructuredOutput compiled once (cached) against the tokenizer's
+vocabulary, and per request a matcher that fills the step's token bitmask (layers/grammar_mask.py applies it to the
+logits) and advances with each accepted token.
+
+xgrammar is imported on the first structured request (it imports transformers): plain serving never pays for it.
+Compiling runs wherever validate() is called; the server calls it off the event loop (warm) first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+from ..types import StructuredOutput
+
+CACHE_SIZE = 256  # compiled grammars kept (each holds its token-mask cache)
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")  # "[12:00:00] /src/x.cc:12: "
+
+
+def _why(e: Exception) -> str:
+    """xgrammar's message without the C++ source location it starts with (no paths in a response)."""
+    lines = [_CPP_PREFIX.sub("", x).strip() for x in str(e).strip().splitlines()]
+    return next((x for x in lines if x), type(e).__name__)
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """EBNF whose language is exactly the choices (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarState:
+    """One request's matcher: fill its row of the step's bitmask, accept the sampled token."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """bitmask [n, ceil(V / 32)] int32 on the CPU: bit t % 32 of word t // 32 set where token t is allowed."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and accepted a stop token: the request ends."""
+        return self.matcher.is_terminated()
+
+
+class GrammarCompiler:
+    """The engine's grammar compiler over one tokenizer and the model's vocabulary (the logits' width)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self._compiler = None
+        self._cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _build(self):
+        import xgrammar as xgr
+
+        backend = self.tokenizer.backend
+        vocab = [""] * self.vocab_size  # ids past the tokenizer's (lm_head padding) stay empty: never allowed
+        for text, i in backend.get_vocab(with_added_tokens=True).items():
+            if i < self.vocab_size:
+                vocab[i] = text
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+        info = xgr.TokenizerInfo(
+            vocab,
+            meta["vocab_type"],
+            vocab_size=self.vocab_size,
+            stop_token_ids=self.stop_ids or None,
+            add_prefix_space=meta["add_prefix_space"],
+        )
+        return xgr.GrammarCompiler(info, cache_enabled=False)  # cached here instead, bounded (CACHE_SIZE)
+
+    def compile(self, so: StructuredOutput):
+        """-> the compiled grammar (cached); ValueError naming so.field when it is invalid."""
+        if self.tokenizer is None:
+            raise ValueError(f"{so.field}: structured output needs a tokenizer; this model has none")
+        key = (so.kind, so.spec, so.choices)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            if self._compiler is None:
+                try:
+                    self._compiler = self._build()
+                except ImportError as e:
+                    raise ValueError(f"{so.field}: structured output needs the xgrammar package ({e})") from None
+        c = self._compiler
+        try:
+            if so.kind == "json":
+                json.loads(so.spec)  # a clear message for text that is not JSON at all
+                g = c.compile_json_schema(so.spec, any_whitespace=False)  # compact: no runs of blank space
+            elif so.kind == "json_object":
+                g = c.compile_json_schema('{"type": "object"}', any_whitespace=False)  # an object, not any value
+            elif so.kind == "regex":
+                g = c.compile_regex(so.spec)
+            elif so.kind == "choice":
+                g = c.compile_grammar(choice_grammar(so.choices))
+            elif "::=" in so.spec:
+                g = c.compile_grammar(so.spec)
+            else:
+                g = c.compile_lark(so.spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{so.field}: the JSON schema is not valid JSON ({e})") from None
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar"}.get(so.kind, so.kind)
+            raise ValueError(f"{so.field}: invalid {what}: {_why(e)}") from None
+        with self._lock:
+            self._cache[key] = g
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return g
+
+    def state(self, so: StructuredOutput) -> GrammarState:
+        import xgrammar as xgr
+
+        return GrammarState(xgr.GrammarMatcher(self.compile(so)))

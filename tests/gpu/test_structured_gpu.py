@@ -1,0 +1,66 @@
+"""On a GPU: the grammar bitmask applied in torch equals xgrammar's own CUDA kernel and the CPU path; a greedy
+json_schema request through the CUDA-graph engine takes the model's arg-max over exactly the allowed tokens and
+validates, and the plain greedy requests beside it keep the tokens they get alone."""
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+}
+
+
+@pytest.mark.parametrize("V", [512, 129280, 163840])
+def test_bitmask_matches_xgrammar_cuda_kernel(gpu_seed, V):
+    xgr = pytest.importorskip("xgrammar")
+    from mlaserve.layers.grammar_mask import apply_bitmask
+
+    B, W = 8, (V + 31) // 32
+    bitmask = torch.randint(-(1 << 31), 1 << 31, (B, W), dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(B, V)
+    cpu = logits.clone()
+    apply_bitmask(cpu, list(range(B)), bitmask, logits)
+    ref = logits.cuda()
+    xgr.apply_token_bitmask_inplace(ref, bitmask.cuda())
+    ours = torch.full((B, V), float("nan"), device="cuda")
+    ours.copy_(logits.cuda())
+    apply_bitmask(ours, list(range(B)), bitmask.cuda(), logits.cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(ours, ref) and torch.equal(ours.cpu(), cpu)
+
+
+def test_json_schema_greedy_on_cuda_graphs(tiny_ckpt):
+    xgr = pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    from mlaserve import LLM, SamplingParams, StructuredOutput
+    from mlaserve.layers.grammar_mask import allowed_tokens
+    from tests.helpers.ref_sampling import model_logits
+
+    llm = LLM(tiny_ckpt, device="cuda", num_pages=512, page_size=64)
+    eng = llm.engine
+    plain = [[5, 6, 7, 8], [100, 101, 102]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(plain, greedy, use_tqdm=False)]
+    so = StructuredOutput("json", json.dumps(SCHEMA), field="response_format")
+    prompt = [40, 41, 42, 43]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured=so), greedy, greedy]
+    outs = llm.generate([prompt] + plain, params, use_tqdm=False)
+    assert [o.token_ids for o in outs[1:]] == alone
+    ids = outs[0].token_ids
+    assert ids[-1] in eng.eos_token_ids
+    jsonschema.validate(json.loads(outs[0].text), SCHEMA)
+    logits = model_logits(eng, prompt + ids[:-1])[len(prompt) - 1 :]
+    matcher = xgr.GrammarMatcher(eng.grammars.compile(so))
+    V = logits.shape[1]
+    bm = torch.empty(1, (V + 31) // 32, dtype=torch.int32)
+    for i, t in enumerate(ids):
+        matcher.fill_next_token_bitmask(bm, 0)
+        allowed = allowed_tokens(bm.cuda(), V)[0]
+        assert int(logits[i].masked_fill(~allowed, float("-inf")).argmax()) == t, f"token {i}"
+        assert matcher.accept_token(t)
