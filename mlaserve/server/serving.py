@@ -93,6 +93,11 @@ class ServingContext:
         self.chat_options = chat_options or ChatOptions()
         # generation_config.json's sampling fields: the defaults of requests that leave them unset
         self.sampling_defaults = sampling_defaults(self.llm.cfg.model or "", self.chat_options)
+        if self.sampling_defaults:
+            log.info(
+                "generation_config.json sets the sampling defaults %s (--generation-config vllm: ignore it)",
+                self.sampling_defaults,
+            )
         self.metrics = engine.metrics
         # The longest token text: a prompt string longer than max_model_len of them cannot fit (refused untokenized)
         self.max_token_chars = 0

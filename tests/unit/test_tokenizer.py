@@ -205,6 +205,34 @@ def test_template_helpers_as_transformers(tmp_path):
         t.apply_chat_template([{"role": "assistant", "content": "x"}])
 
 
+def test_null_content_reaches_the_template_and_failures_are_value_errors(tmp_path):
+    """DeepSeek's template tests `content is none` on tool-call turns; a template failing on the messages (here a
+    None added to a string) or not compiling is a ValueError (the server's 400), never another exception."""
+    t = _with_template(tmp_path, "{% for m in messages %}{{ m.content is none }}{% endfor %}")
+    assert t.apply_chat_template([{"role": "assistant", "content": None, "tool_calls": []}]) == "True"
+    t = _with_template(tmp_path, "{% for m in messages %}{{ 'x' + m.content }}{% endfor %}")
+    with pytest.raises(ValueError, match="chat template: failed to render these messages: TypeError"):
+        t.apply_chat_template([{"role": "assistant", "content": None}])
+    t = _with_template(tmp_path, "{% for m in messages %}")
+    with pytest.raises(ValueError, match="does not compile"):
+        t.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("add_bos", [True, False, None])
+def test_add_bos_token_governs_special_tokens(tmp_path, add_bos):
+    """tokenizer_config.json's add_bos_token decides BOS on encode(add_special_tokens=True); unset, tokenizer.json's
+    post-processor (which prepends it here)."""
+    write_byte_level_tokenizer(str(tmp_path), 512, 256, 257)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg.pop("add_bos_token")
+    if add_bos is not None:
+        cfg["add_bos_token"] = add_bos
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = Tokenizer.from_pretrained(str(tmp_path))
+    want = [104, 105] if add_bos is False else [256, 104, 105]
+    assert t.encode("hi", add_special_tokens=True) == want and t.encode("hi") == [104, 105]
+
+
 # ---- parity with transformers ---------------------------------------------------------------------------------------
 
 
