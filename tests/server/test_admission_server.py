@@ -15,6 +15,7 @@ import pytest
 
 from .conftest import assert_idle_no_leak, start_server
 
+JSON = {"content-type": "application/json"}
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
@@ -100,7 +101,7 @@ def test_lone_surrogate_is_a_400_naming_the_field(server, path, body, field):
         assert r.status == 400 and err["param"] == field, err
         assert err["message"].startswith(f"{field}: not valid unicode"), err
         sock = conn.sock
-        conn.request("POST", C, body=b'{"prompt": "\\u00e9t\\u00e9", "max_tokens": 2}')
+        conn.request("POST", C, body=b'{"prompt": "\\u00e9t\\u00e9", "max_tokens": 2}', headers=JSON)
         r = conn.getresponse()
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2
         assert conn.sock is sock, "the keep-alive connection was dropped"
@@ -117,7 +118,7 @@ def test_500_has_an_error_id_and_the_log_the_traceback(server, monkeypatch, capl
     try:
         with monkeypatch.context() as m, caplog.at_level(logging.ERROR, logger="mlaserve.server"):
             m.setattr(server.engine, "validate", boom)
-            conn.request("POST", C, body=json.dumps({"prompt": "x", "max_tokens": 2}))
+            conn.request("POST", C, body=json.dumps({"prompt": "x", "max_tokens": 2}), headers=JSON)
             r = conn.getresponse()
             body = r.read().decode()
         assert r.status == 500
@@ -128,7 +129,7 @@ def test_500_has_an_error_id_and_the_log_the_traceback(server, monkeypatch, capl
         rec = [x for x in caplog.records if eid in x.getMessage()]
         assert rec and rec[0].exc_info and "secret internals" in str(rec[0].exc_info[1])
         sock = conn.sock
-        conn.request("POST", C, body=json.dumps({"prompt": "x", "max_tokens": 2}))
+        conn.request("POST", C, body=json.dumps({"prompt": "x", "max_tokens": 2}), headers=JSON)
         r = conn.getresponse()
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 2
         assert conn.sock is sock, "the keep-alive connection was dropped"
