@@ -146,3 +146,18 @@ def test_llm_ep2_graph_path_keeps_all_to_all_steps_eager(tiny_ckpt):
         assert 0 < runner.graph_steps < llm.engine.num_steps
     finally:
         llm.close()
+
+
+def test_flag_sets_the_threshold_or_turns_it_off():
+    import argparse
+
+    from mlaserve.args import add_engine_args, engine_kwargs_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert "kernels" not in engine_kwargs_from_args(p.parse_args(["--ep-size", "2"]))  # the default
+    kw = engine_kwargs_from_args(p.parse_args(["--ep-size", "2", "--moe-a2a-min-tokens", "1024"]))
+    assert kw["kernels"].moe_a2a_min_tokens == 1024
+    assert engine_kwargs_from_args(p.parse_args(["--moe-a2a-min-tokens", "off"]))["kernels"].moe_a2a_min_tokens is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--moe-a2a-min-tokens", "-3"])
