@@ -7,7 +7,7 @@ fewer, or none), routes it, and sends each token once to every rank that owns on
 top-k weights and ids. A receiving rank runs its experts on the compact list it received (the same grouped / fused
 path as the all-reduce form: ids it does not own contribute nothing) and sends each row's partial sum back; the
 sender sums a token's partials, one per rank it went to. The replicated hidden state is restored by the caller
-(restore_replicated). Split sizes are exchanged first and read on the host: one sync a layer, so this path never
+(restore_replicated). Split sizes are exchanged first and read on the host (a sync a layer), so this path never
 runs inside a CUDA graph (engine/cuda_graph.py keeps steps of moe_a2a_min_tokens or more eager under EP).
 
 A token is sent once per destination rank, not once per (token, expert) pair: with top-8 over 2 ranks that is at
@@ -66,7 +66,7 @@ def dispatch_combine(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
     mask = destinations(ids, experts.num_local, ranks)  # [Ts, W]
     dest, tok = mask.t().nonzero(as_tuple=True)  # [N] each, rank-major: the rows for rank 0 first
     send_counts = mask.sum(0)  # [W]
-    counts = torch.cat([send_counts, tp.all_to_all_counts(send_counts)]).tolist()  # the one host sync
+    counts = torch.cat([send_counts, tp.all_to_all_counts(send_counts)]).tolist()  # host sync (as nonzero)
     send, recv = counts[:W], counts[W:]
     rows = tp.all_to_all_rows(_pack(x[tok], weights[tok], ids[tok]), send, recv)  # [R, D * es + 8K]
     xr, wr, ir = _unpack(rows, x.dtype, D, K)

@@ -6,9 +6,10 @@ import contextlib
 
 import torch
 
+from mlaserve.config import ModelConfig
 from mlaserve.distributed.tp import RankInfo
 from mlaserve.kernel_config import KernelConfig, use_kernels
-from mlaserve.models import deepseek_v3
+from mlaserve.models import deepseek_v3, weights
 
 from . import ranks
 
@@ -55,20 +56,31 @@ def moe_inputs(model, n_tokens) -> list[torch.Tensor]:
     return [torch.randn(t, model.config.hidden_size, generator=g) for t in n_tokens]
 
 
-def moe_forms(info: RankInfo, path: str, n_tokens: tuple, bias_group: int | None) -> list[dict]:
+def load(path: str, info: RankInfo, device: str, impl: str):
+    cfg = ModelConfig.from_pretrained(path)
+    with torch.device(device):
+        model = deepseek_v3.DeepseekV3ForCausalLM(cfg, ranks=info, moe_impl=impl)
+    weights.load_weights(model, path, progress=False)
+    return model
+
+
+def moe_forms(
+    info: RankInfo, path: str, n_tokens: tuple, bias_group: int | None, device: str = "cpu", impl: str = "torch"
+) -> list[dict]:
     """Both forms of the first MoE block on the same inputs: (all-reduce output, all-to-all output, rows this rank's
-    experts received in the all-to-all) per token count."""
-    model, _ = ranks.load(path, info)
+    experts received in the all-to-all) per token count, on the CPU."""
+    model = load(path, info, device, impl)
     moe = moe_layer(model, bias_group)
     received = []
     moe.experts.register_forward_pre_hook(lambda m, args: received.append(args[0].shape[0]))
     out = []
     for x in moe_inputs(model, n_tokens):
+        x = x.to(device)
         with torch.no_grad():
             moe.kernels = A2A_OFF
             y_ar = moe(x)
             received.clear()
             moe.kernels = A2A_ALWAYS
             y_a2a = moe(x)
-        out.append(dict(all_reduce=y_ar, a2a=y_a2a, received=sum(received)))
+        out.append(dict(all_reduce=y_ar.cpu(), a2a=y_a2a.cpu(), received=sum(received)))
     return out

@@ -161,3 +161,26 @@ def test_flag_sets_the_threshold_or_turns_it_off():
     assert engine_kwargs_from_args(p.parse_args(["--moe-a2a-min-tokens", "off"]))["kernels"].moe_a2a_min_tokens is None
     with pytest.raises(SystemExit):
         p.parse_args(["--moe-a2a-min-tokens", "-3"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("bias_group", [None, 1])
+def test_nccl_both_forms_equal(tiny_ckpt, impl, bias_group):
+    """The same comparison over NCCL, on the torch and the Triton MoE paths, with a step of 300 tokens too."""
+    n_tokens = (1, 3, 37, 300)
+    ref_model, _ = ranks.load(tiny_ckpt, RankInfo())
+    ref_moe = ep_ranks.moe_layer(ref_model, bias_group)
+    with torch.no_grad():
+        want = [ref_moe(x) for x in ep_ranks.moe_inputs(ref_model, n_tokens)]
+    args = (tiny_ckpt, n_tokens, bias_group, "cuda", impl)
+    results = launch(EP2, ep_ranks.moe_forms, *args, device="cuda", timeout_s=300, collective_timeout_s=120)
+    tol = dict(rtol=1e-5, atol=1e-5) if impl == "torch" else dict(rtol=2e-3, atol=2e-3)  # Triton: tf32 dots
+    for rank, per_step in enumerate(results):
+        for n, w, got in zip(n_tokens, want, per_step):
+            torch.testing.assert_close(got["all_reduce"], w, **tol)
+            torch.testing.assert_close(got["a2a"], w, **tol)
+            torch.testing.assert_close(got["a2a"], results[0][n_tokens.index(n)]["a2a"], rtol=0, atol=0)
+            if bias_group is not None:
+                assert got["received"] == (n if rank == bias_group else 0)
