@@ -5,9 +5,11 @@ imports the command line."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 from .config import ParallelConfig
+from .kernel_config import KernelConfig
 from .types import SamplingParams
 
 log = logging.getLogger("mlaserve")
@@ -132,6 +134,9 @@ def engine_kwargs_from_args(args) -> dict:
     for f in ("tp", "attn_tp_size", "moe_tp_size", "ep_size"):
         if getattr(args, f, None) is not None:
             kw[f] = getattr(args, f)
+    kernels = kernels_from_args(args)
+    if kernels is not None:
+        kw["kernels"] = kernels
     if args.nnodes > 1:
         kw.update(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
     if args.dist_init_timeout is not None:
@@ -153,6 +158,27 @@ def engine_kwargs_from_args(args) -> dict:
     return kw
 
 
+def moe_a2a_min_tokens(value: str) -> int | str:
+    """--moe-a2a-min-tokens: an integer >= 0, or off."""
+    if value.lower() in ("off", "none"):
+        return "off"
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: an integer >= 0 (tokens), or off")
+    return n
+
+
+def kernels_from_args(args) -> KernelConfig | None:
+    """The environment's KernelConfig with the kernel flags given applied; None when none was given."""
+    n = getattr(args, "moe_a2a_min_tokens", None)
+    if n is None:
+        return None
+    return dataclasses.replace(KernelConfig.from_env(), moe_a2a_min_tokens=None if n == "off" else n)
+
+
 def run_if_follower_node(args) -> int | None:
     """On nodes > 0 of a multi-node run, serve as followers of node 0's engine; None on node 0."""
     if args.nnodes <= 1 or args.node_rank == 0:
@@ -161,6 +187,9 @@ def run_if_follower_node(args) -> int | None:
     from .distributed.engine_ranks import run_follower_node
 
     kw = {f: getattr(args, f) for f in ENGINE_FIELDS}
+    kernels = kernels_from_args(args)
+    if kernels is not None:
+        kw["kernels"] = kernels
     return run_follower_node(EngineConfig(model=args.model, **kw), parallel_config_from_args(args))
 
 
@@ -269,6 +298,14 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="ranks splitting each routed expert's intermediate dim (default: world / ep)",
     )
     g.add_argument("--ep-size", type=int, default=None, help="ranks splitting the routed experts (default: 1)")
+    g.add_argument(
+        "--moe-a2a-min-tokens",
+        type=moe_a2a_min_tokens,
+        default=None,
+        help="with --ep-size > 1: steps of at least N tokens send each token to its experts' ranks and back by "
+        "all-to-all (run eagerly, outside CUDA graphs), smaller ones all-reduce; off: never "
+        "(default: off)",
+    )
     g.add_argument("--nnodes", type=int, default=1, help="machines (default: 1)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 runs the scheduler")
     g.add_argument(

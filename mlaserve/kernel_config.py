@@ -71,6 +71,13 @@ class KernelConfig:
     # symmetric-memory path up to its buffer), for A/B timing
     allreduce: str = "auto"
 
+    # ---- expert parallelism (ep_size > 1) ----
+    # eager steps of at least this many tokens dispatch each token to the ranks owning its experts and combine the
+    # results by all-to-all (layers/moe_a2a.py); smaller ones (and every CUDA-graph step: the split sizes need a
+    # host sync) compute each rank's experts for every token and all-reduce. None (the default until the crossover
+    # is measured on GPUs: benchmarks/ep_a2a_bench.py): never. `--moe-a2a-min-tokens`
+    moe_a2a_min_tokens: int | None = None
+
     def __post_init__(self):
         for name in (
             "gemv_max_bytes",
@@ -83,6 +90,7 @@ class KernelConfig:
             "fp8_gemv_max_rows",
             "fp8_scaled_mm_min_rows",
             "int4_gemv_max_pairs",
+            *(("moe_a2a_min_tokens",) if self.moe_a2a_min_tokens is not None else ()),
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

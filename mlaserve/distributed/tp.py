@@ -78,6 +78,36 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return out.view(w, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
 
+def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """[n, ...] on each rank (n the same on all) -> [world * n, ...], rank-major."""
+    if _RANK_INFO.world_size == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty(_RANK_INFO.world_size * x.shape[0], *x.shape[1:])
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=_GROUP)
+    return out
+
+
+def all_to_all_counts(send: torch.Tensor) -> torch.Tensor:
+    """send [world] int64 (rows this rank sends each rank) -> [world], the rows each rank sends this one."""
+    if _RANK_INFO.world_size == 1:
+        return send.clone()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=_GROUP)
+    return recv
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    """x [sum(send), ...], rank-major blocks of send[r] rows for rank r -> [sum(recv), ...], recv[r] rows from
+    rank r. Split sizes are host lists: not CUDA-graph safe."""
+    if _RANK_INFO.world_size == 1:
+        return x
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=_GROUP)
+    return out
+
+
 def broadcast_object(obj=None, src: int = 0):
     """Rank `src` (global rank) sends a picklable object to every rank (batch metadata under TP), over the host."""
     if _RANK_INFO.world_size == 1:

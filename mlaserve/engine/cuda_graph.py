@@ -42,6 +42,12 @@ def graph_safe_kernels(kernels: KernelConfig, max_num_seqs: int, decode_q_len: i
     return kernels if edge == kernels.fp8_a8_min_tokens else replace(kernels, fp8_a8_min_tokens=edge)
 
 
+def a2a_edge(ranks, kernels: KernelConfig) -> float:
+    """The fewest tokens of a step that takes the MoE all-to-all (layers/moe_a2a.use_a2a); inf when none does."""
+    on = ranks.ep_size > 1 and kernels.moe_a2a_min_tokens is not None
+    return kernels.moe_a2a_min_tokens if on else float("inf")
+
+
 HOST_RING = 4  # rows of the pinned ring decode graphs write their arg-max to; >= 3: the engine reads step N back
 # before it launches step N + 2, so a row is read before the step RING later overwrites it
 
@@ -81,12 +87,17 @@ class GraphRunner:
         self.runner, self.q = runner, decode_q_len
         self.page_size = runner.cfg.page_size
         self.use_graphs = use_graphs
+        # Under EP, steps of a2a_edge tokens or more take the MoE all-to-all, which reads its split sizes on the
+        # host: no graph holds that many tokens, so such steps (and their eager twins) run eagerly
+        edge = a2a_edge(runner.ranks, runner.kernels)
         self.bs_list = [b for b in DECODE_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
-        self.prefill_buckets = [t for t in PREFILL_TOKEN_BUCKETS if t <= prefill_max_tokens]
+        self.bs_list = [b for b in self.bs_list if b * decode_q_len < edge]
+        self.prefill_buckets = [t for t in PREFILL_TOKEN_BUCKETS if t <= prefill_max_tokens and t < edge]
         self.max_pages = max_pages
         dev = runner.device
-        max_reqs = max(self.bs_list[-1], PREFILL_MAX_REQS + 1)
-        max_tokens = max(self.bs_list[-1] * self.q, max(self.prefill_buckets, default=0))
+        max_bs = self.bs_list[-1] if self.bs_list else 1
+        max_reqs = max(max_bs, PREFILL_MAX_REQS + 1)
+        max_tokens = max(max_bs * self.q, max(self.prefill_buckets, default=0))
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(max_tokens, **i64)
         self.greedy = decode_q_len == 1  # decode graphs take the arg-max themselves (module docstring)
@@ -106,7 +117,7 @@ class GraphRunner:
         self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
         self._last: dict[str, tuple] = {}  # _write: the region and values last copied into a buffer
         self.host_tokens = (
-            torch.zeros(HOST_RING, self.bs_list[-1], dtype=torch.int64, pin_memory=torch.device(dev).type == "cuda")
+            torch.zeros(HOST_RING, max_bs, dtype=torch.int64, pin_memory=torch.device(dev).type == "cuda")
             if self.greedy
             else None
         )
@@ -314,6 +325,9 @@ class GraphRunner:
             self.prefill_buckets,
             time.perf_counter() - t0,
         )
+        edge = a2a_edge(self.runner.ranks, self.runner.kernels)
+        if edge != float("inf"):
+            log.info("steps of %d tokens or more run eagerly: the EP MoE all-to-all (--moe-a2a-min-tokens)", edge)
 
     def _capture_all(self) -> None:
         for key in sorted(self._keys(), key=lambda k: -k[1] * (self.q if k[0] == "decode" else 1)):

@@ -19,6 +19,7 @@ from ..layers.activation import silu_mul
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import linear_many, stack_rows
 from ..layers.moe import Experts, TopkRouter
+from ..layers.moe_a2a import dispatch_combine, restore_replicated, token_slice, use_a2a
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .quant_layers import check_unquantized, linear_factory, make_experts
@@ -58,6 +59,7 @@ class DeepseekV3MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, ranks: RankInfo, dtype, impl: str, layer_id: int | None = None):
         super().__init__()
         self.impl = impl  # "torch" (reference) | "triton" (fused kernels)
+        self.ranks = ranks
         layer_id = cfg.first_k_dense_replace if layer_id is None else layer_id  # names the layers (quantization)
         self.gate = TopkRouter(cfg)
         self.experts = make_experts(cfg, layer_id, ranks, dtype)  # Experts, or quantized (layers/quant_experts.py)
@@ -96,16 +98,11 @@ class DeepseekV3MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
         """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual)."""
-        S = 0  # shared slots the routing appends (shared-experts fusion)
-        if self.impl == "triton":
-            from ..kernels.routing import route_noaux_tc_fused
-
-            kc = self.kernels
-            S = self.fuse_shared if x.shape[0] <= kc.fuse_shared_max_tokens else 0
-            id0 = self.experts.expert_offset + self.experts.num_local
-            weights, ids = route_noaux_tc_fused(self.gate, x, S, id0, kc.router_splitk_max_tokens, kc.pdl)
-        else:
-            weights, ids = self.gate(x)  # [T, K] fp32, [T, K]
+        if use_a2a(x.shape[0], self.ranks, self.kernels.moe_a2a_min_tokens):
+            y = self.forward_a2a(x)
+            return y if norm is None else norm(y, residual)
+        S = self.fuse_shared if self.impl == "triton" and x.shape[0] <= self.kernels.fuse_shared_max_tokens else 0
+        weights, ids = self.route(x, S)
         if S:  # ids [T, K+S]: the shared MLP runs inside the fused MoE as S more experts of weight 1.0
             sh = self.shared_experts
             kw = dict(impl="triton", shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
@@ -116,6 +113,31 @@ class DeepseekV3MoE(nn.Module):
         y = self.experts(x, weights, ids, **kw)
         y = tp.all_reduce(y) if self.reduce else y
         return y if norm is None else norm(y, residual)
+
+    def route(self, x: torch.Tensor, S: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights [T, K+S] fp32, ids [T, K+S]); S shared slots appended (shared-experts fusion, Triton)."""
+        if self.impl == "triton":
+            from ..kernels.routing import route_noaux_tc_fused
+
+            kc = self.kernels
+            id0 = self.experts.expert_offset + self.experts.num_local
+            return route_noaux_tc_fused(self.gate, x, S, id0, kc.router_splitk_max_tokens, kc.pdl)
+        return self.gate(x)
+
+    def forward_a2a(self, x: torch.Tensor) -> torch.Tensor:
+        """The EP all-to-all form (layers/moe_a2a.py): this rank routes its slice of the replicated tokens, the
+        experts' owners compute them, the slices are put back together -> y [T, D] on every rank. Eager only."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the MoE all-to-all (steps of >= moe_a2a_min_tokens={self.kernels.moe_a2a_min_tokens} tokens under "
+                "EP) reads its split sizes on the host and cannot be captured in a CUDA graph"
+            )
+        T, r = x.shape[0], self.ranks
+        lo, hi, _ = token_slice(T, r.rank, r.world_size)
+        # [Ts, K] fp32, [Ts, K]; a rank with no tokens (T < world) routes its empty slice by the reference
+        weights, ids = self.route(x[lo:hi]) if hi > lo else self.gate(x[lo:hi])
+        y = dispatch_combine(self.experts, x[lo:hi], weights, ids, self.impl)  # [Ts, D]
+        return restore_replicated(y, T, self.shared_experts(x) if self.shared_experts is not None else None)
 
 
 def _head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, kernels: KernelConfig) -> bool:

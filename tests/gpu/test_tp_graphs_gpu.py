@@ -39,3 +39,13 @@ def test_tp2_under_graphs_matches_one_gpu(tiny_ckpt, monkeypatch, pdl):
     assert got == ref
     # live graphs holding NCCL kernels once kept the communicator's teardown waiting forever (runner.release_graphs)
     assert closed_s < 15
+
+
+def test_ep2_all_to_all_steps_stay_out_of_graphs(tiny_ckpt):
+    """EP2 with the all-to-all from 64 tokens: the graphs hold the decode batches (up to 8) and no prefill bucket, the
+    prefill steps run eagerly on the all-to-all, and the greedy tokens equal one GPU's."""
+    from mlaserve.kernel_config import KernelConfig
+
+    ref, _ = _greedy(tiny_ckpt, "1")
+    got, closed_s = _greedy(tiny_ckpt, "1", attn_tp_size=2, ep_size=2, kernels=KernelConfig(moe_a2a_min_tokens=64))
+    assert got == ref and closed_s < 15
