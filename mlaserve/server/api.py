@@ -97,7 +97,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: int = 16 
         }.get(e.status_code, str(e.detail))
         return error(e.status_code, f"path: {what}", "path")
 
-    app.add_middleware(InternalErrors, respond=lambda eid: error(500, internal_error_message(eid)))
+    app.add_middleware(InternalErrors, respond=lambda eid, e: error(500, internal_error_message(eid, e)))
 
     @app.get("/health")
     async def health():
