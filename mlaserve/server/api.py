@@ -107,7 +107,7 @@ def build_app(
         }.get(e.status_code, str(e.detail))
         return error(e.status_code, f"path: {what}", "path")
 
-    app.add_middleware(InternalErrors, respond=lambda eid: error(500, internal_error_message(eid)))
+    app.add_middleware(InternalErrors, respond=lambda eid, e: error(500, internal_error_message(eid, e)))
 
     @app.get("/health")
     async def health():

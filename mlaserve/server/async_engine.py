@@ -24,7 +24,12 @@ log = logging.getLogger("mlaserve.server")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (a failed step, or shutdown): no request can be served."""
+    """The engine thread has stopped (a failed step, or shutdown): no request can be served. `public`: clients may
+    read the message (a dead rank's account, which /health shows too); otherwise a 500 carries an error id only."""
+
+    def __init__(self, message: str, public: bool = False):
+        super().__init__(message)
+        self.public = public
 
 
 def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
@@ -122,7 +127,7 @@ class AsyncEngine:
         """From any thread: the engine cannot go on (a rank died). Every queued and running request fails with error,
         new ones are refused; the engine thread stops at its next turn, if it is not stuck in a step. error becomes the
         engine's error even if a step failed first (on a collective with the dead rank: error is the cause)."""
-        self._fail(error, EngineDeadError(f"the engine failed: {error}"), cause=True)
+        self._fail(error, EngineDeadError(f"the engine failed: {error}", public=True), cause=True)
         self._wake.set()
 
     # ---- called from the HTTP event loop -------------------------------------------------------------
@@ -245,11 +250,12 @@ class AsyncEngine:
         except BaseException as e:  # a bug or a dead TP rank: fail every waiter loudly, never hang
             log.exception("engine step failed; the server is going down")
             cause = self.root_cause(e) if self.root_cause is not None else e
-            self._fail(cause, EngineDeadError(f"the engine failed: {cause!r}"))
+            # a step that failed on a collective with a dead rank reports that rank (root_cause), a public account
+            self._fail(cause, EngineDeadError(f"the engine failed: {cause!r}", public=cause is not e))
             if self.on_fatal:
                 self.on_fatal(cause)
             return
-        self._fail(None, EngineDeadError("the server is shutting down"))
+        self._fail(None, EngineDeadError("the server is shutting down", public=True))
 
     def _fail(self, error: BaseException | None, err: EngineDeadError, cause: bool = False) -> None:
         """Settle every queued add and every live request with `err`; later submits are refused. The first error

@@ -16,8 +16,10 @@ def new_error_id() -> str:
     return "err-" + secrets.token_hex(8)
 
 
-def internal_error_message(error_id: str) -> str:
-    return f"internal error {error_id}: the server log holds the details under this id"
+def internal_error_message(error_id: str, exc: BaseException | None = None) -> str:
+    """The client's message: the id, and the error's own words only where it is marked public (a dead rank)."""
+    msg = f"internal error {error_id}: the server log holds the details under this id"
+    return f"{msg}; {exc}" if getattr(exc, "public", False) else msg
 
 
 def log_internal_error(error_id: str, what: str, exc: BaseException) -> None:
@@ -29,7 +31,7 @@ class InternalErrors:
     drops the connection): here the exception ends with the 500, unless the response had started (then nothing
     else can be sent and the connection must close)."""
 
-    def __init__(self, app, respond: Callable[[str], Response]):
+    def __init__(self, app, respond: Callable[[str, Exception], Response]):
         self.app, self.respond = app, respond
 
     async def __call__(self, scope, receive, send):
@@ -50,4 +52,4 @@ class InternalErrors:
             log_internal_error(eid, f"unexpected error serving {scope.get('method')} {scope.get('path')}", e)
             if started:
                 raise
-            await self.respond(eid)(scope, receive, send)
+            await self.respond(eid, e)(scope, receive, send)

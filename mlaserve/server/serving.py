@@ -239,7 +239,7 @@ async def _guarded(events):
     except Exception as e:  # noqa: BLE001 - the stream has started: an event is all the client can still get
         eid = new_error_id()
         log_internal_error(eid, "a streamed response failed", e)
-        yield sse(error_json(internal_error_message(eid), 500))
+        yield sse(error_json(internal_error_message(eid, e), 500))
         yield "data: [DONE]\n\n"
 
 
