@@ -100,3 +100,16 @@ def test_pending_token_counts_for_the_penalties():
     p = SamplingParams(temperature=0, frequency_penalty=2.0)
     assert int(sample(logits, rows(p))[0]) == 3
     assert int(sample(logits, rows(p), pending=torch.tensor([3]))[0]) == 0
+
+
+def test_top_logprobs_ties_go_to_the_lower_id():
+    """Equal logprobs come out lowest id first (which of the tied tokens at the k-th place are taken is topk's)."""
+    from mlaserve.layers.sampler import top_logprobs
+
+    logits = torch.zeros(3, 40)
+    logits[:, ::3] = 1.0  # 14 tied maxima, then 26 tied others
+    ids, vals = top_logprobs(logits, 20)
+    for row in ids.tolist():
+        assert row[:14] == list(range(0, 40, 3))
+        assert row[14:] == sorted(row[14:]) and all(t % 3 for t in row[14:])
+    assert torch.equal(vals, logits.log_softmax(-1).gather(1, ids))
