@@ -113,3 +113,22 @@ def test_top_logprobs_ties_go_to_the_lower_id():
         assert row[:14] == list(range(0, 40, 3))
         assert row[14:] == sorted(row[14:]) and all(t % 3 for t in row[14:])
     assert torch.equal(vals, logits.log_softmax(-1).gather(1, ids))
+
+
+def test_greedy_into_writes_the_ids_and_the_host_ring_row():
+    from mlaserve.layers.sampler import greedy_into
+
+    logits = torch.randn(3, 50)
+    out = torch.full((3,), -1, dtype=torch.int64)
+    host = torch.full((4, 5), -1, dtype=torch.int64)
+    greedy_into(logits, out, host, torch.tensor([2], dtype=torch.int32))
+    assert torch.equal(out, logits.argmax(-1))
+    assert host[2, :3].tolist() == out.tolist() and (host[2, 3:] == -1).all()
+    assert (host[[0, 1, 3]] == -1).all()  # the other ring rows untouched
+
+
+def test_greedy_tokens_of_verify_shaped_logits():
+    from mlaserve.layers.sampler import greedy_tokens
+
+    logits = torch.randn(2, 4, 30)  # [B, N, V]: a verify step's rows
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
