@@ -122,10 +122,10 @@ DIFFS = {
         lambda d: d.update(event_total=d["event_total"] + 1),
         ["event total 10 differs from base-0.json's 9"],
     ),
-    "proxy": (lambda d: d.update(acceptance_proxy=d["acceptance_proxy"] + 1e-9), ["acceptance proxy"]),
-    "failed": (
+    "proxy": (lambda d: d.update(acceptance_proxy=d["acceptance_proxy"] + 1e-9), [": acceptance proxy 0."]),
+    "failed": (  # a failed request's text and events are not compared: only the failure is named
         lambda d: (
-            d["requests"][1].update(success=False, error="HTTP 500: boom"),
+            d["requests"][1].update(success=False, error="HTTP 500: boom", text="", event_vector=[]),
             d.update(summarize_run(d["requests"])),
         ),
         # the failed request's events and accepted drafts leave the totals too
@@ -267,3 +267,76 @@ def test_figure_rows_median_of_medians():
 
 def test_unreadable_file_exits_2(tmp_path, capsys):
     assert main(["bench", "compare", "--baseline", str(tmp_path / "nope.json"), "--candidate", "x.json"]) == 2
+
+
+def _problems(base, cand, **kw):
+    from mlaserve.bench.compare import identity_problems
+
+    return identity_problems([("a.json", base)], [("b.json", cand)], **kw)
+
+
+def test_difference_messages_quote_the_first_difference():
+    a, b = _result(), _result()
+    a["requests"][0]["text"] = "x" * 10 + "abcdefghijklmnopqrstuvwxyz0123"
+    b["requests"][0]["text"] = "x" * 10 + "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123"
+    a["requests"][2]["event_vector"] = [1, 2, 3, 4, 5, 6, 7, 8]
+    b["requests"][2]["event_vector"] = [1, 9, 9, 9, 9, 9, 9, 9, 9]
+    assert _problems(a, b) == [
+        "b.json vs a.json: request 0: generated text differs from char 10 (lengths 40 vs 40): "
+        "'abcdefghijklmnopqrstuvwx' vs 'ABCDEFGHIJKLMNOPQRSTUVWX'",  # 24 characters from the first difference
+        "b.json vs a.json: request 2: event vector differs at event 1 ([2, 3, 4, 5, 6, 7] vs [9, 9, 9, 9, 9, 9]; "
+        "8 vs 9 events)",
+    ]
+
+
+@pytest.mark.parametrize("n,more", [(20, False), (21, True)])
+def test_twenty_differences_named_by_default(n, more):
+    a, b = _result(), _result()
+    for r in (a, b):
+        r["requests"] = [dict(r["requests"][0], index=i) for i in range(n)]
+        r["config"]["num_prompts"] = r["completed"] = n
+    for r in b["requests"]:
+        r["text"] += "!"
+    got = _problems(a, b)
+    assert len(got) == 20 + more and got[-1].endswith("... and 1 more differences") == more
+
+
+def test_a_failed_run_names_its_first_three_errors():
+    b = _result()
+    b.update(completed=0, failed=3, errors=[{"index": i, "error": f"e{i}"} for i in range(4)])
+    assert _problems(_result(), b)[0] == "b.json: completed 0/3 requests (request 0: e0; request 1: e1; request 2: e2)"
+    del b["errors"]
+    assert _problems(_result(), b)[0] == "b.json: completed 0/3 requests"
+
+
+def test_results_without_a_config_compare_by_their_requests(tmp_path, capsys):
+    """Older results lack 'config': the request count stands in for num_prompts, and no protocol warning is made up."""
+    a, b = _result(), _result()
+    del a["config"], b["config"]
+    assert _problems(a, b) == []
+    assert _compare(tmp_path, [a], [b]) == 0 and _warnings(tmp_path, capsys) == []
+
+
+def test_the_same_speculative_config_is_not_warned_about(tmp_path, capsys):
+    a, b = _result(), _result()
+    a["speculative"] = b["speculative"] = {"algorithm": "EAGLE3", "num_steps": 2}
+    assert _compare(tmp_path, [a], [b]) == 0 and _warnings(tmp_path, capsys) == []
+
+
+@pytest.mark.parametrize(
+    "data,why",
+    [
+        ("{not json", "cannot read bench result"),
+        ([1, 2], "is not a `mlaserve bench serve` result (no 'requests'/'completed')"),
+        ({"requests": []}, "is not a `mlaserve bench serve` result"),
+        ({"completed": 0}, "is not a `mlaserve bench serve` result"),
+    ],
+)
+def test_a_file_that_is_no_result_exits_2_naming_it(tmp_path, capsys, data, why):
+    bad = tmp_path / "bad.json"
+    bad.write_text(data if isinstance(data, str) else json.dumps(data))
+    good = _write(tmp_path, "good.json", _result())
+    assert main(["bench", "compare", "--baseline", good, "--candidate", str(bad)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"bench compare: {bad}") or out.startswith(f"bench compare: cannot read bench result {bad}")
+    assert why in out, out

@@ -214,3 +214,20 @@ def test_without_tokenizer():
         IncrementalDetokenizer(None, [1], stop=["x"])
     with pytest.raises(ValueError, match="stop"):
         IncrementalDetokenizer(None, [1], stop=[""])
+
+
+def test_stop_strings_checked_and_a_single_string_is_one_stop(tok):
+    for bad in ([""], ["ok", ""], [3]):
+        with pytest.raises(ValueError, match="^stop: stop strings must be non-empty strings$"):
+            IncrementalDetokenizer(tok, PROMPT, stop=bad)
+    d = IncrementalDetokenizer(tok, PROMPT, stop="ab")  # one stop string, not the stops "a" and "b"
+    assert d.step(tok.encode("xa b ab")) == ("xa b ", "ab")
+
+
+def test_state_after_an_end_without_a_stop(tok):
+    d = IncrementalDetokenizer(tok, PROMPT, stop=["zzz"])
+    assert d.stop_reason is None and d.finished is False
+    d.step(tok.encode("hello"))
+    assert d.flush() == ("", None)
+    assert d.finished is True and d.stop_reason is None
+    assert d.step(tok.encode("more")) == ("", None) and d.flush() == ("", None)  # ended: nothing more, ever

@@ -57,3 +57,78 @@ def test_logprobs_of_sampled_tokens():
     logits = torch.randn(3, 20)
     tok, lp = sample(logits, rows(*[SamplingParams(temperature=0)] * 3), want_logprobs=True)
     assert torch.allclose(lp, logits.log_softmax(-1).max(-1).values)
+
+
+def test_top_k_one_and_off_values():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    keep = lambda p: torch.isfinite(_filter(logits.clone(), rows(p)))[0].tolist()  # noqa: E731
+    assert keep(SamplingParams(top_k=1)) == [True, False, False, False]
+    assert keep(SamplingParams(top_k=0)) == keep(SamplingParams(top_k=-1)) == [True] * 4  # 0 and -1: off
+
+
+def test_min_p_per_row_of_a_batch():
+    """min_p's threshold is each row's own max probability times its min_p; a token exactly at it stays."""
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.1, 0.2, 0.3, 0.4]]))
+    out = _filter(logits, rows(SamplingParams(min_p=0.5), SamplingParams(min_p=0.6)))
+    assert torch.isfinite(out).tolist() == [[True, True, False, False], [False, False, True, True]]
+
+
+def test_logprobs_only_when_asked():
+    tok, lp = sample(torch.randn(2, 10), rows(*[SamplingParams(temperature=0)] * 2))
+    assert lp is None
+
+
+def test_a_seeded_row_draws_from_its_own_generator_only():
+    """Whatever the engine's generator and the global RNG, a row with its own generator gives the same stream."""
+    logits = torch.zeros(1, 64)  # uniform: every draw shows which random numbers were used
+
+    def stream(engine_seed, global_seed):
+        torch.manual_seed(global_seed)
+        own, eng = torch.Generator().manual_seed(5), torch.Generator().manual_seed(engine_seed)
+        p = SamplingParams(temperature=1.0, seed=5)
+        return [int(sample(logits, rows(p, gens=[own]), eng)[0]) for _ in range(20)]
+
+    assert stream(1, 1) == stream(2, 3)
+    unseeded = [int(sample(logits, rows(SamplingParams(temperature=1.0)), torch.Generator().manual_seed(5))[0])]
+    assert unseeded[0] == stream(9, 9)[0]  # the engine's generator seeded alike draws the same first token
+
+
+def test_pending_token_counts_for_the_penalties():
+    """The token in flight (overlapped decode) is penalised as if it were already in the output."""
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = 1.0
+    p = SamplingParams(temperature=0, frequency_penalty=2.0)
+    assert int(sample(logits, rows(p))[0]) == 3
+    assert int(sample(logits, rows(p), pending=torch.tensor([3]))[0]) == 0
+
+
+def test_top_logprobs_ties_go_to_the_lower_id():
+    """Equal logprobs come out lowest id first (which of the tied tokens at the k-th place are taken is topk's)."""
+    from mlaserve.layers.sampler import top_logprobs
+
+    logits = torch.zeros(3, 40)
+    logits[:, ::3] = 1.0  # 14 tied maxima, then 26 tied others
+    ids, vals = top_logprobs(logits, 20)
+    for row in ids.tolist():
+        assert row[:14] == list(range(0, 40, 3))
+        assert row[14:] == sorted(row[14:]) and all(t % 3 for t in row[14:])
+    assert torch.equal(vals, logits.log_softmax(-1).gather(1, ids))
+
+
+def test_greedy_into_writes_the_ids_and_the_host_ring_row():
+    from mlaserve.layers.sampler import greedy_into
+
+    logits = torch.randn(3, 50)
+    out = torch.full((3,), -1, dtype=torch.int64)
+    host = torch.full((4, 5), -1, dtype=torch.int64)
+    greedy_into(logits, out, host, torch.tensor([2], dtype=torch.int32))
+    assert torch.equal(out, logits.argmax(-1))
+    assert host[2, :3].tolist() == out.tolist() and (host[2, 3:] == -1).all()
+    assert (host[[0, 1, 3]] == -1).all()  # the other ring rows untouched
+
+
+def test_greedy_tokens_of_verify_shaped_logits():
+    from mlaserve.layers.sampler import greedy_tokens
+
+    logits = torch.randn(2, 4, 30)  # [B, N, V]: a verify step's rows
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
