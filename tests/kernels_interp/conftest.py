@@ -19,13 +19,16 @@ if not torch.cuda.is_available():
 
 
 def _patch_interpreter() -> None:
-    """Four bugs of triton 3.6's interpreter (with numpy 2.x) that compiled kernels do not have:
+    """Five bugs of triton's interpreter (3.6 to 3.9, with numpy 2.x) that compiled kernels do not have:
     - tl.dot multiplies bf16 operands as their raw uint16 bits: widen them to fp32 first;
     - a scalar loaded from memory is a 1-element array, which numpy 2 refuses to turn into an int, so a loop
       `for i in range(start, end)` with loaded bounds fails: index the single element instead;
     - a cast to float8e4nv rounds half up and drops the carry when the mantissa rounds over (1.95 -> 1.0), and
       a cast from fp32 to bf16 truncates (a bias that adds up over sums of rounded terms): cast both through
-      torch, which rounds to nearest even as the GPU's cvt.rn does."""
+      torch, which rounds to nearest even as the GPU's cvt.rn does;
+    - a comparison's handle takes its operands' type (int32 for `start < end`) over bool data, so a scalar
+      comparison broadcast into a block (`row_ok & (start < end)`) becomes int32 data: 3.6 to 3.8 load and store
+      through such a mask, 3.9 refuses it ("mask has unsupported dtype"); type the handle int1, as the IR has it."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter as interp
@@ -65,6 +68,12 @@ def _patch_interpreter() -> None:
         b = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
         return interp.TensorHandle(b.view(torch.uint16).numpy().reshape(np.shape(src.data)), dst_type.scalar)
 
+    def as_int1(cmp):
+        return lambda self, lhs, rhs: interp.TensorHandle(cmp(self, lhs, rhs).data, tl.int1)
+
+    for name in dir(interp.InterpreterBuilder):
+        if name.startswith(("create_icmp", "create_fcmp")):
+            setattr(interp.InterpreterBuilder, name, as_int1(getattr(interp.InterpreterBuilder, name)))
     interp.InterpreterBuilder.create_dot = create_dot
     interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
     interp.InterpreterBuilder.cast_impl = cast_impl
