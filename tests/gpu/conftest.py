@@ -15,3 +15,11 @@ def gpu_seed(request):
     seed = random.randrange(1 << 30)  # fresh inputs each run; the seed is printed on failure
     torch.manual_seed(seed)
     print(f"\n[{request.node.name}] device={torch.cuda.get_device_name()} seed={seed}")
+
+
+@pytest.fixture(autouse=True)
+def _no_startup_warmup(request, monkeypatch):
+    """Engines built by the GPU tests skip the start-up warm-up (engine/warmup.py: ~1,200 eager steps at the default
+    max_num_seqs), except in test_no_jit_gpu.py, which tests it: the warm-up compiles kernels, it changes no result."""
+    if request.module.__name__.rsplit(".", 1)[-1] != "test_no_jit_gpu":
+        monkeypatch.setattr("mlaserve.engine.engine.warm_up", lambda engine, steps=None: None)
