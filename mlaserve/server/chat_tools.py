@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..types import StructuredOutput
 from .chat_output import ChoiceOutput
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
@@ -119,6 +120,7 @@ class ChatPlan:
     template_tools: list[dict] | None
     keep_ids: frozenset[int]
     make_output: Callable[[], ChoiceOutput | None]
+    structured: StructuredOutput | None = None  # tool_choice required or named: the JSON the output must follow
 
     def output(self) -> ChoiceOutput | None:
         """A fresh parser state for one choice; None when the text passes through as content."""
@@ -137,9 +139,8 @@ def plan_chat(req, options: ChatOptions, tok) -> ChatPlan:
     forced = None
     if use_parser and choice != "auto":
         forced = "required" if choice == "required" else choice["function"]["name"]
-    tool_cls = TOOL_PARSERS.get(options.tool_call_parser) if use_parser else None
-    if tool_cls is not None:
-        forced = None  # the model's own call format, read by the parser
+    # forced calls are JSON under a grammar (vLLM), not the model's own call format: no tool parser then
+    tool_cls = TOOL_PARSERS.get(options.tool_call_parser) if use_parser and forced is None else None
     reasoning_cls = REASONING_PARSERS.get(options.reasoning_parser)
     kwargs = req.chat_template_kwargs or {}
     markers = [*(tool_cls().markers if tool_cls else ()), *(reasoning_cls(kwargs).markers if reasoning_cls else ())]
@@ -152,4 +153,35 @@ def plan_chat(req, options: ChatOptions, tok) -> ChatPlan:
             return None
         return ChoiceOutput(reasoning_cls(kwargs) if reasoning_cls else None, tool_cls() if tool_cls else None, forced)
 
-    return ChatPlan(tools, keep, make)
+    structured = (
+        StructuredOutput("json", json.dumps(forced_schema(tools, forced)), field="tool_choice") if forced else None
+    )
+    return ChatPlan(tools, keep, make, structured)
+
+
+def _parameters(fn: dict) -> dict:
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def forced_schema(tools: list[dict], forced: str) -> dict:
+    """vLLM's schema for a forced call: a named function's parameters; "required": a non-empty array of
+    {"name", "parameters"} objects, anyOf over the tools, their $defs lifted to the root (their $refs point there)."""
+    fns = [t["function"] for t in tools]
+    if forced != "required":
+        return _parameters(next(f for f in fns if f["name"] == forced))
+    defs: dict = {}
+    variants = []
+    for f in fns:
+        params = dict(_parameters(f))
+        defs.update(params.pop("$defs", None) or {})
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": params},
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if defs:
+        schema["$defs"] = defs
+    return schema

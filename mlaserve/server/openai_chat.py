@@ -31,6 +31,13 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
             params = req.sampling_params(
                 req.max_completion_tokens or req.max_tokens, lp, req.prompt_logprobs, defaults=ctx.sampling_defaults
             )
+            if plan.structured is not None:
+                if params.structured is not None:
+                    raise ValueError(
+                        f"tool_choice: {req.tool_choice!r} forces a tool call through structured output; "
+                        f"it cannot be combined with {params.structured.field}"
+                    )
+                params.structured = plan.structured
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":")[0]) from None
         params.keep_special_token_ids = plan.keep_ids  # the parsers' markers survive skip_special_tokens
