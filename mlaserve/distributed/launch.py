@@ -38,11 +38,15 @@ POLL_S = 1.0  # exit codes are also polled this often: a process's pipes may out
 
 
 class RankFailed(RuntimeError):
-    """A rank exited abnormally or raised; `rank`, `exitcode`, and every failed rank's traceback in `details`."""
+    """A rank exited abnormally or raised; `rank`, `exitcode`, and every failed rank's traceback in `details`.
+    `account`: what a client may read (which rank, how it ended), without the rank's own error text (paths)."""
 
-    def __init__(self, message: str, rank: int = -1, exitcode: int | None = None, details: str = ""):
+    def __init__(
+        self, message: str, rank: int = -1, exitcode: int | None = None, details: str = "", account: str | None = None
+    ):
         super().__init__(message)
         self.rank, self.exitcode, self.details = rank, exitcode, details
+        self.account = message if account is None else account
 
 
 def _exit_with_parent(alive: Connection) -> None:
@@ -185,7 +189,9 @@ class Workers:
             + (self.errors[r][2] if r in self.errors else "no traceback\n")
             for r in failed
         )
-        return RankFailed(f"rank {rank} exited with code {_describe_exit(code)}: {why}", rank, code, details)
+        head = f"rank {rank} exited with code {_describe_exit(code)}"
+        account = f"{head}: it raised an error" if rank in self.errors else f"{head}: {why}"
+        return RankFailed(f"{head}: {why}", rank, code, details, account)
 
     def terminate(self) -> None:
         for p in self.procs.values():

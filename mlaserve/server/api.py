@@ -112,7 +112,7 @@ def build_app(
     @app.get("/health")
     async def health():
         if not engine.healthy:
-            return JSONResponse(error_json(f"engine: stopped ({engine.error!r})", 503), status_code=503)
+            return JSONResponse(error_json(f"engine: {engine.stopped_message()}", 503), status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

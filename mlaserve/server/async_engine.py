@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..engine.engine import LLMEngine, StepOutput
 from ..types import SamplingParams
+from .internal_errors import log_internal_error, new_error_id
 from .metrics import Metrics
 
 log = logging.getLogger("mlaserve.server")
@@ -110,12 +111,22 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}
         self._stop = False
         self.error: BaseException | None = None
+        self.error_id: str | None = None  # the log holds self.error under this id
         self._thread = threading.Thread(target=self._loop, name="mlaserve-engine", daemon=True)
         self._thread.start()
 
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    def stopped_message(self) -> str:
+        """Why no request can be served, for clients: a dead rank's account (no paths, no exception text) or a
+        generic message, with the id the log holds the error under."""
+        if self.error is None:
+            return "the engine has stopped (the server is shutting down)"
+        ref = f"internal error {self.error_id}: the server log holds the details under this id"
+        account = getattr(self.error, "account", None)
+        return f"the engine has stopped: {account}; {ref}" if account else f"the engine has stopped; {ref}"
 
     def shutdown(self) -> None:
         self._stop = True
@@ -127,14 +138,17 @@ class AsyncEngine:
         """From any thread: the engine cannot go on (a rank died). Every queued and running request fails with error,
         new ones are refused; the engine thread stops at its next turn, if it is not stuck in a step. error becomes the
         engine's error even if a step failed first (on a collective with the dead rank: error is the cause)."""
-        self._fail(error, EngineDeadError(f"the engine failed: {error}", public=True), cause=True)
+        eid = new_error_id()
+        log_internal_error(eid, "a tensor-parallel rank failed", error)
+        account = getattr(error, "account", None) or "a tensor-parallel rank failed"
+        self._fail(error, EngineDeadError(f"the engine failed: {account}", public=True), cause=True, error_id=eid)
         self._wake.set()
 
     # ---- called from the HTTP event loop -------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (bad input), OverflowError (queue full) or EngineDeadError before anything is queued."""
         if not self.healthy:
-            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+            raise EngineDeadError(self.stopped_message(), public=True)
         self.engine.validate(prompt_ids, params)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> Generation:
@@ -153,7 +167,7 @@ class AsyncEngine:
         with self._lock:
             if self.error is not None or self._stop:
                 if cmd[0] == "add":
-                    raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+                    raise EngineDeadError(self.stopped_message(), public=True)
                 return  # an abort after death: nothing is running
             self._cmds.put(cmd)
         self._wake.set()
@@ -248,20 +262,27 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
         except BaseException as e:  # a bug or a dead TP rank: fail every waiter loudly, never hang
-            log.exception("engine step failed; the server is going down")
             cause = self.root_cause(e) if self.root_cause is not None else e
-            # a step that failed on a collective with a dead rank reports that rank (root_cause), a public account
-            self._fail(cause, EngineDeadError(f"the engine failed: {cause!r}", public=cause is not e))
+            eid = new_error_id()
+            log_internal_error(eid, f"engine step failed{'' if cause is e else f' ({cause!r})'}; going down", e)
+            # a step that failed on a collective with a dead rank reports that rank (root_cause), a public account;
+            # any other failure: the client's 500 carries an error id only (internal_errors.py)
+            account = getattr(cause, "account", None)  # a RankFailed's
+            err = EngineDeadError(f"the engine failed: {account or repr(cause)}", public=account is not None)
+            self._fail(cause, err, error_id=eid)
             if self.on_fatal:
                 self.on_fatal(cause)
             return
         self._fail(None, EngineDeadError("the server is shutting down", public=True))
 
-    def _fail(self, error: BaseException | None, err: EngineDeadError, cause: bool = False) -> None:
+    def _fail(
+        self, error: BaseException | None, err: EngineDeadError, cause: bool = False, error_id: str | None = None
+    ) -> None:
         """Settle every queued add and every live request with `err`; later submits are refused. The first error
-        reported stays the engine's error, unless `cause`."""
+        reported stays the engine's error (logged under error_id), unless `cause`."""
         with self._lock:
-            self.error = error if cause else self.error or error
+            if cause or self.error is None:
+                self.error, self.error_id = error, error_id
             self._stop = True
             live, self._live = list(self._live.values()), {}
         while True:

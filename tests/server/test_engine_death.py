@@ -4,12 +4,23 @@ brings the server down with status 1 and a message: never a hang."""
 import asyncio
 import json
 import logging
+import re
 import time
 
 import httpx
 import pytest
 
+from mlaserve.distributed.launch import RankFailed
+
 from .conftest import start_server
+
+
+def assert_logged(caplog, msg: str, text: str) -> None:
+    """msg quotes an error id ("internal error err-...: ..."); the log holds an exception with `text` under it."""
+    m = re.search(r"internal error (err-[0-9a-f]{16}):", msg)
+    assert m, msg
+    logged = [r for r in caplog.records if m.group(1) in r.getMessage() and r.exc_info]
+    assert logged and text in str(logged[0].exc_info[1]), (msg, [r.getMessage() for r in caplog.records])
 
 
 def test_engine_failure_stops_the_server(tiny_ckpt, capfd, caplog):
@@ -44,9 +55,7 @@ def test_engine_failure_stops_the_server(tiny_ckpt, capfd, caplog):
     # a 500 carries an error id, never the exception; the log holds the exception under that id
     for msg in (plain.json()["error"]["message"], events[-1]["error"]["message"]):
         assert msg.startswith("internal error err-") and "injected" not in msg, msg
-        eid = msg.split()[2].rstrip(":")
-        logged = [r for r in caplog.records if eid in r.getMessage()]
-        assert logged and "injected step failure" in str(logged[0].exc_info[1]), eid
+        assert_logged(caplog, msg, "injected step failure")
     assert plain.status_code == 500
 
     run.thread.join(timeout=30)
@@ -65,6 +74,37 @@ def test_engine_failure_stops_the_server(tiny_ckpt, capfd, caplog):
     t0 = time.monotonic()
     health, refused = asyncio.run(after())
     assert time.monotonic() - t0 < 10
-    assert health.status_code == 503 and "injected step failure" in health.json()["error"]["message"]
-    assert refused.status_code == 503 and "engine" in refused.json()["error"]["message"]
+    # the 503s carry a generic message and the error id the log holds the failure under, never its text
+    for res in (health, refused):
+        msg = res.json()["error"]["message"]
+        assert res.status_code == 503 and "engine has stopped" in msg and "injected" not in msg, msg
+        assert_logged(caplog, msg, "injected step failure")
     assert health.headers["retry-after"] == refused.headers["retry-after"] == "1"
+
+
+def test_rank_failure_503s_give_the_account_not_the_error_text(tiny_ckpt, caplog):
+    """A dead rank's account (which rank, how it ended) reaches the client; its own error text (paths) stays in the
+    log, under the id the 503 quotes."""
+    run = start_server(tiny_ckpt)
+    err = RankFailed(
+        "rank 1 exited with code 1: OSError: /srv/secret/weights.bin",
+        1,
+        1,
+        "tb",
+        "rank 1 exited with code 1: it raised an error",
+    )
+    with caplog.at_level(logging.ERROR, logger="mlaserve.server"):
+        run.server.rank_failed(err)
+        run.thread.join(timeout=30)
+    assert not run.thread.is_alive()
+    asgi = httpx.AsyncClient(transport=httpx.ASGITransport(app=run.server.app), base_url="http://app")
+
+    async def after():
+        async with asgi:
+            return await asgi.get("/health"), await asgi.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
+
+    for res in asyncio.run(after()):
+        msg = res.json()["error"]["message"]
+        assert res.status_code == 503 and "rank 1 exited with code 1: it raised an error" in msg, msg
+        assert "/srv" not in msg and "OSError" not in msg, msg
+        assert_logged(caplog, msg, "/srv/secret/weights.bin")

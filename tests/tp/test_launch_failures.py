@@ -32,6 +32,7 @@ def test_rank_that_raises_fails_the_launch_spawn():
     """The production start method: fresh interpreters (so this one pays the imports: seconds)."""
     err, took = failing_launch("raise", start_method="spawn")
     assert str(err) == "rank 1 exited with code 1: RuntimeError: rank 1 fails on purpose"
+    assert err.account == "rank 1 exited with code 1: it raised an error"  # what a client reads: no error text
     assert (err.rank, err.exitcode) == (1, 1)
     assert "--- rank 1 (exit code 1) ---" in err.details and "fails on purpose" in err.details
     assert took < 60
@@ -40,6 +41,7 @@ def test_rank_that_raises_fails_the_launch_spawn():
 def test_rank_killed_by_a_signal():
     err, took = failing_launch("kill")
     assert str(err).startswith("rank 1 exited with code -9 (SIGKILL): no Python exception was reported")
+    assert err.account == str(err)
     assert took < 10  # rank 0, blocked in an all-reduce with the dead peer, is not waited for
 
 
