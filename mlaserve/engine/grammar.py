@@ -68,7 +68,10 @@ class GrammarCompiler:
         for text, i in backend.get_vocab(with_added_tokens=True).items():
             if i < self.vocab_size:
                 vocab[i] = text
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+        if hasattr(backend, "to_str"):  # a tokenizers (HF) backend: its decoder says how tokens spell text
+            meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+        else:  # tiktoken (tokenizer_tiktoken.py): get_vocab spells tokens in the GPT-2 byte-level form
+            meta = {"vocab_type": xgr.VocabType.BYTE_LEVEL, "add_prefix_space": False}
         info = xgr.TokenizerInfo(
             vocab,
             meta["vocab_type"],
