@@ -149,9 +149,11 @@ def plan_chat(req, options: ChatOptions, tok) -> ChatPlan:
         keep = frozenset(i for m in markers if (i := tok.backend.token_to_id(m)) is not None)
 
     def make():
-        if tool_cls is None and reasoning_cls is None and forced is None:
+        if forced is not None:  # the grammar holds the output to the call's JSON from its first token: no reasoning
+            return ChoiceOutput(None, None, forced)
+        if tool_cls is None and reasoning_cls is None:
             return None
-        return ChoiceOutput(reasoning_cls(kwargs) if reasoning_cls else None, tool_cls() if tool_cls else None, forced)
+        return ChoiceOutput(reasoning_cls(kwargs) if reasoning_cls else None, tool_cls() if tool_cls else None)
 
     structured = (
         StructuredOutput("json", json.dumps(forced_schema(tools, forced)), field="tool_choice") if forced else None

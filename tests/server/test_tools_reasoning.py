@@ -184,3 +184,26 @@ def test_auto_tool_choice_needs_the_flags(server):
         model="tiny", messages=[{"role": "user", "content": "x"}], tools=[WEATHER], tool_choice="none", max_tokens=2
     )
     assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("family", ["kimi", "deepseek"])
+def test_forced_tool_choice_with_the_parsers(family, request):
+    """tool_choice named / required on a server with tool-call and reasoning parsers: the call is the grammar's JSON
+    (vLLM), not the model's own format, and the reasoning parser does not take it for reasoning."""
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = _client(request.getfixturevalue(family))
+    name = {"kimi": "kimi", "deepseek": "ds"}[family]
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}  # a random model ends it
+    kw = dict(model=name, messages=[{"role": "user", "content": "Weather?"}], tools=[tool], max_tokens=120)
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        c = client.chat.completions.create(**kw, tool_choice=choice, temperature=0).choices[0]
+        assert c.finish_reason == "tool_calls", c
+        assert [t.function.name for t in c.message.tool_calls][:1] == ["get_weather"]
+        for t in c.message.tool_calls:
+            jsonschema.validate(json.loads(t.function.arguments), params)
+        msg, finish = _stream(client, **kw, tool_choice=choice, temperature=0)
+        assert finish == "tool_calls" and msg["reasoning_content"] == "" and msg["content"] == ""
+        got = [(v["name"], v["arguments"]) for _, v in sorted(msg["tool_calls"].items())]
+        assert got == [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
