@@ -39,6 +39,7 @@ def test_preemption_counts_once_per_preemption_and_recomputes_from_zero():
     assert b.num_computed_tokens == 0 and b.pages == [] and b.status == RequestStatus.WAITING
     assert list(s.waiting) == [b]
     s.finish(a, "stop")
+    assert "a" not in s.committed_pages and "b" not in s.committed_pages  # released: no entry left behind
     out = s.schedule()
     # recomputed: its first page is still in the prefix cache (the second was evicted for a's third), 5 tokens left
     assert [(c.req, c.num_new) for c in out.prefill] == [(b, 5)] and b.num_computed_tokens == 4
