@@ -110,3 +110,23 @@ def test_commit_pages_registers_each_full_page_once():
     off.add(c)
     _step(off, off.schedule())
     assert off.committed_pages["c"] == 0 and off.pool.cached == {}
+
+
+def test_chunked_prefill_under_the_budget_and_the_chunk_size():
+    s = _sched(num_pages=16, page_size=4, chunked_prefill_size=4, max_num_batched_tokens=6)
+    a, b = _req(10, "a"), _req(10, "b", first=50)
+    s.add(a), s.add(b)
+    plan = []
+    for _ in range(4):
+        out = s.schedule()
+        plan.append([(c.req.request_id, c.num_new, c.sample) for c in out.chunks])
+        assert [c.req for c in out.decode] == [
+            c.req for c in out.chunks if c.req.num_tokens - c.req.num_computed_tokens == 1
+        ]
+        _step(s, out)
+    assert plan == [
+        [("a", 4, False), ("b", 2, False)],  # a: one chunk of 4; b: what is left of the budget
+        [("a", 4, False), ("b", 2, False)],
+        [("a", 2, True), ("b", 4, False)],  # a's last chunk samples
+        [("a", 1, True), ("b", 2, True)],  # a decodes (in decode, first); b's last chunk
+    ]
