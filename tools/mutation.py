@@ -35,6 +35,8 @@ MODULES = {
         "tests/engine/test_parallel_sampling.py::test_n_shares_prompt_pages",
     ],
     "engine/scheduler.py": [  # the engine tests that schedule: admission, prefix hits, sharing, aborts, preemption
+        "tests/engine/test_scheduler_unit.py",
+        "tests/engine/test_admission.py",
         "tests/engine/test_engine_behaviour.py",
         "tests/engine/test_parallel_sampling.py::test_n_shares_prompt_pages",
         "-k",
