@@ -31,16 +31,10 @@ def route_noaux_tc(
     T, E = router_logits.shape
     scores = router_logits.sigmoid()
     choice = scores + bias
+    group = None
     if n_group > 1 and topk_group < n_group:
-        group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+        group = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    return _select(scores, choice, group, top_k, topk_group, norm_topk_prob, scaling)
 
 
 def route_softmax(
@@ -56,12 +50,19 @@ def route_softmax(
     is its best expert's, and only the best `topk_group` groups compete. Weights are the scores themselves."""
     T, E = router_logits.shape
     scores = router_logits.softmax(dim=-1)
-    choice = scores
-    if n_group > 1 and topk_group < n_group:
-        group_scores = scores.view(T, n_group, E // n_group).amax(-1)  # [T, G]
+    group = scores.view(T, n_group, E // n_group).amax(-1) if n_group > 1 and topk_group < n_group else None
+    return _select(scores, scores, group, top_k, topk_group, norm_topk_prob, scaling)
+
+
+def _select(scores, choice, group_scores, top_k, topk_group, norm_topk_prob, scaling):
+    """Both routings' common tail: only the best `topk_group` groups compete (group_scores [T, G], or None for all),
+    the top_k of `choice` are picked, weighted by `scores` (renormalised if asked), times `scaling`."""
+    if group_scores is not None:
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False).indices, True)
-        choice = scores.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+        choice = choice.masked_fill(
+            ~keep.repeat_interleave(choice.shape[1] // group_scores.shape[1], dim=1), float("-inf")
+        )
     ids = choice.topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if norm_topk_prob:
