@@ -8,6 +8,8 @@
 # WORK (default /tmp/mlaserve-train) keeps the corpus, tokenizer and checkpoint: on a machine that still holds it,
 # running again resumes. Other flags for train-model: ARGS.
 #   reassemble here: cat model.tar.part-* | tar xf -    (-> model/, corpus/manifest.json)
+# Full mode then distills the EAGLE3 draft (mlaserve train-draft on windows of the corpus; DRAFT=0 skips it, its
+# flags: DRAFT_ARGS) and leaves it as draft.tar (-> draft/).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TQDM_MININTERVAL=${TQDM_MININTERVAL:-20}
 WORK=${WORK:-/tmp/mlaserve-train}
@@ -49,4 +51,13 @@ if [[ -d $WORK/model ]]; then
   cp "$WORK/model/README.md" "$WORK/model/loss.png" "$OUT/" 2>/dev/null
   tar cf - -C "$WORK" model corpus/manifest.json corpus/tokens.json | split -b 15m - "$OUT/model.tar.part-"
   ls -la "$OUT"
+fi
+if [[ $MODE == full && ${DRAFT:-1} != 0 && -f $WORK/model/model.safetensors ]]; then
+  echo "[+$(( $(date +%s) - t0 ))s] train-draft"
+  timeout $(( 595 - ($(date +%s) - t0) )) python3 -m mlaserve --log-level WARNING train-draft "$WORK/model" \
+    "$WORK/draft" --corpus "$WORK/corpus" --no-embedding ${DRAFT_ARGS:---num-prompts 4096 --max-len 256 --steps 4000 \
+    --batch 32 --eval-prompts 32} 2>&1 | tee "$OUT/draft.log" | tail -8
+  rc=$?
+  echo "[+$(( $(date +%s) - t0 ))s] train-draft exit $rc"
+  [[ -d $WORK/draft ]] && tar cf "$OUT/draft.tar" -C "$WORK" draft
 fi

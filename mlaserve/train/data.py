@@ -51,6 +51,26 @@ def random_prompts(n: int, vocab: int, max_len: int, seed: int, exclude=()) -> l
     return [[rng.choice(ids) for _ in range(rng.randint(1, max(1, max_len * 3 // 4)))] for _ in range(n)]
 
 
+def corpus_prompts(path: str, n: int, max_len: int, seed: int, bos: int | None) -> list[list[int]]:
+    """n windows of a uint16 token file (a train-model corpus split), each 8 .. max_len / 2 tokens long at a seeded
+    random position, BOS first as a served prompt has it: the target continues real text, so the draft learns the
+    contexts it will see."""
+    import numpy as np
+
+    tokens = np.fromfile(path, dtype=np.uint16)
+    hi = max(8, max_len // 2)
+    if len(tokens) <= hi:
+        raise ValueError(f"--corpus: {path} holds {len(tokens)} tokens; a prompt window needs more than {hi}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.randint(8, hi)
+        start = rng.randrange(len(tokens) - k)
+        window = tokens[start : start + k].tolist()
+        out.append(([bos] if bos is not None else []) + window)
+    return out
+
+
 def greedy_sequences(llm, prompts: list[list[int]], max_len: int, progress: bool = True) -> list[list[int]]:
     """Each prompt (cut to max_len - 1 tokens) followed by the target's greedy continuation up to max_len tokens."""
     prompts = [p[: max_len - 1] for p in prompts]

@@ -53,6 +53,8 @@ def make_config(vocab_size: int, bos_token_id: int, eos_token_id: int, seq_len: 
     if unknown:
         raise ValueError(f"model config: unknown field(s) {sorted(unknown)}")
     c = {**BASE, **overrides}
+    if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides:
+        c["num_key_value_heads"] = c["num_attention_heads"]  # MLA: one latent serves every head
     c.update(
         vocab_size=vocab_size,
         bos_token_id=bos_token_id,

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
+import os
 import time
 from types import SimpleNamespace
 
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..config import ModelConfig
-from .data import TargetFeatures, greedy_sequences, random_prompts, read_prompts
+from .data import TargetFeatures, corpus_prompts, greedy_sequences, random_prompts, read_prompts
 from .draft_ckpt import draft_vocab, init_weights, make_config, save_draft
 from .ttt import TTTForward
 
@@ -34,6 +36,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="where to write the draft (config.json, model.safetensors)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default: %(default)s)")
     p.add_argument("--prompts", default=None, help="a .jsonl or text file of prompts (default: random prefixes)")
+    p.add_argument(
+        "--corpus",
+        default=None,
+        help="a train-model corpus folder: prompts are windows of its train.bin, held-out ones of held_out.bin",
+    )
     p.add_argument("--num-prompts", type=int, default=256, help="random prompts to make (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=256, help="prompt + greedy continuation tokens (default: 256)")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary (default: min(32000, vocab/2))")
@@ -109,6 +116,7 @@ def train_draft(
     *,
     steps: int = 2000,
     prompts: str | None = None,
+    corpus: str | None = None,
     num_prompts: int = 256,
     max_len: int = 256,
     draft_vocab_size: int | None = None,
@@ -145,8 +153,12 @@ def train_draft(
         enable_prefix_caching=False,
     )
     model, dev = llm.engine.runner.model, llm.engine.runner.device
+    if prompts and corpus:
+        raise ValueError("--prompts and --corpus: give one")
     if prompts:
         data = read_prompts(prompts, llm.tokenizer)
+    elif corpus:
+        data = corpus_prompts(os.path.join(corpus, "train.bin"), num_prompts, max_len, seed, tcfg.bos_token_id)
     else:
         data = random_prompts(num_prompts, V, max_len, seed, exclude=llm.engine.eos_token_ids)
     seqs = [s for s in greedy_sequences(llm, data, max_len, progress) if len(s) >= 3]
@@ -190,6 +202,7 @@ def train_draft(
     bar.close()
     extra = dict(
         target=target,
+        prompts=prompts or (os.path.join(corpus, "train.bin") if corpus else "random"),
         steps=steps,
         sequences=len(seqs),
         max_len=max_len,
@@ -238,6 +251,7 @@ def cli_main(args) -> int:
             args.out,
             steps=args.steps,
             prompts=args.prompts,
+            corpus=args.corpus,
             num_prompts=args.num_prompts,
             max_len=args.max_len,
             draft_vocab_size=args.draft_vocab,
@@ -261,9 +275,12 @@ def cli_main(args) -> int:
         f"training accuracy per step {acc}; draft vocabulary covers {info['draft_vocab_coverage']:.1%}"
     )
     if args.eval_prompts:
-        held = random_prompts(
-            args.eval_prompts, ModelConfig.from_pretrained(args.target).vocab_size, args.max_len, args.seed + 1
-        )
+        tcfg = ModelConfig.from_pretrained(args.target)
+        if args.corpus:
+            path = os.path.join(args.corpus, "held_out.bin")
+            held = corpus_prompts(path, args.eval_prompts, args.max_len, args.seed + 1, tcfg.bos_token_id)
+        else:
+            held = random_prompts(args.eval_prompts, tcfg.vocab_size, args.max_len, args.seed + 1)
         m = measure_acceptance(
             args.target,
             args.out,
@@ -273,6 +290,9 @@ def cli_main(args) -> int:
             device=args.device,
             aux_layer_offset=args.aux_layer_offset,
         )
+        info["held_out_acceptance"] = dict(prompts=args.eval_prompts, k=args.ttt_steps, **m)
+        with open(os.path.join(args.out, "train_draft.json"), "w") as f:
+            json.dump(info, f, indent=1)
         rates = ", ".join(f"{i + 1}: {r:.3f}" for i, r in enumerate(m["acceptance_per_position"]))
         print(
             f"held-out acceptance per draft position ({args.eval_prompts} prompts, K={args.ttt_steps}, "

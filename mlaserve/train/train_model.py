@@ -33,7 +33,7 @@ STAGES = ("corpus", "tokenizer", "tokens", "train")
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("work", help="the work folder (corpus, tokenizer, checkpoint, and the model in WORK/model)")
-    p.add_argument("--stage", default="all", choices=("all", *STAGES), help="stop after this stage (default: all)")
+    p.add_argument("--stage", default="all", choices=("all", *STAGES), help="stop after this stage")
     p.add_argument("--roots", nargs="+", default=None, help="folders of .py files (default: stdlib, site-packages)")
     p.add_argument("--manifest", default=None, help="rebuild the corpus of this manifest.json (with --roots: moved)")
     p.add_argument("--max-corpus-mb", type=float, default=400.0, help="corpus size cap (lowest hashes kept)")
