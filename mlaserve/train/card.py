@@ -39,12 +39,14 @@ def held_out_nats(model, tokens: torch.Tensor, seq_len: int, micro_batch: int, d
 
 
 def function_headers(texts: list[str], n: int) -> list[str]:
-    """The first one-line top-level `def` of each text that has one, up to n."""
+    """The first one-line top-level `def` of each text that has one, up to n. No newline after the colon: the BPE
+    holds a newline with the next line's indent as one token, so a prompt ending in a bare newline tells the model
+    the next line is at the top level."""
     out = []
     for t in texts:
         m = HEADER.search(t)
         if m:
-            out.append(m.group(0).rstrip() + "\n")
+            out.append(m.group(0).rstrip())
             if len(out) == n:
                 break
     return out

@@ -290,6 +290,8 @@ def cli_main(args) -> int:
             device=args.device,
             aux_layer_offset=args.aux_layer_offset,
         )
+        with open(os.path.join(args.out, "eval_prompts.jsonl"), "w") as f:  # what the acceptance was measured on
+            f.writelines(json.dumps({"prompt_token_ids": p}) + "\n" for p in held)
         info["held_out_acceptance"] = dict(prompts=args.eval_prompts, k=args.ttt_steps, **m)
         with open(os.path.join(args.out, "train_draft.json"), "w") as f:
             json.dump(info, f, indent=1)
