@@ -115,13 +115,14 @@ def deepseek_model(tiny: str, out: str, generation_config: dict | None = None) -
     return out
 
 
-def script_outputs(llm, scripts: dict[str, str]) -> None:
+def script_outputs(llm, scripts: dict[str, str], open_ended: tuple[str, ...] = ()) -> None:
     """A prompt holding `[script:NAME]` (the last such tag) generates scripts[NAME] (encoded, then EOS) whatever the
-    model samples: the engine's sampled tokens are replaced as they are sampled, so the next step is fed them."""
+    model samples: the engine's sampled tokens are replaced as they are sampled, so the next step is fed them.
+    Scripts named in open_ended have no EOS: the model samples on after them (under any grammar then in force)."""
     engine = llm.engine
     tok = engine.tokenizer
     eos = sorted(engine.eos_token_ids)[0]
-    ids = {k: tok.encode(v) + [eos] for k, v in scripts.items()}
+    ids = {k: tok.encode(v) + ([] if k in open_ended else [eos]) for k, v in scripts.items()}
     loop = engine.loop
     inner = getattr(loop, "loop", loop)
     original = inner.sample
