@@ -4,13 +4,14 @@ prompt details (BOS, null content, generation_config defaults); bad tools, templ
 
 import json
 
+import httpx
 import openai
 import pytest
 
 from mlaserve.server.chat_tools import ChatOptions
 
 from .conftest import greedy_ids, start_server
-from .family_models import deepseek_model, kimi_model, script_outputs
+from .family_models import DS31_TEMPLATE, deepseek_model, kimi_model, script_outputs
 
 WEATHER = {
     "type": "function",
@@ -32,6 +33,12 @@ DS_SCRIPTS = {
     '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
     "think": "Some\nthoughts.</think>\n\nThe answer.",
     "decide": "Weather, so a call.</think>",
+}
+
+DS31_SCRIPTS = {
+    "call": "Let me see.</think>Calling.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+    '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "plain": "Sunny.",
 }
 
 
@@ -79,6 +86,44 @@ def deepseek(tiny_ckpt, tmp_path_factory):
     script_outputs(run.llm, DS_SCRIPTS, open_ended=("decide",))
     yield run
     assert run.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def deepseek31(tiny_ckpt, tmp_path_factory):
+    folder = deepseek_model(tiny_ckpt, str(tmp_path_factory.mktemp("ds31-tiny")), template=DS31_TEMPLATE)
+    opts = ChatOptions(tool_call_parser="deepseek_v31", reasoning_parser="deepseek_v3", enable_auto_tool_choice=True)
+    run = start_server(folder, name="ds31", chat_options=opts)
+    script_outputs(run.llm, DS31_SCRIPTS)
+    yield run
+    assert run.stop() == 0
+
+
+def test_deepseek_v31_tool_call_and_hybrid_reasoning(deepseek31):
+    """DeepSeek-V3.1's call format (name<｜tool▁sep｜>arguments) and its hybrid thinking: reasoning only when the
+    request's chat_template_kwargs turns thinking on (the template then opens <think>)."""
+    client = _client(deepseek31)
+    msgs = [{"role": "user", "content": "weather? [script:call]"}]
+    think_id = deepseek31.llm.engine.tokenizer.backend.token_to_id("<think>")
+    for thinking, last in ((True, think_id), (False, think_id + 1)):  # the prompt opens or closes the reasoning
+        body = {"messages": msgs, "chat_template_kwargs": {"thinking": thinking}}
+        assert httpx.post(f"{deepseek31.url}/tokenize", json=body).json()["tokens"][-1] == last
+    kw = dict(model="ds31", messages=msgs, tools=[WEATHER], extra_body={"chat_template_kwargs": {"thinking": True}})
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Calling."
+    assert c.message.model_extra["reasoning_content"] == "Let me see."
+    (tc,) = c.message.tool_calls
+    assert tc.id.startswith("chatcmpl-tool-") and tc.function.name == "get_weather"
+    assert json.loads(tc.function.arguments) == {"city": "Paris"}
+    msg, finish = _stream(client, **kw)
+    assert finish == "tool_calls" and msg["content"] == "Calling." and msg["reasoning_content"] == "Let me see."
+    assert [(v["name"], v["arguments"]) for v in msg["tool_calls"].values()] == [("get_weather", tc.function.arguments)]
+    # thinking off (the template's default): no reasoning parsed, the text is the content
+    plain = dict(model="ds31", messages=[{"role": "user", "content": "[script:plain]"}], tools=[WEATHER])
+    c = client.chat.completions.create(**plain).choices[0]
+    assert c.message.content == "Sunny." and c.finish_reason == "stop" and not c.message.tool_calls
+    assert c.message.model_extra["reasoning_content"] is None
+    msg, finish = _stream(client, **plain)
+    assert msg["content"] == "Sunny." and msg["reasoning_content"] == "" and finish == "stop"
 
 
 def test_kimi_tool_call_and_reasoning(kimi):
