@@ -13,9 +13,15 @@ from .tool_parsers import ToolCall, ToolParser
 class ChoiceOutput:
     """Feed each step's new text; `delta()` gives what is new since the last call, `message()` the whole answer."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, forced: str | None = None):
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        forced: str | None = None,
+        kimi_first: int | None = None,
+    ):
         self.reasoning, self.tools = reasoning, tools
-        self.forced = ForcedCalls(forced) if forced is not None else None
+        self.forced = ForcedCalls(forced, kimi_first) if forced is not None else None
         self.forced_valid = False  # the forced call's JSON came out whole: finish_reason tool_calls
         self.text = ""
         self.sent_reasoning = self.sent_content = 0

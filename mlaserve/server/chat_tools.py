@@ -155,11 +155,21 @@ def plan_chat(req, options: ChatOptions, tok) -> ChatPlan:
         if not after:
             reasoning_cls = None  # no token to wait for: all the output is the call's JSON
 
+    # Kimi's forced calls take its ids (functions.NAME:INDEX, counted over the conversation), as vLLM gives them
+    kimi_first = None
+    if forced is not None and options.tool_call_parser == "kimi_k2":
+        kimi_first = sum(
+            len(tc) for m in req.messages if isinstance(tc := (m.model_extra or {}).get("tool_calls"), list)
+        )
+
     def make():
         if tool_cls is None and reasoning_cls is None and forced is None:
             return None
         return ChoiceOutput(
-            reasoning_cls(kwargs) if reasoning_cls else None, tool_cls() if tool_cls else None, forced=forced
+            reasoning_cls(kwargs) if reasoning_cls else None,
+            tool_cls() if tool_cls else None,
+            forced=forced,
+            kimi_first=kimi_first,
         )
 
     structured = None

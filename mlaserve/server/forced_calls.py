@@ -101,15 +101,20 @@ def _array_calls(text: str) -> list[tuple[str | None, str, bool]]:
 
 class ForcedCalls:
     """One choice's forced calls. parse(text, final) -> (calls so far, valid): valid once final and the whole text is
-    the JSON the grammar asks for. Ids are fixed once given (streamed deltas and the final answer agree)."""
+    the JSON the grammar asks for. Ids are fixed once given (streamed deltas and the final answer agree); with
+    `kimi_first` they are Kimi's `functions.NAME:INDEX`, counted on from the conversation's earlier calls (vLLM's
+    kimi_k2 ids: Kimi's template writes the id back as the call's header)."""
 
-    def __init__(self, forced: str):
-        self.forced = forced
+    def __init__(self, forced: str, kimi_first: int | None = None):
+        self.forced, self.kimi_first = forced, kimi_first
         self._ids: list[str] = []
 
-    def _id(self, index: int) -> str:
+    def _id(self, index: int, name: str) -> str:
         while len(self._ids) <= index:
-            self._ids.append(new_tool_call_id())
+            k = len(self._ids)
+            self._ids.append(
+                new_tool_call_id() if self.kimi_first is None else f"functions.{name}:{self.kimi_first + k}"
+            )
         return self._ids[index]
 
     def parse(self, text: str, final: bool) -> tuple[list[ToolCall], bool]:
@@ -133,10 +138,10 @@ class ForcedCalls:
         if self.forced != "required":
             args = text.strip()
             ok = args.startswith("{")  # an object begun: the grammar's arguments, not stray text
-            return ([ToolCall(self._id(0), self.forced, args, valid)] if ok else []), valid
+            return ([ToolCall(self._id(0, self.forced), self.forced, args, valid)] if ok else []), valid
         calls = []
         for i, (name, args, done) in enumerate(_array_calls(text)):
             if name is None:
                 break
-            calls.append(ToolCall(self._id(i), name, args, done and valid))
+            calls.append(ToolCall(self._id(i, name), name, args, done and valid))
         return calls, valid

@@ -267,6 +267,22 @@ def test_forced_tool_choice_after_reasoning(family, request):
             got = [(v["name"], v["arguments"]) for _, v in sorted(msg["tool_calls"].items())]
             assert got == [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
             assert msg["fragments"] > len(got), "the arguments stream in pieces"
+            ids = [t.id for t in c.message.tool_calls]
+            if family == "kimi":  # Kimi's ids, as its template takes them back
+                assert ids == [f"functions.{t.function.name}:{i}" for i, t in enumerate(c.message.tool_calls)]
+                assert [v["id"] for _, v in sorted(msg["tool_calls"].items())] == ids
+            else:
+                assert all(i.startswith("chatcmpl-tool-") for i in ids)
+    if family == "kimi":  # a conversation with one call before: the next call is Kimi's index 1
+        (tc,) = c.message.tool_calls[:1]
+        history = [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [tc.model_dump(exclude_none=True)]},
+            {"role": "tool", "tool_call_id": tc.id, "content": "sunny"},
+            {"role": "user", "content": "And now? [script:decide]"},
+        ]
+        r = client.chat.completions.create(**{**kw, "messages": history}, tool_choice=choice).choices[0]
+        assert r.message.tool_calls[0].id == "functions.get_weather:1"
     # the model never writes </think> (no script): all reasoning, no call, the engine's finish_reason
     kw["messages"] = [{"role": "user", "content": "Weather?"}]
     c = client.chat.completions.create(**{**kw, "max_tokens": 12}, tool_choice="required").choices[0]

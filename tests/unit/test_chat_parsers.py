@@ -153,6 +153,19 @@ def test_forced_calls_stream_their_arguments_in_fragments(forced, text):
     assert out.finish_reason(None) is None and out.finish_reason("stop") == "tool_calls"
 
 
+def test_forced_call_ids_kimi_style():
+    """With the kimi_k2 parser, forced calls take Kimi's ids, counted on from the conversation's earlier calls."""
+    out = ChoiceOutput(None, None, forced="required", kimi_first=2)
+    got = _stream(out, REQUIRED, 4)
+    assert [v["id"] for v in got["tool_calls"].values()] == ["functions.get_weather:2", "functions.add:3"]
+    named = ChoiceOutput(None, None, forced="get_weather", kimi_first=0)
+    named.text = NAMED_ARGS
+    assert named.message()["tool_calls"][0]["id"] == "functions.get_weather:0"
+    plain = ChoiceOutput(None, None, forced="get_weather")
+    plain.text = NAMED_ARGS
+    assert plain.message()["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+
+
 def test_forced_tool_choice_unfinished_and_malformed():
     """A forced call cut short (length, a stop string) keeps what was streamed of it and the engine's finish_reason;
     output that never began a call is the raw text as content."""
