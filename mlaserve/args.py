@@ -80,7 +80,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the EAGLE3 draft (with REPLAY: optional, its forward runs each step and its tokens are replaced)",
     )
-    s.add_argument("--speculative-num-steps", type=int, default=1)
+    s.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=None,
+        help="draft tokens per step; default: a speculators draft's speculative_tokens (as vLLM), else 1",
+    )
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="verify width (num-steps + 1)")
     s.add_argument(
         "--speculative-aux-layer-offset",
@@ -145,8 +150,8 @@ def engine_kwargs_from_args(args) -> dict:
         kw["speculative_config"] = {
             "algorithm": args.speculative_algorithm,
             "draft_model": args.speculative_draft_model_path,
-            "num_steps": args.speculative_num_steps,
-            "num_draft_tokens": args.speculative_num_draft_tokens or args.speculative_num_steps + 1,
+            "num_steps": args.speculative_num_steps,  # None: the draft's default (SpecConfig.from_dict)
+            "num_draft_tokens": args.speculative_num_draft_tokens,
             "aux_layer_offset": args.speculative_aux_layer_offset,
         }
         if args.speculative_algorithm == "REPLAY":

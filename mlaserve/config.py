@@ -506,6 +506,30 @@ class EngineConfig:
             raise ValueError(f"load_format: must be auto or dummy, got {self.load_format!r}")
 
 
+def draft_speculative_tokens(path: str | None) -> int | None:
+    """A speculators draft's number of draft tokens (config.json's speculators_config.proposal_methods[0]
+    .speculative_tokens), the default num_steps for it as in vLLM; None for a draft in another format or no draft."""
+    f = os.path.join(path, "config.json") if path else None
+    if f is None or not os.path.isfile(f):
+        return None
+    try:
+        with open(f) as fh:
+            c = json.load(fh)
+    except (OSError, ValueError):
+        return None  # the draft loader reports a config it cannot read
+    spec = c.get("speculators_config") if isinstance(c, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    methods = spec.get("proposal_methods")
+    where = f"{f}: speculators_config.proposal_methods"
+    if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+        raise ValueError(f"{where} must be a non-empty list of objects, got {methods!r}")
+    n = methods[0].get("speculative_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{where}[0].speculative_tokens must be an integer >= 1, got {n!r}")
+    return n
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Chain drafting: `num_steps` draft tokens per step, verified together (N = num_steps + 1).
@@ -534,7 +558,10 @@ class SpecConfig:
         extra = set(d) - known
         if extra:
             raise ValueError(f"speculative_config: unknown keys {sorted(extra)}")
-        steps = int(d.get("num_steps", 1))
+        steps = d.get("num_steps")
+        if steps is None:  # vLLM: a speculators draft's own speculative_tokens, else one
+            steps = draft_speculative_tokens(d.get("draft_model")) or 1
+        steps = int(steps)
         cfg = cls(**{**d, "num_steps": steps, "num_draft_tokens": int(d.get("num_draft_tokens") or steps + 1)})
         cfg.validate()
         return cfg

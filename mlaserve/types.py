@@ -19,12 +19,15 @@ class StructuredOutput:
         choice       choices: the output is exactly one of them
         grammar      spec: an EBNF (GBNF) grammar, or Lark when it has no '::='
 
-    field: the request field that asked for it, named in errors (response_format, guided_json, ...)."""
+    field: the request field that asked for it, named in errors (response_format, guided_json, ...).
+    after_token_ids: the output is free until one of these tokens (a reasoning model's end of thinking) and follows
+    the grammar from the token after it; empty: from the first token."""
 
     kind: str
     spec: str | None = None
     choices: tuple[str, ...] = ()
     field: str = "structured_outputs"
+    after_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.kind not in STRUCTURED_KINDS:
@@ -34,6 +37,12 @@ class StructuredOutput:
                 raise ValueError(f"{self.field}: the choices must be a non-empty list of non-empty strings")
         elif self.kind != "json_object" and (not isinstance(self.spec, str) or not self.spec):
             raise ValueError(f"{self.field}: a {self.kind} needs a non-empty string")
+        if not isinstance(self.after_token_ids, tuple) or any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.after_token_ids
+        ):
+            raise ValueError(
+                f"{self.field}: after_token_ids must be a tuple of token ids, got {self.after_token_ids!r}"
+            )
 
 
 @dataclass

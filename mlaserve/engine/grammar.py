@@ -33,22 +33,31 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 
 
 class GrammarState:
-    """One request's matcher: fill its row of the step's bitmask, accept the sampled token."""
+    """One request's matcher: fill its row of the step's bitmask, accept the sampled token. With `after` token ids
+    the output is free (every token allowed, none fed to the matcher) up to and including the first of them."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, after: tuple[int, ...] = ()):
         self.matcher = matcher
+        self.waiting = frozenset(after)  # empty once the grammar holds
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """bitmask [n, ceil(V / 32)] int32 on the CPU: bit t % 32 of word t // 32 set where token t is allowed."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.waiting:
+            bitmask[row].fill_(-1)  # all bits set
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
+        if self.waiting:
+            if token in self.waiting:
+                self.waiting = frozenset()
+            return True
         return self.matcher.accept_token(token)
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and accepted a stop token: the request ends."""
-        return self.matcher.is_terminated()
+        return not self.waiting and self.matcher.is_terminated()
 
 
 class GrammarCompiler:
@@ -124,4 +133,4 @@ class GrammarCompiler:
     def state(self, so: StructuredOutput) -> GrammarState:
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(self.compile(so)))
+        return GrammarState(xgr.GrammarMatcher(self.compile(so)), so.after_token_ids)

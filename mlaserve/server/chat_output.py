@@ -1,21 +1,28 @@
 """One chat choice's text through the reasoning and tool-call parsers: streamed deltas (reasoning_content, content,
 tool_calls with index, id, name, then argument fragments) and the final message, as vLLM returns them. A tool-calls
-section the model leaves malformed comes back as plain content with the engine's finish_reason."""
+section the model leaves malformed comes back as plain content with the engine's finish_reason; a forced call the
+model leaves unfinished keeps what was streamed of it, with the engine's finish_reason."""
 
 from __future__ import annotations
 
-import json
-
+from .forced_calls import ForcedCalls
 from .reasoning import ReasoningParser
 from .tool_parsers import ToolCall, ToolParser
-from .tool_parsers.base import new_tool_call_id
 
 
 class ChoiceOutput:
     """Feed each step's new text; `delta()` gives what is new since the last call, `message()` the whole answer."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, forced: str | None = None):
-        self.reasoning, self.tools, self.forced = reasoning, tools, forced
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        forced: str | None = None,
+        kimi_first: int | None = None,
+    ):
+        self.reasoning, self.tools = reasoning, tools
+        self.forced = ForcedCalls(forced, kimi_first) if forced is not None else None
+        self.forced_valid = False  # the forced call's JSON came out whole: finish_reason tool_calls
         self.text = ""
         self.sent_reasoning = self.sent_content = 0
         self.sent_args: list[int] = []  # per streamed call: argument characters sent
@@ -27,10 +34,10 @@ class ChoiceOutput:
         if content is None:
             return reasoning, None, []
         if self.forced is not None:  # tool_choice named or required: the output is JSON (vLLM's forms)
-            if not final:
-                return reasoning, "", []
-            calls = forced_calls(content, self.forced)
-            return reasoning, ("" if calls else content), calls
+            for m in self.reasoning.also_ends if self.reasoning else ():
+                content = content.removeprefix(m)  # a marker that ended the reasoning, before the grammar held
+            calls, self.forced_valid = self.forced.parse(content, final)
+            return reasoning, ("" if calls or not final else content), calls
         if self.tools is None:
             return reasoning, content, []
         text, calls, malformed = self.tools.parse(content, final)
@@ -81,25 +88,5 @@ class ChoiceOutput:
         return msg
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        return "tool_calls" if engine_reason is not None and self.called else engine_reason
-
-
-def forced_calls(text: str, forced: str) -> list[ToolCall]:
-    """tool_choice a named function: the output is its arguments (a JSON object); "required": a JSON array of
-    {"name", "parameters"}. Anything else is no call (the text is the content)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
-    if forced != "required":
-        ok = isinstance(value, dict)
-        return [ToolCall(new_tool_call_id(), forced, json.dumps(value, ensure_ascii=False), True)] if ok else []
-    if not isinstance(value, list) or not all(
-        isinstance(v, dict) and isinstance(v.get("name"), str) and isinstance(v.get("parameters", {}), dict)
-        for v in value
-    ):
-        return []
-    return [
-        ToolCall(new_tool_call_id(), v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False), True)
-        for v in value
-    ]
+        called = self.forced_valid if self.forced is not None else self.called
+        return "tool_calls" if engine_reason is not None and called else engine_reason

@@ -144,20 +144,38 @@ def plan_chat(req, options: ChatOptions, tok) -> ChatPlan:
     reasoning_cls = REASONING_PARSERS.get(options.reasoning_parser)
     kwargs = req.chat_template_kwargs or {}
     markers = [*(tool_cls().markers if tool_cls else ()), *(reasoning_cls(kwargs).markers if reasoning_cls else ())]
-    keep = frozenset()
-    if tok is not None:
-        keep = frozenset(i for m in markers if (i := tok.backend.token_to_id(m)) is not None)
+    ids = {m: tok.backend.token_to_id(m) if tok is not None else None for m in markers}
+    keep = frozenset(i for i in ids.values() if i is not None)
+    # a forced call on a thinking model: it reasons freely, and the grammar holds from the token that ends the
+    # reasoning (vLLM's structured output under a reasoning parser); without such a token, from the first token
+    reasoning = reasoning_cls(kwargs) if reasoning_cls else None
+    after: tuple[int, ...] = ()
+    if forced is not None and reasoning is not None and reasoning.thinking:
+        after = tuple(i for m in (reasoning.end, *reasoning.also_ends) if (i := ids.get(m)) is not None)
+        if not after:
+            reasoning_cls = None  # no token to wait for: all the output is the call's JSON
+
+    # Kimi's forced calls take its ids (functions.NAME:INDEX, counted over the conversation), as vLLM gives them
+    kimi_first = None
+    if forced is not None and options.tool_call_parser == "kimi_k2":
+        kimi_first = sum(
+            len(tc) for m in req.messages if isinstance(tc := (m.model_extra or {}).get("tool_calls"), list)
+        )
 
     def make():
-        if forced is not None:  # the grammar holds the output to the call's JSON from its first token: no reasoning
-            return ChoiceOutput(None, None, forced)
-        if tool_cls is None and reasoning_cls is None:
+        if tool_cls is None and reasoning_cls is None and forced is None:
             return None
-        return ChoiceOutput(reasoning_cls(kwargs) if reasoning_cls else None, tool_cls() if tool_cls else None)
+        return ChoiceOutput(
+            reasoning_cls(kwargs) if reasoning_cls else None,
+            tool_cls() if tool_cls else None,
+            forced=forced,
+            kimi_first=kimi_first,
+        )
 
-    structured = (
-        StructuredOutput("json", json.dumps(forced_schema(tools, forced)), field="tool_choice") if forced else None
-    )
+    structured = None
+    if forced is not None:
+        spec = json.dumps(forced_schema(tools, forced))
+        structured = StructuredOutput("json", spec, field="tool_choice", after_token_ids=after)
     return ChatPlan(tools, keep, make, structured)
 
 

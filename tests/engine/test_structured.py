@@ -107,6 +107,37 @@ def test_n_choices_each_follow_the_grammar(engine):
         assert re.fullmatch(r"(ab|cd)+e", text) or len(ids) == 30, text
 
 
+def test_grammar_holds_after_the_end_of_reasoning(engine):
+    """after_token_ids (a forced tool call on a thinking model): the output is free until the end-of-reasoning token,
+    then each greedy token is the masked arg-max of a matcher started after it."""
+    plain = run_all_one(engine, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    end = next(t for t in range(258, 300) if t not in plain and t not in engine.eos_token_ids)
+    so = StructuredOutput("json", json.dumps(SCHEMA), field="tool_choice", after_token_ids=(end,))
+    # never ended: no token is masked, the output is the plain greedy one
+    assert run_all_one(engine, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, structured=so)) == plain
+    # ended at the first token (biased there): the JSON follows under the grammar
+    out = run_all_one(engine, SamplingParams(temperature=0, max_tokens=40, logit_bias={end: 100.0}, structured=so))
+    assert out[0] == end and out[-1] in engine.eos_token_ids
+    jsonschema.validate(json.loads(text_of(engine, out[1:])), SCHEMA)
+    logits = model_logits(engine, PROMPT + out[:-1])[len(PROMPT) :].clone()  # [len(out) - 1, V]: after `end`
+    logits[:, end] += 100.0
+    matcher = xgr.GrammarMatcher(engine.grammars.compile(so))
+    V = logits.shape[1]
+    bm = torch.empty(1, (V + 31) // 32, dtype=torch.int32)
+    for i, t in enumerate(out[1:]):
+        matcher.fill_next_token_bitmask(bm, 0)
+        assert int(logits[i].masked_fill(~allowed_tokens(bm, V)[0], float("-inf")).argmax()) == t, f"token {i}"
+        assert matcher.accept_token(t)
+    assert matcher.is_terminated()
+    with pytest.raises(ValueError, match="tool_choice: after_token_ids"):
+        StructuredOutput("json", "{}", field="tool_choice", after_token_ids=[end])
+
+
+def run_all_one(engine, sp: SamplingParams) -> list[int]:
+    rid = engine.add_request(PROMPT, sp)
+    return run_all(engine)[rid]
+
+
 @pytest.mark.parametrize(
     "so,match",
     [

@@ -64,3 +64,26 @@ def test_json_schema_greedy_on_cuda_graphs(tiny_ckpt):
         allowed = allowed_tokens(bm.cuda(), V)[0]
         assert int(logits[i].masked_fill(~allowed, float("-inf")).argmax()) == t, f"token {i}"
         assert matcher.accept_token(t)
+
+
+def test_grammar_after_the_end_of_reasoning_on_cuda_graphs(tiny_ckpt):
+    """after_token_ids (a thinking model's forced tool call): free greedy tokens until the end token, equal to plain
+    greedy decoding, then the JSON under the grammar."""
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    from mlaserve import LLM, SamplingParams, StructuredOutput
+
+    llm = LLM(tiny_ckpt, device="cuda", num_pages=512, page_size=64)
+    eng = llm.engine
+    prompt = [40, 41, 42, 43]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    plain = plain[0].token_ids
+    end = next(t for t in range(258, 300) if t not in plain and t not in eng.eos_token_ids)
+    so = StructuredOutput("json", json.dumps(SCHEMA), field="tool_choice", after_token_ids=(end,))
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, structured=so)
+    ended = SamplingParams(temperature=0, max_tokens=40, logit_bias={end: 100.0}, structured=so)
+    outs = llm.generate([prompt, prompt], [free, ended], use_tqdm=False)
+    assert outs[0].token_ids == plain
+    ids = outs[1].token_ids
+    assert ids[0] == end and ids[-1] in eng.eos_token_ids
+    jsonschema.validate(json.loads(eng.tokenizer.decode(ids[1:-1])), SCHEMA)

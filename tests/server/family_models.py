@@ -63,6 +63,18 @@ DS_TEMPLATE = (
     "{%- if add_generation_prompt %}Assistant: <think>\n{% endif %}"
 )
 
+# DeepSeek-V3.1's shape: the generation prompt opens <think> when chat_template_kwargs says `thinking`, else closes it
+DS31_TEMPLATE = (
+    "{{ bos_token }}{%- if tools %}## Tools\n{{ tools | tojson }}\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}User: {{ m.content }}\n"
+    "{%- elif m.role == 'assistant' %}Assistant: </think>{{ m.content or '' }}<|eos|>"
+    "{%- elif m.role == 'tool' %}Tool: {{ m.content }}\n"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}Assistant: {{ '<think>' if thinking else '</think>' }}{% endif %}"
+)
+
 
 def _copy_weights(tiny: str, out: str) -> None:
     os.makedirs(out, exist_ok=True)
@@ -88,9 +100,9 @@ def kimi_model(tiny: str, out: str) -> str:
     return out
 
 
-def deepseek_model(tiny: str, out: str, generation_config: dict | None = None) -> str:
+def deepseek_model(tiny: str, out: str, generation_config: dict | None = None, template: str = DS_TEMPLATE) -> str:
     """DeepSeek: the tiny byte-level tokenizer.json with its added tokens 260.. renamed to the markers (tool markers
-    special, <think> / </think> not, as DeepSeek-R1's), add_bos_token, the template above."""
+    special, <think> / </think> not, as DeepSeek-R1's), add_bos_token, the template given (R1's shape by default)."""
     _copy_weights(tiny, out)
     with open(os.path.join(tiny, "tokenizer.json"), encoding="utf-8") as f:
         tj = json.load(f)
@@ -106,7 +118,7 @@ def deepseek_model(tiny: str, out: str, generation_config: dict | None = None) -
         json.dump(tj, f, ensure_ascii=False)
     with open(os.path.join(tiny, "tokenizer_config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
-    cfg["chat_template"] = DS_TEMPLATE
+    cfg["chat_template"] = template
     with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, ensure_ascii=False)
     if generation_config is not None:
@@ -115,13 +127,14 @@ def deepseek_model(tiny: str, out: str, generation_config: dict | None = None) -
     return out
 
 
-def script_outputs(llm, scripts: dict[str, str]) -> None:
+def script_outputs(llm, scripts: dict[str, str], open_ended: tuple[str, ...] = ()) -> None:
     """A prompt holding `[script:NAME]` (the last such tag) generates scripts[NAME] (encoded, then EOS) whatever the
-    model samples: the engine's sampled tokens are replaced as they are sampled, so the next step is fed them."""
+    model samples: the engine's sampled tokens are replaced as they are sampled, so the next step is fed them.
+    Scripts named in open_ended have no EOS: the model samples on after them (under any grammar then in force)."""
     engine = llm.engine
     tok = engine.tokenizer
     eos = sorted(engine.eos_token_ids)[0]
-    ids = {k: tok.encode(v) + [eos] for k, v in scripts.items()}
+    ids = {k: tok.encode(v) + ([] if k in open_ended else [eos]) for k, v in scripts.items()}
     loop = engine.loop
     inner = getattr(loop, "loop", loop)
     original = inner.sample

@@ -1,6 +1,7 @@
 """tool_choice "required" and a named function force tool calls, as vLLM does: the output runs under the JSON schema
 built from the tools (structured output) and comes back as `tool_calls` with ids and finish_reason "tool_calls",
-streamed and not, through the official openai client on the tiny random model. Refused beside response_format."""
+streamed (the arguments in fragments as they are generated) and not, through the official openai client on the tiny
+random model. Refused beside response_format."""
 
 from __future__ import annotations
 
@@ -61,18 +62,21 @@ def _check_calls(calls: list[tuple[str, str, str]], only: str | None = None):
         jsonschema.validate(json.loads(args), PARAMS[name])
 
 
-def _stream(client, **kw) -> tuple[str, list[tuple[str, str, str]], str | None]:
-    content, calls, finish = "", {}, None
+def _stream(client, **kw) -> tuple[str, list[tuple[str, str, str]], str | None, list[int]]:
+    """-> (content, (id, name, arguments) per call, finish_reason, how many deltas carried each call's arguments)."""
+    content, calls, finish, pieces = "", {}, None, {}
     for ev in client.chat.completions.create(stream=True, **kw):
         for c in ev.choices:
             content += c.delta.content or ""
             for tc in c.delta.tool_calls or []:
                 slot = calls.setdefault(tc.index, ["", "", ""])
+                assert not (tc.id and slot[0]), "a call's id comes once, in its first delta"
                 slot[0] = tc.id or slot[0]
                 slot[1] = (tc.function and tc.function.name) or slot[1]
                 slot[2] += (tc.function and tc.function.arguments) or ""
+                pieces[tc.index] = pieces.get(tc.index, 0) + bool(tc.function and tc.function.arguments)
             finish = c.finish_reason or finish
-    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish, [pieces[i] for i in sorted(calls)]
 
 
 def test_forced_schema_forms():
@@ -112,9 +116,10 @@ def test_required_gives_calls(client, sampling):
 @pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
 def test_forced_calls_streamed(server, client, choice):
     kw = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice=choice, max_tokens=200, temperature=0)
-    content, calls, finish = _stream(client, **kw)
+    content, calls, finish, pieces = _stream(client, **kw)
     assert finish == "tool_calls" and content == ""
     _check_calls(calls, only="add" if choice is NAMED else None)
+    assert all(n > 3 for n in pieces), pieces  # the arguments stream as they are generated (vLLM), not at the end
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
     assert [(n, a) for _, n, a in calls] == [(t.function.name, t.function.arguments) for t in whole]
     assert_idle_no_leak(server)

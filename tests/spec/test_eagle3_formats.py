@@ -2,7 +2,8 @@
 reference of the EAGLE3 layer (transformers' Llama RoPE for the scaling), and EAGLE3 with it keeping greedy tokens
 equal to plain decoding. Formats: SpecForge / SGLang `LlamaForCausalLMEagle3` with llama3 RoPE and
 norm_before_residual; vLLM's `Eagle3LlamaForCausalLM` name with yarn RoPE, fc_norm and four aux states; linear RoPE
-with norm_before_fc and norm_output; speculators' `Eagle3Speculator` (transformer_layer_config, layers.0.* names)."""
+with norm_before_fc and norm_output; speculators' `Eagle3Speculator` (transformer_layer_config, layers.0.* names,
+its speculative_tokens the default number of draft tokens)."""
 
 import json
 import os
@@ -223,3 +224,37 @@ def test_unsupported_forms_are_refused(tmp_path):
         (d / "config.json").write_text(json.dumps(config))
         with pytest.raises(CheckpointError, match=msg):
             DraftConfig.from_pretrained(str(d))
+
+
+def test_speculators_speculative_tokens_is_the_default_k(tiny_ckpt, baseline, tmp_path):
+    """speculators' proposal_methods[0].speculative_tokens is the number of draft tokens when the user gives none
+    (vLLM's num_speculative_tokens default); a flag given wins, other formats default to one, bad values are refused."""
+    from mlaserve.args import engine_kwargs_from_args
+    from mlaserve.cli import build_parser
+
+    spec_dir = tmp_path / "speculators"
+    write_draft(spec_dir, FORMATS["speculators"], seed=5)
+    write_draft(tmp_path / "plain", FORMATS["specforge_llama3"], seed=5)
+
+    def spec_of(draft, *flags):
+        argv = ["generate", "--prompt", "x", "--speculative-algorithm", "EAGLE3"]
+        argv += ["--speculative-draft-model-path", str(draft), *flags]
+        return SpecConfig.from_dict(engine_kwargs_from_args(build_parser(argv).parse_args(argv))["speculative_config"])
+
+    spec = spec_of(spec_dir)
+    assert (spec.num_steps, spec.num_draft_tokens) == (3, 4)
+    assert (spec_of(spec_dir, "--speculative-num-steps", "2").num_steps, spec_of(tmp_path / "plain").num_steps) == (
+        2,
+        1,
+    )
+    assert SpecConfig.from_dict({"draft_model": str(spec_dir), "num_draft_tokens": 4}).num_steps == 3
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"), spec=spec)
+    assert eng.spec_k == 3
+    got = run(eng, _prompts(), GREEDY)
+    assert [tokens(e) for e in got] == baseline
+    assert sum(e[-1].usage.spec_draft_tokens for e in got) > 0
+    for bad, shown in ([{"proposal_type": "greedy"}], "None"), ([{"speculative_tokens": 0}], "0"), ([], r"\[\]"):
+        cfg = {**FORMATS["speculators"], "speculators_config": {"proposal_methods": bad}}
+        (spec_dir / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=r"speculators_config\.proposal_methods.* got " + shown):
+            SpecConfig.from_dict({"draft_model": str(spec_dir)})

@@ -116,15 +116,101 @@ def test_reasoning_then_content_and_tools(step):
     assert off.message()["content"] == "plain</think>x"
 
 
-def test_forced_tool_choice_without_a_parser():
-    """tool_choice named / required with no --tool-call-parser: the output read in vLLM's guided-JSON forms."""
+NAMED_ARGS = '{"city": "Paris", "days": [1, 2], "note": "a \\"}\\" b"}'
+REQUIRED = (
+    '[{"name": "get_weather", "parameters": {"city": "Rome", "x": {"y": [true, null]}}}, '
+    '{"name": "add", "parameters": {"a": 1, "b": -2.5e3}}]'
+)
+
+
+@pytest.mark.parametrize(
+    "forced,text", [("get_weather", NAMED_ARGS), ("required", REQUIRED)], ids=["named", "required"]
+)
+def test_forced_calls_stream_their_arguments_in_fragments(forced, text):
+    """tool_choice named / required: the arguments stream as they are generated (vLLM), each fragment the model's
+    own JSON text, never text the final answer takes back, and the stream adds up to the message."""
+    whole = ChoiceOutput(None, None, forced=forced)
+    whole.text = text
+    msg = whole.message()
+    want = [("get_weather", {"city": "Paris", "days": [1, 2], "note": 'a "}" b'})]
+    if forced == "required":
+        want = [("get_weather", {"city": "Rome", "x": {"y": [True, None]}}), ("add", {"a": 1, "b": -2500.0})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == want
+    assert msg["content"] is None and whole.finish_reason("stop") == "tool_calls"
+    out = ChoiceOutput(None, None, forced=forced)
+    sent: dict[int, list[str]] = {}
+    final_args = [c["function"]["arguments"] for c in msg["tool_calls"]]
+    for k, ch in enumerate(text):
+        d = out.delta(ch, k == len(text) - 1)
+        assert "content" not in d and "reasoning_content" not in d
+        for tc in d.get("tool_calls", []):
+            frags = sent.setdefault(tc["index"], [])
+            assert ("id" in tc) == (not frags), "the first delta of a call carries its id and name, the rest do not"
+            frags.append(tc["function"]["arguments"])
+            assert final_args[tc["index"]].startswith("".join(frags))
+    assert ["".join(f) for _, f in sorted(sent.items())] == final_args
+    assert all(len(f) > 5 for f in sent.values())  # streamed in many pieces, not one at the end
+    assert out.finish_reason(None) is None and out.finish_reason("stop") == "tool_calls"
+
+
+def test_forced_call_ids_kimi_style():
+    """With the kimi_k2 parser, forced calls take Kimi's ids, counted on from the conversation's earlier calls."""
+    out = ChoiceOutput(None, None, forced="required", kimi_first=2)
+    got = _stream(out, REQUIRED, 4)
+    assert [v["id"] for v in got["tool_calls"].values()] == ["functions.get_weather:2", "functions.add:3"]
+    named = ChoiceOutput(None, None, forced="get_weather", kimi_first=0)
+    named.text = NAMED_ARGS
+    assert named.message()["tool_calls"][0]["id"] == "functions.get_weather:0"
+    plain = ChoiceOutput(None, None, forced="get_weather")
+    plain.text = NAMED_ARGS
+    assert plain.message()["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+
+
+def test_forced_tool_choice_unfinished_and_malformed():
+    """A forced call cut short (length, a stop string) keeps what was streamed of it and the engine's finish_reason;
+    output that never began a call is the raw text as content."""
+    cut = REQUIRED[: REQUIRED.index('"a": 1') + 6]
+    for streamed in (False, True):
+        out = ChoiceOutput(None, None, forced="required")
+        if streamed:
+            got = _stream(out, cut, 2)
+            calls = [(v["name"], v["arguments"]) for v in got["tool_calls"].values()]
+        else:
+            out.text = cut
+            m = out.message()
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            assert m["content"] is None
+        assert calls == [("get_weather", '{"city": "Rome", "x": {"y": [true, null]}}'), ("add", '{"a": 1')]
+        assert out.finish_reason("length") == "length"
     named = ChoiceOutput(None, None, forced="get_weather")
-    assert named.delta('{"city":', False) == {}  # nothing until the whole text is known
-    d = named.delta(' "Paris"}', True)
-    assert d["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    req = ChoiceOutput(None, None, forced="required")
-    req.text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]'
-    assert [c["function"]["name"] for c in req.message()["tool_calls"]] == ["a", "b"]
-    bad = ChoiceOutput(None, None, forced="required")
-    bad.text = "not json"
-    assert bad.message()["content"] == "not json" and bad.finish_reason("stop") == "stop"
+    named.text = '{"city": "Pa'
+    m = named.message()
+    assert m["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa' and named.finish_reason("length") == "length"
+    for forced in ("required", "get_weather"):
+        bad = ChoiceOutput(None, None, forced=forced)
+        bad.text = "not json"
+        assert bad.message()["content"] == "not json" and bad.finish_reason("stop") == "stop"
+        assert _stream(ChoiceOutput(None, None, forced=forced), "not json", 3)["content"] == "not json"
+
+
+@pytest.mark.parametrize(
+    "parser,end", [("deepseek_r1", "</think>"), ("kimi_k2", "</think>"), ("kimi_k2", "<|tool_calls_section_begin|>")]
+)
+def test_forced_call_after_reasoning(parser, end):
+    """A reasoning parser and a forced call: the reasoning comes first as reasoning_content, then the JSON after its
+    end (the engine's grammar holds from there) streams as the call's arguments; K2's tool-section marker ends the
+    reasoning and is not part of the arguments."""
+    text = "Weather, so\nget_weather." + end + NAMED_ARGS
+    whole = ChoiceOutput(REASONING_PARSERS[parser](), None, forced="get_weather")
+    whole.text = text
+    msg = whole.message()
+    assert msg["reasoning_content"] == "Weather, so\nget_weather." and msg["content"] is None
+    assert [c["function"]["arguments"] for c in msg["tool_calls"]] == [NAMED_ARGS]
+    got = _stream(ChoiceOutput(REASONING_PARSERS[parser](), None, forced="get_weather"), text, 1)
+    assert got["reasoning_content"] == msg["reasoning_content"] and got["content"] == ""
+    assert [(v["name"], v["arguments"]) for v in got["tool_calls"].values()] == [("get_weather", NAMED_ARGS)]
+    # reasoning never ended: no call, all reasoning
+    r = ChoiceOutput(REASONING_PARSERS[parser](), None, forced="get_weather")
+    r.text = "still thinking"
+    assert r.message() == {"role": "assistant", "content": None, "reasoning_content": "still thinking"}
+    assert r.finish_reason("length") == "length"
