@@ -4,6 +4,7 @@
 #   bash benchmarks/train_default.sh          full: corpus, tokenizer, tokens, training (TOKENS, stopped at
 #                                             TIME_LIMIT minutes from the start), the model card
 #   MODE=bench bash benchmarks/train_default.sh   the same data stages, then STEPS steps: prints tokens/s
+#   MODE=draft bash benchmarks/train_default.sh   the EAGLE3 draft of MODEL (default: the shipped model) only
 #   MODE=tests bash benchmarks/train_default.sh   the gpu tests of the training code (tests/gpu/test_train_gpu.py)
 # WORK (default /tmp/mlaserve-train) keeps the corpus, tokenizer and checkpoint: on a machine that still holds it,
 # running again resumes. Other flags for train-model: ARGS.
@@ -24,6 +25,23 @@ if [[ $MODE == tests ]]; then
   timeout 500 python3 -m pytest -q tests/gpu/test_train_gpu.py tests/train -x -p no:cacheprovider -o addopts="" -rfE \
     2>&1 | tee "$OUT/tests.log" | tail -30
   exit
+fi
+
+if [[ $MODE == draft ]]; then
+  # the draft of a model already made (MODEL, default: the shipped one): its corpus rebuilt from its manifest and
+  # tokenized by its own tokenizer, then the same train-draft as full mode
+  MODEL=${MODEL:-mlaserve/assets/pycode-13m}
+  mkdir -p "$WORK/tokenizer" && cp "$MODEL/tokenizer.json" "$MODEL/tokenizer_config.json" "$WORK/tokenizer/"
+  python3 -m mlaserve --log-level INFO train-model "$WORK" --manifest "$MODEL/corpus_manifest.json" --stage tokens \
+    2>&1 | tee "$OUT/data.log" | tail -5
+  echo "[+$(( $(date +%s) - t0 ))s] train-draft"
+  timeout $(( 595 - ($(date +%s) - t0) )) python3 -m mlaserve --log-level WARNING train-draft "$MODEL" \
+    "$WORK/draft" --corpus "$WORK/corpus" --no-embedding --disable-tqdm ${DRAFT_ARGS:---num-prompts 4096 --max-len 256 \
+    --steps 3000 --batch 32 --eval-prompts 32} 2>&1 | tee "$OUT/draft.log" | tail -8
+  rc=$?
+  echo "[+$(( $(date +%s) - t0 ))s] train-draft exit $rc"
+  [[ -d $WORK/draft ]] && tar cf "$OUT/draft.tar" -C "$WORK" draft
+  exit $rc
 fi
 
 common=(--tokens "${TOKENS:-500e6}" ${ARGS})
@@ -55,7 +73,8 @@ fi
 if [[ $MODE == full && ${DRAFT:-1} != 0 && -f $WORK/model/model.safetensors ]]; then
   echo "[+$(( $(date +%s) - t0 ))s] train-draft"
   timeout $(( 595 - ($(date +%s) - t0) )) python3 -m mlaserve --log-level WARNING train-draft "$WORK/model" \
-    "$WORK/draft" --corpus "$WORK/corpus" --no-embedding ${DRAFT_ARGS:---num-prompts 4096 --max-len 256 --steps 4000 \
+    "$WORK/draft" --corpus "$WORK/corpus" --no-embedding --disable-tqdm ${DRAFT_ARGS:---num-prompts 4096 --max-len 256 \
+    --steps 3000 \
     --batch 32 --eval-prompts 32} 2>&1 | tee "$OUT/draft.log" | tail -8
   rc=$?
   echo "[+$(( $(date +%s) - t0 ))s] train-draft exit $rc"

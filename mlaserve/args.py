@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import logging
 
-from .config import ParallelConfig
+from .config import ParallelConfig, generation_sampling_defaults
 from .kernel_config import KernelConfig
 from .types import SamplingParams
 
@@ -199,27 +199,30 @@ def run_if_follower_node(args) -> int | None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
+    g = p.add_argument_group("sampling (unset: the model's generation_config.json, else greedy)")
     g.add_argument("--max-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def sampling_params_from_args(args) -> SamplingParams:
+def sampling_params_from_args(args, model_dir: str | None = None) -> SamplingParams:
+    """The flags given; a flag left unset takes generation_config.json's value (as the server's --generation-config
+    auto), else greedy with no filtering."""
+    gen = generation_sampling_defaults(model_dir)
+    base = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+    pick = {k: getattr(args, k) if getattr(args, k) is not None else gen.get(k, v) for k, v in base.items()}
     return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
+        **pick,
         max_tokens=args.max_tokens,
         seed=args.sampling_seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        **({"repetition_penalty": gen["repetition_penalty"]} if "repetition_penalty" in gen else {}),
     )
 
 

@@ -506,6 +506,25 @@ class EngineConfig:
             raise ValueError(f"load_format: must be auto or dummy, got {self.load_format!r}")
 
 
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # vLLM's keys
+
+
+def generation_sampling_defaults(model_dir: str | None) -> dict:
+    """The sampling fields of a model folder's generation_config.json (numbers only); {} without the file."""
+    path = os.path.join(model_dir, "generation_config.json") if model_dir else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            gen = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(gen, dict):
+        return {}
+    ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return {k: gen[k] for k in GENERATION_SAMPLING_KEYS if ok(gen.get(k))}
+
+
 def draft_speculative_tokens(path: str | None) -> int | None:
     """A speculators draft's number of draft tokens (config.json's speculators_config.proposal_methods[0]
     .speculative_tokens), the default num_steps for it as in vLLM; None for a draft in another format or no draft."""

@@ -1,6 +1,7 @@
 """The offline API (vLLM-shaped): LLM(model).generate(prompts, SamplingParams), and `mlaserve generate`.
 
-With no model given, the embedded default is used: a tiny random checkpoint, made on first use in the cache.
+With no model given, the embedded default is used: a small Python code model shipped in the package (and, with
+EAGLE3 and no draft given, its draft).
 Under tensor parallelism a rank that dies makes the call in progress (or the next one) raise RankFailed, naming it.
 """
 
@@ -20,14 +21,26 @@ from .config import EngineConfig, SpecConfig
 from .paths import cache_dir
 from .types import CompletionOutput, RequestOutput, SamplingParams
 
-DEFAULT_MODEL_NAME = "tiny-random-v1"
+TINY_RANDOM_NAME = "tiny-random-v1"
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 RANK_REPORT_S = 5.0  # a step that failed on a collective waits this long for the watchdog to name a dead rank
 STUCK_EXIT_S = 15.0  # after a rank died, a main thread still inside the engine this long is stuck in a collective
 
 
 def default_model_path() -> str:
-    """The embedded default model: the built-in tiny preset with random weights (seed 0), made once."""
-    path = os.path.join(cache_dir(), DEFAULT_MODEL_NAME)
+    """The embedded default model: a 12.8 M-parameter DeepSeek-V3 trained on Python source by `mlaserve
+    train-model` (its card: README.md in the folder), shipped in the package."""
+    return os.path.join(ASSETS, "pycode-13m")
+
+
+def default_draft_path() -> str:
+    """The default model's EAGLE3 draft, distilled by `mlaserve train-draft` (train_draft.json in the folder)."""
+    return os.path.join(ASSETS, "pycode-13m-eagle3")
+
+
+def tiny_random_model_path() -> str:
+    """The built-in tiny preset with random weights (seed 0), made once in the cache: odd shapes for tests."""
+    path = os.path.join(cache_dir(), TINY_RANDOM_NAME)
     if not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
         from .models.make_random import make_random
 
@@ -67,7 +80,11 @@ class LLM:
         from .engine.cuda_graph import graph_safe_kernels
         from .engine.engine import LLMEngine
 
-        model = model or default_model_path()
+        if not model:
+            model = default_model_path()
+            spec = speculative_config or {}
+            if spec.get("algorithm", "EAGLE3") == "EAGLE3" and speculative_config and not spec.get("draft_model"):
+                speculative_config = {**spec, "draft_model": default_draft_path()}  # the default model's own draft
         self.engine_config = EngineConfig(model=model, device=device, dtype=dtype, seed=seed, **engine_kwargs)
         self.parallel = ParallelConfig.from_tp(
             tp,
@@ -258,8 +275,9 @@ class LLM:
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     from .args import add_engine_args, add_sampling_args
 
-    p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded tiny random model)")
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded Python code model)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    p.add_argument("--show-ids", action="store_true", help="print each prompt and output as Python strings, with ids")
     add_sampling_args(p)
     add_engine_args(p)
 
@@ -271,8 +289,15 @@ def cli_main(args) -> int:
     if rc is not None:
         return rc
     llm = LLM(args.model, **engine_kwargs_from_args(args))
-    outs = llm.generate(args.prompt, sampling_params_from_args(args))
-    for o in outs:
-        sys.stdout.write(f"{o.prompt!r} -> {o.text!r}\n  tokens: {o.token_ids} ({o.outputs[0].finish_reason})\n")
+    params = sampling_params_from_args(args, llm.engine_config.model)
+    outs = llm.generate(args.prompt, params)
+    for i, o in enumerate(outs):
+        c = o.outputs[0]
+        if args.show_ids:
+            sys.stdout.write(f"{o.prompt!r} -> {o.text!r}\n  tokens: {o.token_ids} ({c.finish_reason})\n")
+            continue
+        head = f"request {i}: {len(c.token_ids)} tokens, finish_reason {c.finish_reason}"
+        sys.stdout.write(f"--- {head} (temperature {params.temperature:g}, top_p {params.top_p:g})\n")
+        sys.stdout.write(f"{o.prompt}{o.text}\n")
     llm.close()
     return 0

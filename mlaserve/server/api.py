@@ -216,7 +216,7 @@ class Server:
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     from ..args import add_engine_args
 
-    p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded tiny random model)")
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded Python code model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the folder's name)")

@@ -5,16 +5,14 @@ parameters), tool_choice "none" / "auto" / "required" / a named function, the se
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..config import generation_sampling_defaults
 from ..types import StructuredOutput
 from .chat_output import ChoiceOutput
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
-
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # vLLM's generation_config keys
 
 
 @dataclass(frozen=True)
@@ -42,21 +40,9 @@ class ChatOptions:
 def sampling_defaults(model_dir: str, options: ChatOptions) -> dict:
     """generation_config.json's sampling fields, which requests that leave them unset take (--generation-config
     auto); none with vllm or without the file."""
-    if not model_dir or options.generation_config != "auto":
+    if options.generation_config != "auto":
         return {}
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            gen = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(gen, dict):
-        return {}
-    return {
-        k: gen[k] for k in SAMPLING_DEFAULTS if isinstance(gen.get(k), (int, float)) and not isinstance(gen[k], bool)
-    }
+    return generation_sampling_defaults(model_dir)
 
 
 def check_tools(tools) -> list[dict] | None:

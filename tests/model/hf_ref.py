@@ -28,12 +28,16 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 def hf_greedy(hf, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """generate() greedily with its DynamicCache (EOS off): (the `steps` new tokens, their logits [steps, vocab])."""
     x = torch.tensor([ids])
-    # An explicit mask: without one generate() masks every token equal to pad_token_id.
+    # An explicit mask: without one generate() masks every token equal to pad_token_id. Plain greedy: the
+    # folder's generation_config.json (temperature, top_p, repetition_penalty) must not apply.
     out = hf.generate(
         x,
         attention_mask=torch.ones_like(x),
         max_new_tokens=steps,
         do_sample=False,
+        repetition_penalty=1.0,
+        temperature=None,
+        top_p=None,
         output_logits=True,
         return_dict_in_generate=True,
         eos_token_id=None,
