@@ -127,8 +127,11 @@ def plan(
     return steps
 
 
-def _chunks(step: WarmupStep, num_pages: int, page_size: int) -> tuple[list[SeqChunk], list[SeqChunk]]:
-    """Host chunks for a step; page ids cycle through the cache (its contents do not matter yet)."""
+def _chunks(
+    step: WarmupStep, num_pages: int, page_size: int, lookahead: int = 0
+) -> tuple[list[SeqChunk], list[SeqChunk]]:
+    """Host chunks for a step; page ids cycle through the cache (its contents do not matter yet). Each chunk's
+    pages also cover `lookahead` more tokens: the EAGLE3 chain writes its K - 1 later draft tokens past the step's."""
     nxt = 0
 
     def pages(n_tokens: int) -> list[int]:
@@ -139,11 +142,11 @@ def _chunks(step: WarmupStep, num_pages: int, page_size: int) -> tuple[list[SeqC
         return ids
 
     q, ctx = step.q_len, step.context  # every decode row has logits (a verify's N rows, as the spec loop asks)
-    decode = [SeqChunk([1] * q, ctx, pages(ctx + q), "all") for _ in range(step.decode)]
+    decode = [SeqChunk([1] * q, ctx, pages(ctx + q + lookahead), "all") for _ in range(step.decode)]
     prefill = []
     for i in range(step.requests if step.prefill else 0):  # the tokens split as evenly as they go
         n = step.prefill // step.requests + (i < step.prefill % step.requests)
-        prefill.append(SeqChunk([1] * n, step.cached, pages(step.cached + n)))
+        prefill.append(SeqChunk([1] * n, step.cached, pages(step.cached + n + lookahead)))
     return decode, prefill
 
 
@@ -200,7 +203,7 @@ def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
     t0 = time.perf_counter()
     draft = engine.proposer if engine.spec_k and hasattr(engine.proposer, "draft") else None  # EAGLE3, not REPLAY
     for step in steps:
-        decode, prefill = _chunks(step, runner.num_pages, cfg.page_size)
+        decode, prefill = _chunks(step, runner.num_pages, cfg.page_size, engine.spec_k if draft is not None else 0)
         _step(runner, decode, prefill, draft)
         if runner.graphs is not None and runner.ranks.world_size == 1 and runner.graphs.key_for(decode, prefill):
             # the same step eagerly (a prompt-logprobs prefill runs so): on one rank, where no other rank replays

@@ -88,7 +88,10 @@ def test_warm_up_runs_and_leaves_the_engine_clean(tiny_ckpt):
     assert len(run_all(eng)["r"]) == 4
 
 
-def test_warm_up_drives_the_eagle3_draft(tiny_ckpt, tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_warm_up_drives_the_eagle3_draft(tiny_ckpt, tmp_path_factory, monkeypatch, k):
+    """Every step proposes; a chain of K > 1 writes K - 1 draft tokens past the step's own, so its chunks' pages
+    cover them (contexts ending on a page edge would index past the last page otherwise)."""
     from mlaserve.models.make_random_draft import make_random_draft
 
     draft = make_random_draft(
@@ -96,7 +99,7 @@ def test_warm_up_drives_the_eagle3_draft(tiny_ckpt, tmp_path_factory, monkeypatc
     )
     eng = make_engine(
         tiny_ckpt,
-        spec=SpecConfig(draft_model=draft, num_steps=1, num_draft_tokens=2),
+        spec=SpecConfig(draft_model=draft, num_steps=k, num_draft_tokens=k + 1),
         max_num_seqs=3,
         max_num_batched_tokens=32,
         chunked_prefill_size=16,
@@ -105,9 +108,9 @@ def test_warm_up_drives_the_eagle3_draft(tiny_ckpt, tmp_path_factory, monkeypatc
     seen = []
     orig = type(eng.proposer).propose
     monkeypatch.setattr(type(eng.proposer), "propose", lambda self, chunks: seen.append(chunks) or orig(self, chunks))
-    steps = plan(2, 3, 32, 16, eng.cfg.page_size, eng.max_model_len)
+    steps = plan(k + 1, 3, 32, 16, eng.cfg.page_size, eng.max_model_len)
     warm_up(eng, steps)
     assert len(seen) == len(steps)
     mixed = next(c for c in seen if len(c) > 1)
-    assert mixed[0].verify and len(mixed[0].token_ids) == 2 and not mixed[-1].verify
+    assert mixed[0].verify and len(mixed[0].token_ids) == k + 1 and not mixed[-1].verify
     assert eng.pool.num_free == eng.pool.num_pages
