@@ -36,6 +36,7 @@ MODULES = {
     ],
     "engine/scheduler.py": [  # the engine tests that schedule: admission, prefix hits, sharing, aborts, preemption
         "tests/engine/test_scheduler_unit.py",
+        "tests/engine/test_scheduler_admit_unit.py",
         "tests/engine/test_admission.py",
         "tests/engine/test_engine_behaviour.py",
         "tests/engine/test_parallel_sampling.py::test_n_shares_prompt_pages",
@@ -50,7 +51,14 @@ MODULES = {
     ],
     "bench/compare.py": ["tests/bench/test_compare.py"],
     "detokenizer.py": ["tests/unit/test_detokenizer.py"],
-    "server/serving.py": ["tests/server/test_errors.py", "tests/server/test_sampling_api.py"],
+    "server/serving.py": [  # its steps alone, then the HTTP tests: refusals, sampling fields, streams, a failed step
+        "tests/server/test_serving_body.py",
+        "tests/server/test_serving_steps.py",
+        "tests/server/test_errors.py",
+        "tests/server/test_sampling_api.py",
+        "tests/server/test_api.py",
+        "tests/server/test_engine_death.py",
+    ],
 }
 # module -> the functions mutated (mutmut's name globs); absent: all. compare.py: the identity check (what decides
 # the exit code); its figures, table, prose and CLI printing are presentation, ~500 more mutants that a CPU shared
