@@ -92,6 +92,19 @@ def test_skip_ahead_past_a_request_short_of_pages_is_bounded():
     assert s.bypassed == {} and list(s.waiting) == []
 
 
+def test_a_bypassed_request_finished_while_waiting_leaves_no_count_behind():
+    s = _sched(num_pages=5)
+    a = _req(14, "a")
+    s.add(a)
+    _step(s, s.schedule())  # a: 4 pages, 1 free
+    b, c = _req(16, "b", first=50), _req(2, "c", first=90)
+    s.add(b), s.add(c)
+    s.schedule()
+    assert s.bypassed == {"b": 1} and list(s.waiting) == [b]
+    s.finish(b, "abort")
+    assert s.bypassed == {} and list(s.waiting) == [] and b.status == RequestStatus.FINISHED
+
+
 def test_skip_ahead_scans_at_most_the_limit_of_short_requests():
     for limit, admitted in ((2, []), (3, ["c"])):  # c would fit the 1 free page
         s = _sched(num_pages=5)
@@ -243,3 +256,14 @@ def test_an_exhausted_budget_schedules_no_empty_chunk():
     _step(s, out)
     out = s.schedule()  # a's and b's verifies leave 3 for c: d, mid-prefill, gets nothing (not an empty chunk)
     assert _plan(out) == [("a", 3, True), ("b", 3, True), ("c", 3, False)] and s.running == [a, b, c, d]
+
+
+def test_a_running_prefill_takes_the_last_token_of_the_budget():
+    s = _sched(chunked_prefill_size=4, max_num_batched_tokens=3)
+    a, b, c = _req(1, "a"), _req(1, "b", first=20), _req(12, "c", first=40)
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    assert _plan(out) == [("a", 1, True), ("b", 1, True), ("c", 1, False)]
+    _step(s, out)
+    assert _plan(s.schedule()) == [("a", 1, True), ("b", 1, True), ("c", 1, False)]

@@ -112,6 +112,24 @@ def test_commit_pages_registers_each_full_page_once():
     assert off.committed_pages["c"] == 0 and off.pool.cached == {}
 
 
+def test_commit_pages_calls_the_pool_only_when_a_page_filled():
+    s = _sched(num_pages=8, page_size=4, chunked_prefill_size=3)
+    calls, commit = [], s.pool.commit
+
+    def spy(ids, pages, computed, committed):
+        calls.append((computed, committed))
+        return commit(ids, pages, computed, committed)
+
+    s.pool.commit = spy
+    a = _req(9, "a")
+    s.add(a)
+    for _ in range(5):  # chunks of 3, 3 and 3 (samples), then 2 decodes: 3, 6, 9, 10, 11 computed
+        _step(s, s.schedule())
+    # (computed, pages committed before): the first page filled at 6 computed, the second at 9; never at 3, 10, 11
+    assert calls == [(6, 0), (9, 1)]
+    assert s.committed_pages["a"] == 2 and len(s.pool.cached) == 2
+
+
 def test_chunked_prefill_under_the_budget_and_the_chunk_size():
     s = _sched(num_pages=16, page_size=4, chunked_prefill_size=4, max_num_batched_tokens=6)
     a, b = _req(10, "a"), _req(10, "b", first=50)
