@@ -31,6 +31,10 @@ def _plan(out) -> list[tuple[str, int, bool]]:
     return [(c.req.request_id, c.num_new, c.sample) for c in out.chunks]
 
 
+def test_a_scheduler_decodes_one_token_per_step_by_default():
+    assert Scheduler(EngineConfig(model="none"), KVPool(4, 4)).decode_q_len == 1
+
+
 def test_admission_in_order_under_max_num_seqs_and_the_budget():
     s = _sched(max_num_seqs=2, max_num_batched_tokens=8)
     a, b, c = _req(5, "a"), _req(5, "b", first=20), _req(5, "c", first=40)
@@ -164,6 +168,20 @@ def test_a_fork_queued_before_its_sibling_waits_for_it():
     assert _plan(s.schedule()) == [("src", 1, True), ("fork", 1, True)] and fork.num_cached_tokens == 8
 
 
+def test_a_fork_shares_only_its_prompt_pages_of_a_sibling_already_generating():
+    s = _sched(caching=False)
+    src, fork = _req(9, "src"), _req(9, "fork")
+    fork.fork_of = src
+    s.add(src)
+    for _ in range(4):  # 9 prompt tokens, then 3 decodes: 12 computed, 3 full pages (the 3rd: 1 prompt + 3 generated)
+        _step(s, s.schedule())
+    assert src.num_computed_tokens == 12 and len(src.pages) == 3
+    s.add(fork)
+    out = s.schedule()  # (9 - 1) // 4 = 2 pages shared: the 3rd holds src's generated tokens
+    assert _plan(out) == [("src", 1, True), ("fork", 1, True)]
+    assert fork.pages[:2] == src.pages[:2] and fork.pages[2] not in src.pages and fork.num_computed_tokens == 8
+
+
 def test_a_fork_of_a_finished_sibling_or_of_a_short_prompt_does_not_wait_nor_share():
     s = _sched(caching=False)
     src, fork = _req(9, "src"), _req(9, "fork")
@@ -221,25 +239,25 @@ def _vstep(s: Scheduler, out) -> None:
 
 def test_verify_steps_feed_n_tokens_and_reserve_pages_past_a_sampling_step():
     s = _sched(decode_q_len=3, chunked_prefill_size=4, max_num_batched_tokens=7)
-    a = _req(6, "a")
+    a = _req(7, "a")
     s.add(a)
     out = s.schedule()  # a's first chunk of 4 samples nothing: no reserve, 1 page
     assert _plan(out) == [("a", 4, False)] and len(a.pages) == 1
     _vstep(s, out)
-    out = s.schedule()  # a's last chunk samples: 6 fed + 2 reserved = 8 tokens, 2 pages
-    assert _plan(out) == [("a", 2, True)] and out.decode == [] and len(a.pages) == 2
+    out = s.schedule()  # a's last chunk samples: 7 fed + 2 reserved = 9 tokens, 3 pages
+    assert _plan(out) == [("a", 3, True)] and out.decode == [] and len(a.pages) == 3
     _vstep(s, out)
     b = _req(3, "b", first=50)
     s.add(b)
-    out = s.schedule()  # a verifies: N = 3 fed from position 6, + 2 reserved = 11 tokens, 3 pages; b: 3 + 2
+    out = s.schedule()  # a verifies: N = 3 fed from position 7, + 2 reserved = 12 tokens, 3 pages; b: 3 + 2
     assert _plan(out) == [("a", 3, True), ("b", 3, True)] and [c.req for c in out.decode] == [a]
     assert (len(a.pages), len(b.pages)) == (3, 2) and out.num_tokens == 6
     _vstep(s, out)
     c = _req(2, "c", first=90)
     s.add(c)
-    out = s.schedule()  # a's 3 and b's 3 (verifying now) leave 1 for c's first token
+    out = s.schedule()  # a's 3 and b's 3 (verifying now: 3 + 3 + 2 = 8 tokens) leave 1 for c's first token
     assert _plan(out) == [("a", 3, True), ("b", 3, True), ("c", 1, False)]
-    assert [ch.req for ch in out.decode] == [a, b] and (len(a.pages), len(b.pages), len(c.pages)) == (3, 2, 1)
+    assert [ch.req for ch in out.decode] == [a, b] and (len(a.pages), len(b.pages), len(c.pages)) == (4, 2, 1)
     _vstep(s, out)
     out = s.schedule()  # a and b take 6 of 7: c's verify of 3 does not fit, it waits a step
     assert _plan(out) == [("a", 3, True), ("b", 3, True)] and s.running == [a, b, c]
@@ -248,14 +266,16 @@ def test_verify_steps_feed_n_tokens_and_reserve_pages_past_a_sampling_step():
 def test_an_exhausted_budget_schedules_no_empty_chunk():
     s = _sched(decode_q_len=3, chunked_prefill_size=4, max_num_batched_tokens=9)
     a, b = _req(2, "a"), _req(2, "b", first=20)
-    c, d = _req(12, "c", first=40), _req(12, "d", first=60)
-    for r in (a, b, c, d):
+    c, d, e = _req(12, "c", first=40), _req(12, "d", first=60), _req(2, "e", first=80)
+    for r in (a, b, c, d, e):
         s.add(r)
-    out = s.schedule()
+    out = s.schedule()  # e, waiting, is not admitted with an empty chunk either
     assert _plan(out) == [("a", 2, True), ("b", 2, True), ("c", 4, False), ("d", 1, False)]
+    assert list(s.waiting) == [e] and e.pages == []
     _step(s, out)
     out = s.schedule()  # a's and b's verifies leave 3 for c: d, mid-prefill, gets nothing (not an empty chunk)
     assert _plan(out) == [("a", 3, True), ("b", 3, True), ("c", 3, False)] and s.running == [a, b, c, d]
+    assert list(s.waiting) == [e]
 
 
 def test_a_running_prefill_takes_the_last_token_of_the_budget():

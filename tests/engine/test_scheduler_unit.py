@@ -54,12 +54,12 @@ def test_preemption_counts_once_per_preemption_and_recomputes_from_zero():
 
 def test_cannot_fit_is_finished_by_length():
     s = _sched(num_pages=2, page_size=4, chunked_prefill_size=64)
-    r = _req(12, "big")
-    s.add(r)
-    out = s.schedule()
-    assert out.chunks == [] and s.cannot_fit == [r]
+    r, small = _req(12, "big"), _req(3, "small", first=50)
+    s.add(r), s.add(small)
+    out = s.schedule()  # the request behind it is admitted in the same step
+    assert [(c.req, c.num_new) for c in out.chunks] == [(small, 3)] and s.cannot_fit == [r]
     assert r.status == RequestStatus.FINISHED and r.finish_reason == "length" and r.stop_reason is None
-    assert s.pool.num_free == 2
+    assert s.pool.num_free == 1 and list(s.waiting) == []
 
 
 def test_schedule_decode_and_verify_plan_pages_and_chunks():
