@@ -275,7 +275,7 @@ def test_an_exhausted_budget_schedules_no_empty_chunk():
     _step(s, out)
     out = s.schedule()  # a's and b's verifies leave 3 for c: d, mid-prefill, gets nothing (not an empty chunk)
     assert _plan(out) == [("a", 3, True), ("b", 3, True), ("c", 3, False)] and s.running == [a, b, c, d]
-    assert list(s.waiting) == [e]
+    assert list(s.waiting) == [e] and (len(c.pages), len(d.pages)) == (2, 1)  # c: 7 tokens, no reserve (no sample)
 
 
 def test_a_running_prefill_takes_the_last_token_of_the_budget():

@@ -134,10 +134,11 @@ def test_chunked_prefill_under_the_budget_and_the_chunk_size():
     s = _sched(num_pages=16, page_size=4, chunked_prefill_size=4, max_num_batched_tokens=6)
     a, b = _req(10, "a"), _req(10, "b", first=50)
     s.add(a), s.add(b)
-    plan = []
+    plan, pages = [], []
     for _ in range(4):
         out = s.schedule()
         plan.append([(c.req.request_id, c.num_new, c.sample) for c in out.chunks])
+        pages.append((len(a.pages), len(b.pages)))  # the pages of the tokens fed: no reserve without speculation
         assert [c.req for c in out.decode] == [
             c.req for c in out.chunks if c.req.num_tokens - c.req.num_computed_tokens == 1
         ]
@@ -148,3 +149,4 @@ def test_chunked_prefill_under_the_budget_and_the_chunk_size():
         [("a", 2, True), ("b", 4, False)],  # a's last chunk samples
         [("a", 1, True), ("b", 2, True)],  # a decodes (in decode, first); b's last chunk
     ]
+    assert pages == [(1, 1), (2, 1), (3, 2), (3, 3)]
