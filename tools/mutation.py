@@ -4,6 +4,7 @@
     python tools/mutation.py                      # every module below, one after another
     python tools/mutation.py spec/verify.py       # one module (a key of MODULES)
     python tools/mutation.py --list               # the modules and their tests
+    python tools/mutation.py --recheck spec/verify.py  # the last run's survivors against the tree's tests now
 
 Each module runs in its own copy of the tree (build/mutation/<name>/, mutmut writes its mutants/ there), with a
 pyproject.toml whose [tool.mutmut] mutates that one file and runs only its tests, one mutant at a time (the tests
@@ -11,6 +12,11 @@ are CPU-bound: --max-children 1 unless given). The result of each module (killed
 surviving mutants' names) goes to build/mutation/<name>.json and is printed; `mutmut show NAME` run in
 build/mutation/<name>/ prints a mutant's diff. docs/testing.md holds the last scores and why each survivor is
 accepted.
+
+--recheck runs each mutant the last run left alive (build/mutation/<name>.json) against the module's tests as the
+tree has them now (copied into the mutants' tree), one pytest per mutant with MUTANT_UNDER_TEST set, and prints
+which of them the new tests kill: the check after adding tests for survivors, without a whole new run (mutmut
+would redo every mutant when the test selection changes).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ MODULES = {
     ],
     "engine/scheduler.py": [  # the engine tests that schedule: admission, prefix hits, sharing, aborts, preemption
         "tests/engine/test_scheduler_unit.py",
+        "tests/engine/test_scheduler_admit_unit.py",
         "tests/engine/test_admission.py",
         "tests/engine/test_engine_behaviour.py",
         "tests/engine/test_parallel_sampling.py::test_n_shares_prompt_pages",
@@ -50,7 +57,14 @@ MODULES = {
     ],
     "bench/compare.py": ["tests/bench/test_compare.py"],
     "detokenizer.py": ["tests/unit/test_detokenizer.py"],
-    "server/serving.py": ["tests/server/test_errors.py", "tests/server/test_sampling_api.py"],
+    "server/serving.py": [  # its steps alone, then the HTTP tests: refusals, sampling fields, streams, a failed step
+        "tests/server/test_serving_body.py",
+        "tests/server/test_serving_steps.py",
+        "tests/server/test_errors.py",
+        "tests/server/test_sampling_api.py",
+        "tests/server/test_api.py",
+        "tests/server/test_engine_death.py",
+    ],
 }
 # module -> the functions mutated (mutmut's name globs); absent: all. compare.py: the identity check (what decides
 # the exit code); its figures, table, prose and CLI printing are presentation, ~500 more mutants that a CPU shared
@@ -141,11 +155,34 @@ def run(module: str, max_children: int) -> dict:
     return summary
 
 
+def recheck(module: str) -> dict[str, list[str]]:
+    """The last run's survivors of `module` against its current tests -> {"killed": [...], "survived": [...]}."""
+    work = OUT / module.replace("/", "_").removesuffix(".py")
+    summary = json.loads((OUT / f"{work.name}.json").read_text())
+    shutil.copytree(ROOT / "tests", work / "mutants" / "tests", dirs_exist_ok=True)
+    keep = [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x and Path(x).resolve() != ROOT]
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(work / "mutants"), *keep]), OMP_NUM_THREADS="1")
+    out: dict[str, list[str]] = {"killed": [], "survived": []}
+    for name in (n for names in summary["not_killed"].values() for n in names):
+        env = dict(base, MUTANT_UNDER_TEST=name)
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *MODULES[module]]
+        try:  # exit 1: a test failed; a mutant that loops (timed out) is caught too
+            rc = subprocess.run(cmd, cwd=work / "mutants", env=env, capture_output=True, timeout=600).returncode
+        except subprocess.TimeoutExpired:
+            rc = 1
+        out["killed" if rc == 1 else "survived"].append(name)
+        print(f"   {'killed' if rc == 1 else f'survived (pytest exit {rc})'}: {name}", flush=True)
+    (OUT / f"{work.name}.recheck.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(f"== {module}: {len(out['killed'])} of {len(out['killed']) + len(out['survived'])} survivors now killed")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("modules", nargs="*", help="keys of MODULES (default: all)")
     p.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default: 1)")
     p.add_argument("--list", action="store_true", help="print the modules and their tests")
+    p.add_argument("--recheck", action="store_true", help="the last run's survivors against the current tests")
     args = p.parse_args(argv)
     if args.list:
         for m, t in MODULES.items():
@@ -155,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown module(s) {unknown}; choose from {list(MODULES)}")
     for m in args.modules or list(MODULES):
-        run(m, args.max_children)
+        recheck(m) if args.recheck else run(m, args.max_children)
     return 0
 
 

@@ -54,12 +54,12 @@ def test_preemption_counts_once_per_preemption_and_recomputes_from_zero():
 
 def test_cannot_fit_is_finished_by_length():
     s = _sched(num_pages=2, page_size=4, chunked_prefill_size=64)
-    r = _req(12, "big")
-    s.add(r)
-    out = s.schedule()
-    assert out.chunks == [] and s.cannot_fit == [r]
+    r, small = _req(12, "big"), _req(3, "small", first=50)
+    s.add(r), s.add(small)
+    out = s.schedule()  # the request behind it is admitted in the same step
+    assert [(c.req, c.num_new) for c in out.chunks] == [(small, 3)] and s.cannot_fit == [r]
     assert r.status == RequestStatus.FINISHED and r.finish_reason == "length" and r.stop_reason is None
-    assert s.pool.num_free == 2
+    assert s.pool.num_free == 1 and list(s.waiting) == []
 
 
 def test_schedule_decode_and_verify_plan_pages_and_chunks():
@@ -112,14 +112,33 @@ def test_commit_pages_registers_each_full_page_once():
     assert off.committed_pages["c"] == 0 and off.pool.cached == {}
 
 
+def test_commit_pages_calls_the_pool_only_when_a_page_filled():
+    s = _sched(num_pages=8, page_size=4, chunked_prefill_size=3)
+    calls, commit = [], s.pool.commit
+
+    def spy(ids, pages, computed, committed):
+        calls.append((computed, committed))
+        return commit(ids, pages, computed, committed)
+
+    s.pool.commit = spy
+    a = _req(9, "a")
+    s.add(a)
+    for _ in range(5):  # chunks of 3, 3 and 3 (samples), then 2 decodes: 3, 6, 9, 10, 11 computed
+        _step(s, s.schedule())
+    # (computed, pages committed before): the first page filled at 6 computed, the second at 9; never at 3, 10, 11
+    assert calls == [(6, 0), (9, 1)]
+    assert s.committed_pages["a"] == 2 and len(s.pool.cached) == 2
+
+
 def test_chunked_prefill_under_the_budget_and_the_chunk_size():
     s = _sched(num_pages=16, page_size=4, chunked_prefill_size=4, max_num_batched_tokens=6)
     a, b = _req(10, "a"), _req(10, "b", first=50)
     s.add(a), s.add(b)
-    plan = []
+    plan, pages = [], []
     for _ in range(4):
         out = s.schedule()
         plan.append([(c.req.request_id, c.num_new, c.sample) for c in out.chunks])
+        pages.append((len(a.pages), len(b.pages)))  # the pages of the tokens fed: no reserve without speculation
         assert [c.req for c in out.decode] == [
             c.req for c in out.chunks if c.req.num_tokens - c.req.num_computed_tokens == 1
         ]
@@ -130,3 +149,4 @@ def test_chunked_prefill_under_the_budget_and_the_chunk_size():
         [("a", 2, True), ("b", 4, False)],  # a's last chunk samples
         [("a", 1, True), ("b", 2, True)],  # a decodes (in decode, first); b's last chunk
     ]
+    assert pages == [(1, 1), (2, 1), (3, 2), (3, 3)]
