@@ -98,3 +98,28 @@ def test_llm_tp2_replay_draft_exact_acceptance(tiny_ckpt, tp1, tmp_path):
         assert got == want and sum(map(sum, want)) > 0, (got, want)
     finally:
         llm.close()
+
+
+def test_llm_tp2_with_the_trained_default_draft():
+    """The shipped default model and its trained EAGLE3 draft (K=2) under TP2: plain TP1 decoding's greedy tokens,
+    with drafts accepted for a real reason (the held-out prompts the draft's acceptance is measured on)."""
+    import json
+    import os
+
+    from mlaserve.llm import default_draft_path
+
+    with open(os.path.join(default_draft_path(), "eval_prompts.jsonl")) as f:
+        prompts = [json.loads(line)["prompt_token_ids"] for line in f][:4]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(device="cpu", dtype="float32")
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.close()
+    spec = {"algorithm": "EAGLE3", "num_steps": 2}
+    llm = LLM(device="cpu", dtype="float32", tp=2, on_rank_failure=lambda e: None, speculative_config=spec)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
+        accepted = [sum(o.usage.spec_accepted_per_position) for o in outs]
+        assert sum(accepted) >= len(want) * 24 // 4, accepted  # a random draft accepts ~0
+    finally:
+        llm.close()
