@@ -186,7 +186,8 @@ class LLM:
             self._busy -= 1
 
     def close(self) -> None:
-        """Stop the other ranks (tensor parallelism); the LLM cannot be used afterwards."""
+        """Stop the other ranks (tensor parallelism) and free the engine: its weights, KV cache and CUDA graphs go
+        back to the device, so another LLM can start in the same process. The LLM cannot be used afterwards."""
         if self._workers is not None:
             from .distributed.engine_ranks import stop_rank0
 
@@ -196,6 +197,16 @@ class LLM:
             finally:
                 stop_rank0(self._workers)
                 self._workers = None
+        if getattr(self, "engine", None) is not None:
+            cuda = self.engine.runner.device.type == "cuda"
+            self.engine = None
+            import gc
+
+            gc.collect()  # the engine's modules and graphs hold reference cycles
+            if cuda:
+                import torch
+
+                torch.cuda.empty_cache()
 
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -101,3 +101,37 @@ def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative):
     assert not serving.compiled, f"{len(serving.compiled)} Triton compiles while serving:\n" + "\n".join(
         sorted(set(serving.compiled))
     )
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_eagle3_chains_start_with_the_warm_up(tiny_ckpt, tmp_path, k):
+    """A chain of K > 1 draft steps through the whole start-up warm-up (its chunks' pages must cover the K - 1 draft
+    tokens past each step), then greedy outputs equal to plain decoding's."""
+    from mlaserve import SamplingParams
+    from mlaserve.models.make_random_draft import make_random_draft
+
+    draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
+    rng = random.Random(k)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 63, 64, 65, 300)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    llm = _llm(tiny_ckpt, {"draft_model": draft, "num_steps": k})
+    assert llm.engine.warmup_seconds is not None
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    plain = _llm(tiny_ckpt)
+    assert got == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.close()
+
+
+def test_close_gives_the_memory_back(tiny_ckpt):
+    """LLM.close() frees weights, KV cache and graphs: a second LLM sized from free memory (the default) starts."""
+    from mlaserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(tiny_ckpt, device="cuda", dtype="bfloat16", max_num_seqs=8)
+    want = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
+    llm.close()
+    assert torch.cuda.memory_allocated() < 256 << 20, torch.cuda.memory_allocated()
+    again = LLM(tiny_ckpt, device="cuda", dtype="bfloat16", max_num_seqs=8)
+    assert again.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids == want
+    again.close()
