@@ -9,6 +9,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 IN=${IN:-8192}; OUTLEN=${OUTLEN:-1024}; PORT=${PORT:-8000}
 mkdir -p "$OUT"
+source benchmarks/wheels.sh
 t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 python3 - <<'PY'
 import json, os

@@ -14,10 +14,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site || exit 1
-fi
+source benchmarks/wheels.sh
 stages=" $* "
 t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }

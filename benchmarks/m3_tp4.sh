@@ -13,10 +13,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 IN=${IN:-8192}; OUTLEN=${OUTLEN:-1024}; PORT=8000; TP=${TP:-4}; LAYERS=${LAYERS:-12}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site || exit 1
-fi
+source benchmarks/wheels.sh
 t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi -L
 if [[ -n "$NCCL_TEST" ]]; then
