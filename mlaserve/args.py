@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 
 from .config import ParallelConfig, generation_sampling_defaults
 from .kernel_config import KernelConfig
@@ -60,6 +61,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="dummy: random weights in place, reading no weight files",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", default=None, help="a folder with the tokenizer files; unset: the model's")
+    g.add_argument(
+        "--chat-template",
+        type=chat_template,
+        default=None,
+        help="a chat template replacing the tokenizer's: a file, or the template itself (as vLLM takes it)",
+    )
     g.add_argument(
         "--max-logprobs",
         type=int,
@@ -129,6 +137,8 @@ ENGINE_FIELDS = (
     "load_format",
     "seed",
     "max_logprobs",
+    "tokenizer",
+    "chat_template",
 )
 
 
@@ -139,6 +149,11 @@ def engine_kwargs_from_args(args) -> dict:
     for f in ("tp", "attn_tp_size", "moe_tp_size", "ep_size"):
         if getattr(args, f, None) is not None:
             kw[f] = getattr(args, f)
+    if getattr(args, "enable_expert_parallel", False):
+        world = kw.get("attn_tp_size") or kw.get("tp") or 1
+        if kw.get("moe_tp_size", 1) != 1 or kw.get("ep_size", world) != world:
+            raise ValueError("--enable-expert-parallel: means --ep-size = --tp, --moe-tp-size 1; give one or the other")
+        kw.update(moe_tp_size=1, ep_size=world)
     kernels = kernels_from_args(args)
     if kernels is not None:
         kw["kernels"] = kernels
@@ -226,6 +241,19 @@ def sampling_params_from_args(args, model_dir: str | None = None) -> SamplingPar
     )
 
 
+def chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it is a template (it holds a '{')."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"{value}: cannot read it ({e})") from None
+    if "{" in value:
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: neither a file nor a jinja template")
+
+
 def kv_cache_dtype(value: str) -> str:
     """--kv-cache-dtype: the latent cache is held in the model's dtype (--dtype); anything else is refused, never
     ignored."""
@@ -268,6 +296,16 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         help="accepted: prefill is always chunked (--chunked-prefill-size, --max-num-batched-tokens)",
     )
     g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="the MoE layers split their experts over the ranks (--ep-size = --tp, --moe-tp-size 1), as vLLM's flag",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted: mlaserve logs no prompts or outputs (only request ids)",
+    )
+    g.add_argument(
         "--swap-space",
         type=float,
         default=None,
@@ -282,6 +320,8 @@ def compat_notes(args) -> list[str]:
         notes.append("--trust-remote-code: accepted; mlaserve runs no code from the model folder")
     if getattr(args, "enable_chunked_prefill", False):
         notes.append("--enable-chunked-prefill: accepted; prefill is always chunked")
+    if getattr(args, "disable_log_requests", False):
+        notes.append("--disable-log-requests: accepted; mlaserve logs no prompts or outputs")
     if getattr(args, "swap_space", None) is not None:
         notes.append("--swap-space: accepted; preempted requests recompute their KV, nothing is swapped")
     return notes

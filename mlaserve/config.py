@@ -480,6 +480,8 @@ class EngineConfig:
     seed: int = 0
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server: 503)
     max_logprobs: int = 20  # the most alternatives logprobs / prompt_logprobs may ask for
+    tokenizer: str | None = None  # a folder with the tokenizer files (None: the model's)
+    chat_template: str | None = None  # a chat template replacing the tokenizer's (the text, not a path)
     # the kernels' switches and thresholds; by default the MLASERVE_* environment's, read once here
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
 

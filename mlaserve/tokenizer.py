@@ -210,6 +210,14 @@ class Tokenizer:
             return self.backend.decode(ids, skip_special_tokens=False)
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def set_chat_template(self, source: str) -> None:
+        """Replace the tokenizer's chat template (--chat-template); one that does not compile raises ValueError."""
+        try:
+            compiled = _compile_chat_template(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat_template: the template does not compile (line {e.lineno}: {e})") from e
+        self.chat_template, self.has_chat_template, self._template = source, True, compiled
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render the chat template to a prompt string (encode it with add_special_tokens=False)."""
         if self.chat_template is None:

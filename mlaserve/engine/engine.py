@@ -62,7 +62,13 @@ class LLMEngine:
 
             self.proposer = build_proposer(spec, self.runner)
         self.spec_k = spec.num_steps if spec is not None else 0
-        self.tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+        if cfg.tokenizer and self.tokenizer is None:
+            raise ValueError(f"tokenizer: {cfg.tokenizer} holds no tokenizer (tokenizer.json or tiktoken.model)")
+        if cfg.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("chat_template: the model has no tokenizer to apply it with")
+            self.tokenizer.set_chat_template(cfg.chat_template)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             log.warning(

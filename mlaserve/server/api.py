@@ -152,6 +152,7 @@ class Server:
         log_level: str = "info",
         chat_options: ChatOptions | None = None,
         limits: HTTPLimits = HTTPLimits(),
+        root_path: str = "",
     ):
         self.model_name = model_name
         self.metrics = Metrics(model_name, spec_positions=engine.spec_k)
@@ -166,6 +167,7 @@ class Server:
                 host=host,
                 port=port,
                 log_level=log_level,
+                root_path=root_path,  # behind a proxy that serves the app under a path prefix
                 timeout_graceful_shutdown=5,
                 **uvicorn_kwargs(limits),
             )
@@ -251,6 +253,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="auto: the model's generation_config.json sets the sampling defaults (temperature, top_p, top_k, min_p, "
         "repetition_penalty) of requests that leave them unset; vllm: ignore it (default: %(default)s)",
     )
+    p.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level; unset: --log-level's",
+    )
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under (FastAPI root_path)")
     guard.add_http_args(p)
     add_engine_args(p)
 
@@ -288,9 +297,10 @@ def cli_main(args) -> int:
         args.host,
         args.port,
         args.max_request_bytes,
-        log_level=args.log_level.lower(),
+        log_level=args.uvicorn_log_level or args.log_level.lower(),
         chat_options=chat_options,
         limits=limits,
+        root_path=args.root_path,
     )
     server.watch_ranks(llm, exit_after_s=RANK_FAILURE_EXIT_S)
     if limits.api_keys:

@@ -1,6 +1,7 @@
-"""`mlaserve serve` in a subprocess with no MODEL (the embedded default, made in a fresh cache), driven by the
-official `openai` client, unmodified: streamed completion and chat equal the offline greedy tokens and the usage
-counts are right; errors arrive as the client's typed exceptions; SIGINT stops the server with status 0."""
+"""`mlaserve serve` in a subprocess with no MODEL (the embedded default, the Python code model shipped in the
+package), driven by the official `openai` client, unmodified: streamed completion and chat (through a
+--chat-template the test writes: the code model has none) equal the offline greedy tokens and the usage counts are
+right; errors arrive as the client's typed exceptions; SIGINT stops the server with status 0."""
 
 import os
 import signal
@@ -15,9 +16,15 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from mlaserve import LLM, SamplingParams  # noqa: E402
+from mlaserve import LLM, SamplingParams, default_model_path  # noqa: E402
+from mlaserve.config import generation_sampling_defaults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+NAME = "pycode-13m"  # the default model's folder name, which /v1/models serves it as
+TEMPLATE = (
+    "{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}# assistant:"
+    "{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +35,7 @@ def cli_server(tmp_path_factory):
         port = s.getsockname()[1]
     path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     env = {**os.environ, "MLASERVE_CACHE": str(cache), "PYTHONPATH": path}
+    (cache / "chat.jinja").write_text(TEMPLATE)
     log = (cache / "server.log").open("w")
     proc = subprocess.Popen(
         [
@@ -45,6 +53,8 @@ def cli_server(tmp_path_factory):
             "256",
             "--page-size",
             "16",
+            "--chat-template",
+            str(cache / "chat.jinja"),
         ],
         env=env,
         stdout=log,
@@ -62,7 +72,7 @@ def cli_server(tmp_path_factory):
             pass
         assert time.monotonic() < deadline, "mlaserve serve did not come up"
         time.sleep(0.2)
-    yield url, cache / "tiny-random-v1"
+    yield url, default_model_path()
     proc.send_signal(signal.SIGINT)
     try:
         assert proc.wait(timeout=30) == 0, (cache / "server.log").read_text()[-2000:]
@@ -74,22 +84,26 @@ def cli_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(cli_server):
-    return LLM(str(cli_server[1]), device="cpu", num_pages=256, page_size=16)
+    return LLM(cli_server[1], device="cpu", num_pages=256, page_size=16)
 
 
 def _greedy(llm, ids, n):
-    return llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+    """What the server answers a request that sets only temperature 0: the model's generation_config.json gives the
+    fields left unset (its repetition penalty), as vLLM's --generation-config auto."""
+    rp = generation_sampling_defaults(default_model_path()).get("repetition_penalty", 1.0)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, repetition_penalty=rp)
+    return llm.generate([ids], params, use_tqdm=False)[0]
 
 
 def test_default_model_and_client_streams_completion(cli_server, reference):
     url, _ = cli_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    assert [m.id for m in client.models.list()] == ["tiny-random-v1"]
-    prompt = "Hello, my name is"
+    assert [m.id for m in client.models.list()] == [NAME]
+    prompt = "def read_json(path):"
     ids = reference.tokenizer.encode(prompt, True)
     want = _greedy(reference, ids, 8)
     stream = client.completions.create(
-        model="tiny-random-v1",
+        model=NAME,
         prompt=prompt,
         max_tokens=8,
         temperature=0,
@@ -106,7 +120,7 @@ def test_default_model_and_client_streams_completion(cli_server, reference):
     assert token_ids == want.token_ids and text == want.text
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(ids), 8, len(ids) + 8)
     full = client.completions.create(
-        model="tiny-random-v1", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        model=NAME, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )
     assert full.choices[0].text == want.text and full.usage.completion_tokens == 8
 
@@ -116,10 +130,10 @@ def test_client_streams_chat(cli_server, reference):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "What is MLA?"}]
     tok = reference.tokenizer
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), False)
+    ids = tok.encode("# user: What is MLA?\n# assistant:", False)  # TEMPLATE, rendered
     want = _greedy(reference, ids, 10)
     stream = client.chat.completions.create(
-        model="tiny-random-v1",
+        model=NAME,
         messages=messages,
         max_tokens=10,
         temperature=0,
@@ -138,7 +152,7 @@ def test_client_streams_chat(cli_server, reference):
     assert content == want.text and "assistant" in roles and finish == "length"
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 10)
     full = client.chat.completions.create(
-        model="tiny-random-v1", messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        model=NAME, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
     )
     assert full.choices[0].message.content == want.text and full.usage.completion_tokens == 10
 
@@ -149,8 +163,8 @@ def test_client_sees_typed_errors(cli_server):
     with pytest.raises(openai.NotFoundError, match="model"):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.completions.create(model="tiny-random-v1", prompt="x", max_tokens=2, temperature=-1)
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(
-            model="tiny-random-v1", messages=[{"role": "user", "content": "x"}], max_tokens=10**9, stream=True
+            model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=10**9, stream=True
         )
