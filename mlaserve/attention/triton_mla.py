@@ -19,6 +19,11 @@ from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.rope_kv import rope_q, rope_store_kv
 from .base import AttentionBackend, ForwardBatch
 
+FP8_REFUSAL = (
+    "--kv-cache-dtype fp8: the Triton MLA kernels do not read an FP8 cache yet; use --attention-backend torch "
+    "or --kv-cache-dtype auto"
+)
+
 
 class TritonMLABackend(AttentionBackend):
     reads_host_decode_lens = False  # decode reads batch.seq_lens on the device; the host mirrors size prefill
@@ -31,6 +36,8 @@ class TritonMLABackend(AttentionBackend):
         kernels: KernelConfig = KernelConfig(),
     ):
         super().__init__(kv_cache, kv_lora_rank)
+        if self.fp8:
+            raise ValueError(FP8_REFUSAL)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
         self.kernels = kernels
         # absorb_q_rope_store_kv: the KV store inside absorb_q_rope's launch (off: MLASERVE_ABSORB_STORE=0, for A/B)
