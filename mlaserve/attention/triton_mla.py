@@ -18,11 +18,7 @@ from ..kernels.mla_decode import mla_decode
 from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.rope_kv import rope_q, rope_store_kv
 from .base import AttentionBackend, ForwardBatch
-
-FP8_REFUSAL = (
-    "--kv-cache-dtype fp8: the Triton MLA kernels do not read an FP8 cache yet; use --attention-backend torch "
-    "or --kv-cache-dtype auto"
-)
+from .kv_fp8 import dequantize_kv
 
 
 class TritonMLABackend(AttentionBackend):
@@ -34,10 +30,10 @@ class TritonMLABackend(AttentionBackend):
         kv_lora_rank: int,
         num_splits: int | None = None,
         kernels: KernelConfig = KernelConfig(),
+        kv_scale: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ):
-        super().__init__(kv_cache, kv_lora_rank)
-        if self.fp8:
-            raise ValueError(FP8_REFUSAL)
+        super().__init__(kv_cache, kv_lora_rank, kv_scale, dtype)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
         self.kernels = kernels
         # absorb_q_rope_store_kv: the KV store inside absorb_q_rope's launch (off: MLASERVE_ABSORB_STORE=0, for A/B)
@@ -45,6 +41,10 @@ class TritonMLABackend(AttentionBackend):
         self._meta_batch: ForwardBatch | None = None
         self._meta_layer = -1
         self._meta: dict = {}
+
+    def _scale(self, layer_id: int) -> torch.Tensor | None:
+        """An FP8 cache's scale of the layer [1] (a view: its address is fixed under CUDA graphs); None otherwise."""
+        return self.kv_scale[layer_id : layer_id + 1] if self.fp8 else None
 
     def _prefill_meta(self, layer_id: int, batch: ForwardBatch) -> dict:
         """cu_q, cu_k [n+1] int32, max_q_len and the flat cache slots [C] of the prefill requests' contexts."""
@@ -84,7 +84,7 @@ class TritonMLABackend(AttentionBackend):
     def absorb_q_rope_store_kv(self, layer_id, q, w_kc, c_kv, k_pe, cos, sin, batch, norm=None):
         """1-2 token steps (head_gemv_serves) whose norm weight has c_kv's dtype: kernels/head_gemv.
         absorb_q_rope_store_kv, the KV store as one more program of absorb_q_rope's launch (no side stream)."""
-        if not self.absorb_store or (norm is not None and norm.weight.dtype != c_kv.dtype):  # one dtype for the norm
+        if self.fp8 or not self.absorb_store or (norm is not None and norm.weight.dtype != c_kv.dtype):
             return None
         if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc, self.kernels.head_gemv_max_tokens):
             return None
@@ -120,6 +120,7 @@ class TritonMLABackend(AttentionBackend):
             None if norm is None else norm.weight,
             1e-6 if norm is None else norm.eps,
             pdl=self.kernels.pdl,
+            kv_scale=self._scale(layer_id),
         )
 
     def decode(self, layer_id, q, scale, batch, out):
@@ -134,11 +135,13 @@ class TritonMLABackend(AttentionBackend):
             out,
             num_splits=self.num_splits,
             pdl=self.kernels.pdl,
+            kv_scale=self._scale(layer_id),
         )
 
     def prefill_context(self, layer_id, batch):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
-        return cache.index_select(0, self._prefill_meta(layer_id, batch)["slots"])
+        rows = cache.index_select(0, self._prefill_meta(layer_id, batch)["slots"])
+        return dequantize_kv(rows, self.kv_scale[layer_id], self.dtype) if self.fp8 else rows
 
     def prefill(self, q, k_nope, k_rope, v, scale, batch, out):
         # the model calls this right after its layer's prefill_context, which refreshed the metadata

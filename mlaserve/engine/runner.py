@@ -47,13 +47,6 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(cfg.dtype, model_cfg)
         self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
-        self.backend_kind = cfg.attention_backend
-        if self.backend_kind == "auto":
-            self.backend_kind = "triton" if self.device.type == "cuda" else "torch"
-        if self.kv_dtype == FP8_KV_DTYPE and self.backend_kind == "triton":  # before the weights load
-            from ..attention.triton_mla import FP8_REFUSAL
-
-            raise ValueError(FP8_REFUSAL)
         self.kernels = cfg.kernels  # what every kernel call site of this rank gets (the same on every rank)
         on_gpu = self.device.type == "cuda"
         moe_impl = cfg.moe_backend if cfg.moe_backend != "auto" else ("triton" if on_gpu else "torch")
@@ -121,10 +114,19 @@ class ModelRunner:
         return pages
 
     def _make_backend(self):
-        if self.backend_kind == "triton":
+        kind = self.cfg.attention_backend
+        if kind == "auto":
+            kind = "triton" if self.device.type == "cuda" else "torch"
+        if kind == "triton":
             from ..attention.triton_mla import TritonMLABackend
 
-            return TritonMLABackend(self.kv_cache, self.model_cfg.kv_lora_rank, kernels=self.kernels)
+            return TritonMLABackend(
+                self.kv_cache,
+                self.model_cfg.kv_lora_rank,
+                kernels=self.kernels,
+                kv_scale=self.kv_scale,
+                dtype=self.dtype,
+            )
         from ..attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend(self.kv_cache, self.model_cfg.kv_lora_rank, self.kv_scale, self.dtype)

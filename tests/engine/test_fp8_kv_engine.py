@@ -44,11 +44,6 @@ def test_fp8_cache_generates_close_to_the_model_dtype_cache(tiny_ckpt):
     assert fp8 == auto
 
 
-def test_the_triton_backend_refuses_an_fp8_cache_before_loading(tiny_ckpt):
-    with pytest.raises(ValueError, match="^--kv-cache-dtype fp8: the Triton MLA kernels do not read an FP8 cache"):
-        make_engine(tiny_ckpt, kv_cache_dtype="fp8", attention_backend="triton")
-
-
 def test_engine_refuses_fp8_e5m2_naming_the_field(tiny_ckpt):
     with pytest.raises(ValueError, match="^kv_cache_dtype: 'fp8_e5m2' is not supported"):
         make_engine(tiny_ckpt, kv_cache_dtype="fp8_e5m2")
