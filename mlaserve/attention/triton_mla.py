@@ -84,7 +84,7 @@ class TritonMLABackend(AttentionBackend):
     def absorb_q_rope_store_kv(self, layer_id, q, w_kc, c_kv, k_pe, cos, sin, batch, norm=None):
         """1-2 token steps (head_gemv_serves) whose norm weight has c_kv's dtype: kernels/head_gemv.
         absorb_q_rope_store_kv, the KV store as one more program of absorb_q_rope's launch (no side stream)."""
-        if self.fp8 or not self.absorb_store or (norm is not None and norm.weight.dtype != c_kv.dtype):
+        if not self.absorb_store or (norm is not None and norm.weight.dtype != c_kv.dtype):  # one dtype for the norm
             return None
         if not head_gemv_serves(q[..., : w_kc.shape[1]], w_kc, self.kernels.head_gemv_max_tokens):
             return None
@@ -102,6 +102,7 @@ class TritonMLABackend(AttentionBackend):
             None if norm is None else norm.weight,
             1e-6 if norm is None else norm.eps,
             pdl=self.kernels.pdl,
+            kv_scale=self._scale(layer_id),
         )
 
     def rope_q(self, x, cos, sin, out):

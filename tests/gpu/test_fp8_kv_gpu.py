@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import kernel_checks as kc
-from tests.helpers.fp8_kv_checks import check_mla_decode_fp8, check_rope_store_kv_fp8
+from tests.helpers.fp8_kv_checks import check_absorb_store_fp8, check_mla_decode_fp8, check_rope_store_kv_fp8
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("gpu_seed")]
 BF = torch.bfloat16
@@ -19,6 +19,12 @@ BF = torch.bfloat16
 @pytest.mark.parametrize("T", [1, 2, 300])
 def test_rope_store_kv_fp8_real_dims(norm, scale, T):
     check_rope_store_kv_fp8("cuda", BF, T=T, R=512, P=64, page_size=64, num_pages=16, norm=norm, scale=scale)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("T", [1, 2])
+def test_absorb_q_rope_store_kv_fp8_real_dims(norm, T):
+    check_absorb_store_fp8("cuda", BF, T=T, H=16, N=128, R=512, P=64, norm=norm, scale=0.37, page_size=64)
 
 
 @pytest.mark.parametrize("H,q_len,B", [(16, 1, 16), (16, 2, 16), (128, 1, 4), (16, 1, 1), (64, 4, 8)])

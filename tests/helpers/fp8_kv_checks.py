@@ -48,6 +48,37 @@ def check_rope_store_kv_fp8(
     assert torch.isfinite(flat[written].float()).all()
 
 
+def check_absorb_store_fp8(device, dtype, *, T: int, H: int, N: int, R: int, P: int, norm: bool, scale, page_size=16):
+    """absorb_q_rope_store_kv into an e4m3 cache: Q equal to the same launch's into a cache of q's dtype, and the
+    rows equal to quantize_kv of that launch's rows, byte for byte; skipped and untouched slots keep their NaN."""
+    from mlaserve.attention.kv_fp8 import quantize_kv
+    from mlaserve.kernels.head_gemv import absorb_q_rope_store_kv
+
+    num_pages = 3
+    w_kc = (torch.randn(H, N, R, device=device) / R**0.5).to(dtype)
+    proj = (2 * torch.randn(T, H * (N + P) + R + P, device=device)).to(dtype)  # [q | kv_a] of one GEMM
+    q, kv_a = proj[:, : H * (N + P)].view(T, H, N + P), proj[:, H * (N + P) :]
+    pos = torch.randint(0, 4096, (T,), device=device).float()
+    freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.randperm(num_pages * page_size, device=device)[:T]
+    slots[-1] = -1 if T > 1 else slots[-1]  # a padding token when there are two
+    w = (1 + 0.1 * torch.randn(R, device=device)).to(dtype) if norm else None
+    s = torch.tensor([scale], dtype=torch.float32, device=device)
+    wide = nan_like((num_pages, page_size, R + P), dtype, device)
+    cache = wide.to(FP8)
+    Q, Q8 = nan_like((T, H, R + P), dtype, device), nan_like((T, H, R + P), dtype, device)
+    absorb_q_rope_store_kv(q, w_kc, cos, sin, Q, wide, slots, kv_a[:, :R], kv_a[:, R:], w, 1e-6)
+    absorb_q_rope_store_kv(q, w_kc, cos, sin, Q8, cache, slots, kv_a[:, :R], kv_a[:, R:], w, 1e-6, kv_scale=s)
+    assert torch.equal(Q8, Q) and not Q.isnan().any(), "Q moved with the cache's dtype"
+    ok = slots[slots >= 0]
+    flat, wflat = cache.view(-1, R + P), wide.view(-1, R + P)
+    assert torch.equal(bits(flat[ok]), bits(quantize_kv(wflat[ok], s))), f"fused fp8 store T={T} norm={norm} {dtype}"
+    written = torch.zeros(num_pages * page_size, dtype=torch.bool, device=device)
+    written[ok] = True
+    assert torch.isnan(flat[~written].float()).all(), "the fused fp8 store wrote a slot it should have skipped"
+
+
 def check_mla_decode_fp8(
     device, dtype, *, ctx_lens: list[int], H: int, R: int, P: int, page_size: int, q_len: int, scale, config=None, **kw
 ):

@@ -1,10 +1,11 @@
-"""The FP8 latent cache's kernels under the interpreter: rope_store_kv writing e4m3 rows (with and without the
-fused norm, skipped slots, saturation), mla_decode reading them (splits, verify widths); tiny model dims."""
+"""The FP8 latent cache's kernels under the interpreter: rope_store_kv and absorb_q_rope_store_kv writing e4m3 rows
+(with and without the fused norm, skipped slots, saturation), mla_decode reading them (splits, verify widths), the
+tiny model through the Triton backend; tiny model dims."""
 
 import pytest
 import torch
 
-from tests.helpers.fp8_kv_checks import check_mla_decode_fp8, check_rope_store_kv_fp8
+from tests.helpers.fp8_kv_checks import check_absorb_store_fp8, check_mla_decode_fp8, check_rope_store_kv_fp8
 from tests.helpers.model_backend_check import check_model_backends_fp8
 
 
@@ -13,6 +14,13 @@ from tests.helpers.model_backend_check import check_model_backends_fp8
 @pytest.mark.parametrize("scale", [1.0, 0.37])
 def test_rope_store_kv_fp8(kdev, dtype, norm, scale):
     check_rope_store_kv_fp8(kdev, dtype, T=7, R=32, P=8, page_size=16, num_pages=3, norm=norm, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("T", [1, 2])
+def test_absorb_q_rope_store_kv_fp8(kdev, dtype, norm, T):
+    check_absorb_store_fp8(kdev, dtype, T=T, H=2, N=16, R=32, P=8, norm=norm, scale=0.37)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
