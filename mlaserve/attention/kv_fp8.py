@@ -1,7 +1,8 @@
 """The FP8 latent KV cache (--kv-cache-dtype fp8 / fp8_e4m3), stored as vLLM stores an MLA cache: the latent row
 [c_kv | rope(k_pe)] (R + P values) saturated to float8_e4m3fn after dividing by one float32 scale per layer (per
 tensor; 1.0, since DeepSeek-V3-family checkpoints carry none), read back as stored * scale in the compute dtype.
-These two functions are the spec every kernel reading or writing the FP8 cache is held to."""
+These two functions are the spec the kernels are held to: the stores byte for byte; mla_decode bit for bit at the
+scale 1.0 (it applies the scale to its scores and output, one multiply instead of one per element)."""
 
 from __future__ import annotations
 

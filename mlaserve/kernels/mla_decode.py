@@ -116,8 +116,10 @@ def _mla_decode_split_kernel(
     it is one box. The last, partial tile of a split uses masked loads instead: rows past the context may hold
     anything (stale or poisoned pages). The load paths are constexpr branches around whole loops (not a runtime
     `if`), so neither variant carries the other's code or registers. FP8: the cache is float8_e4m3fn with one
-    scale (KvScale, 1 fp32): each tile is dequantized in registers to q's dtype (attention.kv_fp8.dequantize_kv),
-    then attended as a cache in that dtype would be; pointer loads only."""
+    scale (KvScale, 1 fp32): each tile is converted in registers to q's dtype (exact), and the scale, being one
+    for the tensor, multiplies the scores' scale and the output instead of every element. With the scale 1.0 that
+    is bit for bit the attention over attention.kv_fp8.dequantize_kv's rows; otherwise it skips their rounding to
+    q's dtype. Pointer loads only."""
     # Before the PDL wait: the rows, the token range and the first page lookup read only the step's inputs
     # (SeqLens, PageTable: copied from the host before the forward, written by no kernel of the step; pdl.py).
     # The KV tiles may include this step's new rows (the store just wrote them): loaded after the wait.
@@ -128,10 +130,9 @@ def _mla_decode_split_kernel(
     )
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, BLOCK_P)
-    if FP8:
+    if FP8:  # one scale for the layer: q.(k s) = s (q.k) and p.(v s) = s (p.v), so it scales the scores and the output
         kv_scale = tl.load(KvScale)  # written by no kernel of the step: before the wait
-    else:
-        kv_scale = 1.0
+        scale_log2 = scale_log2 * kv_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -165,8 +166,7 @@ def _mla_decode_split_kernel(
             kv_t = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)
             kpe_t = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
             if FP8:
-                kv_t = _dequant(kv_t, kv_scale, Q)
-                kpe_t = _dequant(kpe_t, kv_scale, Q)
+                kv_t, kpe_t = kv_t.to(Q.dtype.element_ty), kpe_t.to(Q.dtype.element_ty)
             m_i, l_i, acc = _attend_tile(
                 q_nope, q_pe, kv_t, kpe_t, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc, DOT_PREC
             )
@@ -187,11 +187,12 @@ def _mla_decode_split_kernel(
             kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]: keys and values
             k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
             if FP8:
-                kv = _dequant(kv, kv_scale, Q)
-                k_pe = _dequant(k_pe, kv_scale, Q)
+                kv, k_pe = kv.to(Q.dtype.element_ty), k_pe.to(Q.dtype.element_ty)  # exact: e4m3 fits q's dtype
             m_i, l_i, acc = _attend_tile(
                 q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc, DOT_PREC
             )
+    if FP8:
+        acc = acc * kv_scale
     _finish(
         m_i,
         l_i,
@@ -212,12 +213,6 @@ def _mla_decode_split_kernel(
         R,
         DIRECT,
     )
-
-
-@triton.jit
-def _dequant(x, kv_scale, Q):
-    """attention.kv_fp8.dequantize_kv of an e4m3 tile: x * kv_scale in fp32, rounded once to q's dtype."""
-    return (x.to(tl.float32) * kv_scale).to(Q.dtype.element_ty)
 
 
 @triton.jit

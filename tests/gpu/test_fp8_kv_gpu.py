@@ -27,10 +27,11 @@ def test_absorb_q_rope_store_kv_fp8_real_dims(norm, T):
     check_absorb_store_fp8("cuda", BF, T=T, H=16, N=128, R=512, P=64, norm=norm, scale=0.37, page_size=64)
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.37])
 @pytest.mark.parametrize("H,q_len,B", [(16, 1, 16), (16, 2, 16), (128, 1, 4), (16, 1, 1), (64, 4, 8)])
-def test_mla_decode_fp8_real_dims(H, q_len, B):
+def test_mla_decode_fp8_real_dims(H, q_len, B, scale):
     lens = [q_len, 8192, 64, 65, 1000 + q_len] + [random.randint(q_len, 8192) for _ in range(B)]
-    check_mla_decode_fp8("cuda", BF, ctx_lens=lens[:B], H=H, R=512, P=64, page_size=64, q_len=q_len, scale=0.37)
+    check_mla_decode_fp8("cuda", BF, ctx_lens=lens[:B], H=H, R=512, P=64, page_size=64, q_len=q_len, scale=scale)
 
 
 def test_mla_decode_fp8_graph_replay_reads_a_new_scale():

@@ -25,7 +25,8 @@ def test_absorb_q_rope_store_kv_fp8(kdev, dtype, norm, T):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("q_len,num_splits", [(1, 1), (1, 3), (2, 2)])
-def test_mla_decode_fp8(kdev, dtype, q_len, num_splits):
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_mla_decode_fp8(kdev, dtype, q_len, num_splits, scale):
     check_mla_decode_fp8(
         kdev,
         dtype,
@@ -35,7 +36,7 @@ def test_mla_decode_fp8(kdev, dtype, q_len, num_splits):
         P=8,
         page_size=16,
         q_len=q_len,
-        scale=0.37,
+        scale=scale,
         num_splits=num_splits,
         config={"MIN_SPLIT_TOKENS": 16},
     )
