@@ -202,19 +202,20 @@ def cases(quick: bool):
         if quick and H != 16:
             continue
         T = B * q_len  # an FP8 latent cache (--kv-cache-dtype fp8): e4m3 tiles dequantized in registers
-        yield (
-            f"mla_decode fp8-kv H={H} q_len={q_len} B={B}",
-            functools.partial(mla_decode, kv_scale=torch.ones(1)),
-            (
-                torch.empty(T, H, 576, dtype=bf),
-                torch.empty(64, 64, 576, dtype=torch.float8_e4m3fn),
-                torch.zeros(B, 8, dtype=i32),
-                torch.ones(B, dtype=i32),
-                q_len,
-                0.1,
-                torch.empty(T, H, 512, dtype=bf),
-            ),
-        )
+        for tma in (False, True) if B * H >= 64 else (False,):  # TMA: the engine's default from 4 programs
+            yield (
+                f"mla_decode fp8-kv {'TMA ' if tma else ''}H={H} q_len={q_len} B={B}",
+                functools.partial(mla_decode, kv_scale=torch.ones(1), config=dict(TMA=True) if tma else None),
+                (
+                    torch.empty(T, H, 576, dtype=bf),
+                    torch.empty(64, 64, 576, dtype=torch.float8_e4m3fn),
+                    torch.zeros(B, 8, dtype=i32),
+                    torch.ones(B, dtype=i32),
+                    q_len,
+                    0.1,
+                    torch.empty(T, H, 512, dtype=bf),
+                ),
+            )
     for Dqk, Dv, dtype in [(192, 128, bf), (24, 24, bf), (24, 24, torch.float32), (192, 128, torch.float32)]:
         cu = torch.tensor([0, 64], dtype=i32)
         yield (

@@ -119,7 +119,7 @@ def _mla_decode_split_kernel(
     scale (KvScale, 1 fp32): each tile is converted in registers to q's dtype (exact), and the scale, being one
     for the tensor, multiplies the scores' scale and the output instead of every element. With the scale 1.0 that
     is bit for bit the attention over attention.kv_fp8.dequantize_kv's rows; otherwise it skips their rounding to
-    q's dtype. Pointer loads only."""
+    q's dtype."""
     # Before the PDL wait: the rows, the token range and the first page lookup read only the step's inputs
     # (SeqLens, PageTable: copied from the host before the forward, written by no kernel of the step; pdl.py).
     # The KV tiles may include this step's new rows (the store just wrote them): loaded after the wait.
@@ -149,6 +149,8 @@ def _mla_decode_split_kernel(
         for n0 in range(start, full_end, BLOCK_N):
             kv = KVn.load([row, 0])  # [N, R]
             k_pe = KVp.load([row, R])  # [N, P]
+            if FP8:
+                kv, k_pe = kv.to(Q.dtype.element_ty), k_pe.to(Q.dtype.element_ty)
             nxt = n0 + BLOCK_N
             page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
             row = page * PAGE_SIZE + nxt % PAGE_SIZE
@@ -274,15 +276,14 @@ def _has_tma(device_index: int | None) -> bool:
 
 
 def _use_tma(cfg: dict, kv_cache: torch.Tensor, P: int) -> bool:
-    """Whole tiles by TMA (config TMA=True; Hopper and later, or the interpreter): needs a contiguous 16-bit cache (an
-    FP8 cache takes pointer loads)
-    whose pages hold whole tiles, and a rope part of >= 16 values (a box row of >= 32 bytes)."""
+    """Whole tiles by TMA (config TMA=True; Hopper and later, or the interpreter): needs a contiguous 16-bit or FP8
+    cache whose pages hold whole tiles, and a rope part of >= 32 bytes a row (a box row's least)."""
     if not cfg.get("TMA", False):
         return False
     return (
         kv_cache.is_contiguous()
-        and kv_cache.dtype in (torch.bfloat16, torch.float16)
-        and P >= 16
+        and kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+        and P * kv_cache.element_size() >= 32
         and kv_cache.shape[1] % cfg["BLOCK_N"] == 0
     )
 

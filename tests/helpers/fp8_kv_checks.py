@@ -107,7 +107,7 @@ def check_mla_decode_fp8(
     out, same = nan_like((B * q_len, H, R), dtype, device), nan_like((B * q_len, H, R), dtype, device)
     with poisoned_empty():
         mla_decode(q, cache, table, seq_lens, q_len, sm, out, kv_scale=s, config=config, **kw)
-        mla_decode(q, deq, table, seq_lens, q_len, sm, same, config={**(config or {}), "TMA": False}, **kw)
+        mla_decode(q, deq, table, seq_lens, q_len, sm, same, config=config, **kw)  # the same load path
     if scale == 1.0:
         assert torch.equal(out, same), f"fp8 decode differs from the decode of the dequantized cache {ctx_lens} {dtype}"
     ref = mla_decode_ref(q, deq.nan_to_num(0.0), table, seq_lens, q_len, sm, R)

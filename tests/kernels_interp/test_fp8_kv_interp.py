@@ -42,6 +42,24 @@ def test_mla_decode_fp8(kdev, dtype, q_len, num_splits, scale):
     )
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_mla_decode_fp8_tma_tiles(kdev, scale):
+    # whole tiles by TMA descriptors over the e4m3 rows (P=32: a 32-byte box row), the last partial tile by pointers
+    check_mla_decode_fp8(
+        kdev,
+        torch.bfloat16,
+        ctx_lens=[1, 40, 64],
+        H=16,
+        R=32,
+        P=32,
+        page_size=16,
+        q_len=1,
+        scale=scale,
+        num_splits=2,
+        config={"TMA": True, "BLOCK_N": 16, "MIN_SPLIT_TOKENS": 16},
+    )
+
+
 def test_kernels_refuse_an_fp8_cache_without_its_scale(kdev):
     from mlaserve.kernels.mla_decode import mla_decode
     from mlaserve.kernels.rope_kv import rope_store_kv
