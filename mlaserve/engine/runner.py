@@ -73,6 +73,11 @@ class ModelRunner:
         # an FP8 cache's scale per layer: 1.0 (vLLM's default for a checkpoint without KV scales)
         fp8 = self.kv_dtype == FP8_KV_DTYPE
         self.kv_scale = torch.ones(L, dtype=torch.float32, device=self.device) if fp8 else None
+        if fp8 and ranks.rank == 0:
+            log.info(
+                "KV cache in float8_e4m3fn: one scale per layer, 1.0 (the checkpoint carries no KV scales); latent "
+                "values beyond +-448 saturate"
+            )
         self.attn = self._make_backend()
         self.graphs = None  # a GraphRunner once capture_graphs() ran
         self.steps = StepChannel(self.device, tp.group()) if ranks.world_size > 1 else None

@@ -27,6 +27,7 @@ def test_fp8_cache_holds_twice_the_pages_of_a_bf16_one_in_the_same_memory(tiny_c
     assert fp8.pool.num_pages == r8.num_pages and fp8.cache_tokens == r8.num_pages * 16
     assert r8.kv_cache.numel() * r8.kv_cache.element_size() <= budget
     assert f"KV cache: {r8.num_pages} pages x 16 tokens" in caplog.text and "float8_e4m3fn" in caplog.text
+    assert "one scale per layer, 1.0" in caplog.text
 
 
 def test_fp8_cache_generates_close_to_the_model_dtype_cache(tiny_ckpt):
