@@ -27,7 +27,7 @@ class TorchRefBackend(AttentionBackend):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
         ok = batch.slot_mapping >= 0  # negative slots are padding: not stored
         slots = batch.slot_mapping[ok]
-        if self.fp8:  # the row as the compute dtype holds it (RoPE rounded to k_pe's dtype), then quantized
+        if self.fp8:  # the row as the compute dtype holds it (RoPE rounded to it), then quantized
             s = self.kv_scale[layer_id]
             cache[slots, :R] = quantize_kv(c_kv[ok].to(self.dtype), s)
             cache[slots, R:] = quantize_kv(apply_rope(k_pe, cos, sin, torch.empty_like(k_pe, dtype=self.dtype))[ok], s)
