@@ -248,6 +248,13 @@ def main():
     )
     ap.add_argument("--no-overlap", action="store_true", help="--disable-overlap-schedule (read each step back)")
     ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="the latent cache's dtype (fp8: e4m3, half the bytes a token; the TPOT floors count its bytes); the "
+        "KV tokens the cache holds at --gpu-mem are recorded as kv_cache_tokens",
+    )
+    ap.add_argument(
         "--replay-sweep",
         action="store_true",
         help="TPOT against acceptance with the benchmark-only REPLAY draft (benchmarks/replay_sweep.py); with "
@@ -339,7 +346,9 @@ def main():
         max_num_seqs=max(batches),
         disable_overlap_schedule=a.no_overlap,
         max_model_len=max(ctxs + ttfts) + 128,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
+    kvb = {"kv_dtype_bytes": 1} if a.kv_cache_dtype != "auto" else {}  # the floors read the cache's bytes
     sync()
     t = time.perf_counter()
     engine = LLMEngine(cfg)
@@ -348,6 +357,11 @@ def main():
     res["weight_bytes"] = vars(engine.runner.weight_bytes)
     log(engine.runner.weight_bytes.line())
     res["mlaserve_init_s"] = time.perf_counter() - t
+    r = engine.runner
+    res["kv_cache_dtype"] = str(r.kv_cache.dtype).removeprefix("torch.")
+    res["kv_cache_pages"], res["kv_cache_tokens"] = r.num_pages, engine.cache_tokens
+    res["kv_cache_gb"] = r.kv_cache.numel() * r.kv_cache.element_size() / 1e9
+    log(f"KV cache {res['kv_cache_dtype']}: {res['kv_cache_tokens']} tokens in {res['kv_cache_gb']:.2f} GB")
     rows = Rows(res, a, twin)
     if not a.spec_only:
         for n in ttfts:
@@ -360,7 +374,7 @@ def main():
             for c in ctxs:
                 before = gpu_state()
                 s, tok, overlapped, replay_ms = ml_tpot(engine, b, c, vocab, replay=True)
-                fl = decode_floor_s(mcfg, b, c)
+                fl = decode_floor_s(mcfg, b, c, **kvb)
                 rows.append(
                     dict(
                         figure=f"TPOT b{b} ctx{c}",
@@ -368,7 +382,7 @@ def main():
                         floor_ms=fl * 1e3,
                         ratio=s / fl,
                         hf_key=f"tpot_b{b}_ctx{c}_s",
-                        bytes_gb=decode_bytes(mcfg, b, c) / 1e9,
+                        bytes_gb=decode_bytes(mcfg, b, c, **kvb) / 1e9,
                         replay_ms=replay_ms,
                         overlapped=overlapped,
                         gpu_before=before,

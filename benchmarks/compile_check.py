@@ -198,6 +198,24 @@ def cases(quick: bool):
                             torch.empty(T, H, R, dtype=dtype),
                         ),
                     )
+    for H, q_len, B in [(16, 1, 1), (16, 1, 16), (16, 1, 32), (16, 2, 16), (128, 1, 4), (64, 4, 8)]:
+        if quick and H != 16:
+            continue
+        T = B * q_len  # an FP8 latent cache (--kv-cache-dtype fp8): e4m3 tiles dequantized in registers
+        for tma in (False, True) if B * H >= 64 else (False,):  # TMA: the engine's default from 4 programs
+            yield (
+                f"mla_decode fp8-kv {'TMA ' if tma else ''}H={H} q_len={q_len} B={B}",
+                functools.partial(mla_decode, kv_scale=torch.ones(1), config=dict(TMA=True) if tma else None),
+                (
+                    torch.empty(T, H, 576, dtype=bf),
+                    torch.empty(64, 64, 576, dtype=torch.float8_e4m3fn),
+                    torch.zeros(B, 8, dtype=i32),
+                    torch.ones(B, dtype=i32),
+                    q_len,
+                    0.1,
+                    torch.empty(T, H, 512, dtype=bf),
+                ),
+            )
     for Dqk, Dv, dtype in [(192, 128, bf), (24, 24, bf), (24, 24, torch.float32), (192, 128, torch.float32)]:
         cu = torch.tensor([0, 64], dtype=i32)
         yield (
@@ -352,6 +370,20 @@ def cases(quick: bool):
                 cs,
             ),
         )
+        if R == 512 and H == 16:  # the FP8 latent cache's store, with the kv_a norm fused in
+            yield (
+                f"rope_store_kv fp8-kv R={R} P={P}",
+                functools.partial(rope_store_kv, kv_scale=torch.ones(1)),
+                (
+                    torch.empty(8, 64, R + P, dtype=torch.float8_e4m3fn),
+                    torch.zeros(4, dtype=torch.int64),
+                    torch.empty(4, R, dtype=bf),
+                    torch.empty(4, R + P, dtype=bf)[:, R:],
+                    cs,
+                    cs,
+                    torch.empty(R, dtype=bf),
+                ),
+            )
         q = torch.empty(4, H, 128 + P, dtype=bf)[..., 128:]
         yield f"rope_q H={H} P={P}", rope_q, (q, cs, cs, q)
     from mlaserve.kernels.argmax import argmax_rows
@@ -423,6 +455,23 @@ def cases(quick: bool):
                     torch.empty(T, 32),
                     torch.empty(T, H, 576, dtype=bf),
                     torch.empty(8, 64, 576, dtype=bf),
+                    torch.zeros(T, dtype=torch.int64),
+                    proj[:, H * 192 : H * 192 + 512],
+                    proj[:, H * 192 + 512 :],
+                    torch.empty(512, dtype=bf),
+                    1e-6,
+                ),
+            )
+            yield (
+                f"absorb_q_rope_store_kv fp8-kv H={H} T={T}",
+                functools.partial(absorb_q_rope_store_kv, kv_scale=torch.ones(1)),
+                (
+                    proj[:, : H * 192].view(T, H, 192),
+                    w[:, :128],
+                    torch.empty(T, 32),
+                    torch.empty(T, 32),
+                    torch.empty(T, H, 576, dtype=bf),
+                    torch.empty(8, 64, 576, dtype=torch.float8_e4m3fn),
                     torch.zeros(T, dtype=torch.int64),
                     proj[:, H * 192 : H * 192 + 512],
                     proj[:, H * 192 + 512 :],

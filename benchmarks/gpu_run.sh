@@ -10,6 +10,8 @@
 #     fp8      DeepSeek-V3 shapes, 6 layers, FP8 blocks, dummy weights, then the same model in bf16 (FP8_S)
 #     tp       two GPUs: the NCCL parity test and TP2 under CUDA graphs against one GPU (TP_S)
 #     structured  benchmarks/structured_cost.py: structured output's cost per decode step on M1 shapes (STRUCT_S)
+#     kvfp8    M1 TPOT at batch 8 and 32, context 8192, with the latent cache in the model's dtype then in FP8
+#              (--kv-cache-dtype fp8), and the KV tokens each holds at the same --gpu-mem (KVFP8_S)
 # Packages the machine lacks (xgrammar, apache-tvm-ffi, the server's) travel as wheels in .whl/, installed first.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false
@@ -66,6 +68,14 @@ if [[ $stages == *" structured "* ]]; then
   el "structured output: cost per decode step at batch 1 and 8, plain greedy beside it (M1 shapes, dummy weights)"
   timeout ${STRUCT_S:-300} python3 benchmarks/structured_cost.py --preset moonlight-16b-a3b --batches 1,8 --tokens 256 \
     --out "$OUT/structured_cost.json" 2>&1 | tee "$OUT/structured.log" | grep -vE "it/s|Loading" | tail -8
+fi
+if [[ $stages == *" kvfp8 "* ]]; then
+  el "M1 TPOT at context 8192 with the KV cache in bf16, then in FP8 (same memory)"
+  for kv in auto fp8; do
+    timeout ${KVFP8_S:-300} python3 benchmarks/bench_engine.py --model /tmp/m1 --make moonlight-16b-a3b \
+      --kv-cache-dtype $kv --batches 8,32 --contexts 8192 --ttft 8192 --label m1-kv$kv 2>&1 \
+      | tee "$OUT/kv$kv.log" | grep -E "KV cache|TPOT|TTFT" | tail -5
+  done
 fi
 find benchmarks/results -maxdepth 1 -name "*.json" -newer "$OUT/env.txt" -exec cp {} "$OUT/" \; 2>/dev/null
 el "done"

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 
-from .config import ParallelConfig, generation_sampling_defaults
+from .config import KV_CACHE_DTYPES, ParallelConfig, generation_sampling_defaults, kv_cache_dtype_error
 from .kernel_config import KernelConfig
 from .types import SamplingParams
 
@@ -53,6 +53,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--prefill-graph-max-tokens", type=int, default=8192, help="largest prefill CUDA graph")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--kv-cache-dtype",
+        type=kv_cache_dtype,
+        default="auto",
+        help="auto: the model's dtype; fp8 | fp8_e4m3: the MLA latent cache in float8_e4m3fn with one scale per "
+        "layer (1.0), twice the tokens in the same memory",
+    )
     g.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument(
         "--load-format",
@@ -133,6 +140,7 @@ ENGINE_FIELDS = (
     "disable_overlap_schedule",
     "prefill_graph_max_tokens",
     "attention_backend",
+    "kv_cache_dtype",
     "moe_backend",
     "load_format",
     "seed",
@@ -255,16 +263,11 @@ def chat_template(value: str) -> str:
 
 
 def kv_cache_dtype(value: str) -> str:
-    """--kv-cache-dtype: the latent cache is held in the model's dtype (--dtype); anything else is refused, never
-    ignored."""
-    if value == "auto":
-        return value
-    if value.startswith("fp8"):
-        raise argparse.ArgumentTypeError(
-            f"{value}: an FP8 KV cache is not implemented yet (the MLA kernels read the latent cache in the model's "
-            "dtype); use auto"
-        )
-    raise argparse.ArgumentTypeError(f"{value!r}: the KV cache is held in the model's dtype (--dtype); use auto")
+    """--kv-cache-dtype: auto (the model's dtype), fp8 or fp8_e4m3 (an e4m3 latent cache, one scale per layer);
+    anything else is refused, never ignored."""
+    if value not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(kv_cache_dtype_error(value))
+    return value
 
 
 def add_compat_args(p: argparse.ArgumentParser) -> None:
@@ -276,12 +279,6 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         "--trust-remote-code",
         action="store_true",
         help="accepted: mlaserve runs no code from the model folder (its model classes are built in)",
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        type=kv_cache_dtype,
-        default="auto",
-        help="auto: the model's dtype (an FP8 cache is refused until implemented)",
     )
     g.add_argument(
         "--enable-prefix-caching",

@@ -454,6 +454,18 @@ def _rope_from_hf(text: dict, source: str) -> RopeConfig:
     )
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is e4m3, as in vLLM
+
+
+def kv_cache_dtype_error(value: str) -> str:
+    """The one line refusing a kv_cache_dtype outside KV_CACHE_DTYPES."""
+    why = " (an e5m2 cache is not implemented: its 2 mantissa bits lose more than e4m3's)" if "e5m2" in value else ""
+    return (
+        f"kv_cache_dtype: {value!r} is not supported{why}; use auto (the model's dtype), fp8 or fp8_e4m3 "
+        "(an e4m3 latent cache with one scale per layer)"
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine runs a model. Defaults follow vLLM/SGLang habits."""
@@ -475,6 +487,7 @@ class EngineConfig:
     prefill_graph_max_tokens: int = 8192
     warmup: bool = True  # GPU: run every eager step shape at start-up, so no Triton kernel compiles while serving
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 latent, one scale per layer
     moe_backend: str = "auto"  # "auto" | "torch" | "triton"
     load_format: str = "auto"  # "auto": safetensors; "dummy": random weights in place (no files read)
     seed: int = 0
@@ -502,6 +515,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(kv_cache_dtype_error(self.kv_cache_dtype))
         if self.moe_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"moe_backend: must be auto, torch or triton, got {self.moe_backend!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -119,14 +119,28 @@ class ForwardBatch:
 
 
 class AttentionBackend(ABC):
-    """Owns the paged latent cache [layers, pages, page_size, R+P] and computes MLA attention over it."""
+    """Owns the paged latent cache [layers, pages, page_size, R+P] and computes MLA attention over it.
+
+    An FP8 cache (float8_e4m3fn, kv_fp8.py) comes with kv_scale [layers] float32 (one scale per layer) and dtype,
+    the compute dtype its rows are read back in; a cache in the compute dtype needs neither."""
 
     reads_host_decode_lens = True  # decode reads seq_lens_cpu (the reference backends); False: only the device's
 
-    def __init__(self, kv_cache: torch.Tensor, kv_lora_rank: int):
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        kv_lora_rank: int,
+        kv_scale: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         self.kv_cache = kv_cache
         self.kv_lora_rank = kv_lora_rank
         self.page_size = kv_cache.shape[2]
+        self.fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        if self.fp8 and (kv_scale is None or kv_scale.shape != (kv_cache.shape[0],) or dtype is None):
+            raise ValueError(f"an FP8 KV cache needs kv_scale [{kv_cache.shape[0]}] (one per layer) and a dtype")
+        self.kv_scale = kv_scale
+        self.dtype = dtype or kv_cache.dtype  # the compute dtype rows are read back in
 
     def absorb_q_rope(
         self, q: torch.Tensor, w_kc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, Q: torch.Tensor

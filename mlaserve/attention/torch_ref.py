@@ -6,17 +6,19 @@ import torch
 
 from ..layers.rotary import apply_rope
 from .base import AttentionBackend, ForwardBatch
+from .kv_fp8 import dequantize_kv, quantize_kv
 
 
 class TorchRefBackend(AttentionBackend):
     def _latent(self, layer_id: int, batch: ForwardBatch, i: int) -> torch.Tensor:
-        """Request i's whole context [L, R+P], gathered from its pages."""
+        """Request i's whole context [L, R+P], gathered from its pages (an FP8 cache's dequantized, in self.dtype)."""
         L = batch.seq_lens_cpu[i]
         if L == 0:  # an empty padding request (CUDA-graph buckets)
-            return self.kv_cache.new_empty(0, self.kv_cache.shape[-1])
+            return self.kv_cache.new_empty(0, self.kv_cache.shape[-1], dtype=self.dtype)
         n_pages = -(-L // self.page_size)
         pages = batch.page_table[i, :n_pages].long()
-        return self.kv_cache[layer_id, pages].reshape(n_pages * self.page_size, -1)[:L]
+        kv = self.kv_cache[layer_id, pages].reshape(n_pages * self.page_size, -1)[:L]
+        return dequantize_kv(kv, self.kv_scale[layer_id], self.dtype) if self.fp8 else kv
 
     def store_kv(self, layer_id, c_kv, k_pe, cos, sin, batch, norm=None):
         R = self.kv_lora_rank
@@ -25,6 +27,11 @@ class TorchRefBackend(AttentionBackend):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
         ok = batch.slot_mapping >= 0  # negative slots are padding: not stored
         slots = batch.slot_mapping[ok]
+        if self.fp8:  # the row as the compute dtype holds it (RoPE rounded to it), then quantized
+            s = self.kv_scale[layer_id]
+            cache[slots, :R] = quantize_kv(c_kv[ok].to(self.dtype), s)
+            cache[slots, R:] = quantize_kv(apply_rope(k_pe, cos, sin, torch.empty_like(k_pe, dtype=self.dtype))[ok], s)
+            return
         cache[slots, :R] = c_kv[ok].to(cache.dtype)
         cache[slots, R:] = apply_rope(k_pe, cos, sin, torch.empty_like(k_pe, dtype=cache.dtype))[ok]
 

@@ -18,6 +18,7 @@ from ..kernels.mla_decode import mla_decode
 from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.rope_kv import rope_q, rope_store_kv
 from .base import AttentionBackend, ForwardBatch
+from .kv_fp8 import dequantize_kv
 
 
 class TritonMLABackend(AttentionBackend):
@@ -29,8 +30,10 @@ class TritonMLABackend(AttentionBackend):
         kv_lora_rank: int,
         num_splits: int | None = None,
         kernels: KernelConfig = KernelConfig(),
+        kv_scale: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ):
-        super().__init__(kv_cache, kv_lora_rank)
+        super().__init__(kv_cache, kv_lora_rank, kv_scale, dtype)
         self.num_splits = num_splits  # None: mla_decode's heuristic from (B, H)
         self.kernels = kernels
         # absorb_q_rope_store_kv: the KV store inside absorb_q_rope's launch (off: MLASERVE_ABSORB_STORE=0, for A/B)
@@ -38,6 +41,10 @@ class TritonMLABackend(AttentionBackend):
         self._meta_batch: ForwardBatch | None = None
         self._meta_layer = -1
         self._meta: dict = {}
+
+    def _scale(self, layer_id: int) -> torch.Tensor | None:
+        """An FP8 cache's scale of the layer [1] (a view: its address is fixed under CUDA graphs); None otherwise."""
+        return self.kv_scale[layer_id : layer_id + 1] if self.fp8 else None
 
     def _prefill_meta(self, layer_id: int, batch: ForwardBatch) -> dict:
         """cu_q, cu_k [n+1] int32, max_q_len and the flat cache slots [C] of the prefill requests' contexts."""
@@ -95,6 +102,7 @@ class TritonMLABackend(AttentionBackend):
             None if norm is None else norm.weight,
             1e-6 if norm is None else norm.eps,
             pdl=self.kernels.pdl,
+            kv_scale=self._scale(layer_id),
         )
 
     def rope_q(self, x, cos, sin, out):
@@ -113,6 +121,7 @@ class TritonMLABackend(AttentionBackend):
             None if norm is None else norm.weight,
             1e-6 if norm is None else norm.eps,
             pdl=self.kernels.pdl,
+            kv_scale=self._scale(layer_id),
         )
 
     def decode(self, layer_id, q, scale, batch, out):
@@ -127,11 +136,13 @@ class TritonMLABackend(AttentionBackend):
             out,
             num_splits=self.num_splits,
             pdl=self.kernels.pdl,
+            kv_scale=self._scale(layer_id),
         )
 
     def prefill_context(self, layer_id, batch):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]
-        return cache.index_select(0, self._prefill_meta(layer_id, batch)["slots"])
+        rows = cache.index_select(0, self._prefill_meta(layer_id, batch)["slots"])
+        return dequantize_kv(rows, self.kv_scale[layer_id], self.dtype) if self.fp8 else rows
 
     def prefill(self, q, k_nope, k_rope, v, scale, batch, out):
         # the model calls this right after its layer's prefill_context, which refreshed the metadata

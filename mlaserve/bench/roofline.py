@@ -83,8 +83,17 @@ def expected_experts(c: ModelConfig, tokens: int) -> float:
     return E * (1 - (1 - K / E) ** tokens) if E else 0.0
 
 
-def decode_bytes(c: ModelConfig, batch: int, context: int, q_len: int = 1, dtype_bytes: int = 2, tp: int = 1) -> float:
-    """Bytes one decode step must read on one of `tp` ranks: weights (selected experts only) + lm_head + KV."""
+def decode_bytes(
+    c: ModelConfig,
+    batch: int,
+    context: int,
+    q_len: int = 1,
+    dtype_bytes: int = 2,
+    tp: int = 1,
+    kv_dtype_bytes: int | None = None,
+) -> float:
+    """Bytes one decode step must read on one of `tp` ranks: weights (selected experts only) + lm_head + KV.
+    kv_dtype_bytes: the latent cache's bytes per value (1: --kv-cache-dtype fp8; None: dtype_bytes)."""
     p = param_counts(c)
     L, moe = c.num_hidden_layers, sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     tokens = batch * q_len
@@ -98,7 +107,7 @@ def decode_bytes(c: ModelConfig, batch: int, context: int, q_len: int = 1, dtype
     weights += moe * (p.shared * bpw(f"model.layers.{m}.mlp.shared_experts.up_proj") + p.gate * dtype_bytes + experts)
     weights += (p.lm_head + tokens * c.hidden_size) * dtype_bytes  # embedding rows read
     kv = batch * (context + q_len) * L * c.kv_cache_dim  # MLA's latent is shared by all heads: not split by TP
-    return weights / tp + kv * dtype_bytes
+    return weights / tp + kv * (dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
 
 
 def prefill_flops(c: ModelConfig, tokens: int, context: int | None = None, tp: int = 1) -> float:

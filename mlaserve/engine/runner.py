@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
+from ..attention.kv_fp8 import FP8_KV_DTYPE, kv_cache_torch_dtype
 from ..config import EngineConfig, ModelConfig, torch_dtype
 from ..distributed import tp
 from ..distributed.tp import RankInfo
@@ -45,6 +46,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(cfg.dtype, model_cfg)
+        self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
         self.kernels = cfg.kernels  # what every kernel call site of this rank gets (the same on every rank)
         on_gpu = self.device.type == "cuda"
         moe_impl = cfg.moe_backend if cfg.moe_backend != "auto" else ("triton" if on_gpu else "torch")
@@ -67,26 +69,36 @@ class ModelRunner:
         # Every rank indexes the same page ids: take the pages that fit on all of them.
         self.num_pages = tp.min_over_ranks(cfg.num_pages or self._pages_from_memory())
         L, D = model_cfg.num_hidden_layers, model_cfg.kv_cache_dim
-        self.kv_cache = torch.zeros(L, self.num_pages, cfg.page_size, D, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(L, self.num_pages, cfg.page_size, D, dtype=self.kv_dtype, device=self.device)
+        # an FP8 cache's scale per layer: 1.0 (vLLM's default for a checkpoint without KV scales)
+        fp8 = self.kv_dtype == FP8_KV_DTYPE
+        self.kv_scale = torch.ones(L, dtype=torch.float32, device=self.device) if fp8 else None
+        if fp8 and ranks.rank == 0:
+            log.info(
+                "KV cache in float8_e4m3fn: one scale per layer, 1.0 (the checkpoint carries no KV scales); latent "
+                "values beyond +-448 saturate"
+            )
         self.attn = self._make_backend()
         self.graphs = None  # a GraphRunner once capture_graphs() ran
         self.steps = StepChannel(self.device, tp.group()) if ranks.world_size > 1 else None
         self._awake = False  # rank 0: the other ranks are receiving steps (not parked on the host group)
         self.graph_steps = 0  # forwards run by the GraphRunner (a TP rank's report of which path it took)
         log.info(
-            "model loaded in %.1fs on %s (%s); KV cache: %d pages x %d tokens (%.2f GB), backend %s",
+            "model loaded in %.1fs on %s (%s); KV cache: %d pages x %d tokens (%.2f GB, %s), backend %s",
             self.load_seconds,
             self.device,
             self.dtype,
             self.num_pages,
             cfg.page_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 1e9,
+            str(self.kv_dtype).removeprefix("torch."),
             type(self.attn).__name__,
         )
 
     def _page_bytes(self) -> int:
         c = self.model_cfg
-        return c.num_hidden_layers * self.cfg.page_size * c.kv_cache_dim * self.dtype.itemsize + self.extra_page_bytes
+        kv = c.num_hidden_layers * self.cfg.page_size * c.kv_cache_dim * self.kv_dtype.itemsize  # fp8: half of bf16's
+        return kv + self.extra_page_bytes
 
     def _pages_from_memory(self) -> int:
         if self.device.type == "cuda":
@@ -113,10 +125,16 @@ class ModelRunner:
         if kind == "triton":
             from ..attention.triton_mla import TritonMLABackend
 
-            return TritonMLABackend(self.kv_cache, self.model_cfg.kv_lora_rank, kernels=self.kernels)
+            return TritonMLABackend(
+                self.kv_cache,
+                self.model_cfg.kv_lora_rank,
+                kernels=self.kernels,
+                kv_scale=self.kv_scale,
+                dtype=self.dtype,
+            )
         from ..attention.torch_ref import TorchRefBackend
 
-        return TorchRefBackend(self.kv_cache, self.model_cfg.kv_lora_rank)
+        return TorchRefBackend(self.kv_cache, self.model_cfg.kv_lora_rank, self.kv_scale, self.dtype)
 
     def capture_graphs(self, decode_q_len: int, max_model_len: int, use_graphs: bool = True) -> None:
         """Decode graphs per padded batch size and prefill graphs per token bucket (after the model is final:

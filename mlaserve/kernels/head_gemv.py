@@ -102,6 +102,7 @@ def _store_kv_program(
     Cos,
     Sin,
     NormW,
+    KvScale,
     eps,
     stride_cp,
     stride_cs,
@@ -118,13 +119,18 @@ def _store_kv_program(
     BLOCK_HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NORM: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """rope_store_kv for every token of the step in one program (T <= 2): the slots (step inputs) and the norm's
-    weight before the wait."""
+    """rope_store_kv for every token of the step in one program (T <= 2): the slots (step inputs), the norm's
+    weight and an FP8 cache's scale before the wait."""
     tt = tl.arange(0, BLOCK_T)
     slots = tl.load(Slots + tt, mask=tt < T, other=-1)  # [BLOCK_T]
     norm_w = _kv_norm_weight(NormW, R, R, NORM)
+    if FP8:
+        kv_scale = tl.load(KvScale)
+    else:
+        kv_scale = 1.0
     pdl_wait(PDL)
     for t in tl.static_range(T):
         slot = tl.sum(tl.where(tt == t, slots, 0), axis=0)
@@ -153,6 +159,8 @@ def _store_kv_program(
                 BLOCK_HALF,
                 PAGE_SIZE,
                 NORM,
+                kv_scale,
+                FP8,
             )
 
 
@@ -180,6 +188,7 @@ def _absorb_q_rope_kernel(
     Ckv,
     Kpe,
     NormW,
+    KvScale,
     eps,
     stride_cp,
     stride_cs,
@@ -197,6 +206,7 @@ def _absorb_q_rope_kernel(
     PAGE_SIZE: tl.constexpr,
     STORE: tl.constexpr,
     NORM: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (H + STORE, N / BLOCK_N + 1): for h < H, columns < N / BLOCK_N are head_gemv's programs and the last
@@ -260,6 +270,7 @@ def _absorb_q_rope_kernel(
                 Cos,
                 Sin,
                 NormW,
+                KvScale,
                 eps,
                 stride_cp,
                 stride_cs,
@@ -276,6 +287,7 @@ def _absorb_q_rope_kernel(
                 BLOCK_P // 2,
                 PAGE_SIZE,
                 NORM,
+                FP8,
                 PDL,
             )
 
@@ -380,11 +392,13 @@ def absorb_q_rope_store_kv(
     eps: float = 1e-6,
     config: dict | None = None,
     pdl: bool = True,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """absorb_q_rope and rope_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight, eps) of one decode
-    step in one launch: one more program writes the cache rows, so the store needs no kernel (or stream) of its
-    own. Q is bit for bit absorb_q_rope's; the cache rows are rope_store_kv's, except that with the norm its sum
-    of squares is reduced by one warp (rope_store_kv: rms_norm's warps), so they may differ in the last bit."""
+    """absorb_q_rope and rope_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight, eps,
+    kv_scale=kv_scale) of one decode step in one launch: one more program writes the cache rows, so the store needs
+    no kernel (or stream) of its own. Q is bit for bit absorb_q_rope's; the cache rows are rope_store_kv's, except
+    that with the norm its sum of squares is reduced by one warp (rope_store_kv: rms_norm's warps), so they may
+    differ in the last bit."""
     if c_kv.dim() != 2 or q.dim() != 3 or w_kc.dim() != 3 or c_kv.shape != (q.shape[0], w_kc.shape[-1]):
         raise ValueError(
             f"c_kv {tuple(c_kv.shape)} must be [T, R] for q {tuple(q.shape)} [T, H, N+P] and w_kc "
@@ -392,12 +406,14 @@ def absorb_q_rope_store_kv(
         )
     if k_pe.shape[-1] != q.shape[-1] - w_kc.shape[1]:
         raise ValueError(f"k_pe {tuple(k_pe.shape)} must be [T, P] with q's P = {q.shape[-1] - w_kc.shape[1]}")
-    _check_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight)
-    return _absorb_q_rope(q, w_kc, cos, sin, Q, config, (kv_cache, slot_mapping, c_kv, k_pe, norm_weight, eps), pdl)
+    _check_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight, kv_scale)
+    store = (kv_cache, slot_mapping, c_kv, k_pe, norm_weight, eps, kv_scale)
+    return _absorb_q_rope(q, w_kc, cos, sin, Q, config, store, pdl)
 
 
 def _absorb_q_rope(q, w_kc, cos, sin, Q, config, store, pdl: bool) -> torch.Tensor:
-    """The launch of both entry points; store: (kv_cache, slot_mapping, c_kv, k_pe, norm_weight, eps), checked."""
+    """The launch of both entry points; store: (kv_cache, slot_mapping, c_kv, k_pe, norm_weight, eps, kv_scale),
+    checked."""
     if q.dim() != 3 or w_kc.dim() != 3:
         raise ValueError(f"q {tuple(q.shape)} must be [T, H, N+P] and w_kc {tuple(w_kc.shape)} [H, N, R]")
     T, H, NP = q.shape
@@ -413,10 +429,10 @@ def _absorb_q_rope(q, w_kc, cos, sin, Q, config, store, pdl: bool) -> torch.Tens
     _check_cos_sin(cos, sin, T, P)
     bn = cfg["BLOCK_N"]
     if store is None:  # the store's arguments are never read: any tensor, zero strides
-        cache, slots, c_kv, k_pe, norm_weight, eps = Q, Q, Q, Q, None, 0.0
+        cache, slots, c_kv, k_pe, norm_weight, eps, kv_scale = Q, Q, Q, Q, None, 0.0, None
         cache_strides, ckv_strides, kpe_strides = (0, 0), (0, 0), (0, 0)
     else:
-        cache, slots, c_kv, k_pe, norm_weight, eps = store
+        cache, slots, c_kv, k_pe, norm_weight, eps, kv_scale = store
         cache_strides, ckv_strides, kpe_strides = cache.stride()[:2], c_kv.stride(), k_pe.stride()
     _absorb_q_rope_kernel[(H + (store is not None), R // bn + 1)](
         x,
@@ -441,6 +457,7 @@ def _absorb_q_rope(q, w_kc, cos, sin, Q, config, store, pdl: bool) -> torch.Tens
         c_kv,
         k_pe,
         c_kv if norm_weight is None else norm_weight,
+        c_kv if kv_scale is None else kv_scale,  # never read without FP8
         float(eps),
         *cache_strides,
         *ckv_strides,
@@ -455,6 +472,7 @@ def _absorb_q_rope(q, w_kc, cos, sin, Q, config, store, pdl: bool) -> torch.Tens
         PAGE_SIZE=cache.shape[1] if store is not None else 1,
         STORE=store is not None,
         NORM=norm_weight is not None,
+        FP8=kv_scale is not None,
         num_warps=cfg["num_warps"],
         **pdl_args(q, pdl),
     )

@@ -79,6 +79,7 @@ def _mla_decode_split_kernel(
     KVp,
     PageTable,
     SeqLens,
+    KvScale,
     Out,
     PartO,
     PartLse,
@@ -105,6 +106,7 @@ def _mla_decode_split_kernel(
     MIN_SPLIT_TILES: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One split of one request's context for a block of rows. TMA=False: every tile by masked pointer loads
@@ -113,7 +115,11 @@ def _mla_decode_split_kernel(
     [BLOCK_N, R] / [BLOCK_N, P] boxes. A tile never straddles a page (PAGE_SIZE % BLOCK_N == 0, tiles aligned), so
     it is one box. The last, partial tile of a split uses masked loads instead: rows past the context may hold
     anything (stale or poisoned pages). The load paths are constexpr branches around whole loops (not a runtime
-    `if`), so neither variant carries the other's code or registers."""
+    `if`), so neither variant carries the other's code or registers. FP8: the cache is float8_e4m3fn with one
+    scale (KvScale, 1 fp32): each tile is converted in registers to q's dtype (exact), and the scale, being one
+    for the tensor, multiplies the scores' scale and the output instead of every element. With the scale 1.0 that
+    is bit for bit the attention over attention.kv_fp8.dequantize_kv's rows; otherwise it skips their rounding to
+    q's dtype."""
     # Before the PDL wait: the rows, the token range and the first page lookup read only the step's inputs
     # (SeqLens, PageTable: copied from the host before the forward, written by no kernel of the step; pdl.py).
     # The KV tiles may include this step's new rows (the store just wrote them): loaded after the wait.
@@ -124,6 +130,9 @@ def _mla_decode_split_kernel(
     )
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, BLOCK_P)
+    if FP8:  # one scale for the layer: q.(k s) = s (q.k) and p.(v s) = s (p.v), so it scales the scores and the output
+        kv_scale = tl.load(KvScale)  # written by no kernel of the step: before the wait
+        scale_log2 = scale_log2 * kv_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -140,6 +149,8 @@ def _mla_decode_split_kernel(
         for n0 in range(start, full_end, BLOCK_N):
             kv = KVn.load([row, 0])  # [N, R]
             k_pe = KVp.load([row, R])  # [N, P]
+            if FP8:
+                kv, k_pe = kv.to(Q.dtype.element_ty), k_pe.to(Q.dtype.element_ty)
             nxt = n0 + BLOCK_N
             page = tl.load(pt + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
             row = page * PAGE_SIZE + nxt % PAGE_SIZE
@@ -156,6 +167,8 @@ def _mla_decode_split_kernel(
             kv_row = KV + (pages.to(tl.int64) * stride_kvp + (pos % PAGE_SIZE) * stride_kvs)[:, None]
             kv_t = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)
             kpe_t = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
+            if FP8:
+                kv_t, kpe_t = kv_t.to(Q.dtype.element_ty), kpe_t.to(Q.dtype.element_ty)
             m_i, l_i, acc = _attend_tile(
                 q_nope, q_pe, kv_t, kpe_t, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc, DOT_PREC
             )
@@ -175,9 +188,13 @@ def _mla_decode_split_kernel(
             row_off = page.to(tl.int64) * stride_kvp + (nxt % PAGE_SIZE) * stride_kvs
             kv = tl.load(kv_row + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [N, R]: keys and values
             k_pe = tl.load(kv_row + R + offs_p[None, :], mask=pos_ok[:, None] & (offs_p < P)[None, :], other=0.0)
+            if FP8:
+                kv, k_pe = kv.to(Q.dtype.element_ty), k_pe.to(Q.dtype.element_ty)  # exact: e4m3 fits q's dtype
             m_i, l_i, acc = _attend_tile(
                 q_nope, q_pe, kv, k_pe, pos, pos_ok, last_visible, scale_log2, m_i, l_i, acc, DOT_PREC
             )
+    if FP8:
+        acc = acc * kv_scale
     _finish(
         m_i,
         l_i,
@@ -259,14 +276,14 @@ def _has_tma(device_index: int | None) -> bool:
 
 
 def _use_tma(cfg: dict, kv_cache: torch.Tensor, P: int) -> bool:
-    """Whole tiles by TMA (config TMA=True; Hopper and later, or the interpreter): needs a contiguous 16-bit cache
-    whose pages hold whole tiles, and a rope part of >= 16 values (a box row of >= 32 bytes)."""
+    """Whole tiles by TMA (config TMA=True; Hopper and later, or the interpreter): needs a contiguous 16-bit or FP8
+    cache whose pages hold whole tiles, and a rope part of >= 32 bytes a row (a box row's least)."""
     if not cfg.get("TMA", False):
         return False
     return (
         kv_cache.is_contiguous()
-        and kv_cache.dtype in (torch.bfloat16, torch.float16)
-        and P >= 16
+        and kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+        and P * kv_cache.element_size() >= 32
         and kv_cache.shape[1] % cfg["BLOCK_N"] == 0
     )
 
@@ -326,10 +343,13 @@ def mla_decode(
     num_splits: int | None = None,
     config: dict | None = None,
     pdl: bool = True,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, R+P], kv_cache [pages, page_size, R+P], page_table [B, max_pages] int32, seq_lens [B] int32
     (context including this step's q_len tokens), T = B * q_len -> out [T, H, R] (any strides).
-    Token j of a request's block sees positions 0 .. seq_len - q_len + j. Rows with nothing visible get 0."""
+    Token j of a request's block sees positions 0 .. seq_len - q_len + j. Rows with nothing visible get 0.
+    A float8_e4m3fn cache (attention/kv_fp8.py) takes kv_scale (1 fp32 element, the layer's) and is read as its
+    rows dequantized to q's dtype."""
     T, H, D = q.shape
     B = seq_lens.shape[0]
     R = out.shape[-1]
@@ -344,8 +364,16 @@ def mla_decode(
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [pages, page_size, {D}] with unit last stride")
     if R < 16 or R & (R - 1) or P < 1 or P & (P - 1):
         raise ValueError(f"R={R} must be a power of two >= 16 and P={P} a power of two")
-    if q.dtype != kv_cache.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"q dtype {q.dtype} and kv_cache dtype {kv_cache.dtype} must match (bf16/fp16/fp32)")
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if (not fp8 and q.dtype != kv_cache.dtype) or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"q dtype {q.dtype} and kv_cache dtype {kv_cache.dtype} must match (bf16/fp16/fp32), or the cache be "
+            "float8_e4m3fn"
+        )
+    if fp8 != (kv_scale is not None):
+        raise ValueError(f"kv_scale: a float8_e4m3fn cache needs one (fp32, 1 element), a {kv_cache.dtype} none")
+    if fp8 and (kv_scale.numel() != 1 or kv_scale.dtype != torch.float32):
+        raise ValueError(f"kv_scale must be 1 fp32 element, got {tuple(kv_scale.shape)} {kv_scale.dtype}")
     if q.stride(-1) != 1:
         raise ValueError("q must have unit stride in its last dim")
     if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or page_table.shape[0] != B:
@@ -387,6 +415,7 @@ def mla_decode(
         kv_p,
         page_table,
         seq_lens,
+        kv_scale if fp8 else seq_lens,  # never read without FP8
         out,
         part_o,
         part_lse,
@@ -413,6 +442,7 @@ def mla_decode(
         MIN_SPLIT_TILES=min_split_tiles,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         TMA=use_tma,
+        FP8=fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl,

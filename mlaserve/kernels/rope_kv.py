@@ -55,11 +55,14 @@ def _store_kv_row(
     BLOCK_HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NORM: tl.constexpr,
+    kv_scale=1.0,
+    FP8: tl.constexpr = False,
 ):
     """Token t's cache row at slot (>= 0): [c_kv, or kv_a_layernorm(c_kv) with NORM | rope(k_pe)]; norm_w: the
-    norm's weight (_kv_norm_weight). Reads the step's activations: call it after pdl_wait. Every load comes before
-    the first store (a store may alias a later load, so a load after it waits for it: one more round trip).
-    Shared by rope_store_kv and head_gemv.absorb_q_rope_store_kv."""
+    norm's weight (_kv_norm_weight). FP8 (an e4m3 cache, attention/kv_fp8.py): the row as c_kv's and k_pe's dtype
+    holds it, divided by kv_scale (the layer's, fp32), saturated and rounded to nearest even. Reads the step's
+    activations: call it after pdl_wait. Every load comes before the first store (a store may alias a later load, so
+    a load after it waits for it: one more round trip). Shared by rope_store_kv and head_gemv.absorb_q_rope_store_kv."""
     dst = Cache + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
     r = tl.arange(0, BLOCK_R)
     c = tl.load(Ckv + t.to(tl.int64) * stride_ct + r * stride_cr, mask=r < R, other=0.0)
@@ -74,10 +77,24 @@ def _store_kv_row(
         cf = c.to(tl.float32)
         y = (cf * tl.rsqrt(tl.sum(cf * cf, axis=0) / R + eps)).to(Ckv.dtype.element_ty)
         c = (norm_w.to(tl.float32) * y.to(tl.float32)).to(Ckv.dtype.element_ty)
-    tl.store(dst + r, c.to(Cache.dtype.element_ty), mask=r < R)
-    y0, y1 = _rotate_pairs(x0, x1, cs, sn)
-    tl.store(dst + R + 2 * i, y0.to(Cache.dtype.element_ty), mask=ok)
-    tl.store(dst + R + 2 * i + 1, y1.to(Cache.dtype.element_ty), mask=ok)
+    if FP8:
+        tl.store(dst + r, _to_fp8(c.to(Ckv.dtype.element_ty), kv_scale, Cache), mask=r < R)
+        y0, y1 = _rotate_pairs(x0, x1, cs, sn)
+        tl.store(dst + R + 2 * i, _to_fp8(y0.to(Kpe.dtype.element_ty), kv_scale, Cache), mask=ok)
+        tl.store(dst + R + 2 * i + 1, _to_fp8(y1.to(Kpe.dtype.element_ty), kv_scale, Cache), mask=ok)
+    else:
+        tl.store(dst + r, c.to(Cache.dtype.element_ty), mask=r < R)
+        y0, y1 = _rotate_pairs(x0, x1, cs, sn)
+        tl.store(dst + R + 2 * i, y0.to(Cache.dtype.element_ty), mask=ok)
+        tl.store(dst + R + 2 * i + 1, y1.to(Cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _to_fp8(x, kv_scale, Cache):
+    """attention.kv_fp8.quantize_kv: x / kv_scale in fp32 (div_rn: rounded as torch's division, where `/` would be
+    the approximate div.full), saturated to e4m3's +-448, rounded to nearest even in the cache's fp8."""
+    y = tl.math.div_rn(x.to(tl.float32), kv_scale)
+    return tl.minimum(tl.maximum(y, -448.0), 448.0).to(Cache.dtype.element_ty)
 
 
 @triton.jit
@@ -89,6 +106,7 @@ def _rope_store_kv_kernel(
     Cos,
     Sin,
     NormW,
+    KvScale,
     eps,
     stride_cp,
     stride_cs,
@@ -104,6 +122,7 @@ def _rope_store_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NORM: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_release(PDL)
@@ -112,6 +131,10 @@ def _rope_store_kv_kernel(
     if slot < 0:  # padding token (CUDA graphs): no slot
         return
     norm_w = _kv_norm_weight(NormW, R, BLOCK_R, NORM)
+    if FP8:
+        kv_scale = tl.load(KvScale)  # written by no kernel of the step: before the wait
+    else:
+        kv_scale = 1.0
     pdl_wait(PDL)
     _store_kv_row(
         Cache,
@@ -137,6 +160,8 @@ def _rope_store_kv_kernel(
         BLOCK_HALF,
         PAGE_SIZE,
         NORM,
+        kv_scale,
+        FP8,
     )
 
 
@@ -252,8 +277,13 @@ def _check_store_kv(
     cos: torch.Tensor,
     sin: torch.Tensor,
     norm_weight: torch.Tensor | None,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """rope_store_kv's inputs (also head_gemv.absorb_q_rope_store_kv's)."""
+    if (kv_cache.dtype == torch.float8_e4m3fn) != (kv_scale is not None):
+        raise ValueError(f"kv_scale: a float8_e4m3fn cache needs one (fp32, 1 element), a {kv_cache.dtype} none")
+    if kv_scale is not None and (kv_scale.numel() != 1 or kv_scale.dtype != torch.float32):
+        raise ValueError(f"kv_scale must be 1 fp32 element, got {tuple(kv_scale.shape)} {kv_scale.dtype}")
     if c_kv.dim() != 2:
         raise ValueError(f"c_kv {tuple(c_kv.shape)} must be [T, R]")
     T, R = c_kv.shape
@@ -282,11 +312,14 @@ def rope_store_kv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     pdl: bool = True,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """kv_cache [pages, page_size, R+P]; slot_mapping [T] int64 (page * page_size + offset; < 0 skips);
     c_kv [T, R], k_pe [T, P] (strided views allowed); cos/sin [T, P/2] fp32. Writes [c_kv | rope(k_pe)], or with
-    norm_weight [R] (c_kv's dtype) [rms_norm(c_kv) | rope(k_pe)]: the kv_a_layernorm in the same launch."""
-    _check_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight)
+    norm_weight [R] (c_kv's dtype) [rms_norm(c_kv) | rope(k_pe)]: the kv_a_layernorm in the same launch.
+    A float8_e4m3fn cache takes kv_scale (1 fp32 element, the layer's): the row is stored as attention.kv_fp8.
+    quantize_kv stores it."""
+    _check_store_kv(kv_cache, slot_mapping, c_kv, k_pe, cos, sin, norm_weight, kv_scale)
     T, R = c_kv.shape
     P, page_size = k_pe.shape[-1], kv_cache.shape[1]
     if T == 0:
@@ -299,6 +332,7 @@ def rope_store_kv(
         cos,
         sin,
         c_kv if norm_weight is None else norm_weight,
+        c_kv if kv_scale is None else kv_scale,  # never read without FP8
         float(eps),
         kv_cache.stride(0),
         kv_cache.stride(1),
@@ -315,6 +349,7 @@ def rope_store_kv(
         # with the norm: rms_norm's warps, hence its reduction order, so the two paths round alike
         PAGE_SIZE=page_size,
         NORM=norm_weight is not None,
+        FP8=kv_scale is not None,
         num_warps=(4 if R >= 256 else 1) if norm_weight is None else _norm_launch_args(R)["num_warps"],
         **pdl_args(c_kv, pdl),
     )

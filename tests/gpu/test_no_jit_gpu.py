@@ -38,13 +38,14 @@ class CompileCounter:
         self.knobs.jit_post_compile_hook = self.prev
 
 
-def _llm(ckpt, spec=None):
+def _llm(ckpt, spec=None, kv_cache_dtype="auto"):
     from mlaserve import LLM
 
     return LLM(
         ckpt,
         device="cuda",
         dtype="bfloat16",
+        kv_cache_dtype=kv_cache_dtype,
         speculative_config=spec,
         max_model_len=16448,
         max_num_seqs=MAX_SEQS,
@@ -81,8 +82,10 @@ def _workload(llm, spec: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "eagle3"])
-def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative):
+@pytest.mark.parametrize(
+    "speculative,kv_cache_dtype", [(False, "auto"), (True, "auto"), (False, "fp8")], ids=["plain", "eagle3", "fp8kv"]
+)
+def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative, kv_cache_dtype):
     pytest.importorskip("triton")
     spec = None
     if speculative:
@@ -91,7 +94,7 @@ def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative):
         draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
         spec = {"draft_model": draft, "num_steps": 1}  # verify width 2, as the seed's protocol runs
     with CompileCounter() as start:
-        llm = _llm(tiny_ckpt, spec)
+        llm = _llm(tiny_ckpt, spec, kv_cache_dtype)
     assert start.compiled, "start-up compiled nothing: the hook is not called on this Triton"
     assert llm.engine.warmup_seconds is not None
     print(f"\nstart-up: {len(start.compiled)} kernel variants, warm-up {llm.engine.warmup_seconds:.1f}s")

@@ -47,8 +47,10 @@ def run_model(
     seed: int = 0,
     num_splits: int | None = None,
     kernels=None,
+    kv_scale: float | None = None,
 ) -> list[torch.Tensor]:
-    """kernels: a KernelConfig for the model (default: the defaults)."""
+    """kernels: a KernelConfig for the model (default: the defaults). kv_scale: an FP8 (e4m3) latent cache with
+    this scale in every layer (None: the cache in dtype)."""
     from mlaserve.attention.torch_ref import TorchRefBackend
     from mlaserve.attention.triton_mla import TritonMLABackend
     from mlaserve.config import ModelConfig
@@ -60,11 +62,14 @@ def run_model(
     model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl, kernels=kernels or KernelConfig())
     load_weights(model, ckpt, progress=False)
     model.to(device).eval()
-    cache = torch.zeros(cfg.num_hidden_layers, 8, PAGE, cfg.kv_cache_dim, dtype=dtype, device=device)
+    L = cfg.num_hidden_layers
+    kv_dtype = dtype if kv_scale is None else torch.float8_e4m3fn
+    cache = torch.zeros(L, 8, PAGE, cfg.kv_cache_dim, dtype=kv_dtype, device=device)
+    fp8 = {} if kv_scale is None else dict(kv_scale=torch.full((L,), kv_scale, device=device), dtype=dtype)
     if backend == "triton":
-        attn = TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=num_splits)
+        attn = TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=num_splits, **fp8)
     else:
-        attn = TorchRefBackend(cache, cfg.kv_lora_rank)
+        attn = TorchRefBackend(cache, cfg.kv_lora_rank, **fp8)
     logits = []
     with torch.no_grad():
         for batch in _batches(attn, device, cfg.vocab_size, torch.Generator().manual_seed(seed)):
@@ -192,5 +197,21 @@ def check_model_backends(ckpt: str, device, dtype, moe_impl: str, num_splits: in
                 f"{[round(x, 4) for x in rows.tolist()]}"
             )
             assert err < max(2e-2, 1.5 * base.median().item()) and far <= max(0.2, 2 * base_far), msg
+        errs.append(err)
+    return errs
+
+
+def check_model_backends_fp8(ckpt: str, device, dtype, num_splits: int | None = None) -> list[float]:
+    """An FP8 latent cache through TritonMLABackend (store, decode, prefill context) against TorchRefBackend with
+    the same FP8 cache, both with the torch MoE, in dtype: held to check_model_backends' fp32 tolerance in fp32
+    (both quantize the same rows), and in bf16 to the typical row within 2e-2 of the reference's logits."""
+    ref = run_model(ckpt, device, dtype, "torch", "torch", kv_scale=0.37)
+    out = run_model(ckpt, device, dtype, "triton", "torch", num_splits=num_splits, kv_scale=0.37)
+    errs = []
+    for step, (o, r) in enumerate(zip(out, ref)):
+        assert o.shape == r.shape and torch.isfinite(o).all(), f"step {step}: shape {o.shape} vs {r.shape} or NaN"
+        rows = _row_errs(o, r)
+        err = rel_err(o, r) if dtype == torch.float32 else rows.median().item()
+        assert err < (TOL[dtype] if dtype == torch.float32 else 2e-2), f"step {step} fp8 cache ({dtype}): {rows}"
         errs.append(err)
     return errs

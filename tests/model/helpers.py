@@ -51,6 +51,8 @@ class RefRunner:
         page_size: int = 4,
         cache_dtype: torch.dtype | None = None,
         seed: int = 0,
+        kv_scale: float = 1.0,
+        backend=TorchRefBackend,
     ):
         cfg = model.config
         self.model, self.page_size = model, page_size
@@ -63,7 +65,11 @@ class RefRunner:
             dtype=dtype,
             device=model.lm_head.weight.device,
         )
-        self.attn = TorchRefBackend(self.kv_cache, cfg.kv_lora_rank)
+        if dtype == torch.float8_e4m3fn:  # an FP8 cache: one scale per layer, read back in the model's dtype
+            scale = torch.full((cfg.num_hidden_layers,), kv_scale, device=self.kv_cache.device)
+            self.attn = backend(self.kv_cache, cfg.kv_lora_rank, scale, model.lm_head.weight.dtype)
+        else:
+            self.attn = backend(self.kv_cache, cfg.kv_lora_rank)
         self.free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
 
     def new_seq(self) -> Seq:

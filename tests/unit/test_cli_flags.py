@@ -23,7 +23,7 @@ def test_help_shows_defaults(argv, capsys):
 
 
 def test_pasted_vllm_and_sglang_flags_mean_what_they_say():
-    """vLLM's flags are accepted with their meaning here, SGLang's names are aliases, an FP8 KV cache is refused."""
+    """vLLM's flags are accepted with their meaning here, SGLang's names are aliases."""
     import argparse
 
     from mlaserve.args import add_engine_args, compat_notes, engine_kwargs_from_args
@@ -42,10 +42,27 @@ def test_pasted_vllm_and_sglang_flags_mean_what_they_say():
     assert p.parse_args(["--enable-prefix-caching"]).enable_prefix_caching is True
     assert p.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert p.parse_args(["--kv-cache-dtype", "auto"]).kv_cache_dtype == "auto"
+    assert kw["kv_cache_dtype"] == "auto"
 
 
-@pytest.mark.parametrize("value,says", [("fp8", "FP8 KV cache is not implemented"), ("float16", "model's dtype")])
-def test_kv_cache_dtype_other_than_auto_is_refused_in_one_line(value, says, capsys):
+@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3"])
+def test_kv_cache_dtype_accepted_and_passed_to_the_engine(value):
+    import argparse
+
+    from mlaserve.args import add_engine_args, engine_kwargs_from_args
+    from mlaserve.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs_from_args(p.parse_args(["--kv-cache-dtype", value]))
+    assert kw["kv_cache_dtype"] == value
+    EngineConfig(model="m", **kw).validate()
+
+
+@pytest.mark.parametrize(
+    "value,says", [("fp8_e5m2", "e5m2 cache is not implemented"), ("float16", "not supported"), ("FP8", "fp8_e4m3")]
+)
+def test_kv_cache_dtype_outside_auto_and_fp8_is_refused_in_one_line(value, says, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--kv-cache-dtype", value, "--prompt", "hi"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -91,3 +108,11 @@ def test_serve_refuses_unknown_parsers_before_loading_the_model(flags, says, tmp
     assert main(["serve", str(tmp_path / "no-model"), *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0] and "config.json" not in err[0]
+
+
+@pytest.mark.parametrize("value", ["fp8_e5m2", "bfloat16", "int8"])
+def test_engine_config_refuses_a_kv_cache_dtype_naming_the_field(value):
+    from mlaserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^kv_cache_dtype: '{value}' is not supported.*auto.*fp8_e4m3"):
+        EngineConfig(model="m", kv_cache_dtype=value).validate()

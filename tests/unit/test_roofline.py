@@ -71,3 +71,12 @@ def test_quantized_floors_count_the_bytes_stored():
     dense = 3 * p.dense_mlp + 2 * p.shared
     saved = decode_bytes(bf16, 1, 512) - decode_bytes(fp8, 1, 512)
     assert saved == pytest.approx((routed + dense + 5 * linears) * (2 - FP8_BYTES), rel=1e-9)
+
+
+def test_an_fp8_kv_cache_halves_the_floor_s_kv_bytes():
+    from mlaserve.bench.roofline import decode_bytes
+
+    c = ModelConfig.from_hf(load_preset("moonlight-16b-a3b"))
+    kv = 32 * (8192 + 1) * c.num_hidden_layers * c.kv_cache_dim  # values of the latent cache read by one step
+    assert decode_bytes(c, 32, 8192) - decode_bytes(c, 32, 8192, kv_dtype_bytes=1) == pytest.approx(kv, abs=1)
+    assert decode_bytes(c, 32, 8192, kv_dtype_bytes=2) == decode_bytes(c, 32, 8192)
