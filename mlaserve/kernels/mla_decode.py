@@ -381,7 +381,9 @@ def mla_decode(
     page_size = kv_cache.shape[1]
     if page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a power of two")
-    cfg = dict(decode_config(H, q_len, q.dtype), **(config or {}))  # config: tile overrides, MIN_SPLIT_TOKENS
+    config = dict(config or {})
+    few = config.pop("FEW", None)  # the batch 1-3 tiles: by default when fewer than TMA_MIN_PROGRAMS programs
+    cfg = dict(decode_config(H, q_len, q.dtype), **config)  # config: tile overrides, MIN_SPLIT_TOKENS, TMA
     # TMA pays a fixed cost per program (descriptor fetch, barriers): with few programs over short contexts (batch
     # 1 at 512 tokens: one-tile splits) pointer loads were faster in the engine, 6.0 vs 7.1 us per layer.
     programs = B * triton.cdiv(H, cfg["BLOCK_H"])
@@ -397,10 +399,10 @@ def mla_decode(
     else:
         part_o = part_lse = out  # unused
     use_tma = _use_tma(cfg, kv_cache, P)
-    if _few(programs, q.dtype) and not use_tma:
+    if (_few(programs, q.dtype) if few is None else few) and not use_tma:
         # batch 1-3 (latency bound): 16-token tiles and splits, 2 stages (one tile ahead), up to 128 splits; they
         # beat 32-token tiles with <= 64 splits at every context (`kernels_bench --only mla_sweep`).
-        cfg = {**cfg, **FEW_PROGRAMS, **(config or {})}
+        cfg = {**cfg, **FEW_PROGRAMS, **config}
     kv_n = kv_p = None  # None arguments are constexpr: the pointer variant has no descriptor parameters
     if use_tma:  # descriptors of the cache as rows [pages * page_size, R + P]: the [N, R] latent and [N, P] rope
         rows = kv_cache.view(-1, D)
