@@ -199,7 +199,9 @@ class KernelConfig:
         return dict(gemv1=dict(BLOCK_N=n1, num_warps=w1), gemv2=dict(BLOCK_N=n2, num_warps=w2))
 
 
-# What deterministic mode sets (KernelConfig.batch_invariant): every step, whatever its size, takes the same form.
+# What deterministic mode sets (KernelConfig.batch_invariant): every step, whatever its size, takes the same form;
+# with `deterministic` on, the dense GEMMs these leave (linears, lm_head, router, absorbed projections, kv_b_proj
+# over a prefill's context) run on kernels/bi_gemm instead of cuBLAS.
 DETERMINISTIC_PINS = dict(
     gemv_serve_tokens=0,  # no Triton GEMV for 1-2 rows: every dense step the tiled form
     head_gemv_max_tokens=0,  # absorbed projections by torch.bmm at every size (and so no fused absorb + store)
@@ -219,12 +221,11 @@ DETERMINISTIC_PINS = dict(
 
 # Kernels whose reduction order still depends on the step in deterministic mode: configuration cannot fix them.
 NOT_YET_INVARIANT = (
-    "dense bf16 GEMMs (torch.mm / F.linear / torch.bmm: cuBLAS picks its algorithm and split-K by M; the linears, "
-    "the absorbed projections, kv_b_proj over a prefill's context, the router GEMM, the lm_head)",
     "FP8 linears and experts (fp8_gemm's SPLIT_K and tiles by M; the grouped GEMM's tiles by rows per expert)",
     "INT4 experts (int4_gemm's tiles by the step)",
     "the TP all-reduce (the algorithm by message size)",
     "EAGLE3 verify against plain decode (MLA decode's tiles by q_len)",
+    "the EAGLE3 draft's own lm_head GEMM (cuBLAS; it changes which tokens are proposed, not the output)",
 )
 
 

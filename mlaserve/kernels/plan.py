@@ -15,7 +15,7 @@ import triton
 from ..kernel_config import KernelConfig
 
 # The plan's entries that configuration alone cannot make batch-invariant (kernel_config.NOT_YET_INVARIANT)
-NOT_YET_INVARIANT_POINTS = ("dense_gemm", "fp8_gemm_tiles", "int4_form")
+NOT_YET_INVARIANT_POINTS = ("fp8_gemm_tiles", "int4_form")
 
 
 class _OnGpu(torch.Tensor):
@@ -49,6 +49,7 @@ def reduction_plan(
 ) -> dict[str, object]:
     """Each decision point's choice for a step of `tokens` rows (decode: tokens // q_len requests, each with a
     seq_len context) of a model of these sizes (M1-like by default)."""
+    from .bi_gemm import TILES_16, TILES_32
     from .fp8_gemm import fp8_gemm_config
     from .fp8_linear import linear_form
     from .fp8_moe import moe_form as fp8_moe_form
@@ -67,18 +68,21 @@ def reduction_plan(
     plan["lm_head"] = (
         "gemv" if gemv_serves(x, _t(vocab, hidden, dtype=dtype), None, kernels.gemv_serve_tokens) else "gemm"
     )
-    # cuBLAS picks its kernel (and split-K) by M: the form is one, the reduction order is not (NOT_YET_INVARIANT)
-    plan["dense_gemm"] = ("cublas", T)
+    # the GEMMs the GEMVs leave (linears, lm_head, router, absorbed projections, kv_b_proj over a prefill's
+    # context): cuBLAS picks its kernel and split-K by M; deterministic mode's bi_gemm has one tile config
+    bi = kernels.deterministic
+    plan["dense_gemm"] = ("bi_gemm", tuple(sorted((TILES_32 if dtype == torch.float32 else TILES_16).items())))
+    if not bi:
+        plan["dense_gemm"] = ("cublas", T)
     q = _t(T, heads, nope, dtype=dtype)
     absorb = head_gemv_serves(q, _t(heads, nope, rank, dtype=dtype), kernels.head_gemv_max_tokens)
-    plan["absorb"] = "head_gemv" if absorb else "bmm"
+    plan["absorb"] = "head_gemv" if absorb else "bi_gemm" if bi else "bmm"
     plan["absorb_store"] = kernels.absorb_store and absorb
     # DeepseekV3MoE.forward and .route: the shared experts inside the fused MoE; the router's split-K GEMM
     fuse = T <= kernels.fuse_shared_max_tokens
     plan["fuse_shared"] = fuse
-    plan["router"] = (
-        "splitk" if T <= kernels.router_splitk_max_tokens and experts <= ROUTER_SPLITK_MAX_EXPERTS else "mm"
-    )
+    splitk = T <= kernels.router_splitk_max_tokens and experts <= ROUTER_SPLITK_MAX_EXPERTS
+    plan["router"] = "splitk" if splitk else "bi_gemm" if bi else "mm"
     e_all = experts + (n_shared if fuse else 0)
     config = dict(kernels.moe_fixed_config() or {})  # what layers.moe.Experts passes fused_experts
     k_all = top_k + (n_shared if fuse else 0)

@@ -65,7 +65,7 @@ def test_llm_deterministic_logs_what_it_pins(tiny_ckpt, caplog):
         llm = LLM(tiny_ckpt, device="cpu", deterministic=True)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("deterministic inference:")]
     assert len(lines) == 1, lines
-    assert "router_splitk_max_tokens=0" in lines[0] and "not yet batch-invariant: dense bf16 GEMMs" in lines[0]
+    assert "router_splitk_max_tokens=0" in lines[0] and "not yet batch-invariant: FP8 linears" in lines[0]
     assert llm.engine_config.kernels.deterministic
     got = llm.generate([[1, 2, 3, 4]], params)[0].token_ids
     plain = LLM(tiny_ckpt, device="cpu").generate([[1, 2, 3, 4]], params)[0].token_ids
