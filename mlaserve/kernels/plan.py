@@ -111,4 +111,6 @@ def reduction_plan(
     bn = tiles["BLOCK_N"]
     cut = max(triton.cdiv(triton.cdiv(seq_len, bn), S), min_tiles) * bn
     plan["mla_decode"] = (S, bn, tiles["num_stages"], tma, cut)
+    # rows a program holds (tokens of a verify block x heads): by q_len, so a verify row is not a decode row yet
+    plan["mla_rows"] = (tiles["BLOCK_QL"], tiles["BLOCK_H"], tiles["num_warps"])
     return plan

@@ -55,3 +55,14 @@ def test_deterministic_mla_cut_depends_on_the_sequence_length_alone():
         assert cut == (256 if seq_len <= S * 256 else -(-seq_len // (S * 32)) * 32), (seq_len, cut)
     # the default cut changes with the batch at one length
     assert len({reduction_plan(KernelConfig(), B, seq_len=4096)["mla_decode"][-1] for B in (1, 4, 64)}) > 1
+
+
+def test_verify_rows_are_listed_as_not_yet_invariant():
+    """An EAGLE3 verify of width 2 holds its rows in other MLA tiles than plain decode: listed, not yet fixed."""
+    from mlaserve.kernel_config import NOT_YET_INVARIANT, KernelConfig
+    from mlaserve.kernels.plan import reduction_plan
+
+    k = KernelConfig().batch_invariant()
+    decode, verify = reduction_plan(k, 8, q_len=1), reduction_plan(k, 16, q_len=2)
+    assert decode["mla_rows"] != verify["mla_rows"]
+    assert any("verify" in line for line in NOT_YET_INVARIANT)
