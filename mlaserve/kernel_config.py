@@ -203,8 +203,8 @@ class KernelConfig:
 # with `deterministic` on, the dense GEMMs these leave (linears, lm_head, router, absorbed projections, kv_b_proj
 # over a prefill's context) run on kernels/bi_gemm instead of cuBLAS.
 DETERMINISTIC_PINS = dict(
-    gemv_serve_tokens=0,  # no Triton GEMV for 1-2 rows: every dense step the tiled form
-    head_gemv_max_tokens=0,  # absorbed projections by torch.bmm at every size (and so no fused absorb + store)
+    gemv_serve_tokens=0,  # no Triton GEMV for 1-2 rows: every dense step bi_gemm's one tiled form
+    head_gemv_max_tokens=0,  # absorbed projections by bi_gemm at every size (and so no fused absorb + store)
     absorb_store=False,
     fuse_shared_max_tokens=0,  # the shared experts as the dense MLP at every size
     no_align_max_pairs=0,  # the MoE: aligned blocks at every size

@@ -375,7 +375,8 @@ def mla_decode(
     (context including this step's q_len tokens), T = B * q_len -> out [T, H, R] (any strides).
     Token j of a request's block sees positions 0 .. seq_len - q_len + j. Rows with nothing visible get 0.
     A float8_e4m3fn cache (attention/kv_fp8.py) takes kv_scale (1 fp32 element, the layer's) and is read as its
-    rows dequantized to q's dtype."""
+    rows dequantized to q's dtype. config (benchmarks, tests, deterministic mode): tile overrides, MIN_SPLIT_TOKENS,
+    TMA, FEW (the batch 1-3 tiles on or off; default by the program count): split_plan."""
     T, H, D = q.shape
     B = seq_lens.shape[0]
     R = out.shape[-1]
