@@ -226,6 +226,7 @@ NOT_YET_INVARIANT = (
     "the TP all-reduce (the algorithm by message size)",
     "EAGLE3 verify against plain decode (MLA decode's tiles by q_len)",
     "the EAGLE3 draft's own lm_head GEMM (cuBLAS; it changes which tokens are proposed, not the output)",
+    "the torch reference backends on the GPU (--attention-backend torch, --moe-backend torch: cuBLAS GEMMs)",
 )
 
 
