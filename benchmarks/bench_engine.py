@@ -229,6 +229,9 @@ def main():
     ap.add_argument("--preset", default=None)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--dummy", action="store_true")
+    ap.add_argument(
+        "--deterministic", action="store_true", help="--deterministic-inference (batch-invariant kernels) for mlaserve"
+    )
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--draft", default=None)
     ap.add_argument("--spec-only", action="store_true")
@@ -345,6 +348,7 @@ def main():
         enable_prefix_caching=False,
         max_num_seqs=max(batches),
         disable_overlap_schedule=a.no_overlap,
+        deterministic=a.deterministic,
         max_model_len=max(ctxs + ttfts) + 128,
         kv_cache_dtype=a.kv_cache_dtype,
     )

@@ -52,6 +52,10 @@ class Sizes:
     # lin_decode: decode-sized dense projections [N, K] (M1's q|kv_a and o_proj)
     decode_linears: tuple = ((3648, 2048), (2048, 2048))
     decode_linear_T: tuple = (1, 2, 4, 8, 32)
+    # bi_gemm: deterministic mode's dense GEMM against F.linear at M1's linears ([N, K]: q|kv_a, o_proj, the dense
+    # MLP's gate|up and down, the lm_head), decode to prefill row counts
+    bi_gemm_shapes: tuple = ((3648, 2048), (2048, 2048), (22528, 2048), (2048, 11264), (163840, 2048))
+    bi_gemm_M: tuple = (1, 8, 32, 256, 8192)
     decode_max_cfgs: int = 16  # moe_decode tiles per GEMM, lin_decode GEMV tiles, absorb head_gemv tiles
     # absorb: the absorbed projections' bmm vs head_gemv (M1's 16 heads; Kimi-K2.5 at attention TP4 has 16 too)
     absorb_heads: int = 16
@@ -89,6 +93,8 @@ def smoke_sizes() -> Sizes:
         decode_T=(1,),
         decode_linears=((24, 16),),
         decode_linear_T=(1,),
+        bi_gemm_shapes=((24, 16),),
+        bi_gemm_M=(1, 3),
         decode_max_cfgs=2,
         absorb_heads=2,
         absorb_T=(1,),

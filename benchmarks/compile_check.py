@@ -535,8 +535,10 @@ def cases(quick: bool):
                 torch.empty(T, KVH, d, dtype=dtype),
             ),
         )
+    from benchmarks.deterministic_compile_cases import deterministic_cases
     from benchmarks.fp8_compile_cases import fp8_cases
 
+    yield from deterministic_cases(quick)
     yield from fp8_cases(quick)
 
 

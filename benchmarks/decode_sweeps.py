@@ -145,6 +145,32 @@ def run_linear_decode(rep: Report, sz: Sizes):
         ws = None
 
 
+def run_bi_gemm(rep: Report, sz: Sizes):
+    """Deterministic mode's dense GEMM (kernels/bi_gemm.py: one tile config at every M, no split-K) against F.linear
+    (cuBLAS) at M1's linears and decode to prefill row counts: the mode's GEMM cost, and its rows checked equal to
+    the largest M's."""
+    import torch.nn.functional as F
+
+    from mlaserve.kernels.bi_gemm import bi_gemm
+
+    for N, Kd in sz.bi_gemm_shapes:
+        w = (torch.randn(N, Kd, device=sz.dev) / Kd**0.5).to(BF)
+        xs = torch.randn(max(sz.bi_gemm_M), Kd, device=sz.dev).to(BF)
+        full = bi_gemm(xs, w)
+        for M in sz.bi_gemm_M:
+            x = xs[:M]
+            ref = F.linear(x.float(), w.float())
+            same = bool(torch.equal(bi_gemm(x, w), full[:M]))
+            for name, fn in (("F.linear", lambda: F.linear(x, w)), ("bi_gemm", lambda: bi_gemm(x, w))):  # noqa: B023
+                ms = bench(fn, sz)
+                nbytes, flops = (N * Kd + M * Kd + M * N) * 2, 2 * M * N * Kd
+                err = rel(fn(), ref)
+                rep.add("bi_gemm", f"[{N}, {Kd}] M={M} {name}", ms, nbytes, flops, err=err, M=M, rows_equal=same)
+            if not same:
+                print(f"bi_gemm [{N}, {Kd}] M={M}: rows differ from M={max(sz.bi_gemm_M)}'s")
+        w = xs = full = None
+
+
 HEAD_GEMV_BN = {"q": (8, 16, 32, 64), "out": (2, 4, 8, 16)}
 
 

@@ -41,7 +41,13 @@ from benchmarks.bench_util import (  # noqa: E402
     rel,
     smoke_sizes,
 )
-from benchmarks.decode_sweeps import run_absorb, run_launch, run_linear_decode, run_moe_decode  # noqa: E402
+from benchmarks.decode_sweeps import (  # noqa: E402
+    run_absorb,
+    run_bi_gemm,
+    run_launch,
+    run_linear_decode,
+    run_moe_decode,
+)
 from benchmarks.fp8_bench import run_fp8_linear, run_fp8_moe  # noqa: E402
 from benchmarks.int4_moe_bench import run_int4_moe  # noqa: E402
 from benchmarks.moe_sweeps import run_moe_layers, run_moe_norm, run_moe_shared, run_moe_sweep  # noqa: E402
@@ -374,6 +380,7 @@ SECTIONS = {
     "moe_norm": run_moe_norm,
     "moe_decode": run_moe_decode,
     "lin_decode": run_linear_decode,
+    "bi_gemm": run_bi_gemm,
     "absorb": run_absorb,
     "launch": run_launch,
     "int4_moe": run_int4_moe,
@@ -390,6 +397,7 @@ SWEEPS = (
     "moe_norm",
     "moe_decode",
     "lin_decode",
+    "bi_gemm",
     "absorb",
     "fp8_linear",
     "fp8_moe",

@@ -51,6 +51,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="read each decode step back before launching the next (no overlapped decode)",
     )
+    g.add_argument(
+        "--deterministic-inference",
+        "--enable-deterministic-inference",
+        dest="deterministic",
+        action="store_true",
+        help="batch-invariant kernels: a request's greedy tokens do not depend on what shares its steps "
+        "(README says what is not yet covered)",
+    )
     g.add_argument("--prefill-graph-max-tokens", type=int, default=8192, help="largest prefill CUDA graph")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument(
@@ -138,6 +146,7 @@ ENGINE_FIELDS = (
     "enable_prefix_caching",
     "enforce_eager",
     "disable_overlap_schedule",
+    "deterministic",
     "prefill_graph_max_tokens",
     "attention_backend",
     "kv_cache_dtype",

@@ -497,6 +497,13 @@ class EngineConfig:
     chat_template: str | None = None  # a chat template replacing the tokenizer's (the text, not a path)
     # the kernels' switches and thresholds; by default the MLASERVE_* environment's, read once here
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
+    # deterministic inference: a request's tokens do not depend on what it is batched with (kernels pinned by
+    # KernelConfig.batch_invariant; what is not yet invariant: kernel_config.NOT_YET_INVARIANT)
+    deterministic: bool = False
+
+    def __post_init__(self):
+        if self.deterministic and not self.kernels.deterministic:  # the kernels every rank gets (frozen: set once)
+            object.__setattr__(self, "kernels", self.kernels.batch_invariant())
 
     def validate(self) -> None:
         for name, lo in (

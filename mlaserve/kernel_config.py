@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ALLREDUCE_BACKENDS = ("auto", "nccl", "one_shot", "two_shot")
 
@@ -78,6 +78,16 @@ class KernelConfig:
     # is measured on GPUs: benchmarks/ep_a2a_bench.py): never. `--moe-a2a-min-tokens`
     moe_a2a_min_tokens: int | None = None
 
+    # ---- deterministic inference (`--deterministic-inference`; set by `batch_invariant()`) ----
+    # on: every switch above that picks a form by the step's size is pinned to one form, so that a row's reduction
+    # order depends on the row alone (DETERMINISTIC_PINS; NOT_YET_INVARIANT lists what configuration cannot fix)
+    deterministic: bool = False
+    # MLA decode: None, the split count from the batch (mla_decode.default_num_splits) and the tiles from the
+    # program count; a number, that many splits whatever the batch, with the split kernel's default tiles, each
+    # split at least mla_split_tokens long: the cut then depends on the sequence's length alone
+    mla_num_splits: int | None = None
+    mla_split_tokens: int | None = None
+
     def __post_init__(self):
         for name in (
             "gemv_max_bytes",
@@ -91,6 +101,8 @@ class KernelConfig:
             "fp8_scaled_mm_min_rows",
             "int4_gemv_max_pairs",
             *(("moe_a2a_min_tokens",) if self.moe_a2a_min_tokens is not None else ()),
+            *(("mla_num_splits",) if self.mla_num_splits is not None else ()),
+            *(("mla_split_tokens",) if self.mla_split_tokens is not None else ()),
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -104,6 +116,8 @@ class KernelConfig:
                 f"kernels.allreduce (MLASERVE_ALLREDUCE): must be one of {', '.join(ALLREDUCE_BACKENDS)}, "
                 f"got {self.allreduce!r}"
             )
+        if self.mla_num_splits == 0:
+            raise ValueError("kernels.mla_num_splits: must be an integer >= 1 (or None), got 0")
         t = self.moe_gemv_tiles
         if t is not None and (len(t) != 4 or any(not isinstance(n, int) or n < 1 for n in t)):
             raise ValueError(f"kernels.moe_gemv_tiles: must be 4 positive integers (n1, w1, n2, w2), got {t!r}")
@@ -135,6 +149,46 @@ class KernelConfig:
             allreduce=env.get("MLASERVE_ALLREDUCE", "auto"),
         )
 
+    def batch_invariant(self) -> KernelConfig:
+        """This config in deterministic mode: each threshold that picks a kernel form by the step's token count
+        pinned so that every step takes one form (DETERMINISTIC_PINS), the MLA decode cut fixed, the MoE tiles
+        fixed (moe_fixed_config). The switches that change no result (pdl, moe_tma, moe_prewait) are kept."""
+        return replace(self, deterministic=True, **DETERMINISTIC_PINS)
+
+    def moe_fixed_config(self) -> dict | None:
+        """fused_experts' `config` in deterministic mode: the tiled GEMMs with one tile config for every step
+        (moe_config's 64-row band: BLOCK_K 64, no split-K), no per-pair blocks, no GEMV form; None otherwise."""
+        if not self.deterministic:
+            return None
+        gemm = dict(BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+        return dict(
+            no_align=False,
+            gemv=False,
+            tma=False,
+            BLOCK_M=64,
+            gemm1=dict(gemm, BLOCK_N=64),
+            gemm2=dict(gemm, BLOCK_N=128),
+        )
+
+    def mla_decode_args(self) -> tuple[int | None, dict | None]:
+        """mla_decode's (num_splits, config): (None, None) by default (both from the batch); in deterministic mode
+        the fixed split count and tiles (pointer loads with the default tiles: TMA and the few-program tiles are
+        picked by the batch's program count) with each split at least mla_split_tokens long."""
+        if self.mla_num_splits is None:
+            return None, None
+        cfg = dict(TMA=False, FEW=False)
+        if self.mla_split_tokens is not None:
+            cfg["MIN_SPLIT_TOKENS"] = self.mla_split_tokens
+        return self.mla_num_splits, cfg
+
+    def deterministic_summary(self) -> str:
+        """The start-up log line of deterministic mode: what it pins and what is not yet invariant."""
+        pins = ", ".join(f"{k}={getattr(self, k)}" for k in DETERMINISTIC_PINS)
+        return (
+            f"deterministic inference: pinned {pins}; MoE tiles {self.moe_fixed_config()}; "
+            f"not yet batch-invariant: {'; '.join(NOT_YET_INVARIANT)}"
+        )
+
     def moe_gemv_config(self) -> bool | dict:
         """fused_experts' `gemv` for steps the GEMV form may serve: off, on, or on with moe_gemv's tiles."""
         if not self.moe_gemv:
@@ -143,6 +197,37 @@ class KernelConfig:
             return True
         n1, w1, n2, w2 = self.moe_gemv_tiles
         return dict(gemv1=dict(BLOCK_N=n1, num_warps=w1), gemv2=dict(BLOCK_N=n2, num_warps=w2))
+
+
+# What deterministic mode sets (KernelConfig.batch_invariant): every step, whatever its size, takes the same form;
+# with `deterministic` on, the dense GEMMs these leave (linears, lm_head, router, absorbed projections, kv_b_proj
+# over a prefill's context) run on kernels/bi_gemm instead of cuBLAS.
+DETERMINISTIC_PINS = dict(
+    gemv_serve_tokens=0,  # no Triton GEMV for 1-2 rows: every dense step bi_gemm's one tiled form
+    head_gemv_max_tokens=0,  # absorbed projections by bi_gemm at every size (and so no fused absorb + store)
+    absorb_store=False,
+    fuse_shared_max_tokens=0,  # the shared experts as the dense MLP at every size
+    no_align_max_pairs=0,  # the MoE: aligned blocks at every size
+    moe_gemv=False,  # ... never the grouped GEMV form
+    router_splitk_max_tokens=0,  # the router GEMM in one piece, never split-K
+    fp8_gemv_max_rows=0,  # FP8 linears: never the W8A16 GEMV
+    fp8_a8_min_tokens=0,  # FP8: W8A8 (per-token activation scales: a row's own) at every size
+    fp8_scaled_mm_min_rows=1 << 62,  # FP8: the Triton GEMM, never scaled_mm (cuBLAS picks by M)
+    int4_gemv_max_pairs=0,  # INT4 experts: the grouped GEMM at every size
+    moe_a2a_min_tokens=None,  # EP: never the all-to-all form
+    mla_num_splits=32,  # MLA decode: 32 splits whatever the batch ...
+    mla_split_tokens=256,  # ... of >= 256 tokens: fixed 256-token chunks up to 8k context, 32 equal ones beyond
+)
+
+# Kernels whose reduction order still depends on the step in deterministic mode: configuration cannot fix them.
+NOT_YET_INVARIANT = (
+    "FP8 linears and experts (fp8_gemm's SPLIT_K and tiles by M; the grouped GEMM's tiles by rows per expert)",
+    "INT4 experts (int4_gemm's tiles by the step)",
+    "the TP all-reduce (the algorithm by message size)",
+    "EAGLE3 verify against plain decode (MLA decode's tiles by q_len)",
+    "the EAGLE3 draft's own lm_head GEMM (cuBLAS; it changes which tokens are proposed, not the output)",
+    "the torch reference backends on the GPU (--attention-backend torch, --moe-backend torch: cuBLAS GEMMs)",
+)
 
 
 def use_kernels(module, kernels: KernelConfig) -> None:

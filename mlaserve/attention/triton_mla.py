@@ -126,6 +126,7 @@ class TritonMLABackend(AttentionBackend):
 
     def decode(self, layer_id, q, scale, batch, out):
         nd = batch.num_decode_reqs
+        splits, cfg = self.kernels.mla_decode_args()  # deterministic mode: a cut by the sequence's length alone
         return mla_decode(
             q,
             self.kv_cache[layer_id],
@@ -134,7 +135,8 @@ class TritonMLABackend(AttentionBackend):
             batch.decode_q_len,
             scale,
             out,
-            num_splits=self.num_splits,
+            num_splits=self.num_splits or splits,
+            config=cfg,
             pdl=self.kernels.pdl,
             kv_scale=self._scale(layer_id),
         )

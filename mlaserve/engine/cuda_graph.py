@@ -36,7 +36,9 @@ def graph_safe_kernels(kernels: KernelConfig, max_num_seqs: int, decode_q_len: i
     decode graph's tokens (max_num_seqs x decode_q_len): then every step and its padded graph twin fall on the
     same side of it (decode graphs all at or below; a prefill of n tokens and its bucket both above or both at or
     below). Past the largest bucket: that many tokens. Applied to the config every rank gets, graphs or not, so
-    enforce_eager computes what the graphs do."""
+    enforce_eager computes what the graphs do. Deterministic mode's edge (0: W8A8 at every size) stays."""
+    if kernels.deterministic:
+        return kernels
     need = max(kernels.fp8_a8_min_tokens, max_num_seqs * decode_q_len)
     edge = next((t for t in PREFILL_TOKEN_BUCKETS if t >= need), need)
     return kernels if edge == kernels.fp8_a8_min_tokens else replace(kernels, fp8_a8_min_tokens=edge)

@@ -56,6 +56,8 @@ class LLMEngine:
             extra = draft_kv_page_bytes(spec, cfg.page_size, resolve_dtype(cfg.dtype, self.model_config))
         self.runner = runner or ModelRunner(cfg, self.model_config, ranks=ranks, extra_page_bytes=extra)
         log.info("kernels: %s", self.runner.kernels)  # the switches and thresholds every kernel call site got
+        if self.runner.kernels.deterministic:
+            log.info(self.runner.kernels.deterministic_summary())
         self.proposer = proposer
         if spec is not None and proposer is None:
             from ..spec.build import build_proposer

@@ -341,6 +341,14 @@ def _gemv_default(x: torch.Tensor, no_align: bool, kernels: KernelConfig) -> boo
     return kernels.moe_gemv_config()
 
 
+def experts_form(x: torch.Tensor, K: int, config: dict, kernels: KernelConfig) -> tuple[bool, bool | dict]:
+    """-> (no_align, gemv) of fused_experts for x [T, D] at top-K, popping config's "no_align" and "gemv": per-pair
+    blocks up to kernels.no_align_max_pairs pairs, the GEMV form (or its tiles) as _gemv_default says."""
+    no_align = bool(config.pop("no_align", x.shape[0] * K <= kernels.no_align_max_pairs))
+    gemv = config.pop("gemv", None)  # True/False, or moe_gemv's {"gemv1": {...}, "gemv2": {...}} overrides
+    return no_align, _gemv_default(x, no_align, kernels) if gemv is None else gemv
+
+
 def _tma_fits(w13, w2, shared, c1: dict, c2: dict, D: int, I: int) -> bool:
     """Whole tiles never straddle two experts (or slots), and every weight is row-contiguous and 16-byte aligned."""
     ws = [w13, w2] + list(shared or [])
@@ -421,12 +429,9 @@ def fused_experts(
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E_all, add, norm, all_local, kernels.pdl)
     TK = T * K
     config = dict(config or {})
-    no_align = bool(config.pop("no_align", TK <= kernels.no_align_max_pairs))
+    no_align, gemv = experts_form(x, K, config, kernels)  # pops config's no_align and gemv
     tma = config.pop("tma", None)
     prewait = config.pop("prewait", None)
-    gemv = config.pop("gemv", None)  # True/False, or moe_gemv's {"gemv1": {...}, "gemv2": {...}} overrides
-    if gemv is None:
-        gemv = _gemv_default(x, no_align, kernels)
     if gemv:
         if not no_align:
             raise ValueError(f"gemv: the GEMV form serves per-pair blocks only (no_align; T*K={TK})")

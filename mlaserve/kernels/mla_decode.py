@@ -332,6 +332,32 @@ def _few(programs: int, dtype: torch.dtype) -> bool:
     return programs < TMA_MIN_PROGRAMS and dtype != torch.float32
 
 
+def split_plan(
+    B: int,
+    H: int,
+    q_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_splits: int | None = None,
+    config: dict | None = None,
+    use_tma: bool = False,
+) -> tuple[int, dict, int]:
+    """-> (splits, tiles, min_split_tiles) mla_decode launches a batch of B requests with: the split count (given,
+    else default_num_splits from the batch), the tiles (decode_config, config's overrides; batch 1-3 without TMA
+    FEW_PROGRAMS' unless config says FEW=False), and the least tiles a split takes. A context of seq_len tokens is
+    cut into splits of max(cdiv(cdiv(seq_len, BLOCK_N), splits), min_split_tiles) tiles (mla_combine)."""
+    config = dict(config or {})
+    few = config.pop("FEW", None)
+    cfg = dict(decode_config(H, q_len, dtype), **config)
+    programs = B * triton.cdiv(H, cfg["BLOCK_H"])
+    S = num_splits or default_num_splits(B, H, q_len, device, dtype)
+    if (_few(programs, dtype) if few is None else few) and not use_tma:
+        # batch 1-3 (latency bound): 16-token tiles and splits, 2 stages (one tile ahead), up to 128 splits; they
+        # beat 32-token tiles with <= 64 splits at every context (`kernels_bench --only mla_sweep`).
+        cfg = {**cfg, **FEW_PROGRAMS, **config}
+    return S, cfg, max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"])  # both kernels cut alike
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -349,7 +375,8 @@ def mla_decode(
     (context including this step's q_len tokens), T = B * q_len -> out [T, H, R] (any strides).
     Token j of a request's block sees positions 0 .. seq_len - q_len + j. Rows with nothing visible get 0.
     A float8_e4m3fn cache (attention/kv_fp8.py) takes kv_scale (1 fp32 element, the layer's) and is read as its
-    rows dequantized to q's dtype."""
+    rows dequantized to q's dtype. config (benchmarks, tests, deterministic mode): tile overrides, MIN_SPLIT_TOKENS,
+    TMA, FEW (the batch 1-3 tiles on or off; default by the program count): split_plan."""
     T, H, D = q.shape
     B = seq_lens.shape[0]
     R = out.shape[-1]
@@ -381,12 +408,15 @@ def mla_decode(
     page_size = kv_cache.shape[1]
     if page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a power of two")
-    cfg = dict(decode_config(H, q_len, q.dtype), **(config or {}))  # config: tile overrides, MIN_SPLIT_TOKENS
+    config = dict(config or {})
+    cfg = dict(decode_config(H, q_len, q.dtype), **{k: v for k, v in config.items() if k != "FEW"})
     # TMA pays a fixed cost per program (descriptor fetch, barriers): with few programs over short contexts (batch
     # 1 at 512 tokens: one-tile splits) pointer loads were faster in the engine, 6.0 vs 7.1 us per layer.
     programs = B * triton.cdiv(H, cfg["BLOCK_H"])
     cfg.setdefault("TMA", q.is_cuda and programs >= TMA_MIN_PROGRAMS and _has_tma(q.device.index))
-    S = num_splits or default_num_splits(B, H, q_len, q.device, q.dtype)
+    use_tma = _use_tma(cfg, kv_cache, P)
+    S, tiles, min_split_tiles = split_plan(B, H, q_len, q.dtype, q.device, num_splits, config, use_tma)
+    cfg.update(tiles)
     if T == 0:
         return out
     grid = (triton.cdiv(H, cfg["BLOCK_H"]), S, B)
@@ -396,18 +426,12 @@ def mla_decode(
         part_lse = torch.empty(T, H, S, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    use_tma = _use_tma(cfg, kv_cache, P)
-    if _few(programs, q.dtype) and not use_tma:
-        # batch 1-3 (latency bound): 16-token tiles and splits, 2 stages (one tile ahead), up to 128 splits; they
-        # beat 32-token tiles with <= 64 splits at every context (`kernels_bench --only mla_sweep`).
-        cfg = {**cfg, **FEW_PROGRAMS, **(config or {})}
     kv_n = kv_p = None  # None arguments are constexpr: the pointer variant has no descriptor parameters
     if use_tma:  # descriptors of the cache as rows [pages * page_size, R + P]: the [N, R] latent and [N, P] rope
         rows = kv_cache.view(-1, D)
         kv_n = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], R])
         kv_p = TensorDescriptor.from_tensor(rows, [cfg["BLOCK_N"], P])
     pdl = pdl_args(q, pdl)  # the split and combine kernels launch alike
-    min_split_tiles = max(1, cfg.get("MIN_SPLIT_TOKENS", MIN_SPLIT_TOKENS) // cfg["BLOCK_N"])  # both kernels cut alike
     _mla_decode_split_kernel[grid](
         q,
         kv_cache,

@@ -460,10 +460,12 @@ def route_noaux_tc_fused(
     shared_id0: int = 0,
     splitk_max_tokens: int = KernelConfig.router_splitk_max_tokens,
     pdl: bool = True,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gate: layers.moe.TopkRouter (its config's scoring_func: V3 or V2 routing); x [T, D] -> (weights [T, K+S] fp32,
     ids [T, K+S] int64), S = num_shared columns of ids shared_id0 + s with weight 1.0 after the routed K (see
-    route_noaux_tc_logits). bf16 steps of up to splitk_max_tokens tokens run the router GEMM as split-K partials."""
+    route_noaux_tc_logits). bf16 steps of up to splitk_max_tokens tokens run the router GEMM as split-K partials;
+    deterministic: on the GPU every step by bi_gemm (the same per row at every size; split-K is then pinned off)."""
     c = gate.cfg
     w16 = gate.bf16_weight() if x.is_cuda and x.dtype == torch.bfloat16 else None
     args = (
@@ -481,6 +483,12 @@ def route_noaux_tc_fused(
         w16 is not None and T <= splitk_max_tokens and x.stride(-1) == 1 and w16.shape[0] <= ROUTER_SPLITK_MAX_EXPERTS
     ):  # the router GEMM as split-K partials
         return route_splitk(x, w16, *args, pdl, c.scoring_func)
+    if deterministic and x.is_cuda:
+        from .bi_gemm import bi_gemm
+
+        w = gate.weight if w16 is None else w16
+        logits = bi_gemm(x if w16 is not None else x.float(), w, out_dtype=torch.float32, pdl=pdl)  # [T, E] fp32
+        return route_noaux_tc_logits(logits, *args, pdl, c.scoring_func)
     if w16 is not None:  # a bf16 GEMM with fp32 output: no fp32 copy of x, no fp32 GEMM (TopkRouter.bf16_weight)
         logits = torch.mm(x, w16.t(), out_dtype=torch.float32)  # [T, E] fp32
     else:

@@ -79,12 +79,30 @@ def linear(x: torch.Tensor, w: torch.Tensor, kernels: KernelConfig = KernelConfi
     """x @ w^T. One or two rows times a small weight (decode's q|kv_a and o_proj at batch 1-2, EAGLE3's verify of
     width 2 at batch 1) go to the Triton GEMV on the GPU, which streams the weight faster than cuBLAS's GEMM there
     (kernels/gemv.py; the sizes: kernels.gemv_serve_tokens, gemv_max_bytes); all else to F.linear."""
+    y = invariant_linear(x, w, kernels)
+    if y is not None:
+        return y
     if x.is_cuda:  # triton is imported only where it runs
         from ..kernels.gemv import gemv, gemv_serves
 
         if gemv_serves(x, w, kernels.gemv_max_bytes, kernels.gemv_serve_tokens):
             return gemv(x, w, pdl=kernels.pdl)
     return F.linear(x, w)
+
+
+def invariant_linear(
+    x: torch.Tensor, w: torch.Tensor, kernels: KernelConfig, out_dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
+    """Deterministic mode on the GPU: x [..., K] @ w [N, K]^T by kernels/bi_gemm, each row the same bit for bit at
+    every step size (cuBLAS's is not); None otherwise (the caller's usual path)."""
+    if not (kernels.deterministic and x.is_cuda and w.dim() == 2):
+        return None
+    from ..kernels.bi_gemm import bi_gemm, bi_gemm_serves  # triton: imported on CUDA only
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if not bi_gemm_serves(x2, w):
+        return None
+    return bi_gemm(x2, w, out_dtype=out_dtype, pdl=kernels.pdl).view(*x.shape[:-1], w.shape[0])
 
 
 def stack_rows(*linears) -> None:

@@ -262,6 +262,7 @@ class Experts(ExpertsBase):
                 shared=shared,
                 norm=norm,
                 all_local=self.num_local == self.num_experts,
+                config=self.kernels.moe_fixed_config(),  # deterministic mode: one tile config for every step
                 kernels=self.kernels,
             )
         if shared is not None or norm is not None:

@@ -17,7 +17,7 @@ from ..distributed.tp import RankInfo
 from ..kernel_config import KernelConfig, use_kernels
 from ..layers.activation import silu_mul
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.linear import linear_many, stack_rows
+from ..layers.linear import invariant_linear, linear_many, stack_rows
 from ..layers.moe import Experts, TopkRouter
 from ..layers.moe_a2a import dispatch_combine, restore_replicated, token_slice, use_a2a
 from ..layers.norm import RMSNorm
@@ -121,7 +121,7 @@ class DeepseekV3MoE(nn.Module):
 
             kc = self.kernels
             id0 = self.experts.expert_offset + self.experts.num_local
-            return route_noaux_tc_fused(self.gate, x, S, id0, kc.router_splitk_max_tokens, kc.pdl)
+            return route_noaux_tc_fused(self.gate, x, S, id0, kc.router_splitk_max_tokens, kc.pdl, kc.deterministic)
         return self.gate(x)
 
     def forward_a2a(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,6 +148,17 @@ def _head_gemv(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, kernels: Ker
     if not head_gemv_serves(x, m, kernels.head_gemv_max_tokens):
         return False
     head_gemv(x, m, out, pdl=kernels.pdl)
+    return True
+
+
+def _invariant_bmm(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, kernels: KernelConfig) -> bool:
+    """Deterministic mode on the GPU: out [T, H, N] = x [T, H, K] @ m [H, K, N] per head by kernels/bi_gemm, each
+    token's row the same at every step size; False: the caller runs torch.bmm."""
+    if not (kernels.deterministic and x.is_cuda and x.dtype == m.dtype):
+        return False
+    from ..kernels.bi_gemm import bi_gemm
+
+    bi_gemm(x.transpose(0, 1), m.transpose(1, 2), out=out.transpose(0, 1), pdl=kernels.pdl)
     return True
 
 
@@ -257,12 +268,16 @@ class DeepseekV3Attention(nn.Module):
         """Q[..., :R] = q_nope @ w_kc per head, written in place. q_nope [T, H, N], Q [T, H, R+P]."""
         if q_nope.is_cuda and _head_gemv(q_nope, self.w_kc, Q[..., : self.R], self.kernels):
             return
+        if _invariant_bmm(q_nope, self.w_kc, Q[..., : self.R], self.kernels):
+            return
         torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=Q[..., : self.R].transpose(0, 1))
 
     def absorb_out(self, o_lat: torch.Tensor, out: torch.Tensor) -> None:
         """out = o_lat @ w_vc per head, written in place. o_lat [T, H, R], out [T, H*V]."""
         T = o_lat.shape[0]
         if o_lat.is_cuda and _head_gemv(o_lat, self.w_vc, out.view(T, self.H, self.V), self.kernels):
+            return
+        if _invariant_bmm(o_lat, self.w_vc, out.view(T, self.H, self.V), self.kernels):
             return
         torch.bmm(o_lat.transpose(0, 1), self.w_vc, out=out.view(T, self.H, self.V).transpose(0, 1))
 
@@ -289,7 +304,8 @@ class DeepseekV3Attention(nn.Module):
         # [C, R+P], this step's tokens included; in the cache's dtype, which may differ from ours
         latent = batch.attn.prefill_context(self.layer_id, batch).to(q.dtype)
         C = latent.shape[0]
-        kv = F.linear(latent[:, :R], self.kv_b_proj.weight).view(C, H, N + V)
+        kv = invariant_linear(latent[:, :R], self.kv_b_proj.weight, self.kernels)  # deterministic mode, else None
+        kv = (F.linear(latent[:, :R], self.kv_b_proj.weight) if kv is None else kv).view(C, H, N + V)
         # k = [k_nope | k_pe] per head is never built: the backend reads kv[..., :N] and the shared latent[:, R:]
         batch.attn.prefill(q, kv[..., :N], latent[:, R:], kv[..., N:], self.scale, batch, out=out.view(T, H, V))
 

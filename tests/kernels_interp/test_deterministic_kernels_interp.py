@@ -1,0 +1,62 @@
+"""Deterministic mode's kernel settings hold a request's rows bit for bit whatever shares the launch: MLA decode
+with the fixed split cut (KernelConfig.mla_decode_args) and the fused MoE with its fixed tiles (moe_fixed_config),
+each also close to its torch reference, outputs NaN-poisoned."""
+
+import pytest
+import torch
+
+from tests.helpers.kernel_checks import make_paged, nan_like
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_rows_do_not_depend_on_the_batch(kdev, dtype):
+    from dataclasses import replace
+
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels.mla_decode import mla_decode
+    from tests.helpers.kernel_refs import mla_decode_ref
+
+    # tiny contexts: 4 splits of >= 16 tokens, so the cut is exercised (deterministic mode: 32 of >= 256)
+    k = replace(KernelConfig().batch_invariant(), mla_num_splits=4, mla_split_tokens=16)
+    splits, cfg = k.mla_decode_args()
+    H, R, P, ctx = 4, 32, 16, [40, 9, 70, 33]
+    kv, table, lens = make_paged(ctx, 16, R + P, dtype, kdev)
+    q = torch.randn(len(ctx), H, R + P, device=kdev).to(dtype)
+
+    def run(rows):
+        out = nan_like((len(rows), H, R), dtype, kdev)
+        return mla_decode(q[rows], kv, table[rows], lens[rows], 1, 0.3, out, num_splits=splits, config=cfg)
+
+    every = run([0, 1, 2, 3])
+    ref = mla_decode_ref(q.float(), kv.float(), table, lens, 1, 0.3, R)
+    assert (every.float() - ref).abs().max() <= (1e-2 if dtype == torch.bfloat16 else 1e-4) * ref.abs().max()
+    for rows in ([0], [2], [3, 0], [2, 1, 0]):
+        got = run(rows)
+        for i, r in enumerate(rows):
+            assert torch.equal(got[i], every[r]), (rows, r)
+
+
+def test_fused_moe_fixed_tiles_rows_do_not_depend_on_the_step(kdev):
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels.fused_moe import fused_experts
+    from mlaserve.layers.moe import fused_experts_ref
+    from tests.helpers.kernel_checks import poisoned_empty
+
+    k = KernelConfig().batch_invariant()
+    E, D, I, K, T = 4, 32, 32, 2, 17
+    dt = torch.bfloat16
+    x = torch.randn(T, D, device=kdev).to(dt)
+    w13 = (torch.randn(E, 2 * I, D, device=kdev) / D**0.5).to(dt)
+    w2 = (torch.randn(E, D, I, device=kdev) / I**0.5).to(dt)
+    ids = torch.stack([torch.randperm(E, device=kdev)[:K] for _ in range(T)])
+    wts = torch.rand(T, K, device=kdev)
+
+    def run(n):
+        with poisoned_empty():
+            return fused_experts(x[:n], w13, w2, wts[:n], ids[:n], config=k.moe_fixed_config(), kernels=k)
+
+    every = run(T)
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), wts, ids)
+    assert (every.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    for n in (1, 3):
+        assert torch.equal(run(n), every[:n]), n
