@@ -32,7 +32,9 @@ from mlaserve.bench.metrics import parse_prometheus
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 # A cache of 1,024 tokens, smaller than the model's max_model_len: lowering it, preemption and skip-ahead all run.
-SERVER_ARGS = "--num-pages 64 --page-size 16"
+# the default model is a code model with no chat template: the chat traffic renders through this one
+CHAT_TEMPLATE = "{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}# assistant:"
+SERVER_ARGS = f"--num-pages 64 --page-size 16 --chat-template {shlex.quote(CHAT_TEMPLATE)}"
 GREEDY_PROMPTS = [f"{w} " * k for w, k in (("the", 3), ("soak", 5), ("page", 7), ("zero", 2), ("burst", 11))]
 BAD = [
     b'{"prompt": "\\ud800", "max_tokens": 2}',
