@@ -103,7 +103,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
-            decoding = remaining == 1
+            # a verify feeds the last token with its drafts: a prompt whose last chunk is 1 token has none yet
+            decoding = remaining == 1 and (self.decode_q_len == 1 or len(req.output_token_ids) > 0)
             n = self.decode_q_len if decoding else min(remaining, budget, self.cfg.chunked_prefill_size)
             if n > budget:
                 break

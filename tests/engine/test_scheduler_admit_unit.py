@@ -259,7 +259,11 @@ def test_verify_steps_feed_n_tokens_and_reserve_pages_past_a_sampling_step():
     assert _plan(out) == [("a", 3, True), ("b", 3, True), ("c", 1, False)]
     assert [ch.req for ch in out.decode] == [a, b] and (len(a.pages), len(b.pages), len(c.pages)) == (4, 2, 1)
     _vstep(s, out)
-    out = s.schedule()  # a and b take 6 of 7: c's verify of 3 does not fit, it waits a step
+    # c's last prompt token has no drafts to verify with: it is a 1-token sampling prefill, which fits the 7
+    out = s.schedule()
+    assert _plan(out) == [("a", 3, True), ("b", 3, True), ("c", 1, True)] and [ch.req for ch in out.decode] == [a, b]
+    _vstep(s, out)
+    out = s.schedule()  # now c verifies too: a's, b's and c's 3 are 9 > 7, so c waits a step
     assert _plan(out) == [("a", 3, True), ("b", 3, True)] and s.running == [a, b, c]
 
 

@@ -135,3 +135,24 @@ def test_requests_ending_mid_step_and_arriving(tiny_ckpt, draft, plain, recordin
     assert spec["eos"][-1].finish_reason == "stop" and len(summary(spec["eos"])[0]) == 6
     assert spec["len"][-1].finish_reason == "length" and spec["stop_tok"][-1].stop_reason == g0[6]
     assert any(len(e.new_token_ids) > 1 for e in spec["full"])  # verify steps emitted several tokens
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_prompt_whose_last_chunk_is_one_token(tiny_ckpt, draft, k):
+    """A prompt one token longer than the prefill chunk leaves a 1-token last chunk: it has no drafts yet, so it is
+    prefilled (sampled), not verified; outputs equal plain greedy's under the same chunking."""
+    prompts = [list(range(1, 18)), list(range(3, 36)), [7] * 16]
+    plain = make_engine(tiny_ckpt, page_size=4, chunked_prefill_size=16)
+    spec = make_engine(
+        tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, chunked_prefill_size=16
+    )
+    outs = []
+    for eng in (plain, spec):
+        rids = [eng.add_request(p, GREEDY) for p in prompts]
+        out = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += o.new_token_ids
+        outs.append([out[r] for r in rids])
+    assert outs[1] == outs[0]
+    assert all(len(o) == MAX for o in outs[1])

@@ -81,6 +81,7 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16_in_the_same_bytes(tiny_ckpt):
         llm = LLM(tiny_ckpt, device="cuda", dtype="bfloat16", kv_cache_dtype=kv, enforce_eager=True)
         r = llm.engine.runner
         pages[kv] = (r.num_pages, r._page_bytes(), r.kv_cache.numel() * r.kv_cache.element_size())
+        del r  # the runner holds the cache: the next LLM sizes its own from the memory this one frees
         llm.close()
     assert 2 * pages["fp8"][1] == pages["auto"][1]
     assert pages["fp8"][0] >= 1.9 * pages["auto"][0], pages  # sized from free memory: about twice the pages
