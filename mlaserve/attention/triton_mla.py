@@ -41,6 +41,9 @@ class TritonMLABackend(AttentionBackend):
         self._meta_batch: ForwardBatch | None = None
         self._meta_layer = -1
         self._meta: dict = {}
+        self._dec_batch: ForwardBatch | None = None  # deterministic mode's verify rows (_verify_as_decode)
+        self._dec_layer = -1
+        self._dec: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _scale(self, layer_id: int) -> torch.Tensor | None:
         """An FP8 cache's scale of the layer [1] (a view: its address is fixed under CUDA graphs); None otherwise."""
@@ -124,15 +127,32 @@ class TritonMLABackend(AttentionBackend):
             kv_scale=self._scale(layer_id),
         )
 
+    def _verify_as_decode(self, layer_id: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Deterministic mode's verify of width N: each of its B * N rows as a decode row of its own (page table
+        [B * N, max_pages], seq_lens [B * N]: row j of a request sees seq_len - N + 1 + j positions), so each is
+        computed exactly as plain decode computes that position. Derived on the device once per forward."""
+        if self._dec_batch is batch and layer_id > self._dec_layer:
+            self._dec_layer = layer_id
+            return self._dec
+        nd, n = batch.num_decode_reqs, batch.decode_q_len
+        lens = batch.seq_lens[:nd].repeat_interleave(n) - (n - 1)
+        lens += torch.arange(n, dtype=lens.dtype, device=lens.device).repeat(nd)
+        self._dec = (batch.page_table[:nd].repeat_interleave(n, dim=0), lens)
+        self._dec_batch, self._dec_layer = batch, layer_id
+        return self._dec
+
     def decode(self, layer_id, q, scale, batch, out):
-        nd = batch.num_decode_reqs
+        nd, q_len = batch.num_decode_reqs, batch.decode_q_len
+        page_table, seq_lens = batch.page_table[:nd], batch.seq_lens[:nd]
         splits, cfg = self.kernels.mla_decode_args()  # deterministic mode: a cut by the sequence's length alone
+        if self.kernels.deterministic and q_len > 1:  # a verify row is a decode row, bit for bit
+            (page_table, seq_lens), q_len = self._verify_as_decode(layer_id, batch), 1
         return mla_decode(
             q,
             self.kv_cache[layer_id],
-            batch.page_table[:nd],
-            batch.seq_lens[:nd],
-            batch.decode_q_len,
+            page_table,
+            seq_lens,
+            q_len,
             scale,
             out,
             num_splits=self.num_splits or splits,

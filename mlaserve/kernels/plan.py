@@ -104,6 +104,8 @@ def reduction_plan(
     # MLA decode: the splits, tiles, load path (TMA as the call site decides on an sm_90 GPU whose cache pages hold
     # whole tiles) and the cut of a seq_len context (the tokens of a split)
     B = max(1, T // q_len)
+    if kernels.deterministic:  # a verify's rows run as decode rows of their own (attention/triton_mla.py)
+        B, q_len = B * q_len, 1
     splits, cfg_args = kernels.mla_decode_args()
     block_h = decode_config(heads, q_len, dtype)["BLOCK_H"]
     tma = (cfg_args or {}).get("TMA", B * triton.cdiv(heads, block_h) >= TMA_MIN_PROGRAMS)
@@ -111,6 +113,6 @@ def reduction_plan(
     bn = tiles["BLOCK_N"]
     cut = max(triton.cdiv(triton.cdiv(seq_len, bn), S), min_tiles) * bn
     plan["mla_decode"] = (S, bn, tiles["num_stages"], tma, cut)
-    # rows a program holds (tokens of a verify block x heads): by q_len, so a verify row is not a decode row yet
+    # rows a program holds (tokens of a verify block x heads): by q_len, except in deterministic mode
     plan["mla_rows"] = (tiles["BLOCK_QL"], tiles["BLOCK_H"], tiles["num_warps"])
     return plan

@@ -143,9 +143,7 @@ def test_prompt_whose_last_chunk_is_one_token(tiny_ckpt, draft, k):
     prefilled (sampled), not verified; outputs equal plain greedy's under the same chunking."""
     prompts = [list(range(1, 18)), list(range(3, 36)), [7] * 16]
     plain = make_engine(tiny_ckpt, page_size=4, chunked_prefill_size=16)
-    spec = make_engine(
-        tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, chunked_prefill_size=16
-    )
+    spec = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, chunked_prefill_size=16)
     outs = []
     for eng in (plain, spec):
         rids = [eng.add_request(p, GREEDY) for p in prompts]

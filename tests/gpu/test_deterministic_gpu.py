@@ -1,8 +1,8 @@
 """Deterministic mode (`--deterministic-inference`) on the GPU: its kernels compute each row the same bit for bit
 whatever shares the launch (bi_gemm, MLA decode with the fixed cut, the fused MoE with fixed tiles, at M1's shapes),
 and on M1 (random bf16, dummy weights) each of 8 prompts of 5 to 6,000 tokens gives the same 256 greedy tokens
-alone, all together, inside a batch of 32 mixed prompts and after a prefix-cache hit (issue #34's must-show, less
-EAGLE3 and TP, which the mode does not cover yet: kernel_config.NOT_YET_INVARIANT)."""
+alone, all together, inside a batch of 32 mixed prompts, after a prefix-cache hit and through EAGLE3 (a REPLAY
+draft at 0.7 acceptance, K = 1 and 2): issue #34's must-show. TP is not covered yet (NOT_YET_INVARIANT)."""
 
 import random
 
@@ -129,3 +129,33 @@ def test_m1_greedy_tokens_do_not_depend_on_the_batch(tmp_path):
         same = [a == b for a, b in zip(alone, got, strict=True)]
         first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(alone, got)]
         assert all(same), (name, f"{sum(same)} of 8 identical; first differing positions {first}")
+    llm.close()  # frees the engine and its CUDA memory for the next one
+
+    # EAGLE3's verify (a random draft runs each step; REPLAY proposes the recorded greedy tokens, 30 % of them
+    # deliberate misses): the speculative tokens equal plain decode's, alone and all together
+    from mlaserve.models.make_random_draft import make_random_draft
+    from mlaserve.spec.replay import write_recordings
+
+    draft = make_random_draft("kimi-k2.5-eagle3", str(tmp_path / "draft"), target=path, dtype="bfloat16")
+    write_recordings(str(tmp_path / "rec.jsonl"), zip(prompts, alone))
+    for k in (1, 2):
+        spec = dict(
+            algorithm="REPLAY",
+            draft_model=draft,
+            num_steps=k,
+            replay_path=str(tmp_path / "rec.jsonl"),
+            replay_miss_rate=0.3,
+        )
+        llm = LLM(
+            path, device=DEV, load_format="dummy", deterministic=True, max_model_len=16448, speculative_config=spec
+        )
+        spec_alone = [gen([p])[0] for p in prompts]
+        spec_together = gen(prompts)
+        st = llm.engine.stats()
+        rate = st["spec_accepted_tokens"] / st["spec_draft_tokens"]
+        llm.close()
+        for name, got in (("EAGLE3 alone", spec_alone), ("EAGLE3 together", spec_together)):
+            same = [a == b for a, b in zip(alone, got, strict=True)]
+            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(alone, got)]
+            assert all(same), (k, name, f"{sum(same)} of 8 identical; first differing positions {first}")
+        assert 0.7**k * 0.8 < rate < 0.95, (k, st)  # the replayed tokens were accepted: the verify rows matched

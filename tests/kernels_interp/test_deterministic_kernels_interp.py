@@ -60,3 +60,38 @@ def test_fused_moe_fixed_tiles_rows_do_not_depend_on_the_step(kdev):
     assert (every.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
     for n in (1, 3):
         assert torch.equal(run(n), every[:n]), n
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_verify_rows_equal_decode_rows(kdev, n, monkeypatch):
+    """Deterministic mode: the backend's decode of a verify of width n (3 requests, contexts crossing the fixed
+    cut) runs as B * n decode rows (q_len 1: the GPU's decode tiles; the interpreter alone cannot tell tiles
+    apart) and gives each row exactly what a plain decode step at that row's position gives."""
+    from dataclasses import replace
+
+    from mlaserve.attention import triton_mla
+    from mlaserve.attention.base import ForwardBatch, SeqChunk
+    from mlaserve.attention.triton_mla import TritonMLABackend
+    from mlaserve.kernel_config import KernelConfig
+
+    q_lens = []
+    real = triton_mla.mla_decode
+    monkeypatch.setattr(triton_mla, "mla_decode", lambda *a, **kw: q_lens.append(a[4]) or real(*a, **kw))
+
+    k = replace(KernelConfig().batch_invariant(), mla_num_splits=4, mla_split_tokens=16)
+    H, R, P, dt = 4, 32, 16, torch.bfloat16
+    cache = torch.randn(2, 12, 16, R + P, device=kdev).to(dt)
+    pages = [[3, 7, 1, 9, 0], [5, 2], [11, 4, 6, 8, 10]]
+    cached = [40, 15, 62]  # tokens before the verify block
+    backend = TritonMLABackend(cache, R, kernels=k)
+    verify = ForwardBatch.build([SeqChunk([1] * n, c, p) for c, p in zip(cached, pages)], [], 16, kdev)
+    q = torch.randn(len(cached) * n, H, R + P, device=kdev).to(dt)
+    for layer in (0, 1):  # layer 1 reuses layer 0's expanded rows
+        got = backend.decode(layer, q, 0.3, verify, nan_like((len(cached) * n, H, R), dt, kdev))
+        for b, (c, p) in enumerate(zip(cached, pages)):
+            for j in range(n):
+                step = ForwardBatch.build([SeqChunk([1], c + j, p)], [], 16, kdev)
+                row = b * n + j
+                want = backend.decode(layer, q[row : row + 1], 0.3, step, nan_like((1, H, R), dt, kdev))
+                assert torch.equal(got[row], want[0]), (layer, b, j)
+    assert set(q_lens) == {1}

@@ -57,12 +57,16 @@ def test_deterministic_mla_cut_depends_on_the_sequence_length_alone():
     assert len({reduction_plan(KernelConfig(), B, seq_len=4096)["mla_decode"][-1] for B in (1, 4, 64)}) > 1
 
 
-def test_verify_rows_are_listed_as_not_yet_invariant():
-    """An EAGLE3 verify of width 2 holds its rows in other MLA tiles than plain decode: listed, not yet fixed."""
+def test_deterministic_verify_rows_are_decode_rows():
+    """An EAGLE3 verify of width 2: by default its rows sit in other MLA tiles than plain decode's; in deterministic
+    mode each runs as a decode row of its own, with decode's tiles and cut."""
     from mlaserve.kernel_config import NOT_YET_INVARIANT, KernelConfig
     from mlaserve.kernels.plan import reduction_plan
 
+    default = reduction_plan(KernelConfig(), 8, q_len=1), reduction_plan(KernelConfig(), 16, q_len=2)
+    assert default[0]["mla_rows"] != default[1]["mla_rows"]
     k = KernelConfig().batch_invariant()
-    decode, verify = reduction_plan(k, 8, q_len=1), reduction_plan(k, 16, q_len=2)
-    assert decode["mla_rows"] != verify["mla_rows"]
-    assert any("verify" in line for line in NOT_YET_INVARIANT)
+    for seq_len in (40, 4096, 9000):
+        decode, verify = reduction_plan(k, 8, q_len=1, seq_len=seq_len), reduction_plan(k, 16, q_len=2, seq_len=seq_len)
+        assert decode["mla_rows"] == verify["mla_rows"] and decode["mla_decode"] == verify["mla_decode"]
+    assert not any("verify" in line for line in NOT_YET_INVARIANT)
