@@ -251,6 +251,11 @@ def main():
     )
     ap.add_argument("--no-overlap", action="store_true", help="--disable-overlap-schedule (read each step back)")
     ap.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the engine's start-up warm-up (the timed shapes compile in their own untimed warm-up steps)",
+    )
+    ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "fp8", "fp8_e4m3"],
@@ -349,6 +354,7 @@ def main():
         max_num_seqs=max(batches),
         disable_overlap_schedule=a.no_overlap,
         deterministic=a.deterministic,
+        warmup=not a.no_warmup,
         max_model_len=max(ctxs + ttfts) + 128,
         kv_cache_dtype=a.kv_cache_dtype,
     )

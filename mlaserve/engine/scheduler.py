@@ -103,8 +103,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
-            # a verify feeds the last token with its drafts: a prompt whose last chunk is 1 token has none yet
-            decoding = remaining == 1 and (self.decode_q_len == 1 or len(req.output_token_ids) > 0)
+            # a prompt's last token is always a prefill row, even as a chunk of its own: the first output token
+            # then comes from one path whatever the chunking (deterministic mode), and a verify always has drafts
+            decoding = remaining == 1 and len(req.output_token_ids) > 0
             n = self.decode_q_len if decoding else min(remaining, budget, self.cfg.chunked_prefill_size)
             if n > budget:
                 break

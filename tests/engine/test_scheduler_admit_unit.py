@@ -291,3 +291,19 @@ def test_a_running_prefill_takes_the_last_token_of_the_budget():
     assert _plan(out) == [("a", 1, True), ("b", 1, True), ("c", 1, False)]
     _step(s, out)
     assert _plan(s.schedule()) == [("a", 1, True), ("b", 1, True), ("c", 1, False)]
+
+
+def test_a_prompts_last_token_is_a_prefill_row_even_alone():
+    """A prompt one token longer than the chunk: its last token is a 1-token sampling prefill, not a decode (the
+    first output token comes from the prefill path whatever the chunking); once it has output it decodes."""
+    s = _sched(chunked_prefill_size=4, max_num_batched_tokens=16)
+    a = _req(5, "a")
+    s.add(a)
+    out = s.schedule()
+    assert _plan(out) == [("a", 4, False)]
+    _step(s, out)
+    out = s.schedule()
+    assert _plan(out) == [("a", 1, True)] and out.decode == [] and out.prefill[0].req is a
+    _step(s, out)
+    out = s.schedule()
+    assert [c.req for c in out.decode] == [a] and _plan(out) == [("a", 1, True)]
