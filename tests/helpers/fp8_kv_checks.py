@@ -84,8 +84,9 @@ def check_mla_decode_fp8(
     device, dtype, *, ctx_lens: list[int], H: int, R: int, P: int, page_size: int, q_len: int, scale, config=None, **kw
 ):
     """mla_decode over an e4m3 cache, close to the fp32 torch reference over dequantize_kv's rows; with the scale 1.0
-    also equal, bit for bit, to mla_decode over those rows in dtype (the kernel converts each tile in registers to
-    the same values; another scale multiplies its scores and output instead, skipping the rows' rounding to dtype).
+    also equal to mla_decode over those rows in dtype (the kernel converts each tile in registers to the same
+    values): bit for bit in the interpreter, within 1 ulp on the GPU, where the two are different compiled
+    variants. Another scale multiplies the scores and output instead, skipping the rows' rounding to dtype.
     Every row outside the contexts holds NaN, the partial buffers are NaN-poisoned."""
     from mlaserve.attention.kv_fp8 import dequantize_kv, quantize_kv
     from mlaserve.kernels.mla_decode import mla_decode
@@ -108,7 +109,11 @@ def check_mla_decode_fp8(
     with poisoned_empty():
         mla_decode(q, cache, table, seq_lens, q_len, sm, out, kv_scale=s, config=config, **kw)
         mla_decode(q, deq, table, seq_lens, q_len, sm, same, config=config, **kw)  # the same load path
-    if scale == 1.0:
+    if scale == 1.0 and not out.is_cuda:
         assert torch.equal(out, same), f"fp8 decode differs from the decode of the dequantized cache {ctx_lens} {dtype}"
+    elif scale == 1.0:  # two compiled variants: at most 1 ulp apart (H200: 0.03-0.08 % of the values differ)
+        diff, mag = (out.float() - same.float()).abs(), torch.maximum(out.float().abs(), same.float().abs())
+        ulp = 2.0 ** -(torch.finfo(dtype).nmant)
+        assert bool((diff <= mag * ulp).all()), f"fp8 decode > 1 ulp from the dequantized cache's {ctx_lens} {dtype}"
     ref = mla_decode_ref(q, deq.nan_to_num(0.0), table, seq_lens, q_len, sm, R)
     return assert_close(out, ref, dtype, f"fp8 mla_decode ctx={ctx_lens} H={H} q_len={q_len} {dtype}")
