@@ -16,8 +16,8 @@ CHUNK = 2048
 
 
 class CompileCounter:
-    """Triton's jit_post_compile_hook while installed: the repr of every kernel variant compiled (name, launch
-    options and argument specialization)."""
+    """Triton's jit_post_compile_hook while installed: every kernel variant compiled (name, launch options,
+    argument types, constexprs and specialization)."""
 
     def __init__(self):
         self.compiled: list[str] = []
@@ -30,8 +30,14 @@ class CompileCounter:
         self.knobs.jit_post_compile_hook = self._hook
         return self
 
-    def _hook(self, *, repr, **info):
-        self.compiled.append(repr)
+    def _hook(self, *, repr, compile, **info):
+        # the name and launch options, then what tells variants apart: the argument types, the constexprs and the
+        # specialized attributes (an int equal to 1 or divisible by 16, a 16-byte aligned pointer)
+        head = repr.split("](")[0] + "]"
+        self.compiled.append(
+            f"{head} signature={compile.get('signature')} constants={compile.get('constants')} "
+            f"attrs={compile.get('configs')}"
+        )
         return None
 
     def __exit__(self, *exc):
