@@ -6,11 +6,15 @@ Each parameter carries a `weight_loader(param, src)` that reads only this rank's
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernel_config import KernelConfig
+
+log = logging.getLogger("mlaserve.linear")
 
 
 def shard_of(src, dim: int, rank: int, size: int):
@@ -100,9 +104,25 @@ def invariant_linear(
     from ..kernels.bi_gemm import bi_gemm, bi_gemm_serves  # triton: imported on CUDA only
 
     x2 = x.reshape(-1, x.shape[-1])
-    if not bi_gemm_serves(x2, w):
+    if not bi_gemm_serves(x2, w):  # e.g. a weight kept in another dtype than its input: cuBLAS (NOT_YET_INVARIANT)
+        _warn_fallback(x2, w)
         return None
     return bi_gemm(x2, w, out_dtype=out_dtype, pdl=kernels.pdl).view(*x.shape[:-1], w.shape[0])
+
+
+_FALLBACKS: set[tuple] = set()
+
+
+def _warn_fallback(x: torch.Tensor, w: torch.Tensor) -> None:
+    key = (x.dtype, w.dtype, tuple(w.shape))
+    if key not in _FALLBACKS:
+        _FALLBACKS.add(key)
+        log.warning(
+            "deterministic inference: a %s x %s linear %s runs on cuBLAS, whose rows are not batch-invariant",
+            x.dtype,
+            w.dtype,
+            tuple(w.shape),
+        )
 
 
 def stack_rows(*linears) -> None:

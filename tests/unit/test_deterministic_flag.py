@@ -70,3 +70,21 @@ def test_llm_deterministic_logs_what_it_pins(tiny_ckpt, caplog):
     got = llm.generate([[1, 2, 3, 4]], params)[0].token_ids
     plain = LLM(tiny_ckpt, device="cpu").generate([[1, 2, 3, 4]], params)[0].token_ids
     assert got == plain  # the CPU reference path is unchanged by the mode
+
+
+def test_a_linear_outside_bi_gemm_is_logged_once_per_shape(caplog):
+    """Deterministic mode's cuBLAS fall-back (a weight in another dtype than its input) is said, once a shape."""
+    import logging
+
+    import torch
+
+    from mlaserve.layers import linear
+
+    linear._FALLBACKS.clear()
+    x, w = torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="mlaserve.linear"):
+        for _ in range(3):
+            linear._warn_fallback(x, w)
+        linear._warn_fallback(x, torch.zeros(5, 8, dtype=torch.float64))
+    lines = [r.getMessage() for r in caplog.records if "cuBLAS" in r.getMessage()]
+    assert len(lines) == 2 and "(4, 8)" in lines[0] and "(5, 8)" in lines[1]
