@@ -2,7 +2,7 @@
 draft's held-out prompts (its eval_prompts.jsonl) at batch 1 and 8, K = 1..3 draft steps. Reports output tokens/s,
 the mean accepted length, the acceptance per draft position, and whether each text equals plain decoding's.
 
-    python benchmarks/default_spec.py [--draft DIR] [--batches 1,8] [--ks 1,2,3] [--max-tokens 256]
+    python benchmarks/default_spec.py [--draft DIR] [--batches 1,8] [--ks 1,2,3] [--max-tokens 256] [--profile]
 """
 
 from __future__ import annotations
@@ -55,16 +55,48 @@ def spec_rows(a, prompts, batches, k, plain) -> list[dict]:
                 tok_s=sum(map(len, ids)) / s,
                 seconds=s,
                 verify_steps=steps,
+                # engine steps, and those launched while the one before was in flight / verified on the device
+                engine_steps=st["steps"] - before["steps"],
+                overlapped_steps=st["overlapped_steps"] - before["overlapped_steps"],
+                device_steps=st["spec_device_steps"] - before["spec_device_steps"],
+                ms_per_step=1000 * s / max(1, st["steps"] - before["steps"]),
                 acceptance_per_position=[x / max(steps, 1) for x in acc],
                 mean_accepted_length=1 + sum(acc) / max(steps, 1),
                 identical_to_plain=sum(x == y for x, y in zip(ids, plain[b])),
                 texts=len(ids),
             )
         )
+    if a.profile:
+        profile(llm, prompts[0], os.path.join(a.out, f"default_spec_k{k}_trace.json"))
     llm.close()
     del llm
     gc.collect()
     return rows
+
+
+def profile(llm: LLM, prompt: list[int], trace: str) -> None:
+    """One request of 64 greedy tokens at batch 1 under torch.profiler: the host's and the GPU's busiest ops, and
+    the GPU's busy time against the wall time (a host-bound step leaves the GPU idle between launches)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t0 = time.perf_counter()
+    with torch_profile(activities=acts) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=25))
+    if torch.cuda.is_available():
+        print(ka.table(sort_by="self_device_time_total", row_limit=15))
+        busy = sum(e.self_device_time_total for e in ka) / 1e6
+        print(f"GPU busy {busy * 1e3:.1f} ms of {wall * 1e3:.1f} ms wall ({busy / wall:.0%})")
+    os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+    prof.export_chrome_trace(trace)
 
 
 def main() -> None:
@@ -75,6 +107,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts (a multiple of each batch)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--profile", action="store_true", help="profile one batch-1 request per K (torch.profiler)")
     a = ap.parse_args()
     with open(os.path.join(a.draft, "eval_prompts.jsonl")) as f:
         prompts = [json.loads(line)["prompt_token_ids"] for line in f][: a.prompts]
