@@ -10,6 +10,11 @@ a long prompt), more prefill requests than a graph holds, and every step under e
 those, every decode count up to max_num_seqs (with both residues of the step's tokens mod 16 and page tables of 1,
 16 and 17 columns), and prefill chunks at a ladder of token counts with every threshold a kernel picks its form by on
 both sides of it. EAGLE3 drafts extend over the same chunks. Pages are reused freely: the cache holds nothing yet.
+
+MLA decode compiles per page-table width class (1, a multiple of 16, other: its row stride) and per form, which the
+decode count picks (batch 1-3's tiles, one split at large batches): ranges of consecutive counts. Each count's steps
+take two of the three widths, in turn, so any two consecutive counts see all three, and the first and last counts
+(a range may hold only one of them) all three. A width counts the pages held for the EAGLE3 lookahead too.
 """
 
 from __future__ import annotations
@@ -92,13 +97,16 @@ def plan(
     max_model_len: int,
     edges: list[int] = (),
     decode_only: bool = False,
+    lookahead: int = 0,
 ) -> list[WarmupStep]:
-    """The eager steps to run at start-up. decode_only: decode-only steps run eagerly too (no CUDA graphs)."""
+    """The eager steps to run at start-up. decode_only: decode-only steps run eagerly too (no CUDA graphs).
+    lookahead: the tokens past a step's own that its chunks' pages cover (_chunks), which widen the page table."""
     q, budget = decode_q_len, max_num_batched_tokens
     chunk = min(chunked_prefill_size, budget)
-    # decode contexts whose page tables (with the step's other chunks) are 1, 16 and 17 columns wide
-    contexts = [c for c in (page_size - q, 16 * page_size - q, 17 * page_size - q) if 0 <= c and c + q < max_model_len]
-    contexts = contexts or [0]
+    # decode contexts whose page tables (with the lookahead's pages and the step's other chunks) are 1, 16 and 17
+    # columns wide
+    contexts = [w * page_size - q - lookahead for w in (1, 16, 17)]
+    contexts = [c for c in contexts if 0 <= c and c + q < max_model_len] or [0]
     steps: list[WarmupStep] = []
     prefills = token_ladder(1, chunk, edges)
     for cached in (0, page_size):  # fresh prefills, and chunks after cached context (prefix hits, chunked prompts)
@@ -113,15 +121,21 @@ def plan(
                 WarmupStep(0, q, 0, p, cached, n) for p in prefills if p >= n and cached + -(-p // n) < max_model_len
             ]
     for n in range(1, max_num_seqs + 1):
-        ctx = contexts[n % len(contexts)]
+        # two of the page-table widths in turn, all three at the first and last counts (the module docstring); in
+        # the contexts' order, so the one-page context takes the smaller prefill chunk below (one page too, where
+        # the page holds it and the lookahead)
+        turn = {contexts[(n + i) % len(contexts)] for i in range(3 if n in (1, max_num_seqs) else 2)}
+        ctxs = [c for c in contexts if c in turn]
         room = budget - n * q
-        if decode_only:
-            steps.append(WarmupStep(n, q, ctx, 0, 0))
-        if max_num_seqs < 2 or room < 1:  # no mixed step: one request at a time, or no token left for a prefill
+        mixed = max_num_seqs >= 2 and room >= 1  # else one request at a time, or no token left for a prefill
+        if decode_only:  # without mixed steps, the decode-only ones take the widths
+            steps += [WarmupStep(n, q, c, 0, 0) for c in (ctxs[:1] if mixed else ctxs)]
+        if not mixed:
             continue
         fill = -(n * q) % 16 or 16  # the step's tokens a multiple of 16, then not
-        for p in {min(fill, room), min(fill + 1, room)}:
-            steps.append(WarmupStep(n, q, ctx, p, 0))
+        fills = (min(fill, room), min(fill + 1, room))
+        pairs = [(ctxs[i % len(ctxs)], fills[i % 2]) for i in range(max(2, len(ctxs)))]
+        steps += [WarmupStep(n, q, c, p, 0) for c, p in dict.fromkeys(pairs)]
     if max_num_seqs >= 2:  # large mixed steps: a prefill chunk at every ladder count beside a decode
         steps += [WarmupStep(1, q, contexts[0], p, 0) for p in prefills if q + p <= budget]
     return steps
@@ -181,6 +195,8 @@ def _step(runner, decode: list[SeqChunk], prefill: list[SeqChunk], draft) -> Non
 def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
     """Run the warm-up steps through the engine's runner (and its EAGLE3 draft); -> seconds taken (logged)."""
     runner, cfg = engine.runner, engine.cfg
+    draft = engine.proposer if engine.spec_k and hasattr(engine.proposer, "draft") else None  # EAGLE3, not REPLAY
+    lookahead = engine.spec_k if draft is not None else 0
     if steps is None:
         mc = engine.model_config
         edges = token_edges(
@@ -199,11 +215,11 @@ def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
             engine.max_model_len,
             edges,
             decode_only=runner.graphs is None,
+            lookahead=lookahead,
         )
     t0 = time.perf_counter()
-    draft = engine.proposer if engine.spec_k and hasattr(engine.proposer, "draft") else None  # EAGLE3, not REPLAY
     for step in steps:
-        decode, prefill = _chunks(step, runner.num_pages, cfg.page_size, engine.spec_k if draft is not None else 0)
+        decode, prefill = _chunks(step, runner.num_pages, cfg.page_size, lookahead)
         _step(runner, decode, prefill, draft)
         if runner.graphs is not None and runner.ranks.world_size == 1 and runner.graphs.key_for(decode, prefill):
             # the same step eagerly (a prompt-logprobs prefill runs so): on one rank, where no other rank replays

@@ -4,6 +4,7 @@ graph bucket), and it runs through the engine's runner and EAGLE3 draft without 
 nothing to compile on a GPU: tests/gpu/test_no_jit_gpu.py."""
 
 import pytest
+import torch
 
 from mlaserve.config import SpecConfig
 from mlaserve.engine.cuda_graph import PREFILL_MAX_REQS, PREFILL_TOKEN_BUCKETS
@@ -114,3 +115,133 @@ def test_warm_up_drives_the_eagle3_draft(tiny_ckpt, tmp_path_factory, monkeypatc
     mixed = next(c for c in seen if len(c) > 1)
     assert mixed[0].verify and len(mixed[0].token_ids) == k + 1 and not mixed[-1].verify
     assert eng.pool.num_free == eng.pool.num_pages
+
+
+def _width(step: WarmupStep, page_size: int, lookahead: int) -> int:
+    """Page-table columns of the step's batch: its widest chunk's pages."""
+    decode, prefill = _chunks(step, num_pages=1 << 20, page_size=page_size, lookahead=lookahead)
+    return max(len(c.pages) for c in decode + prefill)
+
+
+def _width_class(width: int) -> str:
+    """How Triton specializes an int argument (the page table's row stride): equal to 1, divisible by 16, other."""
+    return "1" if width == 1 else "16" if width % 16 == 0 else "other"
+
+
+@pytest.mark.parametrize("q", [1, 2, 4])
+def test_decode_counts_see_every_page_table_width_class(q):
+    """MLA decode compiles per width class of the page table and per form, which the decode count picks in ranges of
+    consecutive counts. The EAGLE3 chain's lookahead (K = q - 1 tokens past a step's) widens each chunk's pages:
+    still, any two consecutive counts' steps see all three classes, and the first and last counts alone do."""
+    S, page, K = 12, 64, q - 1
+    steps = plan(q, S, 2048, 1024, page, 4096, lookahead=K)
+    seen = {n: set() for n in range(1, S + 1)}
+    for s in steps:
+        if s.decode:
+            seen[s.decode].add(_width_class(_width(s, page, K)))
+    every = {"1", "16", "other"}
+    assert seen[1] == seen[S] == every
+    for n in range(1, S):
+        assert seen[n] | seen[n + 1] == every, n
+    for n in range(1, S + 1):  # and still both residues of the step's tokens mod 16
+        assert {s.tokens % 16 == 0 for s in steps if s.decode == n and s.prefill} == {True, False}, n
+    eager = plan(q, 1, 2048, 1024, page, 4096, decode_only=True, lookahead=K)  # no mixed step: decode-only ones
+    assert {_width_class(_width(s, page, K)) for s in eager if s.decode} == every
+
+
+class LaunchKeys:
+    """Stands in for a Triton kernel: records each launch's compile key as Triton forms it, and launches nothing.
+    The key: the constexprs and launch options, and for every other argument outside do_not_specialize: None, a
+    tensor's dtype and whether its address is 16-byte aligned, an int equal to 1 / divisible by 16 / other."""
+
+    def __init__(self, kernel, keys: set):
+        self.name, self.names, self.keys = kernel.__name__, kernel.arg_names, keys
+        self.dns = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs):
+        spec = []
+        for name, a in zip(self.names, args):
+            if name in self.dns or a is None or isinstance(a, (bool, float)):
+                v = a if a is None or isinstance(a, bool) else type(a).__name__
+            elif isinstance(a, torch.Tensor):
+                v = f"{str(a.dtype).removeprefix('torch.')}{'' if a.data_ptr() % 16 else ',aligned'}"
+            else:
+                v = "1" if a == 1 else "16k" if a % 16 == 0 else "int"
+            spec.append(f"{name}={v}")
+        self.keys.add(" ".join([self.name, *spec, *(f"{k}={v}" for k, v in sorted(kwargs.items()))]))
+
+
+def test_warm_up_launches_the_mla_decode_variants_speculative_serving_does(tiny_ckpt, tmp_path_factory, monkeypatch):
+    """The MLA decode launches of an EAGLE3 engine's eager steps while serving (mixed steps: verifies beside prefill
+    chunks) all have a compile key that the start-up launched (the decode graphs' capture, the warm-up's steps). The
+    engine runs on the CPU with the torch backend; each step's batch is also handed to the Triton backend's decode
+    with the kernels replaced by LaunchKeys, in bf16 as on the GPU."""
+    from mlaserve.attention.base import ForwardBatch
+    from mlaserve.attention.triton_mla import TritonMLABackend
+    from mlaserve.engine import warmup
+    from mlaserve.kernels import mla_decode
+    from mlaserve.models.make_random_draft import make_random_draft
+
+    draft = make_random_draft("tiny-eagle3", str(tmp_path_factory.mktemp("draft")), target=tiny_ckpt, dtype="float32")
+    page = 64
+    eng = make_engine(
+        tiny_ckpt,
+        spec=SpecConfig(draft_model=draft, num_steps=1),
+        max_model_len=2048,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        chunked_prefill_size=256,
+        num_pages=128,
+        page_size=page,
+    )
+    runner = eng.runner
+    runner.capture_graphs(2, eng.max_model_len, use_graphs=False)  # the graphs' steps: the static path, not eager
+    keys: set = set()
+    for name in ("_mla_decode_split_kernel", "_mla_decode_combine_kernel"):
+        monkeypatch.setattr(mla_decode, name, LaunchKeys(getattr(mla_decode, name), keys))
+    mc = eng.model_config
+    R, P = mc.kv_lora_rank, mc.qk_rope_head_dim
+    attn = TritonMLABackend(torch.zeros(1, 2, page, R + P, dtype=torch.bfloat16), R, kernels=runner.kernels)
+
+    def launch(batch):  # what the model's absorbed attention hands the backend: fresh q and output
+        if not batch.num_decode_reqs:
+            return
+        Q = torch.empty(batch.num_decode_tokens, mc.num_attention_heads, R + P, dtype=torch.bfloat16)
+        attn.decode(0, Q, 0.1, batch, Q.new_empty(Q.shape[0], Q.shape[1], R))
+
+    for key, g in runner.graphs.graphs.items():  # capture
+        if key[0] == "decode":
+            launch(g.batch)
+    monkeypatch.setattr(warmup, "_step", lambda r, d, p, dr: launch(ForwardBatch.build(d, p, page, "cpu", attn)))
+    warmup.warm_up(eng)
+    start, forms = set(keys), set()
+    keys.clear()
+
+    execute = runner.execute_local
+
+    def eager(decode, prefill, *a):
+        if decode and runner.graphs.key_for(decode, prefill) is None:
+            width = max(len(c.pages) for c in decode + prefill)
+            forms.add((len(decode) > 3, _width_class(width)))
+            launch(ForwardBatch.build(decode, prefill, page, "cpu", attn))
+        return execute(decode, prefill, *a)
+
+    monkeypatch.setattr(runner, "execute_local", eager)
+    greedy = dict(temperature=0, ignore_eos=True)
+    # short requests verify while a long prompt's chunks pass 1024 tokens (16 pages); then more requests than
+    # max_num_seqs, the late ones prefilling beside one-page verifies; then two verifies beside a long prompt
+    waves = [
+        [(1, 24), (2, 24), (3, 20), (5, 24), (9, 22), (1100, 2)],
+        [(n, 2 + i) for i, n in enumerate((1, 2, 3, 4, 5, 6, 7, 8, 9, 10))],
+        [(1, 12), (3, 12), (700, 2)],
+    ]
+    for i, wave in enumerate(waves):
+        for j, (n, m) in enumerate(wave):
+            eng.add_request([(7 * j + i) % 500 + 1] * n, SamplingParams(max_tokens=m, **greedy))
+        run_all(eng)
+    # past batch 1-3's tiles (4+ programs at 4 heads), page tables of every width class; and batch 1-3's
+    assert {(True, "1"), (True, "16"), (True, "other"), (False, "other")} <= forms, forms
+    assert keys and keys <= start, "\n".join(sorted(keys - start))
