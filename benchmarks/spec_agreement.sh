@@ -8,46 +8,21 @@
 # prefix). M1 shapes (Moonlight-16B-A3B, random weights in place), one GPU. Results under $OUT.
 #   bash benchmarks/spec_agreement.sh                      # default kernels, MISS="0.3 0"
 #   DET=1 bash benchmarks/spec_agreement.sh                # both servers with --deterministic-inference
-set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
-IN=${IN:-8192}; OUTLEN=${OUTLEN:-8192}; PORT=${PORT:-8000}; MISS=${MISS:-"0.3 0"}
-mkdir -p "$OUT"
-source benchmarks/wheels.sh
-t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
-python3 - <<'PY'
-import json, os
-from mlaserve.models.make_random import load_preset
-from mlaserve.models.make_random_draft import make_random_draft
-raw = load_preset("moonlight-16b-a3b"); raw.pop("_note", None)
-os.makedirs("/tmp/m1-dummy", exist_ok=True); json.dump(raw, open("/tmp/m1-dummy/config.json", "w"), indent=1)
-if not os.path.exists("/tmp/m1-dummy-draft/config.json"):
-    make_random_draft("kimi-k2.5-eagle3", "/tmp/m1-dummy-draft", target="/tmp/m1-dummy", dtype="bfloat16")
-PY
+#   MODEL=DIR DRAFT=DIR bash benchmarks/spec_agreement.sh  # a checkpoint of your own (loaded from disk)
+MISS=${MISS:-"0.3 0"}
+source benchmarks/serve_lib.sh
+if [[ -z "$MODEL" ]]; then
+  m1_dummy draft
+  MODEL=/tmp/m1-dummy DRAFT=/tmp/m1-dummy-draft load=(--load-format dummy)
+fi
 det=(); tag=default
 [[ -n "$DET" ]] && det=(--deterministic-inference) && tag=det
-start_server() {  # $1: label; the rest: extra serve flags
-  label=$1; shift
-  el "starting the server ($label)"
-  setsid python3 -m mlaserve serve /tmp/m1-dummy --load-format dummy --port $PORT "${det[@]}" \
-    --max-model-len $(( IN + OUTLEN + 64 )) --no-prefix-caching "$@" > "$OUT/server-$label.log" 2>&1 &
-  SERVER=$!
-  for i in $(seq 1 600); do
-    curl -sf http://127.0.0.1:$PORT/health >/dev/null && break
-    kill -0 $SERVER 2>/dev/null || { el "server died"; tail -40 "$OUT/server-$label.log"; return 1; }
-    sleep 1
-  done
-  el "server up"
+serve() {  # $1: label; the rest: extra serve flags
+  start_server "$1" "$MODEL" "${load[@]}" "${det[@]}" --max-model-len $(( IN + OUTLEN + 64 )) \
+    --no-prefix-caching "${@:2}"
 }
-bench() {  # $1: label; the rest: extra bench flags
-  label=$1; shift
-  timeout ${BENCH_S:-400} python3 -m mlaserve bench serve --base-url http://127.0.0.1:$PORT --num-prompts 8 \
-    --max-concurrency 8 --input-len $IN --output-len $OUTLEN --seed 20260724 --num-warmups 0 --temperature 0 \
-    --ignore-eos --disable-tqdm --label "m1-$tag-$label" --save-result "$OUT/$tag-$label.json" "$@" 2>&1 \
-    | grep -E "Successful|Failed|Median (TTFT|TPOT)|Output token throughput|Acceptance"
-}
-stop_server() { kill -INT $SERVER; sleep 4; kill -9 -$SERVER 2>/dev/null; }
-start_server plain
-bench plain --save-replay "$OUT/$tag-replay.jsonl"
+serve plain || exit 1
+bench_protocol "m1-$tag-plain" "$OUT/$tag-plain.json" --save-replay "$OUT/$tag-replay.jsonl"
 stop_server
 probe() {  # top-2 logprobs at each first differing position of $1's run: a 1-token request is a prefill only, the
   # same computation on any server of these kernels (asked of the REPLAY server still up)
@@ -78,10 +53,10 @@ json.dump(dict(identical=same, of=len(rows), requests=rows), open(out, "w"), ind
 PY
 }
 for miss in $MISS; do
-  start_server "replay$miss" --speculative-algorithm REPLAY --speculative-draft-model-path /tmp/m1-dummy-draft \
+  serve "replay$miss" --speculative-algorithm REPLAY --speculative-draft-model-path "$DRAFT" \
     --speculative-num-steps 1 --speculative-num-draft-tokens 2 --speculative-replay-path "$OUT/$tag-replay.jsonl" \
     --speculative-replay-miss-rate $miss || continue
-  bench "replay$miss"
+  bench_protocol "m1-$tag-replay$miss" "$OUT/$tag-replay$miss.json"
   probe "replay$miss"
   stop_server
 done
