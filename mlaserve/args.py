@@ -245,7 +245,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params_from_args(args, model_dir: str | None = None) -> SamplingParams:
     """The flags given; a flag left unset takes generation_config.json's value (as the server's --generation-config
     auto), else greedy with no filtering."""
-    gen = generation_sampling_defaults(model_dir)
+    gen = generation_sampling_defaults(model_dir, bool(getattr(args, "speculative_algorithm", None)))
     base = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
     pick = {k: getattr(args, k) if getattr(args, k) is not None else gen.get(k, v) for k, v in base.items()}
     return SamplingParams(

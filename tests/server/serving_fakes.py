@@ -42,14 +42,16 @@ class Tok:
 class Engine:
     """The AsyncEngine: validate() and generate() recorded, each failing with `fail` when set."""
 
-    def __init__(self, tok: Tok | None, model: str = "", max_queue_len: int = 2):
+    def __init__(self, tok: Tok | None, model: str = "", max_queue_len: int = 2, spec_k: int = 0):
         self.calls: list[tuple] = []
         self.fail: Exception | None = None
         self.metrics = object()
         grammars = SimpleNamespace(compile=lambda spec: self.calls.append(("compile", spec)))
         cfg = SimpleNamespace(model=model, max_queue_len=max_queue_len)
         # 3 pages of 4 tokens: 11 prompt tokens (+ 1 generated) fit, 12 do not
-        self.engine = SimpleNamespace(tokenizer=tok, cfg=cfg, max_model_len=20, pool=KVPool(3, 4), grammars=grammars)
+        self.engine = SimpleNamespace(
+            tokenizer=tok, cfg=cfg, max_model_len=20, pool=KVPool(3, 4), grammars=grammars, spec_k=spec_k
+        )
 
     def validate(self, ids, params) -> None:
         self.calls.append(("validate", ids))
