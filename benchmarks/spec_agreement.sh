@@ -19,13 +19,13 @@ det=(); tag=default
 [[ -n "$DET" ]] && det=(--deterministic-inference) && tag=det
 serve() {  # $1: label; the rest: extra serve flags
   start_server "$1" "$MODEL" "${load[@]}" "${det[@]}" --max-model-len $(( IN + OUTLEN + 64 )) \
-    --no-prefix-caching "${@:2}"
+    --no-prefix-caching --generation-config vllm "${@:2}"  # greedy as asked: no penalty from the model's defaults
 }
 serve plain || exit 1
 bench_protocol "m1-$tag-plain" "$OUT/$tag-plain.json" --save-replay "$OUT/$tag-replay.jsonl"
 stop_server
-probe() {  # top-2 logprobs at each first differing position of $1's run: a 1-token request is a prefill only, the
-  # same computation on any server of these kernels (asked of the REPLAY server still up)
+probe() {  # the plain server's top-2 logprobs at each first differing position of $1's run (a prefill of the common
+  # prefix: the decode row that chose the token had these inputs)
   python3 - "$OUT/$tag-plain.json" "$OUT/$tag-$1.json" "$OUT/$tag-replay.jsonl" "$OUT/$tag-$1-agreement.json" $PORT <<'PY'
 import json, sys
 import httpx
@@ -57,7 +57,21 @@ for miss in $MISS; do
     --speculative-num-steps 1 --speculative-num-draft-tokens 2 --speculative-replay-path "$OUT/$tag-replay.jsonl" \
     --speculative-replay-miss-rate $miss || continue
   bench_protocol "m1-$tag-replay$miss" "$OUT/$tag-replay$miss.json"
-  probe "replay$miss"
   stop_server
 done
+differ() {  # 0 when some REPLAY run's texts differ from the plain run's
+  python3 - "$OUT/$tag-plain.json" $(for m in $MISS; do echo "$OUT/$tag-replay$m.json"; done) <<'PY'
+import json, os, sys
+ids = lambda p: [r["output_token_ids"] for r in sorted(json.load(open(p))["requests"], key=lambda r: r["index"])]
+plain = ids(sys.argv[1])
+sys.exit(0 if any(os.path.exists(p) and ids(p) != plain for p in sys.argv[2:]) else 1)
+PY
+}
+if differ; then
+  serve plain-probe || exit 1  # logprobs are refused with speculation: the gaps come from a plain server
+  for miss in $MISS; do probe "replay$miss"; done
+  stop_server
+else
+  for miss in $MISS; do probe "replay$miss"; done  # all identical: no gap to ask for
+fi
 el "done"
