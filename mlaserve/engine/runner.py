@@ -21,6 +21,7 @@ from ..models.deepseek_v3 import DeepseekV3ForCausalLM
 from ..models.dummy_weights import init_dummy_weights
 from ..models.weight_bytes import weight_bytes
 from ..models.weights import load_weights
+from .cpu_matmul_caches import bound_matmul_caches
 from .step_broadcast import StepChannel
 
 log = logging.getLogger("mlaserve.runner")
@@ -49,6 +50,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
         self.kernels = cfg.kernels  # what every kernel call site of this rank gets (the same on every rank)
         on_gpu = self.device.type == "cuda"
+        if self.device.type == "cpu":  # before the first bf16 matmul, which fixes their capacity
+            bound_matmul_caches()
         moe_impl = cfg.moe_backend if cfg.moe_backend != "auto" else ("triton" if on_gpu else "torch")
 
         t0 = time.perf_counter()
