@@ -9,12 +9,8 @@
 # Needs mlaserve installed with its server dependencies (pip install -e .), or their wheels in .whl/.
 # Optional stages first: ALLREDUCE_BENCH=1 (one-shot / two-shot / NCCL at 1-64 rows of 7168,
 # benchmarks/allreduce_bench.py), LAYER_BENCH=1 (per-layer decode time at TP=$TP against one GPU).
-set -o pipefail
-export PYTHONUNBUFFERED=1 OUT=${OUT:-out} TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
-IN=${IN:-8192}; OUTLEN=${OUTLEN:-1024}; PORT=8000; TP=${TP:-4}; LAYERS=${LAYERS:-12}
-mkdir -p "$OUT"
-source benchmarks/wheels.sh
-t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
+OUTLEN=${OUTLEN:-1024}; TP=${TP:-4}; LAYERS=${LAYERS:-12}
+source benchmarks/serve_lib.sh
 nvidia-smi -L
 if [[ -n "$NCCL_TEST" ]]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/tp/test_tp_parity.py -k nccl 2>&1 | tail -3
@@ -38,25 +34,15 @@ make_random_draft("kimi-k2.5-eagle3", "/tmp/m3-draft", target="/tmp/m3", dtype="
 print("wrote /tmp/m3 (config only: dummy weights) and /tmp/m3-draft")
 PY
 serve_and_bench() {  # $1: label; the rest: extra serve flags
-label=$1; shift
-el "starting the server ($label)"
-setsid python3 -m mlaserve serve /tmp/m3 --tp $TP --load-format dummy --port $PORT --max-num-seqs 16 \
-  --max-model-len $(( IN + OUTLEN + 64 )) --no-prefix-caching "$@" > "$OUT/server-$label.log" 2>&1 &
-SERVER=$!
-for i in $(seq 1 300); do
-  curl -sf http://127.0.0.1:$PORT/health >/dev/null && break
-  kill -0 $SERVER 2>/dev/null || { el "server died"; tail -40 "$OUT/server-$label.log"; return 1; }
-  sleep 1
-done
-el "server up"; grep -E "captured|loaded|KV cache|EAGLE3" "$OUT/server-$label.log" | cut -c1-240
-for run in $(seq 1 ${RUNS:-2}); do
-  el "bench run $run"
-  timeout ${BENCH_S:-200} python3 -m mlaserve bench serve --base-url http://127.0.0.1:$PORT --num-prompts 8 \
-    --max-concurrency 8 --input-len $IN --output-len $OUTLEN --seed 20260724 --num-warmups 0 --temperature 0 \
-    --ignore-eos --disable-tqdm --label "kimi-${LAYERS}l-tp${TP}-$label-run$run" --save-result "$OUT/$label-run$run.json" 2>&1 \
-    | grep -E "Successful|Failed|Median (TTFT|TPOT|E2EL)|Output token throughput|Acceptance|agree"
-done
-kill -INT $SERVER; sleep 4; kill -9 -$SERVER 2>/dev/null
+  local label=$1; shift
+  start_server $label /tmp/m3 --tp $TP --load-format dummy --max-num-seqs 16 --max-model-len $(( IN + OUTLEN + 64 )) \
+    --no-prefix-caching "$@" || return 1
+  grep -E "captured|loaded|KV cache|EAGLE3" "$OUT/server-$label.log" | cut -c1-240
+  for run in $(seq 1 ${RUNS:-2}); do
+    el "bench run $run"
+    BENCH_S=${BENCH_S:-200} bench_protocol "kimi-${LAYERS}l-tp${TP}-$label-run$run" "$OUT/$label-run$run.json"
+  done
+  stop_server
 }
 serve_and_bench eagle3 --speculative-algorithm EAGLE3 --speculative-draft-model-path /tmp/m3-draft \
   --speculative-num-steps 1 --speculative-num-draft-tokens 2
