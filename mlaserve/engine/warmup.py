@@ -98,9 +98,12 @@ def plan(
     edges: list[int] = (),
     decode_only: bool = False,
     lookahead: int = 0,
+    eager_decode_from: int | None = None,
 ) -> list[WarmupStep]:
-    """The eager steps to run at start-up. decode_only: decode-only steps run eagerly too (no CUDA graphs).
-    lookahead: the tokens past a step's own that its chunks' pages cover (_chunks), which widen the page table."""
+    """The eager steps to run at start-up. decode_only: decode-only steps run eagerly too (no CUDA graphs);
+    eager_decode_from: those of this many requests or more do (more than the largest decode graph holds, as under
+    EP's all-to-all edge). lookahead: the tokens past a step's own that its chunks' pages cover (_chunks), which
+    widen the page table."""
     q, budget = decode_q_len, max_num_batched_tokens
     chunk = min(chunked_prefill_size, budget)
     # decode contexts whose page tables (with the lookahead's pages and the step's other chunks) are 1, 16 and 17
@@ -128,7 +131,8 @@ def plan(
         ctxs = [c for c in contexts if c in turn]
         room = budget - n * q
         mixed = max_num_seqs >= 2 and room >= 1  # else one request at a time, or no token left for a prefill
-        if decode_only:  # without mixed steps, the decode-only ones take the widths
+        if decode_only or (eager_decode_from is not None and n >= eager_decode_from):
+            # without mixed steps, the decode-only ones take the widths
             steps += [WarmupStep(n, q, c, 0, 0) for c in (ctxs[:1] if mixed else ctxs)]
         if not mixed:
             continue
@@ -192,6 +196,13 @@ def _step(runner, decode: list[SeqChunk], prefill: list[SeqChunk], draft) -> Non
 
 
 @torch.inference_mode()
+def _eager_decode_from(graphs) -> int | None:
+    """The decode-only steps' request count from which no graph holds them (None: every count has one)."""
+    if graphs is None:
+        return None  # plan's decode_only
+    return graphs.bs_list[-1] + 1 if graphs.bs_list else 1
+
+
 def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
     """Run the warm-up steps through the engine's runner (and its EAGLE3 draft); -> seconds taken (logged)."""
     runner, cfg = engine.runner, engine.cfg
@@ -216,6 +227,7 @@ def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
             edges,
             decode_only=runner.graphs is None,
             lookahead=lookahead,
+            eager_decode_from=_eager_decode_from(runner.graphs),
         )
     t0 = time.perf_counter()
     for step in steps:

@@ -149,6 +149,23 @@ def test_decode_counts_see_every_page_table_width_class(q):
     assert {_width_class(_width(s, page, K)) for s in eager if s.decode} == every
 
 
+def test_decode_only_steps_no_graph_holds_are_warmed(q=2):
+    """Decode-only steps of more requests than the largest decode graph holds (EP's all-to-all edge cuts the graph
+    sizes) run eagerly: the plan has a decode-only step for each of those counts (their exact token counts, for the
+    kernels other than attention; the mixed steps beside them cover the page-table widths), and none below."""
+    from types import SimpleNamespace
+
+    from mlaserve.engine.warmup import _eager_decode_from
+
+    S, page = 12, 64
+    steps = plan(q, S, 2048, 1024, page, 4096, eager_decode_from=9, lookahead=q - 1)
+    assert sorted(s.decode for s in steps if s.decode and not s.prefill) == [9, 10, 11, 12]
+    assert plan(q, S, 2048, 1024, page, 4096, eager_decode_from=S + 1) == plan(q, S, 2048, 1024, page, 4096)
+    assert _eager_decode_from(None) is None
+    assert _eager_decode_from(SimpleNamespace(bs_list=[1, 2, 4, 8])) == 9
+    assert _eager_decode_from(SimpleNamespace(bs_list=[])) == 1
+
+
 class LaunchKeys:
     """Stands in for a Triton kernel: records each launch's compile key as Triton forms it, and launches nothing.
     The key: the constexprs and launch options, and for every other argument outside do_not_specialize: None, a
