@@ -173,7 +173,10 @@ class LaunchKeys:
 
     def __init__(self, kernel, keys: set):
         self.name, self.names, self.keys = kernel.__name__, kernel.arg_names, keys
-        self.dns = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+        # a JITFunction's, or the interpreter's (TRITON_INTERPRET=1: an InterpretedFunction keeps jit's arguments)
+        dns = getattr(kernel, "do_not_specialize", None)
+        dns = kernel.kwargs.get("do_not_specialize") or () if dns is None else dns
+        self.dns = {kernel.arg_names[i] if isinstance(i, int) else i for i in dns}
 
     def __getitem__(self, grid):
         return self._launch
