@@ -199,6 +199,8 @@ class Eagle3Proposer:
         seq = [SeqChunk(c.token_ids, c.start, c.req.pages, "last" if c.propose else "none") for c in chunks]
         tokens, h = self._run(seq, torch.cat([c.hidden[: len(c.token_ids)] for c in chunks]))
         wanted = [c for c in chunks if c.propose]
+        if not wanted:  # prompt chunks that only extend the draft's KV: no chain to run on zero rows
+            return {}
         steps = [tokens]
         for i in range(1, self.k):
             nxt = [SeqChunk([0], c.start + len(c.token_ids) + i - 1, c.req.pages, "last") for c in wanted]

@@ -154,3 +154,23 @@ def test_prompt_whose_last_chunk_is_one_token(tiny_ckpt, draft, k):
         outs.append([out[r] for r in rids])
     assert outs[1] == outs[0]
     assert all(len(o) == MAX for o in outs[1])
+
+
+def test_step_of_only_mid_prompt_chunks_runs_no_chain(tiny_ckpt, draft):
+    """A long prompt alone, chunked: its first steps only extend the draft's KV (no position to propose at), so the
+    K-step chain has no rows to run; the draft is never called on zero rows (the GPU's attention refuses them)."""
+    spec = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=2), page_size=4, chunked_prefill_size=16)
+    rows = []
+    fwd = spec.proposer.draft.forward
+    spec.proposer.draft.forward = lambda ids, *a, **kw: rows.append(ids.shape[0]) or fwd(ids, *a, **kw)
+    plain = make_engine(tiny_ckpt, page_size=4, chunked_prefill_size=16)
+    prompt = list(range(1, 41))  # chunks of 16, 16, 8
+    outs = []
+    for eng in (plain, spec):
+        rid = eng.add_request(prompt, GREEDY)
+        out = []
+        while eng.has_unfinished():
+            out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+        outs.append(out)
+    assert outs[1] == outs[0] and len(outs[0]) == MAX
+    assert rows[:2] == [16, 16] and min(rows) > 0, rows

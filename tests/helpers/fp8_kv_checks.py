@@ -113,7 +113,7 @@ def check_mla_decode_fp8(
         assert torch.equal(out, same), f"fp8 decode differs from the decode of the dequantized cache {ctx_lens} {dtype}"
     elif scale == 1.0:  # two compiled variants: at most 1 ulp apart (H200: 0.03-0.08 % of the values differ)
         diff, mag = (out.float() - same.float()).abs(), torch.maximum(out.float().abs(), same.float().abs())
-        ulp = 2.0 ** -(torch.finfo(dtype).nmant)
+        ulp = torch.finfo(dtype).eps  # 2**-mantissa bits
         assert bool((diff <= mag * ulp).all()), f"fp8 decode > 1 ulp from the dequantized cache's {ctx_lens} {dtype}"
     ref = mla_decode_ref(q, deq.nan_to_num(0.0), table, seq_lens, q_len, sm, R)
     return assert_close(out, ref, dtype, f"fp8 mla_decode ctx={ctx_lens} H={H} q_len={q_len} {dtype}")
