@@ -52,9 +52,17 @@ class Sizes:
     # lin_decode: decode-sized dense projections [N, K] (M1's q|kv_a and o_proj)
     decode_linears: tuple = ((3648, 2048), (2048, 2048))
     decode_linear_T: tuple = (1, 2, 4, 8, 32)
-    # bi_gemm: deterministic mode's dense GEMM against F.linear at M1's linears ([N, K]: q|kv_a, o_proj, the dense
-    # MLP's gate|up and down, the lm_head), decode to prefill row counts
-    bi_gemm_shapes: tuple = ((3648, 2048), (2048, 2048), (22528, 2048), (2048, 11264), (163840, 2048))
+    # bi_gemm: deterministic mode's dense GEMM against F.linear at M1's linears ([N, K]: q|kv_a, kv_a alone, o_proj,
+    # the shared experts' gate|up and down, the dense MLP's gate|up, the lm_head), decode to prefill row counts
+    bi_gemm_shapes: tuple = (
+        (3648, 2048),
+        (576, 2048),
+        (2048, 2048),
+        (2816, 2048),
+        (2048, 1408),
+        (22528, 2048),
+        (163840, 2048),
+    )
     bi_gemm_M: tuple = (1, 8, 32, 256, 8192)
     decode_max_cfgs: int = 16  # moe_decode tiles per GEMM, lin_decode GEMV tiles, absorb head_gemv tiles
     # absorb: the absorbed projections' bmm vs head_gemv (M1's 16 heads; Kimi-K2.5 at attention TP4 has 16 too)

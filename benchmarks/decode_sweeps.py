@@ -6,6 +6,8 @@ decode step timed over several layers' weights in turn, as the engine reads them
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from benchmarks.bench_util import BF, Report, Sizes, bench, cfg_label, moe_inputs, rel
@@ -146,26 +148,30 @@ def run_linear_decode(rep: Report, sz: Sizes):
 
 
 def run_bi_gemm(rep: Report, sz: Sizes):
-    """Deterministic mode's dense GEMM (kernels/bi_gemm.py: one tile config at every M, no split-K) against F.linear
-    (cuBLAS) at M1's linears and decode to prefill row counts: the mode's GEMM cost, and its rows checked equal to
-    the largest M's."""
+    """Deterministic mode's dense GEMM (kernels/bi_gemm.py: one tile config at every M, a K split fixed by the
+    weight's shape) against F.linear (cuBLAS) at M1's linears and decode to prefill row counts: the mode's GEMM cost
+    in the form it picks by M and in each form forced, every row checked equal to the largest M's."""
     import torch.nn.functional as F
 
-    from mlaserve.kernels.bi_gemm import bi_gemm
+    from mlaserve.kernels.bi_gemm import TILES_16, bi_gemm, k_splits
 
     for N, Kd in sz.bi_gemm_shapes:
         w = (torch.randn(N, Kd, device=sz.dev) / Kd**0.5).to(BF)
         xs = torch.randn(max(sz.bi_gemm_M), Kd, device=sz.dev).to(BF)
         full = bi_gemm(xs, w)
+        S, chunk = k_splits(1, N, Kd, TILES_16)
         for M in sz.bi_gemm_M:
             x = xs[:M]
             ref = F.linear(x.float(), w.float())
-            same = bool(torch.equal(bi_gemm(x, w), full[:M]))
-            for name, fn in (("F.linear", lambda: F.linear(x, w)), ("bi_gemm", lambda: bi_gemm(x, w))):  # noqa: B023
+            forms = {"bi_gemm": None, "bi_gemm loop": False, "bi_gemm split": True} if S > 1 else {"bi_gemm": None}
+            same = all(torch.equal(bi_gemm(x, w, split=f), full[:M]) for f in forms.values())
+            fns = {"F.linear": lambda: F.linear(x, w)}  # noqa: B023
+            fns.update({name: functools.partial(bi_gemm, x, w, split=f) for name, f in forms.items()})
+            for name, fn in fns.items():
                 ms = bench(fn, sz)
                 nbytes, flops = (N * Kd + M * Kd + M * N) * 2, 2 * M * N * Kd
                 err = rel(fn(), ref)
-                rep.add("bi_gemm", f"[{N}, {Kd}] M={M} {name}", ms, nbytes, flops, err=err, M=M, rows_equal=same)
+                rep.add("bi_gemm", f"[{N}, {Kd}] M={M} {name}", ms, nbytes, flops, err=err, M=M, rows_equal=same, S=S)
             if not same:
                 print(f"bi_gemm [{N}, {Kd}] M={M}: rows differ from M={max(sz.bi_gemm_M)}'s")
         w = xs = full = None

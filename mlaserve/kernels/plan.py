@@ -49,7 +49,7 @@ def reduction_plan(
 ) -> dict[str, object]:
     """Each decision point's choice for a step of `tokens` rows (decode: tokens // q_len requests, each with a
     seq_len context) of a model of these sizes (M1-like by default)."""
-    from .bi_gemm import TILES_16, TILES_32
+    from .bi_gemm import TILES_16, TILES_32, k_splits
     from .fp8_gemm import fp8_gemm_config
     from .fp8_linear import linear_form
     from .fp8_moe import moe_form as fp8_moe_form
@@ -69,9 +69,11 @@ def reduction_plan(
         "gemv" if gemv_serves(x, _t(vocab, hidden, dtype=dtype), None, kernels.gemv_serve_tokens) else "gemm"
     )
     # the GEMMs the GEMVs leave (linears, lm_head, router, absorbed projections, kv_b_proj over a prefill's
-    # context): cuBLAS picks its kernel and split-K by M; deterministic mode's bi_gemm has one tile config
+    # context): cuBLAS picks its kernel and split-K by M; deterministic mode's bi_gemm has one tile
+    # config and a K split fixed by the weight's shape
     bi = kernels.deterministic
-    plan["dense_gemm"] = ("bi_gemm", tuple(sorted((TILES_32 if dtype == torch.float32 else TILES_16).items())))
+    tiles = TILES_32 if dtype == torch.float32 else TILES_16
+    plan["dense_gemm"] = ("bi_gemm", tuple(sorted(tiles.items())), k_splits(1, hidden, hidden, tiles))
     if not bi:
         plan["dense_gemm"] = ("cublas", T)
     q = _t(T, heads, nope, dtype=dtype)

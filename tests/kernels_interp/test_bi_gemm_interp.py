@@ -1,5 +1,6 @@
-"""bi_gemm (deterministic mode's dense GEMM): each row bit for bit the same at M = 1, 3, 17, 64 (and a row's batch
-entry alike in the batched form), close to the fp32 torch reference, every element of a NaN-poisoned output written."""
+"""bi_gemm (deterministic mode's dense GEMM): each row bit for bit the same at M = 1, 3, 17, 64 and in both forms
+(split K through a workspace, or one program per tile adding its chunks), a row's batch entry alike in the batched
+form, close to the fp32 torch reference, every element of a NaN-poisoned output written."""
 
 import pytest
 import torch
@@ -10,22 +11,38 @@ MS = (1, 3, 17, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("N,K", [(48, 80), (64, 128)])
+@pytest.mark.parametrize("N,K", [(48, 80), (64, 128), (40, 336)])
 def test_rows_do_not_depend_on_m(kdev, dtype, N, K):
-    from mlaserve.kernels.bi_gemm import bi_gemm
+    from mlaserve.kernels.bi_gemm import TILES_16, TILES_32, bi_gemm, k_splits
 
     x = torch.randn(max(MS), K, device=kdev).to(dtype)
     w = (torch.randn(N, K, device=kdev) / K**0.5).to(dtype)
     ref = x.float() @ w.float().t()
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    S, chunk = k_splits(1, N, K, TILES_32 if dtype == torch.float32 else TILES_16)
+    if K == 336:  # several chunks, the last one short
+        assert S > 1 and S * chunk > K, (S, chunk)
     outs = {}
     for M in MS:
-        out = nan_like((M, N), dtype, kdev)
-        bi_gemm(x[:M], w, out=out)
-        assert (out.float() - ref[:M]).abs().max() <= tol * ref.abs().max(), M
-        outs[M] = out
+        for split in (False, True):
+            out = nan_like((M, N), dtype, kdev)
+            bi_gemm(x[:M], w, out=out, split=split)
+            assert (out.float() - ref[:M]).abs().max() <= tol * ref.abs().max(), (M, split)
+            outs[M, split] = out
     for M in MS:
-        assert torch.equal(outs[M], outs[max(MS)][:M]), M
+        for split in (False, True):
+            assert torch.equal(outs[M, split], outs[max(MS), False][:M]), (M, split)
+
+
+def test_k_splits_depend_on_the_weight_alone():
+    """One M tile of a decode-sized weight is cut into enough chunks to give every SM work; a wide weight is not."""
+    from mlaserve.kernels.bi_gemm import SPLIT_PROGRAMS, TILES_16, k_splits
+
+    for B, N, K in [(1, 576, 2048), (1, 3072, 2048), (1, 2048, 1408), (16, 128, 512), (1, 64, 7168)]:
+        S, chunk = k_splits(B, N, K, TILES_16)
+        assert S > 1 and chunk % 64 == 0 and (S - 1) * chunk < K <= S * chunk, (B, N, K, S, chunk)
+        assert B * (N // 64 or 1) * S <= SPLIT_PROGRAMS, (B, N, K, S)
+    assert k_splits(1, 163840, 2048, TILES_16) == (1, 2048)
 
 
 def test_strided_views_and_fp32_out(kdev):
@@ -43,6 +60,9 @@ def test_strided_views_and_fp32_out(kdev):
     buf = nan_like((17, 2 * N), torch.bfloat16, kdev)
     bi_gemm(x, w, out=buf[:, ::2])
     assert torch.equal(buf[:, ::2], y.to(torch.bfloat16)) and buf[:, 1::2].isnan().all()
+    buf = nan_like((17, 2 * N), torch.bfloat16, kdev)
+    bi_gemm(x, w, out=buf[:, ::2], split=True)
+    assert torch.equal(buf[:, ::2], y.to(torch.bfloat16)) and buf[:, 1::2].isnan().all()
     assert torch.equal(bi_gemm(x[:3], w, out_dtype=torch.float32), y[:3])
 
 
@@ -56,11 +76,13 @@ def test_batched_per_head_rows_do_not_depend_on_t(kdev):
     ref = torch.bmm(q.float().transpose(0, 1), m.float()).transpose(0, 1)  # [T, H, N]
     outs = {}
     for t in (1, 3, T):
-        out = nan_like((t, H, N), torch.bfloat16, kdev)
-        bi_gemm(q[:t].transpose(0, 1), m.transpose(1, 2), out=out.transpose(0, 1))
-        assert (out.float() - ref[:t]).abs().max() <= 1e-2 * ref.abs().max()
-        outs[t] = out
-    assert torch.equal(outs[1], outs[T][:1]) and torch.equal(outs[3], outs[T][:3])
+        for split in (False, True):
+            out = nan_like((t, H, N), torch.bfloat16, kdev)
+            bi_gemm(q[:t].transpose(0, 1), m.transpose(1, 2), out=out.transpose(0, 1), split=split)
+            assert (out.float() - ref[:t]).abs().max() <= 1e-2 * ref.abs().max()
+            outs[t, split] = out
+    for t, split in outs:
+        assert torch.equal(outs[t, split], outs[T, False][:t]), (t, split)
 
 
 def test_bad_input_names_field(kdev):
