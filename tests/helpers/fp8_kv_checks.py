@@ -85,8 +85,8 @@ def check_mla_decode_fp8(
 ):
     """mla_decode over an e4m3 cache, close to the fp32 torch reference over dequantize_kv's rows; with the scale 1.0
     also equal to mla_decode over those rows in dtype (the kernel converts each tile in registers to the same
-    values): bit for bit in the interpreter, within 1 ulp on the GPU, where the two are different compiled
-    variants. Another scale multiplies the scores and output instead, skipping the rows' rounding to dtype.
+    values): bit for bit in the interpreter; on the GPU, where the two are different compiled variants, within one
+    ulp of the output plus one rounding of the probabilities over V's scale. Another scale multiplies the scores and output instead, skipping the rows' rounding to dtype.
     Every row outside the contexts holds NaN, the partial buffers are NaN-poisoned."""
     from mlaserve.attention.kv_fp8 import dequantize_kv, quantize_kv
     from mlaserve.kernels.mla_decode import mla_decode
@@ -111,9 +111,15 @@ def check_mla_decode_fp8(
         mla_decode(q, deq, table, seq_lens, q_len, sm, same, config=config, **kw)  # the same load path
     if scale == 1.0 and not out.is_cuda:
         assert torch.equal(out, same), f"fp8 decode differs from the decode of the dequantized cache {ctx_lens} {dtype}"
-    elif scale == 1.0:  # two compiled variants: at most 1 ulp apart (H200: 0.03-0.08 % of the values differ)
+    elif scale == 1.0:  # two compiled variants, rounding differently: one ulp of the output, plus one rounding of
+        # the probabilities (cast to the dot's dtype before P @ V) over V's scale, which a near-zero output shows
         diff, mag = (out.float() - same.float()).abs(), torch.maximum(out.float().abs(), same.float().abs())
-        ulp = torch.finfo(dtype).eps  # 2**-mantissa bits
-        assert bool((diff <= mag * ulp).all()), f"fp8 decode > 1 ulp from the dequantized cache's {ctx_lens} {dtype}"
+        eps, vmax = torch.finfo(dtype).eps, deq.float().nan_to_num(0.0).abs().amax()
+        over = diff > eps * (mag + vmax)
+        assert not bool(over.any()), (
+            f"fp8 decode vs the dequantized cache's {ctx_lens} {dtype}: {int(over.sum())} values beyond "
+            f"eps*(|out| + max|V|); {int((diff > eps * mag).sum())} of {diff.numel()} beyond 1 ulp; "
+            f"max diff {float(diff.max()):.3g}, max|V| {float(vmax):.3g}"
+        )
     ref = mla_decode_ref(q, deq.nan_to_num(0.0), table, seq_lens, q_len, sm, R)
     return assert_close(out, ref, dtype, f"fp8 mla_decode ctx={ctx_lens} H={H} q_len={q_len} {dtype}")
