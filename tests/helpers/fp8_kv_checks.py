@@ -86,7 +86,8 @@ def check_mla_decode_fp8(
     """mla_decode over an e4m3 cache, close to the fp32 torch reference over dequantize_kv's rows; with the scale 1.0
     also equal to mla_decode over those rows in dtype (the kernel converts each tile in registers to the same
     values): bit for bit in the interpreter; on the GPU, where the two are different compiled variants, within one
-    ulp of the output plus one rounding of the probabilities over V's scale. Another scale multiplies the scores and output instead, skipping the rows' rounding to dtype.
+    ulp of the output plus one rounding of the probabilities over V's scale.
+    Another scale multiplies the scores and output instead, skipping the rows' rounding to dtype.
     Every row outside the contexts holds NaN, the partial buffers are NaN-poisoned."""
     from mlaserve.attention.kv_fp8 import dequantize_kv, quantize_kv
     from mlaserve.kernels.mla_decode import mla_decode
