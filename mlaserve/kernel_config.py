@@ -224,7 +224,6 @@ NOT_YET_INVARIANT = (
     "FP8 linears and experts (fp8_gemm's SPLIT_K and tiles by M; the grouped GEMM's tiles by rows per expert)",
     "INT4 experts (int4_gemm's tiles by the step)",
     "a linear whose weight's dtype is not its input's (cuBLAS; logged once per shape)",
-    "the TP all-reduce (the algorithm by message size)",
     "the EAGLE3 draft's own lm_head GEMM (cuBLAS; it changes which tokens are proposed, not the output)",
     "the torch reference backends on the GPU (--attention-backend torch, --moe-backend torch: cuBLAS GEMMs)",
 )

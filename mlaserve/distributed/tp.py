@@ -21,6 +21,7 @@ _CPU_GROUP: dist.ProcessGroup | None = None
 _RANK_INFO = RankInfo()
 _SYMM = None  # allreduce.SymmMemAllReduce, or None: every all-reduce goes to the model group
 _STORE = None  # the rendezvous store (tcp://), which carries the heartbeats of ranks on other machines
+_ORDERED = False  # deterministic mode: every all-reduce is an all-gather and a sum in rank order
 
 
 def set_group(
@@ -59,11 +60,38 @@ def symm_all_reduce():
     return _SYMM
 
 
+def set_ordered_all_reduce(on: bool) -> None:
+    """Deterministic mode (KernelConfig.deterministic) on this rank: each all-reduce gathers every rank's tensor and
+    sums them in rank order in fp32, rounding once, so an element's sum does not depend on the message's size
+    (NCCL's ring and tree chunk a message by its size, and allreduce.select picks its path by size too)."""
+    global _ORDERED
+    _ORDERED = on
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """In-place sum over the TP ranks; returns x. Symmetric memory where allreduce.select picks it, else the group's."""
-    if _RANK_INFO.world_size > 1 and (_SYMM is None or not _SYMM.try_all_reduce(x)):
+    """In-place sum over the TP ranks; returns x. Symmetric memory where allreduce.select picks it, else the group's;
+    in deterministic mode an all-gather and a sum in rank order."""
+    if _RANK_INFO.world_size == 1:
+        return x
+    if _ORDERED:
+        return _ordered_all_reduce(x)
+    if _SYMM is None or not _SYMM.try_all_reduce(x):
         dist.all_reduce(x, group=_GROUP)
     return x
+
+
+def _ordered_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """x [...] on each rank -> x = ((0 + x_0) + x_1) + ... in fp32, rounded once to x's dtype, the same on every rank
+    and for every element whatever the message's size. W times the bytes of an all-reduce: the mode's price."""
+    w = _RANK_INFO.world_size
+    g = x.new_empty(w * x.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(g, x.contiguous().view(-1), group=_GROUP)
+    g = g.view(w, *x.shape)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for r in range(w):  # elementwise, in rank order
+        acc += g[r]
+    return x.copy_(acc)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, model_cfg)
         self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
         self.kernels = cfg.kernels  # what every kernel call site of this rank gets (the same on every rank)
+        tp.set_ordered_all_reduce(self.kernels.deterministic)  # the all-reduce's order per element, not by size
         on_gpu = self.device.type == "cuda"
         if self.device.type == "cpu":  # before the first bf16 matmul, which fixes their capacity
             bound_matmul_caches()

@@ -147,6 +147,26 @@ def collectives(info: RankInfo) -> tuple:
     return info.rank, info.moe_tp_rank, info.ep_rank, total.item(), tp.broadcast_object(f"from {info.rank}")
 
 
+def _spread_rows(rank: int, rows: int = 300) -> torch.Tensor:
+    """[rows, 64] bf16 of magnitudes 1e-3..1e3 (their sum depends on the order), the same for a rank every time."""
+    g = torch.Generator().manual_seed(1234 + rank)
+    return (torch.randn(rows, 64, generator=g) * 10.0 ** torch.randint(-3, 4, (rows, 64), generator=g)).bfloat16()
+
+
+def ordered_all_reduce(info: RankInfo, sizes=(1, 7, 300)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic mode's all-reduce of messages of the first 1, 7 and 300 rows of one tensor: (the result, the
+    fp32 sum in rank order of every rank's rows, rounded once) per size."""
+    tp.set_ordered_all_reduce(True)
+    try:
+        ref = torch.zeros(max(sizes), 64)
+        for r in range(info.world_size):
+            ref += _spread_rows(r).float()
+        mine = _spread_rows(info.rank)
+        return [(tp.all_reduce(mine[:n].clone()), ref[:n].bfloat16()) for n in sizes]
+    finally:
+        tp.set_ordered_all_reduce(False)
+
+
 def progress_bar(info: RankInfo) -> int:
     """A tqdm bar on every rank, as the weight loader draws one."""
     from tqdm import tqdm

@@ -127,3 +127,14 @@ def test_gloo_ranks_agree_and_keep_the_plain_path():
 def test_agree_is_a_min(monkeypatch):
     monkeypatch.setattr(allreduce.dist, "all_reduce", lambda t, op=None, group=None: t.fill_(0))
     assert allreduce.agree(True, None) is False
+
+
+def test_deterministic_all_reduce_sums_in_rank_order_at_every_size():
+    """Deterministic mode, three gloo ranks: every message's rows are the fp32 sum in rank order rounded once (the
+    same bits whatever the message's size), and every rank holds the same bits."""
+    out = launch(ParallelConfig(3, 3, 1), ranks.ordered_all_reduce, timeout_s=120, start_method="forkserver")
+    for per_rank in out:
+        for got, ref in per_rank:
+            assert torch.equal(got, ref)
+    for per_rank in out[1:]:
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(per_rank, out[0]))
