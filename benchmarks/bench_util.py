@@ -106,7 +106,7 @@ def smoke_sizes() -> Sizes:
         decode_linears=((24, 16),),
         decode_linear_T=(1,),
         bi_gemm_shapes=((24, 16),),
-        bi_gemm_M=(1, 3),
+        bi_gemm_M=(1, 3, 256),
         gqa_heads=((4, 2, 16),),
         gqa_ctx=(40,),
         gqa_B=(2,),

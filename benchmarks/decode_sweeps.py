@@ -147,6 +147,12 @@ def run_linear_decode(rep: Report, sz: Sizes):
         ws = None
 
 
+LARGER_TILES = {  # BLOCK_K 64 as TILES_16's; one wgmma shape per warpgroup (m64 x BLOCK_N)
+    "128x64w8": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
+    "128x128w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+}
+
+
 def run_bi_gemm(rep: Report, sz: Sizes):
     """Deterministic mode's dense GEMM (kernels/bi_gemm.py: one tile config at every M, a K split fixed by the
     weight's shape) against F.linear (cuBLAS) at M1's linears and decode to prefill row counts: the mode's GEMM cost
@@ -172,6 +178,15 @@ def run_bi_gemm(rep: Report, sz: Sizes):
                 nbytes, flops = (N * Kd + M * Kd + M * N) * 2, 2 * M * N * Kd
                 err = rel(fn(), ref)
                 rep.add("bi_gemm", f"[{N}, {Kd}] M={M} {name}", ms, nbytes, flops, err=err, M=M, rows_equal=same, S=S)
+            if M >= 256:  # larger loop-form tiles: faster prefill if their MMA gives the 64x64 tile's bits
+                for name, t in LARGER_TILES.items():
+                    fn = functools.partial(bi_gemm, x, w, tiles=t)
+                    ms = bench(fn, sz)
+                    eq = bool(torch.equal(fn(), full[:M]))
+                    nbytes, flops = (N * Kd + M * Kd + M * N) * 2, 2 * M * N * Kd
+                    rep.add("bi_gemm", f"[{N}, {Kd}] M={M} bi_gemm {name}", ms, nbytes, flops, M=M, rows_equal=eq, S=S)
+                    if not eq:
+                        print(f"bi_gemm [{N}, {Kd}] M={M} {name}: bits differ from the 64x64 tile's")
             if not same:
                 print(f"bi_gemm [{N}, {Kd}] M={M}: rows differ from M={max(sz.bi_gemm_M)}'s")
         w = xs = full = None

@@ -145,11 +145,13 @@ def bi_gemm(
     out_dtype: torch.dtype | None = None,
     pdl: bool = True,
     split: bool | None = None,
+    tiles: dict | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N], or per batch entry x [B, M, K] @ w [B, N, K]^T -> [B, M, N]; any strides
     (w^T of a [B, K, N] weight is its transpose view). out: the caller's buffer (any strides), else a new tensor of
     out_dtype (default x.dtype). fp32 accumulation, rounded once to the output dtype. split: force the form (tests;
-    default: by M, which changes no bit)."""
+    default: by M, which changes no bit). tiles: another loop-form tile config with the same BLOCK_K (benchmarks:
+    whether a larger tile's MMA gives the same bits; the K split stays the default config's)."""
     if not bi_gemm_serves(x, w):
         raise ValueError(
             f"bi_gemm: x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} must be 2-D or 3-D alike in one "
@@ -173,6 +175,10 @@ def bi_gemm(
         return out
     cfg = TILES_32 if x.dtype == torch.float32 else TILES_16
     S, chunk = k_splits(B, N, K, cfg)
+    if tiles is not None:
+        if tiles["BLOCK_K"] != cfg["BLOCK_K"] or split:
+            raise ValueError(f"bi_gemm: tiles {tiles} must keep BLOCK_K {cfg['BLOCK_K']} and the loop form")
+        cfg, split = tiles, False
     m_tiles, n_tiles = triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])
     if split is None:
         split = S > 1 and m_tiles * n_tiles * B < SPLIT_BELOW_PROGRAMS

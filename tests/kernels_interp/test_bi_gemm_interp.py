@@ -95,3 +95,5 @@ def test_bad_input_names_field(kdev):
         bi_gemm(x, torch.zeros(8, 16, device=kdev, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bi_gemm: out"):
         bi_gemm(x, torch.zeros(8, 16, device=kdev), out=torch.empty(2, 9, device=kdev))
+    with pytest.raises(ValueError, match="bi_gemm: tiles"):
+        bi_gemm(x, torch.zeros(8, 16, device=kdev), tiles=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=4))
