@@ -24,6 +24,14 @@ def deterministic_cases(quick: bool):
                 bi_gemm,
                 (torch.empty(M, K, dtype=bf), torch.empty(N, K, dtype=bf)),
             )
+    from benchmarks.decode_sweeps import LARGER_TILES
+
+    for name, t in LARGER_TILES.items():  # kernels_bench's larger loop-form tiles (not the engine's yet)
+        yield (
+            f"deterministic bi_gemm {name} [3648, 2048] M=8192",
+            functools.partial(bi_gemm, tiles=t),
+            (torch.empty(8192, 2048, dtype=bf), torch.empty(3648, 2048, dtype=bf)),
+        )
     yield (
         "deterministic bi_gemm lm_head [163840, 2048] fp32 out",
         functools.partial(bi_gemm, out_dtype=torch.float32),
