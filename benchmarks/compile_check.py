@@ -81,16 +81,31 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else 0
 
 
-def ptx_signature(ptx: str) -> str:
-    """sha1 of the PTX without its debug information (line table, labels, comments), which moves with the source."""
+def ptx_body(ptx: str) -> str:
+    """The PTX without its debug information (line table, labels, comments), which moves with the source."""
     body = "\n".join(ln for ln in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp)", ln))
-    return hashlib.sha1(re.sub(r"\.section\s+\.debug.*", "", body, flags=re.S).encode()).hexdigest()[:16]
+    return re.sub(r"\.section\s+\.debug.*", "", body, flags=re.S)
+
+
+def ptx_signature(ptx: str) -> str:
+    return hashlib.sha1(ptx_body(ptx).encode()).hexdigest()[:16]
+
+
+DUMP_DIR = [None]  # --dump-ptx: each (case, kernel)'s PTX body, to diff two trees' kernels
+
+
+def _dump(name: str, ptx: str) -> None:
+    case = re.sub(r"[^A-Za-z0-9_.=-]+", "_", CURRENT_CASE[0])[:100]
+    with open(os.path.join(DUMP_DIR[0], f"{case}__{name}.ptx"), "w") as f:
+        f.write(ptx_body(ptx))
 
 
 def _record_launch(self):
     md = self.metadata
     key = (self.name, self.hash)
     SIGS[f"{CURRENT_CASE[0]} :: {self.name}"] = ptx_signature(self.asm["ptx"])
+    if DUMP_DIR[0]:
+        _dump(self.name, self.asm["ptx"])
     if all(r["key"] != key for r in RESULTS):
         regs, spills = _ptxas_usage(self.asm["ptx"])
         ptx = self.asm["ptx"]
@@ -574,8 +589,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sigs", help="write every (case, kernel)'s PTX signature to this JSON file")
     ap.add_argument("--against", help="compare the PTX signatures with this --sigs file; differences fail")
     ap.add_argument("--only", help="only the cases whose label contains this string (e.g. fp8)")
+    ap.add_argument("--dump-ptx", metavar="DIR", help="write each (case, kernel)'s PTX here (diff two trees' kernels)")
     args = ap.parse_args(argv)
     install()
+    if args.dump_ptx:
+        os.makedirs(args.dump_ptx, exist_ok=True)
+        DUMP_DIR[0] = args.dump_ptx
     failed = []
     t0 = time.time()
     for label, fn, fn_args in cases(args.quick):
