@@ -53,6 +53,7 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, pool: KVPool, decode_q_len: int = 1):
         self.cfg, self.pool = cfg, pool
         self.decode_q_len = decode_q_len  # 1, or N = K+1 when verifying K draft tokens
+        self.tail_decodes = decode_q_len == 1 and not cfg.deterministic
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.committed_pages: dict[str, int] = {}  # request id -> pages registered in the prefix cache
@@ -103,9 +104,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
-            # a prompt's last token is always a prefill row, even as a chunk of its own: the first output token
-            # then comes from one path whatever the chunking (deterministic mode), and a verify always has drafts
-            decoding = remaining == 1 and len(req.output_token_ids) > 0
+            # a prompt's last token fed alone (its last chunk, or what a prefix-cache hit leaves) rides a decode
+            # row, and the decode graph, only on the plain path outside deterministic mode; there it is a prefill
+            # row, as the rest of its prompt: a verify needs drafts the prompt has not got yet, and deterministic
+            # mode takes the first output token from one path whatever the chunking or the cache
+            decoding = remaining == 1 and (len(req.output_token_ids) > 0 or self.tail_decodes)
             n = self.decode_q_len if decoding else min(remaining, budget, self.cfg.chunked_prefill_size)
             if n > budget:
                 break

@@ -2,6 +2,8 @@
 skip-ahead past a request short of pages, forks waiting for and sharing their sibling's prompt pages, and the verify
 step's N tokens and reserved pages, each asserted exactly."""
 
+import pytest
+
 from mlaserve.config import EngineConfig
 from mlaserve.engine.kv_pool import KVPool
 from mlaserve.engine.scheduler import Scheduler
@@ -293,17 +295,27 @@ def test_a_running_prefill_takes_the_last_token_of_the_budget():
     assert _plan(s.schedule()) == [("a", 1, True), ("b", 1, True), ("c", 1, False)]
 
 
-def test_a_prompts_last_token_is_a_prefill_row_even_alone():
-    """A prompt one token longer than the chunk: its last token is a 1-token sampling prefill, not a decode (the
-    first output token comes from the prefill path whatever the chunking); once it has output it decodes."""
-    s = _sched(chunked_prefill_size=4, max_num_batched_tokens=16)
+@pytest.mark.parametrize("mode", ["deterministic", "speculative", "plain"])
+def test_a_prompts_last_token_alone(mode):
+    """A prompt one token longer than the chunk: with speculation or in deterministic mode its last token is a
+    1-token sampling prefill (a verify has no drafts yet; the first output token comes from the prefill path
+    whatever the chunking); on the plain path it rides a decode row (the decode graph). Once it has output it
+    decodes either way."""
+    kw = dict(chunked_prefill_size=4, max_num_batched_tokens=16)
+    if mode == "speculative":
+        s = _sched(decode_q_len=2, **kw)
+    else:
+        s = _sched(**kw, deterministic=mode == "deterministic")
     a = _req(5, "a")
     s.add(a)
     out = s.schedule()
     assert _plan(out) == [("a", 4, False)]
     _step(s, out)
     out = s.schedule()
+    if mode == "plain":
+        assert [c.req for c in out.decode] == [a] and out.prefill == [] and _plan(out) == [("a", 1, True)]
+        return
     assert _plan(out) == [("a", 1, True)] and out.decode == [] and out.prefill[0].req is a
     _step(s, out)
     out = s.schedule()
-    assert [c.req for c in out.decode] == [a] and _plan(out) == [("a", 1, True)]
+    assert [c.req for c in out.decode] == [a] and _plan(out) == [("a", s.decode_q_len, True)]
