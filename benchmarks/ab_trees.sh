@@ -8,7 +8,9 @@
 #   bash benchmarks/ab_trees.sh run 2 --batches 1,8 --contexts 512 --ttft 512    # 2 rounds of every ab/*/ tree
 #
 # A variant is [NAME=]REF[:VAR=VALUE,...]. `run` passes its arguments after the round count to bench_engine and
-# writes its JSON under $OUT (default out/) as engine_ab-<name>-r<round>_*.json; ab/ is git-ignored.
+# writes its JSON under $OUT (default out/) as engine_ab-<name>-r<round>_*.json; ab/ is git-ignored. Export here
+# and run on the GPU machine with ab/ carried (a copied tree's git metadata can be stale, so export where it is not).
+# The trees leave out mlaserve/assets (the default model; the A/B runs M1).
 set -eo pipefail
 cmd=${1:?usage: ab_trees.sh export VARIANT... | run ROUNDS [bench_engine args]}
 shift
@@ -21,7 +23,7 @@ export)
     name=${spec%%=*}; name=${name//\//_}
     d=ab/$name
     rm -rf "$d" && mkdir -p "$d"
-    git archive "$ref" -- . ':!benchmarks/results' | tar -x -C "$d"
+    git archive "$ref" -- . ':!benchmarks/results' ':!mlaserve/assets' | tar -x -C "$d"  # ~3 MB a tree
     [[ -n $envs ]] && echo "$envs" > "$d/AB_ENV"
     echo "$d <- $ref $(git rev-parse --short "$ref") ${envs}" | tee "$d/AB_SOURCE"
   done ;;
