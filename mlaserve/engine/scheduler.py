@@ -105,8 +105,8 @@ class Scheduler:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             # a prompt's last token fed alone (its last chunk, or what a prefix-cache hit leaves) rides a decode
-            # row, and the decode graph, only on the plain path outside deterministic mode; there it is a prefill
-            # row, as the rest of its prompt: a verify needs drafts the prompt has not got yet, and deterministic
+            # row, and the decode graph, on the plain path; with speculation or in deterministic mode it is a
+            # prefill row like the rest of its prompt: a verify needs drafts the prompt has not got yet, and the
             # mode takes the first output token from one path whatever the chunking or the cache
             decoding = remaining == 1 and (len(req.output_token_ids) > 0 or self.tail_decodes)
             n = self.decode_q_len if decoding else min(remaining, budget, self.cfg.chunked_prefill_size)
