@@ -9,6 +9,8 @@
 #   bash benchmarks/spec_agreement.sh                      # default kernels, MISS="0.3 0"
 #   DET=1 bash benchmarks/spec_agreement.sh                # both servers with --deterministic-inference
 #   MODEL=DIR DRAFT=DIR bash benchmarks/spec_agreement.sh  # a checkpoint of your own (loaded from disk)
+#   PLAIN_FROM=DIR MISS=0 bash benchmarks/spec_agreement.sh  # reuse an earlier run's plain results and recording
+#                                                           # (DIR/{default,det}-plain.json, -replay.jsonl)
 MISS=${MISS:-"0.3 0"}
 source benchmarks/serve_lib.sh
 if [[ -z "$MODEL" ]]; then
@@ -21,9 +23,13 @@ serve() {  # $1: label; the rest: extra serve flags
   start_server "$1" "$MODEL" "${load[@]}" "${det[@]}" --max-model-len $(( IN + OUTLEN + 64 )) \
     --no-prefix-caching --generation-config vllm "${@:2}"  # greedy as asked: no penalty from the model's defaults
 }
-serve plain || exit 1
-bench_protocol "m1-$tag-plain" "$OUT/$tag-plain.json" --save-replay "$OUT/$tag-replay.jsonl"
-stop_server
+if [[ -n "$PLAIN_FROM" ]]; then  # an earlier run's plain results and recording (the protocol is deterministic)
+  cp "$PLAIN_FROM/$tag-plain.json" "$PLAIN_FROM/$tag-replay.jsonl" "$OUT/" || exit 1
+else
+  serve plain || exit 1
+  bench_protocol "m1-$tag-plain" "$OUT/$tag-plain.json" --save-replay "$OUT/$tag-replay.jsonl"
+  stop_server
+fi
 probe() {  # the plain server's top-2 logprobs at each first differing position of $1's run (a prefill of the common
   # prefix: the decode row that chose the token had these inputs)
   python3 - "$OUT/$tag-plain.json" "$OUT/$tag-$1.json" "$OUT/$tag-replay.jsonl" "$OUT/$tag-$1-agreement.json" $PORT <<'PY'
