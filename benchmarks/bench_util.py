@@ -64,6 +64,10 @@ class Sizes:
         (163840, 2048),
     )
     bi_gemm_M: tuple = (1, 8, 32, 256, 8192)
+    # gqa: the EAGLE3 draft's attention ([heads, kv heads, head_dim]: M1's draft, Kimi-K2.5's), contexts and batches
+    gqa_heads: tuple = ((16, 16, 128), (64, 64, 128))
+    gqa_ctx: tuple = (512, 8192, 16384)
+    gqa_B: tuple = (1, 8)
     decode_max_cfgs: int = 16  # moe_decode tiles per GEMM, lin_decode GEMV tiles, absorb head_gemv tiles
     # absorb: the absorbed projections' bmm vs head_gemv (M1's 16 heads; Kimi-K2.5 at attention TP4 has 16 too)
     absorb_heads: int = 16
@@ -103,6 +107,9 @@ def smoke_sizes() -> Sizes:
         decode_linear_T=(1,),
         bi_gemm_shapes=((24, 16),),
         bi_gemm_M=(1, 3, 256),
+        gqa_heads=((4, 2, 16),),
+        gqa_ctx=(40,),
+        gqa_B=(2,),
         decode_max_cfgs=2,
         absorb_heads=2,
         absorb_T=(1,),

@@ -192,6 +192,47 @@ def run_bi_gemm(rep: Report, sz: Sizes):
         w = xs = full = None
 
 
+def run_gqa(rep: Report, sz: Sizes):
+    """The EAGLE3 draft's paged attention (kernels/gqa_decode.py, split-KV) at the drafts' head counts (M1's 16,
+    Kimi-K2.5's 64; MHA, head_dim 128), decode (q_len 1) and the extension after a verify (q_len 2), against the
+    same kernel with one split (one program per request and head walking the whole context); error against fp32
+    attention over the gathered pages."""
+    from mlaserve.kernels.gqa_decode import gqa_decode, num_splits
+
+    ps = 64
+    for H, KVH, d in sz.gqa_heads:
+        for ctx in sz.gqa_ctx:
+            for B in sz.gqa_B:
+                for q_len in (1, 2):
+                    n_pages = B * -(-ctx // ps)
+                    cache = torch.randn(n_pages, ps, 2, KVH, d, device=sz.dev).to(BF)
+                    table = torch.randperm(n_pages, device=sz.dev).view(B, -1).to(torch.int32)
+                    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=sz.dev)
+                    q = torch.randn(B * q_len, H, d, device=sz.dev).to(BF)
+                    out = torch.empty_like(q)
+                    k = cache[table.long()].view(B, -1, 2, KVH, d)[:, :ctx].float()  # [B, ctx, 2, KVH, d]
+                    s = torch.einsum(
+                        "bjhd,bnhd->bjhn", q.view(B, q_len, H, d).float(), k[:, :, 0].repeat_interleave(H // KVH, 2)
+                    )
+                    vis = (
+                        torch.arange(ctx, device=sz.dev)[None, :]
+                        <= (ctx - q_len + torch.arange(q_len, device=sz.dev))[:, None]
+                    )
+                    p = torch.softmax((s * d**-0.5).masked_fill(~vis[None, :, None, :], float("-inf")), dim=-1)
+                    ref = torch.einsum("bjhn,bnhd->bjhd", p, k[:, :, 1].repeat_interleave(H // KVH, 2)).reshape(
+                        B * q_len, H, d
+                    )
+                    k = s = p = None
+                    nbytes = B * ctx * KVH * d * 2 * 2
+                    for name, S in (("split-KV", None), ("one split", 1)):
+                        fn = functools.partial(gqa_decode, q, cache, table, seq_lens, q_len, d**-0.5, out, splits=S)
+                        ms = bench(fn, sz)
+                        err = rel(fn(), ref)
+                        label = f"H={H} ctx={ctx} B={B} q_len={q_len} {name}"
+                        rep.add("gqa", label, ms, nbytes, err=err, splits=S or num_splits(B, KVH))
+                    cache = ref = None
+
+
 HEAD_GEMV_BN = {"q": (8, 16, 32, 64), "out": (2, 4, 8, 16)}
 
 

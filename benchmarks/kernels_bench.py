@@ -44,6 +44,7 @@ from benchmarks.bench_util import (  # noqa: E402
 from benchmarks.decode_sweeps import (  # noqa: E402
     run_absorb,
     run_bi_gemm,
+    run_gqa,
     run_launch,
     run_linear_decode,
     run_moe_decode,
@@ -381,6 +382,7 @@ SECTIONS = {
     "moe_decode": run_moe_decode,
     "lin_decode": run_linear_decode,
     "bi_gemm": run_bi_gemm,
+    "gqa": run_gqa,
     "absorb": run_absorb,
     "launch": run_launch,
     "int4_moe": run_int4_moe,
@@ -398,6 +400,7 @@ SWEEPS = (
     "moe_decode",
     "lin_decode",
     "bi_gemm",
+    "gqa",
     "absorb",
     "fp8_linear",
     "fp8_moe",
