@@ -524,17 +524,18 @@ def cases(quick: bool):
     for I in (1408, 2816, 18432):
         gu = torch.empty(4, 2 * I, dtype=bf)
         yield f"silu_mul I={I}", silu_mul, (gu[:, :I], gu[:, I:])
-    for H, KVH, d, q_len, dtype in [(64, 64, 128, 2, bf), (16, 16, 128, 1, bf), (4, 2, 16, 3, torch.float32)]:
+    gqa = [(64, 64, 128, 2, bf, 4), (64, 64, 128, 1, bf, 8), (16, 16, 128, 1, bf, 4), (4, 2, 16, 3, torch.float32, 4)]
+    for H, KVH, d, q_len, dtype, B in gqa:  # Kimi-K2.5's draft at 8 requests: one split
         cache = torch.empty(8, 64, 2, KVH, d, dtype=dtype)
-        T = 4 * q_len
+        T = B * q_len
         yield (
-            f"gqa_decode H={H} kv={KVH} q_len={q_len} {dtype}",
+            f"gqa_decode H={H} kv={KVH} q_len={q_len} B={B} {dtype}",
             gqa_decode,
             (
                 torch.empty(T, H, d, dtype=dtype),
                 cache,
-                torch.zeros(4, 8, dtype=i32),
-                torch.full((4,), q_len, dtype=i32),
+                torch.zeros(B, 8, dtype=i32),
+                torch.full((B,), q_len, dtype=i32),
                 q_len,
                 0.1,
                 torch.empty(T, H, d, dtype=dtype),
