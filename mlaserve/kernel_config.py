@@ -216,7 +216,7 @@ DETERMINISTIC_PINS = dict(
     int4_gemv_max_pairs=0,  # INT4 experts: the grouped GEMM at every size
     moe_a2a_min_tokens=None,  # EP: never the all-to-all form
     mla_num_splits=32,  # MLA decode: 32 splits whatever the batch ...
-    mla_split_tokens=256,  # ... of >= 256 tokens: fixed 256-token chunks up to 8k context, 32 equal ones beyond
+    mla_split_tokens=64,  # ... of >= 64 tokens: fixed 64-token chunks up to 2k context, 32 equal ones beyond
 )
 
 # Kernels whose reduction order still depends on the step in deterministic mode: configuration cannot fix them.

@@ -48,11 +48,12 @@ def test_deterministic_mla_cut_depends_on_the_sequence_length_alone():
     from mlaserve.kernels.plan import reduction_plan
 
     k = KernelConfig().batch_invariant()
-    for seq_len in (1, 31, 256, 257, 1000, 4096, 8192, 8193, 100_000):
+    for seq_len in (1, 31, 64, 65, 256, 257, 1000, 2048, 2049, 4096, 8192, 8193, 100_000):
         cuts = {reduction_plan(k, B, seq_len=seq_len)["mla_decode"] for B in (1, 2, 3, 4, 17, 64, 256)}
         assert len(cuts) == 1, (seq_len, cuts)
         S, _, _, _, cut = cuts.pop()
-        assert cut == (256 if seq_len <= S * 256 else -(-seq_len // (S * 32)) * 32), (seq_len, cut)
+        m = k.mla_split_tokens
+        assert cut == (m if seq_len <= S * m else -(-seq_len // (S * 32)) * 32), (seq_len, cut)
     # the default cut changes with the batch at one length
     assert len({reduction_plan(KernelConfig(), B, seq_len=4096)["mla_decode"][-1] for B in (1, 4, 64)}) > 1
 
