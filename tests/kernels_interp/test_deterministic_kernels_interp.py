@@ -95,3 +95,28 @@ def test_verify_rows_equal_decode_rows(kdev, n, monkeypatch):
                 want = backend.decode(layer, q[row : row + 1], 0.3, step, nan_like((1, H, R), dt, kdev))
                 assert torch.equal(got[row], want[0]), (layer, b, j)
     assert set(q_lens) == {1}
+
+
+def test_moe_layer_with_shared_experts_fused_rows_do_not_depend_on_the_step(kdev):
+    """The MoE block in the mode: the shared experts inside the fused MoE at every step size (routing, the routed
+    and shared slots' GEMMs, the sum), each row the same bit for bit alone and among 40, close to the torch path."""
+    from mlaserve.kernel_config import KernelConfig
+    from tests.kernels_interp.test_shared_fusion_interp import moe_layer
+
+    torch.manual_seed(3)
+    k = KernelConfig().batch_invariant()
+    layer = moe_layer(2, torch.bfloat16, "triton").to(kdev)
+    layer.kernels = k
+    ref = moe_layer(2, torch.bfloat16, "torch").to(kdev)
+    ref.load_state_dict(layer.state_dict())
+    T = 40
+    x = torch.randn(T, layer.gate.weight.shape[1], device=kdev).to(torch.bfloat16)
+    assert layer.fuse_shared == 2
+    fused, fwd = [], layer.experts.forward
+    layer.experts.forward = lambda *a, **kw: fused.append("shared" in kw) or fwd(*a, **kw)
+    every = layer(x)
+    want = ref(x)
+    assert (every.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+    for n in (1, 3, 17):
+        assert torch.equal(layer(x[:n].clone()), every[:n]), n
+    assert fused == [True] * 4  # the shared experts ran inside the fused MoE at every size
