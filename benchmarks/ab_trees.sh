@@ -10,7 +10,8 @@
 # A variant is [NAME=]REF[:VAR=VALUE,...]. `run` passes its arguments after the round count to bench_engine and
 # writes its JSON under $OUT (default out/) as engine_ab-<name>-r<round>_*.json; ab/ is git-ignored. Export here
 # and run on the GPU machine with ab/ carried (a copied tree's git metadata can be stale, so export where it is not).
-# The trees leave out mlaserve/assets (the default model; the A/B runs M1).
+# The trees leave out mlaserve/assets (the default model; the A/B runs M1). AB_MODEL replaces the model arguments
+# (default "--model /tmp/m1 --make moonlight-16b-a3b"; "--preset moonlight-16b-a3b --dummy" makes no files).
 set -eo pipefail
 cmd=${1:?usage: ab_trees.sh export VARIANT... | run ROUNDS [bench_engine args]}
 shift
@@ -29,6 +30,7 @@ export)
   done ;;
 run)
   rounds=${1:?rounds}
+  AB_MODEL=${AB_MODEL:---model /tmp/m1 --make moonlight-16b-a3b}
   shift
   export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OUT=${OUT:-out}
   OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)
@@ -36,8 +38,8 @@ run)
     for d in ab/*/; do
       n=$(basename "$d")
       envs=(); [[ -f $d/AB_ENV ]] && IFS=, read -ra envs < "$d/AB_ENV"
-      (cd "$d" && env "${envs[@]}" PYTHONPATH="$PWD" timeout 300 python3 benchmarks/bench_engine.py --model /tmp/m1 \
-        --make moonlight-16b-a3b --label "ab-$n-r$r" --out "$OUT" "$@" 2>&1 \
+      (cd "$d" && env "${envs[@]}" PYTHONPATH="$PWD" timeout 300 python3 benchmarks/bench_engine.py ${AB_MODEL} \
+        --label "ab-$n-r$r" --out "$OUT" "$@" 2>&1 \
         | grep -E "^TPOT|^TTFT|Error" | sed "s/^/$n r$r  /") || echo "$n r$r: failed"
     done
   done ;;

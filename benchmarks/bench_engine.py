@@ -310,10 +310,6 @@ def main():
         )
         res["make_random_s"] = time.perf_counter() - t
         log(f"wrote {a.model} in {res['make_random_s']:.1f}s")
-    if a.draft and not os.path.isdir(a.draft):
-        from mlaserve.models.make_random_draft import make_random_draft
-
-        make_random_draft("kimi-k2.5-eagle3", a.draft, target=a.model, dtype="bfloat16")
     if a.model:
         mcfg = ModelConfig.from_pretrained(a.model)
         path = a.model
@@ -329,6 +325,10 @@ def main():
             config_only=True,
         )
         mcfg = ModelConfig.from_pretrained(path)
+    if a.draft and not os.path.isdir(a.draft):  # a random draft fitted to the target's config
+        from mlaserve.models.make_random_draft import make_random_draft
+
+        make_random_draft("kimi-k2.5-eagle3", a.draft, target=path, dtype="bfloat16")
     res["params_b"] = total_params(mcfg) / 1e9
     vocab = mcfg.vocab_size
     batches = [int(x) for x in a.batches.split(",")]
@@ -401,25 +401,27 @@ def main():
                 )
     if a.draft:
         # Plain TPOT first: the speculative engine re-captures the shared runner's graphs for verify width 2.
-        base = {b: ml_tpot(engine, b, 512, vocab)[0] for b in (1, 8)}
+        cases = [(b, c) for c in ctxs for b in batches]
+        base = {(b, c): ml_tpot(engine, b, c, vocab)[0] for b, c in cases}
         spec = SpecConfig(draft_model=a.draft, num_steps=1, num_draft_tokens=2)
         engine_spec = LLMEngine(cfg, runner=engine.runner, spec=spec)
-        for b in (1, 8):
+        for b, c in cases:
             st0, g0 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
-            s, tok, overlapped, _ = ml_tpot(engine_spec, b, 512, vocab)
+            s, tok, overlapped, _ = ml_tpot(engine_spec, b, c, vocab)
             st, g1 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
             rows.append(
                 dict(
-                    figure=f"TPOT b{b} ctx512 EAGLE3 K=1 N=2 (random draft)",
+                    figure=f"TPOT b{b} ctx{c} EAGLE3 K=1 N=2 (random draft)",
                     ms=s / tok * 1e3,
                     step_ms=s * 1e3,
                     tokens_per_step=tok,
-                    plain_ms=base[b] * 1e3,
-                    floor_ms=decode_floor_s(mcfg, b, 512) * 1e3,
-                    ratio=s / tok / decode_floor_s(mcfg, b, 512),  # per token, against plain decode's floor
+                    plain_ms=base[b, c] * 1e3,
+                    step_x_plain=s / base[b, c],
+                    floor_ms=decode_floor_s(mcfg, b, c) * 1e3,
+                    ratio=s / tok / decode_floor_s(mcfg, b, c),  # per token, against plain decode's floor
                     # the verify's own floor: two tokens a request read the experts both select
-                    verify_floor_ms=decode_floor_s(mcfg, b, 512, q_len=2) * 1e3,
-                    step_x_verify_floor=s / decode_floor_s(mcfg, b, 512, q_len=2),
+                    verify_floor_ms=decode_floor_s(mcfg, b, c, q_len=2) * 1e3,
+                    step_x_verify_floor=s / decode_floor_s(mcfg, b, c, q_len=2),
                     accept_length=1 + st["spec_accepted_tokens"] / max(st["spec_steps"], 1),
                     # decode-only steps that verified, accepted and drafted on the device (one read back): 1.0
                     device_step_share=(st["spec_device_steps"] - st0["spec_device_steps"]) / max(g1 - g0, 1),
