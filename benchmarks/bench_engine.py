@@ -268,6 +268,12 @@ def main():
         help="TPOT against acceptance with the benchmark-only REPLAY draft (benchmarks/replay_sweep.py); with "
         "--draft its EAGLE3 forward runs each step",
     )
+    ap.add_argument(
+        "--simulate-sweep",
+        action="store_true",
+        help="the --replay-sweep table with the EAGLE3 draft's simulated acceptance (--speculative-simulate-acceptance)"
+        " instead of REPLAY (needs --draft): holds at any context and overlaps, but the texts are not the model's",
+    )
     ap.add_argument("--sweep-k", default="1,2,3", help="--replay-sweep: draft steps K")
     ap.add_argument("--sweep-acceptance", default="0,0.5,0.7,0.9,1.0", help="--replay-sweep: acceptance rates")
     ap.add_argument("--sweep-ctx", type=int, default=512, help="--replay-sweep: context length")
@@ -285,6 +291,8 @@ def main():
     )
     ap.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # the bf16 twin's rows, for its parent
     a = ap.parse_args()
+    if a.simulate_sweep and not a.draft:
+        ap.error("--simulate-sweep: the simulated acceptance runs the EAGLE3 draft; give --draft DIR")
     os.makedirs(a.out, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     res = {
@@ -431,7 +439,7 @@ def main():
             )
     if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)
         res["profile_eagle3"] = profile(engine_spec, vocab, 0, "decode_b1_eagle3")
-    if a.replay_sweep:
+    if a.replay_sweep or a.simulate_sweep:
         from benchmarks.replay_sweep import replay_sweep
 
         # the EAGLE3 engine's draft KV cache is held outside the runner's pool: free it before each K's engine
@@ -455,6 +463,7 @@ def main():
             batches,
             a.sweep_ctx,
             a.out,
+            simulate=a.simulate_sweep,
         )
         rows += sweep
     for r in twin or []:

@@ -45,7 +45,11 @@ def break_even(points: list[tuple[float, float]]) -> float | None:
     return None
 
 
-def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, batches, ctx: int, out_dir: str):
+def replay_sweep(
+    engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, batches, ctx: int, out_dir: str, simulate=False
+):
+    """simulate: the EAGLE3 draft with SpecConfig.simulate_acceptance instead of REPLAY (no recording: the
+    acceptance is drawn whatever the target computes, so it holds at any context, and the steps overlap)."""
     from mlaserve.engine.engine import LLMEngine
     from mlaserve.spec.replay import read_recordings, write_recordings
 
@@ -53,28 +57,40 @@ def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, bat
     longest = max(tpot_max_tokens(engine, b, ctx, 32, max(ks)) for b in batches)
     for b in batches:
         base[b] = ml_tpot(engine, b, ctx, vocab)[0]  # plain decode: one token per step
-        recs += record_greedy(engine, b, ctx, vocab, longest)
+        if not simulate:
+            recs += record_greedy(engine, b, ctx, vocab, longest)
     path = os.path.join(out_dir, "replay_sweep_recordings.jsonl")
-    write_recordings(path, recs)
+    if not simulate:
+        write_recordings(path, recs)
     rows = []
+    what = "SIMULATED" if simulate else "REPLAY"
     for k in ks:
-        spec = SpecConfig(algorithm="REPLAY", draft_model=draft, num_steps=k, num_draft_tokens=k + 1, replay_path=path)
+        if simulate:
+            spec = SpecConfig(draft_model=draft, num_steps=k, num_draft_tokens=k + 1, simulate_acceptance=0.0)
+        else:
+            spec = SpecConfig(
+                algorithm="REPLAY", draft_model=draft, num_steps=k, num_draft_tokens=k + 1, replay_path=path
+            )
         eng = LLMEngine(cfg, runner=engine.runner, spec=spec)
-        # The recording replayed at width K + 1 is that engine's own greedy output (every draft a miss): in bf16 a
-        # verify row of width 3+ can round differently from a decode row, and a target that leaves the recording
-        # gets no replayed drafts at all.
-        eng.proposer.rate = 1.0
-        own = [r for b in batches for r in record_greedy(eng, b, ctx, vocab, longest)]
-        same = sum(o == p_out for (_, o), (_, p_out) in zip(own, recs))
-        log(f"K={k}: {same} of {len(own)} verify-width greedy outputs equal plain decode's")
-        kpath = os.path.join(out_dir, f"replay_sweep_recordings_k{k}.jsonl")
-        write_recordings(kpath, own)
-        eng.proposer.recordings, eng.proposer.tracks = read_recordings(kpath), {}
+        if not simulate:
+            # The recording replayed at width K + 1 is that engine's own greedy output (every draft a miss): in
+            # bf16 a verify row of width 3+ can round differently from a decode row, and a target that leaves the
+            # recording gets no replayed drafts at all.
+            eng.proposer.rate = 1.0
+            own = [r for b in batches for r in record_greedy(eng, b, ctx, vocab, longest)]
+            same = sum(o == p_out for (_, o), (_, p_out) in zip(own, recs))
+            log(f"K={k}: {same} of {len(own)} verify-width greedy outputs equal plain decode's")
+            kpath = os.path.join(out_dir, f"replay_sweep_recordings_k{k}.jsonl")
+            write_recordings(kpath, own)
+            eng.proposer.recordings, eng.proposer.tracks = read_recordings(kpath), {}
         for a in accs:
-            eng.proposer.rate = 1.0 - a  # the same engine and graphs for every acceptance
+            if simulate:
+                eng.loop.set_simulated_acceptance(a)  # the same engine and graphs for every acceptance
+            else:
+                eng.proposer.rate = 1.0 - a
             for b in batches:
                 st0, g0 = eng.stats(), eng.loop.greedy_decode_steps
-                s, tok, _, _ = ml_tpot(eng, b, ctx, vocab)
+                s, tok, overlapped, _ = ml_tpot(eng, b, ctx, vocab)
                 st1, g1 = eng.stats(), eng.loop.greedy_decode_steps
                 n = max(st1["spec_steps"] - st0["spec_steps"], 1)
                 measured = [
@@ -83,7 +99,7 @@ def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, bat
                 floor = decode_floor_s(mcfg, b, ctx)
                 rows.append(
                     dict(
-                        figure=f"TPOT b{b} ctx{ctx} REPLAY(benchmark-only) K={k} a={a:.2f}",
+                        figure=f"TPOT b{b} ctx{ctx} {what}(benchmark-only) K={k} a={a:.2f}",
                         k=k,
                         batch=b,
                         acceptance=a,
@@ -95,6 +111,7 @@ def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, bat
                         measured_acceptance_per_position=measured,
                         # decode-only steps that verified, accepted and drafted on the device (one read back): 1.0
                         device_step_share=(st1["spec_device_steps"] - st0["spec_device_steps"]) / max(g1 - g0, 1),
+                        overlapped=overlapped,  # timed steps launched while the one before was in flight
                         floor_ms=floor * 1e3,
                         ratio=s / tok / floor,
                         verify_floor_ms=decode_floor_s(mcfg, b, ctx, q_len=k + 1) * 1e3,  # the step's own floor
@@ -104,7 +121,7 @@ def replay_sweep(engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, bat
                     f"{rows[-1]['figure']}: {rows[-1]['ms']:.3f} ms/token ({s * 1e3:.3f} ms/step, {tok:.2f} tok/step),"
                     f" plain {base[b] * 1e3:.3f} ms: x{rows[-1]['speedup']:.3f}; measured per position "
                     + ", ".join(f"{m:.3f}" for m in measured)
-                    + f"; device steps {100 * rows[-1]['device_step_share']:.0f}%"
+                    + f"; device steps {100 * rows[-1]['device_step_share']:.0f}%, overlapped {100 * overlapped:.0f}%"
                 )
         del eng
         gc.collect()

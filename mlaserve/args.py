@@ -129,7 +129,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="REPLAY (benchmark only): probability that a draft position is a deliberate miss (acceptance 1 - p)",
     )
-    s.add_argument("--speculative-replay-seed", type=int, default=0, help="REPLAY (benchmark only): the misses' seed")
+    s.add_argument(
+        "--speculative-replay-seed",
+        type=int,
+        default=0,
+        help="REPLAY's misses and --speculative-simulate-acceptance's draws (benchmark only): the seed",
+    )
+    s.add_argument(
+        "--speculative-simulate-acceptance",
+        type=float,
+        default=None,
+        metavar="A",
+        help="EAGLE3, benchmark only: accept each draft position with probability A whatever the target computes, "
+        "so the speed at that acceptance is measured at any context; the text is then not the model's greedy text",
+    )
 
 
 ENGINE_FIELDS = (
@@ -191,6 +204,10 @@ def engine_kwargs_from_args(args) -> dict:
                 replay_path=args.speculative_replay_path,
                 replay_miss_rate=args.speculative_replay_miss_rate,
                 replay_seed=args.speculative_replay_seed,
+            )
+        if args.speculative_simulate_acceptance is not None:
+            kw["speculative_config"].update(
+                simulate_acceptance=args.speculative_simulate_acceptance, replay_seed=args.speculative_replay_seed
             )
     return kw
 

@@ -596,7 +596,13 @@ class SpecConfig:
     EAGLE3: the draft model in `draft_model` proposes. REPLAY (benchmark only): the target's own greedy outputs,
     recorded in `replay_path`, are proposed, each position a deliberate miss with probability `replay_miss_rate`
     (seeded by `replay_seed`); with `draft_model` the EAGLE3 draft still runs each step, so the step costs what an
-    EAGLE3 step does and only the tokens are replaced."""
+    EAGLE3 step does and only the tokens are replaced.
+
+    `simulate_acceptance` (benchmark only, EAGLE3): each greedy request's draft positions are accepted with that
+    probability, whatever the target computes (the chain stops at the first rejection; drawn on the device from a
+    generator seeded by `replay_seed`), and the step emits the accepted drafts and the target's token after them.
+    Every kernel, the overlap and the draft run as they would at that acceptance, at any context, but the text is
+    not the target's greedy text. REPLAY keeps the text and needs the target to reproduce a recording."""
 
     draft_model: str | None = None
     algorithm: str = "EAGLE3"
@@ -608,6 +614,7 @@ class SpecConfig:
     replay_path: str | None = None
     replay_miss_rate: float = 0.0
     replay_seed: int = 0
+    simulate_acceptance: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict | SpecConfig) -> SpecConfig:
@@ -647,6 +654,14 @@ class SpecConfig:
             raise ValueError(f"speculative_config.aux_layer_offset: must be 0 or 1, got {self.aux_layer_offset}")
         if self.draft_model and not os.path.isdir(self.draft_model):
             raise ValueError(f"speculative_config.draft_model: {self.draft_model!r} is not a folder")
+        a = self.simulate_acceptance
+        if a is not None:
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+                raise ValueError(f"speculative_config.simulate_acceptance: must be in [0, 1], got {a!r}")
+            if self.is_replay:
+                raise ValueError(
+                    "speculative_config.simulate_acceptance: for EAGLE3 only (REPLAY sets its acceptance by its misses)"
+                )
         if not self.is_replay:
             if self.replay_path is not None:
                 raise ValueError("speculative_config.replay_path: only the REPLAY algorithm reads recorded outputs")

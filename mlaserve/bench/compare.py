@@ -165,7 +165,12 @@ def config_warnings(runs: list[tuple[str, dict]]) -> list[str]:
         if d.get("event_counting") not in (None, "token_ids"):
             out.append(f"{path}: server sent no token_ids; event vectors count 1 token per event")
         spec = d.get("speculative") or {}
-        if spec.get("benchmark_only"):
+        if spec.get("simulate_acceptance") is not None:
+            out.append(
+                f"{path}: ran with the benchmark-only simulated acceptance {spec['simulate_acceptance']}: its speed is "
+                "at a set acceptance rate and its texts are not the model's greedy texts"
+            )
+        elif spec.get("benchmark_only"):
             out.append(
                 f"{path}: ran the benchmark-only REPLAY draft (miss rate {spec.get('replay_miss_rate')}): "
                 "its speed is at a set acceptance rate, not a trained draft's"

@@ -76,7 +76,9 @@ def format_summary(r: dict) -> str:
     spec = r.get("speculative")
     if spec:
         what = f"{spec['algorithm']} K={spec['num_steps']} N={spec['num_draft_tokens']}"
-        if spec.get("benchmark_only"):
+        if spec.get("simulate_acceptance") is not None:
+            what += f" (benchmark-only simulated acceptance {spec['simulate_acceptance']}: not the model's text)"
+        elif spec.get("benchmark_only"):
             what += f" (benchmark-only replay draft, miss rate {spec.get('replay_miss_rate')})"
         lines.append(f"Speculative decoding: {what}")
     row("Successful requests:", r["completed"])

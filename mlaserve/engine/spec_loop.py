@@ -27,7 +27,7 @@ import torch
 from ..attention.base import SeqChunk
 from ..layers.sampler import SamplingRow, sample
 from ..spec.eagle3 import DraftChunk
-from ..spec.verify import count_accepted, verify_greedy, verify_sampled
+from ..spec.verify import count_accepted, simulate_accept, verify_greedy, verify_sampled
 from ..types import Request, RequestStatus
 from .loop import Loop, seq_chunk
 from .postprocess import StepOutput
@@ -82,6 +82,28 @@ class SpecLoop(Loop):
         self.greedy_decode_steps = 0  # decode-only steps of greedy requests: the device path's candidates
         self.spec_device_steps = 0  # of those, the steps that went verify -> accept -> draft on the device
         self._accept_log = [0, 0]  # accepted, steps since the last log line
+        spec = engine.spec
+        self.simulate = spec.simulate_acceptance if spec is not None else None  # benchmark only (SpecConfig)
+        if self.simulate is not None:
+            self.sim_gen = torch.Generator(device=self.runner.device).manual_seed(spec.replay_seed)
+            log.warning(
+                "speculative decoding with simulated acceptance (benchmark only): each draft position accepted with "
+                "probability %.3f whatever the target computes; the text is not the model's greedy text",
+                self.simulate,
+            )
+
+    def set_simulated_acceptance(self, rate: float) -> None:
+        """Benchmarks: another simulated acceptance for the engine's next steps (built with one)."""
+        if self.simulate is None or not 0 <= rate <= 1:
+            raise ValueError(f"simulated acceptance {rate!r}: in [0, 1], on an engine built with one")
+        self.simulate = rate
+
+    def _verify(self, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, N, V], drafts [B, K] -> (tokens [B, N], accepted [B]) of greedy rows."""
+        y, acc = verify_greedy(logits, drafts, self.runner.kernels.pdl)
+        if self.simulate is not None:
+            y, acc = simulate_accept(y, drafts, self.simulate, self.sim_gen)
+        return y, acc
 
     def launch(
         self, out: SchedulerOutput, decode_tokens: torch.Tensor | None = None, decode_shift: torch.Tensor | None = None
@@ -115,7 +137,7 @@ class SpecLoop(Loop):
         B = len(out.decode)
         self.greedy_decode_steps += 1
         dec = step.logits[: B * N].view(B, N, -1)
-        y, acc = verify_greedy(dec, step.drafts, self.runner.kernels.pdl)  # [B, N], [B]
+        y, acc = self._verify(dec, step.drafts)  # [B, N], [B]
         hidden = step.aux[: B * N] if step.aux is not None else None
         propose = getattr(self.proposer, "propose_verified", None)
         reqs = [c.req for c in out.decode]
@@ -211,7 +233,7 @@ class SpecLoop(Loop):
         if B:
             dec = logits[: B * N].view(B, N, -1)
             drafts = [self.states[c.req.request_id].drafts for c in out.decode]
-            y, acc = verify_greedy(dec, step.drafts, self.runner.kernels.pdl)
+            y, acc = self._verify(dec, step.drafts)
             y, acc = y.tolist(), acc.tolist()
             for b, c in enumerate(out.decode):
                 if c.req.params.greedy:

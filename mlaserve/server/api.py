@@ -64,16 +64,19 @@ def model_card(llm: LLMEngine, model_name: str) -> dict:
 
 
 def speculative_card(spec) -> dict:
-    """What `bench serve` records of the server's speculative decoding (REPLAY is marked benchmark-only)."""
+    """What `bench serve` records of the server's speculative decoding (REPLAY and simulated acceptance are marked
+    benchmark-only)."""
     out = {
         "algorithm": spec.algorithm.upper(),
         "num_steps": spec.num_steps,
         "num_draft_tokens": spec.num_draft_tokens,
         "draft_model": spec.draft_model,
-        "benchmark_only": spec.is_replay,
+        "benchmark_only": spec.is_replay or spec.simulate_acceptance is not None,
     }
     if spec.is_replay:
         out.update(replay_miss_rate=spec.replay_miss_rate, replay_seed=spec.replay_seed)
+    if spec.simulate_acceptance is not None:
+        out.update(simulate_acceptance=spec.simulate_acceptance, replay_seed=spec.replay_seed)
     return out
 
 

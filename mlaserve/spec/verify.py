@@ -21,6 +21,21 @@ def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, pdl: bool = True) 
     return y, accepted
 
 
+def simulate_accept(
+    y: torch.Tensor, drafts: torch.Tensor, rate: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Benchmark only (SpecConfig.simulate_acceptance): y [B, N] the target's tokens, drafts [B, K = N-1] -> (the
+    emitted tokens [B, N], accepted counts [B]): each draft position accepted with probability `rate` whatever y
+    says, up to the first rejection; the emitted row is the accepted drafts, then the target's token after them
+    (row a's inputs were the fed token and those drafts, so the text stays causal)."""
+    B, K = drafts.shape
+    hit = torch.rand((B, K), generator=generator, device=drafts.device) < rate
+    acc = hit.int().cumprod(1).sum(1)
+    pos = torch.arange(K, device=drafts.device)
+    head = torch.where(pos[None, :] < acc[:, None], drafts.to(y.dtype), y[:, :K])
+    return torch.cat([head, y[:, K:]], dim=1), acc.to(torch.int64)
+
+
 def verify_sampled(logits: torch.Tensor, drafts: list[int], row: SamplingRow, generator: torch.Generator) -> list[int]:
     """logits [N, V] of one request -> the emitted tokens (1 + accepted)."""
     g = row.generator or generator

@@ -138,3 +138,27 @@ def test_metrics_are_counted_before_the_step_is_delivered(tiny_ckpt):
         assert run.stop() == 0
     steps = [s for what, s in order if what == "deliver"]
     assert steps and all(order.index(("observe", s)) < order.index(("deliver", s)) for s in steps), order
+
+
+def test_simulated_acceptance_through_the_server(tiny_ckpt, tmp_path, capsys):
+    """--speculative-simulate-acceptance (benchmark only) through the server: the acceptance is the one set, the
+    bench's report and `bench compare` say the run is benchmark-only and its texts are not the model's."""
+    draft = make_random_draft("tiny-eagle3", str(tmp_path / "draft"), target=tiny_ckpt, dtype="float32")
+    spec = dict(draft_model=draft, num_steps=2, simulate_acceptance=1.0)
+    runs = [tmp_path / "sim-1.json", tmp_path / "sim-2.json"]
+    run = start_server(tiny_ckpt, speculative_config=spec)
+    try:
+        for out in runs:
+            assert _bench(run.url, out) == 0
+        assert_idle_no_leak(run)
+    finally:
+        assert run.stop() == 0
+    s = json.loads(runs[0].read_text())
+    card = s["speculative"]
+    assert card["algorithm"] == "EAGLE3" and card["benchmark_only"] is True and card["simulate_acceptance"] == 1.0
+    # every verify accepts both drafts (a request's last step may be cut by max_tokens)
+    assert s["acceptance_per_position"][0] > 0.9 and s["mean_accepted_length"] > 2.7
+    out = capsys.readouterr().out
+    assert "benchmark-only simulated acceptance 1.0" in out
+    main(["bench", "compare", "--baseline", str(runs[0]), "--candidate", str(runs[1])])
+    assert "its texts are not the model's greedy texts" in capsys.readouterr().out
