@@ -509,9 +509,11 @@ def row_line(r: dict) -> str:
 
 
 def rows_save(res: dict, a) -> None:
-    """res as JSON into --out and benchmarks/results/ (one name a run: each save replaces the last)."""
+    """res as JSON into --out, and on a GPU into benchmarks/results/ too (one name a run: each save replaces the
+    last)."""
     name = res.setdefault("file", f"engine_{a.label}_{time.strftime('%Y%m%d-%H%M%S')}.json")
-    for d in (a.out, os.path.join(os.path.dirname(__file__), "results")):
+    dirs = [a.out] + ([os.path.join(os.path.dirname(__file__), "results")] if torch.cuda.is_available() else [])
+    for d in dirs:
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, name), "w") as f:
             json.dump(res, f, indent=1, default=str)
