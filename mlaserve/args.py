@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 
@@ -111,6 +112,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="verify width (num-steps + 1)")
     s.add_argument(
+        "--speculative-eagle-topk",
+        type=int,
+        default=None,
+        help="SGLang's flag: 1 (chain drafting, what mlaserve does); tree drafting (topk > 1) is refused",
+    )
+    s.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s flag, e.g. \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\' (or our '
+        "SpecConfig keys); instead of the --speculative-* flags",
+    )
+    s.add_argument(
         "--speculative-aux-layer-offset",
         type=int,
         default=0,
@@ -191,7 +205,22 @@ def engine_kwargs_from_args(args) -> dict:
         kw.update(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
     if args.dist_init_timeout is not None:
         kw["dist_init_timeout"] = args.dist_init_timeout
-    if args.speculative_algorithm:
+    topk = getattr(args, "speculative_eagle_topk", None)
+    if topk is not None and topk != 1:
+        raise ValueError(
+            f"--speculative-eagle-topk: tree drafting (topk > 1) is not implemented; chain drafting is 1, got {topk}"
+        )
+    if getattr(args, "speculative_config", None) is not None:
+        if args.speculative_algorithm:
+            raise ValueError("--speculative-config: give it or --speculative-algorithm and its flags, not both")
+        try:
+            spec = json.loads(args.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: not JSON ({e})") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"--speculative-config: a JSON object, got {args.speculative_config!r}")
+        kw["speculative_config"] = spec
+    elif args.speculative_algorithm:
         kw["speculative_config"] = {
             "algorithm": args.speculative_algorithm,
             "draft_model": args.speculative_draft_model_path,
@@ -262,7 +291,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params_from_args(args, model_dir: str | None = None) -> SamplingParams:
     """The flags given; a flag left unset takes generation_config.json's value (as the server's --generation-config
     auto), else greedy with no filtering."""
-    gen = generation_sampling_defaults(model_dir, bool(getattr(args, "speculative_algorithm", None)))
+    speculative = bool(getattr(args, "speculative_algorithm", None) or getattr(args, "speculative_config", None))
+    gen = generation_sampling_defaults(model_dir, speculative)
     base = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
     pick = {k: getattr(args, k) if getattr(args, k) is not None else gen.get(k, v) for k, v in base.items()}
     return SamplingParams(

@@ -616,14 +616,39 @@ class SpecConfig:
     replay_seed: int = 0
     simulate_acceptance: float | None = None
 
+    # vLLM's speculative_config keys -> ours (vLLM: {"method": "eagle3", "model": DIR, "num_speculative_tokens": n})
+    VLLM_KEYS = {"method": "algorithm", "model": "draft_model", "num_speculative_tokens": "num_steps"}
+
+    @classmethod
+    def normalize(cls, d: dict) -> dict:
+        """A speculative_config dict in our keys, vLLM's translated (method eagle3 only: chain drafting)."""
+        d = dict(d)
+        for theirs, ours in cls.VLLM_KEYS.items():
+            if theirs not in d:
+                continue
+            if ours in d:
+                raise ValueError(f"speculative_config: {theirs!r} (vLLM's name) and {ours!r} both given")
+            v = d.pop(theirs)
+            if theirs == "method":
+                if not isinstance(v, str) or v.lower() != "eagle3":
+                    raise ValueError(
+                        f"speculative_config.method: eagle3 (an EAGLE3 draft, chain drafting) is served, got {v!r}"
+                    )
+                v = "EAGLE3"
+            d[ours] = v
+        return d
+
     @classmethod
     def from_dict(cls, d: dict | SpecConfig) -> SpecConfig:
         if isinstance(d, SpecConfig):
             return d
+        d = cls.normalize(d)
         known = {f.name for f in dataclasses.fields(cls)}
         extra = set(d) - known
         if extra:
-            raise ValueError(f"speculative_config: unknown keys {sorted(extra)}")
+            raise ValueError(
+                f"speculative_config: unknown keys {sorted(extra)} (known: {sorted(known | set(cls.VLLM_KEYS))})"
+            )
         steps = d.get("num_steps")
         if steps is None:  # vLLM: a speculators draft's own speculative_tokens, else one
             steps = draft_speculative_tokens(d.get("draft_model")) or 1

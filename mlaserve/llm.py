@@ -82,7 +82,7 @@ class LLM:
 
         if not model:
             model = default_model_path()
-            spec = speculative_config or {}
+            spec = SpecConfig.normalize(speculative_config) if isinstance(speculative_config, dict) else {}
             if spec.get("algorithm", "EAGLE3") == "EAGLE3" and speculative_config and not spec.get("draft_model"):
                 speculative_config = {**spec, "draft_model": default_draft_path()}  # the default model's own draft
         self.engine_config = EngineConfig(model=model, device=device, dtype=dtype, seed=seed, **engine_kwargs)

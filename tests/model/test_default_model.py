@@ -77,7 +77,8 @@ def test_eagle3_with_the_shipped_draft_keeps_greedy_and_accepts():
     plain = LLM(device="cpu", dtype="float32")
     want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     plain.close()
-    spec = LLM(device="cpu", dtype="float32", speculative_config={"algorithm": "EAGLE3", "num_steps": 1})
+    # vLLM's keys: the default model's own draft is taken when no "model" is given
+    spec = LLM(device="cpu", dtype="float32", speculative_config={"method": "eagle3", "num_speculative_tokens": 1})
     assert spec.engine_config.model == default_model_path()
     got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     st = spec.engine.stats()

@@ -116,3 +116,48 @@ def test_engine_config_refuses_a_kv_cache_dtype_naming_the_field(value):
 
     with pytest.raises(ValueError, match=f"^kv_cache_dtype: '{value}' is not supported.*auto.*fp8_e4m3"):
         EngineConfig(model="m", kv_cache_dtype=value).validate()
+
+
+def test_vllm_speculative_config_and_sglang_topk(tmp_path):
+    """vLLM's --speculative-config JSON (method/model/num_speculative_tokens) and SGLang's --speculative-eagle-topk 1
+    mean what they say; tree drafting, another method, bad JSON and both forms at once are one-line errors."""
+    import argparse
+    import json
+
+    from mlaserve.args import add_engine_args, engine_kwargs_from_args
+    from mlaserve.config import SpecConfig
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    vllm = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    kw = engine_kwargs_from_args(p.parse_args(["--speculative-config", vllm]))
+    spec = SpecConfig.from_dict(kw["speculative_config"])
+    assert (spec.algorithm, spec.draft_model, spec.num_steps, spec.num_draft_tokens) == ("EAGLE3", str(draft), 3, 4)
+    sgl = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft)]
+    sgl += ["--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
+    spec = SpecConfig.from_dict(engine_kwargs_from_args(p.parse_args(sgl))["speculative_config"])
+    assert (spec.num_steps, spec.num_draft_tokens) == (2, 3)
+    bad = [
+        (["--speculative-eagle-topk", "4"], "--speculative-eagle-topk: tree drafting"),
+        (["--speculative-config", "{method: eagle3}"], "--speculative-config: not JSON"),
+        (["--speculative-config", "[1]"], "--speculative-config: a JSON object"),
+        (["--speculative-config", vllm, "--speculative-algorithm", "EAGLE3"], "not both"),
+    ]
+    for argv, says in bad:
+        with pytest.raises(ValueError, match=says):
+            engine_kwargs_from_args(p.parse_args(argv))
+    for d, says in [
+        ({"method": "ngram"}, "speculative_config.method: eagle3"),
+        ({"method": "eagle3", "model": str(draft), "draft_model": str(draft)}, "'model' .* and 'draft_model' both"),
+        ({"method": "eagle3", "model": str(draft), "prompt_lookup_max": 4}, r"unknown keys \['prompt_lookup_max'\]"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            SpecConfig.from_dict(d)
+
+
+def test_cli_error_for_tree_drafting_is_one_line(capsys):
+    rc = main(["generate", "--prompt", "x", "--speculative-eagle-topk", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--speculative-eagle-topk" in err[0], err
