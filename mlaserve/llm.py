@@ -82,9 +82,10 @@ class LLM:
 
         if not model:
             model = default_model_path()
-            spec = SpecConfig.normalize(speculative_config) if isinstance(speculative_config, dict) else {}
-            if spec.get("algorithm", "EAGLE3") == "EAGLE3" and speculative_config and not spec.get("draft_model"):
-                speculative_config = {**spec, "draft_model": default_draft_path()}  # the default model's own draft
+            if isinstance(speculative_config, dict) and speculative_config:  # a SpecConfig names its own draft
+                spec = SpecConfig.normalize(speculative_config)
+                if spec.get("algorithm", "EAGLE3") == "EAGLE3" and not spec.get("draft_model"):
+                    speculative_config = {**spec, "draft_model": default_draft_path()}  # the default model's own
         self.engine_config = EngineConfig(model=model, device=device, dtype=dtype, seed=seed, **engine_kwargs)
         self.parallel = ParallelConfig.from_tp(
             tp,

@@ -113,3 +113,16 @@ def test_first_command_prints_code(capsys):
     out = capsys.readouterr().out
     body = out.split("def read_json(path):", 1)[1]
     assert body.startswith("\n    "), out
+
+
+@pytest.mark.skipif(not _draft_ready(), reason="the default draft is not in this tree")
+def test_a_spec_config_given_whole_is_kept_on_the_default_model():
+    """LLM(speculative_config=SpecConfig(...)) with no model: the config as given (no default draft substituted)."""
+    from mlaserve.config import SpecConfig
+
+    spec = SpecConfig.from_dict(dict(draft_model=default_draft_path(), num_steps=2))
+    llm = LLM(device="cpu", dtype="float32", speculative_config=spec)
+    try:
+        assert llm.engine.spec is spec and llm.engine.spec_k == 2
+    finally:
+        llm.close()
