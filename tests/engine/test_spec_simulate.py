@@ -5,46 +5,21 @@ step emits K + 1 tokens; in between the text stays causal (every token not taken
 target's greedy token after the text before it) and the measured acceptance is about the one set."""
 
 import math
-import random
 
 import pytest
 import torch
 
 from mlaserve.config import SpecConfig
-from mlaserve.models.make_random_draft import make_random_draft
 from mlaserve.server.api import speculative_card
 from mlaserve.spec.verify import simulate_accept
 from mlaserve.types import SamplingParams
 
 from .conftest import make_engine
-
-MAX = 20
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+from .test_spec_device_path import GREEDY, MAX, _prompts, draft, plain  # noqa: F401 (fixtures)
 
 
-def _prompts(n, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(rng.randrange(1, 50))] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_ckpt, tmp_path_factory):
-    return make_random_draft("tiny-eagle3", str(tmp_path_factory.mktemp("d")), target=tiny_ckpt, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_ckpt):
-    eng = make_engine(tiny_ckpt, page_size=4)
-    rids = [eng.add_request(p, GREEDY) for p in _prompts(8)]
-    out = {r: [] for r in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-    return [out[r] for r in rids]
-
-
-def _spec(draft, k, a, seed=0):
-    return SpecConfig.from_dict(dict(draft_model=draft, num_steps=k, simulate_acceptance=a, replay_seed=seed))
+def _spec(draft_dir, k, a, seed=0):
+    return SpecConfig.from_dict(dict(draft_model=draft_dir, num_steps=k, simulate_acceptance=a, replay_seed=seed))
 
 
 def _run(eng, prompts, late=0):
@@ -72,7 +47,7 @@ def test_simulate_accept_rule():
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_zero_acceptance_is_plain_greedy(tiny_ckpt, draft, plain, k):
+def test_zero_acceptance_is_plain_greedy(tiny_ckpt, draft, plain, k):  # noqa: F811
     eng = make_engine(tiny_ckpt, spec=_spec(draft, k, 0.0), page_size=4, max_num_seqs=8)
     assert _run(eng, _prompts(8), late=3) == plain
     st = eng.stats()
@@ -80,7 +55,7 @@ def test_zero_acceptance_is_plain_greedy(tiny_ckpt, draft, plain, k):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_full_acceptance_emits_k_plus_one_a_step(tiny_ckpt, draft, k):
+def test_full_acceptance_emits_k_plus_one_a_step(tiny_ckpt, draft, k):  # noqa: F811
     eng = make_engine(tiny_ckpt, spec=_spec(draft, k, 1.0), page_size=4, max_num_seqs=8)
     outs = _run(eng, _prompts(8))
     assert all(len(o) == MAX for o in outs)
@@ -90,7 +65,7 @@ def test_full_acceptance_emits_k_plus_one_a_step(tiny_ckpt, draft, k):
     assert st["spec_device_steps"] > 0
 
 
-def test_partial_acceptance_keeps_the_text_causal(tiny_ckpt, draft):
+def test_partial_acceptance_keeps_the_text_causal(tiny_ckpt, draft):  # noqa: F811
     k, a = 2, 0.5
     prompts = _prompts(8, seed=1)
     eng = make_engine(tiny_ckpt, spec=_spec(draft, k, a, seed=5), page_size=4, max_num_seqs=8)
@@ -111,7 +86,7 @@ def test_partial_acceptance_keeps_the_text_causal(tiny_ckpt, draft):
     assert 0 < off <= st["spec_accepted_tokens"] + len(prompts), (off, st["spec_accepted_tokens"])
 
 
-def test_config_errors_and_card(draft, tmp_path):
+def test_config_errors_and_card(draft, tmp_path):  # noqa: F811
     for bad in (1.5, -0.1, True, "x"):
         with pytest.raises(ValueError, match="simulate_acceptance: must be in"):
             SpecConfig.from_dict(dict(draft_model=draft, simulate_acceptance=bad))
@@ -124,7 +99,7 @@ def test_config_errors_and_card(draft, tmp_path):
     assert not speculative_card(SpecConfig.from_dict(dict(draft_model=draft)))["benchmark_only"]
 
 
-def test_cli_flag(draft):
+def test_cli_flag(draft):  # noqa: F811
     from mlaserve.args import engine_kwargs_from_args
     from mlaserve.cli import build_parser
 

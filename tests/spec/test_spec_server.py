@@ -39,6 +39,19 @@ def _bench(url, out, *extra):
     )
 
 
+def _bench_twice(ckpt, spec, tmp_path, name):
+    """Two protocol runs against one speculative server, which must end idle with no page leaked -> their files."""
+    runs = [tmp_path / f"{name}-1.json", tmp_path / f"{name}-2.json"]
+    run = start_server(ckpt, speculative_config=spec)
+    try:
+        for out in runs:
+            assert _bench(run.url, out) == 0
+        assert_idle_no_leak(run)
+    finally:
+        assert run.stop() == 0
+    return runs
+
+
 def test_spec_server_same_texts_as_plain(tiny_ckpt, tmp_path, capsys):
     draft = make_random_draft("tiny-eagle3", str(tmp_path / "draft"), target=tiny_ckpt, dtype="float32")
     plain, spec = tmp_path / "plain.json", tmp_path / "spec.json"
@@ -92,14 +105,7 @@ def test_replay_server_reports_acceptance_per_position(tiny_ckpt, tmp_path, caps
     finally:
         assert run.stop() == 0
     spec = dict(algorithm="REPLAY", draft_model=draft, num_steps=2, replay_path=str(rec), replay_miss_rate=0.3)
-    runs = [tmp_path / "replay-1.json", tmp_path / "replay-2.json"]
-    run = start_server(tiny_ckpt, speculative_config=spec)
-    try:
-        for out in runs:
-            assert _bench(run.url, out) == 0
-        assert_idle_no_leak(run)
-    finally:
-        assert run.stop() == 0
+    runs = _bench_twice(tiny_ckpt, spec, tmp_path, "replay")
     p, s = json.loads(plain.read_text()), json.loads(runs[0].read_text())
     assert [r["text"] for r in p["requests"]] == [r["text"] for r in s["requests"]]
     assert s["speculative"]["algorithm"] == "REPLAY" and s["speculative"]["benchmark_only"] is True
@@ -145,14 +151,7 @@ def test_simulated_acceptance_through_the_server(tiny_ckpt, tmp_path, capsys):
     bench's report and `bench compare` say the run is benchmark-only and its texts are not the model's."""
     draft = make_random_draft("tiny-eagle3", str(tmp_path / "draft"), target=tiny_ckpt, dtype="float32")
     spec = dict(draft_model=draft, num_steps=2, simulate_acceptance=1.0)
-    runs = [tmp_path / "sim-1.json", tmp_path / "sim-2.json"]
-    run = start_server(tiny_ckpt, speculative_config=spec)
-    try:
-        for out in runs:
-            assert _bench(run.url, out) == 0
-        assert_idle_no_leak(run)
-    finally:
-        assert run.stop() == 0
+    runs = _bench_twice(tiny_ckpt, spec, tmp_path, "sim")
     s = json.loads(runs[0].read_text())
     card = s["speculative"]
     assert card["algorithm"] == "EAGLE3" and card["benchmark_only"] is True and card["simulate_acceptance"] == 1.0
