@@ -205,12 +205,17 @@ def engine_kwargs_from_args(args) -> dict:
         kw.update(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
     if args.dist_init_timeout is not None:
         kw["dist_init_timeout"] = args.dist_init_timeout
-    topk = getattr(args, "speculative_eagle_topk", None)
+    topk = args.speculative_eagle_topk
     if topk is not None and topk != 1:
         raise ValueError(
             f"--speculative-eagle-topk: tree drafting (topk > 1) is not implemented; chain drafting is 1, got {topk}"
         )
-    if getattr(args, "speculative_config", None) is not None:
+    if args.speculative_simulate_acceptance is not None and not args.speculative_algorithm:
+        raise ValueError(
+            "--speculative-simulate-acceptance: needs --speculative-algorithm EAGLE3 and its draft "
+            '(in --speculative-config: "simulate_acceptance")'
+        )
+    if args.speculative_config is not None:
         if args.speculative_algorithm:
             raise ValueError("--speculative-config: give it or --speculative-algorithm and its flags, not both")
         try:

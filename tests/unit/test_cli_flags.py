@@ -144,6 +144,7 @@ def test_vllm_speculative_config_and_sglang_topk(tmp_path):
         (["--speculative-config", "{method: eagle3}"], "--speculative-config: not JSON"),
         (["--speculative-config", "[1]"], "--speculative-config: a JSON object"),
         (["--speculative-config", vllm, "--speculative-algorithm", "EAGLE3"], "not both"),
+        (["--speculative-simulate-acceptance", "0.5"], "--speculative-simulate-acceptance: needs"),
     ]
     for argv, says in bad:
         with pytest.raises(ValueError, match=says):
