@@ -100,9 +100,10 @@ def tpot_max_tokens(engine, batch, ctx, steps, k: int | None = None) -> int:
     """max_tokens that keeps every request of an ml_tpot batch running through its timed window: with chunked prefill
     the first prompts finish early and decode while the rest prefill (a request ending inside the window would shrink
     the batch the figure is for; the batch-8 and batch-32 rows at an 8k context of 2026-11-30 before 8509d43 did)."""
-    early = -(-batch * ctx // engine.cfg.max_num_batched_tokens)  # prefill steps: at most this many early tokens
+    early = -(-batch * ctx // engine.cfg.max_num_batched_tokens)  # prefill steps: at most this many early steps
     k = engine.spec_k if k is None else k
-    return early + (3 + steps) * (k + 1) + 8  # a verify step emits up to k + 1 tokens
+    # a verify step emits up to k + 1 tokens, the early ones too; one more step may be in flight (overlap)
+    return (early + 3 + steps + 1) * (k + 1) + 8
 
 
 def start_batch(engine, batch, ctx, vocab, max_tokens) -> list[str]:
