@@ -7,7 +7,11 @@
 # model's). Output tokens per second against plain's. M1 shapes (random weights in place), one GPU. Under $OUT.
 #   bash benchmarks/spec_speed_serve.sh                    # ACC="0 0.7 1" STEPS=1
 #   STEPS=3 ACC="0.7 1" PLAIN_FROM=DIR bash benchmarks/spec_speed_serve.sh   # an earlier run's plain.json
-ACC=${ACC:-"0 0.7 1"}; STEPS=${STEPS:-1}
+#   REPEAT=1 ACC=0 bash benchmarks/spec_speed_serve.sh   # each EAGLE3 server runs the protocol twice; `bench compare`
+# REPEAT at acceptance 0 (every draft rejected, so the texts are the target's greedy ones): texts, event vectors,
+# event total and acceptance proxy must be identical between the two runs (issue #27). At other rates the second run
+# draws other acceptances (the generator goes on), so its texts differ by design.
+ACC=${ACC:-"0 0.7 1"}; STEPS=${STEPS:-1}; REPEAT=${REPEAT:-0}
 source benchmarks/serve_lib.sh
 m1_dummy draft
 serve() {  # $1: label; the rest: extra serve flags
@@ -26,6 +30,11 @@ for a in $ACC; do
     --speculative-num-steps $STEPS --speculative-num-draft-tokens $(( STEPS + 1 )) \
     --speculative-simulate-acceptance $a || continue
   bench_protocol "m1-eagle3-k$STEPS-sim$a" "$OUT/sim$a-k$STEPS.json"
+  if [[ "$REPEAT" == 1 ]]; then
+    bench_protocol "m1-eagle3-k$STEPS-sim$a-run2" "$OUT/sim$a-k$STEPS-run2.json"
+    python3 -m mlaserve bench compare --baseline "$OUT/sim$a-k$STEPS.json" --candidate "$OUT/sim$a-k$STEPS-run2.json" \
+      2>&1 | tail -8
+  fi
   stop_server
 done
 python3 - "$OUT/plain.json" $(for a in $ACC; do echo "$OUT/sim$a-k$STEPS.json"; done) <<'PY'
