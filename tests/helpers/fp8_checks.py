@@ -86,7 +86,14 @@ def a8_h_stable(x, w13, s13, topk_ids, offset: int, E_local: int) -> bool:
     rounding boundary gets different codes (an output difference of ~1e-3, above the fp32 tolerance:
     fp8_reference.fp8_fused_experts_ref says why). Stable: every value at least 8x its noise (the fp32 value against
     the fp64 one of the same quantized operands) from the nearest boundary."""
-    from mlaserve.kernels.fp8_reference import act_scale, dequant_fp8_block, fp8_act_dequant, fp8_act_quant_ref
+    from mlaserve.kernels.fp8_reference import (
+        AMAX_FLOOR,
+        FP8_MAX,
+        act_scale,
+        dequant_fp8_block,
+        fp8_act_dequant,
+        fp8_act_quant_ref,
+    )
 
     I = w13.shape[1] // 2
     G = -(-I // 128)
@@ -101,7 +108,7 @@ def a8_h_stable(x, w13, s13, topk_ids, offset: int, E_local: int) -> bool:
             h = torch.nn.functional.pad(torch.nn.functional.silu(gu[:, :I]) * gu[:, I:], (0, G * 128 - I))
             h = h.view(len(tok), G, 128)
             amax = h.abs().amax(-1, keepdim=True)
-            s = act_scale(amax) if dt == torch.float32 else amax.clamp_min(1e-10) / 448.0
+            s = act_scale(amax) if dt == torch.float32 else amax.clamp_min(AMAX_FLOOR) / FP8_MAX  # fp64: exact enough
             vs.append((h / s).double())
         noise = (vs[0] - vs[1]).abs()
         if not bool((_e4m3_margin(vs[1].abs()) > 8 * noise).all()):
