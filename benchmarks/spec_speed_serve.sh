@@ -8,6 +8,7 @@
 #   bash benchmarks/spec_speed_serve.sh                    # ACC="0 0.7 1" STEPS=1
 #   STEPS=3 ACC="0.7 1" PLAIN_FROM=DIR bash benchmarks/spec_speed_serve.sh   # an earlier run's plain.json
 #   REPEAT=1 ACC=0 bash benchmarks/spec_speed_serve.sh   # each EAGLE3 server runs the protocol twice; `bench compare`
+#   REPEAT=1 ACC=off ...                                  # "off": no simulated acceptance (the random draft's own)
 # REPEAT at acceptance 0 (every draft rejected, so the texts are the target's greedy ones): texts, event vectors,
 # event total and acceptance proxy must be identical between the two runs (issue #27). At other rates the second run
 # draws other acceptances (the generator goes on), so its texts differ by design.
@@ -26,9 +27,9 @@ else
   stop_server
 fi
 for a in $ACC; do
+  sim=(--speculative-simulate-acceptance $a); [[ "$a" == off ]] && sim=()
   serve "sim$a-k$STEPS" --speculative-algorithm EAGLE3 --speculative-draft-model-path /tmp/m1-dummy-draft \
-    --speculative-num-steps $STEPS --speculative-num-draft-tokens $(( STEPS + 1 )) \
-    --speculative-simulate-acceptance $a || continue
+    --speculative-num-steps $STEPS --speculative-num-draft-tokens $(( STEPS + 1 )) "${sim[@]}" || continue
   bench_protocol "m1-eagle3-k$STEPS-sim$a" "$OUT/sim$a-k$STEPS.json"
   if [[ "$REPEAT" == 1 ]]; then
     bench_protocol "m1-eagle3-k$STEPS-sim$a-run2" "$OUT/sim$a-k$STEPS-run2.json"
