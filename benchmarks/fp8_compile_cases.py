@@ -91,3 +91,20 @@ def fp8_cases(quick: bool):
                         functools.partial(fp8_fused_experts, config=dict(c, a8=True)),
                         args,
                     )
+    # the W8A8 GEMMs' TMA form (forced: CPU tensors are never TMA's; 2 experts, since the descriptors need
+    # contiguous weights, and the kernels take the expert count only at run time)
+    D, I, E, K, T = 7168, 2048, 2, 8, 8192
+    args = (
+        torch.empty(T, D, dtype=BF),
+        torch.empty(E, 2 * I, D, dtype=F8),
+        torch.empty(E, 2 * I // 128, D // 128),
+        torch.empty(E, D, I, dtype=F8),
+        torch.empty(E, D // 128, I // 128),
+        torch.empty(T, K),
+        torch.zeros(T, K, dtype=torch.int64),
+    )
+    yield (
+        "fp8_fused_experts T=8192 a8=True tma",
+        functools.partial(fp8_fused_experts, config=dict(a8=True, tma=True)),
+        args,
+    )

@@ -26,6 +26,10 @@ class KernelConfig:
     absorb_store: bool = True
     # MLASERVE_MOE_TMA: the MoE's decode GEMMs (BLOCK_M 16, 16-bit, sm_90+) load weight tiles by TMA
     moe_tma: bool = True
+    # MLASERVE_FP8_MOE_TMA: the FP8 MoE's W8A8 GEMMs (prefill, sm_90+) read whole tiles by TMA, with x quantized
+    # straight into the blocks' row order (kernels/fp8_moe.py); the same products in the same order as the
+    # pointer form
+    fp8_moe_tma: bool = True
     # MLASERVE_MOE_GEMV: 1-2 token MoE steps as grouped GEMVs (moe_gemv.py); "n1:w1:n2:w2" also sets their
     # rows per program and warps (gemv1, gemv2) for A/B timing
     moe_gemv: bool = True
@@ -143,6 +147,7 @@ class KernelConfig:
             pdl=on("MLASERVE_PDL"),
             absorb_store=on("MLASERVE_ABSORB_STORE"),
             moe_tma=on("MLASERVE_MOE_TMA"),
+            fp8_moe_tma=on("MLASERVE_FP8_MOE_TMA"),
             moe_gemv=gemv != "0",
             moe_gemv_tiles=tiles,
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),
@@ -152,7 +157,8 @@ class KernelConfig:
     def batch_invariant(self) -> KernelConfig:
         """This config in deterministic mode: each threshold that picks a kernel form by the step's token count
         pinned so that every step takes one form (DETERMINISTIC_PINS), the MLA decode cut fixed, the MoE tiles
-        fixed (moe_fixed_config). The switches that change no result (pdl, moe_tma, moe_prewait) are kept."""
+        fixed (moe_fixed_config). The switches that change no result (pdl, moe_tma, fp8_moe_tma, moe_prewait) are
+        kept."""
         return replace(self, deterministic=True, **DETERMINISTIC_PINS)
 
     def moe_fixed_config(self) -> dict | None:

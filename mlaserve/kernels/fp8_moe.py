@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernel_config import KernelConfig
 from .fp8_moe_gemm import _fp8_moe_gemm1_kernel, _fp8_moe_gemm2_kernel
@@ -98,6 +99,19 @@ def moe_form(
     return no_align, gemv, a8
 
 
+def tma_form(x: torch.Tensor, D: int, I: int, c1: dict, c2: dict, kernels: KernelConfig) -> bool:
+    """The W8A8 GEMMs read whole tiles by TMA (kernels.fp8_moe_tma, sm_90+): x quantized in the blocks' row order,
+    h as GEMM1 writes it, the weights as [E * rows, K] tiles. Needs I and D to be whole tiles (a tile must not
+    reach the next expert's rows: GEMM1's h scales are maxima over its columns) and 16-byte rows."""
+    if not (kernels.fp8_moe_tma and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
+        return False
+    return tma_fits(D, I, c1, c2)
+
+
+def tma_fits(D: int, I: int, c1: dict, c2: dict) -> bool:
+    return I % c1["BLOCK_N"] == 0 and D % c2["BLOCK_N"] == 0 and D % 16 == 0 and I % 16 == 0
+
+
 def _check(x, w13, s13, w2, s2, topk_weights, topk_ids):
     T, D = x.shape
     E, I2, D1 = w13.shape
@@ -150,8 +164,9 @@ def fp8_fused_experts(
     topk_ids [T, K] int. Equals fp8_reference.fp8_fused_experts_ref(a8=False) (GEMV and A16 forms) or (a8=True).
     all_local: every id names a local expert (the sum reads no ids). config (benchmarks, tests): fp8_moe_config
     overrides (flat, "gemm1", "gemm2"), "no_align" (default T*K <= kernels.no_align_max_pairs), "gemv" (default:
-    no_align; moe GEMV tiles as a dict), "a8" (default: more than kernels.fp8_a8_min_tokens tokens).
-    kernels: pdl, no_align_max_pairs and fp8_a8_min_tokens (kernel_config.py)."""
+    no_align; moe GEMV tiles as a dict), "a8" (default: more than kernels.fp8_a8_min_tokens tokens), "tma" (the
+    W8A8 GEMMs' TMA form, tma_form; default: on sm_90+ where the shapes fit).
+    kernels: pdl, no_align_max_pairs, fp8_a8_min_tokens and fp8_moe_tma (kernel_config.py)."""
     _check(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids)
     T, D = x.shape
     E, I2, _ = w13.shape
@@ -161,7 +176,8 @@ def fp8_fused_experts(
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
     TK = T * K
     no_align, gemv, a8 = moe_form(T, K, E, config, kernels.no_align_max_pairs, x.dtype, kernels.fp8_a8_min_tokens)
-    config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8")}
+    cfg_tma = (config or {}).get("tma")
+    config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8", "tma")}
     launch = pdl_args(x, kernels.pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if gemv:
@@ -182,7 +198,19 @@ def fp8_fused_experts(
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm, pdl=kernels.pdl)
         rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     gi = -(-I // BLOCK)
-    if a8:
+    tma = a8 and not no_align and bool(cfg_tma if cfg_tma is not None else tma_form(x, D, I, c1, c2, kernels))
+    if tma and not tma_fits(D, I, c1, c2):
+        raise ValueError(f"tma: the TMA form needs I={I} and D={D} to be whole tiles of 16-byte rows")
+    ad1 = wd1 = ad2 = wd2 = None  # None arguments are constexpr: the pointer kernels have no descriptors
+    if tma:  # x quantized straight into the blocks' row order, so that GEMM1 reads whole tiles of it
+        a, a_s = act_quant(x, BLOCK, pdl=kernels.pdl, sorted_pairs=(sorted_ids, num_padded, K))  # [rows, D]
+        h = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
+        h_s = torch.empty(rows, gi, dtype=torch.float32, device=x.device)
+        ad1 = TensorDescriptor.from_tensor(a, [bm, c1["BLOCK_K"]])
+        wd1 = TensorDescriptor.from_tensor(w13.view(-1, D), [c1["BLOCK_N"], c1["BLOCK_K"]])
+        ad2 = TensorDescriptor.from_tensor(h, [bm, c2["BLOCK_K"]])
+        wd2 = TensorDescriptor.from_tensor(w2.view(-1, I), [c2["BLOCK_N"], c2["BLOCK_K"]])
+    elif a8:
         a, a_s = act_quant(x, BLOCK, pdl=kernels.pdl)  # [T, D] e4m3, [T, G] scales
         h = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
         h_s = torch.empty(rows, gi, dtype=torch.float32, device=x.device)
@@ -203,6 +231,8 @@ def fp8_fused_experts(
         expert_ids,
         num_padded,
         ids,
+        ad1,
+        wd1,
         I,
         D,
         num_m,
@@ -223,6 +253,7 @@ def fp8_fused_experts(
         GROUP_M=c1["GROUP_M"],
         num_warps=c1["num_warps"],
         num_stages=c1["num_stages"],
+        TMA=tma,
         **common,
         **launch,
     )
@@ -237,6 +268,8 @@ def fp8_fused_experts(
         num_padded,
         topk_weights.reshape(-1),
         ids,
+        ad2,
+        wd2,
         D,
         I,
         num_m,
@@ -254,6 +287,7 @@ def fp8_fused_experts(
         GROUP_M=c2["GROUP_M"],
         num_warps=c2["num_warps"],
         num_stages=c2["num_stages"],
+        TMA=tma,
         **common,
         **launch,
     )

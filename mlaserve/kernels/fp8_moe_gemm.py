@@ -16,6 +16,63 @@ from .fused_moe import _block_rows, _pid_to_tile, _skip_block
 from .pdl import pdl_start
 
 
+@triton.jit
+def _gemm1_tma_a8(
+    AD,
+    WD,
+    as_ptr,
+    sg_ptr,
+    su_ptr,
+    r0,
+    rg,
+    I,
+    D,
+    acc_g,
+    acc_u,
+    stride_asg,
+    stride_sk,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """GEMM1's W8A8 K loop over TMA tiles: a rows r0.. of the sorted x, gate rows rg.. and up rows rg + I.. of w13
+    (the K tail past D reads zeros)."""
+    for k0 in range(0, D, BLOCK_K):
+        a = AD.load([r0, k0])  # [M, K]
+        g = WD.load([rg, k0])  # [N, K]
+        u = WD.load([rg + I, k0])
+        kg = (k0 // GROUP) * stride_sk
+        a_s = tl.load(as_ptr + (k0 // GROUP) * stride_asg)
+        acc_g = scaled_step(acc_g, a, tl.trans(g), a_s, tl.load(sg_ptr + kg), True, DOT_PREC)
+        acc_u = scaled_step(acc_u, a, tl.trans(u), a_s, tl.load(su_ptr + kg), True, DOT_PREC)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gemm2_tma_a8(
+    AD,
+    WD,
+    as_ptr,
+    ws_ptr,
+    r0,
+    rw,
+    I,
+    acc,
+    stride_sk,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """GEMM2's W8A8 K loop over TMA tiles: h rows r0.., down rows rw.. of w2 (the K tail past I reads zeros)."""
+    for k0 in range(0, I, BLOCK_K):
+        a = AD.load([r0, k0])  # [M, K]
+        w = WD.load([rw, k0])  # [N, K]
+        a_s = tl.load(as_ptr + k0 // GROUP)
+        w_s = tl.load(ws_ptr + (k0 // GROUP) * stride_sk)
+        acc = scaled_step(acc, a, tl.trans(w), a_s, w_s, True, DOT_PREC)
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_m", "TK", "expert_offset"])
 def _fp8_moe_gemm1_kernel(
     A,
@@ -28,6 +85,8 @@ def _fp8_moe_gemm1_kernel(
     ExpertIds,
     NumPadded,
     TopkIds,
+    AD,
+    WD,
     I,
     D,
     num_m,
@@ -53,11 +112,14 @@ def _fp8_moe_gemm1_kernel(
     NO_ALIGN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     GROUP: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """H[m, n] = silu(a[tok] . gate_e[n]) * (a[tok] . up_e[n]) for the padded row m of expert e's block. A8: a is
     x's e4m3 with scales AS [T, G]; H gets h's e4m3 and HS [rows, ceil(I/128)] its scales (BLOCK_N == GROUP, so
-    this program's columns are one group)."""
+    this program's columns are one group). TMA (A8, I % BLOCK_N == 0): a is x already in the blocks' row order
+    (act_quant's `sorted_ids`: row m is a[sorted pair m], padding rows 0) read by AD [rows, D] tiles with its scales
+    AS [rows, G] by row m, and the weights by WD (w13 as [E * 2I, D]) tiles."""
     pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
@@ -76,19 +138,39 @@ def _fp8_moe_gemm1_kernel(
     as_ptr = AS + tok * stride_asm
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k_ok = offs_k < D - k0
-        a = tl.load(a_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        kg = (k0 // GROUP) * stride_sk
-        gs = tl.load(sg_ptr + kg, mask=n_ok, other=0.0)
-        us = tl.load(su_ptr + kg, mask=n_ok, other=0.0)
-        a_s = gs  # A16: unused
-        if A8:
-            a_s = tl.load(as_ptr + (k0 // GROUP) * stride_asg, mask=row_ok, other=0.0)
-        acc_g = scaled_step(acc_g, a, g, a_s, gs, A8, DOT_PREC)
-        acc_u = scaled_step(acc_u, a, u, a_s, us, A8, DOT_PREC)
+    if TMA:
+        acc_g, acc_u = _gemm1_tma_a8(
+            AD,
+            WD,
+            AS + offs_m * stride_asm,
+            sg_ptr,
+            su_ptr,
+            pid_m * BLOCK_M,
+            (e * 2 * I + pid_n * BLOCK_N).to(tl.int32),
+            I,
+            D,
+            acc_g,
+            acc_u,
+            stride_asg,
+            stride_sk,
+            BLOCK_K,
+            GROUP,
+            DOT_PREC,
+        )
+    else:
+        for k0 in range(0, D, BLOCK_K):
+            k_ok = offs_k < D - k0
+            a = tl.load(a_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            kg = (k0 // GROUP) * stride_sk
+            gs = tl.load(sg_ptr + kg, mask=n_ok, other=0.0)
+            us = tl.load(su_ptr + kg, mask=n_ok, other=0.0)
+            a_s = gs  # A16: unused
+            if A8:
+                a_s = tl.load(as_ptr + (k0 // GROUP) * stride_asg, mask=row_ok, other=0.0)
+            acc_g = scaled_step(acc_g, a, g, a_s, gs, A8, DOT_PREC)
+            acc_u = scaled_step(acc_u, a, u, a_s, us, A8, DOT_PREC)
     h = acc_g * tl.sigmoid(acc_g) * acc_u  # masked columns: 0
     h_ptr = H + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
     if A8:
@@ -111,6 +193,8 @@ def _fp8_moe_gemm2_kernel(
     NumPadded,
     TopkW,
     TopkIds,
+    AD,
+    WD,
     D,
     I,
     num_m,
@@ -133,10 +217,11 @@ def _fp8_moe_gemm2_kernel(
     NO_ALIGN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     GROUP: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Y[(t, k)] = topk_weight[t, k] * (H[m] . down_e) for every real row m of expert e's blocks (A8: H e4m3 with
-    scales HS)."""
+    scales HS). TMA (A8): H by AD [rows, I] tiles, the weights by WD (w2 as [E * D, I]) tiles."""
     pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
@@ -151,15 +236,31 @@ def _fp8_moe_gemm2_kernel(
     ws_ptr = S2 + e * stride_se + (offs_n // GROUP) * stride_sn
     as_ptr = HS + offs_m.to(tl.int64) * stride_hsm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_ok = offs_k < I - k0
-        a = tl.load(a_ptr + k0, mask=k_ok[None, :], other=0.0)  # padding rows hold zeros (GEMM1 wrote them)
-        w = tl.load(w_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        w_s = tl.load(ws_ptr + (k0 // GROUP) * stride_sk, mask=n_ok, other=0.0)
-        a_s = w_s  # A16: unused
-        if A8:
-            a_s = tl.load(as_ptr + k0 // GROUP)
-        acc = scaled_step(acc, a, w, a_s, w_s, A8, DOT_PREC)
+    if TMA:
+        acc = _gemm2_tma_a8(
+            AD,
+            WD,
+            as_ptr,
+            ws_ptr,
+            pid_m * BLOCK_M,
+            (e * D + pid_n * BLOCK_N).to(tl.int32),
+            I,
+            acc,
+            stride_sk,
+            BLOCK_K,
+            GROUP,
+            DOT_PREC,
+        )
+    else:
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = offs_k < I - k0
+            a = tl.load(a_ptr + k0, mask=k_ok[None, :], other=0.0)  # padding rows hold zeros (GEMM1 wrote them)
+            w = tl.load(w_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w_s = tl.load(ws_ptr + (k0 // GROUP) * stride_sk, mask=n_ok, other=0.0)
+            a_s = w_s  # A16: unused
+            if A8:
+                a_s = tl.load(as_ptr + k0 // GROUP)
+            acc = scaled_step(acc, a, w, a_s, w_s, A8, DOT_PREC)
     w = tl.load(TopkW + ids, mask=row_ok, other=0.0)
     y_ptr = Y + ids.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
     tl.store(y_ptr, (acc * w[:, None]).to(Y.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

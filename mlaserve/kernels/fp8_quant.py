@@ -39,34 +39,55 @@ def _act_quant_kernel(
     stride_xk,
     stride_qm,
     stride_sg,
+    SortedIds,
+    NumPadded,
+    TOPK,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SORTED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (row block, group g): Q[rows, g*GROUP ..] and S[g, rows] for rows < MP; rows in [M, MP) (the row
-    padding) get q = 0."""
+    padding) get q = 0. SORTED: row m is X's row SortedIds[m] // TOPK (a (token, k) pair in moe_align's order),
+    q = 0 where the id is padding (>= M * TOPK); the rows from NumPadded on are not written."""
     pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     k = g * GROUP + tl.arange(0, GROUP)
-    ok = (rows < M)[:, None] & (k < K)[None, :]
-    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xm + k[None, :] * stride_xk, mask=ok, other=0.0)
+    if SORTED:
+        if tl.program_id(0) * BLOCK_M >= tl.load(NumPadded):
+            return
+        ids = tl.load(SortedIds + rows, mask=rows < MP, other=M * TOPK)
+        src = ids // TOPK
+        ok = (ids < M * TOPK)[:, None] & (k < K)[None, :]
+    else:
+        src = rows
+        ok = (rows < M)[:, None] & (k < K)[None, :]
+    x = tl.load(X + src.to(tl.int64)[:, None] * stride_xm + k[None, :] * stride_xk, mask=ok, other=0.0)
     q, s = quant_group(x.to(tl.float32))
     tl.store(Q + rows.to(tl.int64)[:, None] * stride_qm + k[None, :], q, mask=(rows < MP)[:, None] & (k < K)[None, :])
     tl.store(S + g * stride_sg + rows, s, mask=rows < MP)
 
 
 def act_quant(
-    x: torch.Tensor, group: int = 128, row_align: int = 1, pdl: bool = True
+    x: torch.Tensor, group: int = 128, row_align: int = 1, pdl: bool = True, sorted_pairs: tuple | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any strides) -> (q e4m3 [Mp, K] contiguous, s fp32 [Mp, ceil(K/group)] with strides (1, Mp)),
-    Mp = M rounded up to row_align (the padding rows: q = 0). pdl: KernelConfig.pdl."""
+    Mp = M rounded up to row_align (the padding rows: q = 0). pdl: KernelConfig.pdl.
+    sorted_pairs = (sorted_ids [P], num_padded [1], topk): the rows in moe_align's order instead, Mp = P: row m
+    quantizes x[sorted_ids[m] // topk], 0 for a padding id (>= M * topk); rows from num_padded on are left unset
+    (no GEMM reads them)."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a 2-D floating tensor [M, K], got {tuple(x.shape)} {x.dtype}")
     if group < 16 or group & (group - 1):
         raise ValueError(f"group={group} must be a power of 2 >= 16")
     M, K = x.shape
     Mp = -(-M // row_align) * row_align
+    sorted_ids = num_padded = x
+    topk = 1
+    if sorted_pairs is not None:
+        sorted_ids, num_padded, topk = sorted_pairs
+        Mp = sorted_ids.shape[0]
     G = -(-K // group)
     q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x.device)
     s_buf = torch.empty(G, Mp, dtype=torch.float32, device=x.device)
@@ -83,8 +104,12 @@ def act_quant(
             x.stride(1),
             q.stride(0),
             s_buf.stride(0),
+            sorted_ids,
+            num_padded,
+            topk,
             GROUP=group,
             BLOCK_M=block_m,
+            SORTED=sorted_pairs is not None,
             num_warps=4 if group * block_m >= 2048 else 1,
             **pdl_args(x, pdl),
         )

@@ -212,3 +212,31 @@ def test_moe_cuda_graph_replay_with_new_routing(T, cfg):
         g.replay()
         ref = fp8_fused_experts_ref(x, w13, s13, w2, s2, w, ids, a8=a8)
         kc.assert_close(out, ref, BF, f"fp8 moe graph replay T={T} {cfg}")
+
+
+@pytest.mark.parametrize(
+    "T,shape",
+    [
+        (333, dict(E=256, offset=0, E_total=256)),
+        (8192, dict(E=256, offset=0, E_total=256)),
+        (4096, dict(E=32, offset=64, E_total=256)),  # EP8's rank 2
+        (2048, dict(E=256, offset=0, E_total=256, BLOCK_M=128, gemm2=dict(num_warps=8))),
+    ],
+)
+def test_moe_a8_tma_form_bits(T, shape):
+    """The W8A8 GEMMs' TMA form (x quantized in the blocks' row order, whole tiles by TMA) gives the pointer
+    form's bits: the same MMAs over the same K steps. Buffers poisoned."""
+    from mlaserve.kernels.fp8_moe import fp8_fused_experts
+
+    shape = dict(shape)
+    E, offset, E_total = shape.pop("E"), shape.pop("offset"), shape.pop("E_total")
+    w13, s13, w2, s2 = _experts(E, 7168, 2048)
+    x = torch.randn(T, 7168, device="cuda").to(BF)
+    ids, w = fc.moe_routing("cuda", T=T, K=8, E_total=E_total)
+    outs = {}
+    for tma in (False, True):
+        with kc.poisoned_empty():
+            outs[tma] = fp8_fused_experts(
+                x, w13, s13, w2, s2, w, ids, offset, all_local=E == E_total, config=dict(shape, a8=True, tma=tma)
+            )
+    assert torch.equal(outs[True], outs[False]), f"T={T} {shape}: max diff {(outs[True] - outs[False]).abs().max()}"
