@@ -153,6 +153,113 @@ def _gemm1_gluon_kernel(
     gl.store(HS + offs_m.to(gl.int64) * stride_hsm + pid_n, s)
 
 
+@gluon.jit
+def _gemm2_gluon_kernel(
+    h_desc,
+    w_desc,
+    HS,
+    S2,
+    Y,
+    SortedIds,
+    ExpertIds,
+    NumPadded,
+    TopkW,
+    D,
+    I,
+    num_m,
+    TK,
+    stride_hsm,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_yt,
+    BLOCK_M: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Y[pair] = topk_weight[pair] * (h[m] . down_e) for the real rows m of expert e's block: GEMM1's pipeline with
+    one product a K step (fp8_moe_gemm._fp8_moe_gemm2_kernel's maths and order)."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    gl.static_assert(BLOCK_N == 128 and BLOCK_K == 128, "one 128x128 scale block a tile and a K step")
+    num_n = gl.cdiv(D, BLOCK_N)
+    pid = gl.program_id(0)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size
+    pid_n = (pid % (GROUP_M * num_n)) // size
+    if pid_m * BLOCK_M >= gl.load(NumPadded):
+        return
+    e = gl.load(ExpertIds + pid_m).to(gl.int64)
+    r0 = pid_m * BLOCK_M
+    rw = (e * D + pid_n * BLOCK_N).to(gl.int32)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, num_warps // 4], instr_shape=[16, BLOCK_N // (num_warps // 4), 32]
+    )
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    offs_m = r0 + gl.arange(0, BLOCK_M, layout=rows_l)
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_l)
+    as_ptr = HS + offs_m.to(gl.int64) * stride_hsm
+    ws_ptr = S2 + e * stride_se + pid_n * stride_sn
+
+    a_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    nbytes: gl.constexpr = h_desc.block_type.nbytes + w_desc.block_type.nbytes
+
+    nk = gl.cdiv(I, BLOCK_K)
+    for s in gl.static_range(STAGES - 1):
+        if s < nk:
+            mbarrier.expect(bars.index(s), nbytes)
+            _tma_load(h_desc, [r0, s * 128], bars.index(s), a_bufs.index(s))
+            _tma_load(w_desc, [rw, s * 128], bars.index(s), w_bufs.index(s))
+
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+    acc = zero
+    mbarrier.wait(bars.index(0), 0)
+    p = warpgroup_mma(a_bufs.index(0), w_bufs.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    p_as = gl.load(as_ptr)
+    p_ws = gl.load(ws_ptr)
+    if STAGES - 1 < nk:
+        t: gl.constexpr = STAGES - 1
+        mbarrier.expect(bars.index(t), nbytes)
+        _tma_load(h_desc, [r0, t * 128], bars.index(t), a_bufs.index(t))
+        _tma_load(w_desc, [rw, t * 128], bars.index(t), w_bufs.index(t))
+    for k in range(1, nk):
+        slot = k % STAGES
+        mbarrier.wait(bars.index(slot), (k // STAGES) & 1)
+        c = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+        c_as = gl.load(as_ptr + k)
+        c_ws = gl.load(ws_ptr + k * stride_sk)
+        p = warpgroup_mma_wait(num_outstanding=1, deps=(p,))
+        acc = acc + p * (p_as[:, None] * p_ws)
+        nxt = k + STAGES - 1
+        if nxt < nk:
+            ns = nxt % STAGES
+            mbarrier.expect(bars.index(ns), nbytes)
+            _tma_load(h_desc, [r0, nxt * 128], bars.index(ns), a_bufs.index(ns))
+            _tma_load(w_desc, [rw, nxt * 128], bars.index(ns), w_bufs.index(ns))
+        p = c
+        p_as = c_as
+        p_ws = c_ws
+    p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+    acc = acc + p * (p_as[:, None] * p_ws)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    ids = gl.load(SortedIds + offs_m)
+    row_ok = ids < TK
+    w = gl.load(TopkW + ids, mask=row_ok, other=0.0)
+    y_ptr = Y + ids.to(gl.int64)[:, None] * stride_yt + offs_n[None, :]
+    gl.store(y_ptr, (acc * w[:, None]).to(Y.dtype.element_ty), mask=row_ok[:, None] & (offs_n < D)[None, :])
+
+
 def gemm1_gluon(a, a_s, w13, s13, h, h_s, expert_ids, num_padded, num_m, block_m, group_m, stages=4, num_warps=8):
     """GEMM1 of the W8A8 TMA form: a e4m3 [rows, D] in moe_align's order with a_s [rows, G] (strides (1, rows));
     w13 e4m3 [E, 2I, D] contiguous, s13 [E, 2*I/128, D/128]; writes h e4m3 [rows, I] and h_s [rows, I/128]. I must
@@ -192,3 +299,42 @@ def gemm1_gluon(a, a_s, w13, s13, h, h_s, expert_ids, num_padded, num_m, block_m
 
 def gluon_available(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
+def gemm2_gluon(
+    h, h_s, w2, s2, y, sorted_ids, expert_ids, num_padded, topk_w, num_m, block_m, group_m, stages=4, num_warps=4
+):
+    """GEMM2 of the W8A8 TMA form: h e4m3 [rows, I] with h_s [rows, I/128] (GEMM1's); w2 e4m3 [E, D, I]
+    contiguous, s2 [E, D/128, I/128]; y [T*K, D] gets each real pair's row times its top-k weight. D must be a
+    multiple of 128."""
+    E, D, I = w2.shape
+    if D % BLOCK or block_m != 64:
+        raise ValueError(f"gemm2_gluon: D={D} must be a multiple of {BLOCK}, BLOCK_M 64")
+    h_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK], gl.float8e4nv)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
+    h_desc = TensorDescriptor.from_tensor(h, [block_m, BLOCK], h_layout)
+    w_desc = TensorDescriptor.from_tensor(w2.view(-1, I), [BLOCK, BLOCK], w_layout)
+    _gemm2_gluon_kernel[(num_m * (D // BLOCK),)](
+        h_desc,
+        w_desc,
+        h_s,
+        s2,
+        y,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        topk_w,
+        D,
+        I,
+        num_m,
+        y.shape[0],
+        h_s.stride(0),
+        s2.stride(0),
+        s2.stride(1),
+        s2.stride(2),
+        y.stride(0),
+        BLOCK_M=block_m,
+        GROUP_M=group_m,
+        STAGES=stages,
+        num_warps=num_warps,
+    )
