@@ -108,8 +108,3 @@ def fp8_cases(quick: bool):
         functools.partial(fp8_fused_experts, config=dict(a8=True, tma=True)),
         args,
     )
-    yield (
-        "fp8_fused_experts T=8192 a8=True gluon",
-        functools.partial(fp8_fused_experts, config=dict(a8=True, tma=True, gluon=True)),
-        args,
-    )
