@@ -22,7 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernel_config import KernelConfig
 from .fp8_moe_gemm import _fp8_moe_gemm1_kernel, _fp8_moe_gemm2_kernel
 from .fp8_moe_gemv import fp8_moe_gemv
-from .fp8_moe_gluon import gemm1_gluon, gemm2_gluon, gluon_available
+from .fp8_moe_gluon import gemm1_gluon, gluon_available
 from .fp8_quant import act_quant
 from .fp8_reference import BLOCK
 from .moe_align import moe_align
@@ -264,55 +264,39 @@ def fp8_fused_experts(
             **common,
             **launch,
         )
-    if gluon and c2["BLOCK_N"] == BLOCK and D % BLOCK == 0:
-        gemm2_gluon(
-            h,
-            h_s,
-            w2,
-            w2_scale_inv,
-            y,
-            sorted_ids,
-            expert_ids,
-            num_padded,
-            topk_weights.reshape(-1),
-            num_m,
-            bm,
-            c2["GROUP_M"],
-        )
-    else:
-        _fp8_moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
-            h,
-            h_s,
-            w2,
-            w2_scale_inv,
-            y,
-            sorted_ids,
-            expert_ids,
-            num_padded,
-            topk_weights.reshape(-1),
-            ids,
-            ad2,
-            wd2,
-            D,
-            I,
-            num_m,
-            h.stride(0),
-            h_s.stride(0),
-            w2.stride(0),
-            w2.stride(1),
-            w2_scale_inv.stride(0),
-            w2_scale_inv.stride(1),
-            w2_scale_inv.stride(2),
-            y.stride(0),
-            BLOCK_M=bm,
-            BLOCK_N=c2["BLOCK_N"],
-            BLOCK_K=c2["BLOCK_K"],
-            GROUP_M=c2["GROUP_M"],
-            num_warps=c2["num_warps"],
-            num_stages=c2["num_stages"],
-            maxnreg=c2.get("maxnreg"),
-            TMA=tma,
-            **common,
-            **launch,
-        )
+    _fp8_moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
+        h,
+        h_s,
+        w2,
+        w2_scale_inv,
+        y,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        topk_weights.reshape(-1),
+        ids,
+        ad2,
+        wd2,
+        D,
+        I,
+        num_m,
+        h.stride(0),
+        h_s.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale_inv.stride(0),
+        w2_scale_inv.stride(1),
+        w2_scale_inv.stride(2),
+        y.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=c2["BLOCK_N"],
+        BLOCK_K=c2["BLOCK_K"],
+        GROUP_M=c2["GROUP_M"],
+        num_warps=c2["num_warps"],
+        num_stages=c2["num_stages"],
+        maxnreg=c2.get("maxnreg"),
+        TMA=tma,
+        **common,
+        **launch,
+    )
     return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
