@@ -30,9 +30,6 @@ class KernelConfig:
     # straight into the blocks' row order (kernels/fp8_moe.py); the same products in the same order as the
     # pointer form
     fp8_moe_tma: bool = True
-    # MLASERVE_FP8_MOE_GLUON=1 (off by default): that form's GEMM1 in Gluon, each K step's product scaled while the
-    # next step's MMAs run (kernels/fp8_moe_gluon.py); the same bits
-    fp8_moe_gluon: bool = False
     # MLASERVE_MOE_GEMV: 1-2 token MoE steps as grouped GEMVs (moe_gemv.py); "n1:w1:n2:w2" also sets their
     # rows per program and warps (gemv1, gemv2) for A/B timing
     moe_gemv: bool = True
@@ -151,7 +148,6 @@ class KernelConfig:
             absorb_store=on("MLASERVE_ABSORB_STORE"),
             moe_tma=on("MLASERVE_MOE_TMA"),
             fp8_moe_tma=on("MLASERVE_FP8_MOE_TMA"),
-            fp8_moe_gluon=env.get("MLASERVE_FP8_MOE_GLUON", "0") == "1",
             moe_gemv=gemv != "0",
             moe_gemv_tiles=tiles,
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),

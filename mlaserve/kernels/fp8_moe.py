@@ -22,7 +22,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernel_config import KernelConfig
 from .fp8_moe_gemm import _fp8_moe_gemm1_kernel, _fp8_moe_gemm2_kernel
 from .fp8_moe_gemv import fp8_moe_gemv
-from .fp8_moe_gluon import gemm1_gluon, gluon_available
 from .fp8_quant import act_quant
 from .fp8_reference import BLOCK
 from .moe_align import moe_align
@@ -178,8 +177,7 @@ def fp8_fused_experts(
     TK = T * K
     no_align, gemv, a8 = moe_form(T, K, E, config, kernels.no_align_max_pairs, x.dtype, kernels.fp8_a8_min_tokens)
     cfg_tma = (config or {}).get("tma")
-    cfg_gluon = (config or {}).get("gluon")
-    config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8", "tma", "gluon")}
+    config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8", "tma")}
     launch = pdl_args(x, kernels.pdl)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if gemv:
@@ -222,48 +220,44 @@ def fp8_fused_experts(
         h_s = h  # unused
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     common = dict(TK=TK, expert_offset=expert_offset, E_LOCAL=E, A8=a8, NO_ALIGN=no_align, DOT_PREC=prec, GROUP=BLOCK)
-    gluon = tma and bool(cfg_gluon if cfg_gluon is not None else kernels.fp8_moe_gluon and gluon_available(x))
-    if gluon:  # GEMM1 with the scaled products retired behind the next MMAs (fp8_moe_gluon.py)
-        gemm1_gluon(a, a_s, w13, w13_scale_inv, h, h_s, expert_ids, num_padded, num_m, bm, c1["GROUP_M"])
-    else:
-        _fp8_moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
-            a,
-            a_s,
-            w13,
-            w13_scale_inv,
-            h,
-            h_s,
-            sorted_ids,
-            expert_ids,
-            num_padded,
-            ids,
-            ad1,
-            wd1,
-            I,
-            D,
-            num_m,
-            a.stride(0),
-            a_s.stride(0),
-            a_s.stride(1),
-            w13.stride(0),
-            w13.stride(1),
-            w13_scale_inv.stride(0),
-            w13_scale_inv.stride(1),
-            w13_scale_inv.stride(2),
-            h.stride(0),
-            h_s.stride(0),
-            TOPK=K,
-            BLOCK_M=bm,
-            BLOCK_N=c1["BLOCK_N"],
-            BLOCK_K=c1["BLOCK_K"],
-            GROUP_M=c1["GROUP_M"],
-            num_warps=c1["num_warps"],
-            num_stages=c1["num_stages"],
-            maxnreg=c1.get("maxnreg"),
-            TMA=tma,
-            **common,
-            **launch,
-        )
+    _fp8_moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
+        a,
+        a_s,
+        w13,
+        w13_scale_inv,
+        h,
+        h_s,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        ids,
+        ad1,
+        wd1,
+        I,
+        D,
+        num_m,
+        a.stride(0),
+        a_s.stride(0),
+        a_s.stride(1),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale_inv.stride(0),
+        w13_scale_inv.stride(1),
+        w13_scale_inv.stride(2),
+        h.stride(0),
+        h_s.stride(0),
+        TOPK=K,
+        BLOCK_M=bm,
+        BLOCK_N=c1["BLOCK_N"],
+        BLOCK_K=c1["BLOCK_K"],
+        GROUP_M=c1["GROUP_M"],
+        num_warps=c1["num_warps"],
+        num_stages=c1["num_stages"],
+        maxnreg=c1.get("maxnreg"),
+        TMA=tma,
+        **common,
+        **launch,
+    )
     _fp8_moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         h,
         h_s,
