@@ -45,9 +45,9 @@ def fp8_moe_config(
     gemm2={...}; a BLOCK_M given anywhere applies to both."""
     o1, o2 = dict(override.pop("gemm1", None) or {}), dict(override.pop("gemm2", None) or {})
     for where, o in (("", override), ("gemm1.", o1), ("gemm2.", o2)):
-        bad = [k for k in o if k not in KEYS + ("maxnreg",)]
+        bad = [k for k in o if k not in KEYS]
         if bad:
-            raise ValueError(f"fp8 moe config keys {[where + k for k in bad]} are not among {KEYS + ('maxnreg',)}")
+            raise ValueError(f"fp8 moe config keys {[where + k for k in bad]} are not among {KEYS}")
     rows = T * K / E
     if rows <= 16:
         c1, c2 = moe_config(T, K, E, D, I, torch.bfloat16)
@@ -253,7 +253,6 @@ def fp8_fused_experts(
         GROUP_M=c1["GROUP_M"],
         num_warps=c1["num_warps"],
         num_stages=c1["num_stages"],
-        maxnreg=c1.get("maxnreg"),
         TMA=tma,
         **common,
         **launch,
@@ -288,7 +287,6 @@ def fp8_fused_experts(
         GROUP_M=c2["GROUP_M"],
         num_warps=c2["num_warps"],
         num_stages=c2["num_stages"],
-        maxnreg=c2.get("maxnreg"),
         TMA=tma,
         **common,
         **launch,
