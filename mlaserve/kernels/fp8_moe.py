@@ -99,13 +99,14 @@ def moe_form(
     return no_align, gemv, a8
 
 
-def tma_form(x: torch.Tensor, D: int, I: int, c1: dict, c2: dict, kernels: KernelConfig) -> bool:
+def tma_form(x: torch.Tensor, D: int, I: int, c1: dict, c2: dict, kernels: KernelConfig, weights=()) -> bool:
     """The W8A8 GEMMs read whole tiles by TMA (kernels.fp8_moe_tma, sm_90+): x quantized in the blocks' row order,
     h as GEMM1 writes it, the weights as [E * rows, K] tiles. Needs I and D to be whole tiles (a tile must not
-    reach the next expert's rows: GEMM1's h scales are maxima over its columns) and 16-byte rows."""
+    reach the next expert's rows: GEMM1's h scales are maxima over its columns), 16-byte rows, and `weights`
+    (w13, w2) contiguous and 16-byte aligned."""
     if not (kernels.fp8_moe_tma and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9):
         return False
-    return tma_fits(D, I, c1, c2)
+    return tma_fits(D, I, c1, c2) and all(w.is_contiguous() and w.data_ptr() % 16 == 0 for w in weights)
 
 
 def tma_fits(D: int, I: int, c1: dict, c2: dict) -> bool:
@@ -198,7 +199,9 @@ def fp8_fused_experts(
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm, pdl=kernels.pdl)
         rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     gi = -(-I // BLOCK)
-    tma = a8 and not no_align and bool(cfg_tma if cfg_tma is not None else tma_form(x, D, I, c1, c2, kernels))
+    tma = (
+        a8 and not no_align and bool(cfg_tma if cfg_tma is not None else tma_form(x, D, I, c1, c2, kernels, (w13, w2)))
+    )
     if tma and not tma_fits(D, I, c1, c2):
         raise ValueError(f"tma: the TMA form needs I={I} and D={D} to be whole tiles of 16-byte rows")
     ad1 = wd1 = ad2 = wd2 = None  # None arguments are constexpr: the pointer kernels have no descriptors
