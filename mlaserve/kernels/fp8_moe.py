@@ -204,23 +204,21 @@ def fp8_fused_experts(
     )
     if tma and not tma_fits(D, I, c1, c2):
         raise ValueError(f"tma: the TMA form needs I={I} and D={D} to be whole tiles of 16-byte rows")
-    ad1 = wd1 = ad2 = wd2 = None  # None arguments are constexpr: the pointer kernels have no descriptors
-    if tma:  # x quantized straight into the blocks' row order, so that GEMM1 reads whole tiles of it
-        a, a_s = act_quant(x, BLOCK, pdl=kernels.pdl, sorted_pairs=(sorted_ids, num_padded, K))  # [rows, D]
-        h = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
-        h_s = torch.empty(rows, gi, dtype=torch.float32, device=x.device)
-        ad1 = TensorDescriptor.from_tensor(a, [bm, c1["BLOCK_K"]])
-        wd1 = TensorDescriptor.from_tensor(w13.view(-1, D), [c1["BLOCK_N"], c1["BLOCK_K"]])
-        ad2 = TensorDescriptor.from_tensor(h, [bm, c2["BLOCK_K"]])
-        wd2 = TensorDescriptor.from_tensor(w2.view(-1, I), [c2["BLOCK_N"], c2["BLOCK_K"]])
-    elif a8:
-        a, a_s = act_quant(x, BLOCK, pdl=kernels.pdl)  # [T, D] e4m3, [T, G] scales
+    if a8:  # the TMA form quantizes x straight into the blocks' row order, so that GEMM1 reads whole tiles of it
+        pairs = (sorted_ids, num_padded, K) if tma else None
+        a, a_s = act_quant(x, BLOCK, pdl=kernels.pdl, sorted_pairs=pairs)  # [T or rows, D] e4m3, [., G] scales
         h = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
         h_s = torch.empty(rows, gi, dtype=torch.float32, device=x.device)
     else:
         a, a_s = x, w13_scale_inv[0]  # a_s unused
         h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
         h_s = h  # unused
+    ad1 = wd1 = ad2 = wd2 = None  # None arguments are constexpr: the pointer kernels have no descriptors
+    if tma:
+        ad1 = TensorDescriptor.from_tensor(a, [bm, c1["BLOCK_K"]])
+        wd1 = TensorDescriptor.from_tensor(w13.view(-1, D), [c1["BLOCK_N"], c1["BLOCK_K"]])
+        ad2 = TensorDescriptor.from_tensor(h, [bm, c2["BLOCK_K"]])
+        wd2 = TensorDescriptor.from_tensor(w2.view(-1, I), [c2["BLOCK_N"], c2["BLOCK_K"]])
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     common = dict(TK=TK, expert_offset=expert_offset, E_LOCAL=E, A8=a8, NO_ALIGN=no_align, DOT_PREC=prec, GROUP=BLOCK)
     _fp8_moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
