@@ -6,7 +6,7 @@ fused_experts on the same (dequantized) weights, torch's `_weight_int4pack_mm` a
     INT4_BENCH_STEPS=1,2,8 INT4_BENCH_SWEEPS=0 ...               # some steps; no GEMM/FMA sweeps nor anchor
     INT4_BENCH_BF16=0 INT4_BENCH_FORMS=gemv_mma,gemm ...           # no bf16 fused_experts rows; these forms only
 
-Shapes: kimi (7168 -> 2048, 384 experts), kimi-tp4 (I=512), kimi-tp8 (I=256), kimi-ep8 (48 local experts of 384:
+Shapes: kimi (7168 -> 2048, 384 experts), kimi-tp2 (I=1024), kimi-tp4 (I=512), kimi-tp8 (I=256), kimi-ep8 (48 local experts of 384:
 `busy` routes every pair to a local expert, as the busiest rank sees it; `random` over all 384, about one local
 pair a token). Steps of 1, 2 tokens (decode, verify: the GEMV form), 8 and 32 (both forms) and a 2048-token prefill
 chunk (the GEMM form). Each timed call cycles through ROTATE routings over disjoint experts, so the weights stream
@@ -30,6 +30,7 @@ from benchmarks.bench_util import BF, Report, Sizes, bench, cfg_label, rel
 
 SHAPES = {  # name: D, I, local experts, all experts
     "kimi": (7168, 2048, 384, 384),
+    "kimi-tp2": (7168, 1024, 384, 384),
     "kimi-tp4": (7168, 512, 384, 384),
     "kimi-tp8": (7168, 256, 384, 384),
     "kimi-ep8": (7168, 2048, 48, 384),
@@ -120,8 +121,9 @@ MMA_SWEEP = {
     ),
 }
 MMA_QUICK = {
-    (7168, 2048): ([], [dict(MR=2, WG=2, **_CAP), dict(MR=1, WG=4, **_CAP)]),
-    (7168, 512): ([dict(MR=2, WG=4, **_CAP)], [dict(MR=2, WG=2, **_CAP)]),
+    (7168, 2048): ([], [dict(MR=2, WG=4, **_CAP), dict(MR=1, WG=4, **_CAP)]),
+    (7168, 1024): ([], [dict(MR=2, WG=4, **_B)]),
+    (7168, 512): ([dict(MR=2, WG=4, **_CAP)], [dict(MR=2, WG=4, **_B)]),
     (7168, 256): ([dict(MR=2, WG=4, **_CAP)], [dict(MR=2, WG=2, **_CAP)]),
 }
 FMA_EXTRA = [(dict(ROWS=32, num_warps=8), {}), ({}, dict(maxnreg=64))]  # gemv1 / gemv2 overrides, at (7168, 2048)

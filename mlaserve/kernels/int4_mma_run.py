@@ -27,15 +27,18 @@ def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
     with many small programs resident at once: 2 x 8 rows (MR 2) a program of 4 warps, capped at 64 registers so
     8 programs (32 warps) fit an SM, and all of a one-token step's gemv1 programs in one wave (Kimi-K2.5: 1024).
     gemv1 with fewer row blocks than that (MoE-TP shards at 1-2 tokens): 8 warps over 32-group trips, the next
-    trip's words loaded before the current one's MMAs (PREFETCH). gemv2 (K = I): 4 warps over 16-group trips,
-    or 2 over 8 at I = 256 (one trip) with one 16-row block a program."""
+    trip's words loaded before the current one's MMAs (PREFETCH). gemv2 (K = I): 2 warps over 8-group trips at one
+    token a request (16 programs an SM), else 4 warps over 16-group trips, or 2 over 8 at I = 256 (one trip) with
+    one 16-row block a program."""
     ng2 = I // 32
     if pairs * triton.cdiv(I, 16) >= 1024:
         c1 = dict(MR=2, WG=4, MUL=False, maxnreg=64)
     else:
         c1 = dict(MR=2, WG=8, MUL=False, PREFETCH=True)
-    if ng2 % 16 == 0:  # steps of several tokens pair experts (more live registers): 72, 7 programs an SM
-        c2 = dict(MR=2, WG=4, MUL=False, **(dict(maxnreg=64 if pairs <= 8 else 72) if ng2 >= 64 else {}))
+    if ng2 % 16 == 0 and pairs <= 8:
+        c2 = dict(MR=2, WG=2, MUL=False, maxnreg=64)
+    elif ng2 % 16 == 0:  # steps of several tokens pair experts (more live registers): 72, 7 programs an SM
+        c2 = dict(MR=2, WG=4, MUL=False, **(dict(maxnreg=72) if ng2 >= 64 else {}))
     else:
         c2 = dict(MR=1, WG=2 if ng2 % 8 == 0 else 1, MUL=False)
     return c1, c2
