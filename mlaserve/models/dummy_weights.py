@@ -15,6 +15,11 @@ INT4_STD = ((16**2 - 1) / 12) ** 0.5  # of q uniform in [-8, 7]
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    # checkpoints store every weight but the routing bias in the model dtype, the router's included, though the
+    # model keeps that one in fp32: round it the same way, so that the bf16 router paths (TopkRouter.bf16_weight)
+    # run here as they do on loaded checkpoints
+    embed = [p for n, p in model.named_parameters() if n.endswith("embed_tokens.weight")]
+    ckpt_dtype = embed[0].dtype if embed else None
     quantized = set()
     for mod_name, mod in model.named_modules():
         if isinstance(mod, Int4Experts):
@@ -41,6 +46,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             parts = name.split(".")
             kind = parts[-2] if parts[-1] == "weight" else parts[-1]  # e.g. o_proj, or experts' down_proj
             p.data.normal_(0.0, GAINS.get(kind, 1.0) / p.hf_shape[-1] ** 0.5, generator=gen)
+            if p.dtype == torch.float32 and ckpt_dtype is not None and ckpt_dtype != torch.float32:
+                p.data.copy_(p.data.to(ckpt_dtype))
 
 
 def _scales(s: torch.Tensor, std: float, gen) -> None:

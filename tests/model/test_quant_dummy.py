@@ -50,3 +50,18 @@ def test_llm_generates_on_dummy_quantized_weights(config_only):
     for o in outs:
         assert len(set(o.token_ids)) >= 8, o.token_ids
     assert llm.weight_bytes[0].quantized > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dummy_router_weights_are_what_a_checkpoint_stores(dtype, tmp_path):
+    # A checkpoint stores the router weight in the model dtype (make-random too); the model holds it in fp32. Dummy
+    # weights must be as exact in bf16, so that the bf16 router paths run on them as on loaded weights.
+    cfg = ModelConfig.from_pretrained(make_random("tiny", str(tmp_path), dtype="float32", config_only=True))
+    model = DeepseekV3ForCausalLM(cfg, dtype=dtype)
+    init_dummy_weights(model, seed=3)
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    assert routers
+    for r in routers:
+        assert r.weight.dtype == torch.float32 and r.weight.std().item() > 0
+        assert torch.equal(r.weight.to(torch.bfloat16).float(), r.weight) == (dtype == torch.bfloat16)
+        assert (r.bf16_weight() is not None) == (dtype == torch.bfloat16)
