@@ -40,7 +40,8 @@ def fp8_moe_config(
     - more: 64x128 tiles, GEMM1 on 8 warps (its gate and up accumulators, with each K step's scaled product, need
       the registers: compile_check, sm_90: 64x128 on 4 warps or 128x128 on 8 spill 0.9-1.3 KB), GEMM2 on 4; GROUP_M
       8 (vLLM's untuned default for block-FP8 experts is 64x128x128 too).
-    A8 needs GEMM1's BLOCK_N to be one 128-channel group (its epilogue quantizes h per group). fp32 A16 (tests):
+    A8: GEMM1's BLOCK_N one 128-channel group (its epilogue quantizes h per group), or a divisor of one (h written
+    in x's dtype, then quantized by act_quant: fp8_fused_experts_ref's h_dtype). fp32 A16 (tests):
     IEEE FMA dots on 32x32 tiles (larger ones spill). `override` as moe_config's: flat keys, then gemm1={...} /
     gemm2={...}; a BLOCK_M given anywhere applies to both."""
     o1, o2 = dict(override.pop("gemm1", None) or {}), dict(override.pop("gemm2", None) or {})
@@ -74,8 +75,8 @@ def fp8_moe_config(
     for name, c in (("gemm1", c1), ("gemm2", c2)):
         if BLOCK % c["BLOCK_K"] or c["BLOCK_K"] < 16:
             raise ValueError(f"fp8 moe {name}.BLOCK_K={c['BLOCK_K']} must be a power of 2 in [16, {BLOCK}]")
-    if a8 and c1["BLOCK_N"] != BLOCK:
-        raise ValueError(f"fp8 moe A8: gemm1.BLOCK_N must be {BLOCK} (one group of h per program), got {c1['BLOCK_N']}")
+    if a8 and (BLOCK % c1["BLOCK_N"] or c1["BLOCK_N"] < 16):
+        raise ValueError(f"fp8 moe A8: gemm1.BLOCK_N must divide {BLOCK} (h's groups), got {c1['BLOCK_N']}")
     return c1, c2
 
 
@@ -204,21 +205,22 @@ def fp8_fused_experts(
     )
     if tma and not tma_fits(D, I, c1, c2):
         raise ValueError(f"tma: the TMA form needs I={I} and D={D} to be whole tiles of 16-byte rows")
+    # GEMM1 columns narrower than an h group (A8): h written in x's dtype, then quantized by act_quant, as
+    # DeepSeek's and vLLM's W8A8 MoE round it; else GEMM1's epilogue quantizes its own group of h
+    h16 = a8 and c1["BLOCK_N"] != BLOCK
     if a8:  # the TMA form quantizes x straight into the blocks' row order, so that GEMM1 reads whole tiles of it
         pairs = (sorted_ids, num_padded, K) if tma else None
         a, a_s = act_quant(x, BLOCK, pdl=kernels.pdl, sorted_pairs=pairs)  # [T or rows, D] e4m3, [., G] scales
-        h = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
-        h_s = torch.empty(rows, gi, dtype=torch.float32, device=x.device)
+        h = torch.empty(rows, I, dtype=x.dtype if h16 else torch.float8_e4m3fn, device=x.device)
+        h_s = h if h16 else torch.empty(rows, gi, dtype=torch.float32, device=x.device)  # h16: h_s unused
     else:
         a, a_s = x, w13_scale_inv[0]  # a_s unused
         h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
         h_s = h  # unused
-    ad1 = wd1 = ad2 = wd2 = None  # None arguments are constexpr: the pointer kernels have no descriptors
+    ad1 = wd1 = None  # None arguments are constexpr: the pointer kernels have no descriptors
     if tma:
         ad1 = TensorDescriptor.from_tensor(a, [bm, c1["BLOCK_K"]])
         wd1 = TensorDescriptor.from_tensor(w13.view(-1, D), [c1["BLOCK_N"], c1["BLOCK_K"]])
-        ad2 = TensorDescriptor.from_tensor(h, [bm, c2["BLOCK_K"]])
-        wd2 = TensorDescriptor.from_tensor(w2.view(-1, I), [c2["BLOCK_N"], c2["BLOCK_K"]])
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     common = dict(TK=TK, expert_offset=expert_offset, E_LOCAL=E, A8=a8, NO_ALIGN=no_align, DOT_PREC=prec, GROUP=BLOCK)
     _fp8_moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
@@ -255,9 +257,17 @@ def fp8_fused_experts(
         num_warps=c1["num_warps"],
         num_stages=c1["num_stages"],
         TMA=tma,
+        H16=h16,
         **common,
         **launch,
     )
+    if h16:  # rows past num_padded hold garbage, quantized too: GEMM2 reads no block there
+        h, h_s = act_quant(h, BLOCK, pdl=kernels.pdl)
+        h_s = h_s.contiguous()  # [rows, G] row-major, as GEMM2 reads GEMM1's
+    ad2 = wd2 = None
+    if tma:
+        ad2 = TensorDescriptor.from_tensor(h, [bm, c2["BLOCK_K"]])
+        wd2 = TensorDescriptor.from_tensor(w2.view(-1, I), [c2["BLOCK_N"], c2["BLOCK_K"]])
     _fp8_moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         h,
         h_s,

@@ -114,12 +114,14 @@ def _fp8_moe_gemm1_kernel(
     GROUP: tl.constexpr,
     TMA: tl.constexpr,
     PDL: tl.constexpr,
+    H16: tl.constexpr = False,
 ):
     """H[m, n] = silu(a[tok] . gate_e[n]) * (a[tok] . up_e[n]) for the padded row m of expert e's block. A8: a is
     x's e4m3 with scales AS [T, G]; H gets h's e4m3 and HS [rows, ceil(I/128)] its scales (BLOCK_N == GROUP, so
-    this program's columns are one group). TMA (A8, I % BLOCK_N == 0): a is x already in the blocks' row order
-    (act_quant's `sorted_ids`: row m is a[sorted pair m], padding rows 0) read by AD [rows, D] tiles with its scales
-    AS [rows, G] by row m, and the weights by WD (w13 as [E * 2I, D]) tiles."""
+    this program's columns are one group), or with H16 h itself in H's dtype (any BLOCK_N; quantized after). TMA
+    (A8, I % BLOCK_N == 0): a is x already in the blocks' row order (act_quant's `sorted_ids`: row m is a[sorted
+    pair m], padding rows 0) read by AD [rows, D] tiles with its scales AS [rows, G] by row m, and the weights by
+    WD (w13 as [E * 2I, D]) tiles."""
     pdl_start(PDL)
     pid_m, pid_n = _pid_to_tile(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if _skip_block(pid_m, NumPadded, TopkIds, expert_offset, E_LOCAL, BLOCK_M, NO_ALIGN):
@@ -173,7 +175,7 @@ def _fp8_moe_gemm1_kernel(
             acc_u = scaled_step(acc_u, a, u, a_s, us, A8, DOT_PREC)
     h = acc_g * tl.sigmoid(acc_g) * acc_u  # masked columns: 0
     h_ptr = H + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
-    if A8:
+    if A8 and not H16:
         q, s = quant_group(h)
         tl.store(h_ptr, q, mask=store[:, None] & n_ok[None, :])
         tl.store(HS + offs_m.to(tl.int64) * stride_hsm + pid_n, s, mask=store)

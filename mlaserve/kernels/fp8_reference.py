@@ -70,6 +70,7 @@ def fp8_fused_experts_ref(
     topk_ids: torch.Tensor,
     expert_offset: int = 0,
     a8: bool = False,
+    h_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert is local, in fp32 on the
     dequantized weights -> [T, D] fp32. a8: x and the intermediate h quantized per token per 128 channels before
@@ -77,7 +78,9 @@ def fp8_fused_experts_ref(
     dtype, quantized per (row, 128-channel group) with fp8_act_quant_ref's scale (act_scale: a correctly rounded
     division, as the kernel's div_rn). Quantizing h amplifies any difference in it: a relative difference d moves
     the result by about sqrt(d * 0.09) (codes flip where h sits near an e4m3 rounding boundary), so the two must
-    compute h and its scales the same way, not merely closely."""
+    compute h and its scales the same way, not merely closely. h_dtype (a8): h rounded to it before its
+    quantization, as the W8A8 form whose GEMM1 tiles are narrower than a group writes it (and DeepSeek's own
+    inference and vLLM's fused MoE round it)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
@@ -90,7 +93,7 @@ def fp8_fused_experts_ref(
         gu = xf[tok] @ dequant_fp8_block(w13[e], w13_scale_inv[e], half_rows=I).T  # [n, 2I]
         h = F.silu(gu[:, :I]) * gu[:, I:]
         if a8:
-            h = fp8_act_dequant(*fp8_act_quant_ref(h))
+            h = fp8_act_dequant(*fp8_act_quant_ref(h if h_dtype is None else h.to(h_dtype).float()))
         y = h @ dequant_fp8_block(w2[e], w2_scale_inv[e]).T  # [n, D]
         out.index_add_(0, tok, y * topk_weights[tok, k, None].float())
     return out

@@ -150,6 +150,7 @@ def test_moe_deepseek(T):
         (333, dict(a8=False)),
         (2048, dict(a8=False)),
         (2048, dict(a8=True, gemm2=dict(BLOCK_N=256, num_warps=8))),
+        (2048, dict(a8=True, gemm1=dict(BLOCK_N=64, num_warps=4))),  # h in bf16, quantized after GEMM1
     ],
 )
 def test_moe_deepseek_forced_forms(T, cfg):
@@ -221,6 +222,8 @@ def test_moe_cuda_graph_replay_with_new_routing(T, cfg):
         (8192, dict(E=256, offset=0, E_total=256)),
         (4096, dict(E=32, offset=64, E_total=256)),  # EP8's rank 2
         (2048, dict(E=256, offset=0, E_total=256, BLOCK_M=128, gemm2=dict(num_warps=8))),
+        (8192, dict(E=256, offset=0, E_total=256, gemm1=dict(BLOCK_N=64, num_warps=4))),  # h in bf16
+        (4096, dict(E=32, offset=64, E_total=256, gemm1=dict(BLOCK_N=32, num_warps=4))),
     ],
 )
 def test_moe_a8_tma_form_bits(T, shape):

@@ -133,7 +133,7 @@ def check_fp8_moe(
 ):
     """fp8_fused_experts against fp8_fused_experts_ref (a8 as the form used), every buffer it allocates poisoned;
     tokens with no local expert must come out exactly zero (or exactly `add`)."""
-    from mlaserve.kernels.fp8_moe import fp8_fused_experts, moe_form
+    from mlaserve.kernels.fp8_moe import fp8_fused_experts, fp8_moe_config, moe_form
     from mlaserve.kernels.fp8_reference import fp8_fused_experts_ref
 
     w13, s13, w2, s2 = experts if experts is not None else make_fp8_experts(device, E=E_local, D=D, I=I)
@@ -151,7 +151,12 @@ def check_fp8_moe(
     assert out.shape == (T, D) and out.dtype == dtype
     if T == 0:
         return 0.0
-    ref = fp8_fused_experts_ref(x, w13, s13, w2, s2, w, ids, offset, a8=a8)
+    h16 = (
+        a8
+        and not gemv
+        and fp8_moe_config(T, K, E_local, D, I, True, dtype, **moe_overrides(config))[0]["BLOCK_N"] < 128
+    )
+    ref = fp8_fused_experts_ref(x, w13, s13, w2, s2, w, ids, offset, a8=a8, h_dtype=dtype if h16 else None)
     owned = ((ids >= offset) & (ids < offset + E_local)).any(1)
     if not owned.all():
         z = out[~owned].float() - (0 if shared is None else shared[~owned].float())
@@ -160,3 +165,8 @@ def check_fp8_moe(
         ref = ref.to(dtype).float() + shared.float()  # the routed sum rounds to the dtype, then adds
     what = f"fp8_fused_experts[gemv={bool(gemv)} a8={a8}] T={T} D={D} I={I} E={E_local}/{E_total} off={offset} K={K}"
     return assert_close(out, ref, dtype, f"{what} {config} {dtype}")
+
+
+def moe_overrides(config) -> dict:
+    """fp8_fused_experts' config without its form keys: the fp8_moe_config overrides."""
+    return {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8", "tma")}

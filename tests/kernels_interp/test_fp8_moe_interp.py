@@ -55,6 +55,14 @@ def test_tiled_bf16_with_add(kdev, a8):
     fc.check_fp8_moe(kdev, BF, T=12, D=256, I=128, E_total=6, E_local=6, offset=0, K=2, config=cfg, add=True)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF])
+def test_tiled_a8_narrow_gemm1(kdev, dtype):
+    """W8A8 with GEMM1 tiles narrower than an h group: h written in x's dtype, then quantized (the reference rounds
+    it the same way); I not a multiple of the tile, EP."""
+    cfg = dict(a8=True, gemv=False, BLOCK_M=16, gemm1=dict(BLOCK_N=64), gemm2=dict(BLOCK_N=64))
+    fc.check_fp8_moe(kdev, dtype, T=20, D=256, I=176, E_total=6, E_local=4, offset=1, K=2, config=cfg, add=True)
+
+
 def test_tiled_multi_program_align_ep(kdev, monkeypatch):
     """Above the single-program align limit (lowered): the histogram + align kernels over chunks; EP."""
     from mlaserve.kernels import moe_align
@@ -94,8 +102,8 @@ def test_checks_name_the_argument(kdev):
         fp8_fused_experts(x, w13, s13, w2[..., :40], s2, w, ids)
     with pytest.raises(ValueError, match="topk_ids/topk_weights"):
         fp8_fused_experts(x, w13, s13, w2, s2, w.double(), ids)
-    with pytest.raises(ValueError, match="gemm1.BLOCK_N must be 128"):
-        fp8_fused_experts(x, w13, s13, w2, s2, w, ids, config=dict(gemv=False, a8=True, gemm1=dict(BLOCK_N=64)))
+    with pytest.raises(ValueError, match="gemm1.BLOCK_N must divide 128"):
+        fp8_fused_experts(x, w13, s13, w2, s2, w, ids, config=dict(gemv=False, a8=True, gemm1=dict(BLOCK_N=96)))
     with pytest.raises(ValueError, match=r"gemm2.BLOCK_Q"):
         fp8_fused_experts(x, w13, s13, w2, s2, w, ids, config=dict(gemv=False, gemm2=dict(BLOCK_Q=16)))
     with pytest.raises(ValueError, match="per-pair blocks only"):
