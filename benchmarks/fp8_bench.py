@@ -46,9 +46,13 @@ MOE_T = (1, 2, 4, 8, 16, 32, 64, 256, 2048, 8192)
 # fp8_gemv tiles (rows a program, columns a trip, warps) timed beside the default on these shapes, at 1-4 rows
 GEMV_SWEEP = ((2, 1024, 4), (8, 1024, 4), (4, 2048, 8), (4, 512, 2), (8, 512, 2), (16, 512, 2))
 GEMV_SWEEP_SHAPES = ("q_a|kv_a", "o_proj", "dense gate|up")
-# W8A8 grouped-GEMM tiles beside the default at an 8192-token prefill (64x128 tiles, GEMM1 on 8 warps);
+# W8A8 grouped-GEMM tiles beside the default at an 8192-token prefill (64-row blocks, GEMM1 64 wide on 4 warps);
 # FP8_BENCH_A8_TILES (a JSON list of fp8_moe_config overrides) replaces them
-MOE_A8_SWEEP = (dict(num_stages=4), dict(GROUP_M=16, gemm2=dict(BLOCK_N=256, num_warps=8)))
+MOE_A8_SWEEP = (
+    dict(gemm1=dict(BLOCK_N=128, num_warps=8)),  # GEMM1 quantizing its own h group (the default before 2026-12-03)
+    dict(gemm1=dict(num_stages=4)),
+    dict(gemm1=dict(num_warps=8)),
+)
 # fp8_moe_gemv tiles ((rows, columns, warps) of gemv1, of gemv2) beside the default, at T = 1 and 2
 MOE_GEMV_SWEEP = (
     ((2, 1024, 4), (4, 1024, 4)),
@@ -192,8 +196,6 @@ def _moe_variants(name: str, T: int, K: int) -> list:
         )
         for c in tiles:
             for a8 in (False, True):
-                if a8 and c.get("gemm1", {}).get("BLOCK_N", 128) != 128:
-                    continue
                 out.append((f"fp8 tiled a8={a8} {c}", dict(c, gemv=False, a8=a8)))
     return out
 
