@@ -601,13 +601,17 @@ def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
         log(f"\nprofile {name}: {total / n:.2f} ms of GPU time per pass, {sum(r[2] for r in rows) / n:.0f} kernels")
         for k, ms, c in rows[:30]:
             log(f"  {1e3 * ms / n:8.1f} us/pass {c / n:6.1f}x {1e3 * ms / c:7.2f} us  {k[:90]}")
-        if cuda and name.startswith("decode"):
+        if cuda:
             busy, span = gpu_busy(prof)
             out[name].update(busy_us_per_pass=busy / n, span_us_per_pass=span / n)
             log(
                 f"  GPU busy {busy / n:.1f} us of a {span / n:.1f} us step span (idle, waiting for the host: "
                 f"{(span - busy) / n:.1f} us)"
             )
+        if cuda and name == "prefill":  # one long step: where its idle time sits
+            out[name]["gaps"] = gaps = idle_gaps(prof)
+            for g in gaps:
+                log(f"  idle {g['us']:8.1f} us after {g['after']}, before {g['before']}")
             out[name]["chain"] = chain = critical_path(prof, n)
             log(f"  critical path of {name} (each kernel's end minus the previous kernel's end, any stream):")
             for r in chain[:24]:
@@ -633,6 +637,23 @@ def gpu_busy(prof) -> tuple[float, float]:
         else:
             cur_e = max(cur_e, e)
     return busy + cur_e - cur_s, iv[-1][1] - iv[0][0]
+
+
+def idle_gaps(prof, top: int = 8) -> list[dict]:
+    """The longest stretches with no GPU op running (the host behind, or a wait on it), each with the op that ended
+    before it and the one that started after it."""
+    ev = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    gaps = []
+    if ev:
+        end, last = ev[0].time_range.end, ev[0].name
+        for e in ev[1:]:
+            if e.time_range.start > end:
+                gaps.append({"us": e.time_range.start - end, "after": last[:70], "before": e.name[:70]})
+            if e.time_range.end > end:
+                end, last = e.time_range.end, e.name
+    return sorted(gaps, key=lambda g: -g["us"])[:top]
 
 
 def critical_path(prof, passes):
