@@ -40,7 +40,7 @@ def fp8_moe_config(
     - more: 64x128 tiles, GEMM1 on 8 warps (its gate and up accumulators, with each K step's scaled product, need
       the registers: compile_check, sm_90: 64x128 on 4 warps or 128x128 on 8 spill 0.9-1.3 KB), GEMM2 on 4; GROUP_M
       8 (vLLM's untuned default for block-FP8 experts is 64x128x128 too). W8A8: GEMM1 64x64 on 4 warps, h
-      quantized after it (3 programs an SM; kernels_bench, one H200: 9.6 against 10.8 ms at DeepSeek-V3's 8k).
+      quantized after it (3 programs an SM where 64x128 on 8 warps fit one; docs/experiments.md).
     A8: GEMM1's BLOCK_N one 128-channel group (its epilogue quantizes h per group), or a divisor of one (h written
     in x's dtype, then quantized by act_quant: fp8_fused_experts_ref's h_dtype). fp32 A16 (tests):
     IEEE FMA dots on 32x32 tiles (larger ones spill). `override` as moe_config's: flat keys, then gemm1={...} /
