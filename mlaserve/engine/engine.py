@@ -145,9 +145,11 @@ class LLMEngine:
         if n == 0:
             raise ValueError("prompt: must not be empty")
         V = self.model_config.vocab_size
-        for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
-                raise ValueError(f"prompt: token id {t!r} at index {i} is outside the vocabulary [0, {V})")
+        ids = prompt_token_ids
+        if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < V):  # C loops; the Python one names it
+            for i, t in enumerate(ids):
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
+                    raise ValueError(f"prompt: token id {t!r} at index {i} is outside the vocabulary [0, {V})")
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt: {n} tokens leave no room to generate within max_model_len {self.max_model_len} "
