@@ -1,6 +1,7 @@
 """The W8A8 FP8 MoE at one prefill step, a few tile configs side by side (one call = GEMM1, GEMM2, the quantizations
 and the top-k sum): DeepSeek-V3's experts (7168 -> 2048, 8 of 256) by default; each timed call takes the next of 4
-random routings; min over 3 rounds of 8 calls; rel = relative difference to the first config's output.
+random routings; min over 3 rounds of 8 calls; rel = relative difference to the first config's output; then each
+kernel's time in one call (torch.profiler).
 
     PYTHONPATH=$PWD python benchmarks/fp8_moe_tiles.py                      # default, and the tiles below
     PYTHONPATH=$PWD python benchmarks/fp8_moe_tiles.py --tiles '{"a": {}, "b": {"gemm1": {"num_warps": 8}}}'
@@ -26,6 +27,18 @@ TILES = {
     "gemm1 64 wide, 8 warps": dict(gemm1=dict(BLOCK_N=64, num_warps=8)),
     "128-row blocks, gemm1 64 wide": dict(BLOCK_M=128, gemm1=dict(BLOCK_N=64, num_warps=8), gemm2=dict(num_warps=8)),
 }
+
+
+def kernel_times(call, reps: int = 4) -> dict[str, float]:
+    """us a call per GPU kernel (torch.profiler over `reps` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.key_averages() if e.device_time_total > 0]
+    return {e.key[:40]: e.device_time_total / reps for e in sorted(ev, key=lambda e: -e.device_time_total)}
 
 
 def main() -> None:
@@ -61,8 +74,14 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 8)
         ms = min(times)
-        rows[label] = dict(config=tile, ms=ms, tflops=flops / ms / 1e9, rel=rel, times_ms=times, first_s=first_call_s)
+        kernels = kernel_times(
+            lambda: fp8_fused_experts(x, w13, s13, w2, s2, routings[1][1], routings[1][0], config=cfg)
+        )
+        rows[label] = dict(
+            config=tile, ms=ms, tflops=flops / ms / 1e9, rel=rel, times_ms=times, first_s=first_call_s, kernels=kernels
+        )
         print(f"{label:55s} {ms:7.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s  rel {rel:.2e}", flush=True)
+        print("    " + ", ".join(f"{k} {v:.0f} us" for k, v in kernels.items()), flush=True)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, tokens=T, shape=dict(D=D, I=I, E=E, K=K))
