@@ -131,3 +131,50 @@ def test_the_engine_applies_the_edge(tiny_ckpt, tmp_path):
     assert eng.cfg.kernels.fp8_a8_min_tokens == 512 and eng.runner.kernels.fp8_a8_min_tokens == 512
     plain = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", max_num_seqs=128))
     assert plain.runner.kernels.fp8_a8_min_tokens == KernelConfig.fp8_a8_min_tokens
+
+
+def test_pdl_max_tokens_from_env_and_checked():
+    assert KernelConfig.from_env({}).pdl_max_tokens is None
+    kc = KernelConfig.from_env({"MLASERVE_PDL_MAX_TOKENS": "1024"})
+    assert kc.pdl_max_tokens == 1024 and kc.step_pdl(1024) and not kc.step_pdl(1025)
+    assert KernelConfig().step_pdl(1 << 20)  # None: every step as `pdl` says
+    with pytest.raises(ValueError, match="MLASERVE_PDL_MAX_TOKENS"):
+        KernelConfig.from_env({"MLASERVE_PDL_MAX_TOKENS": "lots"})
+    with pytest.raises(ValueError, match="kernels.pdl_max_tokens"):
+        KernelConfig(pdl_max_tokens=-1)
+
+
+def test_step_pdl_scopes_the_launches_and_restores():
+    from mlaserve.kernels.pdl import step_pdl, step_pdl_on
+
+    assert step_pdl_on()
+    with step_pdl(False):
+        assert not step_pdl_on()
+        with step_pdl(True):
+            assert step_pdl_on()
+        assert not step_pdl_on()
+    with pytest.raises(RuntimeError), step_pdl(False):
+        raise RuntimeError("a failing forward")
+    assert step_pdl_on()
+
+
+def test_runner_launches_long_steps_without_pdl(tiny_ckpt):
+    """A step of more than pdl_max_tokens tokens runs its forward inside step_pdl(False), shorter ones keep it."""
+    from mlaserve.engine.engine import LLMEngine
+    from mlaserve.kernels.pdl import step_pdl_on
+    from mlaserve.types import SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", kernels=KernelConfig(pdl_max_tokens=8)))
+    seen = []
+    forward = eng.runner.model.forward
+
+    def spy(input_ids, *args, **kwargs):
+        seen.append((input_ids.shape[0], step_pdl_on()))
+        return forward(input_ids, *args, **kwargs)
+
+    eng.runner.model.forward = spy
+    eng.add_request(list(range(3, 23)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    assert seen and all(on == (n <= 8) for n, on in seen), seen
+    assert any(not on for _, on in seen) and any(on for _, on in seen), seen
