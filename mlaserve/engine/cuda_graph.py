@@ -23,7 +23,7 @@ import torch
 from ..attention.base import ForwardBatch, SeqChunk
 from ..capture import DECODE_BATCH_SIZES, gc_paused
 from ..kernel_config import KernelConfig
-from ..kernels.pdl import step_pdl
+from ..kernels.step_pdl import step_pdl
 from ..layers.sampler import greedy_into
 
 log = logging.getLogger("mlaserve.cuda_graph")

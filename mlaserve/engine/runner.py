@@ -17,7 +17,7 @@ from ..attention.kv_fp8 import FP8_KV_DTYPE, kv_cache_torch_dtype
 from ..config import EngineConfig, ModelConfig, torch_dtype
 from ..distributed import tp
 from ..distributed.tp import RankInfo
-from ..kernels.pdl import step_pdl
+from ..kernels.step_pdl import step_pdl
 from ..models.deepseek_v3 import DeepseekV3ForCausalLM
 from ..models.dummy_weights import init_dummy_weights
 from ..models.weight_bytes import weight_bytes

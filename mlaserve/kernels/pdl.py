@@ -19,7 +19,7 @@ may also read those kernels' outputs before its wait, through L2 (`.cg` loads: a
 a reused buffer). GEMM2 reads the routing that way, and fetches its first weight tile with it (fused_moe.py).
 
 Whether a kernel launches with PDL is its caller's `pdl` argument (KernelConfig.pdl; MLASERVE_PDL=0 turns it
-off, for A/B timing), and the step's: inside `step_pdl(False)` (the runner's, for steps longer than
+off, for A/B timing), and the step's: inside `step_pdl(False)` (step_pdl.py: the runner's, for steps longer than
 KernelConfig.pdl_max_tokens, and the capture of their graphs) every launch goes without it; pdl_args adds what
 the device decides.
 
@@ -32,8 +32,6 @@ graphs with PDL on every rank gives one GPU's greedy tokens on two H200s (tests/
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import torch
@@ -41,33 +39,18 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .step_pdl import step_pdl_on
+
 
 @functools.cache
 def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-_STEP_PDL = contextvars.ContextVar("mlaserve_step_pdl", default=True)
-
-
-@contextlib.contextmanager
-def step_pdl(on: bool):
-    """The launches inside (a step's forward, or a graph's capture) use PDL only if `on`."""
-    token = _STEP_PDL.set(on)
-    try:
-        yield
-    finally:
-        _STEP_PDL.reset(token)
-
-
-def step_pdl_on() -> bool:
-    return _STEP_PDL.get()
-
-
 def pdl_args(t: torch.Tensor, pdl: bool = True) -> dict:
     """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device: PDL when the caller
     asks for it (KernelConfig.pdl), the step allows it (step_pdl) and the device has it (sm_90+)."""
-    on = pdl and _STEP_PDL.get() and t.is_cuda
+    on = pdl and step_pdl_on() and t.is_cuda
     on = on and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return dict(PDL=on, launch_pdl=on)
 

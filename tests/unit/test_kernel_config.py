@@ -145,7 +145,7 @@ def test_pdl_max_tokens_from_env_and_checked():
 
 
 def test_step_pdl_scopes_the_launches_and_restores():
-    from mlaserve.kernels.pdl import step_pdl, step_pdl_on
+    from mlaserve.kernels.step_pdl import step_pdl, step_pdl_on
 
     assert step_pdl_on()
     with step_pdl(False):
@@ -161,7 +161,7 @@ def test_step_pdl_scopes_the_launches_and_restores():
 def test_runner_launches_long_steps_without_pdl(tiny_ckpt):
     """A step of more than pdl_max_tokens tokens runs its forward inside step_pdl(False), shorter ones keep it."""
     from mlaserve.engine.engine import LLMEngine
-    from mlaserve.kernels.pdl import step_pdl_on
+    from mlaserve.kernels.step_pdl import step_pdl_on
     from mlaserve.types import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", kernels=KernelConfig(pdl_max_tokens=8)))
