@@ -22,10 +22,6 @@ class KernelConfig:
     # MLASERVE_PDL: Triton kernels launched with programmatic dependent launch on sm_90+ (kernels/pdl.py), on one
     # GPU and on TP ranks alike (collectives launch without PDL and never release early: pdl.py says why it holds)
     pdl: bool = True
-    # MLASERVE_PDL_MAX_TOKENS: a step of more tokens launches its kernels without PDL (its CUDA graph is captured
-    # so), shorter ones as `pdl` says; None (the default): every step as `pdl` says. Long prefills read faster
-    # without PDL in one measurement (docs/experiments.md); an A/B switch until a same-run comparison sets it
-    pdl_max_tokens: int | None = None
     # MLASERVE_ABSORB_STORE: decode-only steps of 1-2 tokens run the KV store inside absorb_q_rope's launch
     absorb_store: bool = True
     # MLASERVE_MOE_TMA: the MoE's decode GEMMs (BLOCK_M 16, 16-bit, sm_90+) load weight tiles by TMA
@@ -109,7 +105,6 @@ class KernelConfig:
             "fp8_scaled_mm_min_rows",
             "int4_gemv_max_pairs",
             *(("moe_a2a_min_tokens",) if self.moe_a2a_min_tokens is not None else ()),
-            *(("pdl_max_tokens",) if self.pdl_max_tokens is not None else ()),
             *(("mla_num_splits",) if self.mla_num_splits is not None else ()),
             *(("mla_split_tokens",) if self.mla_split_tokens is not None else ()),
         ):
@@ -131,10 +126,6 @@ class KernelConfig:
         if t is not None and (len(t) != 4 or any(not isinstance(n, int) or n < 1 for n in t)):
             raise ValueError(f"kernels.moe_gemv_tiles: must be 4 positive integers (n1, w1, n2, w2), got {t!r}")
 
-    def step_pdl(self, num_tokens: int) -> bool:
-        """Whether a step of num_tokens tokens may launch with PDL (pdl_max_tokens; `pdl` still decides)."""
-        return self.pdl_max_tokens is None or num_tokens <= self.pdl_max_tokens
-
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> KernelConfig:
         """The defaults, with the MLASERVE_* switches of `env` (default: os.environ) applied."""
@@ -152,15 +143,8 @@ class KernelConfig:
                 tiles = ()
             if len(tiles) != 4:
                 raise ValueError(f'MLASERVE_MOE_GEMV: must be "0", "1" or "n1:w1:n2:w2" (integers), got {gemv!r}')
-        pdl_max = env.get("MLASERVE_PDL_MAX_TOKENS")
-        if pdl_max is not None:
-            try:
-                pdl_max = int(pdl_max)
-            except ValueError:
-                raise ValueError(f"MLASERVE_PDL_MAX_TOKENS: must be an integer >= 0, got {pdl_max!r}") from None
         return cls(
             pdl=on("MLASERVE_PDL"),
-            pdl_max_tokens=pdl_max,
             absorb_store=on("MLASERVE_ABSORB_STORE"),
             moe_tma=on("MLASERVE_MOE_TMA"),
             fp8_moe_tma=on("MLASERVE_FP8_MOE_TMA"),

@@ -23,7 +23,6 @@ import torch
 from ..attention.base import ForwardBatch, SeqChunk
 from ..capture import DECODE_BATCH_SIZES, gc_paused
 from ..kernel_config import KernelConfig
-from ..kernels.step_pdl import step_pdl
 from ..layers.sampler import greedy_into
 
 log = logging.getLogger("mlaserve.cuda_graph")
@@ -294,12 +293,7 @@ class GraphRunner:
 
     # ---- capture and replay ----------------------------------------------------------------------------
     def _forward(self, batch: ForwardBatch, ring_row: torch.Tensor | None = None):
-        """-> (logits, aux); ring_row: also the arg-max of every row, into the input ids and that host ring row.
-        Launches as the step's size allows (KernelConfig.pdl_max_tokens): a graph keeps its capture's."""
-        with step_pdl(self.runner.kernels.step_pdl(batch.num_tokens)):
-            return self._forward_inner(batch, ring_row)
-
-    def _forward_inner(self, batch: ForwardBatch, ring_row: torch.Tensor | None):
+        """-> (logits, aux); ring_row: also the arg-max of every row, into the input ids and that host ring row."""
         model = self.runner.model
         out = model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)

@@ -17,7 +17,6 @@ from ..attention.kv_fp8 import FP8_KV_DTYPE, kv_cache_torch_dtype
 from ..config import EngineConfig, ModelConfig, torch_dtype
 from ..distributed import tp
 from ..distributed.tp import RankInfo
-from ..kernels.step_pdl import step_pdl
 from ..models.deepseek_v3 import DeepseekV3ForCausalLM
 from ..models.dummy_weights import init_dummy_weights
 from ..models.weight_bytes import weight_bytes
@@ -221,10 +220,9 @@ class ModelRunner:
             batch.input_ids[:n_dec].copy_(decode_tokens)
         if decode_shift is not None:
             batch.shift_decode(decode_shift, self.cfg.page_size)
-        with step_pdl(self.kernels.step_pdl(batch.num_tokens)):
-            out = self.model(batch.input_ids, batch.positions, batch)
-            hidden, aux = out if isinstance(out, tuple) else (out, None)
-            return self.model.compute_logits(hidden[batch.logits_indices]), aux, None
+        out = self.model(batch.input_ids, batch.positions, batch)
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
+        return self.model.compute_logits(hidden[batch.logits_indices]), aux, None
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks to stop, then destroy the graphs (release_graphs says why)."""

@@ -19,9 +19,7 @@ may also read those kernels' outputs before its wait, through L2 (`.cg` loads: a
 a reused buffer). GEMM2 reads the routing that way, and fetches its first weight tile with it (fused_moe.py).
 
 Whether a kernel launches with PDL is its caller's `pdl` argument (KernelConfig.pdl; MLASERVE_PDL=0 turns it
-off, for A/B timing), and the step's: inside `step_pdl(False)` (step_pdl.py: the runner's, for steps longer than
-KernelConfig.pdl_max_tokens, and the capture of their graphs) every launch goes without it; pdl_args adds what
-the device decides.
+off, for A/B timing); pdl_args adds what the device decides.
 
 Tensor parallelism runs with it too (every rank runs rank 0's KernelConfig): the rule holds around collectives by
 construction. NCCL's kernels and the symmetric-memory all-reduces (distributed/allreduce.py) are launched without
@@ -39,8 +37,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .step_pdl import step_pdl_on
-
 
 @functools.cache
 def _has_pdl(device_index: int) -> bool:
@@ -49,9 +45,8 @@ def _has_pdl(device_index: int) -> bool:
 
 def pdl_args(t: torch.Tensor, pdl: bool = True) -> dict:
     """Launch kwargs for a kernel with a `PDL: tl.constexpr` parameter, running on t's device: PDL when the caller
-    asks for it (KernelConfig.pdl), the step allows it (step_pdl) and the device has it (sm_90+)."""
-    on = pdl and step_pdl_on() and t.is_cuda
-    on = on and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    asks for it (KernelConfig.pdl) and the device has it (sm_90+)."""
+    on = pdl and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return dict(PDL=on, launch_pdl=on)
 
 
