@@ -1,7 +1,7 @@
 """The W8A8 FP8 MoE at one prefill step, a few tile configs side by side (one call = GEMM1, GEMM2, the quantizations
 and the top-k sum): DeepSeek-V3's experts (7168 -> 2048, 8 of 256) by default; each timed call takes the next of 4
 random routings; min over 3 rounds of 8 calls; rel = relative difference to the first config's output; then each
-kernel's time in one call (torch.profiler).
+kernel's time in one call (torch.profiler; under PDL a kernel's duration includes its wait for the one before).
 
     PYTHONPATH=$PWD python benchmarks/fp8_moe_tiles.py                      # default, and the tiles below
     PYTHONPATH=$PWD python benchmarks/fp8_moe_tiles.py --tiles '{"a": {}, "b": {"gemm1": {"num_warps": 8}}}'
