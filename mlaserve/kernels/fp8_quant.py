@@ -39,34 +39,62 @@ def _act_quant_kernel(
     stride_xk,
     stride_qm,
     stride_sg,
-    SortedIds,
-    NumPadded,
-    TOPK,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    SORTED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (row block, group g): Q[rows, g*GROUP ..] and S[g, rows] for rows < MP; rows in [M, MP) (the row
-    padding) get q = 0. SORTED: row m is X's row SortedIds[m] // TOPK (a (token, k) pair in moe_align's order),
-    q = 0 where the id is padding (>= M * TOPK); the rows from NumPadded on are not written."""
+    padding) get q = 0."""
     pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     k = g * GROUP + tl.arange(0, GROUP)
-    if SORTED:
-        if tl.program_id(0) * BLOCK_M >= tl.load(NumPadded):
-            return
-        ids = tl.load(SortedIds + rows, mask=rows < MP, other=M * TOPK)
-        src = ids // TOPK
-        ok = (ids < M * TOPK)[:, None] & (k < K)[None, :]
-    else:
-        src = rows
-        ok = (rows < M)[:, None] & (k < K)[None, :]
-    x = tl.load(X + src.to(tl.int64)[:, None] * stride_xm + k[None, :] * stride_xk, mask=ok, other=0.0)
+    ok = (rows < M)[:, None] & (k < K)[None, :]
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xm + k[None, :] * stride_xk, mask=ok, other=0.0)
     q, s = quant_group(x.to(tl.float32))
     tl.store(Q + rows.to(tl.int64)[:, None] * stride_qm + k[None, :], q, mask=(rows < MP)[:, None] & (k < K)[None, :])
     tl.store(S + g * stride_sg + rows, s, mask=rows < MP)
+
+
+@triton.jit(do_not_specialize=["M", "P"])
+def _gather_rows_kernel(
+    QX,
+    SX,
+    Q,
+    S,
+    SortedIds,
+    NumPadded,
+    M,
+    P,
+    K,
+    G,
+    stride_qx,
+    stride_sxg,
+    stride_q,
+    stride_sg,
+    TOPK,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (row block, BLOCK_K columns): row m of Q, S is QX's, SX's row SortedIds[m] // TOPK (a (token, k)
+    pair in moe_align's order); a padding id (>= M * TOPK) gets quant_group's result for a zero row (q = 0,
+    s = floor / max). Rows from NumPadded on are not written."""
+    pdl_start(PDL)
+    if tl.program_id(0) * BLOCK_M >= tl.load(NumPadded):
+        return
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(SortedIds + rows, mask=rows < P, other=M * TOPK)
+    real = ids < M * TOPK
+    src = (ids // TOPK).to(tl.int64)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    q = tl.load(QX + src[:, None] * stride_qx + k[None, :], mask=real[:, None] & (k < K)[None, :], other=0.0)
+    tl.store(Q + rows.to(tl.int64)[:, None] * stride_q + k[None, :], q, mask=(rows < P)[:, None] & (k < K)[None, :])
+    g = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+    s = tl.load(SX + g[None, :] * stride_sxg + src[:, None], mask=real[:, None] & (g < G)[None, :], other=0.0)
+    s = tl.where(real[:, None], s, tl.div_rn(tl.full(s.shape, _FLOOR, tl.float32), _MAX))
+    tl.store(S + g[None, :] * stride_sg + rows[:, None], s, mask=(rows < P)[:, None] & (g < G)[None, :])
 
 
 def act_quant(
@@ -76,18 +104,16 @@ def act_quant(
     Mp = M rounded up to row_align (the padding rows: q = 0). pdl: KernelConfig.pdl.
     sorted_pairs = (sorted_ids [P], num_padded [1], topk): the rows in moe_align's order instead, Mp = P: row m
     quantizes x[sorted_ids[m] // topk], 0 for a padding id (>= M * topk); rows from num_padded on are left unset
-    (no GEMM reads them)."""
+    (no GEMM reads them). Each token is quantized once, then its fp8 row copied to its topk places (gather_rows):
+    the same bits as quantizing every copy, reading x once instead of topk times."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a 2-D floating tensor [M, K], got {tuple(x.shape)} {x.dtype}")
     if group < 16 or group & (group - 1):
         raise ValueError(f"group={group} must be a power of 2 >= 16")
+    if sorted_pairs is not None:
+        return gather_rows(*act_quant(x, group, pdl=pdl), *sorted_pairs, x.shape[0], group, pdl)
     M, K = x.shape
     Mp = -(-M // row_align) * row_align
-    sorted_ids = num_padded = x
-    topk = 1
-    if sorted_pairs is not None:
-        sorted_ids, num_padded, topk = sorted_pairs
-        Mp = sorted_ids.shape[0]
     G = -(-K // group)
     q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x.device)
     s_buf = torch.empty(G, Mp, dtype=torch.float32, device=x.device)
@@ -104,14 +130,56 @@ def act_quant(
             x.stride(1),
             q.stride(0),
             s_buf.stride(0),
-            sorted_ids,
-            num_padded,
-            topk,
             GROUP=group,
             BLOCK_M=block_m,
-            SORTED=sorted_pairs is not None,
             num_warps=4 if group * block_m >= 2048 else 1,
             **pdl_args(x, pdl),
+        )
+    return q, s_buf.t()
+
+
+def gather_rows(
+    qx: torch.Tensor,
+    sx: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    num_padded: torch.Tensor,
+    topk: int,
+    M: int,
+    group: int = 128,
+    pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant's (qx [>= M, K], sx [>= M, G] with strides (1, .)) of M tokens -> the rows in moe_align's order:
+    (q e4m3 [P, K], s fp32 [P, G] with strides (1, P)), P = len(sorted_ids); row m is token sorted_ids[m] // topk's,
+    a padding id's row (>= M * topk) a quantized zero row; rows from num_padded on are left unset."""
+    P, K = sorted_ids.shape[0], qx.shape[1]
+    G = sx.shape[1]
+    if sx.stride(0) != 1:
+        raise ValueError(f"sx must be column-major (act_quant's), got strides {sx.stride()}")
+    q = torch.empty(P, K, dtype=torch.float8_e4m3fn, device=qx.device)
+    s_buf = torch.empty(G, P, dtype=torch.float32, device=qx.device)
+    block_k = min(4 * group, max(group, triton.next_power_of_2(K)))
+    if P and K:
+        _gather_rows_kernel[(triton.cdiv(P, 32), triton.cdiv(K, block_k))](
+            qx,
+            sx,
+            q,
+            s_buf,
+            sorted_ids,
+            num_padded,
+            M,
+            P,
+            K,
+            G,
+            qx.stride(0),
+            sx.stride(1),
+            q.stride(0),
+            s_buf.stride(0),
+            topk,
+            GROUP=group,
+            BLOCK_M=32,
+            BLOCK_K=block_k,
+            num_warps=4,
+            **pdl_args(qx, pdl),
         )
     return q, s_buf.t()
 

@@ -118,3 +118,32 @@ def test_checks_name_the_argument(kdev):
         fp8_block_linear(x, w, s, config=dict(form="gemv", SPLIT_K=2))
     with pytest.raises(ValueError, match="BLOCK_K=96"):
         fp8_block_linear(torch.randn(20, 300, device=kdev), w, s, config=dict(form="triton", BLOCK_K=96))
+
+
+@pytest.mark.parametrize("M,K,topk", [(7, 256, 3), (20, 200, 2)])
+def test_act_quant_sorted_rows(kdev, M, K, topk):
+    """The MoE's sorted rows (moe_align's order, padding ids among them): row m is the reference quantization of
+    token sorted_ids[m] // topk (a padding id's: a zero row's), whatever the row's block; rows from num_padded on
+    stay unset."""
+    from mlaserve.kernels.fp8_quant import act_quant
+    from mlaserve.kernels.fp8_reference import fp8_act_quant_ref
+    from tests.helpers.kernel_checks import poisoned_empty
+
+    g = torch.Generator().manual_seed(M)
+    x = (torch.randn(M, K, generator=g) * 3).to(BF).to(kdev)
+    x[1] = 0  # a zero token beside the padding rows' zero
+    pad = M * topk + 5
+    ids = torch.cat([torch.randperm(M * topk, generator=g), torch.full((9,), pad)])[
+        torch.randperm(M * topk + 9, generator=g)
+    ]
+    P = ids.numel() + 40  # rows past num_padded: never written
+    sorted_ids = torch.cat([ids, torch.full((40,), pad)]).to(torch.int32).to(kdev)
+    num_padded = torch.tensor([ids.numel()], dtype=torch.int32, device=kdev)
+    with poisoned_empty():
+        q, s = act_quant(x, 128, sorted_pairs=(sorted_ids, num_padded, topk))
+    assert q.shape == (P, K) and s.shape == (P, 2) and s.stride() == (1, P)
+    src = torch.where(ids < M * topk, ids // topk, M).to(kdev)
+    qr, sr = fp8_act_quant_ref(torch.cat([x, torch.zeros(1, K, dtype=BF, device=kdev)])[src])
+    n = ids.numel()
+    assert torch.equal(q[:n].view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s[:n], sr)
