@@ -20,6 +20,18 @@ from mlaserve.kernels.fp8_quant import act_quant
 from mlaserve.kernels.moe_align import moe_align
 
 
+def source_sha1() -> str:
+    """bench_util.code_id's hash of mlaserve/**/*.py, of the package this process imported (the tree measured)."""
+    import hashlib
+    import pathlib
+
+    pkg = pathlib.Path(__import__("mlaserve").__file__).resolve().parent
+    h = hashlib.sha1()
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(str(f.relative_to(pkg.parent)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="run")
@@ -47,15 +59,15 @@ def main() -> None:
     end.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(end) / 20 * 1e3
-    mlaserve = __import__("mlaserve").__file__
-    print(f"{a.label}: {us:.1f} us for {n} rows of {D} ({M} tokens x {K}), checksum {checksum}, {mlaserve}")
+    src = source_sha1()
+    print(f"{a.label}: {us:.1f} us for {n} rows of {D} ({M} tokens x {K}), checksum {checksum}, source {src}")
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     res = dict(
         label=a.label,
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
-        mlaserve=mlaserve,
+        source_sha1=src,
         tokens=M,
         shape=dict(D=D, E=E, K=K),
         rows=n,
