@@ -56,6 +56,23 @@ def fp8_cases(quick: bool):
                     (torch.empty(M, K, dtype=BF), w, s),
                 )
     yield "fp8_act_quant M=8192 K=7168", fp8_act_quant, (torch.empty(8192, 7168, dtype=BF),)
+    from mlaserve.kernels.fp8_quant import gather_rows
+    from mlaserve.kernels.silu_mul import silu_mul_quant
+
+    P = 65536 + 256 * 63  # DeepSeek-V3's 8,192 tokens x 8 in 64-row blocks, at most
+    yield (
+        f"fp8_act_quant sorted (gather_rows) P={P}",
+        functools.partial(gather_rows, topk=8, M=8192),
+        (
+            torch.empty(8192, 7168, dtype=torch.float8_e4m3fn),
+            torch.empty(56, 8192).t(),
+            torch.zeros(P, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+        ),
+    )
+    for I in (2048, 18432):  # DeepSeek-V3's shared expert and dense MLP
+        gu = torch.empty(8192, 2 * I, dtype=BF)
+        yield f"fp8 silu_mul_quant T=8192 I={I}", functools.partial(silu_mul_quant, row_align=4), (gu[:, :I], gu[:, I:])
     for T in (1, 2, 4, 16, 64, 256, 8192):  # DeepSeek-V3's experts, 256 of them, top-8
         for a8 in (False, True) if T >= 16 else (None,):
             if quick and T not in (1, 8192):

@@ -27,3 +27,31 @@ def test_silu_mul_rejects_bad_shapes(kdev):
 
     with pytest.raises(ValueError, match="gate"):
         silu_mul(torch.randn(2, 4, device=kdev), torch.randn(2, 5, device=kdev))
+
+
+@pytest.mark.parametrize("T,I,align", [(5, 200, 4), (37, 384, 1), (16, 128, 4)])
+def test_silu_mul_quant_equals_silu_mul_then_act_quant(kdev, T, I, align):
+    """The fused form gives act_quant(silu_mul(g, u))'s bits, on column views of one gate|up output (NaN after up),
+    into poisoned buffers, with padding rows q = 0; dequantized, near F.silu(g) * u."""
+    from mlaserve.kernels.fp8_quant import act_quant
+    from mlaserve.kernels.fp8_reference import fp8_act_dequant
+    from mlaserve.kernels.silu_mul import silu_mul, silu_mul_quant
+    from tests.helpers.kernel_checks import poisoned_empty
+
+    torch.manual_seed(T * I)
+    gu = torch.randn(T, 2 * I + 3, device=kdev).mul(3).to(torch.bfloat16)
+    gu[:, 2 * I :] = float("nan")
+    gu[2, :I] = 0  # a zero row: the amax floor's scale
+    g, u = gu[:, :I], gu[:, I : 2 * I]
+    with poisoned_empty():
+        q, s = silu_mul_quant(g, u, row_align=align)
+    Tp = -(-T // align) * align
+    G = -(-I // 128)
+    assert q.shape == (Tp, I) and s.shape == (Tp, G) and s.stride() == (1, Tp)
+    qr, sr = act_quant(silu_mul(g, u), row_align=align)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    # against F.silu (whose exp may differ from the kernel's by an ulp on a GPU): within fp8's rounding
+    ref = F.silu(g.float()).to(torch.bfloat16).float() * u.float()
+    deq = fp8_act_dequant(q[:T], s[:T])
+    assert (deq - ref).norm() / ref.norm() < 0.05
+    assert not q[T:].view(torch.uint8).any()
