@@ -24,9 +24,11 @@ from .fp8_gemm import fp8_gemm
 from .fp8_gemv import FP8_GEMV_MAX_ROWS, fp8_gemv
 from .fp8_quant import act_quant, fp8_act_quant
 from .fp8_reference import BLOCK, dequant_fp8_block, fp8_act_quant_ref, fp8_block_linear_ref
+from .silu_mul import silu_mul, silu_mul_quant
 
 __all__ = [
     "fp8_block_linear",
+    "fp8_silu_mul_linear",
     "fp8_act_quant",
     "fp8_act_quant_ref",
     "fp8_block_linear_ref",
@@ -68,8 +70,13 @@ def scaled_mm_serves(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 
 def _scaled_mm(x, weight, weight_scale_inv, out, pdl: bool):
     """fp8_act_quant (rows padded to 4: cuBLASLt's scale vectors are 16-byte aligned), then F.scaled_mm."""
-    M = x.shape[0]
     q, s = act_quant(x, BLOCK, row_align=4, pdl=pdl)
+    return _scaled_mm_q(q, s, weight, weight_scale_inv, x.shape[0], x.dtype, out)
+
+
+def _scaled_mm_q(q, s, weight, weight_scale_inv, M: int, dtype, out):
+    """F.scaled_mm on activations already quantized (q [Mp, K] e4m3, s [Mp, G] with strides (1, Mp), Mp >= M a
+    multiple of 4) -> [M, N] in dtype (new, or into `out`)."""
     y = F.scaled_mm(
         q,
         weight.t(),
@@ -77,7 +84,7 @@ def _scaled_mm(x, weight, weight_scale_inv, out, pdl: bool):
         F.ScalingType.BlockWise1x128,
         weight_scale_inv.t(),
         F.ScalingType.BlockWise128x128,
-        output_dtype=x.dtype,
+        output_dtype=dtype,
     )
     if out is None:
         return y[:M]
@@ -173,3 +180,28 @@ def fp8_block_linear(
         q, s = act_quant(x, BLOCK, pdl=pdl)
         return fp8_gemm(q, s, weight, weight_scale_inv, out, cfg, pdl)
     return fp8_gemm(x, None, weight, weight_scale_inv, out, cfg, pdl)
+
+
+def fp8_silu_mul_linear(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    *,
+    kernels: KernelConfig = KernelConfig(),
+) -> torch.Tensor:
+    """fp8_block_linear(silu_mul(gate, up), weight, weight_scale_inv) for an MLP's down projection (gate, up [M, K]
+    as silu_mul takes them). Where that would quantize the product (W8A8: scaled_mm, or the Triton GEMM above
+    kernels.fp8_a8_min_tokens), silu_mul_quant quantizes it where it is computed and the product is never written
+    in x's dtype; same bits as the two steps."""
+    _check(gate, weight, weight_scale_inv, None)
+    form, a8 = linear_form(gate, weight, weight_scale_inv, None, kernels)
+    M, pdl = gate.shape[0], kernels.pdl
+    if M and form == "scaled_mm":
+        q, s = silu_mul_quant(gate, up, BLOCK, row_align=4, pdl=pdl)
+        return _scaled_mm_q(q, s, weight, weight_scale_inv, M, gate.dtype, None)
+    if M and form == "triton" and a8:
+        q, s = silu_mul_quant(gate, up, BLOCK, pdl=pdl)
+        out = torch.empty(M, weight.shape[0], dtype=gate.dtype, device=gate.device)
+        return fp8_gemm(q, s, weight, weight_scale_inv, out, {}, pdl)
+    return fp8_block_linear(silu_mul(gate, up, pdl), weight, weight_scale_inv, kernels=kernels)

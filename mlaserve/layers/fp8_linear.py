@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernel_config import KernelConfig
+from .activation import silu_mul
 from .linear import checked_copy, new_param
 from .quant import BLOCK, cdiv, dequant_fp8_block
 
@@ -105,6 +106,15 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.impl, self.kernels)
+
+    def forward_silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up): impl "triton" quantizes the product where it is computed when this layer would
+        quantize it (kernels/fp8_linear.py's fp8_silu_mul_linear; same bits)."""
+        if self.impl == "triton" and gate.is_cuda:
+            from ..kernels.fp8_linear import fp8_silu_mul_linear  # triton: imported where it runs
+
+            return fp8_silu_mul_linear(gate, up, self.weight, self.weight_scale_inv, kernels=self.kernels)
+        return self(silu_mul(gate, up, self.kernels.pdl))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shard={self.shard}, fp8 block {BLOCK}"

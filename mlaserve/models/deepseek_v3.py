@@ -17,6 +17,7 @@ from ..distributed.tp import RankInfo
 from ..kernel_config import KernelConfig, use_kernels
 from ..layers.activation import silu_mul
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.fp8_linear import Fp8Linear
 from ..layers.linear import invariant_linear, linear_many, stack_rows
 from ..layers.moe import Experts, TopkRouter
 from ..layers.moe_a2a import dispatch_combine, restore_replicated, token_slice, use_a2a
@@ -43,7 +44,11 @@ class DeepseekV3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
         """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual)."""
-        y = self.down_proj(silu_mul(*linear_many(x, self.gate_proj, self.up_proj), self.kernels.pdl))
+        gate, up = linear_many(x, self.gate_proj, self.up_proj)
+        if isinstance(self.down_proj, Fp8Linear):  # may quantize the product where it is computed
+            y = self.down_proj.forward_silu_mul(gate, up)
+        else:
+            y = self.down_proj(silu_mul(gate, up, self.kernels.pdl))
         y = tp.all_reduce(y) if self.reduce else y
         return y if norm is None else norm(y, residual)
 

@@ -147,3 +147,40 @@ def test_act_quant_sorted_rows(kdev, M, K, topk):
     n = ids.numel()
     assert torch.equal(q[:n].view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s[:n], sr)
+
+
+@pytest.mark.parametrize("form", ["scaled_mm", "triton_a8", "gemv"])
+def test_fp8_silu_mul_linear_equals_two_steps(kdev, monkeypatch, form):
+    """down(silu(g) * u) with the product quantized where it is computed (fp8_silu_mul_linear) gives the bits of
+    silu_mul then fp8_block_linear, in every form. Without sm_90's scaled_mm (CPU: the interpreter) scaled_mm is
+    replaced by its definition, which checks the operand layouts cuBLASLt needs (rows a multiple of 4, column-major
+    activation scales)."""
+    import torch.nn.functional as F
+
+    import mlaserve.kernels.fp8_linear as fl
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels.fp8_reference import dequant_fp8_block, make_fp8_weight
+    from mlaserve.kernels.silu_mul import silu_mul
+
+    M = {"scaled_mm": 13, "triton_a8": 9, "gemv": 2}[form]
+    K, N = 256, 144
+    if form == "scaled_mm" and not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+
+        def scaled_mm(a, b, sa, ta, sb, tb, output_dtype):
+            assert a.shape[0] % 4 == 0 and sa.shape == (a.shape[0], 2) and sa.stride() == (1, a.shape[0])
+            x = a.float() * sa.repeat_interleave(128, dim=1)[:, : a.shape[1]]
+            return (x @ dequant_fp8_block(b.t(), sb.t()).t()).to(output_dtype)
+
+        monkeypatch.setattr(F, "scaled_mm", scaled_mm)
+        monkeypatch.setattr(fl, "scaled_mm_serves", lambda *a: True)
+    kernels = KernelConfig(fp8_a8_min_tokens=4, fp8_scaled_mm_min_rows=10 if form == "scaled_mm" else 1 << 40)
+    torch.manual_seed(M)
+    w, s = make_fp8_weight(N, K, device=kdev)
+    gu = torch.randn(M, 2 * K + 4, device=kdev).to(BF)
+    gu[:, 2 * K :] = float("nan")
+    g, u = gu[:, :K], gu[:, K : 2 * K]
+    assert fl.linear_form(g, w, s, None, kernels) == (form.removesuffix("_a8"), form != "gemv")
+    fused = fl.fp8_silu_mul_linear(g, u, w, s, kernels=kernels)
+    two = fl.fp8_block_linear(silu_mul(g, u), w, s, kernels=kernels)
+    assert fused.shape == (M, N) and not fused.isnan().any()
+    assert torch.equal(fused, two)
