@@ -58,7 +58,7 @@ def test_fp8_prefill_producers_quantize(kdev, tmp_path, monkeypatch):
         def forward_silu_mul(self, gate, up):
             if not producers:
                 return self(silu_mul(gate, up))
-            counts["silu_q"] += fl.takes_scaled_mm(gate, self.weight, self.weight_scale_inv, self.kernels)
+            counts["silu_q"] += fl.linear_form(gate, self.weight, self.weight_scale_inv, None, self.kernels)[1]
             return fl.fp8_silu_mul_linear(gate, up, self.weight, self.weight_scale_inv, kernels=self.kernels)
 
         def prefill_quantized(self, *args):
