@@ -13,8 +13,8 @@ from torch import nn
 
 from ..kernel_config import KernelConfig
 from .activation import silu_mul
-from .linear import checked_copy, new_param
-from .quant import BLOCK, cdiv, dequant_fp8_block
+from .linear import Linear, checked_copy, new_param
+from .quant import BLOCK, FP8_MAX, cdiv, dequant_fp8_block
 
 
 def fp8_linear(
@@ -133,3 +133,63 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, shard={self.shard}, fp8 block {BLOCK}"
+
+
+class Fp8ExpandedLinear(Linear):
+    """A linear whose checkpoint weight is FP8 but which the model holds dequantized in its dtype (kv_b_proj: the
+    absorbed MLA projections are per-head views of it). It keeps the checkpoint's `weight_scale_inv` too, and with
+    kernels.fp8_kv_b_a8 an FP8 copy of the weight, so that forward_a8 runs the checkpoint's W8A8 product. The copy
+    is re-derived from the held weight and the scales (requantize): a bf16 or fp32 weight is e4m3 x scale rounded
+    to within 2^-9, so dividing by the same scale lands within 2^-8 of the e4m3 value, which rounds back to it: the
+    checkpoint's bits. A TP shard must hold whole 128-row blocks (serves)."""
+
+    def __init__(self, in_features: int, out_features: int, *, impl: str = "torch", name: str = "", **kw):
+        super().__init__(in_features, out_features, **kw)
+        self.impl, self.name = impl, name
+        self.weight.expand_fp8 = True  # the loader dequantizes the checkpoint's FP8 into it (logged)
+        N, K = self.out_features, self.in_features
+        self.weight_scale_inv = new_param(
+            cdiv(N, BLOCK),
+            cdiv(K, BLOCK),
+            dtype=torch.float32,
+            hf_shape=(cdiv(out_features, BLOCK), cdiv(in_features, BLOCK)),
+            loader=self._load_scale,
+        )
+        self.register_buffer("w8", None, persistent=False)  # requantize's FP8 copy [N, K] (moves with .to())
+
+    @staticmethod
+    def serves(out_features: int, shard: str | None, size: int) -> bool:
+        """Whether each rank's rows of a (col-sharded) weight are whole 128-row blocks, so its scales are rows of
+        the checkpoint's."""
+        return shard != "col" or size == 1 or (out_features % size == 0 and (out_features // size) % BLOCK == 0)
+
+    def _load_scale(self, param, src) -> None:
+        rows = slice(None)
+        if self.shard == "col" and self.size > 1:
+            n = self.out_features // BLOCK
+            rows = slice(self.rank * n, (self.rank + 1) * n)
+        checked_copy(param, src[rows, :])
+
+    def requantize(self) -> None:
+        """The FP8 copy from the held weight and the scales (after loading; dummy weights: after their scales are
+        set); only where kernels.fp8_kv_b_a8 asks for it (the copy costs 1 byte a weight)."""
+        if not self.kernels.fp8_kv_b_a8:
+            self.w8 = None
+            return
+        N, K = self.weight.shape
+        s = self.weight_scale_inv.detach()
+        full = s.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+        full = full.masked_fill(full == 0, 1.0)  # an all-zero block (scale 0) stays zeros
+        self.w8 = (self.weight.detach().float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+    def forward_a8(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W^T as the checkpoint's W8A8 product (x quantized per token per 128 channels, the FP8 weight), where
+        there is an FP8 copy, impl "triton" runs on x's device and the FP8 linear quantizes a step of x's rows
+        (kernels.fp8_a8_min_tokens); else None (the caller runs the held weight)."""
+        if self.w8 is None or self.impl != "triton" or not x.is_cuda:
+            return None
+        from ..kernels.fp8_linear import fp8_block_linear, linear_form  # triton: imported where it runs
+
+        if not linear_form(x, self.w8, self.weight_scale_inv, None, self.kernels)[1]:
+            return None
+        return fp8_block_linear(x, self.w8, self.weight_scale_inv, kernels=self.kernels)

@@ -17,7 +17,7 @@ from ..distributed.tp import RankInfo
 from ..kernel_config import KernelConfig, use_kernels
 from ..layers.activation import silu_mul
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.fp8_linear import Fp8Linear
+from ..layers.fp8_linear import Fp8ExpandedLinear, Fp8Linear
 from ..layers.linear import invariant_linear, linear_many, stack_rows
 from ..layers.moe import Experts, TopkRouter
 from ..layers.moe_a2a import dispatch_combine, restore_replicated, token_slice, use_a2a
@@ -324,6 +324,8 @@ class DeepseekV3Attention(nn.Module):
         latent = batch.attn.prefill_context(self.layer_id, batch).to(q.dtype)
         C = latent.shape[0]
         kv = invariant_linear(latent[:, :R], self.kv_b_proj.weight, self.kernels)  # deterministic mode, else None
+        if kv is None and isinstance(self.kv_b_proj, Fp8ExpandedLinear):
+            kv = self.kv_b_proj.forward_a8(latent[:, :R])  # the checkpoint's W8A8 (kernels.fp8_kv_b_a8), else None
         kv = (F.linear(latent[:, :R], self.kv_b_proj.weight) if kv is None else kv).view(C, H, N + V)
         # k = [k_nope | k_pe] per head is never built: the backend reads kv[..., :N] and the shared latent[:, R:]
         args = (q, kv[..., :N], latent[:, R:], kv[..., N:], self.scale, batch)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.fp8_linear import Fp8Linear
+from ..layers.fp8_linear import Fp8ExpandedLinear, Fp8Linear
+from ..layers.quant import dequant_fp8_block, quantize_fp8_block
 from ..layers.quant_experts import Fp8Experts, Int4Experts
 
 GAINS = {"o_proj": 0.5, "down_proj": 0.5, "gate": 2.0, "lm_head": 4.0}  # make-random's, by layer name
@@ -48,6 +49,12 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             p.data.normal_(0.0, GAINS.get(kind, 1.0) / p.hf_shape[-1] ** 0.5, generator=gen)
             if p.dtype == torch.float32 and ckpt_dtype is not None and ckpt_dtype != torch.float32:
                 p.data.copy_(p.data.to(ckpt_dtype))
+    for mod in model.modules():  # an FP8 weight held dequantized: its block scales as a checkpoint's would be
+        if isinstance(mod, Fp8ExpandedLinear):
+            w8, scale = quantize_fp8_block(mod.weight.detach())
+            mod.weight.data.copy_(dequant_fp8_block(w8, scale).to(mod.weight.dtype))
+            mod.weight_scale_inv.data.copy_(scale)
+            mod.requantize()
 
 
 def _scales(s: torch.Tensor, std: float, gen) -> None:

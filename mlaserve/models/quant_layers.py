@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from ..config import ConfigError, ModelConfig
 from ..distributed.tp import RankInfo
-from ..layers.fp8_linear import Fp8Linear
+from ..layers.fp8_linear import Fp8ExpandedLinear, Fp8Linear
 from ..layers.linear import Linear
 from ..layers.moe import Experts, ExpertsBase
 from ..layers.quant_experts import Fp8Experts, Int4Experts
@@ -33,6 +33,8 @@ def linear_factory(cfg: ModelConfig | None, prefix: str, impl: str = "torch"):
                 "mlaserve computes INT4 for routed experts only (published Kimi checkpoints ignore it)"
             )
         if name in EXPANDED:
+            if q.method == "fp8" and Fp8ExpandedLinear.serves(out_f, kw.get("shard"), kw.get("size", 1)):
+                return Fp8ExpandedLinear(in_f, out_f, impl=impl, name=full, **kw)  # + the scales, for W8A8 prefill
             lin = Linear(in_f, out_f, **kw)
             lin.weight.expand_fp8 = True  # the loader may dequantize the checkpoint's FP8 into it (logged)
             return lin

@@ -14,10 +14,11 @@ from ..layers.quant_experts import QuantExperts
 
 @dataclass(frozen=True)
 class WeightBytes:
-    """One rank's weights. `quantized`: FP8 values, packed INT4 words and their scales; `dense`: everything in the
-    model dtype (and the fp32 router); `expanded`: the part of `dense` a quantized checkpoint stores in FP8 (kv_b_proj,
-    held dequantized for the absorbed MLA projections) and `expanded_extra` what that costs over the FP8 form;
-    `dequantized`: what the quantized weights would take in the model dtype."""
+    """One rank's weights. `quantized`: FP8 values (kv_b_proj's FP8 copy too), packed INT4 words and their scales;
+    `dense`: everything in the model dtype (and the fp32 router and kv_b_proj's scales); `expanded`: the part of
+    `dense` a quantized checkpoint stores in FP8 (kv_b_proj, held dequantized for the absorbed MLA projections) and
+    `expanded_extra` what that costs over the FP8 form; `dequantized`: what the quantized weights would take in the
+    model dtype."""
 
     rank: int
     quantized: int
@@ -60,6 +61,8 @@ def weight_bytes(model: torch.nn.Module, rank: int = 0) -> WeightBytes:
         elif getattr(getattr(mod, "weight", None), "expand_fp8", False):
             w = mod.weight
             held = w.numel() * w.element_size()
+            w8 = getattr(mod, "w8", None)  # Fp8ExpandedLinear's FP8 copy (kernels.fp8_kv_b_a8): FP8 values held
+            quantized += w8.numel() if w8 is not None else 0
             expanded += held
             extra += held - w.numel() - 4 * -(-w.shape[0] // 128) * -(-w.shape[1] // 128)
             short = mod_name.rsplit(".", 1)[-1]

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from ..layers.fp8_linear import Fp8ExpandedLinear
 from ..layers.moe import ExpertsBase
 from ..layers.quant import BLOCK
 from ..layers.quant_experts import Fp8Experts, Int4Experts
@@ -128,6 +129,9 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
                 raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e}); is the file truncated?") from None
     bar.close()
     loader.finish(path)
+    for m in model.modules():  # kv_b_proj's FP8 copy, from the held weight and the checkpoint's scales
+        if isinstance(m, Fp8ExpandedLinear):
+            m.requantize()
 
 
 class _Loader:

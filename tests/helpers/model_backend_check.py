@@ -109,26 +109,35 @@ def run_prefill(
     return logits
 
 
-def prefill_refs(ckpt: str, device, length: int, a8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill_refs(
+    ckpt: str, device, length: int, a8: bool = False, kv_b_a8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (the fp32 torch path's logits of a `length`-token prefill, the bf16 torch path's per-row errors to it).
     a8: both torch paths quantize the FP8 layers' activations as the checkpoint's `activation_scheme: dynamic`
-    declares (a8_reference)."""
-    with a8_reference(a8):
-        ref = run_prefill(ckpt, device, torch.float32, "torch", "torch", length)
-        return ref, _row_errs(run_prefill(ckpt, device, torch.bfloat16, "torch", "torch", length), ref)
+    declares (a8_reference); kv_b_a8: kv_b_proj's too (KernelConfig.fp8_kv_b_a8)."""
+    from mlaserve.kernel_config import KernelConfig
+
+    kernels = KernelConfig(fp8_kv_b_a8=kv_b_a8)
+    with a8_reference(a8, kv_b=kv_b_a8):
+        ref = run_prefill(ckpt, device, torch.float32, "torch", "torch", length, kernels=kernels)
+        return ref, _row_errs(run_prefill(ckpt, device, torch.bfloat16, "torch", "torch", length, kernels=kernels), ref)
 
 
 @contextlib.contextmanager
-def a8_reference(on: bool = True):
+def a8_reference(on: bool = True, kv_b: bool = False):
     """The torch path of every FP8 layer quantizes its activations per token per 128 channels before each GEMM
     (the experts: x and silu(gate) * up), as DeepSeek-V3's `activation_scheme: dynamic` and the W8A8 kernels do
-    (kernels/fp8_reference.py's maths); the library's torch path is the weight-only spec. Off: unchanged."""
+    (kernels/fp8_reference.py's maths); the library's torch path is the weight-only spec. kv_b: kv_b_proj's
+    prefill product too, on its FP8 copy (KernelConfig.fp8_kv_b_a8). Off: unchanged."""
     if not on:
         yield
         return
     from mlaserve.kernels.fp8_reference import fp8_block_linear_ref, fp8_fused_experts_ref
     from mlaserve.layers import fp8_linear as lin
     from mlaserve.layers.quant_experts import Fp8Experts
+
+    def kv_b_a8(self, x):
+        return None if self.w8 is None else fp8_block_linear_ref(x, self.w8, self.weight_scale_inv, a8=True).to(x.dtype)
 
     def linear(x, weight, scale_inv, impl="torch", kernels=None):
         assert impl == "torch", impl
@@ -139,12 +148,14 @@ def a8_reference(on: bool = True):
         y = fp8_fused_experts_ref(x, *self.stored(), topk_weights, topk_ids, self.expert_offset, a8=True)
         return y.to(x.dtype) if add is None else y.to(x.dtype) + add
 
-    saved = lin.fp8_linear, Fp8Experts.forward
+    saved = lin.fp8_linear, Fp8Experts.forward, lin.Fp8ExpandedLinear.forward_a8
     lin.fp8_linear, Fp8Experts.forward = linear, experts
+    if kv_b:
+        lin.Fp8ExpandedLinear.forward_a8 = kv_b_a8
     try:
         yield
     finally:
-        lin.fp8_linear, Fp8Experts.forward = saved
+        lin.fp8_linear, Fp8Experts.forward, lin.Fp8ExpandedLinear.forward_a8 = saved
 
 
 def check_prefill_logits(ckpt: str, device, moe_impl: str, length: int, refs=None, kernels=None) -> dict:
