@@ -239,6 +239,9 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="512,8192")
     ap.add_argument("--ttft", default="512,8192")
+    ap.add_argument(
+        "--ttft-reps", type=int, default=3, help="timed prefills per TTFT figure, their median (after one untimed)"
+    )
     ap.add_argument("--label", default="m1")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--gpu-mem", type=float, default=0.85)
@@ -292,6 +295,8 @@ def main():
     )
     ap.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # the bf16 twin's rows, for its parent
     a = ap.parse_args()
+    if a.ttft_reps < 1:
+        ap.error(f"--ttft-reps must be at least 1, got {a.ttft_reps}")
     if a.simulate_sweep and not a.draft:
         ap.error("--simulate-sweep: the simulated acceptance runs the EAGLE3 draft; give --draft DIR")
     os.makedirs(a.out, exist_ok=True)
@@ -302,6 +307,7 @@ def main():
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join(sys.argv),
+        "ttft_reps": a.ttft_reps,
         **code_id(),
     }
     if a.model and a.make and not os.path.isdir(a.model):
@@ -384,7 +390,7 @@ def main():
     rows = Rows(res, a, twin)
     if not a.spec_only:
         for n in ttfts:
-            s = ml_ttft(engine, n, vocab)
+            s = ml_ttft(engine, n, vocab, reps=a.ttft_reps)
             fl = prefill_floor_s(mcfg, n)
             rows.append(
                 dict(figure=f"TTFT {n} tokens", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl, hf_key=f"prefill_{n}_s")
@@ -554,7 +560,7 @@ def run_unquantized_twin(a) -> list[dict]:
     out = os.path.join(a.out, f"twin-{a.label}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--preset", a.preset, "--dummy", "--quantization", "none"]
     cmd += ["--label", f"{a.label}-bf16", "--out", a.out, "--gpu-mem", str(a.gpu_mem), "--result-json", out]
-    cmd += ["--batches", "1", "--contexts", a.contexts.split(",")[0], "--ttft", a.ttft]
+    cmd += ["--batches", "1", "--contexts", a.contexts.split(",")[0], "--ttft", a.ttft, "--ttft-reps", str(a.ttft_reps)]
     cmd += ["--layers", str(a.layers)] if a.layers else []
     log("bf16 twin:", " ".join(cmd))
     if subprocess.run(cmd).returncode != 0:
