@@ -108,16 +108,11 @@ def act_quant(
     the same bits as quantizing every copy, reading x once instead of topk times."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a 2-D floating tensor [M, K], got {tuple(x.shape)} {x.dtype}")
-    if group < 16 or group & (group - 1):
-        raise ValueError(f"group={group} must be a power of 2 >= 16")
     if sorted_pairs is not None:
         return gather_rows(*act_quant(x, group, pdl=pdl), *sorted_pairs, x.shape[0], group, pdl)
     M, K = x.shape
-    Mp = -(-M // row_align) * row_align
-    G = -(-K // group)
-    q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x.device)
-    s_buf = torch.empty(G, Mp, dtype=torch.float32, device=x.device)
-    block_m = min(16, triton.next_power_of_2(max(Mp, 1)))
+    q, s_buf, launch = quant_outputs(M, K, group, row_align, x.device)
+    Mp, G, block_m = q.shape[0], s_buf.shape[0], launch["BLOCK_M"]
     if Mp and K:
         _act_quant_kernel[(triton.cdiv(Mp, block_m), G)](
             x,
@@ -130,12 +125,23 @@ def act_quant(
             x.stride(1),
             q.stride(0),
             s_buf.stride(0),
-            GROUP=group,
-            BLOCK_M=block_m,
-            num_warps=4 if group * block_m >= 2048 else 1,
+            **launch,
             **pdl_args(x, pdl),
         )
     return q, s_buf.t()
+
+
+def quant_outputs(M: int, K: int, group: int, row_align: int, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The outputs of a per-row quantization of [M, K] in groups of `group` (act_quant, silu_mul_quant): q e4m3
+    [Mp, K] and the scales' buffer fp32 [G, Mp] (returned transposed: strides (1, Mp)), Mp = M rounded up to
+    row_align; and the launch constants of a program of BLOCK_M rows x one group (GROUP, BLOCK_M, num_warps)."""
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"group={group} must be a power of 2 >= 16")
+    Mp = -(-M // row_align) * row_align
+    q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=device)
+    s_buf = torch.empty(-(-K // group), Mp, dtype=torch.float32, device=device)
+    block_m = min(16, triton.next_power_of_2(max(Mp, 1)))
+    return q, s_buf, dict(GROUP=group, BLOCK_M=block_m, num_warps=4 if group * block_m >= 2048 else 1)
 
 
 def gather_rows(

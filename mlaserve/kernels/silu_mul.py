@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import quant_group
+from .fp8_quant import quant_group, quant_outputs
 from .pdl import pdl_args, pdl_start
 
 
@@ -103,14 +103,9 @@ def silu_mul_quant(
     """gate, up [T, I] (as silu_mul) -> act_quant(silu_mul(gate, up), group, row_align)'s (q e4m3 [Tp, I], s fp32
     [Tp, ceil(I/group)] with strides (1, Tp)), Tp = T rounded up to row_align (padding rows: q = 0)."""
     _check(gate, up)
-    if group < 16 or group & (group - 1):
-        raise ValueError(f"group={group} must be a power of 2 >= 16")
     T, I = gate.shape
-    Tp = -(-T // row_align) * row_align
-    G = -(-I // group)
-    q = torch.empty(Tp, I, dtype=torch.float8_e4m3fn, device=gate.device)
-    s_buf = torch.empty(G, Tp, dtype=torch.float32, device=gate.device)
-    block_m = min(16, triton.next_power_of_2(max(Tp, 1)))
+    q, s_buf, launch = quant_outputs(T, I, group, row_align, gate.device)
+    Tp, G, block_m = q.shape[0], s_buf.shape[0], launch["BLOCK_M"]
     if Tp and I:
         _silu_mul_quant_kernel[(triton.cdiv(Tp, block_m), G)](
             gate,
@@ -124,9 +119,7 @@ def silu_mul_quant(
             up.stride(0),
             q.stride(0),
             s_buf.stride(0),
-            GROUP=group,
-            BLOCK_M=block_m,
-            num_warps=4 if group * block_m >= 2048 else 1,
+            **launch,
             **pdl_args(gate, pdl),
         )
     return q, s_buf.t()

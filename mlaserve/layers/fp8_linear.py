@@ -34,6 +34,27 @@ def fp8_linear(
     return F.linear(x, dequant_fp8_block(weight, scale_inv).to(x.dtype))
 
 
+def shard_slices(mod, n_rows: int, n_cols: int, unit: int) -> tuple[slice, slice]:
+    """mod's (a TP linear: shard, rank, size, out_features, in_features per rank) rows and columns of a
+    [n_rows, n_cols] checkpoint tensor whose entries cover `unit` weights each (1: the weight; 128: its block
+    scales)."""
+    rows, cols = slice(0, n_rows), slice(0, n_cols)
+    if mod.shard == "col":
+        n = mod.out_features // unit if unit > 1 else mod.out_features
+        rows = slice(mod.rank * n, (mod.rank + 1) * n) if mod.size > 1 else rows
+    elif mod.shard == "row":
+        n = mod.in_features // unit if unit > 1 else mod.in_features
+        cols = slice(mod.rank * n, (mod.rank + 1) * n) if mod.size > 1 else cols
+    return rows, cols
+
+
+def scale_param(N: int, K: int, out_features: int, in_features: int, loader) -> nn.Parameter:
+    """`weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)] of this rank's [N, K], the checkpoint's [ceil(out/128),
+    ceil(in/128)]."""
+    hf_shape = (cdiv(out_features, BLOCK), cdiv(in_features, BLOCK))
+    return new_param(cdiv(N, BLOCK), cdiv(K, BLOCK), dtype=torch.float32, hf_shape=hf_shape, loader=loader)
+
+
 class Fp8Linear(nn.Module):
     """y = x @ W^T with W stored as FP8 + block scales. shard=None: replicated; "col": output split by rank; "row":
     input split by rank (the caller all-reduces the partial sums). `name` only labels errors."""
@@ -72,32 +93,14 @@ class Fp8Linear(nn.Module):
         self.weight = new_param(
             N, K, dtype=torch.float8_e4m3fn, hf_shape=(out_features, in_features), loader=self._load_weight
         )
-        self.weight_scale_inv = new_param(
-            cdiv(N, BLOCK),
-            cdiv(K, BLOCK),
-            dtype=torch.float32,
-            hf_shape=(cdiv(out_features, BLOCK), cdiv(in_features, BLOCK)),
-            loader=self._load_scale,
-        )
-
-    def _rows_cols(self, n_rows: int, n_cols: int, unit: int) -> tuple[slice, slice]:
-        """This rank's rows and columns of a [n_rows, n_cols] checkpoint tensor whose entries cover `unit` weights
-        each (1: the weight; 128: its block scales)."""
-        rows, cols = slice(0, n_rows), slice(0, n_cols)
-        if self.shard == "col":
-            n = self.out_features // unit if unit > 1 else self.out_features
-            rows = slice(self.rank * n, (self.rank + 1) * n) if self.size > 1 else rows
-        elif self.shard == "row":
-            n = self.in_features // unit if unit > 1 else self.in_features
-            cols = slice(self.rank * n, (self.rank + 1) * n) if self.size > 1 else cols
-        return rows, cols
+        self.weight_scale_inv = scale_param(N, K, out_features, in_features, self._load_scale)
 
     def _load_weight(self, param, src) -> None:
-        rows, cols = self._rows_cols(*src.shape, 1)
+        rows, cols = shard_slices(self, *src.shape, 1)
         checked_copy(param, src[rows, cols])
 
     def _load_scale(self, param, src) -> None:
-        rows, cols = self._rows_cols(*src.shape, BLOCK)
+        rows, cols = shard_slices(self, *src.shape, BLOCK)
         checked_copy(param, src[rows, cols])
 
     def forward_stacked(self, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -148,13 +151,7 @@ class Fp8ExpandedLinear(Linear):
         self.impl, self.name = impl, name
         self.weight.expand_fp8 = True  # the loader dequantizes the checkpoint's FP8 into it (logged)
         N, K = self.out_features, self.in_features
-        self.weight_scale_inv = new_param(
-            cdiv(N, BLOCK),
-            cdiv(K, BLOCK),
-            dtype=torch.float32,
-            hf_shape=(cdiv(out_features, BLOCK), cdiv(in_features, BLOCK)),
-            loader=self._load_scale,
-        )
+        self.weight_scale_inv = scale_param(N, K, out_features, in_features, self._load_scale)
         self.register_buffer("w8", None, persistent=False)  # requantize's FP8 copy [N, K] (moves with .to())
 
     @staticmethod
@@ -164,11 +161,8 @@ class Fp8ExpandedLinear(Linear):
         return shard != "col" or size == 1 or (out_features % size == 0 and (out_features // size) % BLOCK == 0)
 
     def _load_scale(self, param, src) -> None:
-        rows = slice(None)
-        if self.shard == "col" and self.size > 1:
-            n = self.out_features // BLOCK
-            rows = slice(self.rank * n, (self.rank + 1) * n)
-        checked_copy(param, src[rows, :])
+        rows, cols = shard_slices(self, *src.shape, BLOCK)
+        checked_copy(param, src[rows, cols])
 
     def requantize(self) -> None:
         """The FP8 copy from the held weight and the scales (after loading; dummy weights: after their scales are
