@@ -243,7 +243,9 @@ class DeepseekV3Attention(nn.Module):
         """For a prefill-only step whose FP8 o_proj would quantize its input for scaled_mm: buffers for the prefill
         attention to write that quantization into (backends that can: prefill_quantized), (q e4m3 [T4, H*V], s
         fp32 [T4, H] column-major), T4 = T rounded up to 4 (act_quant's row padding for scaled_mm); else None."""
-        if not isinstance(self.o_proj, Fp8Linear) or self.V != 128 or not self.o_proj.takes_quantized(x):
+        if not self.kernels.fp8_attn_out_q or not isinstance(self.o_proj, Fp8Linear) or self.V != 128:
+            return None
+        if not self.o_proj.takes_quantized(x):
             return None
         T4 = -(-x.shape[0] // 4) * 4
         q8 = torch.empty(T4, self.H * self.V, dtype=torch.float8_e4m3fn, device=x.device)
