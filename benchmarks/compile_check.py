@@ -258,13 +258,6 @@ def cases(quick: bool):
                 prefill_attention_mla,
                 (q, kv[..., :N], latent[:, 512:], kv[..., N:], cu, cu, 0.1, out, 64, cfg),
             )
-        if dtype == bf and V == 128:  # the output quantized for an FP8 o_proj (out_q)
-            oq = (torch.empty(64, 16 * V, dtype=torch.float8_e4m3fn), torch.empty(16, 64).t())
-            yield (
-                f"prefill_mla out_q N={N} P={P} V={V} {dtype}",
-                functools.partial(prefill_attention_mla, out_q=oq),
-                (q, kv[..., :N], latent[:, 512:], kv[..., N:], cu, cu, 0.1, None, 64),
-            )
     moe = [("moonlight", 2048, 1408, 64, 6), ("kimi-tp4", 7168, 512, 384, 8), ("tiny", 64, 32, 8, 2)]
     for name, D, I, E, K in moe:
         for T in [1, 8192] if quick else [1, 16, 64, 256, 1024, 8192]:

@@ -34,9 +34,6 @@ class KernelConfig:
     # keeps its FP8 form, and prefill steps that quantize their activations run it W8A8, as DeepSeek's and vLLM's
     # FP8 prefills do (layers/fp8_linear.py's Fp8ExpandedLinear). Off by default until its GPU parity test and A/B
     fp8_kv_b_a8: bool = False
-    # MLASERVE_FP8_ATTN_OUT_Q: prefill-only steps of an FP8 model have the Triton prefill attention write o_proj's
-    # quantized input (out_q) instead of the bf16 output that act_quant then reads
-    fp8_attn_out_q: bool = True
     # MLASERVE_MOE_GEMV: 1-2 token MoE steps as grouped GEMVs (moe_gemv.py); "n1:w1:n2:w2" also sets their
     # rows per program and warps (gemv1, gemv2) for A/B timing
     moe_gemv: bool = True
@@ -155,7 +152,6 @@ class KernelConfig:
             absorb_store=on("MLASERVE_ABSORB_STORE"),
             moe_tma=on("MLASERVE_MOE_TMA"),
             fp8_moe_tma=on("MLASERVE_FP8_MOE_TMA"),
-            fp8_attn_out_q=on("MLASERVE_FP8_ATTN_OUT_Q"),
             fp8_kv_b_a8=env.get("MLASERVE_FP8_KV_B_A8", "0") != "0",
             moe_gemv=gemv != "0",
             moe_gemv_tiles=tiles,

@@ -210,18 +210,3 @@ class AttentionBackend(ABC):
         """Naive-form causal attention for the prefill tokens with k = [k_nope | k_rope] per head, never built:
         q [Tp, H, N+P], k_nope [C, H, N], k_rope [C, P] (shared by all heads), v [C, H, V] -> out [Tp, H, V]
         (all may be strided views). Each request's queries are the last q_len positions of its context."""
-
-    def prefill_quantized(
-        self,
-        q: torch.Tensor,
-        k_nope: torch.Tensor,
-        k_rope: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        batch: ForwardBatch,
-        out_q: tuple[torch.Tensor, torch.Tensor],
-    ) -> bool:
-        """prefill, its output written as an FP8 W8A8 linear's input instead: out_q = (q e4m3 [Tp4, H*V], s fp32
-        [Tp4, H] with strides (1, Tp4)), act_quant(out.view(Tp, H*V), row_align=Tp4 rows)'s bits (V = 128: a head
-        is a quantization group). False (the default): this backend does not, and nothing was done."""
-        return False

@@ -170,10 +170,3 @@ class TritonMLABackend(AttentionBackend):
         # the model calls this right after its layer's prefill_context, which refreshed the metadata
         m = self._meta if self._meta_batch is batch else self._prefill_meta(-1, batch)
         return prefill_attention_mla(q, k_nope, k_rope, v, m["cu_q"], m["cu_k"], scale, out, m["max_q_len"])
-
-    def prefill_quantized(self, q, k_nope, k_rope, v, scale, batch, out_q):
-        if v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
-            return False
-        m = self._meta if self._meta_batch is batch else self._prefill_meta(-1, batch)
-        prefill_attention_mla(q, k_nope, k_rope, v, m["cu_q"], m["cu_k"], scale, None, m["max_q_len"], out_q=out_q)
-        return True

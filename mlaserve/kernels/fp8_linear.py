@@ -29,8 +29,6 @@ from .silu_mul import silu_mul, silu_mul_quant
 __all__ = [
     "fp8_block_linear",
     "fp8_silu_mul_linear",
-    "fp8_linear_quantized",
-    "takes_scaled_mm",
     "fp8_act_quant",
     "fp8_act_quant_ref",
     "fp8_block_linear_ref",
@@ -207,24 +205,3 @@ def fp8_silu_mul_linear(
         out = torch.empty(M, weight.shape[0], dtype=gate.dtype, device=gate.device)
         return fp8_gemm(q, s, weight, weight_scale_inv, out, {}, pdl)
     return fp8_block_linear(silu_mul(gate, up, pdl), weight, weight_scale_inv, kernels=kernels)
-
-
-def takes_scaled_mm(x: torch.Tensor, weight, weight_scale_inv, kernels: KernelConfig = KernelConfig()) -> bool:
-    """Whether fp8_block_linear runs an input like x (its rows, dtype and device; any columns) through act_quant
-    (rows padded to 4) and scaled_mm: then a producer may hand over that quantization instead (fp8_linear_quantized)."""
-    return linear_form(x, weight, weight_scale_inv, None, kernels)[0] == "scaled_mm"
-
-
-def fp8_linear_quantized(
-    q: torch.Tensor, s: torch.Tensor, M: int, weight: torch.Tensor, weight_scale_inv: torch.Tensor, dtype
-) -> torch.Tensor:
-    """fp8_block_linear's scaled_mm form after its act_quant: q e4m3 [Mp, K], s fp32 [Mp, ceil(K/128)] with strides
-    (1, Mp) (act_quant(x, row_align=4)'s, Mp a multiple of 4, >= M) -> [M, N] in dtype (x's)."""
-    if q.dtype != torch.float8_e4m3fn or q.shape[0] % 4 or q.shape[0] < M or q.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"q must be e4m3 [Mp >= {M}, {weight.shape[1]}], Mp a multiple of 4, got {q.dtype} {tuple(q.shape)}"
-        )
-    G = -(-q.shape[1] // BLOCK)
-    if s.shape != (q.shape[0], G) or s.stride(0) != 1:
-        raise ValueError(f"s must be [{q.shape[0]}, {G}] with strides (1, .), got {tuple(s.shape)} {s.stride()}")
-    return _scaled_mm_q(q, s, weight, weight_scale_inv, M, dtype, None)

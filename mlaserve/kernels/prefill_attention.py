@@ -6,10 +6,6 @@ The QK head dim is two parts read from two sources: MLA's k = [k_nope | k_rope] 
 of the kv_b_proj output) and k_rope [C, P], one for all heads (head stride 0), so no concatenated K is built.
 A plain k [C, H, Dqk] is split the same way (Dqk = largest power of two + rest, 192 = 128 + 64). Part sizes and Dv
 need not be powers of two: they are padded with masks.
-
-With `out_q` (Dv = 128, one head a quantization group) the output is written as an FP8 W8A8 linear's input
-instead: each row's head quantized per token per 128 channels as act_quant (fp8_quant.py) would quantize the
-stored bf16 output, same bits, so the o_proj that follows reads e4m3 and never the bf16 [Tp, H*Dv].
 """
 
 from __future__ import annotations
@@ -19,12 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .fp8_quant import quant_group
-from .fp8_reference import AMAX_FLOOR, FP8_MAX
-
 LOG2E = 1.4426950408889634
-# quant_group's scale for a zero row, rounded as its fp32 division rounds
-_ZERO_ROW_SCALE = float(torch.tensor(AMAX_FLOOR, dtype=torch.float32) / FP8_MAX)
 
 
 @triton.jit
@@ -98,8 +89,6 @@ def _prefill_attention_kernel(
     K2,
     V,
     O,
-    QO,
-    SO,
     CuQ,
     CuK,
     scale_log2,
@@ -114,8 +103,6 @@ def _prefill_attention_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
-    stride_qot,
-    stride_sog,
     H,
     head_group,
     D1: tl.constexpr,
@@ -127,7 +114,6 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    QUANT: tl.constexpr,
 ):
     # One flat grid over (request, head group, query block, head in group): within a group of heads the longest
     # (last) query blocks start first across all its heads, so the short blocks fill the tail; a group's K/V
@@ -229,14 +215,8 @@ def _prefill_attention_kernel(
             DOT_PREC,
         )
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    rows = (q0 + offs_m).to(tl.int64)
-    if QUANT:  # head h is group h of the row (DV = BLOCK_DV = 128); rounded to q's dtype as a stored o would be
-        q8, so = quant_group(o.to(Q.dtype.element_ty).to(tl.float32))
-        tl.store(QO + rows[:, None] * stride_qot + h * DV + offs_dv[None, :], q8, mask=m_ok[:, None])
-        tl.store(SO + h * stride_sog + rows, so, mask=m_ok)
-    else:
-        o_ptr = O + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
-        tl.store(o_ptr, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < DV)[None, :])
+    o_ptr = O + (q0 + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
+    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < DV)[None, :])
 
 
 def _pow2(n: int) -> int:
@@ -279,33 +259,25 @@ def prefill_attention_mla(
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,
     scale: float,
-    out: torch.Tensor | None,
+    out: torch.Tensor,
     max_q_len: int,
     config: dict | None = None,
-    out_q: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Attention with k = [k_nope | k_rope] read from two sources. q [Tp, H, N+P], k_nope [C, H, N], k_rope [C, P]
     (shared by all heads) or [C, H, P], v [C, H, Dv], cu_q/cu_k [B+1] int32 -> out [Tp, H, Dv]. Any strides with a
-    unit last stride. Needs klen >= qlen per request (the caller's contract; not checked on device).
-    out_q = (qo e4m3 [Tp4, H*Dv] contiguous, so fp32 [Tp4, H] with strides (1, Tp4)), Tp4 >= Tp (bf16/fp16 q,
-    Dv = 128): act_quant(out.view(Tp, H*Dv), row_align=Tp4 rows)'s result (out in q's dtype) is written there
-    instead, and out is None; rows from Tp on are a quantized zero row's."""
+    unit last stride. Needs klen >= qlen per request (the caller's contract; not checked on device)."""
     Tp, H, Dqk = q.shape
     C, N = k_nope.shape[0], k_nope.shape[-1]
     P = k_rope.shape[-1]
     Dv = v.shape[-1]
     rope_ok = k_rope.shape == (C, P) or k_rope.shape == (C, H, P)
-    if (out is None) != (out_q is not None):
-        raise ValueError("give out, or out_q (and out=None)")
-    out_ok = out is None or out.shape == (Tp, H, Dv)
-    if k_nope.shape != (C, H, N) or not rope_ok or N + P != Dqk or v.shape[:2] != (C, H) or not out_ok:
+    if k_nope.shape != (C, H, N) or not rope_ok or N + P != Dqk or v.shape[:2] != (C, H) or out.shape != (Tp, H, Dv):
         raise ValueError(
             f"shapes q {tuple(q.shape)} k_nope {tuple(k_nope.shape)} k_rope {tuple(k_rope.shape)} "
-            f"v {tuple(v.shape)} out {None if out is None else tuple(out.shape)} must be [Tp,H,N+P] [C,H,N] [C,P] "
-            "or [C,H,P] "
+            f"v {tuple(v.shape)} out {tuple(out.shape)} must be [Tp,H,N+P] [C,H,N] [C,P] or [C,H,P] "
             "[C,H,Dv] [Tp,H,Dv]"
         )
-    if any(t.stride(-1) != 1 for t in (q, k_nope, k_rope, v) + ((out,) if out is not None else ())):
+    if any(t.stride(-1) != 1 for t in (q, k_nope, k_rope, v, out)):
         raise ValueError("q, k_nope, k_rope, v and out need a unit stride in their last dim")
     if not (q.dtype == k_nope.dtype == k_rope.dtype == v.dtype) or q.dtype not in (
         torch.bfloat16,
@@ -320,31 +292,8 @@ def prefill_attention_mla(
     if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or cu_q.shape != cu_k.shape:
         raise ValueError("cu_q and cu_k must be int32 [B+1]")
     B = cu_q.shape[0] - 1
-    qo = so = out
-    if out_q is not None:
-        out = q  # the kernel's O: unused (QUANT), any tensor
-        qo, so = out_q
-        Tp4 = qo.shape[0]
-        if (
-            Dv != 128
-            or q.dtype == torch.float32
-            or qo.dtype != torch.float8_e4m3fn
-            or Tp4 < Tp
-            or qo.shape != (Tp4, H * Dv)
-            or not qo.is_contiguous()
-            or so.shape != (Tp4, H)
-            or so.dtype != torch.float32
-            or so.stride(0) != 1
-        ):
-            raise ValueError(
-                f"out_q: needs Dv = 128 (got {Dv}), bf16/fp16 q (got {q.dtype}), e4m3 [>= {Tp}, {H * Dv}] contiguous "
-                f"(got {qo.dtype} {tuple(qo.shape)}) and fp32 [same rows, {H}] column-major scales (got {so.dtype} "
-                f"{tuple(so.shape)} strides {so.stride()})"
-            )
-        qo[Tp:].zero_()  # the W8A8 GEMM's row padding: a zero row quantized
-        so[Tp:].fill_(_ZERO_ROW_SCALE)
     if Tp == 0 or B == 0 or max_q_len == 0:
-        return None if out_q is not None else out
+        return out
     cfg = dict(prefill_config(Dqk, Dv, q.dtype), **(config or {}))
     g = _head_group(H, cfg["HEAD_GROUP"])
     num_mb = triton.cdiv(max_q_len, cfg["BLOCK_M"])
@@ -355,8 +304,6 @@ def prefill_attention_mla(
         k_rope,
         v,
         out,
-        qo,
-        so,
         cu_q,
         cu_k,
         scale * LOG2E,
@@ -371,8 +318,6 @@ def prefill_attention_mla(
         v.stride(1),
         out.stride(0),
         out.stride(1),
-        qo.stride(0),
-        so.stride(1),
         H,
         g,
         D1=N,
@@ -384,11 +329,10 @@ def prefill_attention_mla(
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        QUANT=out_q is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    return None if out_q is not None else out
+    return out
 
 
 def prefill_attention(

@@ -110,21 +110,6 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.impl, self.kernels)
 
-    def takes_quantized(self, x: torch.Tensor) -> bool:
-        """Whether forward(x) (x: the input, or any tensor of its rows, dtype and device) quantizes x for
-        scaled_mm, so that x's producer may quantize it instead and call forward_quantized."""
-        if self.impl != "triton" or not x.is_cuda:
-            return False
-        from ..kernels.fp8_linear import takes_scaled_mm  # triton: imported where it runs
-
-        return takes_scaled_mm(x, self.weight, self.weight_scale_inv, self.kernels)
-
-    def forward_quantized(self, q: torch.Tensor, s: torch.Tensor, rows: int, dtype) -> torch.Tensor:
-        """forward(x) from act_quant(x, row_align=4)'s (q, s) of x's `rows` rows (takes_quantized(x) was True)."""
-        from ..kernels.fp8_linear import fp8_linear_quantized
-
-        return fp8_linear_quantized(q, s, rows, self.weight, self.weight_scale_inv, dtype)
-
     def forward_silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up): impl "triton" quantizes the product where it is computed when this layer would
         quantize it (kernels/fp8_linear.py's fp8_silu_mul_linear; same bits)."""

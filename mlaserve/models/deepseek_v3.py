@@ -232,24 +232,10 @@ class DeepseekV3Attention(nn.Module):
             self.store_kv(kv_a, cos, sin, batch)
             if Td:
                 self.forward_absorbed(q[:Td], cos[:Td], sin[:Td], batch, out[:Td])
-            out_q = self.o_proj_input_q(x) if Td == 0 else None  # prefill-only steps
-            if Td < T and self.forward_naive(q[Td:], cos[Td:], sin[Td:], batch, out[Td:], out_q):
-                out = self.o_proj.forward_quantized(*out_q, T, x.dtype)
-                return tp.all_reduce(out) if self.reduce else out
+            if Td < T:
+                self.forward_naive(q[Td:], cos[Td:], sin[Td:], batch, out[Td:])
         out = self.o_proj(out)
         return tp.all_reduce(out) if self.reduce else out
-
-    def o_proj_input_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For a prefill-only step whose FP8 o_proj would quantize its input for scaled_mm: buffers for the prefill
-        attention to write that quantization into (backends that can: prefill_quantized), (q e4m3 [T4, H*V], s
-        fp32 [T4, H] column-major), T4 = T rounded up to 4 (act_quant's row padding for scaled_mm); else None."""
-        if not self.kernels.fp8_attn_out_q or not isinstance(self.o_proj, Fp8Linear) or self.V != 128:
-            return None
-        if not self.o_proj.takes_quantized(x):
-            return None
-        T4 = -(-x.shape[0] // 4) * 4
-        q8 = torch.empty(T4, self.H * self.V, dtype=torch.float8_e4m3fn, device=x.device)
-        return q8, torch.empty(self.H, T4, dtype=torch.float32, device=x.device).t()
 
     def store_kv(self, kv_a, cos, sin, batch) -> None:
         """kv_a [T, R+P]: the cache gets [kv_a_layernorm(c_kv) | rope(k_pe)], normalised inside the store."""
@@ -317,9 +303,7 @@ class DeepseekV3Attention(nn.Module):
         o_lat = batch.attn.decode(self.layer_id, Q, self.scale, batch, out=Q.new_empty(Q.shape[0], self.H, self.R))
         self.absorb_out(o_lat, out)
 
-    def forward_naive(self, q, cos, sin, batch, out, out_q=None) -> bool:
-        """Prefill attention into out; with out_q, quantized for the FP8 o_proj into out_q instead where the backend
-        does that (prefill_quantized). -> whether out_q holds the output."""
+    def forward_naive(self, q, cos, sin, batch, out) -> None:
         T, H, N, R, V = q.shape[0], self.H, self.N, self.R, self.V
         batch.attn.rope_q(q[..., N:], cos, sin, out=q[..., N:])  # q is ours: rotate in place
         # [C, R+P], this step's tokens included; in the cache's dtype, which may differ from ours
@@ -330,11 +314,7 @@ class DeepseekV3Attention(nn.Module):
             kv = self.kv_b_proj.forward_a8(latent[:, :R])  # the checkpoint's W8A8 (kernels.fp8_kv_b_a8), else None
         kv = (F.linear(latent[:, :R], self.kv_b_proj.weight) if kv is None else kv).view(C, H, N + V)
         # k = [k_nope | k_pe] per head is never built: the backend reads kv[..., :N] and the shared latent[:, R:]
-        args = (q, kv[..., :N], latent[:, R:], kv[..., N:], self.scale, batch)
-        if out_q is not None and batch.attn.prefill_quantized(*args, out_q):
-            return True
-        batch.attn.prefill(*args, out=out.view(T, H, V))
-        return False
+        batch.attn.prefill(q, kv[..., :N], latent[:, R:], kv[..., N:], self.scale, batch, out=out.view(T, H, V))
 
 
 class DeepseekV3DecoderLayer(nn.Module):

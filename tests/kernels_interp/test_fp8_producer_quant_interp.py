@@ -1,6 +1,5 @@
-"""An FP8 model's prefill with its W8A8 inputs quantized by their producers (the SiLU product by silu_mul_quant,
-the attention output by the prefill attention: out_q) gives the hidden states of the same model quantizing them
-with act_quant, bit for bit. Under the interpreter (no sm_90) scaled_mm is replaced by its definition and the
+"""An FP8 model's prefill with its MLPs' W8A8 down-projection inputs quantized by their producer (the SiLU product
+by silu_mul_quant) gives the hidden states of the same model quantizing them with act_quant, bit for bit. Under the interpreter (no sm_90) scaled_mm is replaced by its definition and the
 layers' CUDA checks are relaxed."""
 
 import torch
@@ -42,32 +41,16 @@ def test_fp8_prefill_producers_quantize(kdev, tmp_path, monkeypatch):
     model = DeepseekV3ForCausalLM(cfg, dtype=BF, moe_impl="triton", kernels=kernels)
     load_weights(model, path, progress=False)
     model.to(kdev).eval()
-    counts = {"out_q": 0, "silu_q": 0}
-    takes, fused_prefill = Fp8Linear.takes_quantized, TritonMLABackend.prefill_quantized
+    counts = {"silu_q": 0}
 
     def run(producers: bool):
-        def takes_quantized(self, x):
-            if not producers:
-                return False
-            return (
-                fl.takes_scaled_mm(x, self.weight, self.weight_scale_inv, self.kernels)
-                if kdev == "cpu"
-                else takes(self, x)
-            )
-
         def forward_silu_mul(self, gate, up):
             if not producers:
                 return self(silu_mul(gate, up))
             counts["silu_q"] += fl.linear_form(gate, self.weight, self.weight_scale_inv, None, self.kernels)[1]
             return fl.fp8_silu_mul_linear(gate, up, self.weight, self.weight_scale_inv, kernels=self.kernels)
 
-        def prefill_quantized(self, *args):
-            counts["out_q"] += 1
-            return fused_prefill(self, *args)
-
-        monkeypatch.setattr(Fp8Linear, "takes_quantized", takes_quantized)
         monkeypatch.setattr(Fp8Linear, "forward_silu_mul", forward_silu_mul)
-        monkeypatch.setattr(TritonMLABackend, "prefill_quantized", prefill_quantized)
         L = cfg.num_hidden_layers
         cache = torch.zeros(L, 4, 16, cfg.kv_cache_dim, dtype=BF, device=kdev)
         attn = TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=2)
@@ -77,9 +60,9 @@ def test_fp8_prefill_producers_quantize(kdev, tmp_path, monkeypatch):
             return model(batch.input_ids, batch.positions, batch)
 
     ref = run(False)
-    assert counts == {"out_q": 0, "silu_q": 0}
+    assert counts == {"silu_q": 0}
     got = run(True)
-    assert counts["out_q"] == cfg.num_hidden_layers and counts["silu_q"] >= 1, counts
+    assert counts["silu_q"] >= 1, counts
     ref, got = (t[0] if isinstance(t, tuple) else t for t in (ref, got))
     assert not got.isnan().any()
     assert torch.equal(got, ref)

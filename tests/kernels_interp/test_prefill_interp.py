@@ -110,33 +110,3 @@ def test_two_source_shape_errors(kdev):
     with pytest.raises(ValueError, match="unit stride"):
         prefill_attention_mla(q, kn, torch.zeros(8, 6, **z).t(), v, cu_q, cu_k, 0.1, out, 4)
     prefill_attention_mla(q, kn, kr, v, cu_q, cu_k, 0.1, out, 4)  # the well-formed call runs
-
-
-@pytest.mark.parametrize("config", [dict(BLOCK_M=16, BLOCK_N=16), None])
-def test_two_source_quantized_output(kdev, config):
-    """out_q (an FP8 o_proj's input): the bits act_quant gives for the bf16 output, rows padded to a multiple of 4
-    with a quantized zero row; poisoned buffers, ragged requests, a cached prefix, 3 heads of Dv = 128."""
-    from mlaserve.kernels.fp8_quant import act_quant
-    from mlaserve.kernels.prefill_attention import prefill_attention_mla
-    from tests.helpers.kernel_checks import nan_like
-
-    torch.manual_seed(7)
-    H, N, P, Dv, R = 3, 32, 16, 128, 16
-    q_lens, k_lens = [5, 1, 19], [5, 9, 30]
-    Tp, C = sum(q_lens), sum(k_lens)
-    q = torch.randn(Tp, H, N + P, device=kdev).to(torch.bfloat16)
-    kv = torch.randn(C, H, N + Dv, device=kdev).mul(2).to(torch.bfloat16)
-    k_rope = torch.randn(C, R + P, device=kdev).to(torch.bfloat16)[:, R:]
-    cu_q = torch.tensor([0] + q_lens, device=kdev).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + k_lens, device=kdev).cumsum(0).to(torch.int32)
-    args = (q, kv[..., :N], k_rope, kv[..., N:], cu_q, cu_k, (N + P) ** -0.5)
-    out = nan_like((Tp, H, Dv), torch.bfloat16, kdev)
-    prefill_attention_mla(*args, out, max(q_lens), config=config)
-    Tp4 = -(-Tp // 4) * 4
-    qo = torch.full((Tp4, H * Dv), float("nan"), device=kdev).to(torch.float8_e4m3fn)
-    so = torch.full((H, Tp4), float("nan"), device=kdev).t()
-    assert prefill_attention_mla(*args, None, max(q_lens), config=config, out_q=(qo, so)) is None
-    qr, sr = act_quant(out.view(Tp, H * Dv), row_align=4)
-    assert torch.equal(qo.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(so, sr)
-    with pytest.raises(ValueError, match="out_q"):
-        prefill_attention_mla(*args, out, max(q_lens), out_q=(qo, so))
