@@ -30,10 +30,10 @@ class KernelConfig:
     # straight into the blocks' row order (kernels/fp8_moe.py); the same products in the same order as the
     # pointer form
     fp8_moe_tma: bool = True
-    # MLASERVE_FP8_KV_B_A8=1: an FP8 checkpoint's kv_b_proj (held dequantized for the absorbed projections) also
+    # MLASERVE_FP8_KV_B_A8: an FP8 checkpoint's kv_b_proj (held dequantized for the absorbed projections) also
     # keeps its FP8 form, and prefill steps that quantize their activations run it W8A8, as DeepSeek's and vLLM's
-    # FP8 prefills do (layers/fp8_linear.py's Fp8ExpandedLinear). Off by default until its GPU parity test and A/B
-    fp8_kv_b_a8: bool = False
+    # FP8 prefills do (layers/fp8_linear.py's Fp8ExpandedLinear; +1 byte a kv_b weight)
+    fp8_kv_b_a8: bool = True
     # MLASERVE_MOE_GEMV: 1-2 token MoE steps as grouped GEMVs (moe_gemv.py); "n1:w1:n2:w2" also sets their
     # rows per program and warps (gemv1, gemv2) for A/B timing
     moe_gemv: bool = True
@@ -152,7 +152,7 @@ class KernelConfig:
             absorb_store=on("MLASERVE_ABSORB_STORE"),
             moe_tma=on("MLASERVE_MOE_TMA"),
             fp8_moe_tma=on("MLASERVE_FP8_MOE_TMA"),
-            fp8_kv_b_a8=env.get("MLASERVE_FP8_KV_B_A8", "0") != "0",
+            fp8_kv_b_a8=on("MLASERVE_FP8_KV_B_A8"),
             moe_gemv=gemv != "0",
             moe_gemv_tiles=tiles,
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),

@@ -151,15 +151,17 @@ class Fp8ExpandedLinear(Linear):
 
     def requantize(self) -> None:
         """The FP8 copy from the held weight and the scales (after loading; dummy weights: after their scales are
-        set); only where kernels.fp8_kv_b_a8 asks for it (the copy costs 1 byte a weight)."""
-        if not self.kernels.fp8_kv_b_a8:
-            self.w8 = None
-            return
+        set); only where kernels.fp8_kv_b_a8 asks for it and forward_a8 can run it (impl "triton"): the copy costs 1
+        byte a weight."""
+        self.w8 = self.fp8_copy() if self.kernels.fp8_kv_b_a8 and self.impl == "triton" else None
+
+    def fp8_copy(self) -> torch.Tensor:
+        """The checkpoint's e4m3 weight [N, K] from the held weight and the scales."""
         N, K = self.weight.shape
         s = self.weight_scale_inv.detach()
         full = s.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
         full = full.masked_fill(full == 0, 1.0)  # an all-zero block (scale 0) stays zeros
-        self.w8 = (self.weight.detach().float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return (self.weight.detach().float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
     def forward_a8(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ W^T as the checkpoint's W8A8 product (x quantized per token per 128 channels, the FP8 weight), where

@@ -68,29 +68,29 @@ def test_fp8_prefill_logits_within_the_bf16_tolerance(real_ckpt):
         )
     except AssertionError as e:
         print(f"W8A8 (default), weight-only reference (not asserted): {e}")
-    a8 = check_prefill_logits(path, "cuda", "triton", 2048, prefill_refs(path, "cuda", 2048, a8=True))
-    print(f"W8A8 (default), W8A8 reference: {a8['msg']}")
+    a8 = check_prefill_logits(path, "cuda", "triton", 2048, prefill_refs(path, "cuda", 2048, a8=True, kv_b_a8=True))
+    print(f"W8A8 (default, kv_b_proj's included), W8A8 reference: {a8['msg']}")
 
 
-def test_fp8_kv_b_a8_prefill_logits_within_the_bf16_tolerance(real_ckpt):
-    """KernelConfig.fp8_kv_b_a8 (MLASERVE_FP8_KV_B_A8=1): the 2048-token prefill's kv_b_proj runs W8A8 on its FP8
-    copy too; held to the bf16 criterion against the W8A8 reference whose kv_b_proj quantizes its activations
-    as well (and printed against the reference whose kv_b_proj does not)."""
+def test_fp8_prefill_without_kv_b_a8_logits_within_the_bf16_tolerance(real_ckpt):
+    """KernelConfig.fp8_kv_b_a8 off (MLASERVE_FP8_KV_B_A8=0): the 2048-token prefill's kv_b_proj runs on its held
+    weight; held to the bf16 criterion against the W8A8 reference whose kv_b_proj does not quantize its
+    activations (and printed against the reference whose kv_b_proj does)."""
     from mlaserve.kernel_config import KernelConfig
     from tests.helpers.model_backend_check import check_prefill_logits, prefill_refs
 
     scheme, path = real_ckpt
     if scheme != "fp8-block":
         pytest.skip("the FP8 checkpoint's kv_b_proj")
-    kernels = KernelConfig(fp8_kv_b_a8=True)
-    refs = prefill_refs(path, "cuda", 2048, a8=True, kv_b_a8=True)
-    got = check_prefill_logits(path, "cuda", "triton", 2048, refs, kernels=kernels)
-    print(f"\nW8A8 with kv_b_proj's, the same reference: {got['msg']}")
+    kernels = KernelConfig(fp8_kv_b_a8=False)
+    got = check_prefill_logits(path, "cuda", "triton", 2048, prefill_refs(path, "cuda", 2048, a8=True), kernels=kernels)
+    print(f"\nW8A8 without kv_b_proj's, the same reference: {got['msg']}")
     try:
-        msg = check_prefill_logits(path, "cuda", "triton", 2048, prefill_refs(path, "cuda", 2048, a8=True), kernels)
-        print(f"W8A8 with kv_b_proj's, the reference without it (not asserted): {msg['msg']}")
+        refs = prefill_refs(path, "cuda", 2048, a8=True, kv_b_a8=True)
+        msg = check_prefill_logits(path, "cuda", "triton", 2048, refs, kernels)
+        print(f"W8A8 without kv_b_proj's, the reference with it (not asserted): {msg['msg']}")
     except AssertionError as e:
-        print(f"W8A8 with kv_b_proj's, the reference without it (not asserted): {e}")
+        print(f"W8A8 without kv_b_proj's, the reference with it (not asserted): {e}")
 
 
 @pytest.mark.parametrize("scheme", ["int4-experts", "fp8-block"])

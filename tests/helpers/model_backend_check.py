@@ -136,8 +136,8 @@ def a8_reference(on: bool = True, kv_b: bool = False):
     from mlaserve.layers import fp8_linear as lin
     from mlaserve.layers.quant_experts import Fp8Experts
 
-    def kv_b_a8(self, x):
-        return None if self.w8 is None else fp8_block_linear_ref(x, self.w8, self.weight_scale_inv, a8=True).to(x.dtype)
+    def kv_b_a8(self, x):  # the torch path holds no FP8 copy (requantize): made here
+        return fp8_block_linear_ref(x, self.fp8_copy(), self.weight_scale_inv, a8=True).to(x.dtype)
 
     def linear(x, weight, scale_inv, impl="torch", kernels=None):
         assert impl == "torch", impl

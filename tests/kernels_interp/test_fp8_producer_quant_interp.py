@@ -1,6 +1,6 @@
-"""An FP8 model's prefill with its MLPs' W8A8 down-projection inputs quantized by their producer (the SiLU product
-by silu_mul_quant) gives the hidden states of the same model quantizing them with act_quant, bit for bit. Under the interpreter (no sm_90) scaled_mm is replaced by its definition and the
-layers' CUDA checks are relaxed."""
+"""An FP8 model's prefill with its MLPs' W8A8 down-projection inputs quantized by their producer (the SiLU
+product, by silu_mul_quant) gives the hidden states of the same model quantizing them with act_quant, bit for bit.
+Under the interpreter (no sm_90) scaled_mm is replaced by its definition and the layers' CUDA checks are relaxed."""
 
 import torch
 

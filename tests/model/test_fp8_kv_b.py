@@ -16,7 +16,8 @@ from mlaserve.models.weights import checkpoint_files, load_weights
 
 
 def _load(path, dtype, on: bool):
-    model = DeepseekV3ForCausalLM(ModelConfig.from_pretrained(path), dtype=dtype, kernels=KernelConfig(fp8_kv_b_a8=on))
+    kernels = KernelConfig(fp8_kv_b_a8=on)
+    model = DeepseekV3ForCausalLM(ModelConfig.from_pretrained(path), dtype=dtype, moe_impl="triton", kernels=kernels)
     load_weights(model, path, progress=False)
     return model
 
@@ -47,6 +48,9 @@ def test_fp8_copy_is_the_checkpoints(fp8_ckpt, dtype):
 def test_no_copy_unless_asked(fp8_ckpt):
     model = _load(fp8_ckpt, torch.bfloat16, on=False)
     assert all(layer.self_attn.kv_b_proj.w8 is None for layer in model.model.layers)
+    torch_path = DeepseekV3ForCausalLM(ModelConfig.from_pretrained(fp8_ckpt), dtype=torch.bfloat16)  # runs no W8A8
+    load_weights(torch_path, fp8_ckpt, progress=False)
+    assert KernelConfig().fp8_kv_b_a8 and all(layer.self_attn.kv_b_proj.w8 is None for layer in torch_path.model.layers)
     assert not any(k.endswith(".w8") for k in _load(fp8_ckpt, torch.bfloat16, on=True).state_dict())  # not saved
 
 
@@ -72,7 +76,7 @@ def test_dummy_weights_get_checkpoint_like_scales(tmp_path):
         "tiny", str(tmp_path), dtype="bfloat16", quantization="fp8-block", overrides=FP8_ODD, config_only=True
     )
     model = DeepseekV3ForCausalLM(
-        ModelConfig.from_pretrained(path), dtype=torch.bfloat16, kernels=KernelConfig(fp8_kv_b_a8=True)
+        ModelConfig.from_pretrained(path), dtype=torch.bfloat16, moe_impl="triton", kernels=KernelConfig()
     )
     init_dummy_weights(model)
     for layer in model.model.layers:
@@ -81,3 +85,20 @@ def test_dummy_weights_get_checkpoint_like_scales(tmp_path):
         N, K = kv_b.weight.shape
         s = kv_b.weight_scale_inv.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
         assert torch.equal((kv_b.w8.float() * s).to(torch.bfloat16), kv_b.weight)
+
+
+def test_a8_reference_runs_kv_b_on_the_checkpoints_bits(fp8_ckpt):
+    """The GPU tests' W8A8 reference (a8_reference(kv_b=True)) quantizes the torch path's kv_b_proj product on the
+    checkpoint's FP8 weight, though that path holds no FP8 copy."""
+    from mlaserve.kernels.fp8_reference import fp8_block_linear_ref
+    from tests.helpers.model_backend_check import a8_reference
+
+    held = _load(fp8_ckpt, torch.float32, on=True).model.layers[0].self_attn.kv_b_proj
+    torch_path = DeepseekV3ForCausalLM(ModelConfig.from_pretrained(fp8_ckpt), dtype=torch.float32)
+    load_weights(torch_path, fp8_ckpt, progress=False)
+    kv_b = torch_path.model.layers[0].self_attn.kv_b_proj
+    x = torch.randn(5, kv_b.in_features)
+    assert kv_b.w8 is None and kv_b.forward_a8(x) is None
+    with a8_reference(kv_b=True):
+        got = kv_b.forward_a8(x)
+    assert torch.equal(got, fp8_block_linear_ref(x, held.w8, held.weight_scale_inv, a8=True).to(x.dtype))
