@@ -153,7 +153,11 @@ class Fp8ExpandedLinear(Linear):
         """The FP8 copy from the held weight and the scales (after loading; dummy weights: after their scales are
         set); only where kernels.fp8_kv_b_a8 asks for it and forward_a8 can run it (impl "triton"): the copy costs 1
         byte a weight."""
-        self.w8 = self.fp8_copy() if self.kernels.fp8_kv_b_a8 and self.impl == "triton" else None
+        self.w8 = self.fp8_copy() if self.holds_copy() else None
+
+    def holds_copy(self) -> bool:
+        """Whether this layer keeps the FP8 copy: kernels.fp8_kv_b_a8 asks for it and forward_a8 can run it."""
+        return self.kernels.fp8_kv_b_a8 and self.impl == "triton"
 
     def fp8_copy(self) -> torch.Tensor:
         """The checkpoint's e4m3 weight [N, K] from the held weight and the scales."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.fp8_linear import Fp8Linear
+from ..layers.fp8_linear import Fp8ExpandedLinear, Fp8Linear
 from ..layers.quant_experts import QuantExperts
 
 
@@ -61,8 +61,11 @@ def weight_bytes(model: torch.nn.Module, rank: int = 0) -> WeightBytes:
         elif getattr(getattr(mod, "weight", None), "expand_fp8", False):
             w = mod.weight
             held = w.numel() * w.element_size()
-            w8 = getattr(mod, "w8", None)  # Fp8ExpandedLinear's FP8 copy (kernels.fp8_kv_b_a8): FP8 values held
-            quantized += w8.numel() if w8 is not None else 0
+            # Fp8ExpandedLinear's FP8 copy (kernels.fp8_kv_b_a8), made after loading: a meta model (the plan) counts
+            # the one it would hold
+            w8 = getattr(mod, "w8", None)
+            if w8 is not None or (w.is_meta and isinstance(mod, Fp8ExpandedLinear) and mod.holds_copy()):
+                quantized += w.numel()
             expanded += held
             extra += held - w.numel() - 4 * -(-w.shape[0] // 128) * -(-w.shape[1] // 128)
             short = mod_name.rsplit(".", 1)[-1]

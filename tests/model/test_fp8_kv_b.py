@@ -102,3 +102,16 @@ def test_a8_reference_runs_kv_b_on_the_checkpoints_bits(fp8_ckpt):
     with a8_reference(kv_b=True):
         got = kv_b.forward_a8(x)
     assert torch.equal(got, fp8_block_linear_ref(x, held.w8, held.weight_scale_inv, a8=True).to(x.dtype))
+
+
+def test_the_plan_counts_the_copy(fp8_ckpt):
+    """The load log's byte plan (a meta model: no copy made) counts the FP8 copy a loaded Triton-path model holds."""
+    from mlaserve.config import ParallelConfig
+    from mlaserve.models.weight_bytes import weight_plan
+
+    cfg = ModelConfig.from_pretrained(fp8_ckpt)
+    (plan,) = weight_plan(cfg, ParallelConfig(), torch.bfloat16)
+    loaded = weight_bytes(_load(fp8_ckpt, torch.bfloat16, on=True))
+    assert plan.quantized == loaded.quantized and plan.total == loaded.total
+    off = weight_bytes(_load(fp8_ckpt, torch.bfloat16, on=False))
+    assert plan.quantized > off.quantized
