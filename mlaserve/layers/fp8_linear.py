@@ -126,10 +126,10 @@ class Fp8Linear(nn.Module):
 class Fp8ExpandedLinear(Linear):
     """A linear whose checkpoint weight is FP8 but which the model holds dequantized in its dtype (kv_b_proj: the
     absorbed MLA projections are per-head views of it). It keeps the checkpoint's `weight_scale_inv` too, and with
-    kernels.fp8_kv_b_a8 an FP8 copy of the weight, so that forward_a8 runs the checkpoint's W8A8 product. The copy
-    is re-derived from the held weight and the scales (requantize): a bf16 or fp32 weight is e4m3 x scale rounded
-    to within 2^-9, so dividing by the same scale lands within 2^-8 of the e4m3 value, which rounds back to it: the
-    checkpoint's bits. A TP shard must hold whole 128-row blocks (serves)."""
+    kernels.fp8_kv_b_a8 on the Triton path an FP8 copy of the weight, so that forward_a8 runs the checkpoint's
+    W8A8 product. The copy is re-derived from the held weight and the scales (requantize): a bf16 or fp32 weight is
+    e4m3 x scale rounded to within 2^-9, so dividing by the same scale lands within 2^-8 of the e4m3 value, which
+    rounds back to it: the checkpoint's bits. A TP shard must hold whole 128-row blocks (serves)."""
 
     def __init__(self, in_features: int, out_features: int, *, impl: str = "torch", name: str = "", **kw):
         super().__init__(in_features, out_features, **kw)
@@ -151,8 +151,7 @@ class Fp8ExpandedLinear(Linear):
 
     def requantize(self) -> None:
         """The FP8 copy from the held weight and the scales (after loading; dummy weights: after their scales are
-        set); only where kernels.fp8_kv_b_a8 asks for it and forward_a8 can run it (impl "triton"): the copy costs 1
-        byte a weight."""
+        set), where holds_copy(): the copy costs 1 byte a weight."""
         self.w8 = self.fp8_copy() if self.holds_copy() else None
 
     def holds_copy(self) -> bool:
