@@ -60,15 +60,6 @@ MOE_GEMV_SWEEP = (
     ((4, 1024, 4), (8, 1024, 4)),
     ((2, 512, 2), (4, 2048, 8)),
 )
-# The transposed W8A16 form's tiles at few rows (fp8_gemm.SWAP_MAX_ROWS), beside the untransposed form (SWAP=False)
-SWAP_SWEEP = (
-    dict(SWAP=False),
-    dict(BLOCK_N=128),
-    dict(BLOCK_N=128, num_warps=8),
-    dict(BLOCK_N=64, num_stages=6),
-    dict(BLOCK_N=64, BLOCK_K=64, num_stages=6),
-    dict(BLOCK_N=256, num_warps=8, num_stages=3),
-)
 GEMM_SWEEP = (
     dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=4),
     dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=2, num_stages=5),
@@ -107,7 +98,6 @@ def _timed(fn, weights, sz: Sizes) -> float:
 def _linear_variants(name: str, M: int) -> list:
     """(label, fp8_block_linear config or None for the bf16 baselines) at one shape and row count."""
     from mlaserve.kernel_config import KernelConfig
-    from mlaserve.kernels.fp8_gemm import SWAP_MAX_ROWS
     from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_ROWS
     from mlaserve.kernels.gemv import GEMV_MAX_TOKENS
 
@@ -117,8 +107,6 @@ def _linear_variants(name: str, M: int) -> list:
         forms.append(dict(form="gemv"))  # the GEMV where it is not the default (rows 3-4)
     if name in GEMV_SWEEP_SHAPES and M <= FP8_GEMV_MAX_ROWS:
         forms += [dict(form="gemv", BLOCK_N=n, BLOCK_K=k, num_warps=w) for n, k, w in GEMV_SWEEP]
-    if M <= SWAP_MAX_ROWS:
-        forms += [dict(t, form="triton", a8=False) for t in SWAP_SWEEP]
     if name.startswith("expert") and M in (8, 32, 256, 2048):
         forms += [dict(t, form="triton", a8=a8) for t in GEMM_SWEEP for a8 in (False, True)]
     return out + [(f"fp8 {_label(c)}", c) for c in forms]

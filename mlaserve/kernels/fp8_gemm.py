@@ -96,61 +96,6 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_swap_kernel(
-    A,
-    W,
-    WS,
-    C,
-    P,
-    M,
-    N,
-    K,
-    stride_am,
-    stride_ak,
-    stride_wn,
-    stride_wsn,
-    stride_wsg,
-    stride_cm,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    GROUP: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """W8A16 for few rows, the product transposed: C^T [BLOCK_N, BLOCK_M] tile = W [BLOCK_N, BLOCK_K] . a^T. The
-    weight tile widened in registers is the MMA's register operand (Hopper's wgmma takes A from registers) and the
-    few rows of a are the narrow side, so no tile of W passes through shared memory twice. Program (n tile, split
-    s) as _fp8_gemm_kernel's, all M rows (M <= BLOCK_M)."""
-    pdl_start(PDL)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    per = tl.cdiv(tl.cdiv(K, GROUP), SPLIT_K) * GROUP
-    k_lo = tl.program_id(1) * per
-    k_hi = tl.minimum(k_lo + per, K)
-    a_ptr = A + offs_m.to(tl.int64)[None, :] * stride_am + offs_k[:, None] * stride_ak  # [K, M] view
-    w_ptr = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    ws_ptr = WS + (offs_n // GROUP) * stride_wsn
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptr + k0 * stride_ak, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        w_s = tl.load(ws_ptr + (k0 // GROUP) * stride_wsg, mask=n_ok, other=0.0)
-        acc += tl.dot(w.to(a.dtype), a, input_precision=DOT_PREC) * w_s[:, None]
-    if SPLIT_K == 1:
-        c_ptr = C + offs_m.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
-        tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
-    else:
-        p_ptr = P + (tl.program_id(1) * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
-        tl.store(p_ptr, acc, mask=n_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
 def _split_sum_kernel(P, C, M, N, stride_cm, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """C[m, n] = sum over s in order of P[s, m, n]; one program per (row, BLOCK columns)."""
     pdl_start(PDL)
@@ -162,10 +107,6 @@ def _split_sum_kernel(P, C, M, N, stride_cm, SPLIT_K: tl.constexpr, BLOCK: tl.co
     tl.store(C + m * stride_cm + n, acc.to(C.dtype.element_ty), mask=n < N)
 
 
-# W8A16 up to this many rows runs transposed (_fp8_gemm_swap_kernel): a 16-row tile, the weight the wide side.
-SWAP_MAX_ROWS = 16
-
-
 def fp8_gemm_config(M: int, N: int, K: int, a8: bool, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tiles from the shape: few rows -> 16/32/64-row tiles streaming the weight (64 columns, split over K until
     the programs cover the SMs about twice); many rows -> 128x128x128 tiles, 8 warps, GROUP_M 8 (vLLM's H100 choice
@@ -173,8 +114,6 @@ def fp8_gemm_config(M: int, N: int, K: int, a8: bool, dtype: torch.dtype = torch
     kernels_bench --only fp8_linear sweeps around it."""
     if dtype == torch.float32 and not a8:
         cfg = dict(BLOCK_M=16 if M <= 16 else 32, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
-    elif M <= SWAP_MAX_ROWS and not a8:
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     elif M <= 64:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
@@ -186,8 +125,7 @@ def fp8_gemm_config(M: int, N: int, K: int, a8: bool, dtype: torch.dtype = torch
     kb, split = triton.cdiv(K, BLOCK), 1
     while tiles * split * 2 <= 2 * SMS and kb // (split * 2) >= 4:  # >= 4 scale blocks (512 columns) a split
         split *= 2
-    swap = M <= SWAP_MAX_ROWS and not a8 and dtype != torch.float32
-    return dict(cfg, SPLIT_K=split, SWAP=swap)
+    return dict(cfg, SPLIT_K=split)
 
 
 def fp8_gemm(
@@ -213,68 +151,39 @@ def fp8_gemm(
     if BLOCK % cfg["BLOCK_K"] or cfg["BLOCK_K"] < 16:
         raise ValueError(f"fp8_gemm BLOCK_K={cfg['BLOCK_K']} must be a power of 2 in [16, {BLOCK}]")
     split = cfg["SPLIT_K"]
-    if cfg["SWAP"] and (a8 or M > cfg["BLOCK_M"]):
-        raise ValueError(f"fp8_gemm SWAP runs W8A16 with M <= BLOCK_M, got a8={a8} M={M} BLOCK_M={cfg['BLOCK_M']}")
     part = torch.empty(split, M, N, dtype=torch.float32, device=a.device) if split > 1 else out
     sa = a_scale if a8 else w_scale  # A16: unused (any tensor)
     launch = pdl_args(a, pdl)
-    if cfg["SWAP"]:
-        _fp8_gemm_swap_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split)](
-            a,
-            w,
-            w_scale,
-            out,
-            part,
-            M,
-            N,
-            K,
-            a.stride(0),
-            a.stride(1),
-            w.stride(0),
-            w_scale.stride(0),
-            w_scale.stride(1),
-            out.stride(0),
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"],
-            SPLIT_K=split,
-            DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
-            GROUP=BLOCK,
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-            **launch,
-        )
-    else:
-        _fp8_gemm_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)](
-            a,
-            sa,
-            w,
-            w_scale,
-            out,
-            part,
-            M,
-            N,
-            K,
-            a.stride(0),
-            a.stride(1),
-            sa.stride(0),
-            sa.stride(1),
-            w.stride(0),
-            w_scale.stride(0),
-            w_scale.stride(1),
-            out.stride(0),
-            A8=a8,
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"],
-            GROUP_M=cfg["GROUP_M"],
-            SPLIT_K=split,
-            DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
-            GROUP=BLOCK,
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-            **launch,
-        )
+    _fp8_gemm_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)](
+        a,
+        sa,
+        w,
+        w_scale,
+        out,
+        part,
+        M,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        sa.stride(0),
+        sa.stride(1),
+        w.stride(0),
+        w_scale.stride(0),
+        w_scale.stride(1),
+        out.stride(0),
+        A8=a8,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"],
+        SPLIT_K=split,
+        DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
+        GROUP=BLOCK,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **launch,
+    )
     if split > 1:
         blk = min(1024, triton.next_power_of_2(N))
         _split_sum_kernel[(M, triton.cdiv(N, blk))](

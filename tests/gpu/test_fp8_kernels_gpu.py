@@ -55,7 +55,7 @@ def test_act_quant_bit_exact(M, K):
 
 # --- dense linears ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(LINEARS))
-@pytest.mark.parametrize("M", [1, 2, 5, 8, 16, 32, 256, 2048])
+@pytest.mark.parametrize("M", [1, 2, 8, 32, 256, 2048])
 def test_linear_default_forms(name, M):
     N, K = LINEARS[name]
     fc.check_fp8_linear("cuda", BF, M=M, N=N, K=K, weight=_weight(N, K))
@@ -72,9 +72,6 @@ def test_linear_default_forms(name, M):
         (2, dict(form="gemv", BLOCK_N=4, BLOCK_K=2048, num_warps=8)),
         (2, dict(form="gemv", BLOCK_N=2, BLOCK_K=1024, num_warps=4)),
         (4, dict(form="triton", a8=False)),
-        (8, dict(form="triton", a8=False, SWAP=False)),
-        (8, dict(form="triton", a8=False, SWAP=True, BLOCK_N=128, num_warps=8)),
-        (13, dict(form="triton", a8=False, SWAP=True, BLOCK_K=64, SPLIT_K=1)),
         (32, dict(form="triton", a8=True)),
         (64, dict(form="triton", a8=False, SPLIT_K=1)),
         (256, dict(form="triton", a8=True)),

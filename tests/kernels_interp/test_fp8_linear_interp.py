@@ -62,33 +62,6 @@ def test_triton_gemm(kdev, a8, M, N, K, cfg):
     fc.check_fp8_linear(kdev, F32, M=M, N=N, K=K, config=dict(cfg, form="triton", a8=a8))
 
 
-@pytest.mark.parametrize("dtype", [F32, BF])
-@pytest.mark.parametrize(
-    "M,N,K,cfg",
-    [
-        (5, 300, 200, dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=1)),  # partial block row and column
-        (8, 130, 700, dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4)),  # 6 blocks over 4 splits: one empty
-        (16, 64, 256, dict(BLOCK_N=64, BLOCK_K=32, SPLIT_K=2)),  # all 16 rows of the tile
-        (1, 576, 256, dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=1)),  # kv_a's rows
-    ],
-)
-def test_triton_gemm_swap(kdev, dtype, M, N, K, cfg):
-    """The transposed W8A16 form (few rows: the weight tile is the MMA's register operand)."""
-    cfg = dict(cfg, form="triton", a8=False, SWAP=True, BLOCK_M=16)
-    fc.check_fp8_linear(kdev, dtype, M=M, N=N, K=K, config=cfg)
-
-
-def test_triton_gemm_swap_refuses(kdev):
-    from mlaserve.kernels.fp8_linear import fp8_block_linear
-    from mlaserve.kernels.fp8_reference import make_fp8_weight
-
-    w, s = make_fp8_weight(64, 256, device=kdev)
-    for M, a8 in ((17, False), (4, True)):
-        x = torch.randn(M, 256, device=kdev).to(BF)
-        with pytest.raises(ValueError, match="SWAP runs W8A16 with M <= BLOCK_M"):
-            fp8_block_linear(x, w, s, config=dict(form="triton", a8=a8, SWAP=True, BLOCK_M=16))
-
-
 @pytest.mark.parametrize("a8", [False, True])
 def test_triton_gemm_bf16_own_output(kdev, a8):
     cfg = dict(form="triton", a8=a8, BLOCK_M=16, BLOCK_N=64, SPLIT_K=2)
