@@ -82,19 +82,23 @@ def _gather_rows_kernel(
     pair in moe_align's order); a padding id (>= M * TOPK) gets quant_group's result for a zero row (q = 0,
     s = floor / max). Rows from NumPadded on are not written."""
     pdl_start(PDL)
-    if tl.program_id(0) * BLOCK_M >= tl.load(NumPadded):
+    n_pad = tl.minimum(tl.load(NumPadded), P)
+    if tl.program_id(0) * BLOCK_M >= n_pad:
         return
+    # rows from num_padded on: moe_align may leave their ids unwritten (any value), so they are neither read
+    # nor written (a program's rows can straddle num_padded: its blocks may be narrower than BLOCK_M)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(SortedIds + rows, mask=rows < P, other=M * TOPK)
+    live = rows < n_pad
+    ids = tl.load(SortedIds + rows, mask=live, other=M * TOPK)
     real = ids < M * TOPK
     src = (ids // TOPK).to(tl.int64)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     q = tl.load(QX + src[:, None] * stride_qx + k[None, :], mask=real[:, None] & (k < K)[None, :], other=0.0)
-    tl.store(Q + rows.to(tl.int64)[:, None] * stride_q + k[None, :], q, mask=(rows < P)[:, None] & (k < K)[None, :])
+    tl.store(Q + rows.to(tl.int64)[:, None] * stride_q + k[None, :], q, mask=live[:, None] & (k < K)[None, :])
     g = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
     s = tl.load(SX + g[None, :] * stride_sxg + src[:, None], mask=real[:, None] & (g < G)[None, :], other=0.0)
     s = tl.where(real[:, None], s, tl.div_rn(tl.full(s.shape, _FLOOR, tl.float32), _MAX))
-    tl.store(S + g[None, :] * stride_sg + rows[:, None], s, mask=(rows < P)[:, None] & (g < G)[None, :])
+    tl.store(S + g[None, :] * stride_sg + rows[:, None], s, mask=live[:, None] & (g < G)[None, :])
 
 
 def act_quant(

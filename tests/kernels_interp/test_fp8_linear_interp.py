@@ -133,7 +133,8 @@ def test_checks_name_the_argument(kdev):
 def test_act_quant_sorted_rows(kdev, M, K, topk):
     """The MoE's sorted rows (moe_align's order, padding ids among them): row m is the reference quantization of
     token sorted_ids[m] // topk (a padding id's: a zero row's), whatever the row's block; rows from num_padded on
-    stay unset."""
+    stay unset, and their ids (which moe_align may leave unwritten: here negative and huge) are never read, also
+    where a program's rows straddle num_padded."""
     from mlaserve.kernels.fp8_quant import act_quant
     from mlaserve.kernels.fp8_reference import fp8_act_quant_ref
     from tests.helpers.kernel_checks import poisoned_empty
@@ -146,7 +147,8 @@ def test_act_quant_sorted_rows(kdev, M, K, topk):
         torch.randperm(M * topk + 9, generator=g)
     ]
     P = ids.numel() + 40  # rows past num_padded: never written
-    sorted_ids = torch.cat([ids, torch.full((40,), pad)]).to(torch.int32).to(kdev)
+    junk = torch.tensor([-(1 << 30), -1, -7, 1 << 30] * 10)  # what an unwritten id may hold
+    sorted_ids = torch.cat([ids, junk]).to(torch.int32).to(kdev)
     num_padded = torch.tensor([ids.numel()], dtype=torch.int32, device=kdev)
     with poisoned_empty():
         q, s = act_quant(x, 128, sorted_pairs=(sorted_ids, num_padded, topk))
@@ -156,6 +158,7 @@ def test_act_quant_sorted_rows(kdev, M, K, topk):
     n = ids.numel()
     assert torch.equal(q[:n].view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s[:n], sr)
+    assert s[n:].isnan().all() and q[n:].float().isnan().all()  # past num_padded: the poison, unwritten
 
 
 @pytest.mark.parametrize("form", ["scaled_mm", "triton_a8", "gemv"])
