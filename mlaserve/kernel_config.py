@@ -70,9 +70,11 @@ class KernelConfig:
     # (kernels_bench --only fp8_linear)
     fp8_linear_a8_min_tokens: int = 2
     # FP8 linears: up to this many rows the W8A16 GEMV (kernels/fp8_gemv.py, at most its FP8_GEMV_MAX_ROWS); W8A8
-    # steps of at least fp8_scaled_mm_min_rows rows, or on a weight of at least fp8_scaled_mm_min_bytes, go to
+    # steps of more than fp8_scaled_mm_min_rows rows, or on a weight of at least fp8_scaled_mm_min_bytes, go to
     # torch's scaled_mm where it runs, else the Triton GEMM (kernels_bench --only fp8_linear times every form at
-    # every row count: on small weights at few rows the Triton GEMM is the faster)
+    # every row count: on small weights at few rows the Triton GEMM is the faster). The two forms' sums differ in
+    # order, and W8A8 carries that into the next layer's e4m3 codes: the row edge is kept off the inside of a CUDA
+    # graph's sizes as the activation edges are (graph_safe_kernels)
     fp8_gemv_max_rows: int = 2
     fp8_scaled_mm_min_rows: int = 256
     fp8_scaled_mm_min_bytes: int = 24 << 20

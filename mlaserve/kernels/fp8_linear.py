@@ -5,7 +5,7 @@ three forms chosen by the row count M.
   registers. cuBLAS's block-scaled GEMM takes 16.7 us for 8 rows of a 7168 -> 2048 weight (0.9 TB/s, H200, torch
   2.11), far off the weight stream's floor.
 - above kernels.fp8_linear_a8_min_tokens rows W8A8 by DeepSeek's recipe: fp8_act_quant (per token, per 128
-  channels), then torch's F.scaled_mm(BlockWise1x128, BlockWise128x128) (cuBLASLt's sm_90 kernels) from
+  channels), then torch's F.scaled_mm(BlockWise1x128, BlockWise128x128) (cuBLASLt's sm_90 kernels) above
   kernels.fp8_scaled_mm_min_rows rows or on weights of kernels.fp8_scaled_mm_min_bytes, else fp8_gemm.py's tiled
   Triton GEMM (fp8 x fp8 MMAs).
 - the Triton GEMM's W8A16 form (no quantization launch): rows the GEMV does not take below the edge (a raised
@@ -113,9 +113,7 @@ def linear_form(
         if M <= min(kernels.fp8_gemv_max_rows, FP8_GEMV_MAX_ROWS) and not a8_default:
             form = "gemv"
         elif (
-            a8_default
-            and (M >= kernels.fp8_scaled_mm_min_rows or big)
-            and scaled_mm_serves(x, weight, weight_scale_inv)
+            a8_default and (M > kernels.fp8_scaled_mm_min_rows or big) and scaled_mm_serves(x, weight, weight_scale_inv)
         ):
             form = "scaled_mm"
         else:

@@ -70,7 +70,7 @@ def test_triton_gemm_bf16_own_output(kdev, a8):
 
 def test_default_forms_and_empty(kdev, monkeypatch):
     """By row count: the GEMV up to kernels.fp8_gemv_max_rows, W8A8 above kernels.fp8_linear_a8_min_tokens rows
-    (whatever the experts' edge), by scaled_mm from fp8_scaled_mm_min_rows rows or on a weight of
+    (whatever the experts' edge), by scaled_mm above fp8_scaled_mm_min_rows rows or on a weight of
     fp8_scaled_mm_min_bytes, where it runs, else the Triton GEMM; the Triton GEMM's W8A16 below a raised edge and
     for fp32 x. M = 0 gives an empty result."""
     from mlaserve.kernel_config import KernelConfig
@@ -96,7 +96,8 @@ def test_default_forms_and_empty(kdev, monkeypatch):
     for min_bytes, want in ((64 * 256, "scaled_mm"), (64 * 256 + 1, "triton")):
         assert fl.linear_form(above, w, s, kernels=KernelConfig(fp8_scaled_mm_min_bytes=min_bytes)) == (want, True)
     rows = KernelConfig.fp8_scaled_mm_min_rows
-    assert fl.linear_form(torch.empty(rows, 256, dtype=BF, device=kdev), w, s) == ("scaled_mm", True)
+    assert fl.linear_form(torch.empty(rows, 256, dtype=BF, device=kdev), w, s) == ("triton", True)
+    assert fl.linear_form(torch.empty(rows + 1, 256, dtype=BF, device=kdev), w, s) == ("scaled_mm", True)
     monkeypatch.undo()
     assert fl.fp8_block_linear(torch.empty(0, 256, device=kdev), w, s).shape == (0, 64)
     fc.check_fp8_linear(kdev, F32, M=9, N=64, K=256, weight=(w, s), config=dict(BLOCK_N=32))  # default form
