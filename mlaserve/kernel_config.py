@@ -57,17 +57,27 @@ class KernelConfig:
     no_align_max_pairs: int = 16
     # routing: bf16 steps of up to this many tokens run the router GEMM as split-K partials summed by the routing
     router_splitk_max_tokens: int = 32
-    # FP8 checkpoints (linears and experts): steps of more than this many tokens quantize their activations per
-    # token per 128 channels (W8A8, the checkpoint's `activation_scheme: dynamic`), smaller ones compute on them
-    # as they are (W8A16). One edge for both, in tokens, at a prefill-graph bucket at or above every decode
-    # graph's tokens (engine/cuda_graph.graph_safe_kernels raises it), so that a step padded into a CUDA graph and
-    # its eager twin quantize alike: the two schemes differ by ~2% in the logits, enough to change greedy tokens
+    # FP8 checkpoints: steps of more than an edge's tokens quantize their activations per token per 128 channels
+    # (W8A8, the checkpoint's `activation_scheme: dynamic`), smaller ones compute on them as they are (W8A16).
+    # A step padded into a CUDA graph and its eager twin must quantize alike (the two schemes differ by ~2% in the
+    # logits, enough to change greedy tokens): engine/cuda_graph.graph_safe_kernels moves each edge off the inside
+    # of a decode graph's batch sizes, and a prefill graph takes only steps on its bucket's side of both edges.
+    # The experts' edge sits at a prefill-graph bucket at or above every decode graph's tokens (graph_safe_kernels
+    # raises it): their W8A16 forms stream the weights at decode sizes.
     fp8_a8_min_tokens: int = 256
+    # The dense linears' edge (kv_b_proj's prefill product included): their W8A16 GEMV serves 1-2 rows; from 3
+    # rows W8A8 (scaled_mm's cuBLAS kernels, or the Triton GEMM) reads the weight faster than the W8A16 tiles
+    # (kernels_bench --only fp8_linear)
+    fp8_linear_a8_min_tokens: int = 2
     # FP8 linears: up to this many rows the W8A16 GEMV (kernels/fp8_gemv.py, at most its FP8_GEMV_MAX_ROWS); W8A8
-    # steps of at least fp8_scaled_mm_min_rows rows go to torch's scaled_mm where it runs, else the Triton GEMM
-    # (kernels_bench --only fp8_linear times every form at every row count)
+    # steps of more than fp8_scaled_mm_min_rows rows, or on a weight of at least fp8_scaled_mm_min_bytes, go to
+    # torch's scaled_mm where it runs, else the Triton GEMM (kernels_bench --only fp8_linear times every form at
+    # every row count: on small weights at few rows the Triton GEMM is the faster). The two forms' sums differ in
+    # order, and W8A8 carries that into the next layer's e4m3 codes: the row edge is kept off the inside of a CUDA
+    # graph's sizes as the activation edges are (graph_safe_kernels)
     fp8_gemv_max_rows: int = 2
     fp8_scaled_mm_min_rows: int = 256
+    fp8_scaled_mm_min_bytes: int = 24 << 20
     # INT4 experts: the GEMV form (each pair streams its expert) while the pairs are at most int4_gemv_sharing x
     # the distinct experts they are expected to select and at most int4_gemv_max_pairs; else the grouped GEMM,
     # which reads an expert once for all its pairs but streams ~3x slower (kernels_bench --only int4_moe)
@@ -105,8 +115,10 @@ class KernelConfig:
             "no_align_max_pairs",
             "router_splitk_max_tokens",
             "fp8_a8_min_tokens",
+            "fp8_linear_a8_min_tokens",
             "fp8_gemv_max_rows",
             "fp8_scaled_mm_min_rows",
+            "fp8_scaled_mm_min_bytes",
             "int4_gemv_max_pairs",
             *(("moe_a2a_min_tokens",) if self.moe_a2a_min_tokens is not None else ()),
             *(("mla_num_splits",) if self.mla_num_splits is not None else ()),
@@ -223,7 +235,9 @@ DETERMINISTIC_PINS = dict(
     router_splitk_max_tokens=0,  # the router GEMM in one piece, never split-K
     fp8_gemv_max_rows=0,  # FP8 linears: never the W8A16 GEMV
     fp8_a8_min_tokens=0,  # FP8: W8A8 (per-token activation scales: a row's own) at every size
+    fp8_linear_a8_min_tokens=0,
     fp8_scaled_mm_min_rows=1 << 62,  # FP8: the Triton GEMM, never scaled_mm (cuBLAS picks by M)
+    fp8_scaled_mm_min_bytes=1 << 62,
     int4_gemv_max_pairs=0,  # INT4 experts: the grouped GEMM at every size
     moe_a2a_min_tokens=None,  # EP: never the all-to-all form
     mla_num_splits=32,  # MLA decode: 32 splits whatever the batch ...

@@ -31,17 +31,54 @@ PREFILL_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request)
 
 
+def decode_graph_sizes(max_num_seqs: int) -> list[int]:
+    """The decode graphs' batch sizes (requests) for at most max_num_seqs requests a step."""
+    return [b for b in DECODE_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
+
+
+def _off_decode_graphs(edge: int, max_num_seqs: int, q: int) -> int:
+    """edge raised, where needed, to a decode graph's tokens: a step of n requests (n x q tokens) and its graph
+    of b >= n then fall on the same side of it."""
+    prev = 0
+    for b in decode_graph_sizes(max_num_seqs):
+        if (prev + 1) * q <= edge < b * q:
+            edge = b * q
+        prev = b
+    return edge
+
+
+def _graph_safe_edge(edge: int, max_num_seqs: int, q: int) -> int:
+    """edge raised until no CUDA graph holds steps on both sides of it: off the inside of a decode graph's sizes,
+    and onto a prefill bucket once it reaches the smallest one (below that, prefill graphs take only the steps
+    above it: GraphRunner.key_for). Each move only raises it (a bucket may land inside a decode graph's sizes)."""
+    moved = True
+    while moved:
+        up = _off_decode_graphs(edge, max_num_seqs, q)
+        if up >= PREFILL_TOKEN_BUCKETS[0]:
+            up = next((t for t in PREFILL_TOKEN_BUCKETS if t >= up), up)
+        edge, moved = up, up != edge
+    return edge
+
+
 def graph_safe_kernels(kernels: KernelConfig, max_num_seqs: int, decode_q_len: int) -> KernelConfig:
-    """kernels with fp8_a8_min_tokens raised, where needed, to the smallest prefill bucket at or above the largest
-    decode graph's tokens (max_num_seqs x decode_q_len): then every step and its padded graph twin fall on the
-    same side of it (decode graphs all at or below; a prefill of n tokens and its bucket both above or both at or
-    below). Past the largest bucket: that many tokens. Applied to the config every rank gets, graphs or not, so
-    enforce_eager computes what the graphs do. Deterministic mode's edge (0: W8A8 at every size) stays."""
+    """kernels with the FP8 form edges in tokens (KernelConfig.fp8_a8_min_tokens, fp8_linear_a8_min_tokens,
+    fp8_scaled_mm_min_rows) moved so that a step and its padded graph twin fall on the same side of each. The
+    experts' activation edge: raised, where needed, to the smallest prefill bucket at or above the largest decode
+    graph's tokens (max_num_seqs x decode_q_len): decode graphs all at or below, a prefill of n tokens and its
+    bucket both above or both at or below; past the largest bucket, that many tokens. The linears' edges:
+    _graph_safe_edge. Applied to the config every rank gets, graphs or not, so enforce_eager computes what the
+    graphs do. Deterministic mode's edges (W8A8 by the Triton GEMM at every size) stay."""
     if kernels.deterministic:
         return kernels
     need = max(kernels.fp8_a8_min_tokens, max_num_seqs * decode_q_len)
-    edge = next((t for t in PREFILL_TOKEN_BUCKETS if t >= need), need)
-    return kernels if edge == kernels.fp8_a8_min_tokens else replace(kernels, fp8_a8_min_tokens=edge)
+    moved = dict(
+        fp8_a8_min_tokens=next((t for t in PREFILL_TOKEN_BUCKETS if t >= need), need),
+        fp8_linear_a8_min_tokens=_graph_safe_edge(kernels.fp8_linear_a8_min_tokens, max_num_seqs, decode_q_len),
+        fp8_scaled_mm_min_rows=_graph_safe_edge(kernels.fp8_scaled_mm_min_rows, max_num_seqs, decode_q_len),
+    )
+    if all(getattr(kernels, k) == v for k, v in moved.items()):
+        return kernels
+    return replace(kernels, **moved)
 
 
 def a2a_edge(ranks, kernels: KernelConfig) -> float:
@@ -92,8 +129,10 @@ class GraphRunner:
         # Under EP, steps of a2a_edge tokens or more take the MoE all-to-all, which reads its split sizes on the
         # host: no graph holds that many tokens, so such steps (and their eager twins) run eagerly
         edge = a2a_edge(runner.ranks, runner.kernels)
-        self.bs_list = [b for b in DECODE_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
-        self.bs_list = [b for b in self.bs_list if b * decode_q_len < edge]
+        self.bs_list = [b for b in decode_graph_sizes(max_num_seqs) if b * decode_q_len < edge]
+        # the FP8 form edges (graph_safe_kernels): a prefill graph takes a step on its bucket's side of each
+        k = runner.kernels
+        self.form_edges = (k.fp8_a8_min_tokens, k.fp8_linear_a8_min_tokens, k.fp8_scaled_mm_min_rows)
         self.prefill_buckets = [t for t in PREFILL_TOKEN_BUCKETS if t <= prefill_max_tokens and t < edge]
         self.max_pages = max_pages
         dev = runner.device
@@ -149,7 +188,9 @@ class GraphRunner:
         ):
             n = sum(len(c.token_ids) for c in prefill)
             t = next((t for t in self.prefill_buckets if t >= n), None)
-            return None if t is None else ("prefill", t)
+            if t is None or any((n > e) != (t > e) for e in self.form_edges):
+                return None
+            return ("prefill", t)
         return None
 
     # ---- static batches --------------------------------------------------------------------------------

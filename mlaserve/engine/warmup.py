@@ -62,6 +62,7 @@ def token_edges(kernels, num_experts: int, top_k: int, n_shared: int, ep_size: i
         kernels.fuse_shared_max_tokens,
         kernels.router_splitk_max_tokens,
         kernels.fp8_a8_min_tokens,
+        kernels.fp8_linear_a8_min_tokens,
         kernels.fp8_gemv_max_rows,
         kernels.fp8_scaled_mm_min_rows,
     ]

@@ -4,12 +4,14 @@ three forms chosen by the row count M.
 - M <= kernels.fp8_gemv_max_rows (decode, verify): fp8_gemv.py's W8A16 GEMV, the fp8 rows streamed whole and scaled in
   registers. cuBLAS's block-scaled GEMM takes 16.7 us for 8 rows of a 7168 -> 2048 weight (0.9 TB/s, H200, torch
   2.11), far off the weight stream's floor.
-- up to kernels.fp8_a8_min_tokens rows, or where scaled_mm cannot run: fp8_gemm.py's tiled Triton GEMM, W8A16
-  (no quantization launch) up to that edge, W8A8 above.
-- above the edge (and at least kernels.fp8_scaled_mm_min_rows) W8A8 by DeepSeek's recipe: fp8_act_quant (per token,
-  per 128 channels), then torch's F.scaled_mm(BlockWise1x128, BlockWise128x128) (cuBLASLt's sm_90 kernels).
+- above kernels.fp8_linear_a8_min_tokens rows W8A8 by DeepSeek's recipe: fp8_act_quant (per token, per 128
+  channels), then torch's F.scaled_mm(BlockWise1x128, BlockWise128x128) (cuBLASLt's sm_90 kernels) above
+  kernels.fp8_scaled_mm_min_rows rows or on weights of kernels.fp8_scaled_mm_min_bytes, else fp8_gemm.py's tiled
+  Triton GEMM (fp8 x fp8 MMAs).
+- the Triton GEMM's W8A16 form (no quantization launch): rows the GEMV does not take below the edge (a raised
+  edge, a forced form), and fp32 x.
 The form thresholds are set by kernels_bench --only fp8_linear, which times every form at every M; the W8A8 edge
-is where CUDA-graph padding cannot cross it (KernelConfig.fp8_a8_min_tokens).
+is where CUDA-graph padding cannot cross it (KernelConfig.fp8_linear_a8_min_tokens).
 """
 
 from __future__ import annotations
@@ -99,17 +101,20 @@ def linear_form(
     kernels: KernelConfig = KernelConfig(),
 ) -> tuple[str, bool]:
     """-> (form, a8): the form fp8_block_linear runs (config's "form", else by M and kernels' FP8 thresholds) and
-    whether it quantizes x: above kernels.fp8_a8_min_tokens rows (kernel_config.py says why one edge)."""
+    whether it quantizes x: above kernels.fp8_linear_a8_min_tokens rows (kernel_config.py says why an edge)."""
     cfg = config or {}
     M = x.shape[0]
+    big = weight.shape[0] * weight.shape[1] >= kernels.fp8_scaled_mm_min_bytes  # e4m3: one byte a weight
     # fp32 x asks for fp32 products: never W8A8 unless forced (its fp8 MMAs sum K=128 products at the tensor cores'
     # reduced fp8 accumulation precision, and x itself is rounded to 3 mantissa bits)
-    a8_default = M > kernels.fp8_a8_min_tokens and x.dtype != torch.float32
+    a8_default = M > kernels.fp8_linear_a8_min_tokens and x.dtype != torch.float32
     form = cfg.get("form")
     if form is None:
         if M <= min(kernels.fp8_gemv_max_rows, FP8_GEMV_MAX_ROWS) and not a8_default:
             form = "gemv"
-        elif a8_default and M >= kernels.fp8_scaled_mm_min_rows and scaled_mm_serves(x, weight, weight_scale_inv):
+        elif (
+            a8_default and (M > kernels.fp8_scaled_mm_min_rows or big) and scaled_mm_serves(x, weight, weight_scale_inv)
+        ):
             form = "scaled_mm"
         else:
             form = "triton"
@@ -192,7 +197,7 @@ def fp8_silu_mul_linear(
 ) -> torch.Tensor:
     """fp8_block_linear(silu_mul(gate, up), weight, weight_scale_inv) for an MLP's down projection (gate, up [M, K]
     as silu_mul takes them). Where that would quantize the product (W8A8: scaled_mm, or the Triton GEMM above
-    kernels.fp8_a8_min_tokens), silu_mul_quant quantizes it where it is computed and the product is never written
+    kernels.fp8_linear_a8_min_tokens), silu_mul_quant quantizes it where it is computed and the product is never written
     in x's dtype; same bits as the two steps."""
     _check(gate, weight, weight_scale_inv, None)
     form, a8 = linear_form(gate, weight, weight_scale_inv, None, kernels)

@@ -95,7 +95,7 @@ def reduction_plan(
     plan["moe_tiles"] = None if gemv else (tuple(sorted(c1.items())), tuple(sorted(c2.items())))
     fw, fs = _t(hidden, hidden, dtype=torch.float8_e4m3fn), _t(hidden // 128, hidden // 128, dtype=torch.float32)
     form, a8 = linear_form(x.as_subclass(torch.Tensor), fw, fs, None, kernels)  # scaled_mm asks the device: not here
-    if a8 and T >= kernels.fp8_scaled_mm_min_rows:
+    if a8 and (T > kernels.fp8_scaled_mm_min_rows or hidden * hidden >= kernels.fp8_scaled_mm_min_bytes):
         form = "scaled_mm"  # where the GPU runs it (sm_90), else the Triton GEMM
     plan["fp8_linear"] = (form, a8)
     plan["fp8_gemm_tiles"] = fp8_gemm_config(T, hidden, hidden, a8, dtype) if form == "triton" else None

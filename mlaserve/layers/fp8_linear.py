@@ -169,7 +169,7 @@ class Fp8ExpandedLinear(Linear):
     def forward_a8(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ W^T as the checkpoint's W8A8 product (x quantized per token per 128 channels, the FP8 weight), where
         there is an FP8 copy, impl "triton" runs on x's device and the FP8 linear quantizes a step of x's rows
-        (kernels.fp8_a8_min_tokens); else None (the caller runs the held weight)."""
+        (kernels.fp8_linear_a8_min_tokens); else None (the caller runs the held weight)."""
         if self.w8 is None or self.impl != "triton" or not x.is_cuda:
             return None
         from ..kernels.fp8_linear import fp8_block_linear, linear_form  # triton: imported where it runs

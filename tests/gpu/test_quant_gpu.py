@@ -3,7 +3,8 @@
 - At real shapes (Kimi-K2.5 with INT4 experts, DeepSeek-V3 with FP8; two layers, 32 experts, a 32k vocab), the
   quantized GPU path's logits stay within the tolerance the bf16 path meets against the fp32 torch reference
   (tests/helpers/model_backend_check.py), the reference dequantizing the same stored weights per call: in small mixed
-  steps, and (FP8) in a 2048-token prefill, which runs the W8A8 forms.
+  steps (FP8: the dense linears W8A8 above KernelConfig.fp8_linear_a8_min_tokens rows, in the reference too), and
+  (FP8) in a 2048-token prefill, which runs the W8A8 forms.
 - CUDA-graph greedy tokens equal eager ones on the tiny quantized checkpoints (partial FP8 blocks included; a
   kv_lora_rank the Triton MLA kernels take).
 - Weights stay quantized on the device."""
@@ -60,7 +61,8 @@ def test_fp8_prefill_logits_within_the_bf16_tolerance(real_ckpt):
     if scheme != "fp8-block":
         pytest.skip("the FP8 checkpoint's W8A8 forms")
     refs = prefill_refs(path, "cuda", 2048)
-    a16 = check_prefill_logits(path, "cuda", "triton", 2048, refs, kernels=KernelConfig(fp8_a8_min_tokens=1 << 30))
+    a16_kernels = KernelConfig(fp8_a8_min_tokens=1 << 30, fp8_linear_a8_min_tokens=1 << 30)
+    a16 = check_prefill_logits(path, "cuda", "triton", 2048, refs, kernels=a16_kernels)
     print(f"\nW8A16 everywhere, weight-only reference: {a16['msg']}")
     try:
         print(

@@ -124,11 +124,13 @@ def prefill_refs(
 
 
 @contextlib.contextmanager
-def a8_reference(on: bool = True, kv_b: bool = False):
+def a8_reference(on: bool = True, kv_b: bool = False, above: int | None = None):
     """The torch path of every FP8 layer quantizes its activations per token per 128 channels before each GEMM
     (the experts: x and silu(gate) * up), as DeepSeek-V3's `activation_scheme: dynamic` and the W8A8 kernels do
     (kernels/fp8_reference.py's maths); the library's torch path is the weight-only spec. kv_b: kv_b_proj's
-    prefill product too, on its FP8 copy (KernelConfig.fp8_kv_b_a8). Off: unchanged."""
+    prefill product too, on its FP8 copy (KernelConfig.fp8_kv_b_a8). above: only the dense linears (and kv_b_proj's
+    product with kv_b), and only on more than `above` rows, as the kernels do below the experts' edge
+    (KernelConfig.fp8_linear_a8_min_tokens); the experts stay weight-only. Off: unchanged."""
     if not on:
         yield
         return
@@ -136,12 +138,17 @@ def a8_reference(on: bool = True, kv_b: bool = False):
     from mlaserve.layers import fp8_linear as lin
     from mlaserve.layers.quant_experts import Fp8Experts
 
+    def quantizes(x) -> bool:
+        return above is None or x.shape[0] > above
+
     def kv_b_a8(self, x):  # the torch path holds no FP8 copy (requantize): made here
+        if not quantizes(x):
+            return None
         return fp8_block_linear_ref(x, self.fp8_copy(), self.weight_scale_inv, a8=True).to(x.dtype)
 
     def linear(x, weight, scale_inv, impl="torch", kernels=None):
         assert impl == "torch", impl
-        return fp8_block_linear_ref(x, weight, scale_inv, a8=True).to(x.dtype)
+        return fp8_block_linear_ref(x, weight, scale_inv, a8=quantizes(x)).to(x.dtype)
 
     def experts(self, x, topk_weights, topk_ids, impl="torch", add=None, shared=None, norm=None):
         assert impl == "torch" and shared is None and norm is None, impl
@@ -149,7 +156,9 @@ def a8_reference(on: bool = True, kv_b: bool = False):
         return y.to(x.dtype) if add is None else y.to(x.dtype) + add
 
     saved = lin.fp8_linear, Fp8Experts.forward, lin.Fp8ExpandedLinear.forward_a8
-    lin.fp8_linear, Fp8Experts.forward = linear, experts
+    lin.fp8_linear = linear
+    if above is None:
+        Fp8Experts.forward = experts
     if kv_b:
         lin.Fp8ExpandedLinear.forward_a8 = kv_b_a8
     try:
@@ -184,10 +193,17 @@ def check_model_backends(ckpt: str, device, dtype, moe_impl: str, num_splits: in
     bf16: both bf16 paths (Triton, torch) are measured per logit row against the fp32 reference. A near-tie expert
     choice flipped by rounding moves a whole row by O(0.1..1) in EITHER path, at random rows, so the check is on
     the typical row (median below max(2e-2, 1.5 x the torch path's median)) and on how many rows are far off
-    (> 5e-2: at most max(20%, 2 x the torch path's share))."""
-    ref = run_model(ckpt, device, torch.float32, "torch", "torch")
+    (> 5e-2: at most max(20%, 2 x the torch path's share)).
+    In bf16 an FP8 checkpoint's dense linears quantize their activations above
+    KernelConfig.fp8_linear_a8_min_tokens rows (kv_b_proj's prefill product too, on CUDA), so both torch paths do
+    the same there (a8_reference); fp32 computes on x as it is (W8A16) in both."""
+    from mlaserve.kernel_config import KernelConfig
+
+    fp32, edge = dtype == torch.float32, KernelConfig.fp8_linear_a8_min_tokens
+    with a8_reference(not fp32, kv_b=torch.device(device).type == "cuda", above=edge):
+        ref = run_model(ckpt, device, torch.float32, "torch", "torch")
+        same = None if fp32 else run_model(ckpt, device, dtype, "torch", "torch")
     out = run_model(ckpt, device, dtype, "triton", moe_impl, num_splits=num_splits)
-    same = run_model(ckpt, device, dtype, "torch", "torch") if dtype != torch.float32 else None
     errs = []
     for step, (o, r) in enumerate(zip(out, ref)):
         assert o.shape == r.shape and not torch.isnan(o).any(), f"step {step}: shape {o.shape} vs {r.shape} or NaN"

@@ -68,27 +68,37 @@ def test_triton_gemm_bf16_own_output(kdev, a8):
     fc.check_fp8_linear(kdev, BF, M=12, N=192, K=384, config=cfg, out_view=False)
 
 
-def test_default_forms_and_empty(kdev):
-    """By row count: the GEMV up to kernels.fp8_gemv_max_rows, the Triton GEMM above, W8A8 above
-    kernels.fp8_a8_min_tokens rows, by scaled_mm there on sm_90 CUDA. M = 0 gives an empty result."""
+def test_default_forms_and_empty(kdev, monkeypatch):
+    """By row count: the GEMV up to kernels.fp8_gemv_max_rows, W8A8 above kernels.fp8_linear_a8_min_tokens rows
+    (whatever the experts' edge), by scaled_mm above fp8_scaled_mm_min_rows rows or on a weight of
+    fp8_scaled_mm_min_bytes, where it runs, else the Triton GEMM; the Triton GEMM's W8A16 below a raised edge and
+    for fp32 x. M = 0 gives an empty result."""
     from mlaserve.kernel_config import KernelConfig
     from mlaserve.kernels import fp8_linear as fl
     from mlaserve.kernels.fp8_reference import make_fp8_weight
 
     w, s = make_fp8_weight(64, 256, device=kdev)
     g = KernelConfig.fp8_gemv_max_rows
-    cases = [(1, "gemv"), (g, "gemv"), (g + 1, "triton")]
-    for M, want in cases:
+    for M, want in [(1, "gemv"), (g, "gemv"), (g + 1, "triton"), (300, "triton")]:  # fp32 x: never W8A8
         assert fl.linear_form(torch.empty(M, 256, device=kdev), w, s) == (want, False)
-    edge = KernelConfig.fp8_a8_min_tokens
-    assert fl.linear_form(torch.empty(edge, 256, dtype=BF, device=kdev), w, s) == ("triton", False)
-    big = torch.empty(edge + 1, 256, dtype=BF, device=kdev)
-    assert fl.linear_form(big, w, s)[1] and (kdev == "cuda" or fl.linear_form(big, w, s)[0] == "triton")
-    assert fl.linear_form(big, w, s, kernels=KernelConfig(fp8_a8_min_tokens=edge + 1)) == ("triton", False)
-    one = KernelConfig(fp8_a8_min_tokens=1)
+    edge = KernelConfig.fp8_linear_a8_min_tokens
+    assert fl.linear_form(torch.empty(edge, 256, dtype=BF, device=kdev), w, s) == ("gemv", False)
+    above = torch.empty(edge + 1, 256, dtype=BF, device=kdev)
+    assert fl.linear_form(above, w, s) == ("triton", True)  # a small weight at few rows: not scaled_mm
+    assert fl.linear_form(above, w, s, kernels=KernelConfig(fp8_a8_min_tokens=1 << 30)) == ("triton", True)
+    raised = KernelConfig(fp8_linear_a8_min_tokens=edge + 1)
+    assert fl.linear_form(above, w, s, kernels=raised) == ("triton", False)
+    one = KernelConfig(fp8_linear_a8_min_tokens=1)
     assert fl.linear_form(torch.empty(2, 256, dtype=BF, device=kdev), w, s, kernels=one) == ("triton", True)
-    wide = KernelConfig(fp8_gemv_max_rows=4)
+    wide = KernelConfig(fp8_gemv_max_rows=4, fp8_linear_a8_min_tokens=4)
     assert fl.linear_form(torch.empty(4, 256, dtype=BF, device=kdev), w, s, kernels=wide) == ("gemv", False)
+    monkeypatch.setattr(fl, "scaled_mm_serves", lambda *a: True)
+    for min_bytes, want in ((64 * 256, "scaled_mm"), (64 * 256 + 1, "triton")):
+        assert fl.linear_form(above, w, s, kernels=KernelConfig(fp8_scaled_mm_min_bytes=min_bytes)) == (want, True)
+    rows = KernelConfig.fp8_scaled_mm_min_rows
+    assert fl.linear_form(torch.empty(rows, 256, dtype=BF, device=kdev), w, s) == ("triton", True)
+    assert fl.linear_form(torch.empty(rows + 1, 256, dtype=BF, device=kdev), w, s) == ("scaled_mm", True)
+    monkeypatch.undo()
     assert fl.fp8_block_linear(torch.empty(0, 256, device=kdev), w, s).shape == (0, 64)
     fc.check_fp8_linear(kdev, F32, M=9, N=64, K=256, weight=(w, s), config=dict(BLOCK_N=32))  # default form
 
@@ -176,7 +186,7 @@ def test_fp8_silu_mul_linear_equals_two_steps(kdev, monkeypatch, form):
 
         monkeypatch.setattr(F, "scaled_mm", scaled_mm)
         monkeypatch.setattr(fl, "scaled_mm_serves", lambda *a: True)
-    kernels = KernelConfig(fp8_a8_min_tokens=4, fp8_scaled_mm_min_rows=10 if form == "scaled_mm" else 1 << 40)
+    kernels = KernelConfig(fp8_linear_a8_min_tokens=4, fp8_scaled_mm_min_rows=10 if form == "scaled_mm" else 1 << 40)
     torch.manual_seed(M)
     w, s = make_fp8_weight(N, K, device=kdev)
     gu = torch.randn(M, 2 * K + 4, device=kdev).to(BF)

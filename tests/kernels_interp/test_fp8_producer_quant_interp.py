@@ -37,7 +37,7 @@ def test_fp8_prefill_producers_quantize(kdev, tmp_path, monkeypatch):
         monkeypatch.setattr(fl, "scaled_mm_serves", lambda *a: True)
     path = make_quantized(tmp_path, "fp8-block", **dict(FP8_ODD_TRITON, v_head_dim=128, num_hidden_layers=2))
     cfg = ModelConfig.from_pretrained(path)
-    kernels = KernelConfig(fp8_a8_min_tokens=4, fp8_scaled_mm_min_rows=8)
+    kernels = KernelConfig(fp8_a8_min_tokens=4, fp8_linear_a8_min_tokens=4, fp8_scaled_mm_min_rows=8)
     model = DeepseekV3ForCausalLM(cfg, dtype=BF, moe_impl="triton", kernels=kernels)
     load_weights(model, path, progress=False)
     model.to(kdev).eval()

@@ -101,23 +101,74 @@ def test_no_module_reads_the_environment_at_its_point_of_use():
     assert not found, found
 
 
-def test_the_fp8_activation_edge_is_one_cuda_graph_padding_cannot_cross():
-    """Every step and its padded graph twin quantize the FP8 layers' activations alike: decode graphs (up to
-    max_num_seqs x q tokens) all at or below the edge, and a prefill of n tokens on the same side as its bucket."""
-    from mlaserve.capture import DECODE_BATCH_SIZES
-    from mlaserve.engine.cuda_graph import PREFILL_TOKEN_BUCKETS, graph_safe_kernels
+def test_the_fp8_form_edges_are_ones_cuda_graph_padding_cannot_cross():
+    """Every step and its padded graph twin take the same FP8 forms. The experts' activation edge: decode graphs
+    (up to max_num_seqs x q tokens) all at or below it, a prefill of n tokens on its bucket's side. The linears'
+    edges (activations, scaled_mm's rows): a decode step of n requests on the side of its graph's b; at or above
+    the smallest prefill bucket, on a bucket (below it, prefill graphs take only the steps above it: the next
+    test)."""
+    from mlaserve.engine.cuda_graph import PREFILL_TOKEN_BUCKETS, decode_graph_sizes, graph_safe_kernels
 
+    bases = (
+        KernelConfig(),
+        KernelConfig(fp8_linear_a8_min_tokens=5, fp8_scaled_mm_min_rows=100),
+        KernelConfig(fp8_linear_a8_min_tokens=300, fp8_scaled_mm_min_rows=3000),
+    )
+    for base in bases:
+        for max_num_seqs in (1, 8, 64, 256, 300, 1024):
+            for q in (1, 2, 3, 4, 5):
+                k = graph_safe_kernels(base, max_num_seqs, q)
+                edge = k.fp8_a8_min_tokens
+                bs = decode_graph_sizes(max_num_seqs)
+                assert all(b * q <= edge for b in bs), (max_num_seqs, q, edge)
+                for n in range(1, PREFILL_TOKEN_BUCKETS[-1] + 1):
+                    bucket = next(t for t in PREFILL_TOKEN_BUCKETS if t >= n)
+                    assert (n > edge) == (bucket > edge), (max_num_seqs, q, n, edge)
+                for name in ("fp8_linear_a8_min_tokens", "fp8_scaled_mm_min_rows"):
+                    lin = getattr(k, name)
+                    assert lin >= getattr(base, name)
+                    for prev, b in zip([0] + bs, bs):
+                        assert all((n * q > lin) == (b * q > lin) for n in range(prev + 1, b + 1)), (name, q, b, lin)
+                    if lin >= PREFILL_TOKEN_BUCKETS[0]:
+                        for n in range(1, PREFILL_TOKEN_BUCKETS[-1] + 1):
+                            bucket = next(t for t in PREFILL_TOKEN_BUCKETS if t >= n)
+                            assert (n > lin) == (bucket > lin), (name, max_num_seqs, q, n, lin)
     base = KernelConfig()
-    for max_num_seqs in (1, 8, 64, 256, 300, 1024):
-        for q in (1, 2, 3, 4, 5):
-            edge = graph_safe_kernels(base, max_num_seqs, q).fp8_a8_min_tokens
-            bs = [b for b in DECODE_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
-            assert all(b * q <= edge for b in bs), (max_num_seqs, q, edge)
-            for n in range(1, PREFILL_TOKEN_BUCKETS[-1] + 1):
-                bucket = next(t for t in PREFILL_TOKEN_BUCKETS if t >= n)
-                assert (n > edge) == (bucket > edge), (max_num_seqs, q, n, edge)
     assert graph_safe_kernels(base, 256, 1) is base  # nothing to raise: the same object
     assert graph_safe_kernels(base, 256, 3).fp8_a8_min_tokens == 1024
+    assert graph_safe_kernels(base, 256, 3).fp8_scaled_mm_min_rows == 1024  # 256 inside the 96-request graph's
+    assert graph_safe_kernels(KernelConfig(fp8_linear_a8_min_tokens=5), 64, 1).fp8_linear_a8_min_tokens == 8
+    assert graph_safe_kernels(KernelConfig(fp8_linear_a8_min_tokens=5), 64, 3).fp8_linear_a8_min_tokens == 5  # 3 | 6
+    assert graph_safe_kernels(KernelConfig(fp8_linear_a8_min_tokens=300), 8, 1).fp8_linear_a8_min_tokens == 512
+
+
+def test_prefill_graphs_take_steps_on_their_buckets_side_of_the_edges():
+    """A prefill graph (its bucket's tokens) takes a step of n tokens only where n and the bucket fall on the same
+    side of each FP8 form edge (GraphRunner.key_for): with the linears' activation edge at 2 tokens, prefills of
+    1-2 tokens run eagerly."""
+    from types import SimpleNamespace
+
+    from mlaserve.attention.base import SeqChunk
+    from mlaserve.engine.cuda_graph import GraphRunner
+
+    g = GraphRunner.__new__(GraphRunner)
+    g.max_pages, g.prefill_buckets, g.bs_list = 8, [256, 512], [1, 2, 4]
+    g.form_edges = (256, 2, 256)
+    g.runner = SimpleNamespace()
+
+    def key(n):
+        return g.key_for([], [SeqChunk(list(range(n)), 0, [0])])
+
+    assert [key(n) for n in (1, 2, 3, 256, 257, 512)] == [
+        None,
+        None,
+        ("prefill", 256),
+        ("prefill", 256),
+        ("prefill", 512),
+        ("prefill", 512),
+    ]
+    g.form_edges = (256, 300, 256)  # an edge inside a bucket (graph_safe_kernels never leaves one there)
+    assert [key(n) for n in (299, 300, 301)] == [None, None, ("prefill", 512)]
 
 
 def test_the_engine_applies_the_edge(tiny_ckpt, tmp_path):
