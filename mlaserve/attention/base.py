@@ -39,6 +39,9 @@ class ForwardBatch:
     attn: AttentionBackend | None = None
     max_query_len: int = 0  # an upper bound on any request's q_len (static under CUDA graphs)
     context_is_new: bool = False  # no prefill request has cached context: its context is this step's tokens
+    # decode requests the step's batch-variant attention plan is made for (0: num_decode_reqs): an eager decode-only
+    # step gives its padded CUDA-graph twin's size, so both compute their rows alike (engine/runner.py)
+    plan_decode_reqs: int = 0
     # a CUDA stream the model may fork independent work onto while this batch is captured in a graph (the graph
     # runner's decode batches: DeepseekV3Attention.forward_decode_forked); None: one stream
     side_stream: torch.cuda.Stream | None = None

@@ -145,8 +145,9 @@ class TritonMLABackend(AttentionBackend):
         nd, q_len = batch.num_decode_reqs, batch.decode_q_len
         page_table, seq_lens = batch.page_table[:nd], batch.seq_lens[:nd]
         splits, cfg = self.kernels.mla_decode_args()  # deterministic mode: a cut by the sequence's length alone
+        plan = max(nd, batch.plan_decode_reqs)  # an eager step planned as its padded graph twin (ForwardBatch)
         if self.kernels.deterministic and q_len > 1:  # a verify row is a decode row, bit for bit
-            (page_table, seq_lens), q_len = self._verify_as_decode(layer_id, batch), 1
+            (page_table, seq_lens), plan, q_len = self._verify_as_decode(layer_id, batch), plan * q_len, 1
         return mla_decode(
             q,
             self.kv_cache[layer_id],
@@ -159,6 +160,7 @@ class TritonMLABackend(AttentionBackend):
             config=cfg,
             pdl=self.kernels.pdl,
             kv_scale=self._scale(layer_id),
+            plan_batch=plan,
         )
 
     def prefill_context(self, layer_id, batch):

@@ -36,6 +36,12 @@ def decode_graph_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in DECODE_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
 
 
+def decode_graph_size(n_reqs: int, q: int, max_num_seqs: int, edge: float) -> int | None:
+    """The decode graph (requests) a decode-only step of n_reqs requests of q tokens pads to: the least size at or
+    above n_reqs whose tokens stay below edge (a2a_edge); None past the largest."""
+    return next((b for b in decode_graph_sizes(max_num_seqs) if b >= n_reqs and b * q < edge), None)
+
+
 def _off_decode_graphs(edge: int, max_num_seqs: int, q: int) -> int:
     """edge raised, where needed, to a decode graph's tokens: a step of n requests (n x q tokens) and its graph
     of b >= n then fall on the same side of it."""
@@ -128,7 +134,8 @@ class GraphRunner:
         self.use_graphs = use_graphs
         # Under EP, steps of a2a_edge tokens or more take the MoE all-to-all, which reads its split sizes on the
         # host: no graph holds that many tokens, so such steps (and their eager twins) run eagerly
-        edge = a2a_edge(runner.ranks, runner.kernels)
+        self.edge = edge = a2a_edge(runner.ranks, runner.kernels)
+        self.max_num_seqs = max_num_seqs
         self.bs_list = [b for b in decode_graph_sizes(max_num_seqs) if b * decode_q_len < edge]
         # the FP8 form edges (graph_safe_kernels): a prefill graph takes a step on its bucket's side of each
         k = runner.kernels
@@ -178,7 +185,7 @@ class GraphRunner:
         if not chunks or any(len(c.pages) > self.max_pages for c in chunks):
             return None
         if decode and not prefill:
-            b = next((b for b in self.bs_list if b >= len(decode)), None)
+            b = decode_graph_size(len(decode), self.q, self.max_num_seqs, self.edge)
             return None if b is None else ("decode", b)
         if (
             prefill

@@ -22,6 +22,7 @@ from ..models.dummy_weights import init_dummy_weights
 from ..models.weight_bytes import weight_bytes
 from ..models.weights import load_weights
 from .cpu_matmul_caches import bound_matmul_caches
+from .cuda_graph import a2a_edge, decode_graph_size
 from .step_broadcast import StepChannel
 
 log = logging.getLogger("mlaserve.runner")
@@ -216,6 +217,10 @@ class ModelRunner:
             self.graph_steps += 1
             return self.graphs.run(key, decode, prefill, decode_tokens, decode_shift)
         batch = self.build_batch(decode, prefill)
+        if decode and not prefill:  # planned as the decode graph it would pad to (ForwardBatch.plan_decode_reqs)
+            q = batch.decode_q_len
+            b = decode_graph_size(len(decode), q, self.cfg.max_num_seqs, a2a_edge(self.ranks, self.kernels))
+            batch.plan_decode_reqs = b or len(decode)
         if decode_tokens is not None:  # decode chunks come first
             batch.input_ids[:n_dec].copy_(decode_tokens)
         if decode_shift is not None:

@@ -370,13 +370,17 @@ def mla_decode(
     config: dict | None = None,
     pdl: bool = True,
     kv_scale: torch.Tensor | None = None,
+    plan_batch: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, R+P], kv_cache [pages, page_size, R+P], page_table [B, max_pages] int32, seq_lens [B] int32
     (context including this step's q_len tokens), T = B * q_len -> out [T, H, R] (any strides).
     Token j of a request's block sees positions 0 .. seq_len - q_len + j. Rows with nothing visible get 0.
     A float8_e4m3fn cache (attention/kv_fp8.py) takes kv_scale (1 fp32 element, the layer's) and is read as its
     rows dequantized to q's dtype. config (benchmarks, tests, deterministic mode): tile overrides, MIN_SPLIT_TOKENS,
-    TMA, FEW (the batch 1-3 tiles on or off; default by the program count): split_plan."""
+    TMA, FEW (the batch 1-3 tiles on or off; default by the program count): split_plan. plan_batch (default B): the
+    batch the split count, tiles and load path are chosen for; a row's reduction order depends on those alone, so
+    B requests planned as b >= B compute their rows bit for bit as a batch of b does (an eager step and its
+    padded CUDA-graph twin: engine/runner.py)."""
     T, H, D = q.shape
     B = seq_lens.shape[0]
     R = out.shape[-1]
@@ -412,10 +416,13 @@ def mla_decode(
     cfg = dict(decode_config(H, q_len, q.dtype), **{k: v for k, v in config.items() if k != "FEW"})
     # TMA pays a fixed cost per program (descriptor fetch, barriers): with few programs over short contexts (batch
     # 1 at 512 tokens: one-tile splits) pointer loads were faster in the engine, 6.0 vs 7.1 us per layer.
-    programs = B * triton.cdiv(H, cfg["BLOCK_H"])
+    if plan_batch is not None and plan_batch < B:
+        raise ValueError(f"plan_batch={plan_batch} must be at least the batch's {B} requests")
+    plan_b = plan_batch or B
+    programs = plan_b * triton.cdiv(H, cfg["BLOCK_H"])
     cfg.setdefault("TMA", q.is_cuda and programs >= TMA_MIN_PROGRAMS and _has_tma(q.device.index))
     use_tma = _use_tma(cfg, kv_cache, P)
-    S, tiles, min_split_tiles = split_plan(B, H, q_len, q.dtype, q.device, num_splits, config, use_tma)
+    S, tiles, min_split_tiles = split_plan(plan_b, H, q_len, q.dtype, q.device, num_splits, config, use_tma)
     cfg.update(tiles)
     if T == 0:
         return out

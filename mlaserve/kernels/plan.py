@@ -46,9 +46,11 @@ def reduction_plan(
     q_len: int = 1,
     seq_len: int = 4096,
     dtype: torch.dtype = torch.bfloat16,
+    plan_reqs: int | None = None,
 ) -> dict[str, object]:
     """Each decision point's choice for a step of `tokens` rows (decode: tokens // q_len requests, each with a
-    seq_len context) of a model of these sizes (M1-like by default)."""
+    seq_len context) of a model of these sizes (M1-like by default). plan_reqs: the decode requests the attention
+    is planned for (ForwardBatch.plan_decode_reqs; default the step's own)."""
     from .bi_gemm import TILES_16, TILES_32, k_splits
     from .fp8_gemm import fp8_gemm_config
     from .fp8_linear import linear_form
@@ -105,7 +107,7 @@ def reduction_plan(
     plan["int4_form"] = default_form(T * top_k, experts, kernels)
     # MLA decode: the splits, tiles, load path (TMA as the call site decides on an sm_90 GPU whose cache pages hold
     # whole tiles) and the cut of a seq_len context (the tokens of a split)
-    B = max(1, T // q_len)
+    B = max(1, T // q_len, plan_reqs or 0)
     if kernels.deterministic:  # a verify's rows run as decode rows of their own (attention/triton_mla.py)
         B, q_len = B * q_len, 1
     splits, cfg_args = kernels.mla_decode_args()

@@ -129,3 +129,29 @@ def test_tma_ignores_poisoned_rows_past_the_context(kdev):
         out = nan_like((2, 4, 32), torch.bfloat16, kdev)
         mla_decode(q, kv, table, seq_lens, 1, 0.1, out, num_splits=splits, config={"TMA": True, "BLOCK_N": 16, **cfg})
         assert_close(out, ref, torch.bfloat16, f"mla_decode TMA splits={splits} with NaN rows past the context")
+
+
+def test_plan_batch_rows_equal_the_padded_batch(kdev):
+    """3 requests planned as 4 (an eager step as its padded CUDA-graph twin): bit for bit the first 3 requests'
+    rows of the 4-request call, whose 4th is graph padding; planned as 3 they take other splits and tiles."""
+    from mlaserve.kernels.mla_decode import mla_decode, split_plan
+    from tests.helpers.kernel_checks import make_paged, nan_like
+
+    H, R, P = 16, 32, 16
+    assert (
+        split_plan(3, H, 1, torch.bfloat16, torch.device("cpu"))[:2]
+        != split_plan(4, H, 1, torch.bfloat16, torch.device("cpu"))[:2]
+    )
+    kv, table, seq_lens = make_paged([300, 41, 129, 1], 16, R + P, torch.bfloat16, kdev)
+    seq_lens[3] = 1  # padding: seq_len = q_len, a zero page-table row
+    table[3] = 0
+    q = torch.randn(4, H, R + P, device=kdev).to(torch.bfloat16)
+    padded = nan_like((4, H, R), torch.bfloat16, kdev)
+    mla_decode(q, kv, table, seq_lens, 1, 0.1, padded)
+    planned, own = nan_like((3, H, R), torch.bfloat16, kdev), nan_like((3, H, R), torch.bfloat16, kdev)
+    mla_decode(q[:3], kv, table[:3], seq_lens[:3], 1, 0.1, planned, plan_batch=4)
+    mla_decode(q[:3], kv, table[:3], seq_lens[:3], 1, 0.1, own)
+    assert torch.equal(planned, padded[:3])
+    assert not torch.isnan(own).any() and torch.allclose(own.float(), planned.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="plan_batch"):
+        mla_decode(q[:3], kv, table[:3], seq_lens[:3], 1, 0.1, own, plan_batch=2)
