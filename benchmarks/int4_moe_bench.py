@@ -16,7 +16,7 @@ fused_experts on the same weights dequantized to bf16 (2 bytes a weight). Rows `
 launches alone (no sum). `form*` marks the form int4_fused_experts picks by default; where the GEMV form runs, the
 FMA GEMV (gemv_fma) and the tensor-core one (gemv_mma) are both timed, the latter at 2-8 tokens also without
 pairing (`unpaired`). Rows `mma kernels` time the tensor-core GEMV's two launches alone, default tiles then
-MMA_SWEEP (MMA_QUICK with INT4_BENCH_SWEEPS=0) at one token, then the fastest of them together at 1, 2 and 8. """
+MMA_SWEEP (MMA_QUICK with INT4_BENCH_SWEEPS=0) at one token, then the fastest of them together at 1, 2 and 8."""
 
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ GEMM_SWEEP = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=2),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, TRANS=True),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, TRANS=True),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, TRANS=True),
 ]
 
 

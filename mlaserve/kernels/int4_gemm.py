@@ -75,6 +75,7 @@ def _int4_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TRANS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -93,17 +94,30 @@ def _int4_gemm1_kernel(
     gs_ptr = S13 + e * stride_se + n.to(tl.int64) * stride_sn
     us_ptr = gs_ptr + I * stride_sn
     a_ptr = X + tok[:, None] * stride_xt + k[None, :]
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TRANS:  # h^T [BLOCK_N, BLOCK_M]: the dequantized tile is the MMA's register operand (no shared-memory trip)
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, D, BLOCK_K):
         a = tl.load(a_ptr + k0, mask=row_ok[:, None] & (k < D - k0)[None, :], other=0.0)
         g = _dequant_tile(g_ptr + k0 // 8, gs_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty)
-        acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
+        if TRANS:
+            acc_g = tl.dot(g, tl.trans(a), acc_g, input_precision=DOT_PREC)
+        else:
+            acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
         u = _dequant_tile(u_ptr + k0 // 8, us_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty)
-        acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    h_ptr = Hbuf + rows.to(tl.int64)[:, None] * stride_hm + n[None, :]
-    tl.store(h_ptr, h.to(Hbuf.dtype.element_ty), mask=n_ok[None, :])  # padding rows too (zeros): GEMM2 reads them
+        if TRANS:
+            acc_u = tl.dot(u, tl.trans(a), acc_u, input_precision=DOT_PREC)
+        else:
+            acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
+    h = (acc_g * tl.sigmoid(acc_g) * acc_u).to(Hbuf.dtype.element_ty)
+    # padding rows too (zeros): GEMM2 reads them
+    if TRANS:
+        tl.store(Hbuf + rows.to(tl.int64)[None, :] * stride_hm + n[:, None], h, mask=n_ok[:, None])
+    else:
+        tl.store(Hbuf + rows.to(tl.int64)[:, None] * stride_hm + n[None, :], h, mask=n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_m", "TK"])
@@ -132,6 +146,7 @@ def _int4_gemm2_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TRANS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -147,20 +162,30 @@ def _int4_gemm2_kernel(
     w_ptr = W2 + e * stride_we + d.to(tl.int64) * stride_wn
     s_ptr = S2 + e * stride_se + d.to(tl.int64) * stride_sn
     a_ptr = Hbuf + rows.to(tl.int64)[:, None] * stride_hm + k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TRANS:  # y^T [BLOCK_N, BLOCK_M] (GEMM1's TRANS)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         a = tl.load(a_ptr + k0, mask=(k < I - k0)[None, :], other=0.0)
         b = _dequant_tile(w_ptr + k0 // 8, s_ptr + k0 // 32, d_ok, (I - k0) // 8, one, KW, Hbuf.dtype.element_ty)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+        if TRANS:
+            acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PREC)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
     tw = tl.load(TopkW + ids, mask=row_ok, other=0.0)
-    y_ptr = Y + ids.to(tl.int64)[:, None] * stride_yt + d[None, :]
-    tl.store(y_ptr, (acc * tw[:, None]).to(Y.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if TRANS:
+        y_ptr = Y + ids.to(tl.int64)[None, :] * stride_yt + d[:, None]
+        tl.store(y_ptr, (acc * tw[None, :]).to(Y.dtype.element_ty), mask=row_ok[None, :] & d_ok[:, None])
+    else:
+        y_ptr = Y + ids.to(tl.int64)[:, None] * stride_yt + d[None, :]
+        tl.store(y_ptr, (acc * tw[:, None]).to(Y.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_ids, num_padded, hbuf, y, pdl, c1, c2):
     """Both GEMMs over moe_align's blocks (BLOCK_M = c1["BLOCK_M"] = c2["BLOCK_M"]) into hbuf [padded rows, I] and
     y [TK, D]; the caller checked every shape. c1 / c2: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
-    "num_stages"}."""
+    "num_stages"}, optional "TRANS" (the transposed product, same sums)."""
     T, D = x.shape
     I = w13.shape[1] // 2
     K = topk_ids.shape[-1]
@@ -192,6 +217,7 @@ def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_id
         BLOCK_N=c1["BLOCK_N"],
         BLOCK_K=c1["BLOCK_K"],
         GROUP_M=c1["GROUP_M"],
+        TRANS=c1.get("TRANS", False),
         num_warps=c1["num_warps"],
         num_stages=c1["num_stages"],
         **common,
@@ -220,6 +246,7 @@ def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_id
         BLOCK_N=c2["BLOCK_N"],
         BLOCK_K=c2["BLOCK_K"],
         GROUP_M=c2["GROUP_M"],
+        TRANS=c2.get("TRANS", False),
         num_warps=c2["num_warps"],
         num_stages=c2["num_stages"],
         **common,

@@ -54,7 +54,10 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
     """(gemm1, gemm2) tiles from the expected rows per expert T*K/E. Every block dequantizes its weight tiles anew
     (one FMA a weight, about 6.5 instructions a weight in all at BLOCK_N 64: compile_check), so blocks grow sooner
     than moe_config.py's: BLOCK_M 64 from 24 rows an expert (a 2048-token chunk on Kimi: 43) reads and unpacks each
-    expert once. BLOCK_K 64 (two scale groups); BLOCK_M >= 64 runs wgmma, below it mma.sync; 72-241 registers."""
+    expert once. BLOCK_K 64 (two scale groups); BLOCK_M >= 64 runs wgmma, below it mma.sync; 72-241 registers.
+    Above 96 rows an expert both GEMMs run transposed (TRANS: 64 weight rows as the MMA's first operand, from
+    registers where they are dequantized; 128 rows of the block as its second), which skips the dequantized
+    tile's trip through shared memory (`kernels_bench --only int4_moe`'s sweep)."""
     rows = T * K / E
     if dtype == torch.float32:  # tests: IEEE fp32 dots
         c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
@@ -65,7 +68,7 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
     if rows <= 96:
         c1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
         return c1, dict(c1, BLOCK_N=128, num_warps=8)
-    c1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    c1 = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True)
     return c1, dict(c1)
 
 

@@ -178,6 +178,16 @@ def test_gemm_many_rows_per_expert(kdev):
     check(kdev, torch.bfloat16, T=24, D=64, I=32, E=2, K=2, config=GEMM, seed=22, foreign=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemm_transposed(kdev, dtype):
+    # TRANS: each GEMM computes its output transposed (weights the MMA's first operand); masked K and N steps
+    # (BLOCK_K 64 over 96, BLOCK_N 64 over 96), several blocks per expert, foreign ids; one GEMM transposed alone
+    t = dict(BLOCK_N=64, BLOCK_K=64, TRANS=True)
+    check(kdev, dtype, T=24, D=96, I=96, E=3, K=2, config=dict(form="gemm", gemm1=t, gemm2=t), seed=23)
+    check(kdev, dtype, T=5, D=96, I=96, E=3, K=2, config=dict(form="gemm", gemm1=t), seed=24, add=True)
+    check(kdev, dtype, T=5, D=96, I=96, E=3, K=2, config=dict(form="gemm", gemm2=t), seed=25)
+
+
 @pytest.mark.parametrize("form", ["gemv", "gemm"])
 def test_int32_ids_and_default_form(kdev, form, monkeypatch):
     # int32 ids; the form picked by the pair count (kernels.int4_gemv_max_pairs lowered so 3 tokens x 2 pairs
