@@ -1,0 +1,106 @@
+"""The INT4 MoE's grouped GEMM form at prefill steps, tile configs side by side: one `int4_fused_experts` call
+(moe_align, GEMM1, GEMM2, the top-k sum) on Kimi-K2.5's experts (7168 -> 2048, 8 of 384, random routing) at 8,192
+and 2,048 tokens, against bf16 `fused_experts` on the same weights dequantized; median of 8 calls; rel = relative
+difference to the bf16 output. "T" configs compute both GEMMs transposed (int4_gemm.py's TRANS).
+
+    PYTHONPATH=$PWD python benchmarks/int4_moe_tiles.py
+
+Writes $OUT/int4_moe_tiles.json (OUT defaults to .). Needs a GPU and ~45 GB of its memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from benchmarks.int4_moe_bench import dequant_bf16
+from mlaserve.kernels.fused_moe import fused_experts
+from mlaserve.kernels.int4_moe import gemm_config, int4_fused_experts
+from tests.helpers.int4_ref import random_int4_experts
+
+D, I, E, K = 7168, 2048, 384, 8
+
+
+def C(bm, bn, bk, w, s, trans=False):
+    c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
+    return dict(c, TRANS=True) if trans else c
+
+
+def both(c):
+    return c, c
+
+
+VARIANTS = {  # name: (gemm1, gemm2); None: the defaults (gemm_config)
+    "default": None,
+    "128/128/64 w8 s3 (the default above 96 rows before d796d58)": both(C(128, 128, 64, 8, 3)),
+    "128/128/64 w8 s4": both(C(128, 128, 64, 8, 4)),
+    "T 128/128/64 w8 s3": both(C(128, 128, 64, 8, 3, True)),
+    "T 128/128/64 w8 s4": both(C(128, 128, 64, 8, 4, True)),
+    "T 64/128/64 w8 s3": both(C(64, 128, 64, 8, 3, True)),
+    "T 64/128/64 w4 s3": both(C(64, 128, 64, 4, 3, True)),
+    "T 128/64/64 w4 s3": both(C(128, 64, 64, 4, 3, True)),
+    "T 128/128/128 w8 s3": both(C(128, 128, 128, 8, 3, True)),
+    "T 64/64/64 w4 s4": both(C(64, 64, 64, 4, 4, True)),
+    "T 32/128/64 w8 s3": both(C(32, 128, 64, 8, 3, True)),
+    "T 32/128/64 w4 s4": both(C(32, 128, 64, 4, 4, True)),
+    "GEMM1 only T 128/128/64 w8 s3": (C(128, 128, 64, 8, 3, True), C(128, 128, 64, 8, 3)),
+    "GEMM2 only T 128/128/64 w8 s3": (C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 3, True)),
+}
+
+
+def timeit(fn, reps=8):
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    ts = []
+    for _ in range(reps):
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return sorted(ts)[len(ts) // 2]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    torch.manual_seed(0)
+    w = random_int4_experts(E, D, I, "cuda")
+    w13, w2 = dequant_bf16(w, D, I)
+    rows = []
+    for T in (8192, 2048):
+        ids = torch.rand(T, E, device="cuda").topk(K, -1).indices
+        tw = torch.rand(T, K, device="cuda")
+        x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+        base = fused_experts(x, w13, w2, tw, ids, 0)
+        tb = timeit(lambda: fused_experts(x, w13, w2, tw, ids, 0))
+        flops = 6.0 * T * K * D * I
+        print(
+            f"T={T} bf16 fused_experts {tb:.3f} ms {flops / tb / 1e9:.0f} TFLOP/s; INT4 defaults: "
+            f"{gemm_config(T, K, E, D, I, torch.bfloat16)}",
+            flush=True,
+        )
+        rows.append(dict(T=T, variant="bf16 fused_experts", ms=tb))
+        for name, cs in VARIANTS.items():
+            cfg = dict(form="gemm") if cs is None else dict(form="gemm", gemm1=cs[0], gemm2=cs[1])
+            try:
+                err = rel(int4_fused_experts(x, *w, tw, ids, 0, config=cfg), base)
+                ms = timeit(lambda cfg=cfg: int4_fused_experts(x, *w, tw, ids, 0, config=cfg))
+            except Exception as e:  # a tile that does not compile on this GPU
+                print(f"T={T} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            print(f"T={T} {name:60s} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s rel {err:.2e}", flush=True)
+            rows.append(dict(T=T, variant=name, ms=ms, rel=err, config=cfg))
+    out = os.environ.get("OUT", ".")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "int4_moe_tiles.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
