@@ -560,7 +560,7 @@ def cases(quick: bool):
 
 def int4_moe_cases(quick: bool):
     """The INT4 MoE (kernels/int4_moe.py) at Kimi-K2.5's expert shapes: the default tiles of each step size, and the
-    tiles kernels_bench --only int4_moe sweeps (full shape)."""
+    tiles kernels_bench --only int4_moe sweeps (full shape, at its 2048-token step)."""
     from benchmarks.int4_moe_bench import GEMM_SWEEP, GEMV1_SWEEP, GEMV2_SWEEP, gemv2_variant
     from mlaserve.kernels.int4_moe import int4_fused_experts
 
@@ -573,7 +573,7 @@ def int4_moe_cases(quick: bool):
             cfgs += [dict(form="gemv", gemv1=v) for v in GEMV1_SWEEP[1:]]
             cfgs += [dict(form="gemv", gemv2=gemv2_variant(v, D, I, 8)) for v in GEMV2_SWEEP[1:]]
             cfgs += [dict(form="gemm", gemm1=c, gemm2=c) for c in GEMM_SWEEP]
-        for T in [1, 2048] if quick else [1, 2, 8, 32, 2048]:
+        for T in [1, 2048, 8192] if quick else [1, 2, 8, 32, 2048, 8192]:  # 8192: the transposed GEMMs' tiles
             for cfg in cfgs if T in (1, 2048) else [None]:
                 if cfg and (cfg["form"] == "gemm") != (T == 2048):
                     continue

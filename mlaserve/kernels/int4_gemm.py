@@ -94,7 +94,7 @@ def _int4_gemm1_kernel(
     gs_ptr = S13 + e * stride_se + n.to(tl.int64) * stride_sn
     us_ptr = gs_ptr + I * stride_sn
     a_ptr = X + tok[:, None] * stride_xt + k[None, :]
-    if TRANS:  # h^T [BLOCK_N, BLOCK_M]: the dequantized tile is the MMA's register operand (no shared-memory trip)
+    if TRANS:  # h^T [BLOCK_N, BLOCK_M]: the dequantized tile is wgmma's A operand, read from registers
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:

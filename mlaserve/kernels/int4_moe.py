@@ -56,8 +56,8 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
     than moe_config.py's: BLOCK_M 64 from 24 rows an expert (a 2048-token chunk on Kimi: 43) reads and unpacks each
     expert once. BLOCK_K 64 (two scale groups); BLOCK_M >= 64 runs wgmma, below it mma.sync; 72-241 registers.
     Above 96 rows an expert both GEMMs run transposed (TRANS: 64 weight rows as the MMA's first operand, from
-    registers where they are dequantized; 128 rows of the block as its second), which skips the dequantized
-    tile's trip through shared memory (`kernels_bench --only int4_moe`'s sweep)."""
+    registers where they are dequantized (wgmma's register A operand); 128 rows of the block as its second), which
+    skips the dequantized tile's trip through shared memory (benchmarks/int4_moe_tiles.py)."""
     rows = T * K / E
     if dtype == torch.float32:  # tests: IEEE fp32 dots
         c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
