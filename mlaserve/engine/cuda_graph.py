@@ -36,10 +36,15 @@ def decode_graph_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in DECODE_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
 
 
+def captured_decode_sizes(max_num_seqs: int, q: int, edge: float) -> list[int]:
+    """The decode graphs captured for steps of q tokens a request: those whose tokens stay below edge (a2a_edge)."""
+    return [b for b in decode_graph_sizes(max_num_seqs) if b * q < edge]
+
+
 def decode_graph_size(n_reqs: int, q: int, max_num_seqs: int, edge: float) -> int | None:
-    """The decode graph (requests) a decode-only step of n_reqs requests of q tokens pads to: the least size at or
-    above n_reqs whose tokens stay below edge (a2a_edge); None past the largest."""
-    return next((b for b in decode_graph_sizes(max_num_seqs) if b >= n_reqs and b * q < edge), None)
+    """The decode graph (requests) a decode-only step of n_reqs requests of q tokens pads to: the least captured
+    size at or above n_reqs; None past the largest."""
+    return next((b for b in captured_decode_sizes(max_num_seqs, q, edge) if b >= n_reqs), None)
 
 
 def _off_decode_graphs(edge: int, max_num_seqs: int, q: int) -> int:
@@ -136,7 +141,7 @@ class GraphRunner:
         # host: no graph holds that many tokens, so such steps (and their eager twins) run eagerly
         self.edge = edge = a2a_edge(runner.ranks, runner.kernels)
         self.max_num_seqs = max_num_seqs
-        self.bs_list = [b for b in decode_graph_sizes(max_num_seqs) if b * decode_q_len < edge]
+        self.bs_list = captured_decode_sizes(max_num_seqs, decode_q_len, edge)
         # the FP8 form edges (graph_safe_kernels): a prefill graph takes a step on its bucket's side of each
         k = runner.kernels
         self.form_edges = (k.fp8_a8_min_tokens, k.fp8_linear_a8_min_tokens, k.fp8_scaled_mm_min_rows)

@@ -42,6 +42,17 @@ def _dequant_tile(w_ptr, s_ptr, n_ok, rem, one, KW: tl.constexpr, DTYPE: tl.cons
 
 
 @triton.jit
+def _dot(a, w, acc, TRANS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [M, N] += a [M, K] . w [N, K]^T; TRANS: acc [N, M] += w . a^T (w, dequantized in registers, as wgmma's A
+    operand read from registers)."""
+    if TRANS:
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PREC)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _block(pid_m, SortedIds, ExpertIds, BLOCK_M: tl.constexpr):
     """Block pid_m (below the padded total) -> (expert (int64), pair index of each row (TK: padding), rows m)."""
     e = tl.load(ExpertIds + pid_m).to(tl.int64)
@@ -94,7 +105,7 @@ def _int4_gemm1_kernel(
     gs_ptr = S13 + e * stride_se + n.to(tl.int64) * stride_sn
     us_ptr = gs_ptr + I * stride_sn
     a_ptr = X + tok[:, None] * stride_xt + k[None, :]
-    if TRANS:  # h^T [BLOCK_N, BLOCK_M]: the dequantized tile is wgmma's A operand, read from registers
+    if TRANS:  # h^T [BLOCK_N, BLOCK_M] (_dot)
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -103,15 +114,9 @@ def _int4_gemm1_kernel(
     for k0 in range(0, D, BLOCK_K):
         a = tl.load(a_ptr + k0, mask=row_ok[:, None] & (k < D - k0)[None, :], other=0.0)
         g = _dequant_tile(g_ptr + k0 // 8, gs_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty)
-        if TRANS:
-            acc_g = tl.dot(g, tl.trans(a), acc_g, input_precision=DOT_PREC)
-        else:
-            acc_g = tl.dot(a, tl.trans(g), acc_g, input_precision=DOT_PREC)
+        acc_g = _dot(a, g, acc_g, TRANS, DOT_PREC)
         u = _dequant_tile(u_ptr + k0 // 8, us_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty)
-        if TRANS:
-            acc_u = tl.dot(u, tl.trans(a), acc_u, input_precision=DOT_PREC)
-        else:
-            acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision=DOT_PREC)
+        acc_u = _dot(a, u, acc_u, TRANS, DOT_PREC)
     h = (acc_g * tl.sigmoid(acc_g) * acc_u).to(Hbuf.dtype.element_ty)
     # padding rows too (zeros): GEMM2 reads them
     if TRANS:
@@ -169,10 +174,7 @@ def _int4_gemm2_kernel(
     for k0 in range(0, I, BLOCK_K):
         a = tl.load(a_ptr + k0, mask=(k < I - k0)[None, :], other=0.0)
         b = _dequant_tile(w_ptr + k0 // 8, s_ptr + k0 // 32, d_ok, (I - k0) // 8, one, KW, Hbuf.dtype.element_ty)
-        if TRANS:
-            acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PREC)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+        acc = _dot(a, b, acc, TRANS, DOT_PREC)
     tw = tl.load(TopkW + ids, mask=row_ok, other=0.0)
     if TRANS:
         y_ptr = Y + ids.to(tl.int64)[None, :] * stride_yt + d[:, None]
