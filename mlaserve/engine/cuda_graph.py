@@ -139,8 +139,7 @@ class GraphRunner:
         self.use_graphs = use_graphs
         # Under EP, steps of a2a_edge tokens or more take the MoE all-to-all, which reads its split sizes on the
         # host: no graph holds that many tokens, so such steps (and their eager twins) run eagerly
-        self.edge = edge = a2a_edge(runner.ranks, runner.kernels)
-        self.max_num_seqs = max_num_seqs
+        edge = a2a_edge(runner.ranks, runner.kernels)
         self.bs_list = captured_decode_sizes(max_num_seqs, decode_q_len, edge)
         # the FP8 form edges (graph_safe_kernels): a prefill graph takes a step on its bucket's side of each
         k = runner.kernels
@@ -190,7 +189,7 @@ class GraphRunner:
         if not chunks or any(len(c.pages) > self.max_pages for c in chunks):
             return None
         if decode and not prefill:
-            b = decode_graph_size(len(decode), self.q, self.max_num_seqs, self.edge)
+            b = next((b for b in self.bs_list if b >= len(decode)), None)  # decode_graph_size over the captured list
             return None if b is None else ("decode", b)
         if (
             prefill
