@@ -28,6 +28,13 @@ def test_static_path_matches_eager(tiny_ckpt, n):
     ref = _gen(make_engine(tiny_ckpt, page_size=16), prompts)
     engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, prefill_graph_max_tokens=512)
     engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
+    from mlaserve.attention.base import SeqChunk
+    from mlaserve.engine.cuda_graph import decode_graph_size
+
+    for n in range(1, 6):  # the graph a decode step replays is the one eager steps are planned for
+        key = engine.runner.graphs.key_for([SeqChunk([0], 0, [0])] * n, [])
+        b = decode_graph_size(n, 1, 4, float("inf"))
+        assert key == (None if b is None else ("decode", b)), (n, key, b)
     used = []
     orig = engine.runner.graphs.run
     engine.runner.graphs.run = lambda key, d, p, *a: (used.append(key), orig(key, d, p, *a))[1]
