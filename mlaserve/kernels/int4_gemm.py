@@ -12,6 +12,7 @@ GEMM2: Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . down[e]) for every real row m.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -21,15 +22,31 @@ from .pdl import pdl_start
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, n_ok, rem, one, KW: tl.constexpr, DTYPE: tl.constexpr):
+def _dequant_tile(w_ptr, s_ptr, n_ok, rem, one, KW: tl.constexpr, DTYPE: tl.constexpr, EVEN: tl.constexpr):
     """Weight tile rows n (pointers w_ptr / s_ptr [N] to each row's words / scales at this K step), KW words (a
-    multiple of 4) of which the row has `rem` left -> [N, 8 * KW] in DTYPE: (nibble - 8) * scale, rounded once."""
+    multiple of 4) of which the row has `rem` left -> [N, 8 * KW] in DTYPE: (nibble - 8) * scale, rounded once.
+    EVEN: 0 masks K; 1: every K step is whole (no K mask, so the words load 16 bytes at a time); 2: also bf16 scales
+    read as 4-byte words of two groups (a thread's 2-byte scale load is not prefetched: cp.async needs 4 bytes)."""
     N: tl.constexpr = w_ptr.shape[0]
     G: tl.constexpr = KW // 4
     kw = tl.arange(0, KW)
-    w = tl.load(w_ptr[:, None] + kw[None, :], mask=n_ok[:, None] & (kw < rem)[None, :], other=0)  # [N, KW] int32
-    g = tl.arange(0, G)
-    s = tl.load(s_ptr[:, None] + g[None, :], mask=n_ok[:, None] & (4 * g < rem)[None, :], other=0.0)
+    if EVEN > 0:
+        w = tl.load(w_ptr[:, None] + kw[None, :], mask=n_ok[:, None], other=0)  # [N, KW] int32
+    else:
+        w = tl.load(w_ptr[:, None] + kw[None, :], mask=n_ok[:, None] & (kw < rem)[None, :], other=0)
+    if EVEN == 2:
+        g2 = tl.arange(0, G // 2)
+        s2_ptr = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        v = tl.load(s2_ptr[:, None] + g2[None, :], mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
+        lo = (v << 16).to(tl.float32, bitcast=True)  # group 2j: bf16 bits to the top of an fp32, exact
+        hi = (v & 0xFFFF0000).to(tl.float32, bitcast=True)
+        s = tl.reshape(tl.join(lo, hi), (N, G))
+    else:
+        g = tl.arange(0, G)
+        if EVEN > 0:
+            s = tl.load(s_ptr[:, None] + g[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            s = tl.load(s_ptr[:, None] + g[None, :], mask=n_ok[:, None] & (4 * g < rem)[None, :], other=0.0)
     s = s.to(tl.float32)[:, :, None, None]  # [N, G, 1, 1]
     # nibble pair p rotated left by 15 - 8p: nibble 2p + 1 to bits 19-22 (reads 1 + n/16 under 1.0's exponent),
     # 2p to bits 15-18 (1 + n/256); one FMA each gives (n - 8) * s exactly (16 s, 24 s, 256 s, 264 s are exact)
@@ -87,6 +104,7 @@ def _int4_gemm1_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TRANS: tl.constexpr,
+    EVEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -112,10 +130,13 @@ def _int4_gemm1_kernel(
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        a = tl.load(a_ptr + k0, mask=row_ok[:, None] & (k < D - k0)[None, :], other=0.0)
-        g = _dequant_tile(g_ptr + k0 // 8, gs_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty)
+        if EVEN > 0:
+            a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptr + k0, mask=row_ok[:, None] & (k < D - k0)[None, :], other=0.0)
+        g = _dequant_tile(g_ptr + k0 // 8, gs_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty, EVEN)
         acc_g = _dot(a, g, acc_g, TRANS, DOT_PREC)
-        u = _dequant_tile(u_ptr + k0 // 8, us_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty)
+        u = _dequant_tile(u_ptr + k0 // 8, us_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty, EVEN)
         acc_u = _dot(a, u, acc_u, TRANS, DOT_PREC)
     h = (acc_g * tl.sigmoid(acc_g) * acc_u).to(Hbuf.dtype.element_ty)
     # padding rows too (zeros): GEMM2 reads them
@@ -152,6 +173,7 @@ def _int4_gemm2_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TRANS: tl.constexpr,
+    EVEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -172,8 +194,11 @@ def _int4_gemm2_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        a = tl.load(a_ptr + k0, mask=(k < I - k0)[None, :], other=0.0)
-        b = _dequant_tile(w_ptr + k0 // 8, s_ptr + k0 // 32, d_ok, (I - k0) // 8, one, KW, Hbuf.dtype.element_ty)
+        if EVEN > 0:
+            a = tl.load(a_ptr + k0)
+        else:
+            a = tl.load(a_ptr + k0, mask=(k < I - k0)[None, :], other=0.0)
+        b = _dequant_tile(w_ptr + k0 // 8, s_ptr + k0 // 32, d_ok, (I - k0) // 8, one, KW, Hbuf.dtype.element_ty, EVEN)
         acc = _dot(a, b, acc, TRANS, DOT_PREC)
     tw = tl.load(TopkW + ids, mask=row_ok, other=0.0)
     if TRANS:
@@ -182,6 +207,20 @@ def _int4_gemm2_kernel(
     else:
         y_ptr = Y + ids.to(tl.int64)[:, None] * stride_yt + d[None, :]
         tl.store(y_ptr, (acc * tw[:, None]).to(Y.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _even(K: int, block_k: int, scale) -> int:
+    """_dequant_tile's EVEN for a GEMM over K with scales `scale` [E, N, K/32]."""
+    if K % block_k:
+        return 0
+    pairs = (
+        scale.dtype == torch.bfloat16
+        and (block_k // 32) % 2 == 0
+        and scale.stride(0) % 2 == 0
+        and scale.stride(1) % 2 == 0
+        and scale.data_ptr() % 4 == 0
+    )
+    return 2 if pairs else 1
 
 
 def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_ids, num_padded, hbuf, y, pdl, c1, c2):
@@ -220,6 +259,7 @@ def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_id
         BLOCK_K=c1["BLOCK_K"],
         GROUP_M=c1["GROUP_M"],
         TRANS=c1.get("TRANS", False),
+        EVEN=_even(D, c1["BLOCK_K"], s13),
         num_warps=c1["num_warps"],
         num_stages=c1["num_stages"],
         **common,
@@ -249,6 +289,7 @@ def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_id
         BLOCK_K=c2["BLOCK_K"],
         GROUP_M=c2["GROUP_M"],
         TRANS=c2.get("TRANS", False),
+        EVEN=_even(I, c2["BLOCK_K"], s2),
         num_warps=c2["num_warps"],
         num_stages=c2["num_stages"],
         **common,

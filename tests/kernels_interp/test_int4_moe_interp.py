@@ -178,6 +178,28 @@ def test_gemm_many_rows_per_expert(kdev):
     check(kdev, torch.bfloat16, T=24, D=64, I=32, E=2, K=2, config=GEMM, seed=22, foreign=0)
 
 
+@pytest.mark.parametrize("block_k, trans", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16])
+def test_gemm_whole_k_steps(kdev, block_k, trans, scale_dtype, monkeypatch):
+    # K a multiple of BLOCK_K: no K mask; bf16 scales read two groups a 4-byte word (int4_gemm._even = 2), fp16
+    # ones one group at a time (1)
+    import tests.helpers.int4_ref as ref
+    from mlaserve.kernels.int4_gemm import _even
+
+    assert _even(256, block_k, torch.empty(3, 256, 8, dtype=scale_dtype)) == (2 if scale_dtype == torch.bfloat16 else 1)
+    assert _even(96, 64, torch.empty(3, 256, 3, dtype=scale_dtype)) == 0
+    real = ref.random_int4_experts
+    monkeypatch.setattr(
+        ref,
+        "random_int4_experts",
+        lambda *a, **k: [t if i % 2 == 0 else t.to(scale_dtype) for i, t in enumerate(real(*a, **k))],
+    )
+    t = dict(BLOCK_N=64, BLOCK_K=block_k, TRANS=trans)
+    check(
+        kdev, torch.bfloat16, T=7, D=256, I=128, E=3, K=2, config=dict(form="gemm", gemm1=t, gemm2=t), seed=26, add=True
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemm_transposed(kdev, dtype):
     # TRANS: each GEMM computes its output transposed (weights the MMA's first operand); masked K and N steps
