@@ -1,9 +1,11 @@
 """The INT4 MoE's grouped GEMM form at prefill steps, tile configs side by side: one `int4_fused_experts` call
 (moe_align, GEMM1, GEMM2, the top-k sum) on Kimi-K2.5's experts (7168 -> 2048, 8 of 384, random routing) at 8,192
-and 2,048 tokens, against bf16 `fused_experts` on the same weights dequantized; median of 8 calls; rel = relative
-difference to the bf16 output. "T" configs compute both GEMMs transposed (int4_gemm.py's TRANS).
+and 2,048 tokens (INT4_TILES_T: other counts), against bf16 `fused_experts` on the same weights dequantized; median
+of 8 calls; rel = relative difference to the bf16 output. "T" configs compute both GEMMs transposed (int4_gemm.py's
+TRANS).
 
     PYTHONPATH=$PWD python benchmarks/int4_moe_tiles.py
+    INT4_TILES_T=256,512,1024 PYTHONPATH=$PWD python benchmarks/int4_moe_tiles.py
 
 Writes $OUT/int4_moe_tiles.json (OUT defaults to .). Needs a GPU and ~45 GB of its memory.
 """
@@ -23,8 +25,8 @@ from tests.helpers.int4_ref import random_int4_experts
 D, I, E, K = 7168, 2048, 384, 8
 
 
-def C(bm, bn, bk, w, s, trans=False):
-    c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
+def C(bm, bn, bk, w, s, trans=False, group=8):
+    c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=w, num_stages=s)
     return dict(c, TRANS=True) if trans else c
 
 
@@ -46,6 +48,10 @@ VARIANTS = {  # name: (gemm1, gemm2); None: the defaults (gemm_config)
     "T 32/128/64 w8 s3": both(C(32, 128, 64, 8, 3, True)),
     "T 32/128/64 w4 s4": both(C(32, 128, 64, 4, 4, True)),
     "GEMM1 only T 128/128/64 w8 s3": (C(128, 128, 64, 8, 3, True), C(128, 128, 64, 8, 3)),
+    "16/64/64 w4 s3 (the default up to 8 rows an expert before d7b3f0d)": both(C(16, 64, 64, 4, 3, group=1)),
+    "32/64/64 w4 s3 (the default from 8 to 24 rows before d7b3f0d)": both(C(32, 64, 64, 4, 3, group=1)),
+    "T 32/64/128 w4 s3": both(C(32, 64, 128, 4, 3, True)),
+    "T 16/64/64 w4 s3": both(C(16, 64, 64, 4, 3, True)),
     "GEMM2 only T 128/128/64 w8 s3": (C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 3, True)),
 }
 
@@ -73,7 +79,7 @@ def main():
     w = random_int4_experts(E, D, I, "cuda")
     w13, w2 = dequant_bf16(w, D, I)
     rows = []
-    for T in (8192, 2048):
+    for T in [int(t) for t in os.environ.get("INT4_TILES_T", "8192,2048").split(",")]:
         ids = torch.rand(T, E, device="cuda").topk(K, -1).indices
         tw = torch.rand(T, K, device="cuda")
         x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
