@@ -26,8 +26,8 @@ D, I, E, K = 7168, 2048, 384, 8
 
 
 def C(bm, bn, bk, w, s, trans=False, group=8):
-    c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=w, num_stages=s)
-    return dict(c, TRANS=True) if trans else c
+    # TRANS always set: int4_fused_experts merges a config into the defaults, whose TRANS would otherwise stand
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=w, num_stages=s, TRANS=trans)
 
 
 def both(c):
