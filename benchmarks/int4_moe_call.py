@@ -17,24 +17,11 @@ import os
 
 import torch
 
+from benchmarks.int4_moe_tiles import timeit
 from mlaserve.kernels.int4_moe import int4_fused_experts
 from tests.helpers.int4_ref import random_int4_experts
 
 D, E, K = 7168, 384, 8
-
-
-def median_ms(fn, reps: int = 8) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
 
 
 def main() -> None:
@@ -53,7 +40,7 @@ def main() -> None:
             configs["old small-row tiles"] = dict(form="gemm", gemm1=old, gemm2=old)
         for name, cfg in configs.items():
             out = int4_fused_experts(x, *w, tw, ids, 0, config=cfg)
-            ms = median_ms(lambda cfg=cfg: int4_fused_experts(x, *w, tw, ids, 0, config=cfg))
+            ms = timeit(lambda cfg=cfg: int4_fused_experts(x, *w, tw, ids, 0, config=cfg))
             row = dict(tree=os.environ.get("TREE", "?"), I=I, T=T, tiles=name, ms=ms)
             print(json.dumps(dict(row, checksum=float(out.float().abs().sum()))), flush=True)
 
