@@ -112,7 +112,10 @@ def tma_form(x: torch.Tensor, D: int, I: int, c1: dict, c2: dict, kernels: Kerne
 
 
 def tma_fits(D: int, I: int, c1: dict, c2: dict) -> bool:
-    return I % c1["BLOCK_N"] == 0 and D % c2["BLOCK_N"] == 0 and D % 16 == 0 and I % 16 == 0
+    """Whole tiles, and each tile's columns inside one 128-row weight-scale block (the K loops read one scale a
+    step)."""
+    whole = I % c1["BLOCK_N"] == 0 and D % c2["BLOCK_N"] == 0 and D % 16 == 0 and I % 16 == 0
+    return whole and BLOCK % c1["BLOCK_N"] == 0 and BLOCK % c2["BLOCK_N"] == 0
 
 
 def _check(x, w13, s13, w2, s2, topk_weights, topk_ids):
@@ -205,7 +208,10 @@ def fp8_fused_experts(
         a8 and not no_align and bool(cfg_tma if cfg_tma is not None else tma_form(x, D, I, c1, c2, kernels, (w13, w2)))
     )
     if tma and not tma_fits(D, I, c1, c2):
-        raise ValueError(f"tma: the TMA form needs I={I} and D={D} to be whole tiles of 16-byte rows")
+        raise ValueError(
+            f"tma: the TMA form needs I={I} and D={D} to be whole tiles of 16-byte rows, the tiles' BLOCK_N "
+            f"({c1['BLOCK_N']}, {c2['BLOCK_N']}) dividing {BLOCK}"
+        )
     # GEMM1 columns narrower than an h group (A8): h written in x's dtype, then quantized by act_quant, as
     # DeepSeek's and vLLM's W8A8 MoE round it; else GEMM1's epilogue quantizes its own group of h
     h16 = a8 and c1["BLOCK_N"] != BLOCK

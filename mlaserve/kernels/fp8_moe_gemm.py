@@ -36,15 +36,23 @@ def _gemm1_tma_a8(
     DOT_PREC: tl.constexpr,
 ):
     """GEMM1's W8A8 K loop over TMA tiles: a rows r0.. of the sorted x, gate rows rg.. and up rows rg + I.. of w13
-    (the K tail past D reads zeros)."""
+    (the K tail past D reads zeros); as_ptr [M] the rows' scales, sg_ptr / su_ptr the tile's one gate / up scale
+    (K group 0)."""
+    # the next K step's scales load after this step's MMAs are issued: a load beside its own step's MMAs stalls
+    # their scaling, and one issued before them holds back their issue
+    a_s_n = tl.load(as_ptr)
+    gs_n = tl.load(sg_ptr)
+    us_n = tl.load(su_ptr)
     for k0 in range(0, D, BLOCK_K):
         a = AD.load([r0, k0])  # [M, K]
         g = WD.load([rg, k0])  # [N, K]
         u = WD.load([rg + I, k0])
-        kg = (k0 // GROUP) * stride_sk
-        a_s = tl.load(as_ptr + (k0 // GROUP) * stride_asg)
-        acc_g = scaled_step(acc_g, a, tl.trans(g), a_s, tl.load(sg_ptr + kg), True, DOT_PREC)
-        acc_u = scaled_step(acc_u, a, tl.trans(u), a_s, tl.load(su_ptr + kg), True, DOT_PREC)
+        acc_g = scaled_step(acc_g, a, tl.trans(g), a_s_n, gs_n, True, DOT_PREC)
+        acc_u = scaled_step(acc_u, a, tl.trans(u), a_s_n, us_n, True, DOT_PREC)
+        kn = tl.minimum(k0 + BLOCK_K, D - 1) // GROUP  # the last step reloads its own group
+        a_s_n = tl.load(as_ptr + kn * stride_asg)
+        gs_n = tl.load(sg_ptr + kn * stride_sk)
+        us_n = tl.load(su_ptr + kn * stride_sk)
     return acc_g, acc_u
 
 
@@ -63,13 +71,17 @@ def _gemm2_tma_a8(
     GROUP: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """GEMM2's W8A8 K loop over TMA tiles: h rows r0.., down rows rw.. of w2 (the K tail past I reads zeros)."""
+    """GEMM2's W8A8 K loop over TMA tiles: h rows r0.., down rows rw.. of w2 (the K tail past I reads zeros); as_ptr
+    [M] the rows' scales, ws_ptr the tile's one weight scale (K group 0)."""
+    a_s_n = tl.load(as_ptr)  # the next step's scales load as in _gemm1_tma_a8
+    w_s_n = tl.load(ws_ptr)
     for k0 in range(0, I, BLOCK_K):
         a = AD.load([r0, k0])  # [M, K]
         w = WD.load([rw, k0])  # [N, K]
-        a_s = tl.load(as_ptr + k0 // GROUP)
-        w_s = tl.load(ws_ptr + (k0 // GROUP) * stride_sk)
-        acc = scaled_step(acc, a, tl.trans(w), a_s, w_s, True, DOT_PREC)
+        acc = scaled_step(acc, a, tl.trans(w), a_s_n, w_s_n, True, DOT_PREC)
+        kn = tl.minimum(k0 + BLOCK_K, I - 1) // GROUP
+        a_s_n = tl.load(as_ptr + kn)
+        w_s_n = tl.load(ws_ptr + kn * stride_sk)
     return acc
 
 
@@ -141,12 +153,13 @@ def _fp8_moe_gemm1_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if TMA:
+        sg0 = S13 + e * stride_se + (pid_n * BLOCK_N // GROUP) * stride_sn  # BLOCK_N divides a group: one scale
         acc_g, acc_u = _gemm1_tma_a8(
             AD,
             WD,
             AS + offs_m * stride_asm,
-            sg_ptr,
-            su_ptr,
+            sg0,
+            sg0 + tl.cdiv(I, GROUP) * stride_sn,
             pid_m * BLOCK_M,
             (e * 2 * I + pid_n * BLOCK_N).to(tl.int32),
             I,
@@ -243,7 +256,7 @@ def _fp8_moe_gemm2_kernel(
             AD,
             WD,
             as_ptr,
-            ws_ptr,
+            S2 + e * stride_se + (pid_n * BLOCK_N // GROUP) * stride_sn,  # BLOCK_N divides a group: one scale
             pid_m * BLOCK_M,
             (e * D + pid_n * BLOCK_N).to(tl.int32),
             I,
