@@ -88,6 +88,17 @@ def test_forms_and_empty(kdev):
     fc.check_fp8_moe(kdev, F32, T=0, D=128, I=128, E_total=4, E_local=4, offset=0, K=2)
 
 
+def test_tma_fits_whole_tiles_inside_one_scale_block():
+    """The TMA form's K loops read one weight scale a step for the whole tile: its BLOCK_N must divide 128."""
+    from mlaserve.kernels.fp8_moe import fp8_moe_config, tma_fits
+
+    c1, c2 = fp8_moe_config(8192, 8, 256, 7168, 2048, a8=True)
+    assert tma_fits(7168, 2048, c1, c2)
+    assert not tma_fits(7168, 2048, c1, dict(c2, BLOCK_N=256))  # two scale blocks in one GEMM2 tile
+    assert not tma_fits(7168, 2000, c1, c2)  # I not whole tiles
+    assert not tma_fits(7000, 2048, c1, c2)  # D not whole tiles
+
+
 def test_checks_name_the_argument(kdev):
     from mlaserve.kernels.fp8_moe import fp8_fused_experts
 
