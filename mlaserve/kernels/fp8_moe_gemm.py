@@ -33,7 +33,6 @@ def _gemm1_tma_a8(
     stride_sk,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
 ):
     """GEMM1's W8A8 K loop over TMA tiles: a rows r0.. of the sorted x, gate rows rg.. and up rows rg + I.. of w13
     (the K tail past D reads zeros); as_ptr [M] the rows' scales, sg_ptr / su_ptr the tile's one gate / up scale
@@ -47,8 +46,8 @@ def _gemm1_tma_a8(
         a = AD.load([r0, k0])  # [M, K]
         g = WD.load([rg, k0])  # [N, K]
         u = WD.load([rg + I, k0])
-        acc_g = scaled_step(acc_g, a, tl.trans(g), a_s_n, gs_n, True, DOT_PREC)
-        acc_u = scaled_step(acc_u, a, tl.trans(u), a_s_n, us_n, True, DOT_PREC)
+        acc_g += tl.dot(a, tl.trans(g)) * (a_s_n[:, None] * gs_n)  # scaled_step's A8 step, one weight scale
+        acc_u += tl.dot(a, tl.trans(u)) * (a_s_n[:, None] * us_n)
         kn = tl.minimum(k0 + BLOCK_K, D - 1) // GROUP  # the last step reloads its own group
         a_s_n = tl.load(as_ptr + kn * stride_asg)
         gs_n = tl.load(sg_ptr + kn * stride_sk)
@@ -69,7 +68,6 @@ def _gemm2_tma_a8(
     stride_sk,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
 ):
     """GEMM2's W8A8 K loop over TMA tiles: h rows r0.., down rows rw.. of w2 (the K tail past I reads zeros); as_ptr
     [M] the rows' scales, ws_ptr the tile's one weight scale (K group 0)."""
@@ -78,7 +76,7 @@ def _gemm2_tma_a8(
     for k0 in range(0, I, BLOCK_K):
         a = AD.load([r0, k0])  # [M, K]
         w = WD.load([rw, k0])  # [N, K]
-        acc = scaled_step(acc, a, tl.trans(w), a_s_n, w_s_n, True, DOT_PREC)
+        acc += tl.dot(a, tl.trans(w)) * (a_s_n[:, None] * w_s_n)
         kn = tl.minimum(k0 + BLOCK_K, I - 1) // GROUP
         a_s_n = tl.load(as_ptr + kn)
         w_s_n = tl.load(ws_ptr + kn * stride_sk)
@@ -170,7 +168,6 @@ def _fp8_moe_gemm1_kernel(
             stride_sk,
             BLOCK_K,
             GROUP,
-            DOT_PREC,
         )
     else:
         for k0 in range(0, D, BLOCK_K):
@@ -264,7 +261,6 @@ def _fp8_moe_gemm2_kernel(
             stride_sk,
             BLOCK_K,
             GROUP,
-            DOT_PREC,
         )
     else:
         for k0 in range(0, I, BLOCK_K):
