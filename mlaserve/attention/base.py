@@ -50,6 +50,11 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def plan_tokens(self) -> int:
+        """Tokens the step's batch-variant kernels are planned for: its own, or its padded graph twin's."""
+        return max(self.num_tokens, self.plan_decode_reqs * self.decode_q_len)
+
     def shift_decode(self, shift: torch.Tensor, page_size: int) -> None:
         """Move the first len(shift) decode requests' tokens shift [n] (int64, on the device) positions on: their
         positions, lengths and KV slots (looked up again in the page table), all on the device. An overlapped

@@ -160,6 +160,7 @@ def fp8_fused_experts(
     all_local: bool = True,
     config: dict | None = None,
     kernels: KernelConfig = KernelConfig(),
+    plan_tokens: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e - expert_offset is in
     [0, E) (others contribute nothing: EP, the caller all-reduces), plus `add` [T, D] -> [T, D] in x.dtype; with
@@ -172,7 +173,8 @@ def fp8_fused_experts(
     overrides (flat, "gemm1", "gemm2"), "no_align" (default T*K <= kernels.no_align_max_pairs), "gemv" (default:
     no_align; moe GEMV tiles as a dict), "a8" (default: more than kernels.fp8_a8_min_tokens tokens), "tma" (the
     W8A8 GEMMs' TMA form, tma_form; default: on sm_90+ where the shapes fit).
-    kernels: pdl, no_align_max_pairs, fp8_a8_min_tokens and fp8_moe_tma (kernel_config.py)."""
+    kernels: pdl, no_align_max_pairs, fp8_a8_min_tokens and fp8_moe_tma (kernel_config.py). plan_tokens: form and
+    tiles are chosen for max(T, plan_tokens) tokens (an eager step planned as its padded CUDA-graph twin)."""
     _check(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids)
     T, D = x.shape
     E, I2, _ = w13.shape
@@ -180,8 +182,8 @@ def fp8_fused_experts(
     K = topk_ids.shape[-1]
     if T == 0:  # checks `add`; empty
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
-    TK = T * K
-    no_align, gemv, a8 = moe_form(T, K, E, config, kernels.no_align_max_pairs, x.dtype, kernels.fp8_a8_min_tokens)
+    TK, P = T * K, max(T, plan_tokens)
+    no_align, gemv, a8 = moe_form(P, K, E, config, kernels.no_align_max_pairs, x.dtype, kernels.fp8_a8_min_tokens)
     cfg_tma = (config or {}).get("tma")
     config = {k: v for k, v in (config or {}).items() if k not in ("no_align", "gemv", "a8", "tma")}
     launch = pdl_args(x, kernels.pdl)
@@ -194,7 +196,7 @@ def fp8_fused_experts(
         args = (x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, expert_offset)
         fp8_moe_gemv(*args, hbuf, y, launch, gcfg)
         return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
-    c1, c2 = fp8_moe_config(T, K, E, D, I, a8, x.dtype, **config)
+    c1, c2 = fp8_moe_config(P, K, E, D, I, a8, x.dtype, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
     if no_align:  # block m = pair m alone; the align buffers are unused (any pointer will do)

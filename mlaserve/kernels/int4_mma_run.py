@@ -62,12 +62,14 @@ def mma_supported(x: torch.Tensor, D: int, I: int) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 8
 
 
-def int4_gemv_mma(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2, pair=True):
+def int4_gemv_mma(
+    x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2, pair=True, plan_tokens=0
+):
     """Both GEMVs into hbuf [TK, I] (bf16, pair order) and y [TK, D] (the caller checked every shape and
     mma_supported). c1 / c2: {"MR", "WG", "PREFETCH", "MUL", "NS", "maxnreg"} and c2's "NB" (gemv1: 8 MR gate rows
     a program, gemv2: NB blocks of 16 MR rows; WG warps; NS: cp.async stages; maxnreg: a register cap, for more
     programs an SM). pair: the pairs of one expert two at a time (each expert's weights read once for both; steps of
-    up to PAIR_MAX pairs)."""
+    up to PAIR_MAX pairs), decided for max(T, plan_tokens) tokens (int4_fused_experts' plan)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
@@ -81,7 +83,8 @@ def int4_gemv_mma(x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hb
             )
     x32 = x.view(torch.int32)
     TK = T * K
-    tkp = triton.next_power_of_2(TK) if pair and T > 1 and pair_worthwhile(TK, E) else 0  # one token: no sharing
+    P = max(T, plan_tokens)
+    tkp = triton.next_power_of_2(P * K) if pair and P > 1 and pair_worthwhile(P * K, E) else 0  # one token: none
     k1 = _int4_mma_gemv1_kernel[(TK * triton.cdiv(I, 8 * c1["MR"]),)](
         x32,
         w13,

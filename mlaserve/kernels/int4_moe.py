@@ -73,6 +73,35 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
     return c1, dict(c1)
 
 
+def resolve_form(form: str, pairs: int, E: int, D: int, I: int, kernels: KernelConfig, mma_ok: bool) -> str:
+    """'gemv_mma' / 'gemv_fma' / 'gemm' for a config's form ('' or None: default_form's; 'gemv': on the tensor
+    cores where mma_ok (mma_supported) and mma_preferred) at `pairs` (token, k) pairs over E local experts."""
+    form = form or default_form(pairs, E, kernels)
+    if form == "gemv":
+        form = "gemv_mma" if mma_ok and mma_preferred(D, I, pairs) else "gemv_fma"
+    if form not in ("gemv_mma", "gemv_fma", "gemm"):
+        raise ValueError(f"config: form={form!r} must be 'gemv', 'gemv_mma', 'gemv_fma' or 'gemm'")
+    return form
+
+
+def form_tiles(form: str, tokens: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """The default tiles of `form` for a step of `tokens` tokens of top-K."""
+    if form == "gemm":
+        return gemm_config(tokens, K, E, D, I, dtype)
+    return (mma_config if form == "gemv_mma" else gemv_config)(D, I, tokens * K)
+
+
+def int4_plan(
+    tokens: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, kernels: KernelConfig, mma_ok: bool
+) -> tuple[str, dict, dict]:
+    """(form, first tiles, second tiles) the default config takes for a step planned as `tokens` tokens. Both
+    follow the planned size, not the step's own, so an eager decode step planned as its padded CUDA-graph twin
+    (ForwardBatch.plan_tokens) computes each row as the graph does (kernels/plan.py walks it at Kimi-K2.5's
+    shards)."""
+    form = resolve_form("", tokens * K, E, D, I, kernels, mma_ok)
+    return form, *form_tiles(form, tokens, K, E, D, I, dtype)
+
+
 def _check(x, w13p, w13s, w2p, w2s, topk_weights, topk_ids):
     """-> (T, D, E, I, K); errors name the argument and the limit."""
     if x.dim() != 2 or x.dtype not in FLOATS or x.stride(-1) != 1:
@@ -121,6 +150,7 @@ def int4_fused_experts(
     all_local: bool = True,
     config: dict | None = None,
     kernels: KernelConfig = KernelConfig(),
+    plan_tokens: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e = id - expert_offset is
     in [0, E) (others contribute nothing: EP), plus `add` -> [T, D] in x.dtype; equals int4_fused_experts_ref. With
@@ -129,8 +159,9 @@ def int4_fused_experts(
     x [T, D]; w13_packed int32 [E, 2I, D/8] (gate rows, then up rows), w13_scale [E, 2I, D/32]; w2_packed int32
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
-    kernels: its pdl switch and the INT4 GEMV thresholds (kernel_config.py).
-    config (benchmarks, tests): "form": "gemv" / "gemm" (default: default_form(T * K, E, kernels)), "gemv" meaning
+    kernels: its pdl switch and the INT4 GEMV thresholds (kernel_config.py). plan_tokens: form and tiles are chosen
+    for max(T, plan_tokens) tokens (int4_plan), so a step computes each row as a step of that many would.
+    config (benchmarks, tests): "form": "gemv" / "gemm" (default: int4_plan's), "gemv" meaning
     "gemv_mma" where mma_supported and mma_preferred, else "gemv_fma"; for gemv_mma "pair" (two pairs of one expert
     in one pass, default True); "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL",
     "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1", "gemv2" ({"ROWS", "G",
@@ -144,15 +175,14 @@ def int4_fused_experts(
     bad = set(cfg) - set(keys)
     if bad:
         raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
-    TK = T * K
-    form = cfg.get("form") or default_form(TK, E, kernels)
-    if form == "gemv":
-        form = "gemv_mma" if mma_supported(x, D, I) and mma_preferred(D, I, TK) else "gemv_fma"
+    TK, P = T * K, max(T, plan_tokens)
+    mma_ok = mma_supported(x, D, I)
+    form = resolve_form(cfg.get("form"), P * K, E, D, I, kernels, mma_ok)
+    c1, c2 = form_tiles(form, P, K, E, D, I, x.dtype)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if form == "gemv_mma":
-        if not mma_supported(x, D, I):
+        if not mma_ok:
             raise ValueError(f"config: form='gemv_mma' needs bf16 x on sm_80+ and D={D}, I={I} multiples of 128")
-        c1, c2 = mma_config(D, I, TK)
         o1, o2 = cfg.get("mma1", {}), cfg.get("mma2", {})
         c1, c2 = (dict(o) if "MR" in o else dict(c, **o) for c, o in ((c1, o1), (c2, o2)))  # with MR: a whole tile
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
@@ -171,16 +201,15 @@ def int4_fused_experts(
             c1,
             c2,
             pair=cfg.get("pair", True),
+            plan_tokens=P,
         )
     elif form == "gemv_fma":
-        c1, c2 = gemv_config(D, I, TK)
         c1, c2 = dict(c1, **cfg.get("gemv1", {})), dict(c2, **cfg.get("gemv2", {}))
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
         int4_gemv(
             x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2
         )
-    elif form == "gemm":
-        c1, c2 = gemm_config(T, K, E, D, I, x.dtype)
+    else:  # gemm
         c1, c2 = dict(c1, **cfg.get("gemm1", {})), dict(c2, **cfg.get("gemm2", {}))
         bm = c1["BLOCK_M"]
         if c2["BLOCK_M"] != bm or bm & (bm - 1) or bm < 16:
@@ -207,6 +236,4 @@ def int4_fused_experts(
             c1,
             c2,
         )
-    else:
-        raise ValueError(f"config: form={form!r} must be 'gemv', 'gemv_mma', 'gemv_fma' or 'gemm'")
     return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)

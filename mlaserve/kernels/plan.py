@@ -15,7 +15,7 @@ import triton
 from ..kernel_config import KernelConfig
 
 # The plan's entries that configuration alone cannot make batch-invariant (kernel_config.NOT_YET_INVARIANT)
-NOT_YET_INVARIANT_POINTS = ("fp8_gemm_tiles", "int4_form")
+NOT_YET_INVARIANT_POINTS = ("fp8_gemm_tiles", "int4_form", "int4_tiles")
 
 
 class _OnGpu(torch.Tensor):
@@ -58,7 +58,8 @@ def reduction_plan(
     from .fused_moe import experts_form
     from .gemv import gemv_serves
     from .head_gemv import head_gemv_serves
-    from .int4_moe import default_form
+    from .int4_mma_run import pair_worthwhile
+    from .int4_moe import int4_plan
     from .mla_decode import TMA_MIN_PROGRAMS, decode_config, split_plan
     from .moe_config import moe_config
     from .routing import ROUTER_SPLITK_MAX_EXPERTS
@@ -104,7 +105,14 @@ def reduction_plan(
     plan["fp8_moe"] = fp8_moe_form(
         T, top_k, experts, None, kernels.no_align_max_pairs, dtype, kernels.fp8_a8_min_tokens
     )
-    plan["int4_form"] = default_form(T * top_k, experts, kernels)
+    # the INT4 experts (int4_fused_experts): form and tiles for the planned tokens (an eager decode step: its graph
+    # twin's, ForwardBatch.plan_tokens), mma_supported as on an sm_90 GPU (bf16, dims multiples of 128)
+    P = max(T, (plan_reqs or 0) * q_len)
+    mma_ok = dtype == torch.bfloat16 and hidden % 128 == 0 and moe_inter % 128 == 0
+    form, c1, c2 = int4_plan(P, top_k, experts, hidden, moe_inter, dtype, kernels, mma_ok)
+    plan["int4_form"] = form
+    pairing = form == "gemv_mma" and P > 1 and pair_worthwhile(P * top_k, experts)
+    plan["int4_tiles"] = (tuple(sorted(c1.items())), tuple(sorted(c2.items())), pairing)
     # MLA decode: the splits, tiles, load path (TMA as the call site decides on an sm_90 GPU whose cache pages hold
     # whole tiles) and the cut of a seq_len context (the tokens of a split)
     B = max(1, T // q_len, plan_reqs or 0)

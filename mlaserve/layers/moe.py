@@ -243,11 +243,14 @@ class Experts(ExpertsBase):
         add: torch.Tensor | None = None,
         shared: tuple | None = None,
         norm: tuple | None = None,
+        plan_tokens: int = 0,
     ):
         """-> the routed experts' output [T, D], plus `add` (the shared experts') when given. Triton only: `shared`,
         the shared MLP's (gate, up, down) weights, run as S more experts whose ids the routing appended; `norm` =
         (weight, eps, residual), the add + RMSNorm after the MoE fused into its sum -> (normed, output + residual)
-        (kernels.fused_moe.fused_experts)."""
+        (kernels.fused_moe.fused_experts). plan_tokens (the quantized experts' planned size) is not needed here: the
+        bf16 forms' edges are in tokens that keep off the graph sizes, and their tiles share one K split
+        (kernels/plan.py's twin walk)."""
         if impl == "triton":
             from ..kernels.fused_moe import fused_experts
 

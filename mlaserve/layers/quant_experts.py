@@ -31,10 +31,10 @@ class QuantExperts(ExpertsBase):
         """The tensors the kernel takes, in its argument order."""
         raise NotImplementedError
 
-    def forward(self, x, topk_weights, topk_ids, impl: str = "torch", add=None, shared=None, norm=None):
+    def forward(self, x, topk_weights, topk_ids, impl: str = "torch", add=None, shared=None, norm=None, plan_tokens=0):
         """-> the routed experts' output [T, D] in x.dtype, plus `add` (the shared experts') when given. Triton
         only: norm = (weight, eps, residual), the add + RMSNorm after the MoE fused into its sum -> (normed,
-        output + residual)."""
+        output + residual); plan_tokens: the kernel's form and tiles chosen for max(T, plan_tokens) tokens."""
         if shared is not None:
             raise ValueError(f"{type(self).__name__}: shared-experts fusion is bf16-only")
         if norm is not None and impl != "triton":
@@ -54,6 +54,7 @@ class QuantExperts(ExpertsBase):
                 norm=norm,
                 all_local=self.num_local == self.num_experts,
                 kernels=self.kernels,
+                plan_tokens=plan_tokens,
             )
         y = torch.zeros_like(x)
         local = topk_ids - self.expert_offset

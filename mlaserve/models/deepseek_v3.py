@@ -101,8 +101,15 @@ class DeepseekV3MoE(nn.Module):
         # rounds as that kernel does, so the two paths agree bit for bit).
         self.fuse_norm = impl == "triton" and not self.reduce
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
-        """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+        plan_tokens: int = 0,
+    ):
+        """-> y [T, D]; with `norm` (the norm after the block) norm(y, residual): (norm(y + residual), y + residual).
+        plan_tokens: the experts choose their kernels for max(T, plan_tokens) tokens (ForwardBatch.plan_tokens)."""
         if use_a2a(x.shape[0], self.ranks, self.kernels.moe_a2a_min_tokens):
             y = self.forward_a2a(x)
             return y if norm is None else norm(y, residual)
@@ -113,6 +120,7 @@ class DeepseekV3MoE(nn.Module):
             kw = dict(impl="triton", shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight))
         else:  # routed + shared, summed in one pass
             kw = dict(impl=self.impl, add=self.shared_experts(x) if self.shared_experts is not None else None)
+        kw["plan_tokens"] = plan_tokens
         if norm is not None and self.fuse_norm and norm.uses_kernel(x, residual):  # sum over k, add, norm: 1 kernel
             return self.experts(x, weights, ids, norm=(norm.weight, norm.eps, residual), **kw)
         y = self.experts(x, weights, ids, **kw)
@@ -345,6 +353,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         (the next layer's input_layernorm, or the model's final norm). -> (next_norm(stream), stream), the stream
         leaving this layer."""
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, batch), residual)
+        if isinstance(self.mlp, DeepseekV3MoE):  # an eager step's experts planned as its graph twin's
+            return self.mlp(x, next_norm, residual, batch.plan_tokens)
         return self.mlp(x, next_norm, residual)
 
 

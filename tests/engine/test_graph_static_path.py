@@ -256,16 +256,24 @@ def test_packed_input_regions_are_disjoint(tiny_ckpt):
 def test_eager_decode_steps_are_planned_as_their_graph_twins(tiny_ckpt):
     """Without graphs, a decode-only step of n requests is planned for the decode graph it would pad to
     (ForwardBatch.plan_decode_reqs, read by the MLA decode's split plan), so an eager engine and a graphed one
-    compute its rows alike; steps with prefill rows keep their own size."""
+    compute its rows alike; steps with prefill rows keep their own size. Every MoE block gets the planned tokens
+    (ForwardBatch.plan_tokens: the quantized experts choose their kernels by it)."""
+    from mlaserve.models.deepseek_v3 import DeepseekV3MoE
+
     engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4)
     model = engine.runner.model
-    seen = []
+    seen, moe_seen = [], []
     forward = model.forward
     model.forward = lambda ids, pos, batch: (
         seen.append((batch.num_decode_reqs, len(batch.query_lens_cpu), batch.plan_decode_reqs)),
         forward(ids, pos, batch),
     )[1]
+    moes = [m for m in model.modules() if isinstance(m, DeepseekV3MoE)]
+    assert moes
+    for m in moes:
+        m.forward = lambda x, *a, _f=m.forward, **k: (moe_seen.append((x.shape[0], a[2])), _f(x, *a, **k))[1]
     _gen(engine, _prompts(3))
     decode_only = {(nd, plan) for nd, reqs, plan in seen if nd == reqs}
     assert (3, 4) in decode_only and all(plan == {1: 1, 2: 2, 3: 4, 4: 4}[nd] for nd, plan in decode_only)
     assert all(plan == 0 for nd, reqs, plan in seen if nd != reqs)
+    assert (3, 4) in moe_seen and all(planned >= tokens for tokens, planned in moe_seen)

@@ -243,3 +243,17 @@ def test_moe_a8_tma_form_bits(T, shape):
                 x, w13, s13, w2, s2, w, ids, offset, all_local=E == E_total, config=dict(shape, a8=True, tma=tma)
             )
     assert torch.equal(outs[True], outs[False]), f"T={T} {shape}: max diff {(outs[True] - outs[False]).abs().max()}"
+
+
+def test_fp8_moe_eager_step_equals_its_graph_twin():
+    """DeepSeek-V3's experts under EP4 (64 local of 256): an eager decode step of 33 requests planned as its graph of
+    48 (plan_tokens) gives its rows bit for bit as the 48-row step does."""
+    from mlaserve.kernels.fp8_moe import fp8_fused_experts
+
+    w = fc.make_fp8_experts("cuda", E=64, D=7168, I=2048)
+    ids, tw = fc.moe_routing("cuda", T=48, K=8, E_total=256)
+    ids[33:], tw[33:] = ids[:15], tw[:15]
+    x = torch.randn(48, 7168, device="cuda").to(torch.bfloat16)
+    twin = fp8_fused_experts(x, *w, tw, ids, 64, all_local=False)
+    step = fp8_fused_experts(x[:33], *w, tw[:33], ids[:33], 64, all_local=False, plan_tokens=48)
+    assert torch.equal(step, twin[:33])

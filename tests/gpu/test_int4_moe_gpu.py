@@ -126,3 +126,42 @@ def test_int4_moe_pairs_of_one_expert(shape):
     w = experts(D, I, 12)
     for pair in (True, False):
         check(w, 8, offset=4, E_all=20, form="gemv_mma", config=dict(pair=pair), add=True)
+
+
+# (local experts, their first id, intermediate shard, step requests b, the decode graph g it pads to): EP4 and EP2,
+# where the GEMV/GEMM edge falls inside a graph (33 -> 48, 67 -> 96); the whole expert at 5 -> 8, where the pairing
+# of one expert's pairs turns on, and the MoE-TP8 shard at 3 -> 4, where the GEMV's row tiles change
+# (kernels/plan.py's twin walk lists these)
+TWINS = {
+    "ep4": (96, 96, 2048, 33, 48),
+    "ep2": (192, 192, 2048, 67, 96),
+    "all": (384, 0, 2048, 5, 8),
+    "tp8": (384, 0, 256, 3, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(TWINS))
+def test_int4_moe_eager_step_equals_its_graph_twin(case):
+    """An eager decode step of b requests planned as the graph of g it pads to (plan_tokens, ForwardBatch.
+    plan_tokens) gives its rows bit for bit as the g-row step does, the pad rows routed as real ones (the pairing
+    scan sees them). Planned alone, its form, tiles or pairing differ (printed: how many values that changes)."""
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels.int4_mma_run import pair_worthwhile
+    from mlaserve.kernels.int4_moe import int4_fused_experts, int4_plan
+
+    E, offset, I, b, g = TWINS[case]
+    w = experts(7168, I, E)
+    ids, tw = routing(g, E, offset, 384)
+    ids[b:], tw[b:] = ids[: g - b], tw[: g - b]  # pad rows: copies of real rows' routing
+    x = torch.randn(g, 7168, device="cuda").to(BF)
+    run = dict(expert_offset=offset, all_local=E == 384)
+    twin = int4_fused_experts(x, *w, tw, ids, **run)
+    with kc.poisoned_empty():
+        step = int4_fused_experts(x[:b], *w, tw[:b], ids[:b], plan_tokens=g, **run)
+    assert torch.equal(step, twin[:b]), case
+    alone = int4_fused_experts(x[:b], *w, tw[:b], ids[:b], **run)
+    plans = [(*int4_plan(t, K, E, 7168, I, BF, KernelConfig(), True), pair_worthwhile(t * K, E)) for t in (b, g)]
+    print(f"{case}: alone {plans[0][0]}, planned {plans[1][0]}; alone, {(alone != step).sum()} values differ")
+    assert plans[0] != plans[1]
+    if case in ("ep4", "ep2"):
+        assert plans[0][0] != plans[1][0]

@@ -88,6 +88,26 @@ def test_forms_and_empty(kdev):
     fc.check_fp8_moe(kdev, F32, T=0, D=128, I=128, E_total=4, E_local=4, offset=0, K=2)
 
 
+def test_plan_tokens_choose_the_form(kdev, monkeypatch):
+    """An eager step planned as its padded graph twin: 2 tokens x 2 pairs take the GEMV form alone and the aligned
+    tiles planned as 3 tokens (kernels.no_align_max_pairs 5), as the twin does; its rows equal the twin's."""
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels import fp8_moe
+
+    gemv = []
+    fn = fp8_moe.fp8_moe_gemv
+    monkeypatch.setattr(fp8_moe, "fp8_moe_gemv", lambda *a: (gemv.append(1), fn(*a))[1])
+    k = KernelConfig(no_align_max_pairs=5)
+    w = fc.make_fp8_experts(kdev, E=4, D=128, I=64)
+    ids, tw = fc.moe_routing(kdev, T=3, K=2, E_total=4)
+    x = torch.randn(3, 128, device=kdev)
+    twin = fp8_moe.fp8_fused_experts(x, *w, tw, ids, kernels=k)
+    step = fp8_moe.fp8_fused_experts(x[:2], *w, tw[:2], ids[:2], kernels=k, plan_tokens=3)
+    assert not gemv and torch.equal(step, twin[:2])
+    fp8_moe.fp8_fused_experts(x[:2], *w, tw[:2], ids[:2], kernels=k)
+    assert gemv == [1]
+
+
 def test_tma_fits_whole_tiles_inside_one_scale_block():
     """The TMA form's K loops read one weight scale a step for the whole tile: its BLOCK_N must divide 128."""
     from mlaserve.kernels.fp8_moe import fp8_moe_config, tma_fits

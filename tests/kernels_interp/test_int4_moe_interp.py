@@ -230,6 +230,28 @@ def test_int32_ids_and_default_form(kdev, form, monkeypatch):
     assert calls == ["int4_gemm"]
 
 
+def test_plan_tokens_choose_form_and_tiles(kdev, monkeypatch):
+    # an eager step planned as its padded graph twin: 2 tokens x 2 pairs take the GEMV form alone and the GEMM form
+    # planned as 3 tokens (kernels.int4_gemv_max_pairs 5), with the twin's tiles; the rows equal the twin's
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels import int4_moe
+
+    calls = []
+    for name in ("int4_gemv", "int4_gemm"):
+        fn = getattr(int4_moe, name)
+        monkeypatch.setattr(
+            int4_moe, name, lambda *a, _f=fn, _n=name, **k: (calls.append((_n, a[-2:])), _f(*a, **k))[1]
+        )
+    limit = KernelConfig(int4_gemv_max_pairs=5)
+    x, w, ids, tw = inputs(kdev, torch.bfloat16, 3, 64, 32, 6, 2, 1, seed=41)
+    twin = int4_moe.int4_fused_experts(x, *w, tw, ids, 1, all_local=False, kernels=limit)
+    with poisoned_empty():
+        step = int4_moe.int4_fused_experts(x[:2], *w, tw[:2], ids[:2], 1, all_local=False, kernels=limit, plan_tokens=3)
+    int4_moe.int4_fused_experts(x[:2], *w, tw[:2], ids[:2], 1, all_local=False, kernels=limit)
+    assert [c[0] for c in calls] == ["int4_gemm", "int4_gemm", "int4_gemv"] and calls[0][1] == calls[1][1]
+    assert torch.equal(step, twin[:2])
+
+
 def test_no_tokens(kdev):
     from mlaserve.kernels.int4_moe import int4_fused_experts
 

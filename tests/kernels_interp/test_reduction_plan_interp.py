@@ -5,6 +5,7 @@ configuration cannot fix are listed, and shown to still vary, rather than passed
 
 import pytest
 
+DSV3 = dict(hidden=7168, heads=128, experts=256, top_k=8, n_shared=1, moe_inter=2048)
 STEP_SIZES = sorted({*range(1, 70), 96, 128, 255, 256, 257, 512, 1000, 1024, 2048, 4096, 8192, 16384})
 
 
@@ -14,7 +15,7 @@ def _plans(kernels, **kw):
     return {T: reduction_plan(kernels, T, **kw) for T in STEP_SIZES}
 
 
-@pytest.mark.parametrize("model", [{}, dict(hidden=7168, heads=128, experts=256, top_k=8, n_shared=1, moe_inter=2048)])
+@pytest.mark.parametrize("model", [{}, DSV3])
 def test_deterministic_plan_is_the_same_at_every_step_size(model):
     from mlaserve.engine.cuda_graph import PREFILL_TOKEN_BUCKETS
     from mlaserve.kernel_config import KernelConfig
@@ -74,36 +75,55 @@ def test_deterministic_verify_rows_are_decode_rows():
 
 
 # Known batch-variant points a decode step and its padded graph twin may still differ in: cuBLAS picks its GEMM by
-# M (dense_gemm); the INT4 experts' GEMV/GEMM edge is a count of expected distinct experts, not a token edge
-# graph_safe_kernels can move off a decode graph's sizes; the bf16 fused MoE's M/N tiles and stages follow the
-# tokens (moe_tiles: compared by their K tile, which with no K split fixes each output's order of sums).
-TWIN_EXCEPTIONS = ("dense_gemm", "int4_form", "moe_tiles")
+# M (dense_gemm); the bf16 fused MoE's M/N tiles and stages follow the tokens (moe_tiles: compared by their K tile,
+# which with no K split fixes each output's order of sums).
+TWIN_EXCEPTIONS = ("dense_gemm", "moe_tiles")
+# Kimi-K2.5's routed experts on one rank (384 experts, top-8): whole, under EP2 / EP4 / EP8, MoE-TP4 / TP8 shards.
+# The INT4 GEMV/GEMM edge is a count of expected distinct experts: EP4's falls between 33 and 34 requests (inside
+# the graph of 48), EP2's between 67 and 68 (inside 96)
+KIMI = {
+    f"kimi_{name}": dict(hidden=7168, heads=64, experts=e, top_k=8, n_shared=1, moe_inter=i, vocab=163840)
+    for name, e, i in (("all", 384, 2048), ("ep2", 192, 2048), ("ep4", 96, 2048), ("ep8", 48, 2048))
+    + (("tp4", 384, 512), ("tp8", 384, 256))
+}
 
 
 def _k_tiles(tiles):
     return None if tiles is None else tuple(dict(c)["BLOCK_K"] for c in tiles)
 
 
-@pytest.mark.parametrize("model", [{}, dict(hidden=7168, heads=128, experts=256, top_k=8, n_shared=1, moe_inter=2048)])
+MODELS = {"m1": {}, "dsv3": DSV3, **KIMI}
+
+
+@pytest.mark.parametrize("model", MODELS, ids=str)
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_eager_decode_planned_as_its_graph_twin(model, q_len):
     """Default mode: a decode step of b requests planned for the graph size g it pads to (ForwardBatch.
-    plan_decode_reqs) takes every decision point's choice the graph of g takes (but TWIN_EXCEPTIONS); planned for
-    b alone, the MLA decode differs (so the walk is not vacuous)."""
+    plan_decode_reqs, plan_tokens) takes every decision point's choice the graph of g takes (but TWIN_EXCEPTIONS);
+    planned for b alone, the MLA decode differs, and at EP2 / EP4 the INT4 experts' form (so the walk is not
+    vacuous)."""
     from mlaserve.engine.cuda_graph import decode_graph_size, graph_safe_kernels
     from mlaserve.kernel_config import KernelConfig
     from mlaserve.kernels.plan import reduction_plan
 
-    max_num_seqs = 64
+    model, kw = MODELS[model], dict(MODELS[model], q_len=q_len)
+    max_num_seqs = 128
     k = graph_safe_kernels(KernelConfig(), max_num_seqs, q_len)
-    differed = 0
+    differed, int4_differed = 0, set()
     for b in range(1, max_num_seqs + 1):
         g = decode_graph_size(b, q_len, max_num_seqs, float("inf"))
-        twin = reduction_plan(k, g * q_len, q_len=q_len, **model)
-        step = reduction_plan(k, b * q_len, q_len=q_len, plan_reqs=g, **model)
+        twin = reduction_plan(k, g * q_len, **kw)
+        step = reduction_plan(k, b * q_len, plan_reqs=g, **kw)
         for point, choice in step.items():
             if point not in TWIN_EXCEPTIONS:
                 assert choice == twin[point], (point, b, g, choice, twin[point])
         assert _k_tiles(step["moe_tiles"]) == _k_tiles(twin["moe_tiles"]), (b, g)
-        differed += reduction_plan(k, b * q_len, q_len=q_len, **model)["mla_decode"] != twin["mla_decode"]
+        alone = reduction_plan(k, b * q_len, **kw)
+        differed += alone["mla_decode"] != twin["mla_decode"]
+        if alone["int4_form"] != twin["int4_form"]:
+            int4_differed.add(b)
     assert differed
+    if model is KIMI["kimi_ep4"] and q_len == 1:
+        assert 33 in int4_differed  # GEMV alone, the GEMM in the graph of 48
+    if model is KIMI["kimi_ep2"] and q_len == 1:
+        assert int4_differed & {66, 67}
