@@ -150,7 +150,7 @@ def a8_reference(on: bool = True, kv_b: bool = False, above: int | None = None):
         assert impl == "torch", impl
         return fp8_block_linear_ref(x, weight, scale_inv, a8=quantizes(x)).to(x.dtype)
 
-    def experts(self, x, topk_weights, topk_ids, impl="torch", add=None, shared=None, norm=None):
+    def experts(self, x, topk_weights, topk_ids, impl="torch", add=None, shared=None, norm=None, plan_tokens=0):
         assert impl == "torch" and shared is None and norm is None, impl
         y = fp8_fused_experts_ref(x, *self.stored(), topk_weights, topk_ids, self.expert_offset, a8=True)
         return y.to(x.dtype) if add is None else y.to(x.dtype) + add
