@@ -193,6 +193,14 @@ class KernelConfig:
             gemm2=dict(gemm, BLOCK_N=128),
         )
 
+    def int4_fixed_config(self) -> dict | None:
+        """The INT4 experts' grouped GEMM tiles in deterministic mode (int4_moe.form_tiles): one config for both
+        GEMMs at every step (int4_moe.gemm_config's up-to-24-rows tiles: 32-row blocks as wgmma's n32, BLOCK_K
+        128); None otherwise."""
+        if not self.deterministic:
+            return None
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True)
+
     def mla_decode_args(self) -> tuple[int | None, dict | None]:
         """mla_decode's (num_splits, config): (None, None) by default (both from the batch); in deterministic mode
         the fixed split count and tiles (pointer loads with the default tiles: TMA and the few-program tiles are
@@ -247,7 +255,6 @@ DETERMINISTIC_PINS = dict(
 # Kernels whose reduction order still depends on the step in deterministic mode: configuration cannot fix them.
 NOT_YET_INVARIANT = (
     "FP8 linears and experts (fp8_gemm's SPLIT_K and tiles by M; the grouped GEMM's tiles by rows per expert)",
-    "INT4 experts (int4_gemm's tiles by the step)",
     "a linear whose weight's dtype is not its input's (cuBLAS; logged once per shape)",
     "the EAGLE3 draft's own lm_head GEMM (cuBLAS; it changes which tokens are proposed, not the output)",
     "the torch reference backends on the GPU (--attention-backend torch, --moe-backend torch: cuBLAS GEMMs)",

@@ -84,8 +84,15 @@ def resolve_form(form: str, pairs: int, E: int, D: int, I: int, kernels: KernelC
     return form
 
 
-def form_tiles(form: str, tokens: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> tuple[dict, dict]:
-    """The default tiles of `form` for a step of `tokens` tokens of top-K."""
+def form_tiles(
+    form: str, tokens: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, kernels: KernelConfig
+) -> tuple[dict, dict]:
+    """The default tiles of `form` for a step of `tokens` tokens of top-K; in deterministic mode the GEMMs take
+    kernels.int4_fixed_config() at every step (fp32 x: gemm_config's one fp32 tile), so a row's sums do not
+    depend on the step."""
+    fixed = kernels.int4_fixed_config()
+    if form == "gemm" and fixed is not None and dtype != torch.float32:
+        return dict(fixed), dict(fixed)
     if form == "gemm":
         return gemm_config(tokens, K, E, D, I, dtype)
     return (mma_config if form == "gemv_mma" else gemv_config)(D, I, tokens * K)
@@ -99,7 +106,7 @@ def int4_plan(
     (ForwardBatch.plan_tokens) computes each row as the graph does (kernels/plan.py walks it at Kimi-K2.5's
     shards)."""
     form = resolve_form("", tokens * K, E, D, I, kernels, mma_ok)
-    return form, *form_tiles(form, tokens, K, E, D, I, dtype)
+    return form, *form_tiles(form, tokens, K, E, D, I, dtype, kernels)
 
 
 def _check(x, w13p, w13s, w2p, w2s, topk_weights, topk_ids):
@@ -178,7 +185,7 @@ def int4_fused_experts(
     TK, P = T * K, max(T, plan_tokens)
     mma_ok = mma_supported(x, D, I)
     form = resolve_form(cfg.get("form"), P * K, E, D, I, kernels, mma_ok)
-    c1, c2 = form_tiles(form, P, K, E, D, I, x.dtype)
+    c1, c2 = form_tiles(form, P, K, E, D, I, x.dtype, kernels)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if form == "gemv_mma":
         if not mma_ok:

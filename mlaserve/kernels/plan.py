@@ -15,7 +15,7 @@ import triton
 from ..kernel_config import KernelConfig
 
 # The plan's entries that configuration alone cannot make batch-invariant (kernel_config.NOT_YET_INVARIANT)
-NOT_YET_INVARIANT_POINTS = ("fp8_gemm_tiles", "int4_form", "int4_tiles")
+NOT_YET_INVARIANT_POINTS = ("fp8_gemm_tiles",)
 
 
 class _OnGpu(torch.Tensor):

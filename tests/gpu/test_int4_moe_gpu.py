@@ -165,3 +165,21 @@ def test_int4_moe_eager_step_equals_its_graph_twin(case):
     assert plans[0] != plans[1]
     if case in ("ep4", "ep2"):
         assert plans[0][0] != plans[1][0]
+
+
+def test_int4_moe_deterministic_mode_is_batch_invariant():
+    """Deterministic mode (KernelConfig.batch_invariant) at Kimi-K2.5's expert shape: each token's row is the same
+    bits in steps of 1, 3, 33 and 300 tokens (one tile config for every step, kernels.int4_fixed_config)."""
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels.int4_moe import int4_fused_experts
+    from tests.helpers.int4_ref import int4_fused_experts_ref
+
+    k = KernelConfig().batch_invariant()
+    w = experts(7168, 2048, 48)
+    ids, tw = routing(300, 48, 96, 384)
+    x = torch.randn(300, 7168, device="cuda").to(BF)
+    outs = [int4_fused_experts(x[:t], *w, tw[:t], ids[:t], 96, all_local=False, kernels=k) for t in (1, 3, 33, 300)]
+    for a, b in zip(outs, outs[1:]):
+        assert torch.equal(a, b[: a.shape[0]])
+    ref = int4_fused_experts_ref(x[:33].float(), *w, tw[:33], ids[:33], 96)
+    kc.assert_close(outs[2], ref, BF, "int4 moe deterministic")

@@ -252,6 +252,22 @@ def test_plan_tokens_choose_form_and_tiles(kdev, monkeypatch):
     assert torch.equal(step, twin[:2])
 
 
+def test_deterministic_mode_rows_do_not_depend_on_the_step(kdev, monkeypatch):
+    # deterministic mode (KernelConfig.batch_invariant): the grouped GEMM with int4_fixed_config's tiles at every
+    # step, so the first tokens' rows are the same bits in steps of 2, 5 and 40 tokens
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels import int4_moe
+
+    tiles = []
+    fn = int4_moe.int4_gemm
+    monkeypatch.setattr(int4_moe, "int4_gemm", lambda *a: (tiles.append(a[-2:]), fn(*a))[1])
+    k = KernelConfig().batch_invariant()
+    x, w, ids, tw = inputs(kdev, torch.bfloat16, 40, 256, 128, 6, 2, 1, seed=43)
+    outs = [int4_moe.int4_fused_experts(x[:t], *w, tw[:t], ids[:t], 1, all_local=False, kernels=k) for t in (2, 5, 40)]
+    assert all(c == (k.int4_fixed_config(),) * 2 for c in tiles) and len(tiles) == 3
+    assert torch.equal(outs[0], outs[1][:2]) and torch.equal(outs[1], outs[2][:5])
+
+
 def test_no_tokens(kdev):
     from mlaserve.kernels.int4_moe import int4_fused_experts
 
