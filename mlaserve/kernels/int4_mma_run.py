@@ -22,6 +22,13 @@ def pair_worthwhile(pairs: int, E: int) -> bool:
     return 1.0 - distinct / pairs >= PAIR_MIN_SHARED
 
 
+def pair_width(tokens: int, K: int, E: int) -> int:
+    """The pairing scan's width (a power of 2 >= tokens * K; 0: no pairing) for a step of `tokens` tokens of top-K
+    over E local experts: one token shares no expert, and pairing needs pair_worthwhile."""
+    pairs = tokens * K
+    return triton.next_power_of_2(pairs) if tokens > 1 and pair_worthwhile(pairs, E) else 0
+
+
 def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
     """(gemv1, gemv2) tiles (kernels_bench's MMA sweep on an H200, docs/experiments.md). The kernels stream best
     with many small programs resident at once: 2 x 8 rows (MR 2) a program of 4 warps, capped at 64 registers so
@@ -83,8 +90,7 @@ def int4_gemv_mma(
             )
     x32 = x.view(torch.int32)
     TK = T * K
-    P = max(T, plan_tokens)
-    tkp = triton.next_power_of_2(P * K) if pair and P > 1 and pair_worthwhile(P * K, E) else 0  # one token: none
+    tkp = pair_width(max(T, plan_tokens), K, E) if pair else 0
     k1 = _int4_mma_gemv1_kernel[(TK * triton.cdiv(I, 8 * c1["MR"]),)](
         x32,
         w13,

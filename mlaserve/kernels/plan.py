@@ -58,7 +58,7 @@ def reduction_plan(
     from .fused_moe import experts_form
     from .gemv import gemv_serves
     from .head_gemv import head_gemv_serves
-    from .int4_mma_run import pair_worthwhile
+    from .int4_mma_run import pair_width
     from .int4_moe import int4_plan
     from .mla_decode import TMA_MIN_PROGRAMS, decode_config, split_plan
     from .moe_config import moe_config
@@ -111,7 +111,7 @@ def reduction_plan(
     mma_ok = dtype == torch.bfloat16 and hidden % 128 == 0 and moe_inter % 128 == 0
     form, c1, c2 = int4_plan(P, top_k, experts, hidden, moe_inter, dtype, kernels, mma_ok)
     plan["int4_form"] = form
-    pairing = form == "gemv_mma" and P > 1 and pair_worthwhile(P * top_k, experts)
+    pairing = pair_width(P, top_k, experts) if form == "gemv_mma" else 0
     plan["int4_tiles"] = (tuple(sorted(c1.items())), tuple(sorted(c2.items())), pairing)
     # MLA decode: the splits, tiles, load path (TMA as the call site decides on an sm_90 GPU whose cache pages hold
     # whole tiles) and the cut of a seq_len context (the tokens of a split)

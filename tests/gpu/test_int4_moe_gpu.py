@@ -146,7 +146,7 @@ def test_int4_moe_eager_step_equals_its_graph_twin(case):
     plan_tokens) gives its rows bit for bit as the g-row step does, the pad rows routed as real ones (the pairing
     scan sees them). Planned alone, its form, tiles or pairing differ (printed: how many values that changes)."""
     from mlaserve.kernel_config import KernelConfig
-    from mlaserve.kernels.int4_mma_run import pair_worthwhile
+    from mlaserve.kernels.int4_mma_run import pair_width
     from mlaserve.kernels.int4_moe import int4_fused_experts, int4_plan
 
     E, offset, I, b, g = TWINS[case]
@@ -160,7 +160,7 @@ def test_int4_moe_eager_step_equals_its_graph_twin(case):
         step = int4_fused_experts(x[:b], *w, tw[:b], ids[:b], plan_tokens=g, **run)
     assert torch.equal(step, twin[:b]), case
     alone = int4_fused_experts(x[:b], *w, tw[:b], ids[:b], **run)
-    plans = [(*int4_plan(t, K, E, 7168, I, BF, KernelConfig(), True), pair_worthwhile(t * K, E)) for t in (b, g)]
+    plans = [(*int4_plan(t, K, E, 7168, I, BF, KernelConfig(), True), pair_width(t, K, E)) for t in (b, g)]
     print(f"{case}: alone {plans[0][0]}, planned {plans[1][0]}; alone, {(alone != step).sum()} values differ")
     assert plans[0] != plans[1]
     if case in ("ep4", "ep2"):
