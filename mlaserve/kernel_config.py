@@ -40,6 +40,10 @@ class KernelConfig:
     moe_gemv_tiles: tuple[int, int, int, int] | None = None
     # MLASERVE_MOE_PREWAIT: under PDL, GEMM2 of per-pair MoE steps reads the routing before its PDL wait
     moe_prewait: bool = True
+    # MLASERVE_PREFILL_GLUON: MLA's bf16 prefill attention (head dims 128 + 64, 128) on sm_90 runs the Gluon kernel
+    # that takes each key tile's softmax under the previous tile's P @ V (kernels/prefill_attention_gluon.py);
+    # the same bits as the Triton kernel
+    prefill_gluon: bool = True
 
     # ---- thresholds: which path a step of a given size takes ----
     # layers.linear: steps of 1..gemv_serve_tokens rows times weights of <= gemv_max_bytes go to the Triton GEMV
@@ -168,14 +172,15 @@ class KernelConfig:
             moe_gemv=gemv != "0",
             moe_gemv_tiles=tiles,
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),
+            prefill_gluon=on("MLASERVE_PREFILL_GLUON"),
             allreduce=env.get("MLASERVE_ALLREDUCE", "auto"),
         )
 
     def batch_invariant(self) -> KernelConfig:
         """This config in deterministic mode: each threshold that picks a kernel form by the step's token count
         pinned so that every step takes one form (DETERMINISTIC_PINS), the MLA decode cut fixed, the MoE tiles
-        fixed (moe_fixed_config). The switches that change no result (pdl, moe_tma, fp8_moe_tma, moe_prewait) are
-        kept."""
+        fixed (moe_fixed_config). The switches that change no result (pdl, moe_tma, fp8_moe_tma, moe_prewait,
+        prefill_gluon) are kept."""
         return replace(self, deterministic=True, **DETERMINISTIC_PINS)
 
     def moe_fixed_config(self) -> dict | None:

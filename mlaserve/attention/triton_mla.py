@@ -16,6 +16,8 @@ from ..kernel_config import KernelConfig
 from ..kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv, head_gemv_serves
 from ..kernels.mla_decode import mla_decode
 from ..kernels.prefill_attention import prefill_attention_mla
+from ..kernels.prefill_attention_gluon import prefill_attention_mla_gluon
+from ..kernels.prefill_attention_gluon import supported as prefill_gluon_supported
 from ..kernels.rope_kv import rope_q, rope_store_kv
 from .base import AttentionBackend, ForwardBatch
 from .kv_fp8 import dequantize_kv
@@ -171,4 +173,7 @@ class TritonMLABackend(AttentionBackend):
     def prefill(self, q, k_nope, k_rope, v, scale, batch, out):
         # the model calls this right after its layer's prefill_context, which refreshed the metadata
         m = self._meta if self._meta_batch is batch else self._prefill_meta(-1, batch)
-        return prefill_attention_mla(q, k_nope, k_rope, v, m["cu_q"], m["cu_k"], scale, out, m["max_q_len"])
+        args = (q, k_nope, k_rope, v, m["cu_q"], m["cu_k"], scale, out, m["max_q_len"])
+        if self.kernels.prefill_gluon and prefill_gluon_supported(q, k_nope, k_rope, v, out):
+            return prefill_attention_mla_gluon(*args)
+        return prefill_attention_mla(*args)

@@ -167,9 +167,72 @@ def test_prefill_mla_8192_and_other_dims():
     kc.check_prefill_mla("cuda", BF, H=16, N=128, P=64, Dv=128, q_lens=[300, 5], k_lens=[400, 5], rope_per_head=True)
 
 
-def test_prefill_mla_cuda_graph_replay_with_new_lengths():
+def _mla_prefill_views(H, C, Tp, rope_per_head=False):
+    """q [Tp, H, 192]; k_nope, v views of one [C, H, 256] projection; k_rope a view of the latent [C, 576] (or of
+    a [C, H, 64 + 16] tensor), as the model passes them."""
+    q = torch.randn(Tp, H, 192, device="cuda").to(BF)
+    kv = torch.randn(C, H, 256, device="cuda").to(BF)
+    if rope_per_head:
+        k_rope = torch.randn(C, H, 80, device="cuda").to(BF)[..., 16:]
+    else:
+        k_rope = torch.randn(C, 576, device="cuda").to(BF)[:, 512:]
+    return q, kv[..., :128], k_rope, kv[..., 128:]
+
+
+@pytest.mark.parametrize(
+    "H,q_lens,k_lens,rope_per_head",
+    [
+        (16, [512, 1, 300, 1000, 129, 2048], [512, 700, 300, 3000, 129, 6000], False),
+        (16, [8192], [8192], False),
+        (128, [700, 64, 5], [900, 64, 5], False),
+        (64, [4096], [8192], False),
+        (16, [300, 5, 128, 257], [400, 5, 128, 300], True),
+    ],
+)
+def test_prefill_mla_gluon_same_bits_as_triton(H, q_lens, k_lens, rope_per_head):
+    # the Gluon kernel issues the Triton kernel's MMAs in the same K order with the same softmax operations:
+    # every output bit equal, every row written (NaN-poisoned outputs), on fresh prompts and chunks over a prefix
     from mlaserve.kernels.prefill_attention import prefill_attention_mla
+    from mlaserve.kernels.prefill_attention_gluon import prefill_attention_mla_gluon, supported
     from tests.helpers.kernel_refs import prefill_attention_ref
+
+    Tp, C = sum(q_lens), sum(k_lens)
+    q, k_nope, k_rope, v = _mla_prefill_views(H, C, Tp, rope_per_head)
+    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).to(torch.int32)
+    out_t = torch.full((Tp, H, 128), float("nan"), device="cuda", dtype=BF)
+    out_g = out_t.clone()
+    assert supported(q, k_nope, k_rope, v, out_g)
+    prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, 192**-0.5, out_t, max(q_lens))
+    prefill_attention_mla_gluon(q, k_nope, k_rope, v, cu_q, cu_k, 192**-0.5, out_g, max(q_lens))
+    assert not out_g.isnan().any()
+    assert torch.equal(out_g, out_t)
+    if Tp <= 4096:
+        k_full = torch.cat([k_nope, k_rope.expand(C, H, 64) if rope_per_head else k_rope[:, None].expand(C, H, 64)], -1)
+        ref = prefill_attention_ref(q, k_full, v, cu_q, cu_k, 192**-0.5)
+        kc.assert_close(out_g, ref, BF, f"prefill_attention_mla_gluon H={H} q={q_lens[:4]}")
+
+
+def test_prefill_mla_gluon_supported_only_for_its_dims():
+    from mlaserve.kernels.prefill_attention_gluon import supported
+
+    q, k_nope, k_rope, v = _mla_prefill_views(4, 64, 64)
+    out = torch.empty(64, 4, 128, device="cuda", dtype=BF)
+    assert supported(q, k_nope, k_rope, v, out)
+    assert not supported(q.float(), k_nope.float(), k_rope.float(), v.float(), out.float())
+    assert not supported(q[..., :96], k_nope[..., :64], k_rope[..., :32], v, out)  # other head dims
+    odd = torch.randn(64, 4 * 192 + 1, device="cuda").to(BF)[:, 1:].view(64, 4, 192)  # a base TMA cannot address
+    assert not supported(odd, k_nope, k_rope, v, out)
+
+
+@pytest.mark.parametrize("impl", ["triton", "gluon"])
+def test_prefill_mla_cuda_graph_replay_with_new_lengths(impl):
+    from mlaserve.kernels.prefill_attention import prefill_attention_mla
+    from mlaserve.kernels.prefill_attention_gluon import prefill_attention_mla_gluon
+    from tests.helpers.kernel_refs import prefill_attention_ref
+
+    if impl == "gluon":
+        prefill_attention_mla = prefill_attention_mla_gluon  # noqa: F811
 
     H, N, P, V, T = 16, 128, 64, 128, 2048
     q = torch.randn(T, H, N + P, device="cuda").to(BF)

@@ -110,3 +110,13 @@ def test_two_source_shape_errors(kdev):
     with pytest.raises(ValueError, match="unit stride"):
         prefill_attention_mla(q, kn, torch.zeros(8, 6, **z).t(), v, cu_q, cu_k, 0.1, out, 4)
     prefill_attention_mla(q, kn, kr, v, cu_q, cu_k, 0.1, out, 4)  # the well-formed call runs
+
+
+def test_gluon_form_declines_what_it_does_not_compute():
+    # the Gluon kernel (sm_90, bf16, MLA's head dims) declines CPU tensors, and the backend keeps the Triton kernel
+    from mlaserve.kernels.prefill_attention_gluon import supported
+
+    q = torch.zeros(8, 2, 192, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 2, 256, dtype=torch.bfloat16)
+    latent = torch.zeros(8, 576, dtype=torch.bfloat16)
+    assert not supported(q, kv[..., :128], latent[:, 512:], kv[..., 128:], torch.zeros(8, 2, 128, dtype=torch.bfloat16))

@@ -1,0 +1,376 @@
+"""MLA prefill attention in Gluon (Hopper): the softmax of key tile j runs while the tensor cores multiply tile
+j-1's probabilities by its values.
+
+prefill_attention.py's Triton kernel computes each key tile's scores, waits for them, takes their softmax and then
+multiplies by V, so the tensor cores idle during every softmax (one program of 8 warps an SM: 208 KB of shared
+memory). Here the MMAs of tile j's scores and of tile j-1's P @ V are issued together; the scores retire first
+(`warpgroup_mma_wait(num_outstanding=1)`), and their softmax runs while P @ V is still on the tensor cores
+(FlashAttention-3's intra-warpgroup pipelining). The output is rescaled after P @ V retires.
+
+Same contract as `prefill_attention_mla` (bottom-right causal, k = [k_nope | k_rope] from two sources), for
+MLA's head dims only: N = 128, P = 64, Dv = 128, bf16. Q, K and V tiles are loaded by TMA from 2-D descriptors
+over [tokens, heads * head stride] (any token and head strides a TMA can address). The MMAs, their K order and the
+softmax's operations are the Triton kernel's (which also accumulates P @ V into the rescaled output), so the two
+give the same bits; the GPU tests hold them equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon's Hopper API as Triton 3.6 names it; other versions fall back to the Triton kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    AVAILABLE = True
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (128, 64, 128)  # (N, P, Dv): MLA's k_nope, k_rope and v widths, the only ones this kernel takes
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _load_k(k1_desc, k2_desc, bar, k1_buf, k2_buf, row, col1, col2, pred=True):
+        # predicated, not branched: a branch between a wgmma and its wait makes ptxas wait at the branch
+        mbarrier.expect(bar, k1_desc.block_type.nbytes + k2_desc.block_type.nbytes, pred=pred)
+        _tma_load(k1_desc, [row, col1], bar, k1_buf, pred=pred)
+        _tma_load(k2_desc, [row, col2], bar, k2_buf, pred=pred)
+
+    @gluon.jit
+    def _load_v(v_desc, bar, v_buf, row, col, pred=True):
+        mbarrier.expect(bar, v_desc.block_type.nbytes, pred=pred)
+        _tma_load(v_desc, [row, col], bar, v_buf, pred=pred)
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, n0, q_pos, klen, scale_log2, offs_n, MASKED: gl.constexpr):
+        """Tile n0's scores s [M, N] (fp32) -> (p, alpha, m, l): FlashAttention's online softmax, the scale folded
+        into exp2's argument; MASKED tiles mask the keys past each row's position or past klen."""
+        if MASKED:
+            pos = n0 + offs_n
+            s = gl.where((pos[None, :] <= q_pos[:, None]) & (pos < klen)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * scale_log2 - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _step(
+        j,
+        n_tiles,
+        p,
+        o,
+        m_i,
+        l_i,
+        q1_s,
+        q2_s,
+        k1_s,
+        k2_s,
+        v_s,
+        k_bars,
+        v_bars,
+        k1_desc,
+        k2_desc,
+        v_desc,
+        s_zero,
+        q_pos,
+        klen,
+        scale_log2,
+        offs_n,
+        k0,
+        c1,
+        c2,
+        cv,
+        p_layout: gl.constexpr,
+        rows_o: gl.constexpr,
+        MASKED: gl.constexpr,
+    ):
+        """Key tile j (1 <= j < n_tiles): its scores, tile j-1's P @ V (p), the softmax of tile j under that MMA,
+        the output rescaled. Returns (tile j's P, o, m, l)."""
+        BLOCK_N: gl.constexpr = k1_desc.block_type.shape[0]
+        slot = j % 2
+        prev = 1 - slot
+        # tile j's scores and tile j-1's P @ V, issued together
+        mbarrier.wait(k_bars.index(slot), (j // 2) & 1)
+        s = warpgroup_mma(q1_s, k1_s.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q2_s, k2_s.index(slot).permute((1, 0)), s, is_async=True)
+        mbarrier.wait(v_bars.index(prev), ((j - 1) // 2) & 1)
+        o = warpgroup_mma(p, v_s.index(prev), o, is_async=True)
+        # the scores retire (P @ V stays in flight). Once both warpgroups are here, K slot j is free for tile
+        # j + 2, and V slot j (tile j-2's P @ V retired in the step before) for tile j. No barrier follows the
+        # softmax: ptxas moves the P @ V wait up to a barrier, and the softmax would no longer overlap it.
+        s = warpgroup_mma_wait(1, deps=(s, q1_s, q2_s, k1_s.index(slot), k2_s.index(slot)))[0]
+        gl.thread_barrier()
+        row = k0 + (j + 2) * BLOCK_N
+        _load_k(k1_desc, k2_desc, k_bars.index(slot), k1_s.index(slot), k2_s.index(slot), row, c1, c2, j + 2 < n_tiles)
+        _load_v(v_desc, v_bars.index(slot), v_s.index(slot), k0 + j * BLOCK_N, cv, j >= 2)
+        p_new, alpha, m_i, l_i = _softmax(s, m_i, l_i, j * BLOCK_N, q_pos, klen, scale_log2, offs_n, MASKED)
+        p_new = gl.convert_layout(p_new.to(p.dtype), p_layout)
+        o, p_new, l_i, alpha = warpgroup_mma_wait(0, deps=(o, p_new, l_i, alpha, p, v_s.index(prev)))[:4]
+        o = o * gl.convert_layout(alpha, rows_o)[:, None]
+        return p_new, o, m_i, l_i
+
+    @gluon.jit
+    def _prefill_attention_gluon_kernel(
+        q1_desc,
+        q2_desc,
+        k1_desc,
+        k2_desc,
+        v_desc,
+        O,
+        CuQ,
+        CuK,
+        scale_log2,
+        num_mb,
+        stride_qh,
+        stride_k1h,
+        stride_k2h,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        H,
+        head_group,
+        num_warps: gl.constexpr,
+    ):
+        BLOCK_M: gl.constexpr = q1_desc.block_type.shape[0]
+        D1: gl.constexpr = q1_desc.block_type.shape[1]
+        D2: gl.constexpr = q2_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = k1_desc.block_type.shape[0]
+        DV: gl.constexpr = v_desc.block_type.shape[1]
+        dtype: gl.constexpr = q1_desc.dtype
+
+        # the Triton kernel's order: within a group of heads the longest query blocks start first
+        pid = gl.program_id(0)
+        per_req = num_mb * H
+        b = pid // per_req
+        r = pid % per_req
+        grp = r // (num_mb * head_group)
+        r = r % (num_mb * head_group)
+        mb = num_mb - 1 - r // head_group
+        h = grp * head_group + r % head_group
+        q0 = gl.load(CuQ + b)
+        qlen = gl.load(CuQ + b + 1) - q0
+        if mb * BLOCK_M >= qlen:
+            return
+        k0 = gl.load(CuK + b)
+        klen = gl.load(CuK + b + 1) - k0
+
+        # [BLOCK_M, *] accumulators: the warps along M (16 rows each; a warpgroup per 64 rows)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q1_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D1], q1_desc.layout)
+        q2_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D2], q2_desc.layout)
+        k1_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D1], k1_desc.layout)
+        k2_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D2], k2_desc.layout)
+        v_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, DV], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+
+        # keys up to the block's first query position are visible to every row: those tiles need no mask; past
+        # the last row's position nothing is visible
+        unmasked_end = ((klen - qlen + mb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        hi = klen - qlen + gl.minimum((mb + 1) * BLOCK_M, qlen)
+        n_tiles = gl.cdiv(hi, BLOCK_N)
+        qrow = q0 + mb * BLOCK_M
+        qcol = h * stride_qh
+        c1 = h * stride_k1h
+        c2 = h * stride_k2h  # 0: one k_rope for every head
+        cv = h * stride_vh
+
+        mbarrier.expect(q_bar, q1_desc.block_type.nbytes + q2_desc.block_type.nbytes)
+        _tma_load(q1_desc, [qrow, qcol], q_bar, q1_s)
+        _tma_load(q2_desc, [qrow, qcol + D1], q_bar, q2_s)
+        _load_k(k1_desc, k2_desc, k_bars.index(0), k1_s.index(0), k2_s.index(0), k0, c1, c2)
+        _load_v(v_desc, v_bars.index(0), v_s.index(0), k0, cv)
+        if n_tiles > 1:
+            _load_k(k1_desc, k2_desc, k_bars.index(1), k1_s.index(1), k2_s.index(1), k0 + BLOCK_N, c1, c2)
+            _load_v(v_desc, v_bars.index(1), v_s.index(1), k0 + BLOCK_N, cv)
+
+        offs_m = mb * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_s)
+        q_pos = klen - qlen + offs_m
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows_s)
+        o = gl.zeros([BLOCK_M, DV], gl.float32, layout=o_layout)
+
+        # tile 0: its scores alone
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_bars.index(0), 0)
+        s = warpgroup_mma(q1_s, k1_s.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q2_s, k2_s.index(0).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, q1_s, q2_s, k1_s.index(0), k2_s.index(0)))[0]
+        gl.thread_barrier()  # both warpgroups are done with K slot 0 before it is refilled
+        if n_tiles > 2:
+            _load_k(k1_desc, k2_desc, k_bars.index(0), k1_s.index(0), k2_s.index(0), k0 + 2 * BLOCK_N, c1, c2)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, q_pos, klen, scale_log2, offs_n, True)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+
+        # tiles before unmasked_end need no mask: two loops, so neither has a branch inside
+        n_full = gl.maximum(unmasked_end // BLOCK_N, 1)
+        for j in range(1, n_full):
+            p, o, m_i, l_i = _step(
+                j,
+                n_tiles,
+                p,
+                o,
+                m_i,
+                l_i,
+                q1_s,
+                q2_s,
+                k1_s,
+                k2_s,
+                v_s,
+                k_bars,
+                v_bars,
+                k1_desc,
+                k2_desc,
+                v_desc,
+                s_zero,
+                q_pos,
+                klen,
+                scale_log2,
+                offs_n,
+                k0,
+                c1,
+                c2,
+                cv,
+                p_layout,
+                rows_o,
+                False,
+            )
+        for j in range(n_full, n_tiles):
+            p, o, m_i, l_i = _step(
+                j,
+                n_tiles,
+                p,
+                o,
+                m_i,
+                l_i,
+                q1_s,
+                q2_s,
+                k1_s,
+                k2_s,
+                v_s,
+                k_bars,
+                v_bars,
+                k1_desc,
+                k2_desc,
+                v_desc,
+                s_zero,
+                q_pos,
+                klen,
+                scale_log2,
+                offs_n,
+                k0,
+                c1,
+                c2,
+                cv,
+                p_layout,
+                rows_o,
+                True,
+            )
+
+        last = (n_tiles - 1) % 2
+        mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // 2) & 1)
+        o = warpgroup_mma(p, v_s.index(last), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=(o, p, v_s.index(last)))[0]
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        l_o = gl.convert_layout(l_i, rows_o)
+        o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+        offs_mo = mb * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_o)
+        offs_d = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+        o_ptr = O + (q0 + offs_mo).to(gl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        gl.store(o_ptr, o.to(dtype), mask=(offs_mo < qlen)[:, None] & (offs_d < DV)[None, :])
+
+
+def _desc(t: torch.Tensor, block: list[int]):
+    """A 2-D TMA descriptor over [tokens, (H - 1) * head stride + D] of t [T, H, D] (or [T, D]): head h's columns
+    start at h * t.stride(1)."""
+    if t.dim() == 2:
+        cols = t.shape[1]
+    else:
+        cols = (t.shape[1] - 1) * t.stride(1) + t.shape[2]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return TensorDescriptor(t, [t.shape[0], cols], [t.stride(0), 1], block, layout)
+
+
+def supported(q, k_nope, k_rope, v, out) -> bool:
+    """Whether this kernel takes these tensors: MLA's head dims, bf16, sm_90, and strides a TMA can address
+    (16-byte aligned bases and token strides)."""
+    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    if (k_nope.shape[-1], k_rope.shape[-1], v.shape[-1]) != HEAD_DIMS or q.shape[-1] != 192:
+        return False
+    ts = (q, k_nope, k_rope, v)
+    if any(t.dtype != torch.bfloat16 for t in (*ts, out)):
+        return False
+    for t in ts:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(0) % 8 or (t.dim() == 3 and t.stride(1) % 8):
+            return False
+    return True
+
+
+def prefill_attention_mla_gluon(q, k_nope, k_rope, v, cu_q, cu_k, scale, out, max_q_len, block_n=128):
+    """prefill_attention_mla's contract for MLA's head dims (see `supported`): q [Tp, H, 192], k_nope [C, H, 128],
+    k_rope [C, 64] or [C, H, 64], v [C, H, 128], cu_q/cu_k [B+1] int32 -> out [Tp, H, 128]."""
+    Tp, H, _ = q.shape
+    B = cu_q.shape[0] - 1
+    if Tp == 0 or B == 0 or max_q_len == 0:
+        return out
+    block_m = 128
+    num_mb = (max_q_len + block_m - 1) // block_m
+    k2h = k_rope.stride(1) if k_rope.dim() == 3 else 0
+    g = 4
+    while H % g:
+        g -= 1
+    _prefill_attention_gluon_kernel[(B * H * num_mb,)](
+        _desc(q, [block_m, 128]),
+        _desc(q, [block_m, 64]),
+        _desc(k_nope, [block_n, 128]),
+        _desc(k_rope, [block_n, 64]),
+        _desc(v, [block_n, 128]),
+        out,
+        cu_q,
+        cu_k,
+        scale * LOG2E,
+        num_mb,
+        q.stride(1),
+        k_nope.stride(1),
+        k2h,
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        H,
+        g,
+        num_warps=8,
+    )
+    return out
