@@ -41,8 +41,8 @@ class KernelConfig:
     # MLASERVE_MOE_PREWAIT: under PDL, GEMM2 of per-pair MoE steps reads the routing before its PDL wait
     moe_prewait: bool = True
     # MLASERVE_PREFILL_GLUON: MLA's bf16 prefill attention (head dims 128 + 64, 128) on sm_90 runs the Gluon kernel
-    # that takes each key tile's softmax under the previous tile's P @ V (kernels/prefill_attention_gluon.py);
-    # the same bits as the Triton kernel
+    # (kernels/prefill_attention_gluon.py: two warp-specialized warpgroups, each's softmax under MMAs); the same
+    # bits as the Triton kernel
     prefill_gluon: bool = True
 
     # ---- thresholds: which path a step of a given size takes ----
