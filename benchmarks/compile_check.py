@@ -258,6 +258,16 @@ def cases(quick: bool):
                 prefill_attention_mla,
                 (q, kv[..., :N], latent[:, 512:], kv[..., N:], cu, cu, 0.1, out, 64, cfg),
             )
+    from mlaserve.kernels import prefill_attention_gluon
+
+    if prefill_attention_gluon.AVAILABLE:  # the Gluon form (sm_90, bf16, MLA's dims), called past `supported`
+        kv, latent = torch.empty(256, 16, 256, dtype=bf), torch.empty(256, 576, dtype=bf)
+        q, out, cu = torch.empty(256, 16, 192, dtype=bf), torch.empty(256, 16, 128, dtype=bf), torch.tensor([0, 256])
+        yield (
+            "prefill_mla gluon N=128 P=64 V=128 bf16",
+            prefill_attention_gluon.prefill_attention_mla_gluon,
+            (q, kv[..., :128], latent[:, 512:], kv[..., 128:], cu.to(i32), cu.to(i32), 0.1, out, 256),
+        )
     moe = [("moonlight", 2048, 1408, 64, 6), ("kimi-tp4", 7168, 512, 384, 8), ("tiny", 64, 32, 8, 2)]
     for name, D, I, E, K in moe:
         for T in [1, 8192] if quick else [1, 16, 64, 256, 1024, 8192]:
