@@ -83,6 +83,22 @@ def _attn_tile(
 
 
 @triton.jit
+def program_tile(pid, num_mb, H, head_group):
+    """Program pid -> (request, query block, head) over a flat grid of (request, head group, query block, head in
+    group): within a group of heads the longest (last) query blocks start first across all its heads, so the short
+    blocks fill the tail; a group's K/V (head_group heads) is what the concurrently running programs share in L2.
+    Shared with the Gluon kernel (prefill_attention_gluon.py)."""
+    per_req = num_mb * H
+    b = pid // per_req
+    r = pid % per_req
+    grp = r // (num_mb * head_group)
+    r = r % (num_mb * head_group)
+    mb = num_mb - 1 - r // head_group
+    h = grp * head_group + r % head_group
+    return b, mb, h
+
+
+@triton.jit
 def _prefill_attention_kernel(
     Q,
     K1,
@@ -115,17 +131,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    # One flat grid over (request, head group, query block, head in group): within a group of heads the longest
-    # (last) query blocks start first across all its heads, so the short blocks fill the tail; a group's K/V
-    # (head_group heads) is what the concurrently running programs share in L2.
-    pid = tl.program_id(0)
-    per_req = num_mb * H
-    b = pid // per_req
-    r = pid % per_req
-    grp = r // (num_mb * head_group)
-    r = r % (num_mb * head_group)
-    mb = num_mb - 1 - r // head_group
-    h = grp * head_group + r % head_group
+    b, mb, h = program_tile(tl.program_id(0), num_mb, H, head_group)
     q0 = tl.load(CuQ + b)
     qlen = tl.load(CuQ + b + 1) - q0
     if mb * BLOCK_M >= qlen:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .prefill_attention import program_tile
+
 try:  # Gluon's Hopper API as Triton 3.6 names it; other versions fall back to the Triton kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -214,15 +216,7 @@ if AVAILABLE:
         dtype: gl.constexpr = q1_desc.dtype
         gl.static_assert(BLOCK_M == 128, "two warpgroups of wgmma's 64 query rows")
 
-        # the Triton kernel's order: within a group of heads the longest query blocks start first
-        pid = gl.program_id(0)
-        per_req = num_mb * H
-        b = pid // per_req
-        r = pid % per_req
-        grp = r // (num_mb * head_group)
-        r = r % (num_mb * head_group)
-        mb = num_mb - 1 - r // head_group
-        h = grp * head_group + r % head_group
+        b, mb, h = program_tile(gl.program_id(0), num_mb, H, head_group)  # the Triton kernel's order
         q0 = gl.load(CuQ + b)
         qlen = gl.load(CuQ + b + 1) - q0
         if mb * BLOCK_M >= qlen:
