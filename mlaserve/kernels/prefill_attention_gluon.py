@@ -1,6 +1,5 @@
 """MLA prefill attention in Gluon (Hopper): each query block's two halves run as two warp-specialized partitions,
-so one half's softmax runs while the tensor cores serve the other's MMAs, and within each half the softmax of key
-tile j runs under tile j-1's P @ V.
+so one half's softmax runs while the tensor cores serve the other's MMAs.
 
 prefill_attention.py's Triton kernel computes each key tile's scores, waits for them, takes their softmax and then
 multiplies by V; its 8 warps meet at a CTA barrier every tile, so the tensor cores idle during every softmax (one
@@ -8,10 +7,11 @@ program an SM: 208 KB of shared memory). Here a program's 128 query rows are two
 own partition (`gl.warp_specialize`), synchronised only through mbarriers: a K/V slot is "ready" when its TMA
 load lands and "empty" when both warpgroups have released it. Nothing holds them in step, so they drift apart and
 one's softmax overlaps the other's MMAs (FlashAttention-3's ping-pong, here left to the scheduler). Within a
-warpgroup, tile j's scores and tile j-1's P @ V are issued together, the scores waited with P @ V in flight
-(`warpgroup_mma_wait(1)`), and the softmax taken before P @ V is waited for (FlashAttention-3's intra-warpgroup
-overlap). Warpgroup 0 issues the loads, at the top of each step, where neither has an MMA in flight: ptxas waits
-for a wgmma at any branch or barrier between it and its wait.
+warpgroup, tile j's scores and tile j-1's P @ V are issued together and the scores waited with P @ V in flight
+(`warpgroup_mma_wait(1)`), the softmax written before P @ V's wait (FlashAttention-3's intra-warpgroup order);
+ptxas still moves that wait above the softmax here (the SASS shows it), so the overlap comes from the two
+partitions. Warpgroup 0 issues the loads at the top of each step, where neither has an MMA in flight: any branch
+or barrier (an mbarrier arrive lowers with one) between a wgmma and its wait makes ptxas wait for it there.
 
 Same contract as `prefill_attention_mla` (bottom-right causal, k = [k_nope | k_rope] from two sources), for
 MLA's head dims only: N = 128, P = 64, Dv = 128, bf16. Q, K and V tiles are loaded by TMA from 2-D descriptors
@@ -99,7 +99,7 @@ if AVAILABLE:
         j, n_tiles, p, o, m_i, l_i, q1, q2, descs, smem, bars, geo, rowinfo, WG: gl.constexpr, MASKED: gl.constexpr
     ):
         """Key tile j (1 <= j < n_tiles) for one warpgroup: tile j's scores and tile j-1's P @ V (p) issued
-        together, the scores waited, tile j's softmax under P @ V, the output rescaled. -> (tile j's P, o, m, l)."""
+        together, the scores waited, tile j's softmax, the output rescaled. -> (tile j's P, o, m, l)."""
         k1_desc, k2_desc, v_desc = descs
         q1_s, q2_s, k1_s, k2_s, v_s = smem
         q_bar, k_ready, k_empty, v_ready, v_empty = bars
