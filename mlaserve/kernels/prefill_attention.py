@@ -99,6 +99,13 @@ def program_tile(pid, num_mb, H, head_group):
 
 
 @triton.jit
+def request_rows(Cu, b):
+    """(first row, row count) of request b from its cumulative offsets Cu [B+1]."""
+    start = tl.load(Cu + b)
+    return start, tl.load(Cu + b + 1) - start
+
+
+@triton.jit
 def _prefill_attention_kernel(
     Q,
     K1,
@@ -132,12 +139,10 @@ def _prefill_attention_kernel(
     DOT_PREC: tl.constexpr,
 ):
     b, mb, h = program_tile(tl.program_id(0), num_mb, H, head_group)
-    q0 = tl.load(CuQ + b)
-    qlen = tl.load(CuQ + b + 1) - q0
+    q0, qlen = request_rows(CuQ, b)
     if mb * BLOCK_M >= qlen:
         return
-    k0 = tl.load(CuK + b)
-    klen = tl.load(CuK + b + 1) - k0
+    k0, klen = request_rows(CuK, b)
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < qlen
     q_pos = klen - qlen + offs_m  # each query's position in its context

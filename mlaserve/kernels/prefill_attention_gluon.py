@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .prefill_attention import program_tile
+from .prefill_attention import program_tile, request_rows
 
 try:  # Gluon's Hopper API as Triton 3.6 names it; other versions fall back to the Triton kernel
     from triton.experimental import gluon
@@ -217,12 +217,10 @@ if AVAILABLE:
         gl.static_assert(BLOCK_M == 128, "two warpgroups of wgmma's 64 query rows")
 
         b, mb, h = program_tile(gl.program_id(0), num_mb, H, head_group)  # the Triton kernel's order
-        q0 = gl.load(CuQ + b)
-        qlen = gl.load(CuQ + b + 1) - q0
+        q0, qlen = request_rows(CuQ, b)
         if mb * BLOCK_M >= qlen:
             return
-        k0 = gl.load(CuK + b)
-        klen = gl.load(CuK + b + 1) - k0
+        k0, klen = request_rows(CuK, b)
 
         q1_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D1], q1_desc.layout)
         q2_s = gl.allocate_shared_memory(dtype, [BLOCK_M, D2], q2_desc.layout)
