@@ -137,7 +137,7 @@ def test_close_gives_the_memory_back(tiny_ckpt):
     from mlaserve import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    before = torch.cuda.memory_allocated()  # what earlier tests in this process still hold (cuBLAS workspaces, caches)
+    before = torch.cuda.memory_allocated()  # what earlier tests in this process still hold
     llm = LLM(tiny_ckpt, device="cuda", dtype="bfloat16", max_num_seqs=8)
     want = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids
     llm.close()
