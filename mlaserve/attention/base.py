@@ -55,17 +55,23 @@ class ForwardBatch:
         """Tokens the step's batch-variant kernels are planned for: its own, or its padded graph twin's."""
         return max(self.num_tokens, self.plan_decode_reqs * self.decode_q_len)
 
-    def shift_decode(self, shift: torch.Tensor, page_size: int) -> None:
+    def shift_decode(self, shift: torch.Tensor, page_size: int, pdl: bool = True) -> None:
         """Move the first len(shift) decode requests' tokens shift [n] (int64, on the device) positions on: their
         positions, lengths and KV slots (looked up again in the page table), all on the device. An overlapped
         verify step is filled for zero accepted tokens before the step in flight has said how many it accepted.
-        The host length mirrors follow only for a backend that reads them (one read back)."""
+        The host length mirrors follow only for a backend that reads them (one read back). On the GPU one launch
+        (kernels/spec_step.py; pdl: its PDL) does what the torch code below does."""
         n, q = shift.shape[0], self.decode_q_len
-        pos = self.positions[: n * q].view(n, q)
-        pos += shift[:, None]
-        self.seq_lens[:n] += shift.to(self.seq_lens.dtype)
-        page = self.page_table[:n].gather(1, pos // page_size).long()  # [n, q]
-        self.slot_mapping[: n * q].copy_((page * page_size + pos % page_size).view(-1))
+        if shift.is_cuda:
+            from ..kernels.spec_step import shift_decode
+
+            shift_decode(self.positions, self.seq_lens, self.slot_mapping, self.page_table, shift, q, page_size, pdl)
+        else:
+            pos = self.positions[: n * q].view(n, q)
+            pos += shift[:, None]
+            self.seq_lens[:n] += shift.to(self.seq_lens.dtype)
+            page = self.page_table[:n].gather(1, pos // page_size).long()  # [n, q]
+            self.slot_mapping[: n * q].copy_((page * page_size + pos % page_size).view(-1))
         if self.attn is None or self.attn.reads_host_decode_lens:
             for b, s in enumerate(shift.tolist()):
                 self.seq_lens_cpu[b] += s

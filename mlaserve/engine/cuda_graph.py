@@ -424,7 +424,7 @@ class GraphRunner:
         if decode_tokens is not None and not self._are_input_ids(decode_tokens, n_dec):
             self.input_ids[:n_dec].copy_(decode_tokens)
         if decode_shift is not None:
-            g.batch.shift_decode(decode_shift, self.page_size)
+            g.batch.shift_decode(decode_shift, self.page_size, self.runner.kernels.pdl)
         kind = key[0] if key[0] == "prefill" else ("decode" if self.q == 1 else "verify")
         self.static_runs[kind] += 1
         if g.graph is not None:

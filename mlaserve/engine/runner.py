@@ -224,7 +224,7 @@ class ModelRunner:
         if decode_tokens is not None:  # decode chunks come first
             batch.input_ids[:n_dec].copy_(decode_tokens)
         if decode_shift is not None:
-            batch.shift_decode(decode_shift, self.cfg.page_size)
+            batch.shift_decode(decode_shift, self.cfg.page_size, self.kernels.pdl)
         out = self.model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         return self.model.compute_logits(hidden[batch.logits_indices]), aux, None

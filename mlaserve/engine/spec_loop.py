@@ -49,14 +49,15 @@ class VerifyStep:
     drafts: torch.Tensor | None = None
     verified: tuple | None = None
     rows: QueuedRows | None = None
+    next_ids: torch.Tensor | None = None  # [B, N] = [y[a], next drafts] per request: the next verify's input ids
 
 
 class QueuedRows:
     """[B, *] integer tensors on the device, side by side, on their way to the host (through pinned memory and an
     event on CUDA, so work queued later does not delay the read); read() is the step's one host sync."""
 
-    def __init__(self, parts: list[torch.Tensor]):
-        self.t = torch.cat([p.to(torch.int64) for p in parts], dim=1)  # a fresh tensor: static outputs may change
+    def __init__(self, t: torch.Tensor):
+        self.t = t  # a fresh tensor: static outputs may change
         self.ready = None
         if self.t.is_cuda:
             self.t = torch.empty(self.t.shape, dtype=self.t.dtype, pin_memory=True).copy_(self.t, non_blocking=True)
@@ -70,7 +71,7 @@ class QueuedRows:
 
 
 def queue_rows(parts: list[torch.Tensor]) -> QueuedRows:
-    return QueuedRows(parts)
+    return QueuedRows(torch.cat([p.to(torch.int64) for p in parts], dim=1))
 
 
 class SpecLoop(Loop):
@@ -143,7 +144,13 @@ class SpecLoop(Loop):
         reqs = [c.req for c in out.decode]
         drafts = propose(y, acc, hidden, reqs, starts, shift) if propose is not None else None
         step.verified = (y, acc, drafts)
-        step.rows = queue_rows([y, acc[:, None]] + ([drafts] if drafts is not None else []))
+        if drafts is not None and y.is_cuda:  # one launch for both (kernels/spec_step.py)
+            from ..kernels.spec_step import pack_verified
+
+            step.next_ids, rows = pack_verified(y, acc, drafts, self.runner.kernels.pdl)
+            step.rows = QueuedRows(rows)
+        else:
+            step.rows = queue_rows([y, acc[:, None]] + ([drafts] if drafts is not None else []))
 
     def launch_next(self, cur: VerifyStep) -> VerifyStep | None:
         """Launch the verify after `cur` from cur's device outputs (the module docstring), if its schedule is
@@ -156,14 +163,16 @@ class SpecLoop(Loop):
         N = self.k + 1
         out = self.scheduler.schedule_verify(reqs, N, 2 * N + self.k)
         y, acc, drafts = cur.verified
+        ids = cur.next_ids
+        if ids is None:
+            acc = acc.to(torch.int64)
+            ids = torch.cat([y.gather(1, acc[:, None]), drafts.to(torch.int64)], dim=1)  # [B, N]: a fresh tensor
         row = {id(c.req): j for j, c in enumerate(cur.out.decode)}
         idx = [row[id(r)] for r in reqs]
         if idx != list(range(len(cur.out.decode))):
             sel = torch.tensor(idx).to(y.device, non_blocking=True)  # no stream sync
-            y, acc, drafts = y[sel], acc[sel], drafts[sel]
-        acc = acc.to(torch.int64)
-        ids = torch.cat([y.gather(1, acc[:, None]), drafts.to(torch.int64)], dim=1)  # [B, N]: a fresh tensor
-        return self.launch(out, decode_tokens=ids, decode_shift=acc)
+            ids, acc = ids[sel], acc[sel]
+        return self.launch(out, decode_tokens=ids, decode_shift=acc.to(torch.int64))
 
     def next_verify(self, out: SchedulerOutput) -> list[Request] | None:
         """The requests that verify after `out`, in the scheduler's order, when that schedule is certain whatever

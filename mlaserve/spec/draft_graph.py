@@ -187,12 +187,17 @@ class DraftGraphs:
         B = self.bucket(n)
         graph, batches, out = self.graphs[B]
         self._fill(B, batches, starts, pages)
-        if shift is not None:
-            self.base[:n] += shift
-        self.ext_ids[: n * N].copy_(y.reshape(-1))
-        self.acc[:n].copy_(acc)
-        if n < B:  # padding rows: take row 0 of their own
-            self.acc[n:B].zero_()
+        if y.is_cuda and y.stride(-1) == 1:  # one launch for the torch code below (kernels/spec_step.py)
+            from ..kernels.spec_step import draft_inputs
+
+            draft_inputs(y, acc, shift, self.ext_ids, self.acc, self.base, B, self.p.pdl)
+        else:
+            if shift is not None:
+                self.base[:n] += shift
+            self.ext_ids[: n * N].copy_(y.reshape(-1))
+            self.acc[:n].copy_(acc)
+            if n < B:  # padding rows: take row 0 of their own
+                self.acc[n:B].zero_()
         self.hidden[: n * N].copy_(hidden)
         if graph is not None:
             graph.replay()

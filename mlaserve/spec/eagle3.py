@@ -120,6 +120,7 @@ class Eagle3Proposer:
         ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
         self.draft: Eagle3Draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed)
         use_kernels(self.draft, runner.kernels)
+        self.pdl = runner.kernels.pdl
         width = self.draft.embed_tokens.weight.shape[-1]
         if width != cfg.hidden_size:  # the target's embedding, shared: its width is the target's hidden size
             raise ValueError(

@@ -15,8 +15,13 @@ from ..layers.sampler import SamplingRow, _filter, greedy_tokens
 
 
 def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, N, V], drafts [B, K=N-1] -> (target tokens [B, N], accepted counts [B]). pdl: the arg-max's."""
+    """logits [B, N, V], drafts [B, K=N-1] -> (target tokens [B, N], accepted counts [B] int64). pdl: the GPU
+    kernels' (the arg-max's, and the count's: one launch, kernels/spec_step.py)."""
     y = greedy_tokens(logits, pdl)
+    if y.is_cuda and y.is_contiguous():
+        from ..kernels.spec_step import accept_greedy
+
+        return y, accept_greedy(y, drafts, pdl)
     accepted = (drafts == y[:, :-1]).int().cumprod(1).sum(1)
     return y, accepted
 

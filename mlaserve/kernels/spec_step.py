@@ -1,0 +1,226 @@
+"""The speculative step's bookkeeping on the device, one launch each where torch takes four to eight small ones.
+
+A greedy decode-only EAGLE3 step runs, besides the verify's and the draft's forwards (CUDA graphs): the shift of an
+overlapped verify's positions by what the step before it accepted, the accepted counts, the draft graph's inputs,
+and the next verify's input ids with the step's one read-back row. In torch each is a handful of tiny kernels, each
+a launch on the host and a gap on the GPU. Each function here equals the torch code beside it in its caller
+(ForwardBatch.shift_decode, verify_greedy, DraftGraphs.run_verified, SpecLoop), which the CPU runs.
+
+Shapes: B requests, N = K + 1 verified tokens a request (the fed token and K drafts), q = N rows a request.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import pdl_args, pdl_start
+
+
+@triton.jit
+def _shift_decode_kernel(
+    Pos,
+    SeqLens,
+    Slots,
+    PageTable,
+    Shift,
+    stride_pt,
+    max_pages,
+    page_size,
+    Q: tl.constexpr,
+    QP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program b: request b's Q positions, its length and its Q KV slots moved on by Shift[b]."""
+    pdl_start(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, QP)
+    ok = j < Q
+    s = tl.load(Shift + b)
+    pos = tl.load(Pos + b * Q + j, mask=ok, other=0) + s
+    tl.store(Pos + b * Q + j, pos, mask=ok)
+    tl.store(SeqLens + b, (tl.load(SeqLens + b) + s).to(tl.int32))
+    page = tl.load(PageTable + b * stride_pt + tl.minimum(pos // page_size, max_pages - 1), mask=ok, other=0)
+    tl.store(Slots + b * Q + j, page.to(tl.int64) * page_size + pos % page_size, mask=ok)
+
+
+def shift_decode(
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_table: torch.Tensor,
+    shift: torch.Tensor,
+    q: int,
+    page_size: int,
+    pdl: bool = True,
+) -> None:
+    """In place, for the first n = len(shift) requests: positions[: n q] += shift (each request's q rows),
+    seq_lens[:n] += shift, slot_mapping[: n q] = the page table's slot of each new position. positions,
+    slot_mapping int64, seq_lens int32, page_table int32 [>= n, max_pages], shift int64 [n]; all contiguous."""
+    n = shift.shape[0]
+    if n == 0:
+        return
+    _shift_decode_kernel[(n,)](
+        positions,
+        seq_lens,
+        slot_mapping,
+        page_table,
+        shift,
+        page_table.stride(0),
+        page_table.shape[1],
+        page_size,
+        Q=q,
+        QP=max(2, triton.next_power_of_2(q)),
+        num_warps=1,
+        **pdl_args(shift, pdl),
+    )
+
+
+@triton.jit
+def _accept_kernel(Y, Drafts, Acc, stride_y, stride_d, K: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+    """Program b: Acc[b] = the length of the longest prefix of Drafts[b] equal to Y[b, :K]."""
+    pdl_start(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, KP)
+    ok = j < K
+    y = tl.load(Y + b * stride_y + j, mask=ok, other=0)
+    d = tl.load(Drafts + b * stride_d + j, mask=ok, other=0).to(tl.int64)
+    miss = ok & (d != y)
+    tl.store(Acc + b, tl.min(tl.where(miss, j, K), 0).to(tl.int64))
+
+
+def accept_greedy(y: torch.Tensor, drafts: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """y [B, N] int64 target tokens, drafts [B, K = N - 1] (any integer type) -> accepted counts [B] int64: as
+    `(drafts == y[:, :-1]).int().cumprod(1).sum(1)`."""
+    B, K = drafts.shape
+    acc = torch.empty(B, dtype=torch.int64, device=y.device)
+    if B:
+        _accept_kernel[(B,)](
+            y,
+            drafts,
+            acc,
+            y.stride(0),
+            drafts.stride(0),
+            K=K,
+            KP=max(2, triton.next_power_of_2(K)),
+            num_warps=1,
+            **pdl_args(y, pdl),
+        )
+    return acc
+
+
+@triton.jit
+def _draft_inputs_kernel(
+    Y,
+    Acc,
+    Shift,
+    ExtIds,
+    AccIn,
+    Base,
+    n,
+    stride_y,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    SHIFT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program b: the draft graph's inputs for row b: its N tokens, its accepted count (0 on a padding row, so it
+    takes row 0 of its own), and its first position moved on by Shift[b] (SHIFT)."""
+    pdl_start(PDL)
+    b = tl.program_id(0)
+    if b < n:
+        j = tl.arange(0, NP)
+        ok = j < N
+        tl.store(ExtIds + b.to(tl.int64) * N + j, tl.load(Y + b.to(tl.int64) * stride_y + j, mask=ok), mask=ok)
+        tl.store(AccIn + b, tl.load(Acc + b).to(tl.int64))
+        if SHIFT:
+            tl.store(Base + b, tl.load(Base + b) + tl.load(Shift + b))
+    else:
+        tl.store(AccIn + b, 0)
+
+
+def draft_inputs(
+    y: torch.Tensor,
+    acc: torch.Tensor,
+    shift: torch.Tensor | None,
+    ext_ids: torch.Tensor,
+    acc_in: torch.Tensor,
+    base: torch.Tensor,
+    B: int,
+    pdl: bool = True,
+) -> None:
+    """For n = len(y) <= B rows: ext_ids[: n N] = y (flattened), acc_in[:n] = acc, acc_in[n:B] = 0, and
+    base[:n] += shift if given. y [n, N] int64, acc [n], shift [n] int64; ext_ids, acc_in, base int64."""
+    n, N = y.shape
+    _draft_inputs_kernel[(B,)](
+        y,
+        acc,
+        shift if shift is not None else acc,
+        ext_ids,
+        acc_in,
+        base,
+        n,
+        y.stride(0),
+        N=N,
+        NP=max(2, triton.next_power_of_2(N)),
+        SHIFT=shift is not None,
+        num_warps=1,
+        **pdl_args(y, pdl),
+    )
+
+
+@triton.jit
+def _pack_kernel(
+    Y,
+    Acc,
+    Drafts,
+    Ids,
+    Rows,
+    stride_y,
+    stride_d,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    NP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program b: Ids[b] = [Y[b, Acc[b]], Drafts[b]] and Rows[b] = [Y[b], Acc[b], Drafts[b]]."""
+    pdl_start(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, NP)
+    a = tl.load(Acc + b).to(tl.int64)
+    y = tl.load(Y + b * stride_y + j, mask=j < N, other=0)
+    d = tl.load(Drafts + b * stride_d + j, mask=j < K, other=0).to(tl.int64)
+    W: tl.constexpr = N + 1 + K
+    tl.store(Rows + b * W + j, y, mask=j < N)
+    tl.store(Rows + b * W + N, a)
+    tl.store(Rows + b * W + N + 1 + j, d, mask=j < K)
+    tl.store(Ids + b * N + 1 + j, d, mask=j < K)
+    tl.store(Ids + b * N, tl.load(Y + b * stride_y + a))
+
+
+def pack_verified(
+    y: torch.Tensor, acc: torch.Tensor, drafts: torch.Tensor, pdl: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [B, N] int64, acc [B], drafts [B, K] -> (the next verify's input ids [B, N] = [y[b, acc[b]], drafts[b]],
+    the step's read-back rows [B, N + 1 + K] = [y, acc, drafts]), both int64 and fresh."""
+    B, N = y.shape
+    K = drafts.shape[1]
+    ids = torch.empty(B, N, dtype=torch.int64, device=y.device)
+    rows = torch.empty(B, N + 1 + K, dtype=torch.int64, device=y.device)
+    if B:
+        _pack_kernel[(B,)](
+            y,
+            acc,
+            drafts,
+            ids,
+            rows,
+            y.stride(0),
+            drafts.stride(0),
+            N=N,
+            K=K,
+            NP=max(2, triton.next_power_of_2(N)),
+            num_warps=1,
+            **pdl_args(y, pdl),
+        )
+    return ids, rows

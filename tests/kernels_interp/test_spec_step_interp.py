@@ -1,0 +1,87 @@
+"""The speculative step's bookkeeping kernels (kernels/spec_step.py) equal the torch code their callers run on the
+CPU, on random inputs, into poisoned buffers whose rows past the step must stay as they were."""
+
+import pytest
+import torch
+
+POISON = -77
+
+
+def _rand_step(dev, B, N, V=50, hit=0.6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, V, (B, N), generator=g)
+    drafts = y[:, :-1].clone()
+    miss = torch.rand(B, N - 1, generator=g) > hit
+    drafts[miss] = (drafts[miss] + 1) % V  # misses at random positions, so every accepted count occurs
+    return y.to(dev), drafts.to(dev)
+
+
+@pytest.mark.parametrize("B,N", [(1, 2), (7, 2), (5, 3), (9, 4), (3, 6)])
+def test_accept_greedy(kdev, B, N):
+    from mlaserve.kernels.spec_step import accept_greedy
+
+    y, drafts = _rand_step(kdev, B, N, seed=B * N)
+    ref = (drafts == y[:, :-1]).int().cumprod(1).sum(1)
+    for d in (drafts, drafts.to(torch.int32)):
+        acc = accept_greedy(y, d, pdl=False)
+        assert acc.dtype == torch.int64 and torch.equal(acc, ref)
+    assert accept_greedy(y[:0], drafts[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("B,N", [(1, 2), (6, 2), (4, 4)])
+def test_pack_verified(kdev, B, N):
+    from mlaserve.kernels.spec_step import accept_greedy, pack_verified
+
+    y, drafts = _rand_step(kdev, B, N, seed=N)
+    acc = accept_greedy(y, drafts)
+    nxt = torch.randint(0, 50, (B, N - 1), device=kdev)
+    ids, rows = pack_verified(y, acc, nxt, pdl=False)
+    assert torch.equal(ids, torch.cat([y.gather(1, acc[:, None]), nxt], dim=1))
+    assert torch.equal(rows, torch.cat([y, acc[:, None], nxt], dim=1))
+
+
+@pytest.mark.parametrize("n,B,N,shifted", [(1, 1, 2, True), (3, 4, 2, True), (5, 8, 4, False), (8, 8, 3, True)])
+def test_draft_inputs(kdev, n, B, N, shifted):
+    from mlaserve.kernels.spec_step import draft_inputs
+
+    y, drafts = _rand_step(kdev, n, N, seed=n + B)
+    acc = torch.randint(0, N, (n,), device=kdev)
+    shift = torch.randint(0, N, (n,), device=kdev) if shifted else None
+    M = B + 2  # the graph's buffers hold more rows than this bucket
+    ext = torch.full((M * N,), POISON, dtype=torch.int64, device=kdev)
+    acc_in = torch.full((M,), POISON, dtype=torch.int64, device=kdev)
+    base = torch.randint(0, 1000, (M,), device=kdev)
+    ref_ext, ref_acc, ref_base = ext.clone(), acc_in.clone(), base.clone()
+    if shift is not None:
+        ref_base[:n] += shift
+    ref_ext[: n * N] = y.reshape(-1)
+    ref_acc[:n] = acc
+    ref_acc[n:B] = 0
+    draft_inputs(y, acc, shift, ext, acc_in, base, B, pdl=False)
+    assert torch.equal(ext, ref_ext) and torch.equal(acc_in, ref_acc) and torch.equal(base, ref_base)
+
+
+@pytest.mark.parametrize("n,R,q,page_size", [(1, 1, 2, 16), (4, 6, 2, 4), (3, 3, 4, 1), (5, 8, 3, 64)])
+def test_shift_decode(kdev, n, R, q, page_size):
+    """ForwardBatch.shift_decode's torch code (the CPU's) against the kernel, on a batch of R >= n decode requests
+    whose positions may cross a page boundary when moved."""
+    from mlaserve.kernels.spec_step import shift_decode
+
+    g = torch.Generator().manual_seed(n * 31 + q)
+    max_pages = 12
+    table = torch.stack([torch.randperm(100, generator=g)[:max_pages] for _ in range(R)]).to(torch.int32)
+    start = torch.randint(0, (max_pages - 2) * page_size, (R,), generator=g)
+    pos = (start[:, None] + torch.arange(q)).reshape(-1)
+    shift = torch.randint(0, q, (n,), generator=g)
+    seq = (start + q).to(torch.int32)
+    slots = torch.full((R * q,), POISON, dtype=torch.int64)
+    ref_pos, ref_seq, ref_slots = pos.clone(), seq.clone(), slots.clone()
+    p = ref_pos[: n * q].view(n, q)
+    p += shift[:, None]
+    ref_seq[:n] += shift.to(torch.int32)
+    page = table[:n].gather(1, p // page_size).long()
+    ref_slots[: n * q] = (page * page_size + p % page_size).view(-1)
+    d = [t.to(kdev) for t in (pos, seq, slots, table, shift)]
+    shift_decode(*d, q, page_size, pdl=False)
+    assert torch.equal(d[0].cpu(), ref_pos) and torch.equal(d[1].cpu(), ref_seq)
+    assert torch.equal(d[2].cpu(), ref_slots)
