@@ -18,7 +18,9 @@ import triton.language as tl
 from .pdl import pdl_args, pdl_start
 
 
-@triton.jit
+# Every runtime argument unspecialized (pointer alignment, ints equal to 1 or divisible by 16): one compile per set of
+# constexprs, which the engine's warm-up makes (warm_up below).
+@triton.jit(do_not_specialize=["Pos", "SeqLens", "Slots", "PageTable", "Shift", "stride_pt", "max_pages", "page_size"])
 def _shift_decode_kernel(
     Pos,
     SeqLens,
@@ -77,7 +79,7 @@ def shift_decode(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Y", "Drafts", "Acc", "stride_y", "stride_d"])
 def _accept_kernel(Y, Drafts, Acc, stride_y, stride_d, K: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
     """Program b: Acc[b] = the length of the longest prefix of Drafts[b] equal to Y[b, :K]."""
     pdl_start(PDL)
@@ -110,7 +112,7 @@ def accept_greedy(y: torch.Tensor, drafts: torch.Tensor, pdl: bool = True) -> to
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Y", "Acc", "Shift", "ExtIds", "AccIn", "Base", "n", "stride_y"])
 def _draft_inputs_kernel(
     Y,
     Acc,
@@ -170,7 +172,7 @@ def draft_inputs(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Y", "Acc", "Drafts", "Ids", "Rows", "stride_y", "stride_d"])
 def _pack_kernel(
     Y,
     Acc,
@@ -224,3 +226,25 @@ def pack_verified(
             **pdl_args(y, pdl),
         )
     return ids, rows
+
+
+def warm_up(N: int, page_size: int, max_pages: int, device, pdl: bool = True) -> None:
+    """Compile every kernel here for a verify of width N (the engine's warm-up: its kernels take no other
+    specialization than their constexprs, so these are the variants serving runs)."""
+    z = dict(dtype=torch.int64, device=device)
+    y, acc, base = torch.zeros(2, N, **z), torch.zeros(2, **z), torch.zeros(2, **z)
+    acc = accept_greedy(y, y[:, 1:], pdl)
+    for shift in (acc, None):
+        draft_inputs(y, acc, shift, torch.zeros(2 * N, **z), torch.zeros(2, **z), base, 2, pdl)
+    pack_verified(y, acc, y[:, 1:], pdl)
+    table = torch.zeros(2, max_pages, dtype=torch.int32, device=device)
+    shift_decode(
+        torch.zeros(2 * N, **z),
+        torch.zeros(2, dtype=torch.int32, device=device),
+        torch.zeros(2 * N, **z),
+        table,
+        acc,
+        N,
+        page_size,
+        pdl,
+    )
