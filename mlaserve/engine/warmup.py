@@ -234,8 +234,7 @@ def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
     if draft is not None and runner.device.type == "cuda":  # the greedy speculative step's bookkeeping kernels
         from ..kernels.spec_step import warm_up as warm_spec_step
 
-        pages = runner.graphs.page_table.shape[1] if runner.graphs is not None else 1
-        warm_spec_step(engine.spec_k + 1, cfg.page_size, pages, runner.device, runner.kernels.pdl)
+        warm_spec_step(engine.spec_k + 1, cfg.page_size, runner.device, runner.kernels.pdl)
     for step in steps:
         decode, prefill = _chunks(step, runner.num_pages, cfg.page_size, lookahead)
         _step(runner, decode, prefill, draft)
