@@ -18,6 +18,12 @@ import triton.language as tl
 from .pdl import pdl_args, pdl_start
 
 
+def _unit_cols(t: torch.Tensor) -> torch.Tensor:
+    """t [B, n] with unit column stride (the kernels index rows by stride(0), columns by one); the engine's tensors
+    have it already."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 # Every runtime argument unspecialized (pointer alignment, ints equal to 1 or divisible by 16): one compile per set of
 # constexprs, which the engine's warm-up makes (warm_up below).
 @triton.jit(do_not_specialize=["Pos", "SeqLens", "Slots", "PageTable", "Shift", "stride_pt", "max_pages", "page_size"])
@@ -97,6 +103,7 @@ def accept_greedy(y: torch.Tensor, drafts: torch.Tensor, pdl: bool = True) -> to
     """y [B, N] int64 target tokens, drafts [B, K = N - 1] (any integer type) -> accepted counts [B] int64: as
     `(drafts == y[:, :-1]).int().cumprod(1).sum(1)`."""
     B, K = drafts.shape
+    y, drafts = _unit_cols(y), _unit_cols(drafts)
     acc = torch.empty(B, dtype=torch.int64, device=y.device)
     if B:
         _accept_kernel[(B,)](
@@ -156,6 +163,7 @@ def draft_inputs(
     """For n = len(y) <= B rows: ext_ids[: n N] = y (flattened), acc_in[:n] = acc, acc_in[n:B] = 0, and
     base[:n] += shift if given. y [n, N] int64, acc [n], shift [n] int64; ext_ids, acc_in, base int64."""
     n, N = y.shape
+    y = _unit_cols(y)
     _draft_inputs_kernel[(B,)](
         y,
         acc,
@@ -209,6 +217,7 @@ def pack_verified(
     the step's read-back rows [B, N + 1 + K] = [y, acc, drafts]), both int64 and fresh."""
     B, N = y.shape
     K = drafts.shape[1]
+    y, drafts = _unit_cols(y), _unit_cols(drafts)
     ids = torch.empty(B, N, dtype=torch.int64, device=y.device)
     rows = torch.empty(B, N + 1 + K, dtype=torch.int64, device=y.device)
     if B:

@@ -22,7 +22,7 @@ def test_accept_greedy(kdev, B, N):
 
     y, drafts = _rand_step(kdev, B, N, seed=B * N)
     ref = (drafts == y[:, :-1]).int().cumprod(1).sum(1)
-    for d in (drafts, drafts.to(torch.int32)):
+    for d in (drafts, drafts.to(torch.int32), drafts.t().contiguous().t()):  # the last: column stride B
         acc = accept_greedy(y, d, pdl=False)
         assert acc.dtype == torch.int64 and torch.equal(acc, ref)
     assert accept_greedy(y[:0], drafts[:0]).shape == (0,)
