@@ -163,16 +163,16 @@ class SpecLoop(Loop):
         N = self.k + 1
         out = self.scheduler.schedule_verify(reqs, N, 2 * N + self.k)
         y, acc, drafts = cur.verified
+        acc = acc.to(torch.int64)  # already int64 from the device kernels and the torch count
         ids = cur.next_ids
         if ids is None:
-            acc = acc.to(torch.int64)
             ids = torch.cat([y.gather(1, acc[:, None]), drafts.to(torch.int64)], dim=1)  # [B, N]: a fresh tensor
         row = {id(c.req): j for j, c in enumerate(cur.out.decode)}
         idx = [row[id(r)] for r in reqs]
         if idx != list(range(len(cur.out.decode))):
             sel = torch.tensor(idx).to(y.device, non_blocking=True)  # no stream sync
             ids, acc = ids[sel], acc[sel]
-        return self.launch(out, decode_tokens=ids, decode_shift=acc.to(torch.int64))
+        return self.launch(out, decode_tokens=ids, decode_shift=acc)
 
     def next_verify(self, out: SchedulerOutput) -> list[Request] | None:
         """The requests that verify after `out`, in the scheduler's order, when that schedule is certain whatever

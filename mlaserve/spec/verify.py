@@ -18,7 +18,7 @@ def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, pdl: bool = True) 
     """logits [B, N, V], drafts [B, K=N-1] -> (target tokens [B, N], accepted counts [B] int64). pdl: the GPU
     kernels' (the arg-max's, and the count's: one launch, kernels/spec_step.py)."""
     y = greedy_tokens(logits, pdl)
-    if y.is_cuda and y.is_contiguous():
+    if y.is_cuda:
         from ..kernels.spec_step import accept_greedy
 
         return y, accept_greedy(y, drafts, pdl)
