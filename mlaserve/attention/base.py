@@ -57,7 +57,8 @@ class ForwardBatch:
 
     def shift_decode(self, shift: torch.Tensor, page_size: int, pdl: bool = True) -> None:
         """Move the first len(shift) decode requests' tokens shift [n] (int64, on the device) positions on: their
-        positions, lengths and KV slots (looked up again in the page table), all on the device. An overlapped
+        positions, lengths and KV slots (looked up again in the page table; a request shifted by 0 keeps its slots,
+        so a padding row's stay -1), all on the device. An overlapped
         verify step is filled for zero accepted tokens before the step in flight has said how many it accepted.
         The host length mirrors follow only for a backend that reads them (one read back). On the GPU one launch
         (kernels/spec_step.py; pdl: its PDL) does what the torch code below does."""
@@ -71,7 +72,8 @@ class ForwardBatch:
             pos += shift[:, None]
             self.seq_lens[:n] += shift.to(self.seq_lens.dtype)
             page = self.page_table[:n].gather(1, pos // page_size).long()  # [n, q]
-            self.slot_mapping[: n * q].copy_((page * page_size + pos % page_size).view(-1))
+            slots = self.slot_mapping[: n * q].view(n, q)
+            slots.copy_(torch.where(shift[:, None] != 0, page * page_size + pos % page_size, slots))
         if self.attn is None or self.attn.reads_host_decode_lens:
             for b, s in enumerate(shift.tolist()):
                 self.seq_lens_cpu[b] += s

@@ -8,6 +8,8 @@ Decode graphs of one token a request also take the greedy arg-max of every row, 
 between two replays but the next step's input copies: the arg-max is written over the graph's own input ids
 (already the next step's ids when overlapped decode feeds them from the device: no id copy) and into a row of a
 pinned host ring (written over the bus by the kernel: no copy back; the row comes in with the step's inputs).
+Verify graphs (N tokens a request) have a ring of N + 1 + K words a request, which the greedy speculative step's
+graph (spec_graph.py) writes its read-back rows to.
 """
 
 from __future__ import annotations
@@ -102,6 +104,12 @@ HOST_RING = 4  # rows of the pinned ring decode graphs write their arg-max to; >
 # before it launches step N + 2, so a row is read before the step RING later overwrites it
 
 
+def ring_width(q: int) -> int:
+    """int64 words a request of a decode graph of q tokens a request writes to the host ring: its arg-max (q = 1),
+    or a speculative step's read-back row [y (q), accepted count, drafts (q - 1)]."""
+    return 1 if q == 1 else 2 * q
+
+
 @dataclass
 class GreedyTokens:
     """A decode graph's own arg-max of its real rows, valid until HOST_RING more steps have run."""
@@ -118,7 +126,7 @@ class _Graph:
     aux: torch.Tensor | None
     n_reqs: int  # request slots (incl. padding)
     n_tokens: int
-    ring_row: torch.Tensor | None = None  # decode, one token a request: int32 [1], which host ring row to write
+    ring_row: torch.Tensor | None = None  # decode graphs: int32 [1], which host ring row a step writes (fill)
 
 
 class GraphRunner:
@@ -168,10 +176,10 @@ class GraphRunner:
         self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
         self.page_table = torch.zeros(max_reqs, max_pages, dtype=torch.int32, device=dev)
         self._last: dict[str, tuple] = {}  # _write: the region and values last copied into a buffer
-        self.host_tokens = (
-            torch.zeros(HOST_RING, max_bs, dtype=torch.int64, pin_memory=torch.device(dev).type == "cuda")
-            if self.greedy
-            else None
+        # [HOST_RING, max_bs x ring_width]: a decode step's arg-max, or a speculative step's read-back rows
+        self.ring_width = ring_width(self.q)
+        self.host_tokens = torch.zeros(
+            HOST_RING, max_bs * self.ring_width, dtype=torch.int64, pin_memory=torch.device(dev).type == "cuda"
         )
         self._ring = 0  # the host ring row of the last (or next: run) decode step
         self.graphs: dict[tuple, _Graph] = {}
@@ -209,11 +217,11 @@ class GraphRunner:
         return [("decode", b) for b in self.bs_list] + [("prefill", t) for t in self.prefill_buckets]
 
     def _sizes(self, key: tuple) -> tuple[int, int]:
-        """(tokens, lengths) of a graph's packed inputs: a greedy decode graph's host ring row follows its requests'
+        """(tokens, lengths) of a graph's packed inputs: a decode graph's host ring row follows its requests'
         lengths (_Graph.ring_row)."""
         kind, size = key
         if kind == "decode":
-            return size * self.q, size + self.greedy
+            return size * self.q, size + 1
         return size, PREFILL_MAX_REQS + 1
 
     @staticmethod
@@ -261,8 +269,8 @@ class GraphRunner:
 
     def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk], ids_on_device: int = 0) -> None:
         """Write the real chunks into the static buffers, and padding after them. ids_on_device: the first rows'
-        input ids come from the device (run's decode_tokens), so the host writes only the rest. A greedy decode
-        graph's lengths are followed by the host ring row it writes its arg-max to (self._ring)."""
+        input ids come from the device (run's decode_tokens), so the host writes only the rest. A decode graph's
+        lengths are followed by the host ring row it writes to (self._ring)."""
         kind, size = key
         ids, pos, slots, lens, qlens, rows, table = [], [], [], [], [], [], []
         # Only the columns in use are copied: attention reads a row's pages below its seq_len, never past it
@@ -387,16 +395,16 @@ class GraphRunner:
         for key in sorted(self._keys(), key=lambda k: -k[1] * (self.q if k[0] == "decode" else 1)):
             batch = self._batch(key)
             g = _Graph(None, batch, None, None, batch.num_reqs, batch.num_tokens)
-            if key[0] == "decode" and self.greedy:
+            if key[0] == "decode":
                 g.ring_row = self._views(key)[2][g.n_reqs :]
             self._fill(key, g, [])  # all padding: valid, harmless inputs
             if self.use_graphs:
                 for _ in range(2):  # warm up: Triton compiles, allocator settles
-                    self._forward(batch, g.ring_row)
+                    self._forward(batch, self._argmax_row(g))
                 torch.cuda.synchronize()
                 g.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g.graph, pool=self.pool):
-                    g.logits, g.aux = self._forward(batch, g.ring_row)
+                    g.logits, g.aux = self._forward(batch, self._argmax_row(g))
                 self.pool = g.graph.pool()
             self.graphs[key] = g
         if self.use_graphs:
@@ -415,12 +423,9 @@ class GraphRunner:
         graph's GreedyTokens or None). decode_tokens: the decode chunks' input ids on the device, copied in after
         the host's, unless they are the input ids already (the last decode graph's arg-max, in order).
         decode_shift: the decode chunks' positions moved on the device (ForwardBatch.shift_decode)."""
-        g = self.graphs[key]
         chunks = decode + prefill
         n_dec = sum(len(c.token_ids) for c in decode)
-        if g.ring_row is not None:
-            self._ring = (self._ring + 1) % HOST_RING
-        self._fill(key, g, chunks, 0 if decode_tokens is None else n_dec)
+        g = self.fill(key, chunks, 0 if decode_tokens is None else n_dec)
         if decode_tokens is not None and not self._are_input_ids(decode_tokens, n_dec):
             self.input_ids[:n_dec].copy_(decode_tokens)
         if decode_shift is not None:
@@ -432,15 +437,28 @@ class GraphRunner:
             self.graph_replays[kind] += 1
             logits, aux = g.logits, g.aux
         else:
-            logits, aux = self._forward(g.batch, g.ring_row)
+            logits, aux = self._forward(g.batch, self._argmax_row(g))
         n_tok = sum(len(c.token_ids) for c in chunks)
         aux = aux[:n_tok] if aux is not None else None
         if key[0] == "decode":  # every token of a decode chunk has a logits row, in order
             greedy = None
-            if g.ring_row is not None:
+            if self.greedy:
                 greedy = GreedyTokens(self.input_ids[:n_tok], self.host_tokens[self._ring, :n_tok])
             return logits[:n_tok], aux, greedy
         return logits[: sum(c.need_logits == "last" for c in prefill)], aux, None
+
+    def fill(self, key: tuple, chunks: list[SeqChunk], ids_on_device: int = 0) -> _Graph:
+        """Key's graph with these chunks in its static inputs (_fill); a decode graph's step takes the next host
+        ring row (self._ring after this)."""
+        g = self.graphs[key]
+        if g.ring_row is not None:
+            self._ring = (self._ring + 1) % HOST_RING
+        self._fill(key, g, chunks, ids_on_device)
+        return g
+
+    def _argmax_row(self, g: _Graph) -> torch.Tensor | None:
+        """The ring row a decode graph of one token a request writes its arg-max to; None for the others."""
+        return g.ring_row if self.greedy else None
 
     def _are_input_ids(self, t: torch.Tensor, n: int) -> bool:
         """t is input_ids[:n] itself (the GreedyTokens.device of the last decode run, every row in order)."""

@@ -89,10 +89,12 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.spec_step_graphs = None  # the greedy speculative step in one graph (spec_graph.py), when captured
         if self.runner.device.type == "cuda" and not cfg.enforce_eager:
             self.runner.capture_graphs(self.spec_k + 1, self.max_model_len)
             if hasattr(self.proposer, "capture_graphs"):  # the draft runs on rank 0 only: no collectives inside
                 self.proposer.capture_graphs(cfg.max_num_seqs, self.runner.graphs.max_pages)
+                self.capture_spec_step_graphs()
         elif self.runner.device.type == "cpu" and hasattr(self.proposer, "capture_graphs"):
             # the draft's static step, run eagerly: a greedy decode-only verify drafts from its device outputs on
             # the CPU too (spec_loop.py), so the path the GPU's graphs take is the one CI runs
@@ -110,6 +112,23 @@ class LLMEngine:
             self.loop = Loop(self)
         if ranks.world_size == 1 and not cfg.disable_overlap_schedule:  # overlapped steps (loop.py): one rank
             self.loop = OverlapLoop(self.loop)
+
+    def capture_spec_step_graphs(self, use_graphs: bool = True) -> None:
+        """The step graphs of greedy EAGLE3 steps (spec_graph.py), over the runner's verify graphs and the draft's
+        static step, on one rank (their inputs come from the device). use_graphs=False: the same step run eagerly
+        (the CPU tests, after runner.capture_graphs(..., use_graphs=False))."""
+        draft = getattr(self.proposer, "graphs", None)
+        if draft is None or self.runner.graphs is None or self.runner.ranks.world_size > 1:
+            return
+        if self.spec.simulate_acceptance is not None:  # a benchmark's: its steps take the launches (spec_loop.py)
+            return
+        from .spec_graph import SpecStepGraphs
+
+        self.spec_step_graphs = SpecStepGraphs(self.runner.graphs, draft, use_graphs)
+        self.spec_step_graphs.capture()
+        loop = getattr(self, "loop", None)
+        if loop is not None:  # built after the engine's loop (the CPU tests)
+            getattr(loop, "loop", loop).step_graphs = self.spec_step_graphs
 
     @property
     def cache_tokens(self) -> int:

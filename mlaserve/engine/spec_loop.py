@@ -15,6 +15,10 @@ Pages are taken for the most step i can accept. Then step i is read back and pro
 by what it accepted, and a request it ends (EOS, a stop, its max_tokens; or an abort meanwhile) has step i+1's
 tokens dropped (its pages are freed at once: later work queues behind step i+1). REPLAY's drafts are chosen on the host
 after the read (verified_drafts), so its steps do not overlap.
+
+On CUDA such a step is one replay of the step graph (spec_graph.py: the shift, verify, accept, draft and pack in
+one graph), which leaves the next step's ids and shifts in its own buffers; with simulated acceptance, or at a size it
+has no graph for, the pieces run one launch each as above.
 """
 
 from __future__ import annotations
@@ -50,17 +54,21 @@ class VerifyStep:
     verified: tuple | None = None
     rows: QueuedRows | None = None
     next_ids: torch.Tensor | None = None  # [B, N] = [y[a], next drafts] per request: the next verify's input ids
+    in_graph: bool = False  # run by the step graph: y, a and the drafts are in `rows`, the next ids in its buffers
 
 
 class QueuedRows:
     """[B, *] integer tensors on the device, side by side, on their way to the host (through pinned memory and an
-    event on CUDA, so work queued later does not delay the read); read() is the step's one host sync."""
+    event on CUDA, so work queued later does not delay the read); read() is the step's one host sync. written: t is
+    host memory the work queued so far writes (the step graph's ring row): only the event."""
 
-    def __init__(self, t: torch.Tensor):
+    def __init__(self, t: torch.Tensor, written: bool = False):
         self.t = t  # a fresh tensor: static outputs may change
         self.ready = None
-        if self.t.is_cuda:
-            self.t = torch.empty(self.t.shape, dtype=self.t.dtype, pin_memory=True).copy_(self.t, non_blocking=True)
+        gpu = t.is_cuda or (written and torch.cuda.is_available() and t.is_pinned())
+        if t.is_cuda:
+            self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        if gpu:
             self.ready = torch.cuda.Event()
             self.ready.record()
 
@@ -85,6 +93,7 @@ class SpecLoop(Loop):
         self._accept_log = [0, 0]  # accepted, steps since the last log line
         spec = engine.spec
         self.simulate = spec.simulate_acceptance if spec is not None else None  # benchmark only (SpecConfig)
+        self.step_graphs = getattr(engine, "spec_step_graphs", None)  # spec_graph.py, when captured
         if self.simulate is not None:
             self.sim_gen = torch.Generator(device=self.runner.device).manual_seed(spec.replay_seed)
             log.warning(
@@ -118,11 +127,17 @@ class SpecLoop(Loop):
                 SeqChunk(seq_chunk(c.req, 1, True).token_ids + d, c.req.num_computed_tokens, c.req.pages, "all")
                 for c, d in zip(out.decode, drafts)
             ]
+            key = self._graph_key(out, decode)
+            if key is not None:
+                return self._launch_in_graph(out, key, decode, None)
             # the drafts on the device for the verify's comparison, queued before the forward (no stream sync)
             dev = torch.tensor(drafts, dtype=torch.int64).to(self.runner.device, non_blocking=True) if drafts else None
             ids = None
         else:  # filled for zero accepted tokens by the step in flight, moved on by decode_shift on the device
             decode = [SeqChunk([0] * N, c.req.num_computed_tokens + 1, c.req.pages, "all") for c in out.decode]
+            key = self._graph_key(out, decode)
+            if key is not None:
+                return self._launch_in_graph(out, key, decode, (decode_tokens, decode_shift))
             dev, ids = decode_tokens[:, 1:], decode_tokens.reshape(-1)
         prefill = [seq_chunk(c.req, c.num_new, c.sample) for c in out.prefill]
         logits, aux, _ = self.runner.execute(decode, prefill, decode_tokens=ids, decode_shift=decode_shift)
@@ -130,6 +145,24 @@ class SpecLoop(Loop):
         step = VerifyStep(out, logits, aux, dev)
         if out.decode and not out.prefill and all(c.req.params.greedy for c in out.decode):
             self._verify_on_device(step, [c.num_cached for c in decode], decode_shift)
+        return step
+
+    def _graph_key(self, out: SchedulerOutput, decode: list[SeqChunk]) -> tuple | None:
+        """The step graph's key for a greedy decode-only step (spec_graph.py), or None: no graph for it."""
+        sg = self.step_graphs
+        if sg is None or self.simulate is not None or out.prefill or not out.decode:
+            return None
+        if not all(c.req.params.greedy for c in out.decode):
+            return None
+        return sg.key(decode)
+
+    def _launch_in_graph(self, out: SchedulerOutput, key: tuple, decode: list[SeqChunk], fed) -> VerifyStep:
+        """Verify, accept and draft in one replay of the step graph (fed: SpecStepGraphs.run's)."""
+        rows = self.step_graphs.run(key, decode, [c.req.pages for c in out.decode], fed)
+        self.num_steps += 1
+        self.greedy_decode_steps += 1
+        step = VerifyStep(out, None, None, in_graph=True)
+        step.rows = QueuedRows(rows, written=True)
         return step
 
     def _verify_on_device(self, step: VerifyStep, starts: list[int], shift: torch.Tensor | None) -> None:
@@ -155,13 +188,25 @@ class SpecLoop(Loop):
     def launch_next(self, cur: VerifyStep) -> VerifyStep | None:
         """Launch the verify after `cur` from cur's device outputs (the module docstring), if its schedule is
         certain; else None."""
-        if cur.verified is None or cur.verified[2] is None or hasattr(self.proposer, "verified_drafts"):
+        if not cur.in_graph and (
+            cur.verified is None or cur.verified[2] is None or hasattr(self.proposer, "verified_drafts")
+        ):
             return None  # no device drafts to feed (or REPLAY's, chosen on the host)
         reqs = self.next_verify(cur.out)
         if not reqs:
             return None
         N = self.k + 1
         out = self.scheduler.schedule_verify(reqs, N, 2 * N + self.k)
+        if cur.in_graph:  # its ids and shifts wait in the step graph's buffers
+            row = {id(c.req): j for j, c in enumerate(cur.out.decode)}
+            idx = [row[id(r)] for r in reqs]
+            if idx == list(range(len(cur.out.decode))):
+                decode = [SeqChunk([0] * N, c.req.num_computed_tokens + 1, c.req.pages, "all") for c in out.decode]
+                key = self._graph_key(out, decode)
+                if key is not None:
+                    return self._launch_in_graph(out, key, decode, "in place")
+            ids, acc = self.step_graphs.gather(idx)
+            return self.launch(out, decode_tokens=ids, decode_shift=acc)
         y, acc, drafts = cur.verified
         acc = acc.to(torch.int64)  # already int64 from the device kernels and the torch count
         ids = cur.next_ids
@@ -202,16 +247,16 @@ class SpecLoop(Loop):
 
     def process(self, step: VerifyStep) -> list[StepOutput]:
         """Verify each decode request's drafts, sample finished prefills, then let the draft propose again."""
-        if step.verified is not None:
+        if step.verified is not None or step.in_graph:
             return self._process_greedy(step)
         return self._process_mixed(step)
 
     def _process_greedy(self, step: VerifyStep) -> list[StepOutput]:
         """A decode-only step of greedy requests, verified and drafted on the device: its one read back."""
         out, N = step.out, self.k + 1
-        drafts = step.verified[2]
+        drafted = step.in_graph or step.verified[2] is not None  # on the device: the drafts are in the rows
         rows = step.rows.read()  # the step's one host sync
-        if drafts is not None:
+        if drafted:
             self.spec_device_steps += 1
         final = getattr(self.proposer, "verified_drafts", None)
         results, chunks, accepted = [], [], 0
@@ -225,7 +270,7 @@ class SpecLoop(Loop):
             accepted += a
             if ev.finished:
                 continue
-            if drafts is None:  # aux is still this step's: no step is launched after one without device drafts
+            if not drafted:  # aux is still this step's: no step is launched after one without device drafts
                 chunks.append(DraftChunk(c.req, toks, start, _rows(step.aux, b * N, N), propose=True, verify=True))
             else:
                 d = rows[b][N + 1 :]

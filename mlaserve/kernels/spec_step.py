@@ -40,18 +40,20 @@ def _shift_decode_kernel(
     QP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program b: request b's Q positions, its length and its Q KV slots moved on by Shift[b]."""
+    """Program b: request b's Q positions, its length and its Q KV slots moved on by Shift[b]; a request shifted by
+    0 is left as it is (a padding row's slots stay -1)."""
     pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, QP)
-    ok = j < Q
     s = tl.load(Shift + b)
-    pos = tl.load(Pos + b * Q + j, mask=ok, other=0) + s
-    tl.store(Pos + b * Q + j, pos, mask=ok)
-    tl.store(SeqLens + b, (tl.load(SeqLens + b) + s).to(tl.int32))
-    # the scheduler gave each request pages for these positions; the clamp only keeps a bad one inside the table
-    page = tl.load(PageTable + b * stride_pt + tl.minimum(pos // page_size, max_pages - 1), mask=ok, other=0)
-    tl.store(Slots + b * Q + j, page.to(tl.int64) * page_size + pos % page_size, mask=ok)
+    if s != 0:
+        j = tl.arange(0, QP)
+        ok = j < Q
+        pos = tl.load(Pos + b * Q + j, mask=ok, other=0) + s
+        tl.store(Pos + b * Q + j, pos, mask=ok)
+        tl.store(SeqLens + b, (tl.load(SeqLens + b) + s).to(tl.int32))
+        # the scheduler gave each request pages for these positions; the clamp only keeps a bad one inside the table
+        page = tl.load(PageTable + b * stride_pt + tl.minimum(pos // page_size, max_pages - 1), mask=ok, other=0)
+        tl.store(Slots + b * Q + j, page.to(tl.int64) * page_size + pos % page_size, mask=ok)
 
 
 def shift_decode(
@@ -65,7 +67,8 @@ def shift_decode(
     pdl: bool = True,
 ) -> None:
     """In place, for the first n = len(shift) requests: positions[: n q] += shift (each request's q rows),
-    seq_lens[:n] += shift, slot_mapping[: n q] = the page table's slot of each new position. positions,
+    seq_lens[:n] += shift, slot_mapping[: n q] = the page table's slot of each new position (of the requests whose
+    shift is not 0: the others keep their slots). positions,
     slot_mapping int64, seq_lens int32, page_table int32 [>= n, max_pages], shift int64 [n]; all contiguous."""
     n = shift.shape[0]
     if n == 0:
@@ -181,21 +184,31 @@ def draft_inputs(
     )
 
 
-@triton.jit(do_not_specialize=["Y", "Acc", "Drafts", "Ids", "Rows", "stride_y", "stride_d"])
+_PACK_ARGS = ["Y", "Acc", "Drafts", "Ids", "Rows", "Base", "Shift", "RingRow", "stride_y", "stride_d", "stride_r"]
+
+
+@triton.jit(do_not_specialize=_PACK_ARGS)
 def _pack_kernel(
     Y,
     Acc,
     Drafts,
     Ids,
     Rows,
+    Base,
+    Shift,
+    RingRow,
     stride_y,
     stride_d,
+    stride_r,
     N: tl.constexpr,
     K: tl.constexpr,
     NP: tl.constexpr,
+    STEP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program b: Ids[b] = [Y[b, Acc[b]], Drafts[b]] and Rows[b] = [Y[b], Acc[b], Drafts[b]]."""
+    """Program b: Ids[b] = [Y[b, Acc[b]], Drafts[b]] and Rows[b] = [Y[b], Acc[b], Drafts[b]]. STEP (the step graph's
+    outputs): Rows is row RingRow[0] of a ring whose rows are stride_r apart, and Shift[b] = Acc[b], or 0 where
+    Base[b] < 0 (a padding row)."""
     pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NP)
@@ -203,6 +216,9 @@ def _pack_kernel(
     y = tl.load(Y + b * stride_y + j, mask=j < N, other=0)
     d = tl.load(Drafts + b * stride_d + j, mask=j < K, other=0).to(tl.int64)
     W: tl.constexpr = N + 1 + K
+    if STEP:
+        Rows += tl.load(RingRow).to(tl.int64) * stride_r
+        tl.store(Shift + b, tl.where(tl.load(Base + b) >= 0, a, 0))
     tl.store(Rows + b * W + j, y, mask=j < N)
     tl.store(Rows + b * W + N, a)
     tl.store(Rows + b * W + N + 1 + j, d, mask=j < K)
@@ -227,15 +243,61 @@ def pack_verified(
             drafts,
             ids,
             rows,
+            acc,
+            acc,
+            acc,
             y.stride(0),
             drafts.stride(0),
+            0,
             N=N,
             K=K,
             NP=max(2, triton.next_power_of_2(N)),
+            STEP=False,
             num_warps=1,
             **pdl_args(y, pdl),
         )
     return ids, rows
+
+
+def pack_step(
+    y: torch.Tensor,
+    acc: torch.Tensor,
+    drafts: torch.Tensor,
+    base: torch.Tensor,
+    ids: torch.Tensor,
+    shift: torch.Tensor,
+    ring: torch.Tensor,
+    ring_row: torch.Tensor,
+    pdl: bool = True,
+) -> None:
+    """The step graph's outputs (engine/spec_graph.py), for B = len(y) rows: ids[: B N] = [y[b, acc[b]], drafts[b]]
+    row by row (the next verify's input ids), shift[:B] = acc where base >= 0, else 0, and ring[r, : B (N + 1 + K)]
+    = [y[b], acc[b], drafts[b]] row by row, r = ring_row[0] read when the kernel runs. y [B, N] int64, acc [B],
+    drafts [B, K], base [B] int64; ids, shift int64; ring int64 [R, >= B (N + 1 + K)] (pinned host memory: written
+    over the bus), ring_row int32 [1] on the device."""
+    B, N = y.shape
+    K = drafts.shape[1]
+    y, drafts = _unit_cols(y), _unit_cols(drafts)
+    if B:
+        _pack_kernel[(B,)](
+            y,
+            acc,
+            drafts,
+            ids,
+            ring,
+            base,
+            shift,
+            ring_row,
+            y.stride(0),
+            drafts.stride(0),
+            ring.stride(0),
+            N=N,
+            K=K,
+            NP=max(2, triton.next_power_of_2(N)),
+            STEP=True,
+            num_warps=1,
+            **pdl_args(y, pdl),
+        )
 
 
 def warm_up(N: int, page_size: int, device, pdl: bool = True) -> None:

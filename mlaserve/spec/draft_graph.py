@@ -111,15 +111,19 @@ class DraftGraphs:
             self.dec_slots[:, :B].copy_(slots(q).T)
             self.dec_seq[:, :B].copy_((q + 1).T)
 
-    def _forward(self, B: int, batches: list[ForwardBatch], mirrors: bool = False) -> torch.Tensor:
-        """mirrors: fill the chained steps' host lengths (the reference backends read them; eager only)."""
+    def _forward(
+        self, B: int, batches: list[ForwardBatch], mirrors: bool = False, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """mirrors: fill the chained steps' host lengths (the reference backends read them; eager only). hidden
+        [B * N, 3D]: the verify's aux hidden states in place of the `hidden` buffer (the step graph's)."""
         self._prepare(B)
         if mirrors:
             batches[0].seq_lens_cpu[:] = self.ext_seq[:B].tolist()
             for i, b in enumerate(batches[1:]):
                 b.seq_lens_cpu[:] = self.dec_seq[i, :B].tolist()
         draft, ext = self.p.draft, batches[0]
-        normed, h = draft(ext.input_ids, ext.positions, self.hidden[: B * self.N], ext)
+        hidden = self.hidden[: B * self.N] if hidden is None else hidden.to(self.hidden.dtype)
+        normed, h = draft(ext.input_ids, ext.positions, hidden, ext)
         tok, h = draft.draft_token_ids(normed[self.rows[:B]]), h[self.rows[:B]]
         toks = [tok]
         for b in batches[1:]:
@@ -187,23 +191,29 @@ class DraftGraphs:
         B = self.bucket(n)
         graph, batches, out = self.graphs[B]
         self._fill(B, batches, starts, pages)
-        if y.is_cuda and y.stride(-1) == 1:  # one launch for the torch code below (kernels/spec_step.py)
-            from ..kernels.spec_step import draft_inputs
-
-            draft_inputs(y, acc, shift, self.ext_ids, self.acc, self.base, B, self.p.pdl)
-        else:
-            if shift is not None:
-                self.base[:n] += shift
-            self.ext_ids[: n * N].copy_(y.reshape(-1))
-            self.acc[:n].copy_(acc)
-            if n < B:  # padding rows: take row 0 of their own
-                self.acc[n:B].zero_()
+        self.verified_inputs(y, acc, shift, B)
         self.hidden[: n * N].copy_(hidden)
         if graph is not None:
             graph.replay()
         else:
             out = self._forward(B, batches, mirrors=True)
         return out[:n]
+
+    def verified_inputs(self, y: torch.Tensor, acc: torch.Tensor, shift: torch.Tensor | None, B: int) -> None:
+        """The step's device inputs for n = len(y) <= B rows: the verify's tokens y [n, N] and accepted counts acc
+        [n] (padding rows take row 0 of their own), and each row's first position moved on by shift [n] if given."""
+        n = y.shape[0]
+        if y.is_cuda:  # one launch for the torch code below (kernels/spec_step.py)
+            from ..kernels.spec_step import draft_inputs
+
+            draft_inputs(y, acc, shift, self.ext_ids, self.acc, self.base, B, self.p.pdl)
+            return
+        if shift is not None:
+            self.base[:n] += shift
+        self.ext_ids[: n * self.N].copy_(y.reshape(-1))
+        self.acc[:n].copy_(acc)
+        if n < B:
+            self.acc[n:B].zero_()
 
     @torch.inference_mode()
     def run(self, chunks) -> dict[str, list[int]]:

@@ -193,8 +193,9 @@ def test_graphs_with_speculation(tiny_ckpt, tmp_path):
         got, llm = _greedy(dict(dtype="float32"), tiny_ckpt, prompts, spec={"draft_model": draft, "num_steps": k})
         assert llm.engine.proposer.graphs is not None and llm.engine.proposer.graphs.graphs  # the draft step too
         gr = llm.engine.runner.graphs
-        # the verify steps replayed the target's captured graphs (q_len k + 1), none ran the q_len-1 decode graphs
-        assert gr.graph_replays["verify"] > 0 and gr.graph_replays == gr.static_runs, gr.static_runs
+        # the verify steps replayed the step graphs (the target's verify of q_len k + 1, the draft's step: all greedy
+        # decode-only), none ran the q_len-1 decode graphs
+        assert gr.graph_replays["spec_step"] > 0 and gr.graph_replays == gr.static_runs, gr.static_runs
         assert gr.static_runs["decode"] == 0
         assert got == base
 

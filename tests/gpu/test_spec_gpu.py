@@ -31,6 +31,10 @@ def _greedy(ckpt, prompts, spec=None, **kw):
         run, run_verified = graphs.run, graphs.run_verified
         graphs.run = lambda chunks: draft_runs.append(len(chunks)) or run(chunks)
         graphs.run_verified = lambda y, *a: draft_runs.append(y.shape[0]) or run_verified(y, *a)
+    step = llm.engine.spec_step_graphs
+    if step is not None:  # and the step graphs (engine/spec_graph.py), the draft's step inside
+        step_run = step.run
+        step.run = lambda key, decode, *a: draft_runs.append(len(decode)) or step_run(key, decode, *a)
     sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     return [o.token_ids for o in outs], [list(o.usage.spec_accepted_per_position) for o in outs], llm, draft_runs
@@ -61,6 +65,8 @@ def test_trained_draft_under_graphs_keeps_greedy(tiny_ckpt, trained, plain, k):
     assert st["spec_device_steps"] == llm.engine.loop.greedy_decode_steps > 0  # every decode step on the device
     assert st["overlapped_steps"] > 0  # verify steps launched while the one before was in flight
     assert all(g[0] is not None for g in llm.engine.proposer.graphs.graphs.values())
+    gr = llm.engine.runner.graphs  # each greedy decode-only step: one replay of its step graph
+    assert gr.graph_replays["spec_step"] == st["spec_device_steps"], (gr.graph_replays, st)
     assert [sum(r[i] for r in per_req) for i in range(k)] == st["spec_accepted_per_position"]
 
 

@@ -5,10 +5,13 @@ import torch
 
 
 def install_oracle(engine, prompts, outputs):
-    """Put an OracleDraft around the engine's EAGLE3 proposer (the engine's and its loop's)."""
+    """Put an OracleDraft around the engine's EAGLE3 proposer (the engine's and its loop's). Its drafts come from
+    its own propose_verified, which the step graph (engine/spec_graph.py: the draft's step inside) would bypass, so
+    the loop takes the launches."""
     oracle = OracleDraft(engine.proposer, prompts, outputs, engine.model_config.vocab_size)
     engine.proposer = oracle
-    getattr(engine.loop, "loop", engine.loop).proposer = oracle  # the loop an OverlapLoop wraps
+    loop = getattr(engine.loop, "loop", engine.loop)  # the loop an OverlapLoop wraps
+    loop.proposer, loop.step_graphs = oracle, None
     return oracle
 
 

@@ -64,7 +64,7 @@ def test_draft_inputs(kdev, n, B, N, shifted):
 @pytest.mark.parametrize("n,R,q,page_size", [(1, 1, 2, 16), (4, 6, 2, 4), (3, 3, 4, 1), (5, 8, 3, 64)])
 def test_shift_decode(kdev, n, R, q, page_size):
     """ForwardBatch.shift_decode's torch code (the CPU's) against the kernel, on a batch of R >= n decode requests
-    whose positions may cross a page boundary when moved."""
+    whose positions may cross a page boundary when moved; a request shifted by 0 keeps its (poisoned) slots."""
     from mlaserve.kernels.spec_step import shift_decode
 
     g = torch.Generator().manual_seed(n * 31 + q)
@@ -80,8 +80,35 @@ def test_shift_decode(kdev, n, R, q, page_size):
     p += shift[:, None]
     ref_seq[:n] += shift.to(torch.int32)
     page = table[:n].gather(1, p // page_size).long()
-    ref_slots[: n * q] = (page * page_size + p % page_size).view(-1)
+    moved = (page * page_size + p % page_size).view(-1)
+    ref_slots[: n * q] = torch.where(shift.repeat_interleave(q) != 0, moved, ref_slots[: n * q])
     d = [t.to(kdev) for t in (pos, seq, slots, table, shift)]
     shift_decode(*d, q, page_size, pdl=False)
     assert torch.equal(d[0].cpu(), ref_pos) and torch.equal(d[1].cpu(), ref_seq)
     assert torch.equal(d[2].cpu(), ref_slots)
+
+
+@pytest.mark.parametrize("B,N,R,r", [(1, 2, 4, 0), (6, 2, 4, 3), (4, 4, 3, 1)])
+def test_pack_step(kdev, B, N, R, r):
+    """The step graph's pack (engine/spec_graph.py's torch code): the next ids over the verify's, the shifts (0 on
+    padding rows), and ring row r of a host ring (pinned on the GPU), the other rows and the words past the step
+    untouched."""
+    from mlaserve.kernels.spec_step import accept_greedy, pack_step
+
+    y, drafts = _rand_step(kdev, B, N, seed=7 * B + N)
+    acc = accept_greedy(y, drafts, pdl=False)
+    nxt = torch.randint(0, 50, (B, N - 1), device=kdev)
+    base = torch.randint(-1, 3, (B,), device=kdev)  # -1: a padding row
+    M, W = B + 2, 2 * N
+    ids = torch.full((M * N,), POISON, dtype=torch.int64, device=kdev)
+    shift = torch.full((M,), POISON, dtype=torch.int64, device=kdev)
+    ring = torch.full((R, M * W), POISON, dtype=torch.int64, pin_memory=kdev != "cpu")
+    ref_ids, ref_shift, ref_ring = ids.clone(), shift.clone(), ring.clone()
+    ref_ring[r, : B * W] = torch.cat([y, acc[:, None], nxt], dim=1).reshape(-1).cpu()
+    ref_ids[: B * N] = torch.cat([y.gather(1, acc[:, None]), nxt], dim=1).reshape(-1)
+    ref_shift[:B] = torch.where(base >= 0, acc, 0)
+    row = torch.tensor([r], dtype=torch.int32, device=kdev)
+    pack_step(y, acc, nxt, base, ids[: B * N].view(B, N), shift, ring, row, pdl=False)
+    if kdev != "cpu":
+        torch.cuda.synchronize()
+    assert torch.equal(ids, ref_ids) and torch.equal(shift, ref_shift) and torch.equal(ring, ref_ring)

@@ -117,11 +117,13 @@ def test_training_forward_is_the_engine_draft_forward(tiny_ckpt, trained):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_spec_greedy_equals_plain(tiny_ckpt, trained, plain, k):
-    """Three ways to draft after a greedy decode-only verify: eagerly from the host's tokens, through the draft's
-    static graph step fed from the host, and through that step fed by the verify on the device (the default; run
-    eagerly here). The outputs are plain greedy's, and all three draft the same tokens and accept the same counts."""
+    """Four ways to draft after a greedy decode-only verify: eagerly from the host's tokens, through the draft's
+    static graph step fed from the host, through that step fed by the verify on the device (the default; run
+    eagerly here), and inside the step graph with the verify (engine/spec_graph.py, run eagerly: its shifts, fed
+    ids and read-back ring on the CPU). The outputs are plain greedy's, and all four draft the same tokens and
+    accept the same counts."""
     seen = {}
-    for mode in ("eager", "host-fed", "device"):
+    for mode in ("eager", "host-fed", "device", "step-graph"):
         eng = LLMEngine(
             EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=8),
             spec=SpecConfig(draft_model=trained, num_steps=k, num_draft_tokens=k + 1),
@@ -134,6 +136,10 @@ def test_spec_greedy_equals_plain(tiny_ckpt, trained, plain, k):
             eng.proposer.propose_verified = lambda *a: None
             graph_run = eng.proposer.graphs.run
             eng.proposer.graphs.run = lambda chunks, r=graph_run, lg=ran: lg.append(len(chunks)) or r(chunks)
+        elif mode == "step-graph":
+            eng.runner.capture_graphs(k + 1, eng.max_model_len, use_graphs=False)
+            eng.capture_spec_step_graphs(use_graphs=False)
+            assert eng.loop.step_graphs is eng.spec_step_graphs is not None
         drafts = []  # after each step: every running request's drafts, in the scheduler's order
         step = eng.step
 
@@ -150,12 +156,36 @@ def test_spec_greedy_equals_plain(tiny_ckpt, trained, plain, k):
         assert sum(st["spec_accepted_per_position"]) == st["spec_accepted_tokens"]
         per_req = [list(e[-1].usage.spec_accepted_per_position) for e in got]
         assert [sum(r[i] for r in per_req) for i in range(k)] == st["spec_accepted_per_position"]
-        if mode == "device":  # every decode-only step: held here by each step's one read back
+        if mode in ("device", "step-graph"):  # every decode-only step: held here by each step's one read back
             assert st["spec_device_steps"] > 0 and st["spec_device_steps"] == eng.loop.greedy_decode_steps
+            runs = eng.runner.graphs.static_runs["spec_step"] if mode == "step-graph" else 0
+            assert runs == (st["spec_device_steps"] if mode == "step-graph" else 0)
+            assert st["overlapped_steps"] > 0
         else:
             assert st["spec_device_steps"] == 0 and (mode == "eager" or ran)
         seen[mode] = drafts, st["spec_accepted_per_position"]
-    assert seen["eager"] == seen["host-fed"] == seen["device"]
+    assert seen["eager"] == seen["host-fed"] == seen["device"] == seen["step-graph"]
+
+
+def test_step_graph_hands_over_to_the_launches(tiny_ckpt, trained, plain):
+    """A step after a step-graph step that finds no graph for itself (here every third) runs the pieces one launch
+    each, fed from the step graph's buffers (its ids and shifts), and the step after it the graph again, fed from
+    the launches' outputs: the outputs stay plain greedy's, and both paths ran overlapped steps."""
+    eng = LLMEngine(
+        EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=8),
+        spec=SpecConfig(draft_model=trained, num_steps=2, num_draft_tokens=3),
+    )
+    eng.runner.capture_graphs(3, eng.max_model_len, use_graphs=False)
+    eng.capture_spec_step_graphs(use_graphs=False)
+    sg, calls = eng.spec_step_graphs, []
+    key = sg.key
+    sg.key = lambda decode: None if len(calls.append(0) or calls) % 3 == 0 else key(decode)
+    got = run(eng, held_out())
+    assert [tokens(e) for e in got] == plain
+    st = eng.stats()
+    graph_steps = eng.runner.graphs.static_runs["spec_step"]
+    assert 0 < graph_steps < st["spec_device_steps"] == eng.loop.greedy_decode_steps
+    assert eng.runner.graphs.static_runs["verify"] > 0 and st["overlapped_steps"] > graph_steps // 2
 
 
 def _acceptance(ckpt, draft, k, prompts):
