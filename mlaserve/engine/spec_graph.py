@@ -40,7 +40,7 @@ class SpecStepGraphs:
         self.N = graphs.q
         if draft_graphs.N != self.N:
             raise ValueError(f"step graphs: verify width {self.N}, draft steps for {draft_graphs.N}")
-        self.K, self.W = self.N - 1, graphs.ring_width
+        self.W = graphs.ring_width  # [y (N), a, drafts (N - 1)] a row
         self.use_graphs = use_graphs
         self.bs_list = [b for b in graphs.bs_list if b in draft_graphs.bs_list]
         dev = graphs.runner.device

@@ -63,7 +63,7 @@ class QueuedRows:
     host memory the work queued so far writes (the step graph's ring row): only the event."""
 
     def __init__(self, t: torch.Tensor, written: bool = False):
-        self.t = t  # a fresh tensor: static outputs may change
+        self.t = t  # a fresh tensor (static outputs may change), or a ring row valid for HOST_RING steps
         self.ready = None
         gpu = t.is_cuda or (written and torch.cuda.is_available() and t.is_pinned())
         if t.is_cuda:
