@@ -243,7 +243,7 @@ def pack_verified(
             drafts,
             ids,
             rows,
-            acc,
+            acc,  # Base, Shift, RingRow, stride_r: the step graph's (STEP) only
             acc,
             acc,
             y.stride(0),
