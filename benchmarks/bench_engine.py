@@ -420,13 +420,18 @@ def main():
         base = {(b, c): ml_tpot(engine, b, c, vocab)[0] for b, c in cases}
         spec = SpecConfig(draft_model=a.draft, num_steps=1, num_draft_tokens=2)
         engine_spec = LLMEngine(cfg, runner=engine.runner, spec=spec)
+        # what the draft is, as far as its folder says: train-draft leaves train_draft.json beside it
+        trained = os.path.exists(os.path.join(a.draft, "train_draft.json"))
+        draft_label = "trained draft" if trained else f"draft {os.path.basename(os.path.normpath(a.draft))}"
+        graph_runs = engine_spec.runner.graphs.static_runs if engine_spec.runner.graphs is not None else {}
         for b, c in cases:
             st0, g0 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
+            sg0 = graph_runs.get("spec_step", 0)
             s, tok, overlapped, _ = ml_tpot(engine_spec, b, c, vocab)
             st, g1 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
             rows.append(
                 dict(
-                    figure=f"TPOT b{b} ctx{c} EAGLE3 K=1 N=2 (random draft)",
+                    figure=f"TPOT b{b} ctx{c} EAGLE3 K=1 N=2 ({draft_label})",
                     ms=s / tok * 1e3,
                     step_ms=s * 1e3,
                     tokens_per_step=tok,
@@ -442,6 +447,8 @@ def main():
                     device_step_share=(st["spec_device_steps"] - st0["spec_device_steps"]) / max(g1 - g0, 1),
                     # timed verify steps launched while the one before was in flight (spec_loop.py): 1.0
                     overlapped=overlapped,
+                    # of the device steps, those that were one replay of the step graph (engine/spec_graph.py)
+                    step_graph_share=(graph_runs.get("spec_step", 0) - sg0) / max(g1 - g0, 1),
                 )
             )
     if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)
