@@ -60,15 +60,14 @@ class VerifyStep:
 class QueuedRows:
     """[B, *] integer tensors on the device, side by side, on their way to the host (through pinned memory and an
     event on CUDA, so work queued later does not delay the read); read() is the step's one host sync. written: t is
-    host memory the work queued so far writes (the step graph's ring row): only the event."""
+    pinned host memory the GPU work queued so far writes (the step graph's ring row): only the event."""
 
     def __init__(self, t: torch.Tensor, written: bool = False):
         self.t = t  # a fresh tensor (static outputs may change), or a ring row valid for HOST_RING steps
         self.ready = None
-        gpu = t.is_cuda or (written and torch.cuda.is_available() and t.is_pinned())
         if t.is_cuda:
             self.t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-        if gpu:
+        if t.is_cuda or written:
             self.ready = torch.cuda.Event()
             self.ready.record()
 
@@ -162,7 +161,7 @@ class SpecLoop(Loop):
         self.num_steps += 1
         self.greedy_decode_steps += 1
         step = VerifyStep(out, None, None, in_graph=True)
-        step.rows = QueuedRows(rows, written=True)
+        step.rows = QueuedRows(rows, written=self.runner.device.type == "cuda")  # the CPU's eager step wrote it
         return step
 
     def _verify_on_device(self, step: VerifyStep, starts: list[int], shift: torch.Tensor | None) -> None:

@@ -226,16 +226,11 @@ def _pack_kernel(
     tl.store(Ids + b * N, tl.load(Y + b * stride_y + a))
 
 
-def pack_verified(
-    y: torch.Tensor, acc: torch.Tensor, drafts: torch.Tensor, pdl: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """y [B, N] int64, acc [B], drafts [B, K] -> (the next verify's input ids [B, N] = [y[b, acc[b]], drafts[b]],
-    the step's read-back rows [B, N + 1 + K] = [y, acc, drafts]), both int64 and fresh."""
+def _pack(y, acc, drafts, ids, rows, step: tuple | None, pdl: bool) -> None:
+    """_pack_kernel over B = len(y) rows; step: (base, shift, ring_row) for the step graph's form (rows a ring)."""
     B, N = y.shape
-    K = drafts.shape[1]
     y, drafts = _unit_cols(y), _unit_cols(drafts)
-    ids = torch.empty(B, N, dtype=torch.int64, device=y.device)
-    rows = torch.empty(B, N + 1 + K, dtype=torch.int64, device=y.device)
+    base, shift, ring_row = step if step is not None else (acc, acc, acc)  # read by the STEP form only
     if B:
         _pack_kernel[(B,)](
             y,
@@ -243,19 +238,30 @@ def pack_verified(
             drafts,
             ids,
             rows,
-            acc,  # Base, Shift, RingRow, stride_r: the step graph's (STEP) only
-            acc,
-            acc,
+            base,
+            shift,
+            ring_row,
             y.stride(0),
             drafts.stride(0),
-            0,
+            rows.stride(0) if step is not None else 0,
             N=N,
-            K=K,
+            K=drafts.shape[1],
             NP=max(2, triton.next_power_of_2(N)),
-            STEP=False,
+            STEP=step is not None,
             num_warps=1,
             **pdl_args(y, pdl),
         )
+
+
+def pack_verified(
+    y: torch.Tensor, acc: torch.Tensor, drafts: torch.Tensor, pdl: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [B, N] int64, acc [B], drafts [B, K] -> (the next verify's input ids [B, N] = [y[b, acc[b]], drafts[b]],
+    the step's read-back rows [B, N + 1 + K] = [y, acc, drafts]), both int64 and fresh."""
+    B, N = y.shape
+    ids = torch.empty(B, N, dtype=torch.int64, device=y.device)
+    rows = torch.empty(B, N + 1 + drafts.shape[1], dtype=torch.int64, device=y.device)
+    _pack(y, acc, drafts, ids, rows, None, pdl)
     return ids, rows
 
 
@@ -275,29 +281,7 @@ def pack_step(
     = [y[b], acc[b], drafts[b]] row by row, r = ring_row[0] read when the kernel runs. y [B, N] int64, acc [B],
     drafts [B, K], base [B] int64; ids, shift int64; ring int64 [R, >= B (N + 1 + K)] (pinned host memory: written
     over the bus), ring_row int32 [1] on the device."""
-    B, N = y.shape
-    K = drafts.shape[1]
-    y, drafts = _unit_cols(y), _unit_cols(drafts)
-    if B:
-        _pack_kernel[(B,)](
-            y,
-            acc,
-            drafts,
-            ids,
-            ring,
-            base,
-            shift,
-            ring_row,
-            y.stride(0),
-            drafts.stride(0),
-            ring.stride(0),
-            N=N,
-            K=K,
-            NP=max(2, triton.next_power_of_2(N)),
-            STEP=True,
-            num_warps=1,
-            **pdl_args(y, pdl),
-        )
+    _pack(y, acc, drafts, ids, ring, (base, shift, ring_row), pdl)
 
 
 def warm_up(N: int, page_size: int, device, pdl: bool = True) -> None:
