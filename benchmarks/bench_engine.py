@@ -425,10 +425,10 @@ def main():
         draft_label = "trained draft" if trained else f"draft {os.path.basename(os.path.normpath(a.draft))}"
         graph_runs = engine_spec.runner.graphs.static_runs if engine_spec.runner.graphs is not None else {}
         for b, c in cases:
-            st0, g0 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
+            st0, g0 = engine_spec.stats(), engine_spec.loop.decode_only_steps
             sg0 = graph_runs.get("spec_step", 0)
             s, tok, overlapped, _ = ml_tpot(engine_spec, b, c, vocab)
-            st, g1 = engine_spec.stats(), engine_spec.loop.greedy_decode_steps
+            st, g1 = engine_spec.stats(), engine_spec.loop.decode_only_steps
             rows.append(
                 dict(
                     figure=f"TPOT b{b} ctx{c} EAGLE3 K=1 N=2 ({draft_label})",

@@ -89,9 +89,9 @@ def replay_sweep(
             else:
                 eng.proposer.rate = 1.0 - a
             for b in batches:
-                st0, g0 = eng.stats(), eng.loop.greedy_decode_steps
+                st0, g0 = eng.stats(), eng.loop.decode_only_steps
                 s, tok, overlapped, _ = ml_tpot(eng, b, ctx, vocab)
-                st1, g1 = eng.stats(), eng.loop.greedy_decode_steps
+                st1, g1 = eng.stats(), eng.loop.decode_only_steps
                 n = max(st1["spec_steps"] - st0["spec_steps"], 1)
                 measured = [
                     (x - y) / n for x, y in zip(st1["spec_accepted_per_position"], st0["spec_accepted_per_position"])

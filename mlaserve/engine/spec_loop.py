@@ -2,10 +2,11 @@
 N = K + 1), prefill chunks as usual; then the drafts are verified, the accepted tokens appended, and the proposer
 drafts again over every request's new tokens.
 
-A decode-only step of greedy requests stays on the device from verify to draft: launch() verifies (target tokens
-y [B, N], accepted counts a [B]) and feeds them to the draft's static step (spec/draft_graph.py), and (y, a, drafts)
-come back together in one read. Other steps (prefill chunks, sampled requests, a proposer without a device step)
-read the verify back, then propose from the host.
+A decode-only step stays on the device from verify to draft: launch() verifies (target tokens y [B, N], accepted
+counts a [B]: the arg-max rule for greedy requests, the speculative-sampling rule for sampled ones, both batched,
+spec/verify.py) and feeds them to the draft's static step (spec/draft_graph.py), and (y, a, drafts) come back
+together in one read. Other steps (prefill chunks, a proposer without a device step) read the verify back, then
+propose from the host.
 
 Overlapped verify (OverlapLoop, loop.py). While such a step i is in flight, launch_next launches step i+1 from its
 device outputs when that schedule is certain whatever step i accepts (next_verify): each request is fed
@@ -16,9 +17,9 @@ by what it accepted, and a request it ends (EOS, a stop, its max_tokens; or an a
 tokens dropped (its pages are freed at once: later work queues behind step i+1). REPLAY's drafts are chosen on the host
 after the read (verified_drafts), so its steps do not overlap.
 
-On CUDA such a step is one replay of the step graph (spec_graph.py: the shift, verify, accept, draft and pack in
-one graph), which leaves the next step's ids and shifts in its own buffers; with simulated acceptance, or at a size it
-has no graph for, the pieces run one launch each as above.
+On CUDA such a step of greedy requests is one replay of the step graph (spec_graph.py: the shift, verify, accept,
+draft and pack in one graph), which leaves the next step's ids and shifts in its own buffers; with sampled requests,
+simulated acceptance, or at a size it has no graph for, the pieces run one launch each as above.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from ..attention.base import SeqChunk
 from ..layers.sampler import SamplingRow, sample
 from ..spec.eagle3 import DraftChunk
-from ..spec.verify import count_accepted, simulate_accept, verify_greedy, verify_sampled
+from ..spec.verify import count_accepted, simulate_accept, verify_greedy, verify_rows
 from ..types import Request, RequestStatus
 from .loop import Loop, seq_chunk
 from .postprocess import StepOutput
@@ -44,7 +45,7 @@ log = logging.getLogger("mlaserve.engine")
 class VerifyStep:
     """A launched verify step: its schedule, the logits of every verified row and prefill's last rows, the EAGLE3
     aux hidden states of every token (the proposer's input), and the drafts it verifies ([B, K] on the device).
-    A greedy decode-only step also holds its device outputs (y [B, N], accepted [B], next drafts [B, K] or None)
+    A decode-only step also holds its device outputs (y [B, N], accepted [B], next drafts [B, K] or None)
     and their copy on the way to the host."""
 
     out: SchedulerOutput
@@ -87,7 +88,7 @@ class SpecLoop(Loop):
         self.proposer, self.k = engine.proposer, engine.spec_k
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accepted_per_position = [0] * self.k  # [i]: verify steps that accepted draft token i + 1
-        self.greedy_decode_steps = 0  # decode-only steps of greedy requests: the device path's candidates
+        self.decode_only_steps = 0  # decode-only verify steps: the device path's candidates
         self.spec_device_steps = 0  # of those, the steps that went verify -> accept -> draft on the device
         self._accept_log = [0, 0]  # accepted, steps since the last log line
         spec = engine.spec
@@ -107,9 +108,16 @@ class SpecLoop(Loop):
             raise ValueError(f"simulated acceptance {rate!r}: in [0, 1], on an engine built with one")
         self.simulate = rate
 
-    def _verify(self, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, N, V], drafts [B, K] -> (tokens [B, N], accepted [B]) of greedy rows."""
-        y, acc = verify_greedy(logits, drafts, self.runner.kernels.pdl)
+    def _verify(
+        self, logits: torch.Tensor, drafts: torch.Tensor, reqs: list[Request]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, N, V], drafts [B, K] of requests reqs -> (tokens [B, N], accepted [B]) on the device."""
+        pdl = self.runner.kernels.pdl
+        if all(r.params.greedy for r in reqs):
+            y, acc = verify_greedy(logits, drafts, pdl)
+        else:
+            rows = [SamplingRow(r.params, self.states[r.request_id].generator) for r in reqs]
+            y, acc = verify_rows(logits, drafts, rows, self.generator, pdl)
         if self.simulate is not None:
             y, acc = simulate_accept(y, drafts, self.simulate, self.sim_gen)
         return y, acc
@@ -117,8 +125,8 @@ class SpecLoop(Loop):
     def launch(
         self, out: SchedulerOutput, decode_tokens: torch.Tensor | None = None, decode_shift: torch.Tensor | None = None
     ) -> VerifyStep:
-        """Run the verify's forward and, for a greedy decode-only step, verify and draft on the device; no host
-        sync. decode_tokens [B, N], decode_shift [B] on the device: an overlapped step (launch_next)."""
+        """Run the verify's forward and, for a decode-only step, verify and draft on the device; no host sync.
+        decode_tokens [B, N], decode_shift [B] on the device: an overlapped step (launch_next)."""
         N = self.k + 1
         if decode_tokens is None:
             drafts = [self.states[c.req.request_id].drafts for c in out.decode]
@@ -142,7 +150,7 @@ class SpecLoop(Loop):
         logits, aux, _ = self.runner.execute(decode, prefill, decode_tokens=ids, decode_shift=decode_shift)
         self.num_steps += 1
         step = VerifyStep(out, logits, aux, dev)
-        if out.decode and not out.prefill and all(c.req.params.greedy for c in out.decode):
+        if out.decode and not out.prefill:
             self._verify_on_device(step, [c.num_cached for c in decode], decode_shift)
         return step
 
@@ -159,7 +167,7 @@ class SpecLoop(Loop):
         """Verify, accept and draft in one replay of the step graph (fed: SpecStepGraphs.run's)."""
         rows = self.step_graphs.run(key, decode, [c.req.pages for c in out.decode], fed)
         self.num_steps += 1
-        self.greedy_decode_steps += 1
+        self.decode_only_steps += 1
         step = VerifyStep(out, None, None, in_graph=True)
         step.rows = QueuedRows(rows, written=self.runner.device.type == "cuda")  # the CPU's eager step wrote it
         return step
@@ -168,12 +176,12 @@ class SpecLoop(Loop):
         """Verify, accept and draft from the device outputs, and queue their one read back."""
         out, N = step.out, self.k + 1
         B = len(out.decode)
-        self.greedy_decode_steps += 1
+        self.decode_only_steps += 1
         dec = step.logits[: B * N].view(B, N, -1)
-        y, acc = self._verify(dec, step.drafts)  # [B, N], [B]
+        reqs = [c.req for c in out.decode]
+        y, acc = self._verify(dec, step.drafts, reqs)  # [B, N], [B]
         hidden = step.aux[: B * N] if step.aux is not None else None
         propose = getattr(self.proposer, "propose_verified", None)
-        reqs = [c.req for c in out.decode]
         drafts = propose(y, acc, hidden, reqs, starts, shift) if propose is not None else None
         step.verified = (y, acc, drafts)
         if drafts is not None and y.is_cuda:  # one launch for both (kernels/spec_step.py)
@@ -220,7 +228,7 @@ class SpecLoop(Loop):
 
     def next_verify(self, out: SchedulerOutput) -> list[Request] | None:
         """The requests that verify after `out`, in the scheduler's order, when that schedule is certain whatever
-        `out` accepts: `out` is a decode-only step of every running request (each is greedy and decodes next), no
+        `out` accepts: `out` is a decode-only step of every running request (each decodes next), no
         waiting request would be admitted, and the pages for the most `out` can accept are free without
         preempting anyone. A request that `out` surely ends by length, or whose next verify could pass
         max_model_len, sits it out; one that `out` may end (by length, EOS, a stop) is fed and its tokens dropped
@@ -231,7 +239,7 @@ class SpecLoop(Loop):
         ending, pages = set(), 0
         for c in out.decode:
             req = c.req
-            if req.status != RequestStatus.RUNNING or req.request_id not in self.states or not req.params.greedy:
+            if req.status != RequestStatus.RUNNING or req.request_id not in self.states:
                 return None
             if self.post.at_length(req, 1) or req.num_tokens + N >= self.post.max_model_len:
                 ending.add(id(req))
@@ -247,11 +255,11 @@ class SpecLoop(Loop):
     def process(self, step: VerifyStep) -> list[StepOutput]:
         """Verify each decode request's drafts, sample finished prefills, then let the draft propose again."""
         if step.verified is not None or step.in_graph:
-            return self._process_greedy(step)
+            return self._process_device(step)
         return self._process_mixed(step)
 
-    def _process_greedy(self, step: VerifyStep) -> list[StepOutput]:
-        """A decode-only step of greedy requests, verified and drafted on the device: its one read back."""
+    def _process_device(self, step: VerifyStep) -> list[StepOutput]:
+        """A decode-only step, verified (and drafted, where the proposer can) on the device: its one read back."""
         out, N = step.out, self.k + 1
         drafted = step.in_graph or step.verified[2] is not None  # on the device: the drafts are in the rows
         rows = step.rows.read()  # the step's one host sync
@@ -285,17 +293,9 @@ class SpecLoop(Loop):
         emitted: list[list[int]] = []
         if B:
             dec = logits[: B * N].view(B, N, -1)
-            drafts = [self.states[c.req.request_id].drafts for c in out.decode]
-            y, acc = self._verify(dec, step.drafts)
+            y, acc = self._verify(dec, step.drafts, [c.req for c in out.decode])
             y, acc = y.tolist(), acc.tolist()
-            for b, c in enumerate(out.decode):
-                if c.req.params.greedy:
-                    emitted.append(y[b][: acc[b] + 1])
-                else:
-                    st = self.states[c.req.request_id]
-                    emitted.append(
-                        verify_sampled(dec[b], drafts[b], SamplingRow(c.req.params, st.generator), self.generator)
-                    )
+            emitted = [y[b][: acc[b] + 1] for b in range(B)]
         sampled = [c for c in out.prefill if c.sample]
         rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
         pdl = self.runner.kernels.pdl

@@ -4,13 +4,15 @@ Greedy: accept the longest prefix of drafts equal to the target's argmax, then a
 token (so a step emits 1 + accepted tokens, exactly the tokens greedy decoding would produce).
 Sampled (temperature > 0): the standard speculative-sampling rule for a deterministic (greedy) draft:
 accept draft d with probability p(d); on rejection sample from p with d removed; after K acceptances
-sample a bonus token from p. The output distribution is exactly the target's.
+sample a bonus token from p. The output distribution is exactly the target's. Both run batched on the device
+(verify_rows), so a step of sampled requests verifies and drafts with no host round trip, as a greedy one does.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..layers.logits_process import _to
 from ..layers.sampler import SamplingRow, _filter, greedy_tokens
 
 
@@ -18,12 +20,16 @@ def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, pdl: bool = True) 
     """logits [B, N, V], drafts [B, K=N-1] -> (target tokens [B, N], accepted counts [B] int64). pdl: the GPU
     kernels' (the arg-max's, and the count's: one launch, kernels/spec_step.py)."""
     y = greedy_tokens(logits, pdl)
+    return y, _accepted(y, drafts, pdl)
+
+
+def _accepted(y: torch.Tensor, drafts: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """The length of each row's prefix of drafts [B, K] equal to y [B, N]'s first K -> [B] int64."""
     if y.is_cuda:
         from ..kernels.spec_step import accept_greedy
 
-        return y, accept_greedy(y, drafts, pdl)
-    accepted = (drafts == y[:, :-1]).int().cumprod(1).sum(1)
-    return y, accepted
+        return accept_greedy(y, drafts, pdl)
+    return (drafts == y[:, :-1]).int().cumprod(1).sum(1)
 
 
 def simulate_accept(
@@ -41,21 +47,49 @@ def simulate_accept(
     return torch.cat([head, y[:, K:]], dim=1), acc.to(torch.int64)
 
 
-def verify_sampled(logits: torch.Tensor, drafts: list[int], row: SamplingRow, generator: torch.Generator) -> list[int]:
-    """logits [N, V] of one request -> the emitted tokens (1 + accepted)."""
-    g = row.generator or generator
-    probs = _filter(logits, [row] * logits.shape[0]).softmax(-1)  # [N, V]
-    out = []
-    for i, d in enumerate(drafts):
-        if torch.rand((), generator=g, device=probs.device) < probs[i, d]:
-            out.append(d)
-            continue
-        residual = probs[i].clone()
-        residual[d] = 0
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=g)))
-        return out
-    out.append(int(torch.multinomial(probs[-1], 1, generator=g)))
-    return out
+def verify_rows(
+    logits: torch.Tensor, drafts: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator, pdl: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, N, V], drafts [B, K = N-1] on logits' device, rows [B] (each request's params and generator) ->
+    (tokens y [B, N], accepted counts [B] int64) on the device, with no host sync. A greedy row's y is the arg-max;
+    a sampled row's y[i] is drawn from p_i, its filtered distribution at row i. Either way the drafts are accepted
+    while equal to y, and y[a] follows them: for a sampled row, draft d is accepted with probability p(d) and on a
+    rejection y[a] is drawn from p without d, the speculative-sampling rule for a deterministic draft. Each sampled
+    row draws N x V Exp(1) noise from its request's generator (seeded) or `generator`: the same seed gives the same
+    tokens whatever else is in the batch."""
+    picked = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not picked:
+        return verify_greedy(logits, drafts, pdl)
+    B, N, V = logits.shape
+    S, dev = len(picked), logits.device
+    sel = None if S == B else _to(picked, dev)
+    sub = logits.reshape(B * N, V) if sel is None else logits[sel].reshape(S * N, V)
+    srows = [rows[i] for i in picked]
+    p = _filter(sub.float(), [r for r in srows for _ in range(N)]).softmax(-1)  # [S * N, V]
+    tok = greedy_tokens(p / _noise(srows, N, V, generator, dev), pdl).view(S, N)  # exponential race: draws from p
+    if sel is None:
+        y = tok
+    else:
+        y = greedy_tokens(logits, pdl)
+        y[sel] = tok
+    return y, _accepted(y, drafts, pdl)
+
+
+def _noise(rows: list[SamplingRow], N: int, V: int, generator: torch.Generator, dev) -> torch.Tensor:
+    """Exp(1) noise [S * N, V] for S sampled rows of N positions: a seeded row's from its own generator, the others'
+    in one draw from `generator` (the same stream as one seeded row's when S = 1)."""
+    S = len(rows)
+    e = torch.empty(S * N, V, device=dev)
+    shared = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(shared) == S:
+        return e.exponential_(generator=generator)
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            e[i * N : (i + 1) * N].exponential_(generator=r.generator)
+    if shared:
+        idx = _to([i * N + j for i in shared for j in range(N)], dev)
+        e[idx] = torch.empty(len(shared) * N, V, device=dev).exponential_(generator=generator)
+    return e
 
 
 def count_accepted(counts: list[int], accepted: int, k: int) -> None:

@@ -156,7 +156,7 @@ def test_static_inputs_skip_unchanged_copies(tiny_ckpt):
     assert copies.count("page_table") > 1  # pages were added, and prefill steps wrote their own
 
 
-def test_greedy_decode_steps_take_the_graphs_argmax(tiny_ckpt, monkeypatch):
+def test_decode_only_steps_take_the_graphs_argmax(tiny_ckpt, monkeypatch):
     """Greedy decode steps take the decode graph's own arg-max: no sampling call, no id copy between overlapped
     steps, the tokens read from a host ring row. A batch with a sampled request (or logprobs) samples as before.
     Tokens equal the plain path's either way."""

@@ -67,7 +67,7 @@ def _run(eng, prompts, monkeypatch):
         for o in eng.step():
             out[o.request_id] += o.new_token_ids
     st = eng.stats()
-    assert st["spec_device_steps"] == eng.loop.greedy_decode_steps == len(reads) > 0, st
+    assert st["spec_device_steps"] == eng.loop.decode_only_steps == len(reads) > 0, st
     assert all(n == 3 for n in reads)  # (y, accepted, drafts) in one read
     assert not verify_chunks  # nothing drafted from the host after a verify
     return [out[r] for r in rids]

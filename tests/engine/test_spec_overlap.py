@@ -34,7 +34,7 @@ def test_overlapped_eagle3_equals_plain(tiny_ckpt, draft, plain, k, batch):  # n
     eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, max_num_seqs=8)
     assert _run(eng, _prompts(batch)) == plain[:batch]
     st = eng.stats()
-    assert st["overlapped_steps"] > 0 and st["spec_device_steps"] == eng.loop.greedy_decode_steps, st
+    assert st["overlapped_steps"] > 0 and st["spec_device_steps"] == eng.loop.decode_only_steps, st
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -67,7 +67,7 @@ def test_oracle_overlapped_equals_serial_and_plain(tiny_ckpt, draft, plain, k): 
         oracle.inner.propose_verified = logged
         assert _run(eng, prompts) == plain
         st = eng.stats()
-        assert (st["overlapped_steps"] > 0) == overlap and st["spec_device_steps"] == eng.loop.greedy_decode_steps
+        assert (st["overlapped_steps"] > 0) == overlap and st["spec_device_steps"] == eng.loop.decode_only_steps
         assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st  # most steps accept drafts
     # the overlapped loop also drafted for requests its step in flight then ended (their tokens dropped)
     assert drafted[False] and {x: drafted[True].get(x) for x in drafted[False]} == drafted[False]
@@ -136,3 +136,65 @@ def test_shift_decode_equals_a_batch_built_there():
     for f in ("positions", "slot_mapping", "seq_lens"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
     assert got.seq_lens_cpu == want.seq_lens_cpu
+
+
+def _run_params(eng, prompts, params):
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    out = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[r] for r in rids]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_sampled_top_k_1_overlapped_equals_plain_greedy(tiny_ckpt, draft, plain, k):  # noqa: F811
+    """Sampled requests verify on the device too (the speculative-sampling rule, batched) and overlap like greedy
+    ones. With top_k = 1 a request's distribution is its arg-max, so every draft equal to it is accepted and a
+    rejection emits the arg-max: plain greedy's tokens, beside greedy requests in the same steps. The oracle draft
+    accepts several tokens a step (the all-accepted bonus draw), with overlap on and off."""
+    prompts = _prompts(8)
+    top1 = SamplingParams(temperature=0.7, top_k=1, max_tokens=MAX, ignore_eos=True)
+    params = [top1 if i % 2 == 0 else GREEDY for i in range(8)]
+    for overlap, oracle in ((True, False), (True, True), (False, True)):
+        eng = make_engine(
+            tiny_ckpt,
+            spec=SpecConfig(draft_model=draft, num_steps=k),
+            page_size=4,
+            max_num_seqs=8,
+            disable_overlap_schedule=not overlap,
+        )
+        if oracle:
+            install_oracle(eng, prompts, plain)
+        assert _run_params(eng, prompts, params) == plain
+        st = eng.stats()
+        assert (st["overlapped_steps"] > 0) == overlap, st
+        assert st["spec_device_steps"] == eng.loop.decode_only_steps > 0, st
+        if oracle:
+            assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st
+
+
+def test_seeded_sampled_requests_overlapped_equal_serial_and_alone(tiny_ckpt, draft):  # noqa: F811
+    """Seeded sampled requests (temperature, top_p) draw only from their own generators, the same count every
+    verify step, so the overlapped loop gives the serial loop's tokens and a request alone its tokens in the batch."""
+    prompts = _prompts(6)
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=10 + i, max_tokens=MAX, ignore_eos=True) for i in range(6)
+    ]
+    outs = {}
+    for overlap in (True, False):
+        eng = make_engine(
+            tiny_ckpt,
+            spec=SpecConfig(draft_model=draft, num_steps=2),
+            page_size=4,
+            max_num_seqs=8,
+            disable_overlap_schedule=not overlap,
+        )
+        outs[overlap] = _run_params(eng, prompts, params)
+        st = eng.stats()
+        assert (st["overlapped_steps"] > 0) == overlap and st["spec_device_steps"] > 0, st
+    assert outs[True] == outs[False] and all(len(t) == MAX for t in outs[True])
+    eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=2), page_size=4)
+    assert _run_params(eng, prompts[2:3], params[2:3]) == outs[True][2:3]
+    greedy = make_engine(tiny_ckpt, page_size=4)
+    assert _run_params(greedy, prompts, [GREEDY] * 6) != outs[True]  # it sampled

@@ -19,7 +19,7 @@ def _prompts(n=6, seed=0):
     return [[rng.randrange(512) for _ in range(rng.randrange(1, 200))] for _ in range(n)]
 
 
-def _greedy(ckpt, prompts, spec=None, **kw):
+def _greedy(ckpt, prompts, spec=None, sp=None, **kw):
     from mlaserve import LLM, SamplingParams
 
     llm = LLM(ckpt, device="cuda", dtype="float32", speculative_config=spec, num_pages=2048, page_size=64, **kw)
@@ -35,7 +35,7 @@ def _greedy(ckpt, prompts, spec=None, **kw):
     if step is not None:  # and the step graphs (engine/spec_graph.py), the draft's step inside
         step_run = step.run
         step.run = lambda key, decode, *a: draft_runs.append(len(decode)) or step_run(key, decode, *a)
-    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    sp = sp or SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     return [o.token_ids for o in outs], [list(o.usage.spec_accepted_per_position) for o in outs], llm, draft_runs
 
@@ -62,12 +62,31 @@ def test_trained_draft_under_graphs_keeps_greedy(tiny_ckpt, trained, plain, k):
     st = llm.engine.stats()
     print(f"K={k}: {st['spec_steps']} verify steps, accepted per position {st['spec_accepted_per_position']}")
     assert st["spec_accepted_per_position"][0] > 0 and draft_runs  # accepted drafts, through the captured step
-    assert st["spec_device_steps"] == llm.engine.loop.greedy_decode_steps > 0  # every decode step on the device
+    assert st["spec_device_steps"] == llm.engine.loop.decode_only_steps > 0  # every decode step on the device
     assert st["overlapped_steps"] > 0  # verify steps launched while the one before was in flight
     assert all(g[0] is not None for g in llm.engine.proposer.graphs.graphs.values())
     gr = llm.engine.runner.graphs  # each greedy decode-only step: one replay of its step graph
     assert gr.graph_replays["spec_step"] == st["spec_device_steps"], (gr.graph_replays, st)
     assert [sum(r[i] for r in per_req) for i in range(k)] == st["spec_accepted_per_position"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_sampled_requests_verify_on_the_device(tiny_ckpt, trained, plain, k):
+    """Sampled requests verify by the speculative-sampling rule on the device, overlapped like greedy ones. With
+    top_k = 1 that rule gives the arg-max's tokens: plain greedy's. Seeded requests give the same tokens twice."""
+    from mlaserve import SamplingParams
+
+    top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=MAX, ignore_eos=True)
+    got, _, llm, _ = _greedy(tiny_ckpt, _prompts(), {"draft_model": trained, "num_steps": k}, sp=top1)
+    assert got == plain
+    st = llm.engine.stats()
+    assert st["spec_accepted_per_position"][0] > 0 and st["overlapped_steps"] > 0, st
+    assert st["spec_device_steps"] == llm.engine.loop.decode_only_steps > 0, st
+    assert llm.engine.runner.graphs.graph_replays.get("spec_step", 0) == 0  # the step graph is greedy's
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=MAX, ignore_eos=True) for i in range(6)]
+    runs = [[o.token_ids for o in llm.generate(_prompts(), seeded, use_tqdm=False)] for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0] != plain
+    llm.close()
 
 
 @pytest.mark.parametrize("k,rate", [(1, 0.0), (2, 0.0), (3, 0.0), (3, 1.0), (3, 0.3), (2, 0.5)])
@@ -87,7 +106,7 @@ def test_replay_exact_acceptance_under_graphs(tiny_ckpt, plain, tmp_path, k, rat
     assert per_req == [expected_per_position(p, k, rate, 0, max_tokens=MAX) for p in prompts]
     assert draft_runs  # the EAGLE3 draft's captured step ran under the replayed tokens
     st = llm.engine.stats()
-    assert st["spec_device_steps"] == llm.engine.loop.greedy_decode_steps > 0
+    assert st["spec_device_steps"] == llm.engine.loop.decode_only_steps > 0
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -170,7 +189,7 @@ def test_overlapped_verify_under_graphs(tiny_ckpt, plain, tmp_path, k):
         assert [out[r] for r in rids] == plain
         st = eng.stats()
         assert (st["overlapped_steps"] > 0) == overlap, st
-        assert st["spec_device_steps"] == eng.loop.greedy_decode_steps > 0, st
+        assert st["spec_device_steps"] == eng.loop.decode_only_steps > 0, st
         assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st
         table = {}
         for reqs, s, a, d in log.pop("steps"):  # read back after the run: no syncs inside it

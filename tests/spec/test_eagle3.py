@@ -11,8 +11,10 @@ from safetensors.torch import save_file
 from mlaserve.config import EngineConfig, SpecConfig
 from mlaserve.engine.engine import LLMEngine
 from mlaserve.models.make_random_draft import make_random_draft
-from mlaserve.spec.verify import verify_greedy, verify_sampled
+from mlaserve.spec.verify import verify_greedy
 from mlaserve.types import SamplingParams
+
+from .test_verify_rules import verify_sampled
 
 
 @pytest.fixture(scope="module")

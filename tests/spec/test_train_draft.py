@@ -157,7 +157,7 @@ def test_spec_greedy_equals_plain(tiny_ckpt, trained, plain, k):
         per_req = [list(e[-1].usage.spec_accepted_per_position) for e in got]
         assert [sum(r[i] for r in per_req) for i in range(k)] == st["spec_accepted_per_position"]
         if mode in ("device", "step-graph"):  # every decode-only step: held here by each step's one read back
-            assert st["spec_device_steps"] > 0 and st["spec_device_steps"] == eng.loop.greedy_decode_steps
+            assert st["spec_device_steps"] > 0 and st["spec_device_steps"] == eng.loop.decode_only_steps
             runs = eng.runner.graphs.static_runs["spec_step"] if mode == "step-graph" else 0
             assert runs == (st["spec_device_steps"] if mode == "step-graph" else 0)
             assert st["overlapped_steps"] > 0
@@ -184,7 +184,7 @@ def test_step_graph_hands_over_to_the_launches(tiny_ckpt, trained, plain):
     assert [tokens(e) for e in got] == plain
     st = eng.stats()
     graph_steps = eng.runner.graphs.static_runs["spec_step"]
-    assert 0 < graph_steps < st["spec_device_steps"] == eng.loop.greedy_decode_steps
+    assert 0 < graph_steps < st["spec_device_steps"] == eng.loop.decode_only_steps
     assert eng.runner.graphs.static_runs["verify"] > 0 and st["overlapped_steps"] > graph_steps // 2
 
 

@@ -4,7 +4,7 @@ later drafts match, all accepted, the bonus token) and sampled (temperature > 0)
 import torch
 
 from mlaserve.layers.sampler import SamplingRow
-from mlaserve.spec.verify import count_accepted, verify_greedy, verify_sampled
+from mlaserve.spec.verify import count_accepted, verify_greedy, verify_rows
 from mlaserve.types import SamplingParams
 
 
@@ -61,11 +61,19 @@ def test_count_accepted_grows_to_k_and_counts_the_first_positions():
     assert counts == [2, 2, 1]
 
 
+def verify_sampled(logits: torch.Tensor, drafts: list[int], row: SamplingRow, g: torch.Generator) -> list[int]:
+    """One request's emitted tokens (verify_rows on a batch of one)."""
+    y, acc = verify_rows(logits[None], torch.tensor([drafts]), [row], g)
+    return y[0, : int(acc[0]) + 1].tolist()
+
+
 def _sampled(probs: list[list[float]], drafts: list[int], n: int, seed: int = 0) -> list[list[int]]:
+    """n requests with the same target and drafts, verified in one batch (the engine's generator for all)."""
     lg = torch.log(torch.tensor(probs).clamp_min(1e-30))
     g = torch.Generator().manual_seed(seed)
-    row = SamplingRow(SamplingParams(temperature=1.0), None)
-    return [verify_sampled(lg, drafts, row, g) for _ in range(n)]
+    rows = [SamplingRow(SamplingParams(temperature=1.0), None)] * n
+    y, acc = verify_rows(lg.expand(n, *lg.shape), torch.tensor([drafts] * n), rows, g)
+    return [r[: a + 1] for r, a in zip(y.tolist(), acc.tolist())]
 
 
 def test_sampled_exact_counts_with_certain_and_impossible_drafts():
@@ -144,3 +152,27 @@ def test_sampled_applies_temperature_and_top_k():
     outs = [verify_sampled(lg, [1], cold, g) for _ in range(4000)]
     rate = sum(len(o) == 2 for o in outs) / len(outs)
     assert abs(rate - 0.165) < 0.02, rate  # at temperature 1 it would be 0.4
+
+
+def test_rows_of_a_batch_are_independent():
+    """In one batch, greedy rows get verify_greedy's tokens and counts, and a seeded sampled row the tokens it gets
+    alone: its draws come from its own generator only, whatever the unseeded and other seeded rows beside it draw."""
+    torch.manual_seed(0)
+    lg = torch.randn(5, 3, 12) * 2
+    drafts = lg[:, :2].argmax(-1)
+    drafts[1, 0] = (drafts[1, 0] + 1) % 12  # a rejection at the first position of row 1
+
+    def seeded(s):
+        return SamplingRow(SamplingParams(temperature=1.0, seed=s), torch.Generator().manual_seed(s))
+
+    greedy = SamplingRow(SamplingParams(temperature=0), None)
+    rows = [greedy, seeded(3), SamplingRow(SamplingParams(temperature=0.8), None), greedy, seeded(4)]
+    y, acc = verify_rows(lg, drafts, rows, torch.Generator().manual_seed(9))
+    gy, gacc = verify_greedy(lg, drafts)
+    for b in (0, 3):
+        assert y[b].tolist() == gy[b].tolist() and acc[b] == gacc[b]
+    for b, s in ((1, 3), (4, 4)):
+        alone = verify_sampled(lg[b], drafts[b].tolist(), seeded(s), torch.Generator().manual_seed(0))
+        assert y[b, : int(acc[b]) + 1].tolist() == alone
+    rejected = [(b, int(a)) for b, a in enumerate(acc.tolist()) if a < 2 and b in (1, 2, 4)]
+    assert all(y[b, a] != drafts[b, a] for b, a in rejected)  # a rejected draft is never emitted in its place
