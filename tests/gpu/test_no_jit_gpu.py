@@ -62,7 +62,7 @@ def _llm(ckpt, spec=None, kv_cache_dtype="auto"):
     )
 
 
-def _workload(llm, spec: bool) -> None:
+def _workload(llm) -> None:
     """Prompt lengths 1..8k alone; batches 1..MAX_SEQS of mixed lengths and output lengths (requests finish at
     different steps while others prefill: mixed steps); repeated prompts (prefix hits); sampled rows."""
     from mlaserve import SamplingParams
@@ -75,11 +75,10 @@ def _workload(llm, spec: bool) -> None:
     for b in (1, 2, 3, 5, 8, 13, 17, 31, 33, 47, MAX_SEQS):
         prompts = [[rng.randrange(512) for _ in range(rng.choice([1, 7, 40, 300, 1500]))] for _ in range(b)]
         params = [SamplingParams(max_tokens=rng.randrange(1, 40), **greedy) for _ in range(b)]
-        if not spec:  # sampled rows beside greedy ones (speculation here is greedy-only in this test)
-            params = [
-                p if i % 3 else SamplingParams(max_tokens=p.max_tokens, temperature=0.8, top_p=0.9, seed=i)
-                for i, p in enumerate(params)
-            ]
+        params = [  # sampled rows beside greedy ones (with speculation: verified on the device by their rule)
+            p if i % 3 else SamplingParams(max_tokens=p.max_tokens, temperature=0.8, top_p=0.9, seed=i)
+            for i, p in enumerate(params)
+        ]
         llm.generate(prompts, params, use_tqdm=False)
         llm.generate(prompts[: max(1, b // 2)], params[: max(1, b // 2)], use_tqdm=False)  # prefix-cache hits
     # long prompts arriving while others decode: the engine interleaves their chunks with decode steps
@@ -105,7 +104,7 @@ def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative, kv_c
     assert llm.engine.warmup_seconds is not None
     print(f"\nstart-up: {len(start.compiled)} kernel variants, warm-up {llm.engine.warmup_seconds:.1f}s")
     with CompileCounter() as serving:
-        _workload(llm, speculative)
+        _workload(llm)
         torch.cuda.synchronize()
     assert not serving.compiled, f"{len(serving.compiled)} Triton compiles while serving:\n" + "\n".join(
         sorted(set(serving.compiled))
