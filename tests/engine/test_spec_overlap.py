@@ -19,8 +19,9 @@ from .conftest import make_engine
 from .test_spec_device_path import GREEDY, MAX, _prompts, draft, plain  # noqa: F401 (fixtures)
 
 
-def _run(eng, prompts):
-    rids = [eng.add_request(p, GREEDY) for p in prompts]
+def _run(eng, prompts, params=None):
+    """-> each request's tokens; params: one a prompt (default greedy)."""
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params or [GREEDY] * len(prompts))]
     out = {r: [] for r in rids}
     while eng.has_unfinished():
         for o in eng.step():
@@ -28,10 +29,16 @@ def _run(eng, prompts):
     return [out[r] for r in rids]
 
 
+def _engine(ckpt, draft_dir, k, overlap=True, **kw):
+    kw.setdefault("max_num_seqs", 8)
+    spec = SpecConfig(draft_model=draft_dir, num_steps=k)
+    return make_engine(ckpt, spec=spec, page_size=4, disable_overlap_schedule=not overlap, **kw)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_overlapped_eagle3_equals_plain(tiny_ckpt, draft, plain, k, batch):  # noqa: F811
-    eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, max_num_seqs=8)
+    eng = _engine(tiny_ckpt, draft, k)
     assert _run(eng, _prompts(batch)) == plain[:batch]
     st = eng.stats()
     assert st["overlapped_steps"] > 0 and st["spec_device_steps"] == eng.loop.decode_only_steps, st
@@ -45,13 +52,7 @@ def test_oracle_overlapped_equals_serial_and_plain(tiny_ckpt, draft, plain, k): 
     prompts = _prompts(8)
     drafted = {}
     for overlap in (True, False):
-        eng = make_engine(
-            tiny_ckpt,
-            spec=SpecConfig(draft_model=draft, num_steps=k),
-            page_size=4,
-            max_num_seqs=8,
-            disable_overlap_schedule=not overlap,
-        )
+        eng = _engine(tiny_ckpt, draft, k, overlap)
         oracle = install_oracle(eng, prompts, plain)
         log = drafted[overlap] = {}
         inner = oracle.inner.propose_verified
@@ -112,7 +113,7 @@ def test_overlapped_verify_through_static_buffers(tiny_ckpt, draft, plain, k):  
     """The verify's graph runner (run eagerly, use_graphs=False) moves its static positions, lengths and slots
     by the accepted counts on the device."""
     prompts = _prompts(3)
-    eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, max_num_seqs=4)
+    eng = _engine(tiny_ckpt, draft, k, max_num_seqs=4)
     eng.runner.capture_graphs(k + 1, eng.max_model_len, use_graphs=False)
     install_oracle(eng, prompts, plain)
     shifted = []
@@ -138,15 +139,6 @@ def test_shift_decode_equals_a_batch_built_there():
     assert got.seq_lens_cpu == want.seq_lens_cpu
 
 
-def _run_params(eng, prompts, params):
-    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    out = {r: [] for r in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-    return [out[r] for r in rids]
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_sampled_top_k_1_overlapped_equals_plain_greedy(tiny_ckpt, draft, plain, k):  # noqa: F811
     """Sampled requests verify on the device too (the speculative-sampling rule, batched) and overlap like greedy
@@ -157,16 +149,10 @@ def test_sampled_top_k_1_overlapped_equals_plain_greedy(tiny_ckpt, draft, plain,
     top1 = SamplingParams(temperature=0.7, top_k=1, max_tokens=MAX, ignore_eos=True)
     params = [top1 if i % 2 == 0 else GREEDY for i in range(8)]
     for overlap, oracle in ((True, False), (True, True), (False, True)):
-        eng = make_engine(
-            tiny_ckpt,
-            spec=SpecConfig(draft_model=draft, num_steps=k),
-            page_size=4,
-            max_num_seqs=8,
-            disable_overlap_schedule=not overlap,
-        )
+        eng = _engine(tiny_ckpt, draft, k, overlap)
         if oracle:
             install_oracle(eng, prompts, plain)
-        assert _run_params(eng, prompts, params) == plain
+        assert _run(eng, prompts, params) == plain
         st = eng.stats()
         assert (st["overlapped_steps"] > 0) == overlap, st
         assert st["spec_device_steps"] == eng.loop.decode_only_steps > 0, st
@@ -183,18 +169,12 @@ def test_seeded_sampled_requests_overlapped_equal_serial_and_alone(tiny_ckpt, dr
     ]
     outs = {}
     for overlap in (True, False):
-        eng = make_engine(
-            tiny_ckpt,
-            spec=SpecConfig(draft_model=draft, num_steps=2),
-            page_size=4,
-            max_num_seqs=8,
-            disable_overlap_schedule=not overlap,
-        )
-        outs[overlap] = _run_params(eng, prompts, params)
+        eng = _engine(tiny_ckpt, draft, 2, overlap)
+        outs[overlap] = _run(eng, prompts, params)
         st = eng.stats()
         assert (st["overlapped_steps"] > 0) == overlap and st["spec_device_steps"] > 0, st
     assert outs[True] == outs[False] and all(len(t) == MAX for t in outs[True])
-    eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=2), page_size=4)
-    assert _run_params(eng, prompts[2:3], params[2:3]) == outs[True][2:3]
+    eng = _engine(tiny_ckpt, draft, 2)
+    assert _run(eng, prompts[2:3], params[2:3]) == outs[True][2:3]
     greedy = make_engine(tiny_ckpt, page_size=4)
-    assert _run_params(greedy, prompts, [GREEDY] * 6) != outs[True]  # it sampled
+    assert _run(greedy, prompts, [GREEDY] * 6) != outs[True]  # it sampled
