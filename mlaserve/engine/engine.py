@@ -186,9 +186,8 @@ class LLMEngine:
         for t in params.logit_bias or ():
             if t >= V:
                 raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {V})")
-        if self.spec_k:  # the verify step samples from raw logits and returns no logprobs
+        if self.spec_k:  # the verify step applies no logits processor and computes no prompt logprobs
             for name, on in (
-                ("logprobs", params.logprobs is not None),
                 ("prompt_logprobs", params.prompt_logprobs is not None),
                 ("best_of", params.num_seqs > params.n),
                 ("presence_penalty", bool(params.presence_penalty)),

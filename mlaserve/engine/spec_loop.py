@@ -19,7 +19,8 @@ after the read (verified_drafts), so its steps do not overlap.
 
 On CUDA such a step of greedy requests is one replay of the step graph (spec_graph.py: the shift, verify, accept,
 draft and pack in one graph), which leaves the next step's ids and shifts in its own buffers; with sampled requests,
-simulated acceptance, or at a size it has no graph for, the pieces run one launch each as above.
+simulated acceptance, logprobs, or at a size it has no graph for, the pieces run one launch each as above. Logprobs
+(and top alternatives) are the raw log-softmax of the verify rows at the emitted tokens, as plain decoding's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.base import SeqChunk
-from ..layers.sampler import SamplingRow, sample
+from ..layers.sampler import SamplingRow, sample, top_logprobs
 from ..spec.eagle3 import DraftChunk
 from ..spec.verify import count_accepted, simulate_accept, verify_greedy, verify_rows
 from ..types import Request, RequestStatus
@@ -56,6 +57,7 @@ class VerifyStep:
     rows: QueuedRows | None = None
     next_ids: torch.Tensor | None = None  # [B, N] = [y[a], next drafts] per request: the next verify's input ids
     in_graph: bool = False  # run by the step graph: y, a and the drafts are in `rows`, the next ids in its buffers
+    logprobs: tuple | None = None  # QueuedRows of (logprobs [B, N (1 + k)], top ids [B, N k] or None): _logprobs
 
 
 class QueuedRows:
@@ -159,8 +161,8 @@ class SpecLoop(Loop):
         sg = self.step_graphs
         if sg is None or self.simulate is not None or out.prefill or not out.decode:
             return None
-        if not all(c.req.params.greedy for c in out.decode):
-            return None
+        if not all(c.req.params.greedy and c.req.params.logprobs is None for c in out.decode):
+            return None  # the step graph computes no logprobs
         return sg.key(decode)
 
     def _launch_in_graph(self, out: SchedulerOutput, key: tuple, decode: list[SeqChunk], fed) -> VerifyStep:
@@ -180,6 +182,9 @@ class SpecLoop(Loop):
         dec = step.logits[: B * N].view(B, N, -1)
         reqs = [c.req for c in out.decode]
         y, acc = self._verify(dec, step.drafts, reqs)  # [B, N], [B]
+        lps = self._logprobs(reqs, dec, y)
+        if lps is not None:  # queued before the rows, whose read then finds them copied
+            step.logprobs = tuple(None if t is None else QueuedRows(t) for t in lps)
         hidden = step.aux[: B * N] if step.aux is not None else None
         propose = getattr(self.proposer, "propose_verified", None)
         drafts = propose(y, acc, hidden, reqs, starts, shift) if propose is not None else None
@@ -263,6 +268,7 @@ class SpecLoop(Loop):
         out, N = step.out, self.k + 1
         drafted = step.in_graph or step.verified[2] is not None  # on the device: the drafts are in the rows
         rows = step.rows.read()  # the step's one host sync
+        lps = None if step.logprobs is None else [None if q is None else q.read() for q in step.logprobs]
         if drafted:
             self.spec_device_steps += 1
         final = getattr(self.proposer, "verified_drafts", None)
@@ -272,7 +278,7 @@ class SpecLoop(Loop):
                 continue
             a = rows[b][N]
             toks, start = rows[b][: a + 1], c.req.num_computed_tokens
-            ev = self._accept(c, toks)
+            ev = self._accept(c, toks, *_row_logprobs(c.req, lps, b, a + 1, N))
             results.append(ev)
             accepted += a
             if ev.finished:
@@ -293,30 +299,39 @@ class SpecLoop(Loop):
         emitted: list[list[int]] = []
         if B:
             dec = logits[: B * N].view(B, N, -1)
-            y, acc = self._verify(dec, step.drafts, [c.req for c in out.decode])
+            reqs = [c.req for c in out.decode]
+            y, acc = self._verify(dec, step.drafts, reqs)
+            lps = self._logprobs(reqs, dec, y)
+            lps = None if lps is None else [None if t is None else t.tolist() for t in lps]
             y, acc = y.tolist(), acc.tolist()
             emitted = [y[b][: acc[b] + 1] for b in range(B)]
         sampled = [c for c in out.prefill if c.sample]
         rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
-        pdl = self.runner.kernels.pdl
-        first = sample(logits[B * N :], rows, self.generator, pdl=pdl)[0].tolist() if sampled else []
+        first, first_lps = [], None
+        if sampled:
+            tail = logits[B * N :]
+            first = sample(tail, rows, self.generator, pdl=self.runner.kernels.pdl)[0]
+            first_lps = self._logprobs([c.req for c in sampled], tail[:, None], first[:, None])
+            first_lps = None if first_lps is None else [None if t is None else t.tolist() for t in first_lps]
+            first = first.tolist()
 
         results, chunks, row = [], [], 0
         for b, c in enumerate(out.decode):
             toks, start = emitted[b], c.req.num_computed_tokens
-            ev = self._accept(c, toks)
+            ev = self._accept(c, toks, *_row_logprobs(c.req, lps, b, len(toks), N))
             results.append(ev)
             if not ev.finished:
                 chunks.append(DraftChunk(c.req, toks, start, _rows(aux, row, N), propose=True, verify=True))
             row += N
-        it = iter(first)
+        j = 0
         for c in out.prefill:
             req, start = c.req, c.req.num_computed_tokens
             req.num_computed_tokens += c.num_new
             self.scheduler.commit_pages(req)
             finished = False
             if c.sample:
-                ev = self.post.append(req, [next(it)], None)
+                ev = self.post.append(req, [first[j]], *_row_logprobs(req, first_lps, j, 1, 1))
+                j += 1
                 results.append(ev)
                 finished = ev.finished
             if not finished:
@@ -327,13 +342,15 @@ class SpecLoop(Loop):
         self._log_acceptance(B, sum(len(e) - 1 for e in emitted))
         return results
 
-    def _accept(self, c: ScheduledChunk, toks: list[int]) -> StepOutput:
-        """A verified request's emitted tokens (its fed last token's successor + the accepted drafts): append them,
-        commit their KV, count the acceptance."""
+    def _accept(
+        self, c: ScheduledChunk, toks: list[int], lps: list[float] | None = None, top: list[dict] | None = None
+    ) -> StepOutput:
+        """A verified request's emitted tokens (its fed last token's successor + the accepted drafts), with their
+        logprobs and top alternatives where it asked: append them, commit their KV, count the acceptance."""
         req, K = c.req, self.k
         req.num_computed_tokens += len(toks)  # the fed last token + the accepted drafts now have KV
         self.scheduler.commit_pages(req)
-        ev = self.post.append(req, toks, None)
+        ev = self.post.append(req, toks, lps, top)
         accepted = len(ev.new_token_ids) - 1  # accepted drafts actually emitted
         req.spec_steps += 1
         req.spec_draft_tokens += K
@@ -345,6 +362,23 @@ class SpecLoop(Loop):
         self.spec_accepted_tokens += accepted
         ev.usage = self.post.usage(req)
         return ev
+
+    @staticmethod
+    def _logprobs(reqs: list[Request], logits: torch.Tensor, y: torch.Tensor) -> tuple | None:
+        """None where no request asked for logprobs, else (the raw logprobs of y [B, N] under logits [B, N, V], then
+        each row's top k as [B, N (1 + k)]; their ids [B, N k], or None for k = 0), k the largest params.logprobs:
+        the model's raw log-softmax, as plain decoding reports (layers/sampler.py)."""
+        ks = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        if not ks:
+            return None
+        B, N, V = logits.shape
+        flat = logits.reshape(B * N, V).float()
+        lp = flat.log_softmax(-1).gather(1, y.reshape(-1, 1).to(torch.int64)).view(B, N)
+        k = max(ks)
+        if not k:
+            return lp, None
+        ids, vals = top_logprobs(flat, k)
+        return torch.cat([lp, vals.view(B, N * k)], dim=1), ids.view(B, N * k)
 
     def _propose(self, chunks: list[DraftChunk]) -> None:
         if chunks:
@@ -363,6 +397,21 @@ class SpecLoop(Loop):
                 100 * a / (n * self.k),
             )
             self._accept_log = [0, 0]
+
+
+def _row_logprobs(req: Request, lps: list | None, b: int, n: int, N: int) -> tuple:
+    """(logprobs, top alternatives) of row b's first n tokens for postprocess.append, or (None, None) where req
+    asked for none; lps: SpecLoop._logprobs' pair as lists, rows of N tokens."""
+    k = req.params.logprobs
+    if k is None or lps is None:
+        return None, None
+    vals, ids = lps
+    kmax = (len(vals[b]) - N) // N
+    tops = [
+        dict(zip(ids[b][i * kmax : i * kmax + k], vals[b][N + i * kmax : N + i * kmax + k])) if k else {}
+        for i in range(n)
+    ]
+    return vals[b][:n], tops
 
 
 def _rows(t: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:

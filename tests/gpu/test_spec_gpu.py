@@ -209,3 +209,30 @@ def test_published_draft_formats_under_graphs(tiny_ckpt, plain, tmp_path, fmt):
     got, _, llm, draft_runs = _greedy(tiny_ckpt, _prompts(), {"draft_model": str(tmp_path / fmt), "num_steps": 2})
     assert got == plain
     assert draft_runs
+
+
+def test_logprobs_under_graphs(tiny_ckpt, trained):
+    """Requests asking for logprobs verify on the device, overlapped, outside the step graph: their tokens, logprobs
+    and top alternatives are plain decoding's (fp32), beside requests that asked for none."""
+    from mlaserve import LLM, SamplingParams
+
+    prompts = _prompts()
+    sp = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True, logprobs=n) for n in (3, None, 0, 5, 3, 1)]
+    kw = dict(device="cuda", dtype="float32", num_pages=2048, page_size=64)
+    base = LLM(tiny_ckpt, **kw)
+    want = [o.outputs[0] for o in base.generate(prompts, sp, use_tqdm=False)]
+    base.close()
+    llm = LLM(tiny_ckpt, speculative_config={"draft_model": trained, "num_steps": 2}, **kw)
+    got = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    st = llm.engine.stats()
+    assert st["spec_accepted_per_position"][0] > 0 and st["overlapped_steps"] > 0, st
+    assert st["spec_device_steps"] == llm.engine.loop.decode_only_steps > 0, st
+    for p, a, b in zip(sp, want, got):
+        assert a.token_ids == b.token_ids
+        if p.logprobs is None:
+            assert not b.logprobs
+            continue
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
+        for x, y in zip(a.top_logprobs, b.top_logprobs):
+            assert set(x) == set(y) and [y[t] for t in x] == pytest.approx(list(x.values()), abs=1e-3)
+    llm.close()
