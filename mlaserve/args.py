@@ -296,8 +296,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params_from_args(args, model_dir: str | None = None) -> SamplingParams:
     """The flags given; a flag left unset takes generation_config.json's value (as the server's --generation-config
     auto), else greedy with no filtering."""
-    speculative = bool(getattr(args, "speculative_algorithm", None) or getattr(args, "speculative_config", None))
-    gen = generation_sampling_defaults(model_dir, speculative)
+    gen = generation_sampling_defaults(model_dir)
     base = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
     pick = {k: getattr(args, k) if getattr(args, k) is not None else gen.get(k, v) for k, v in base.items()}
     return SamplingParams(

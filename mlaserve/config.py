@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -14,8 +13,6 @@ if TYPE_CHECKING:
     from .quantization import QuantConfig
 
 from .kernel_config import KernelConfig
-
-log = logging.getLogger("mlaserve.config")
 
 # Architectures whose text model is DeepSeek-V3 shaped (V2: the same MLA and MoE, softmax routing), and where its
 # weights sit.
@@ -536,14 +533,8 @@ class EngineConfig:
 GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # vLLM's keys
 
 
-# the defaults speculative decoding cannot apply (LLMEngine.validate refuses them in a request)
-SPEC_UNSUPPORTED_DEFAULTS = ("repetition_penalty",)
-
-
-def generation_sampling_defaults(model_dir: str | None, speculative: bool = False) -> dict:
-    """The sampling fields of a model folder's generation_config.json (numbers only); {} without the file. With
-    speculative decoding, a default it cannot apply is left out, with a warning, rather than refusing every request
-    that leaves the field unset."""
+def generation_sampling_defaults(model_dir: str | None) -> dict:
+    """The sampling fields of a model folder's generation_config.json (numbers only); {} without the file."""
     path = os.path.join(model_dir, "generation_config.json") if model_dir else None
     if path is None or not os.path.isfile(path):
         return {}
@@ -555,14 +546,7 @@ def generation_sampling_defaults(model_dir: str | None, speculative: bool = Fals
     if not isinstance(gen, dict):
         return {}
     ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    out = {k: gen[k] for k in GENERATION_SAMPLING_KEYS if ok(gen.get(k))}
-    for k in SPEC_UNSUPPORTED_DEFAULTS if speculative else ():
-        if k in out and out[k] != 1.0:
-            log.warning(
-                "generation_config.json's %s %s is not applied: speculative decoding has no penalties", k, out[k]
-            )
-        out.pop(k, None)
-    return out
+    return {k: gen[k] for k in GENERATION_SAMPLING_KEYS if ok(gen.get(k))}
 
 
 def draft_speculative_tokens(path: str | None) -> int | None:

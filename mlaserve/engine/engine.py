@@ -186,15 +186,10 @@ class LLMEngine:
         for t in params.logit_bias or ():
             if t >= V:
                 raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {V})")
-        if self.spec_k:  # the verify step applies no logits processor and computes no prompt logprobs
+        if self.spec_k:  # the verify step computes no prompt logprobs and no grammar's mask
             for name, on in (
                 ("prompt_logprobs", params.prompt_logprobs is not None),
                 ("best_of", params.num_seqs > params.n),
-                ("presence_penalty", bool(params.presence_penalty)),
-                ("frequency_penalty", bool(params.frequency_penalty)),
-                ("repetition_penalty", params.repetition_penalty != 1.0),
-                ("logit_bias", bool(params.logit_bias)),
-                ("min_tokens", params.min_tokens > 0),
                 (params.structured and params.structured.field, params.structured is not None),
             ):
                 if on:

@@ -19,18 +19,21 @@ after the read (verified_drafts), so its steps do not overlap.
 
 On CUDA such a step of greedy requests is one replay of the step graph (spec_graph.py: the shift, verify, accept,
 draft and pack in one graph), which leaves the next step's ids and shifts in its own buffers; with sampled requests,
-simulated acceptance, logprobs, or at a size it has no graph for, the pieces run one launch each as above. Logprobs
-(and top alternatives) are the raw log-softmax of the verify rows at the emitted tokens, as plain decoding's.
+simulated acceptance, logprobs, logits processors, or at a size it has no graph for, the pieces run one launch each
+as above. Logprobs (and top alternatives) are the raw log-softmax of the verify rows at the emitted tokens, as plain
+decoding's; logits processors change the verify rows as plain decoding's (_processed), and their steps do not
+overlap.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..attention.base import SeqChunk
+from ..layers.logits_process import process_logits
 from ..layers.sampler import SamplingRow, sample, top_logprobs
 from ..spec.eagle3 import DraftChunk
 from ..spec.verify import count_accepted, simulate_accept, verify_greedy, verify_rows
@@ -113,8 +116,11 @@ class SpecLoop(Loop):
     def _verify(
         self, logits: torch.Tensor, drafts: torch.Tensor, reqs: list[Request]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, N, V], drafts [B, K] of requests reqs -> (tokens [B, N], accepted [B]) on the device."""
+        """logits [B, N, V], drafts [B, K] of requests reqs -> (tokens [B, N], accepted [B]) on the device. The rule
+        runs on the logits the requests' processors make (penalties, logit_bias, min_tokens: _processed)."""
         pdl = self.runner.kernels.pdl
+        if any(r.params.processes_logits for r in reqs):
+            logits = self._processed(logits, reqs)
         if all(r.params.greedy for r in reqs):
             y, acc = verify_greedy(logits, drafts, pdl)
         else:
@@ -123,6 +129,17 @@ class SpecLoop(Loop):
         if self.simulate is not None:
             y, acc = simulate_accept(y, drafts, self.simulate, self.sim_gen)
         return y, acc
+
+    def _processed(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """logits [B, N, V] -> what each request's logits processors make of them, row i of a request seeing its
+        output and then its first i drafts (the tokens before that row, its drafts being on the host: such requests
+        do not overlap, next_verify)."""
+        B, N, V = logits.shape
+        rows = []
+        for r in reqs:
+            row, d = self._row(r), self.states[r.request_id].drafts
+            rows += [row] + [replace(row, output_ids=row.output_ids + d[:i]) for i in range(1, N)]
+        return process_logits(logits.reshape(B * N, V), rows).view(B, N, V)
 
     def launch(
         self, out: SchedulerOutput, decode_tokens: torch.Tensor | None = None, decode_shift: torch.Tensor | None = None
@@ -161,8 +178,8 @@ class SpecLoop(Loop):
         sg = self.step_graphs
         if sg is None or self.simulate is not None or out.prefill or not out.decode:
             return None
-        if not all(c.req.params.greedy and c.req.params.logprobs is None for c in out.decode):
-            return None  # the step graph computes no logprobs
+        if not all(_plain_greedy(c.req.params) for c in out.decode):
+            return None  # the step graph takes the raw arg-max and computes no logprobs
         return sg.key(decode)
 
     def _launch_in_graph(self, out: SchedulerOutput, key: tuple, decode: list[SeqChunk], fed) -> VerifyStep:
@@ -235,7 +252,8 @@ class SpecLoop(Loop):
         """The requests that verify after `out`, in the scheduler's order, when that schedule is certain whatever
         `out` accepts: `out` is a decode-only step of every running request (each decodes next), no
         waiting request would be admitted, and the pages for the most `out` can accept are free without
-        preempting anyone. A request that `out` surely ends by length, or whose next verify could pass
+        preempting anyone, and no request's logits processors read its tokens (their history needs what `out`
+        accepts, on the host). A request that `out` surely ends by length, or whose next verify could pass
         max_model_len, sits it out; one that `out` may end (by length, EOS, a stop) is fed and its tokens dropped
         if it ends. None: not certain."""
         sch, pool, N = self.scheduler, self.scheduler.pool, self.k + 1
@@ -244,7 +262,7 @@ class SpecLoop(Loop):
         ending, pages = set(), 0
         for c in out.decode:
             req = c.req
-            if req.status != RequestStatus.RUNNING or req.request_id not in self.states:
+            if req.status != RequestStatus.RUNNING or req.request_id not in self.states or req.params.processes_logits:
                 return None
             if self.post.at_length(req, 1) or req.num_tokens + N >= self.post.max_model_len:
                 ending.add(id(req))
@@ -306,7 +324,7 @@ class SpecLoop(Loop):
             y, acc = y.tolist(), acc.tolist()
             emitted = [y[b][: acc[b] + 1] for b in range(B)]
         sampled = [c for c in out.prefill if c.sample]
-        rows = [SamplingRow(c.req.params, self.states[c.req.request_id].generator) for c in sampled]
+        rows = [self._row(c.req) for c in sampled]  # with what its logits processors read
         first, first_lps = [], None
         if sampled:
             tail = logits[B * N :]
@@ -397,6 +415,11 @@ class SpecLoop(Loop):
                 100 * a / (n * self.k),
             )
             self._accept_log = [0, 0]
+
+
+def _plain_greedy(p) -> bool:
+    """A request the step graph serves: greedy, no logits processor, no logprobs."""
+    return p.greedy and not p.processes_logits and p.logprobs is None
 
 
 def _row_logprobs(req: Request, lps: list | None, b: int, n: int, N: int) -> tuple:

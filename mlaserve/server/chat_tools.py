@@ -37,12 +37,12 @@ class ChatOptions:
             raise ValueError(f"--generation-config: must be auto or vllm, got {self.generation_config!r}")
 
 
-def sampling_defaults(model_dir: str, options: ChatOptions, speculative: bool = False) -> dict:
+def sampling_defaults(model_dir: str, options: ChatOptions) -> dict:
     """generation_config.json's sampling fields, which requests that leave them unset take (--generation-config
-    auto); none with vllm or without the file; with speculative decoding, those it can apply."""
+    auto); none with vllm or without the file."""
     if options.generation_config != "auto":
         return {}
-    return generation_sampling_defaults(model_dir, speculative)
+    return generation_sampling_defaults(model_dir)
 
 
 def check_tools(tools) -> list[dict] | None:

@@ -92,7 +92,7 @@ class ServingContext:
         self.tok = self.llm.tokenizer
         self.chat_options = chat_options or ChatOptions()
         # generation_config.json's sampling fields: the defaults of requests that leave them unset
-        self.sampling_defaults = sampling_defaults(self.llm.cfg.model or "", self.chat_options, bool(self.llm.spec_k))
+        self.sampling_defaults = sampling_defaults(self.llm.cfg.model or "", self.chat_options)
         if self.sampling_defaults:
             log.info(
                 "generation_config.json sets the sampling defaults %s (--generation-config vllm: ignore it)",

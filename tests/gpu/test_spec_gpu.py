@@ -236,3 +236,27 @@ def test_logprobs_under_graphs(tiny_ckpt, trained):
         for x, y in zip(a.top_logprobs, b.top_logprobs):
             assert set(x) == set(y) and [y[t] for t in x] == pytest.approx(list(x.values()), abs=1e-3)
     llm.close()
+
+
+def test_logits_processors_under_graphs(tiny_ckpt, trained):
+    """Penalties and logit_bias under speculation on the GPU: the verify rows processed as plain decoding's rows (row
+    i counting the first i drafts), greedy tokens equal plain decoding's (fp32), beside a request with none."""
+    from mlaserve import LLM, SamplingParams
+
+    g = dict(temperature=0, max_tokens=MAX, ignore_eos=True)
+    sp = [
+        SamplingParams(repetition_penalty=1.6, **g),
+        SamplingParams(frequency_penalty=0.9, presence_penalty=0.6, **g),
+        SamplingParams(logit_bias={7: 8.0}, **g),
+        SamplingParams(**g),
+    ]
+    prompts = _prompts(4)
+    kw = dict(device="cuda", dtype="float32", num_pages=2048, page_size=64)
+    base = LLM(tiny_ckpt, **kw)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
+    base.close()
+    llm = LLM(tiny_ckpt, speculative_config={"draft_model": trained, "num_steps": 2}, **kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+    st = llm.engine.stats()
+    assert st["spec_accepted_per_position"][0] > 0 and st["spec_device_steps"] > 0, st
+    llm.close()

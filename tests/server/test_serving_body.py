@@ -186,13 +186,10 @@ def test_context_takes_the_engine_limits_and_the_longest_token(tmp_path, caplog)
     assert ServingContext(Engine(Tok(), model=str(tmp_path)), "tiny", 1, opts).sampling_defaults == {}
 
 
-def test_a_speculative_server_leaves_out_the_default_penalty_it_cannot_apply(tmp_path, caplog):
-    """generation_config.json's repetition_penalty would make a speculative server refuse every request that leaves
-    it unset (LLMEngine.validate): it is left out, with a warning; the other defaults stay."""
+def test_a_speculative_server_applies_every_default(tmp_path):
+    """generation_config.json's repetition_penalty applies under speculative decoding too (the verify runs the
+    logits processors), so a speculative server takes the same defaults as a plain one."""
     gen = {"temperature": 0.7, "top_p": 0.95, "repetition_penalty": 1.1}
     (tmp_path / "generation_config.json").write_text(json.dumps(gen))
     assert ServingContext(Engine(Tok(), model=str(tmp_path)), "tiny", 1).sampling_defaults == gen
-    with caplog.at_level("WARNING", logger="mlaserve.config"):
-        ctx = ServingContext(Engine(Tok(), model=str(tmp_path), spec_k=1), "tiny", 1)
-    assert ctx.sampling_defaults == {"temperature": 0.7, "top_p": 0.95}
-    assert any("repetition_penalty 1.1 is not applied" in m for m in caplog.messages)
+    assert ServingContext(Engine(Tok(), model=str(tmp_path), spec_k=1), "tiny", 1).sampling_defaults == gen

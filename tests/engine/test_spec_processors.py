@@ -1,0 +1,61 @@
+"""Logits processors under speculative decoding (engine/spec_loop.py, SpecLoop._processed): repetition, frequency and
+presence penalties, logit_bias and min_tokens change the verify rows' logits as plain decoding's, row i of a request
+counting its first i drafts as generated. Greedy outputs (and sampled ones at top_k = 1) must equal plain decoding's
+with the same processors, token for token, with a random draft and with an oracle draft that proposes those very
+outputs (so most drafts are accepted and every verify row past the first depends on the drafts before it)."""
+
+import pytest
+
+from mlaserve.config import SpecConfig
+from mlaserve.types import SamplingParams
+from tests.helpers.oracle_draft import install_oracle
+
+from .conftest import make_engine
+from .test_spec_device_path import MAX, _prompts, draft  # noqa: F401 (fixtures)
+
+
+def _params():
+    g = dict(max_tokens=MAX, ignore_eos=True)
+    return [
+        SamplingParams(temperature=0, repetition_penalty=1.6, **g),
+        SamplingParams(temperature=0, frequency_penalty=0.9, presence_penalty=0.6, **g),
+        SamplingParams(temperature=0, logit_bias={7: 8.0, 11: -100.0}, **g),
+        # stop token 7, pushed up by logit_bias, masked by min_tokens for the first 12 tokens: it ends the 13th
+        SamplingParams(temperature=0, min_tokens=12, stop_token_ids=[7], logit_bias={7: 30.0}, max_tokens=MAX),
+        SamplingParams(temperature=0, **g),  # no processor, beside the others
+        SamplingParams(temperature=0.8, top_k=1, repetition_penalty=1.4, presence_penalty=0.3, **g),
+    ]
+
+
+def _run(eng, prompts, params):
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    out = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[r] for r in rids]
+
+
+@pytest.fixture(scope="module")
+def plain_processed(tiny_ckpt):
+    prompts, params = _prompts(6, seed=5), _params()
+    out = _run(make_engine(tiny_ckpt, page_size=4), prompts, params)
+    bare = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)] * len(prompts)
+    unprocessed = _run(make_engine(tiny_ckpt, page_size=4), prompts, bare)
+    changed = [a != b for a, b in zip(out, unprocessed)]
+    assert changed == [True, True, True, True, False, True], changed  # the processors change the tokens
+    assert len(out[3]) == 13 and out[3][-1] == 7, out[3]
+    return out
+
+
+@pytest.mark.parametrize("k,oracle", [(1, False), (3, False), (1, True), (3, True)])
+def test_processors_equal_plain(tiny_ckpt, draft, plain_processed, k, oracle):  # noqa: F811
+    prompts = _prompts(6, seed=5)
+    eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, max_num_seqs=8)
+    if oracle:
+        install_oracle(eng, prompts, plain_processed)
+    assert _run(eng, prompts, _params()) == plain_processed
+    st = eng.stats()
+    assert st["spec_device_steps"] > 0 and st["overlapped_steps"] == 0, st  # processors: no overlap
+    if oracle:
+        assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st
