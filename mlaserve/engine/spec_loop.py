@@ -21,14 +21,14 @@ On CUDA such a step of greedy requests is one replay of the step graph (spec_gra
 draft and pack in one graph), which leaves the next step's ids and shifts in its own buffers; with sampled requests,
 simulated acceptance, logprobs, logits processors, or at a size it has no graph for, the pieces run one launch each
 as above. Logprobs (and top alternatives) are the raw log-softmax of the verify rows at the emitted tokens, as plain
-decoding's; logits processors change the verify rows as plain decoding's (_processed), and their steps do not
-overlap.
+decoding's; logits processors change the verify rows as plain decoding's (_processed), counting the tokens of the
+verify in flight on the device in an overlapped step.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -114,13 +114,14 @@ class SpecLoop(Loop):
         self.simulate = rate
 
     def _verify(
-        self, logits: torch.Tensor, drafts: torch.Tensor, reqs: list[Request]
+        self, logits: torch.Tensor, drafts: torch.Tensor, reqs: list[Request], prev: tuple | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, N, V], drafts [B, K] of requests reqs -> (tokens [B, N], accepted [B]) on the device. The rule
-        runs on the logits the requests' processors make (penalties, logit_bias, min_tokens: _processed)."""
+        runs on the logits the requests' processors make (penalties, logit_bias, min_tokens: _processed; prev: the
+        verify in flight's tokens and accepted counts, for an overlapped step)."""
         pdl = self.runner.kernels.pdl
         if any(r.params.processes_logits for r in reqs):
-            logits = self._processed(logits, reqs)
+            logits = self._processed(logits, reqs, drafts, prev)
         if all(r.params.greedy for r in reqs):
             y, acc = verify_greedy(logits, drafts, pdl)
         else:
@@ -130,22 +131,36 @@ class SpecLoop(Loop):
             y, acc = simulate_accept(y, drafts, self.simulate, self.sim_gen)
         return y, acc
 
-    def _processed(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """logits [B, N, V] -> what each request's logits processors make of them, row i of a request seeing its
-        output and then its first i drafts (the tokens before that row, its drafts being on the host: such requests
-        do not overlap, next_verify)."""
+    def _processed(
+        self, logits: torch.Tensor, reqs: list[Request], drafts: torch.Tensor, prev: tuple | None
+    ) -> torch.Tensor:
+        """logits [B, N, V] -> what each request's logits processors make of them. Row i of a request counts as
+        generated its output on the host, then (prev = (y [B, N'], accepted a [B]) of the verify in flight, an
+        overlapped step) that verify's tokens y[:a + 1], then its first i drafts (drafts [B, K]): the tokens before
+        that row. Those after the output are on the device (process_logits' pending, V where unused)."""
         B, N, V = logits.shape
-        rows = []
-        for r in reqs:
-            row, d = self._row(r), self.states[r.request_id].drafts
-            rows += [row] + [replace(row, output_ids=row.output_ids + d[:i]) for i in range(1, N)]
-        return process_logits(logits.reshape(B * N, V), rows).view(B, N, V)
+        dev = logits.device
+        rows = [row for r in reqs for row in [self._row(r)] * N]
+        i, j = torch.arange(N, device=dev)[:, None], torch.arange(N - 1, device=dev)[None, :]
+        pending = torch.where(j < i, drafts.to(torch.int64)[:, None, :], V)  # [B, N, K]: row i's first i drafts
+        if prev is not None:
+            y, a = prev
+            m = torch.arange(y.shape[1], device=dev)[None, :]
+            flight = torch.where(m <= a[:, None], y.to(torch.int64), V)  # [B, N']
+            pending = torch.cat([flight[:, None, :].expand(B, N, -1), pending], dim=2)
+        return process_logits(logits.reshape(B * N, V), rows, pending.reshape(B * N, -1)).view(B, N, V)
 
     def launch(
-        self, out: SchedulerOutput, decode_tokens: torch.Tensor | None = None, decode_shift: torch.Tensor | None = None
+        self,
+        out: SchedulerOutput,
+        decode_tokens: torch.Tensor | None = None,
+        decode_shift: torch.Tensor | None = None,
+        flight: torch.Tensor | None = None,
     ) -> VerifyStep:
         """Run the verify's forward and, for a decode-only step, verify and draft on the device; no host sync.
-        decode_tokens [B, N], decode_shift [B] on the device: an overlapped step (launch_next)."""
+        decode_tokens [B, N], decode_shift [B] on the device: an overlapped step (launch_next), whose requests'
+        tokens in the verify in flight are flight [B, N] (y; their accepted counts are decode_shift), for the
+        logits processors."""
         N = self.k + 1
         if decode_tokens is None:
             drafts = [self.states[c.req.request_id].drafts for c in out.decode]
@@ -170,7 +185,8 @@ class SpecLoop(Loop):
         self.num_steps += 1
         step = VerifyStep(out, logits, aux, dev)
         if out.decode and not out.prefill:
-            self._verify_on_device(step, [c.num_cached for c in decode], decode_shift)
+            prev = None if flight is None else (flight, decode_shift)
+            self._verify_on_device(step, [c.num_cached for c in decode], decode_shift, prev)
         return step
 
     def _graph_key(self, out: SchedulerOutput, decode: list[SeqChunk]) -> tuple | None:
@@ -191,14 +207,14 @@ class SpecLoop(Loop):
         step.rows = QueuedRows(rows, written=self.runner.device.type == "cuda")  # the CPU's eager step wrote it
         return step
 
-    def _verify_on_device(self, step: VerifyStep, starts: list[int], shift: torch.Tensor | None) -> None:
+    def _verify_on_device(self, step: VerifyStep, starts: list[int], shift: torch.Tensor | None, prev=None) -> None:
         """Verify, accept and draft from the device outputs, and queue their one read back."""
         out, N = step.out, self.k + 1
         B = len(out.decode)
         self.decode_only_steps += 1
         dec = step.logits[: B * N].view(B, N, -1)
         reqs = [c.req for c in out.decode]
-        y, acc = self._verify(dec, step.drafts, reqs)  # [B, N], [B]
+        y, acc = self._verify(dec, step.drafts, reqs, prev)  # [B, N], [B]
         lps = self._logprobs(reqs, dec, y)
         if lps is not None:  # queued before the rows, whose read then finds them copied
             step.logprobs = tuple(None if t is None else QueuedRows(t) for t in lps)
@@ -245,15 +261,14 @@ class SpecLoop(Loop):
         idx = [row[id(r)] for r in reqs]
         if idx != list(range(len(cur.out.decode))):
             sel = torch.tensor(idx).to(y.device, non_blocking=True)  # no stream sync
-            ids, acc = ids[sel], acc[sel]
-        return self.launch(out, decode_tokens=ids, decode_shift=acc)
+            ids, acc, y = ids[sel], acc[sel], y[sel]
+        return self.launch(out, decode_tokens=ids, decode_shift=acc, flight=y)
 
     def next_verify(self, out: SchedulerOutput) -> list[Request] | None:
         """The requests that verify after `out`, in the scheduler's order, when that schedule is certain whatever
         `out` accepts: `out` is a decode-only step of every running request (each decodes next), no
         waiting request would be admitted, and the pages for the most `out` can accept are free without
-        preempting anyone, and no request's logits processors read its tokens (their history needs what `out`
-        accepts, on the host). A request that `out` surely ends by length, or whose next verify could pass
+        preempting anyone. A request that `out` surely ends by length, or whose next verify could pass
         max_model_len, sits it out; one that `out` may end (by length, EOS, a stop) is fed and its tokens dropped
         if it ends. None: not certain."""
         sch, pool, N = self.scheduler, self.scheduler.pool, self.k + 1
@@ -262,7 +277,7 @@ class SpecLoop(Loop):
         ending, pages = set(), 0
         for c in out.decode:
             req = c.req
-            if req.status != RequestStatus.RUNNING or req.request_id not in self.states or req.params.processes_logits:
+            if req.status != RequestStatus.RUNNING or req.request_id not in self.states:
                 return None
             if self.post.at_length(req, 1) or req.num_tokens + N >= self.post.max_model_len:
                 ending.add(id(req))

@@ -54,14 +54,17 @@ def _to(values: list, dev, dtype=None) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] fp32 -> the processed logits (a new tensor when any row is active, else logits itself).
-    pending [B] int64 on the device, or None: a token each row generated that its output_ids do not hold yet (the
-    step in flight's, overlapped decode); it counts for the penalties and min_tokens."""
-    n_pend = int(pending is not None)
+    pending int64 on the device, or None: tokens each row generated that its output_ids do not hold yet, which count
+    for the penalties and min_tokens: [B], one a row (the step in flight's, overlapped decode), or [B, M], up to M a
+    row with V in the unused places (speculation: a verify row's drafts before it, and the tokens of the verify in
+    flight), their number known on the device only."""
+    V = logits.shape[1]
+    n_pend = 0 if pending is None or pending.dim() == 2 else 1  # [B, M]: min_tokens counts on the device below
     act = [i for i, r in enumerate(rows) if r.active(n_pend)]
     if not act:
         return logits
     raw, logits = logits, logits.clone()
-    dev, V = logits.device, logits.shape[1]
+    dev = logits.device
     # logit_bias and min_tokens: one index_put each over (row, token) pairs
     ri, ti, vals = [], [], []
     for i in act:
@@ -77,7 +80,14 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch
             ri += [i] * len(ids)
             ti += ids
     if ri:
-        logits.index_put_((_to(ri, dev), _to(ti, dev)), torch.tensor(float("-inf"), device=dev))
+        ri, ti = _to(ri, dev), _to(ti, dev)
+        masked = torch.tensor(float("-inf"), device=dev)
+        if n_pend != 1 and pending is not None:  # only where the output with its pending tokens is still short
+            short = _to([len(r.output_ids) for r in rows], dev) + (pending < V).sum(1) < _to(
+                [r.params.min_tokens for r in rows], dev
+            )
+            masked = torch.where(short[ri], masked, logits[ri, ti])
+        logits.index_put_((ri, ti), masked)
     pen = [i for i in act if rows[i].params.penalized]
     if pen:
         logits[_to(pen, dev)] = _penalize(logits[_to(pen, dev)], [rows[i] for i in pen], pending, pen)
@@ -93,13 +103,16 @@ def _penalize(x: torch.Tensor, rows: list[SamplingRow], pending: torch.Tensor | 
     """x [P, V]: repetition, then frequency and presence penalties (vLLM's apply_penalties)."""
     dev, (P, V) = x.device, x.shape
     L = max(len(r.output_ids) for r in rows)
-    ids = torch.full((P, L + (pending is not None)), V, dtype=torch.int64)  # V: a padding column, dropped below
+    one = pending is not None and pending.dim() == 1
+    ids = torch.full((P, L + one), V, dtype=torch.int64)  # V: a padding column, dropped below
     for j, r in enumerate(rows):
         if r.output_ids:
             ids[j, : len(r.output_ids)] = torch.tensor(r.output_ids, dtype=torch.int64)
     ids = ids.to(dev, non_blocking=True)
-    if pending is not None:
+    if one:
         ids[:, -1] = pending[_to(idx, dev)]
+    elif pending is not None:  # [B, M], V in the unused places
+        ids = torch.cat([ids, pending[_to(idx, dev)]], dim=1)
     counts = torch.zeros(P, V + 1, device=dev).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     counts = counts[:, :V]  # [P, V]
     seen = counts > 0

@@ -1,8 +1,9 @@
 """Logits processors under speculative decoding (engine/spec_loop.py, SpecLoop._processed): repetition, frequency and
 presence penalties, logit_bias and min_tokens change the verify rows' logits as plain decoding's, row i of a request
-counting its first i drafts as generated. Greedy outputs (and sampled ones at top_k = 1) must equal plain decoding's
-with the same processors, token for token, with a random draft and with an oracle draft that proposes those very
-outputs (so most drafts are accepted and every verify row past the first depends on the drafts before it)."""
+counting as generated its first i drafts and, in an overlapped step, the tokens of the verify in flight. Greedy
+outputs (and sampled ones at top_k = 1) must equal plain decoding's with the same processors, token for token, with
+a random draft and with an oracle draft that proposes those very outputs (so most drafts are accepted and every
+verify row past the first depends on the drafts before it), overlapped and not."""
 
 import pytest
 
@@ -48,14 +49,18 @@ def plain_processed(tiny_ckpt):
     return out
 
 
-@pytest.mark.parametrize("k,oracle", [(1, False), (3, False), (1, True), (3, True)])
-def test_processors_equal_plain(tiny_ckpt, draft, plain_processed, k, oracle):  # noqa: F811
+@pytest.mark.parametrize(
+    "k,oracle,overlap", [(1, False, True), (3, False, True), (1, True, True), (3, True, True), (2, True, False)]
+)
+def test_processors_equal_plain(tiny_ckpt, draft, plain_processed, k, oracle, overlap):  # noqa: F811
+    """Overlapped steps count the tokens of the verify in flight on the device (the host has not read them)."""
     prompts = _prompts(6, seed=5)
-    eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=k), page_size=4, max_num_seqs=8)
+    spec = SpecConfig(draft_model=draft, num_steps=k)
+    eng = make_engine(tiny_ckpt, spec=spec, page_size=4, max_num_seqs=8, disable_overlap_schedule=not overlap)
     if oracle:
         install_oracle(eng, prompts, plain_processed)
     assert _run(eng, prompts, _params()) == plain_processed
     st = eng.stats()
-    assert st["spec_device_steps"] > 0 and st["overlapped_steps"] == 0, st  # processors: no overlap
+    assert st["spec_device_steps"] > 0 and (st["overlapped_steps"] > 0) == overlap, st
     if oracle:
         assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st

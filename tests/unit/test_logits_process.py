@@ -68,3 +68,19 @@ def test_top_logprobs():
     ref = logits.log_softmax(-1).topk(5)
     torch.testing.assert_close(lps, ref.values)
     assert torch.equal(ids, ref.indices)
+
+
+def test_pending_tokens_of_varying_number():
+    """pending [B, M] with V in the unused places (speculation: a verify row's drafts before it and the verify in
+    flight's tokens): every real one counts, for the penalties and for min_tokens, their number read on the device."""
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        logits, rows = torch.randn(4, V, generator=gen), _rows(gen)
+        pending = torch.randint(0, V, (4, 5), generator=gen)
+        n = torch.randint(0, 6, (4,), generator=gen)
+        pending[torch.arange(5)[None, :] >= n[:, None]] = V
+        got = process_logits(logits, rows, pending)
+        for i, r in enumerate(rows):
+            out = r.output_ids + pending[i, : n[i]].tolist()
+            want = ref_process(logits[i], r.prompt_ids, out, r.params)
+            torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-6)
