@@ -24,6 +24,13 @@ def run_all(engine: LLMEngine) -> dict[str, list[int]]:
     return out
 
 
+def run_requests(engine: LLMEngine, prompts: list[list[int]], params: list) -> list[list[int]]:
+    """Add one request a prompt (params: one each), step until idle -> each request's token ids, in prompt order."""
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    out = run_all(engine)
+    return [out.get(r, []) for r in rids]
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_pages():
     yield

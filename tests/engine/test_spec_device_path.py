@@ -18,7 +18,7 @@ from mlaserve.types import SamplingParams
 
 from ..helpers.engine_drive import assert_same_events, drive, ending_mid_step, stop_string_in, summary
 from ..spec.test_replay import expected_per_position
-from .conftest import make_engine
+from .conftest import make_engine, run_requests
 
 MAX = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
@@ -37,13 +37,7 @@ def draft(tiny_ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain(tiny_ckpt):
     """Plain greedy outputs of the 8 prompts (batch-invariant on the CPU: a prefix of them is batch n's)."""
-    eng = make_engine(tiny_ckpt, page_size=4)
-    rids = [eng.add_request(p, GREEDY) for p in _prompts(8)]
-    out = {r: [] for r in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-    return [out[r] for r in rids]
+    return run_requests(make_engine(tiny_ckpt, page_size=4), _prompts(8), [GREEDY] * 8)
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,13 @@ from mlaserve.types import SamplingParams
 from tests.helpers.engine_drive import assert_same_events, drive, ending_mid_step, stop_string_in, summary
 from tests.helpers.oracle_draft import install_oracle
 
-from .conftest import make_engine
+from .conftest import make_engine, run_requests
 from .test_spec_device_path import GREEDY, MAX, _prompts, draft, plain  # noqa: F401 (fixtures)
 
 
 def _run(eng, prompts, params=None):
     """-> each request's tokens; params: one a prompt (default greedy)."""
-    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params or [GREEDY] * len(prompts))]
-    out = {r: [] for r in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-    return [out[r] for r in rids]
+    return run_requests(eng, prompts, params or [GREEDY] * len(prompts))
 
 
 def _engine(ckpt, draft_dir, k, overlap=True, **kw):

@@ -11,7 +11,7 @@ from mlaserve.config import SpecConfig
 from mlaserve.types import SamplingParams
 from tests.helpers.oracle_draft import install_oracle
 
-from .conftest import make_engine
+from .conftest import make_engine, run_requests
 from .test_spec_device_path import MAX, _prompts, draft  # noqa: F401 (fixtures)
 
 
@@ -28,21 +28,12 @@ def _params():
     ]
 
 
-def _run(eng, prompts, params):
-    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    out = {r: [] for r in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-    return [out[r] for r in rids]
-
-
 @pytest.fixture(scope="module")
 def plain_processed(tiny_ckpt):
     prompts, params = _prompts(6, seed=5), _params()
-    out = _run(make_engine(tiny_ckpt, page_size=4), prompts, params)
+    out = run_requests(make_engine(tiny_ckpt, page_size=4), prompts, params)
     bare = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)] * len(prompts)
-    unprocessed = _run(make_engine(tiny_ckpt, page_size=4), prompts, bare)
+    unprocessed = run_requests(make_engine(tiny_ckpt, page_size=4), prompts, bare)
     changed = [a != b for a, b in zip(out, unprocessed)]
     assert changed == [True, True, True, True, False, True], changed  # the processors change the tokens
     assert len(out[3]) == 13 and out[3][-1] == 7, out[3]
@@ -59,7 +50,7 @@ def test_processors_equal_plain(tiny_ckpt, draft, plain_processed, k, oracle, ov
     eng = make_engine(tiny_ckpt, spec=spec, page_size=4, max_num_seqs=8, disable_overlap_schedule=not overlap)
     if oracle:
         install_oracle(eng, prompts, plain_processed)
-    assert _run(eng, prompts, _params()) == plain_processed
+    assert run_requests(eng, prompts, _params()) == plain_processed
     st = eng.stats()
     assert st["spec_device_steps"] > 0 and (st["overlapped_steps"] > 0) == overlap, st
     if oracle:
