@@ -120,27 +120,30 @@ class SpecLoop(Loop):
         runs on the logits the requests' processors make (penalties, logit_bias, min_tokens: _processed; prev: the
         verify in flight's tokens and accepted counts, for an overlapped step)."""
         pdl = self.runner.kernels.pdl
-        if any(r.params.processes_logits for r in reqs):
-            logits = self._processed(logits, reqs, drafts, prev)
-        if all(r.params.greedy for r in reqs):
+        processed, greedy = any(r.params.processes_logits for r in reqs), all(r.params.greedy for r in reqs)
+        rows = [self._row(r) for r in reqs] if processed or not greedy else None
+        if processed:
+            logits = self._processed(logits, rows, drafts, prev)
+        if greedy:
             y, acc = verify_greedy(logits, drafts, pdl)
         else:
-            rows = [SamplingRow(r.params, self.states[r.request_id].generator) for r in reqs]
             y, acc = verify_rows(logits, drafts, rows, self.generator, pdl)
         if self.simulate is not None:
             y, acc = simulate_accept(y, drafts, self.simulate, self.sim_gen)
         return y, acc
 
+    @staticmethod
     def _processed(
-        self, logits: torch.Tensor, reqs: list[Request], drafts: torch.Tensor, prev: tuple | None
+        logits: torch.Tensor, rows: list[SamplingRow], drafts: torch.Tensor, prev: tuple | None
     ) -> torch.Tensor:
-        """logits [B, N, V] -> what each request's logits processors make of them. Row i of a request counts as
-        generated its output on the host, then (prev = (y [B, N'], accepted a [B]) of the verify in flight, an
-        overlapped step) that verify's tokens y[:a + 1], then its first i drafts (drafts [B, K]): the tokens before
-        that row. Those after the output are on the device (process_logits' pending, V where unused)."""
+        """logits [B, N, V] -> what each request's logits processors (rows [B]: its sampling row) make of them. Row
+        i of a request counts as generated its output on the host, then (prev = (y [B, N'], accepted a [B]) of the
+        verify in flight, an overlapped step) that verify's tokens y[:a + 1], then its first i drafts (drafts
+        [B, K]): the tokens before that row. Those after the output are on the device (process_logits' pending, V
+        where unused)."""
         B, N, V = logits.shape
         dev = logits.device
-        rows = [row for r in reqs for row in [self._row(r)] * N]
+        rows = [r for r in rows for _ in range(N)]
         i, j = torch.arange(N, device=dev)[:, None], torch.arange(N - 1, device=dev)[None, :]
         pending = torch.where(j < i, drafts.to(torch.int64)[:, None, :], V)  # [B, N, K]: row i's first i drafts
         if prev is not None:
