@@ -192,6 +192,10 @@ def _step(runner, decode: list[SeqChunk], prefill: list[SeqChunk], draft) -> Non
 
     logits, aux, _ = runner.execute(decode, prefill)
     greedy_tokens(logits, runner.kernels.pdl)  # the sampler's arg-max over the step's rows
+    if logits.is_cuda and logits.shape[0]:  # and its race for sampled rows (kernels/race_sample.py)
+        from ..kernels.race_sample import warm_race_sample
+
+        warm_race_sample(logits, runner.kernels.pdl)
     if draft is not None:
         _draft(draft, decode, prefill, aux)
 

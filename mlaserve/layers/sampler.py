@@ -12,7 +12,16 @@ import torch
 
 from .logits_process import SamplingRow, _to, process_logits
 
-__all__ = ["SamplingRow", "greedy_into", "greedy_tokens", "sample", "top_logprobs"]
+__all__ = [
+    "SamplingRow",
+    "fused_all",
+    "greedy_into",
+    "greedy_tokens",
+    "race_into",
+    "race_noise",
+    "sample",
+    "top_logprobs",
+]
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -65,6 +74,64 @@ def greedy_into(
     host[int(host_row)][: tok.numel()] = tok
 
 
+def race_noise(rows: list[SamplingRow], n: int, V: int, generator: torch.Generator | None, dev) -> torch.Tensor:
+    """Exp(1) noise [S * n, V] for S sampled rows of n positions each (row j's at j * n .. j * n + n - 1): a seeded
+    row's from its own generator, the others' in one draw from `generator` (the same stream as one seeded row's when
+    S = 1)."""
+    S = len(rows)
+    e = torch.empty(S * n, V, device=dev)
+    shared = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(shared) == S:
+        return e.exponential_(generator=generator)
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            e[i * n : (i + 1) * n].exponential_(generator=r.generator)
+    if shared:
+        idx = _to([i * n + j for i in shared for j in range(n)], dev)
+        e[idx] = torch.empty(len(shared) * n, V, device=dev).exponential_(generator=generator)
+    return e
+
+
+def _fused(p, V: int) -> bool:
+    """The race kernel samples this row (kernels/race_sample.py); top-k and top-p together take the reference."""
+    return not (0 < p.top_k < V and p.top_p < 1.0)
+
+
+def fused_all(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+    """Every row is sampled and the race kernel takes them all (so no arg-max pass is needed first)."""
+    V = logits.shape[-1]
+    return logits.is_cuda and all(not r.params.greedy and _fused(r.params, V) for r in rows)
+
+
+def race_into(
+    tokens: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int], noise: torch.Tensor, pdl=True
+) -> None:
+    """tokens[idx[j]] = a draw from row idx[j] of logits [R, V] filtered by rows[j] (temperature, top-k, top-p,
+    min-p), by the exponential race over noise row j: argmax(p / E), E ~ Exp(1), draws from p. tokens [R] int64.
+    On the GPU one launch for the rows the race kernel takes; the others (and every row on the CPU) run the
+    reference: the sort-based filter, softmax, argmax."""
+    V, dev = logits.shape[1], logits.device
+    fused = [j for j, r in enumerate(rows) if _fused(r.params, V)] if logits.is_cuda else []
+    if fused:
+        from ..kernels.race_sample import race_sample
+
+        ps = [rows[j].params for j in fused]
+        top_k = [p.top_k if 0 < p.top_k < V else 0 for p in ps]
+        par = _to(
+            [[idx[j] for j in fused], fused, [1.0 / p.temperature for p in ps], [p.top_p for p in ps]]
+            + [[p.min_p for p in ps], top_k],
+            dev,
+            torch.float32,
+        )
+        check = any(top_k) or any(p.top_p < 1.0 for p in ps)
+        race_sample(logits, noise, par, tokens, any(p.min_p > 0 for p in ps), check, pdl)
+    rest = [j for j in range(len(rows)) if j not in set(fused)]
+    if rest:
+        sel, nsel = _to([idx[j] for j in rest], dev), _to(rest, dev)
+        probs = _filter(logits[sel].float(), [rows[j] for j in rest]).softmax(-1)
+        tokens[sel] = greedy_tokens(probs / noise[nsel], pdl)
+
+
 def sample(
     logits: torch.Tensor,
     rows: list[SamplingRow],
@@ -76,16 +143,16 @@ def sample(
     """logits [B, V] fp32 -> (tokens [B] int64, logprobs of those tokens under the model [B] or None). pdl: for the
     arg-max kernel (KernelConfig.pdl). pending [B] or None: each row's token in flight (process_logits)."""
     raw, logits = logits, process_logits(logits, rows, pending)
-    tokens = greedy_tokens(logits, pdl)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if fused_all(logits, rows):
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)  # the race kernel writes all
+    else:
+        tokens = greedy_tokens(logits, pdl)
     if random_rows:
-        sel = _to(random_rows, logits.device)
-        probs = _filter(logits[sel], [rows[i] for i in random_rows]).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; each row draws its own noise.
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=rows[i].generator or generator)
-        tokens[sel] = (probs / noise).argmax(-1)
+        srows = [rows[i] for i in random_rows]
+        noise = race_noise(srows, 1, logits.shape[1], generator, logits.device)
+        race_into(tokens, logits, srows, random_rows, noise, pdl)
     logprobs = None
     if want_logprobs:
         logprobs = raw.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)

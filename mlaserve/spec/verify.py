@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.logits_process import _to
-from ..layers.sampler import SamplingRow, _filter, greedy_tokens
+from ..layers.sampler import SamplingRow, fused_all, greedy_tokens, race_into, race_noise
 
 
 def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,35 +60,15 @@ def verify_rows(
     if not picked:
         return verify_greedy(logits, drafts, pdl)
     B, N, V = logits.shape
-    S, dev = len(picked), logits.device
-    sel = None if S == B else _to(picked, dev)
-    sub = logits.reshape(B * N, V) if sel is None else logits[sel].reshape(S * N, V)
     srows = [rows[i] for i in picked]
-    p = _filter(sub.float(), [r for r in srows for _ in range(N)]).softmax(-1)  # [S * N, V]
-    tok = greedy_tokens(p / _noise(srows, N, V, generator, dev), pdl).view(S, N)  # exponential race: draws from p
-    if sel is None:
-        y = tok
+    if len(picked) == B and fused_all(logits, rows):
+        y = torch.empty(B, N, dtype=torch.int64, device=logits.device)  # the race kernel writes every row
     else:
-        y = greedy_tokens(logits, pdl)
-        y[sel] = tok
+        y = greedy_tokens(logits, pdl)  # [B, N]; the sampled rows' tokens are written over theirs
+    idx = [i * N + n for i in picked for n in range(N)]
+    noise = race_noise(srows, N, V, generator, logits.device)  # [S * N, V], row j * N + n: request j, position n
+    race_into(y.view(B * N), logits.reshape(B * N, V), [r for r in srows for _ in range(N)], idx, noise, pdl)
     return y, _accepted(y, drafts, pdl)
-
-
-def _noise(rows: list[SamplingRow], N: int, V: int, generator: torch.Generator, dev) -> torch.Tensor:
-    """Exp(1) noise [S * N, V] for S sampled rows of N positions: a seeded row's from its own generator, the others'
-    in one draw from `generator` (the same stream as one seeded row's when S = 1)."""
-    S = len(rows)
-    e = torch.empty(S * N, V, device=dev)
-    shared = [i for i, r in enumerate(rows) if r.generator is None]
-    if len(shared) == S:
-        return e.exponential_(generator=generator)
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            e[i * N : (i + 1) * N].exponential_(generator=r.generator)
-    if shared:
-        idx = _to([i * N + j for i in shared for j in range(N)], dev)
-        e[idx] = torch.empty(len(shared) * N, V, device=dev).exponential_(generator=generator)
-    return e
 
 
 def count_accepted(counts: list[int], accepted: int, k: int) -> None:

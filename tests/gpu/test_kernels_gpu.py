@@ -736,3 +736,11 @@ def test_argmax_rows_real(dtype, B):
     kc.check_argmax("cuda", dtype, B=B, V=163840)
     kc.check_argmax("cuda", dtype, B=B, V=129280)
     kc.check_argmax("cuda", dtype, B=B, V=1000)
+
+
+# --- sampling: the race kernel ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("R", [5, 33])
+def test_race_sample_real(R):
+    # the models' vocabularies: Kimi's / Moonlight's 163840 (80 trips a row), DeepSeek's 129280 (a partial trip)
+    kc.check_race_sample("cuda", R=R, V=163840)
+    kc.check_race_sample("cuda", R=R, V=129280)

@@ -552,3 +552,55 @@ def check_argmax(device, dtype, *, B: int, V: int):
     want = torch.full((3, B + 2), -1, dtype=torch.int64)
     want[2, :B] = ref.cpu()
     assert torch.equal(ring, want), f"argmax_rows ring row B={B} V={V}"
+
+
+def check_race_sample(device, *, R: int, V: int):
+    """race_sample against the reference (sampler.py: the sort-based filter, softmax, argmax(p / E)) on fresh random
+    rows and noise: temperatures, top-k (1 and more), top-p, min-p and their mixes, flat rows whose top-k takes many
+    rounds, rows with -inf logits (a processor's masks), and a row the kernel is not given (stays -1). The output
+    starts poisoned (-1)."""
+    from mlaserve.kernels.race_sample import race_sample
+    from mlaserve.layers.sampler import SamplingRow, _filter
+    from mlaserve.types import SamplingParams
+
+    g = torch.Generator().manual_seed(R * 131 + V)
+    scale = torch.tensor([0.5, 2.0, 6.0])[torch.arange(R) % 3][:, None]
+    x = (torch.randn(R, V, generator=g) * scale).to(device)
+    x[1::7, : V // 2] = float("-inf")
+    if R > 4:
+        x[4] = 0.01 * torch.randn(V, generator=g).to(device)  # nearly flat: top-k rejects round after round
+    noise = torch.empty(R, V).exponential_(generator=g).to(device)
+    choices = [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.3, top_k=5),
+        dict(temperature=0.5, min_p=0.1),
+        dict(temperature=1.0, top_k=3),
+        dict(temperature=0.9, top_p=0.5, min_p=0.05),
+        dict(temperature=1.0, top_k=1),
+        dict(temperature=2.0, top_k=50, min_p=0.02),
+    ]
+    params = [SamplingParams(**choices[i % len(choices)]) for i in range(R)]
+    rows = list(range(R - 1))  # the last row is not sampled
+    ps = [params[i] for i in rows]
+    par = torch.tensor(
+        [
+            rows,
+            rows,
+            [1.0 / p.temperature for p in ps],
+            [p.top_p for p in ps],
+            [p.min_p for p in ps],
+            [p.top_k if 0 < p.top_k < V else 0 for p in ps],
+        ],
+        dtype=torch.float32,
+        device=device,
+    )
+    out = torch.full((R,), -1, dtype=torch.int64, device=device)
+    race_sample(x, noise, par, out, min_p=True, check=True)
+    probs = _filter(x[: R - 1].float(), [SamplingRow(p, None) for p in ps]).softmax(-1)
+    ref = (probs / noise[: R - 1]).argmax(-1)
+    assert int(out[R - 1]) == -1, "race_sample wrote a row it was not given"
+    bad = (out[: R - 1] != ref).nonzero().flatten().tolist()
+    assert not bad, f"race_sample R={R} V={V}: rows {bad[:8]} got {out[bad[:8]].tolist()} want {ref[bad[:8]].tolist()}"
+    kept = probs.gather(1, out[: R - 1, None]).squeeze(1)
+    assert (kept > 0).all(), "race_sample drew a token the filters drop"

@@ -1,0 +1,161 @@
+"""Sampled rows in one launch: temperature, top-k, top-p and min-p, then the exponential race, over noise the caller
+drew (layers/sampler.py's race_noise, so a seeded request's tokens stay its generator's).
+
+The torch reference (sampler.py's _filter, softmax, then argmax(p / E)) sorts each row for top-k / top-p and takes
+about 20 launches. Here one program a row never sorts. The kept set of top-k, top-p and min-p is an upper set of
+the row's values: token j is kept iff fewer than k values lie above it, their mass is below top_p, and its own q_j =
+exp(x_j - max) >= min_p. So the race's winner over the tokens above a bound `lo` (at first all of them), if kept,
+is the winner over the kept set too; if not, nothing at or below it is kept, `lo` rises to it and the race runs
+again. The top token is always kept, so this ends; with top-p alone a round is rejected with probability about
+1 - top_p.
+
+Scores are x - log(E) (x = logit / temperature), the log of the reference's p / E up to a constant. Ties at the
+k-th value or at the top-p boundary keep every tied token (the sort keeps the first of them); the row's masses are
+summed in another order than the sort's cumsum. Rows with both top-k and top-p (top-p over the top-k set's
+renormalised mass) take the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import pdl_args, pdl_release, pdl_wait
+
+BLOCK = 2048  # values a program holds per trip over its row
+FIELDS = 6  # rows of the params tensor: logit row, noise row, 1 / temperature, top_p, min_p, top_k
+
+
+@triton.jit
+def _race(X, Nz, V, invt, lo, m, mp, BLOCK: tl.constexpr, MINP: tl.constexpr):
+    """(index, x) of the first maximum of x - log(E) over the values x > lo (and q >= mp with MINP)."""
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([], float("-inf"), tl.float32)
+    bi = tl.full([], 0, tl.int32)
+    for off in range(0, V, BLOCK):
+        i = off + offs
+        ok = i < V
+        x = tl.load(X + i, mask=ok, other=float("-inf")).to(tl.float32) * invt
+        e = tl.load(Nz + i, mask=ok, other=1.0)
+        keep = ok & (x > lo)
+        if MINP:
+            keep = keep & (tl.exp(x - m) >= mp)
+        s = tl.where(keep, x - tl.log(e), float("-inf"))
+        bm = tl.max(s, 0)
+        ia = tl.argmax(s, 0).to(tl.int32)
+        upd = bm > best
+        bi = tl.where(upd, off + ia, bi)
+        best = tl.maximum(best, bm)
+    xj = tl.load(X + bi).to(tl.float32) * invt
+    return bi, xj
+
+
+@triton.jit(do_not_specialize=["S"])
+def _race_sample_kernel(
+    X,
+    stride_x,
+    Nz,
+    stride_n,
+    Par,
+    Out,
+    S,
+    V,
+    BLOCK: tl.constexpr,
+    MINP: tl.constexpr,
+    CHECK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program s: Out[row] = the race's token of logit row `row` over noise row `nrow` (Par[:, s], FIELDS). MINP:
+    some row has min_p > 0; CHECK: some row has top_k > 0 or top_p < 1 (both read the row's max and mass first)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)  # the params are copied in just before this launch: not a step input (pdl.py)
+    s = tl.program_id(0)
+    row = tl.load(Par + s).to(tl.int64)
+    nrow = tl.load(Par + S + s).to(tl.int64)
+    invt = tl.load(Par + 2 * S + s)
+    tp = tl.load(Par + 3 * S + s)
+    mp = tl.load(Par + 4 * S + s)
+    k = tl.load(Par + 5 * S + s).to(tl.int32)
+    Xr = X + row * stride_x
+    Nr = Nz + nrow * stride_n
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([], -3.0e38, tl.float32)
+    z = tl.full([], 0.0, tl.float32)
+    if MINP or CHECK:  # the row's max and sum of exp(x - max)
+        for off in range(0, V, BLOCK):
+            i = off + offs
+            x = tl.load(Xr + i, mask=i < V, other=float("-inf")).to(tl.float32) * invt
+            nm = tl.maximum(m, tl.max(x, 0))
+            z = z * tl.exp(m - nm) + tl.sum(tl.exp(x - nm), 0)
+            m = nm
+    lo = tl.full([], float("-inf"), tl.float32)
+    tok, xj = _race(Xr, Nr, V, invt, lo, m, mp, BLOCK, MINP)
+    if CHECK:
+        done = (k <= 0) & (tp >= 1.0)
+        while not done:
+            cnt = tl.full([], 0, tl.int32)
+            mass = tl.full([], 0.0, tl.float32)
+            for off in range(0, V, BLOCK):
+                i = off + offs
+                x = tl.load(Xr + i, mask=i < V, other=float("-inf")).to(tl.float32) * invt
+                above = x > xj
+                cnt += tl.sum(above.to(tl.int32), 0)
+                mass += tl.sum(tl.where(above, tl.exp(x - m), 0.0), 0)
+            done = ((k <= 0) | (cnt < k)) & ((tp >= 1.0) | (mass < tp * z))
+            if not done:  # nothing at or below xj is kept: race over the values above it
+                tok, xj = _race(Xr, Nr, V, invt, xj, m, mp, BLOCK, MINP)
+    tl.store(Out + row, tok.to(tl.int64))
+
+
+def race_sample(
+    logits: torch.Tensor,
+    noise: torch.Tensor,
+    params: torch.Tensor,
+    out: torch.Tensor,
+    min_p: bool,
+    check: bool,
+    pdl: bool = True,
+) -> torch.Tensor:
+    """out[row] for each column of params (fp32 [FIELDS, S] on the device: logit row, noise row, 1 / temperature,
+    top_p, min_p, top_k (0: off); rows with both top_k and top_p < 1 are the caller's): the token that row's
+    filtered distribution gives with its noise row of Exp(1) draws. logits [R, V] float, noise [*, V] fp32, both with
+    unit last strides; out [R] int64. min_p / check: whether any row has min_p > 0 / top_k > 0 or top_p < 1."""
+    R, V = logits.shape
+    if logits.stride(-1) != 1 or noise.stride(-1) != 1 or noise.shape[-1] != V or noise.dtype != torch.float32:
+        raise ValueError(
+            f"race_sample: logits [R, V] and noise fp32 [*, V] with unit last strides, got {tuple(logits.shape)} "
+            f"{logits.stride()}, {tuple(noise.shape)} {noise.dtype} {noise.stride()}"
+        )
+    if params.dim() != 2 or params.shape[0] != FIELDS or params.dtype != torch.float32 or not params.is_contiguous():
+        raise ValueError(f"race_sample: params must be contiguous fp32 [{FIELDS}, S], got {tuple(params.shape)}")
+    S = params.shape[1]
+    if S:
+        _race_sample_kernel[(S,)](
+            logits,
+            logits.stride(0),
+            noise,
+            noise.stride(0),
+            params,
+            out,
+            S,
+            V,
+            BLOCK=min(BLOCK, max(16, triton.next_power_of_2(V))),
+            MINP=min_p,
+            CHECK=check,
+            num_warps=8,
+            **pdl_args(logits, pdl),
+        )
+    return out
+
+
+def warm_race_sample(logits: torch.Tensor, pdl: bool = True) -> None:
+    """Compile the kernel's four forms (min-p or not, top-k / top-p or not) for these logits (the engine's warm-up:
+    no compile while serving). Row 0 only, its token written to a scratch buffer."""
+    V = logits.shape[1]
+    noise = torch.ones(1, V, device=logits.device)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    par = torch.tensor([[0.0], [0.0], [1.0], [0.5], [0.1], [1.0]], device=logits.device)
+    for min_p in (False, True):
+        for check in (False, True):
+            race_sample(logits, noise, par, out, min_p, check, pdl)
