@@ -4,6 +4,10 @@ engines (each built once). Reports ms per engine step, output tokens/s, the mean
 engine steps that verified and drafted on the device (spec_device_steps / steps; the rest are prefills). Needs a GPU.
 
     python benchmarks/spec_sampled.py [--k 1] [--temperature 0.7] [--rounds 2] [--model DIR --draft DIR]
+    python benchmarks/spec_sampled.py --sampler both     # each engine under the race kernel and the reference
+
+--sampler both times every engine with the sampled rows drawn by the race kernel (kernels/race_sample.py) and by the
+torch reference it replaced, alternating in one process: the A/B of that change without a second tree.
 
 To compare source trees, run it with each tree first on PYTHONPATH and the model folders given (the trees that
 benchmarks/ab_trees.sh exports leave out mlaserve/assets).
@@ -18,6 +22,7 @@ import time
 
 import torch
 
+from mlaserve.layers import sampler
 from mlaserve.llm import LLM, default_draft_path, default_model_path
 from mlaserve.types import SamplingParams
 
@@ -51,6 +56,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--model", default=default_model_path())
     ap.add_argument("--draft", default=default_draft_path())
+    ap.add_argument("--sampler", choices=("race", "reference", "both"), default="race")
     ap.add_argument("--tag", default="", help="a name for the JSON (spec_sampled[_TAG]_k<K>.json)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
@@ -64,21 +70,31 @@ def main() -> None:
     }
     for llm in engines.values():
         llm.generate(prompts[:2], params, use_tqdm=False)
+    race = sampler._fused
+    samplers = {"race": race, "reference": lambda p, V: False}  # the reference: every row on the torch path
+    names = list(samplers) if a.sampler == "both" else [a.sampler]
     rows = []
     for r in range(a.rounds):
         for mode in list(engines) if r % 2 == 0 else list(engines)[::-1]:
-            for b in (1, 8):
-                rows.append(dict(mode=mode, batch=b, round=r, **timed(engines[mode], prompts, b, params)))
+            for sname in names if r % 2 == 0 else names[::-1]:
+                sampler._fused = samplers[sname]
+                for b in (1, 8):
+                    t = timed(engines[mode], prompts, b, params)
+                    rows.append(dict(mode=mode, sampler=sname, batch=b, round=r, **t))
+    sampler._fused = race
     for llm in engines.values():
         llm.close()
-    print(f"{'mode':<12} {'batch':>5}  ms a step (rounds)     tokens/s (rounds)      accept len  on device")
+    print(
+        f"{'mode':<12} {'sampler':<9} {'batch':>5}  ms a step (rounds)     tokens/s (rounds)      accept len  on device"
+    )
     for b in (1, 8):
         for mode in engines:
-            rs = [x for x in rows if x["mode"] == mode and x["batch"] == b]
-            ms = " / ".join(f"{x['ms_per_step']:.3f}" for x in rs)
-            tok = " / ".join(f"{x['tok_s']:.0f}" for x in rs)
-            acc, share = rs[-1]["mean_accepted_length"], rs[-1]["device_share"]
-            print(f"{mode:<12} {b:>5}  {ms:<22} {tok:<22} {acc:>10.2f}  {share:.2f}")
+            for sname in names:
+                rs = [x for x in rows if x["mode"] == mode and x["batch"] == b and x["sampler"] == sname]
+                ms = " / ".join(f"{x['ms_per_step']:.3f}" for x in rs)
+                tok = " / ".join(f"{x['tok_s']:.0f}" for x in rs)
+                acc, share = rs[-1]["mean_accepted_length"], rs[-1]["device_share"]
+                print(f"{mode:<12} {sname:<9} {b:>5}  {ms:<22} {tok:<22} {acc:>10.2f}  {share:.2f}")
     os.makedirs(a.out, exist_ok=True)
     info = dict(
         gpu=torch.cuda.get_device_name(),

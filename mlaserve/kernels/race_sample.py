@@ -23,32 +23,82 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_release, pdl_wait
 
-BLOCK = 2048  # values a program holds per trip over its row
+BLOCK = 2048  # values a program holds per trip over its row (per-lane partials: 8 a thread)
 FIELDS = 6  # rows of the params tensor: logit row, noise row, 1 / temperature, top_p, min_p, top_k
 
 
 @triton.jit
-def _race(X, Nz, V, invt, lo, m, mp, BLOCK: tl.constexpr, MINP: tl.constexpr):
-    """(index, x) of the first maximum of x - log(E) over the values x > lo (and q >= mp with MINP)."""
+def _first_best(best, bidx):
+    """The first index of the maximum over lanes that each hold (their best score, its first index)."""
+    bm = tl.max(best, 0)
+    return tl.min(tl.where(best == bm, bidx, 2147483647), 0)
+
+
+@triton.jit
+def _kernel_body(Xr, Nr, V, invt, tp, mp, k, BLOCK: tl.constexpr, MINP: tl.constexpr, CHECK: tl.constexpr):
+    """The row's token. Every pass keeps per-lane partials (max, sum, best score and its first index, counts) and
+    reduces across lanes once at its end: a reduction per trip would cost more than the trip's loads."""
     offs = tl.arange(0, BLOCK)
-    best = tl.full([], float("-inf"), tl.float32)
-    bi = tl.full([], 0, tl.int32)
+    m = tl.full([], -3.0e38, tl.float32)
+    z = tl.full([], 0.0, tl.float32)
+    if MINP or CHECK:  # the row's max and sum of exp(x - max)
+        mv = tl.full([BLOCK], -3.0e38, tl.float32)
+        zv = tl.zeros([BLOCK], tl.float32)
+        for off in range(0, V, BLOCK):
+            i = off + offs
+            x = tl.load(Xr + i, mask=i < V, other=float("-inf")).to(tl.float32) * invt
+            nm = tl.maximum(mv, x)
+            zv = zv * tl.exp(mv - nm) + tl.exp(x - nm)
+            mv = nm
+        m = tl.max(mv, 0)
+        z = tl.sum(zv * tl.exp(mv - m), 0)
+    # the race over every value (with MINP: those with q >= min_p)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    bidx = tl.zeros([BLOCK], tl.int32)
     for off in range(0, V, BLOCK):
         i = off + offs
         ok = i < V
-        x = tl.load(X + i, mask=ok, other=float("-inf")).to(tl.float32) * invt
-        e = tl.load(Nz + i, mask=ok, other=1.0)
-        keep = ok & (x > lo)
+        x = tl.load(Xr + i, mask=ok, other=float("-inf")).to(tl.float32) * invt
+        e = tl.load(Nr + i, mask=ok, other=1.0)
+        keep = ok
         if MINP:
             keep = keep & (tl.exp(x - m) >= mp)
-        s = tl.where(keep, x - tl.log(e), float("-inf"))
-        bm = tl.max(s, 0)
-        ia = tl.argmax(s, 0).to(tl.int32)
-        upd = bm > best
-        bi = tl.where(upd, off + ia, bi)
-        best = tl.maximum(best, bm)
-    xj = tl.load(X + bi).to(tl.float32) * invt
-    return bi, xj
+        sc = tl.where(keep, x - tl.log(e), float("-inf"))
+        upd = sc > best
+        bidx = tl.where(upd, i, bidx)
+        best = tl.where(upd, sc, best)
+    tok = _first_best(best, bidx)
+    if CHECK:
+        done = (k <= 0) & (tp >= 1.0)
+        while not done:
+            # one pass: the count and mass above the winner, and the race over the values above it (the next
+            # winner, if this one is not kept: then nothing at or below it is)
+            xj = tl.load(Xr + tok).to(tl.float32) * invt
+            cnt = tl.zeros([BLOCK], tl.int32)
+            mass = tl.zeros([BLOCK], tl.float32)
+            best = tl.full([BLOCK], float("-inf"), tl.float32)
+            bidx = tl.zeros([BLOCK], tl.int32)
+            for off in range(0, V, BLOCK):
+                i = off + offs
+                ok = i < V
+                x = tl.load(Xr + i, mask=ok, other=float("-inf")).to(tl.float32) * invt
+                e = tl.load(Nr + i, mask=ok, other=1.0)
+                q = tl.exp(x - m)
+                above = x > xj
+                cnt += above.to(tl.int32)
+                mass += tl.where(above, q, 0.0)
+                keep = above
+                if MINP:
+                    keep = keep & (q >= mp)
+                sc = tl.where(keep, x - tl.log(e), float("-inf"))
+                upd = sc > best
+                bidx = tl.where(upd, i, bidx)
+                best = tl.where(upd, sc, best)
+            n_above = tl.sum(cnt, 0)
+            done = ((k <= 0) | (n_above < k)) & ((tp >= 1.0) | (tl.sum(mass, 0) < tp * z))
+            if not done:
+                tok = _first_best(best, bidx)
+    return tok
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -77,34 +127,7 @@ def _race_sample_kernel(
     tp = tl.load(Par + 3 * S + s)
     mp = tl.load(Par + 4 * S + s)
     k = tl.load(Par + 5 * S + s).to(tl.int32)
-    Xr = X + row * stride_x
-    Nr = Nz + nrow * stride_n
-    offs = tl.arange(0, BLOCK)
-    m = tl.full([], -3.0e38, tl.float32)
-    z = tl.full([], 0.0, tl.float32)
-    if MINP or CHECK:  # the row's max and sum of exp(x - max)
-        for off in range(0, V, BLOCK):
-            i = off + offs
-            x = tl.load(Xr + i, mask=i < V, other=float("-inf")).to(tl.float32) * invt
-            nm = tl.maximum(m, tl.max(x, 0))
-            z = z * tl.exp(m - nm) + tl.sum(tl.exp(x - nm), 0)
-            m = nm
-    lo = tl.full([], float("-inf"), tl.float32)
-    tok, xj = _race(Xr, Nr, V, invt, lo, m, mp, BLOCK, MINP)
-    if CHECK:
-        done = (k <= 0) & (tp >= 1.0)
-        while not done:
-            cnt = tl.full([], 0, tl.int32)
-            mass = tl.full([], 0.0, tl.float32)
-            for off in range(0, V, BLOCK):
-                i = off + offs
-                x = tl.load(Xr + i, mask=i < V, other=float("-inf")).to(tl.float32) * invt
-                above = x > xj
-                cnt += tl.sum(above.to(tl.int32), 0)
-                mass += tl.sum(tl.where(above, tl.exp(x - m), 0.0), 0)
-            done = ((k <= 0) | (cnt < k)) & ((tp >= 1.0) | (mass < tp * z))
-            if not done:  # nothing at or below xj is kept: race over the values above it
-                tok, xj = _race(Xr, Nr, V, invt, xj, m, mp, BLOCK, MINP)
+    tok = _kernel_body(X + row * stride_x, Nz + nrow * stride_n, V, invt, tp, mp, k, BLOCK, MINP, CHECK)
     tl.store(Out + row, tok.to(tl.int64))
 
 
