@@ -2,7 +2,9 @@
 temperature, top-k, top-p, min-p with per-request seeds; logprobs of the sampled tokens and the top alternatives.
 
 Every row is sampled from its own logits alone; a seeded request draws its noise from its own
-generator, so the same seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
+generator, so the same seed gives the same tokens whatever else is in the batch. The functions here are the
+reference; on the GPU the filters and the race of every sampled row run in one launch (race_into:
+kernels/race_sample.py), over the same noise. Logprobs are those of the model's
 raw logits (vLLM's default, raw_logprobs), before any processor, temperature or mask.
 """
 
