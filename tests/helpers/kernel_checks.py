@@ -554,11 +554,11 @@ def check_argmax(device, dtype, *, B: int, V: int):
     assert torch.equal(ring, want), f"argmax_rows ring row B={B} V={V}"
 
 
-def check_race_sample(device, *, R: int, V: int, chunk: int | None = None):
+def check_race_sample(device, *, R: int, V: int):
     """race_sample against the reference (sampler.py: the sort-based filter, softmax, argmax(p / E)) on fresh random
     rows and noise: temperatures, top-k (1 and more), top-p, min-p and their mixes, flat rows whose top-k takes many
     rounds, rows with -inf logits (a processor's masks), and a row the kernel is not given (stays -1). The output
-    starts poisoned (-1). chunk: the first pass's chunk (small: a short row cut into several)."""
+    starts poisoned (-1)."""
     from mlaserve.kernels.race_sample import race_sample
     from mlaserve.layers.sampler import SamplingRow, _filter
     from mlaserve.types import SamplingParams
@@ -596,7 +596,7 @@ def check_race_sample(device, *, R: int, V: int, chunk: int | None = None):
         device=device,
     )
     out = torch.full((R,), -1, dtype=torch.int64, device=device)
-    race_sample(x, noise, par, out, min_p=True, check=True, **({} if chunk is None else dict(chunk=chunk)))
+    race_sample(x, noise, par, out, min_p=True, check=True)
     probs = _filter(x[: R - 1].float(), [SamplingRow(p, None) for p in ps]).softmax(-1)
     ref = (probs / noise[: R - 1]).argmax(-1)
     assert int(out[R - 1]) == -1, "race_sample wrote a row it was not given"
@@ -608,7 +608,7 @@ def check_race_sample(device, *, R: int, V: int, chunk: int | None = None):
     tonly = par.clone()
     tonly[3], tonly[4], tonly[5] = 1.0, 0.0, 0.0
     out2 = torch.full((R,), -1, dtype=torch.int64, device=device)
-    race_sample(x, noise, tonly, out2, min_p=False, check=False, **({} if chunk is None else dict(chunk=chunk)))
+    race_sample(x, noise, tonly, out2, min_p=False, check=False)
     plain = [SamplingRow(SamplingParams(temperature=p.temperature), None) for p in ps]
     ref2 = (_filter(x[: R - 1].float(), plain).softmax(-1) / noise[: R - 1]).argmax(-1)
     bad = (out2[: R - 1] != ref2).nonzero().flatten().tolist()
@@ -621,5 +621,5 @@ def check_race_sample(device, *, R: int, V: int, chunk: int | None = None):
     out3 = torch.full((3,), -1, dtype=torch.int64, device=device)
     # top_p, min_p and top_k: the check pass and its rounds
     par3 = torch.tensor([[0, 1, 2], [0, 1, 2], [1.0] * 3, [0.9] * 3, [0.1] * 3, [2] * 3], device=device)
-    race_sample(bad_rows, noise, par3, out3, min_p=True, check=True, **({} if chunk is None else dict(chunk=chunk)))
+    race_sample(bad_rows, noise, par3, out3, min_p=True, check=True)
     assert ((out3 >= 0) & (out3 < V)).all(), out3.tolist()
