@@ -2,12 +2,12 @@
 drew (layers/sampler.py's race_noise, so a seeded request's tokens stay its generator's).
 
 The torch reference (sampler.py's _filter, softmax, then argmax(p / E)) sorts each row for top-k / top-p and takes
-about 20 launches. Here one program a row never sorts. The kept set of top-k, top-p and min-p is an upper set of
-the row's values: token j is kept iff fewer than k values lie above it, their mass is below top_p, and its own q_j =
-exp(x_j - max) >= min_p. So the race's winner over the tokens above a bound `lo` (at first all of them), if kept,
-is the winner over the kept set too; if not, nothing at or below it is kept, `lo` rises to it and the race runs
-again. The top token is always kept, so this ends; with top-p alone a round is rejected with probability about
-1 - top_p.
+14-50 launches. Here one program a row never sorts. The kept set of top-k, top-p and min-p is an upper set of the
+row's values: token j is kept iff fewer than k values lie above it, their mass is below top_p, and its own q_j =
+exp(x_j - max) >= min_p. So the race's winner over the values above a bound (at first all of them), if kept, is
+the winner over the kept set too; if not, nothing at or below it is kept, the bound rises to it and the race runs
+again. The top value is always kept, so this ends; with top-p alone a winner is rejected with probability about
+1 - top_p. Each pass keeps per-lane partials and reduces across lanes once at its end.
 
 Scores are x - log(E) (x = logit / temperature), the log of the reference's p / E up to a constant. Ties at the
 k-th value or at the top-p boundary keep every tied token (the sort keeps the first of them); the row's masses are

@@ -2,10 +2,10 @@
 temperature, top-k, top-p, min-p with per-request seeds; logprobs of the sampled tokens and the top alternatives.
 
 Every row is sampled from its own logits alone; a seeded request draws its noise from its own
-generator, so the same seed gives the same tokens whatever else is in the batch. The functions here are the
-reference; on the GPU the filters and the race of every sampled row run in one launch (race_into:
-kernels/race_sample.py), over the same noise. Logprobs are those of the model's
-raw logits (vLLM's default, raw_logprobs), before any processor, temperature or mask.
+generator, so the same seed gives the same tokens whatever else is in the batch. The filter (_filter), softmax and
+race here are the reference; on the GPU race_into runs the filters and the race of the sampled rows in one launch
+(kernels/race_sample.py), over the same noise. Logprobs are those of the model's raw logits (vLLM's default,
+raw_logprobs), before any processor, temperature or mask.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def race_into(
         )
         check = any(top_k) or any(p.top_p < 1.0 for p in ps)
         race_sample(logits, noise, par, tokens, any(p.min_p > 0 for p in ps), check, pdl)
-    rest = [j for j in range(len(rows)) if j not in set(fused)]
+    taken = set(fused)
+    rest = [j for j in range(len(rows)) if j not in taken]
     if rest:
         sel, nsel = _to([idx[j] for j in rest], dev), _to(rest, dev)
         probs = _filter(logits[sel].float(), [rows[j] for j in rest]).softmax(-1)
