@@ -106,14 +106,22 @@ def fused_all(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
 
 
 def race_into(
-    tokens: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int], noise: torch.Tensor, pdl=True
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    idx: list[int],
+    noise: torch.Tensor,
+    pdl: bool = True,
+    kernel: bool | None = None,
 ) -> None:
     """tokens[idx[j]] = a draw from row idx[j] of logits [R, V] filtered by rows[j] (temperature, top-k, top-p,
     min-p), by the exponential race over noise row j: argmax(p / E), E ~ Exp(1), draws from p. tokens [R] int64.
     On the GPU one launch for the rows the race kernel takes; the others (and every row on the CPU) run the
-    reference: the sort-based filter, softmax, argmax."""
+    reference: the sort-based filter, softmax, argmax. kernel: whether to launch the race kernel (default: on the
+    GPU; tests set it for CPU tensors under Triton's interpreter)."""
     V, dev = logits.shape[1], logits.device
-    fused = [j for j, r in enumerate(rows) if _fused(r.params, V)] if logits.is_cuda else []
+    kernel = logits.is_cuda if kernel is None else kernel
+    fused = [j for j, r in enumerate(rows) if _fused(r.params, V)] if kernel else []
     if fused:
         from ..kernels.race_sample import race_sample
 

@@ -10,3 +10,41 @@ from tests.helpers.kernel_checks import check_race_sample
 @pytest.mark.parametrize("R,V", [(3, 7), (65, 300), (17, 5000)])
 def test_race_sample(kdev, R, V):
     check_race_sample(kdev, R=R, V=V)
+
+
+def test_race_into_kernel_equals_reference(kdev):
+    """sampler.race_into with the race kernel gives its reference path's tokens, from the same logits and noise:
+    the kernel's params (which field is which, each row's logit and noise rows, the rows left to the reference:
+    top-k with top-p) are what the reference reads; rows not named stay untouched."""
+    import torch
+
+    from mlaserve.layers.sampler import SamplingRow, race_into, race_noise
+    from mlaserve.types import SamplingParams
+
+    ps = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=20),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.8),  # both: the reference's row
+        SamplingParams(temperature=0.9, seed=11),
+        SamplingParams(temperature=0.6, top_p=0.5, min_p=0.05, seed=12),
+    ] + [SamplingParams(temperature=1.0, top_k=4, top_p=0.7)] * 16  # flat rows: the top-k set's mass is small
+    g = torch.Generator().manual_seed(7)
+    V = 500
+    logits = torch.randn(26, V, generator=g) * 3
+    logits[10:] *= 0.1  # top-p over the top-k set's renormalised mass keeps fewer of the 4 than over the row's
+    logits = logits.to(kdev)
+    idx = [9, 0, 4, 2, 7, 5, 1] + list(range(10, 26))  # the sampled rows' places; 3, 6, 8 are not sampled
+
+    def run(kernel):
+        gens = {p.seed: torch.Generator(device=kdev).manual_seed(p.seed) for p in ps if p.seed is not None}
+        rows = [SamplingRow(p, gens.get(p.seed)) for p in ps]
+        noise = race_noise(rows, 1, V, torch.Generator(device=kdev).manual_seed(3), kdev)
+        out = torch.full((26,), -1, dtype=torch.int64, device=kdev)
+        race_into(out, logits, rows, idx, noise, kernel=kernel)
+        return out
+
+    a, b = run(True), run(False)
+    assert torch.equal(a, b), (a.tolist(), b.tolist())
+    assert [int(a[i]) for i in (3, 6, 8)] == [-1, -1, -1] and (a[idx] >= 0).all()
