@@ -746,24 +746,6 @@ def test_race_sample_real(R):
     kc.check_race_sample("cuda", R=R, V=129280)
 
 
-def _sampling_rows():
-    from mlaserve.layers.sampler import SamplingRow
-    from mlaserve.types import SamplingParams
-
-    ps = [
-        SamplingParams(temperature=0),
-        SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.7, top_p=0.9),
-        SamplingParams(temperature=1.2, top_k=20),
-        SamplingParams(temperature=1.0, min_p=0.1),
-        SamplingParams(temperature=0.8, top_k=5, top_p=0.8),  # both: the reference's row
-        SamplingParams(temperature=0.9, seed=11),
-        SamplingParams(temperature=0.6, top_p=0.5, min_p=0.05, seed=12),
-    ]
-    gen = {p.seed: torch.Generator(device="cuda").manual_seed(p.seed) for p in ps if p.seed is not None}
-    return [SamplingRow(p, gen.get(p.seed)) for p in ps]
-
-
 @pytest.mark.parametrize("V", [163840, 129280])
 def test_sample_and_verify_rows_race_equal_reference(monkeypatch, V):
     """sample() and verify_rows() on the GPU (the race kernel for every row it takes) give the tokens of their
@@ -781,8 +763,8 @@ def test_sample_and_verify_rows_race_equal_reference(monkeypatch, V):
 
     def run(fused):
         monkeypatch.setattr(sampler, "_fused", race if fused else (lambda p, V: False))
-        tok = sampler.sample(logits, _sampling_rows(), torch.Generator(device="cuda").manual_seed(5))[0]
-        y, acc = verify_rows(vlogits, drafts, _sampling_rows(), torch.Generator(device="cuda").manual_seed(6))
+        tok = sampler.sample(logits, kc.sampling_rows("cuda"), torch.Generator(device="cuda").manual_seed(5))[0]
+        y, acc = verify_rows(vlogits, drafts, kc.sampling_rows("cuda"), torch.Generator(device="cuda").manual_seed(6))
         return tok, y, acc
 
     (tok, y, acc), (rtok, ry, racc) = run(True), run(False)

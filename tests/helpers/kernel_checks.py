@@ -623,3 +623,25 @@ def check_race_sample(device, *, R: int, V: int):
     par3 = torch.tensor([[0, 1, 2], [0, 1, 2], [1.0] * 3, [0.9] * 3, [0.1] * 3, [2] * 3], device=device)
     race_sample(bad_rows, noise, par3, out3, min_p=True, check=True)
     assert ((out3 >= 0) & (out3 < V)).all(), out3.tolist()
+
+
+def sampling_rows(device, greedy: bool = True, extra=()):
+    """A mix of sampling rows for the race kernel's callers: greedy (if asked), temperature alone, top-p, top-k,
+    min-p, top-k with top-p (the reference's row), seeded rows with their own generators on `device`; then
+    `extra` params. Fresh generators each call, so two calls draw the same noise."""
+    from mlaserve.layers.sampler import SamplingRow
+    from mlaserve.types import SamplingParams
+
+    ps = [SamplingParams(temperature=0)] if greedy else []
+    ps += [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=20),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.8),  # both: the reference's row
+        SamplingParams(temperature=0.9, seed=11),
+        SamplingParams(temperature=0.6, top_p=0.5, min_p=0.05, seed=12),
+        *extra,
+    ]
+    gens = {p.seed: torch.Generator(device=device).manual_seed(p.seed) for p in ps if p.seed is not None}
+    return [SamplingRow(p, gens.get(p.seed)) for p in ps]

@@ -18,18 +18,11 @@ def test_race_into_kernel_equals_reference(kdev):
     top-k with top-p) are what the reference reads; rows not named stay untouched."""
     import torch
 
-    from mlaserve.layers.sampler import SamplingRow, race_into, race_noise
+    from mlaserve.layers.sampler import race_into, race_noise
     from mlaserve.types import SamplingParams
+    from tests.helpers.kernel_checks import sampling_rows
 
-    ps = [
-        SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.7, top_p=0.9),
-        SamplingParams(temperature=1.2, top_k=20),
-        SamplingParams(temperature=1.0, min_p=0.1),
-        SamplingParams(temperature=0.8, top_k=5, top_p=0.8),  # both: the reference's row
-        SamplingParams(temperature=0.9, seed=11),
-        SamplingParams(temperature=0.6, top_p=0.5, min_p=0.05, seed=12),
-    ] + [SamplingParams(temperature=1.0, top_k=4, top_p=0.7)] * 16  # flat rows: the top-k set's mass is small
+    flat = [SamplingParams(temperature=1.0, top_k=4, top_p=0.7)] * 16  # flat rows: the top-k set's mass is small
     g = torch.Generator().manual_seed(7)
     V = 500
     logits = torch.randn(26, V, generator=g) * 3
@@ -38,8 +31,7 @@ def test_race_into_kernel_equals_reference(kdev):
     idx = [9, 0, 4, 2, 7, 5, 1] + list(range(10, 26))  # the sampled rows' places; 3, 6, 8 are not sampled
 
     def run(kernel):
-        gens = {p.seed: torch.Generator(device=kdev).manual_seed(p.seed) for p in ps if p.seed is not None}
-        rows = [SamplingRow(p, gens.get(p.seed)) for p in ps]
+        rows = sampling_rows(kdev, greedy=False, extra=flat)
         noise = race_noise(rows, 1, V, torch.Generator(device=kdev).manual_seed(3), kdev)
         out = torch.full((26,), -1, dtype=torch.int64, device=kdev)
         race_into(out, logits, rows, idx, noise, kernel=kernel)
