@@ -132,3 +132,34 @@ def test_greedy_tokens_of_verify_shaped_logits():
 
     logits = torch.randn(2, 4, 30)  # [B, N, V]: a verify step's rows
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+
+
+def test_race_noise_rows_and_streams():
+    """race_noise [S * n, V]: a seeded row's n rows are the next n * V draws of its own generator, the others' one
+    draw of len(shared) * n rows from the engine's generator in row order; each generator advances by just that."""
+    from mlaserve.layers.sampler import race_noise
+
+    V, n = 16, 2
+    own = [torch.Generator().manual_seed(s) for s in (5, 6)]
+    eng = torch.Generator().manual_seed(9)
+    ps = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0)] * 2
+    ps[2] = SamplingParams(temperature=1.0, seed=6)
+    e = race_noise(rows(*ps, gens=[own[0], None, own[1], None]), n, V, eng, "cpu")
+
+    ref = [torch.Generator().manual_seed(s) for s in (5, 6, 9)]
+    draw = lambda g, r: torch.empty(r, V).exponential_(generator=g)  # noqa: E731
+    a, b, shared = draw(ref[0], n), draw(ref[1], n), draw(ref[2], 2 * n)
+    assert torch.equal(e, torch.cat([a, shared[:n], b, shared[n:]]))
+    for g, r in zip(own + [eng], ref):  # the next draw of each: nothing more was taken
+        assert torch.equal(draw(g, 1), draw(r, 1))
+
+
+def test_which_rows_the_race_kernel_takes():
+    """Every sampled row but those with both top-k and top-p (top-k off when 0, -1 or >= V; top-p off at 1.0)."""
+    from mlaserve.layers.sampler import _fused
+
+    V = 50
+    took = lambda **kw: _fused(SamplingParams(**kw), V)  # noqa: E731
+    assert took(top_k=5) and took(top_p=0.9) and took(min_p=0.1) and took(top_k=5, top_p=1.0)
+    assert took(top_k=0, top_p=0.9) and took(top_k=-1, top_p=0.9) and took(top_k=V, top_p=0.9)
+    assert not took(top_k=5, top_p=0.9) and not took(top_k=1, top_p=0.9) and not took(top_k=V - 1, top_p=0.99)
