@@ -561,6 +561,23 @@ def cases(quick: bool):
                 torch.empty(T, KVH, d, dtype=dtype),
             ),
         )
+    from mlaserve.kernels.race_sample import race_sample
+
+    for V in (8192, 129280, 163840):  # the default model's, DeepSeek-V3's, Kimi's and Moonlight's vocabularies
+        for min_p in (False, True):
+            for check in (False, True):
+                yield (
+                    f"race_sample V={V} min_p={min_p} check={check}",
+                    race_sample,
+                    (
+                        torch.empty(4, V),
+                        torch.empty(4, V),
+                        torch.zeros(6, 4),
+                        torch.empty(4, dtype=torch.int64),
+                        min_p,
+                        check,
+                    ),
+                )
     from benchmarks.deterministic_compile_cases import deterministic_cases
     from benchmarks.fp8_compile_cases import fp8_cases
 
