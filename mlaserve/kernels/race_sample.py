@@ -35,6 +35,23 @@ def _first_best(best, bidx):
 
 
 @triton.jit
+def _trip(Xr, Nr, i, ok, invt):
+    """One trip's values x = logit / temperature (-inf past the row) and their noise E (1.0 past it)."""
+    x = tl.load(Xr + i, mask=ok, other=float("-inf")).to(tl.float32) * invt
+    return x, tl.load(Nr + i, mask=ok, other=1.0)
+
+
+@triton.jit
+def _race(x, e, i, keep, best, bidx):
+    """The race's per-lane partials after one trip: each lane's best score x - log(E) over its kept values, and
+    the first index of it."""
+    sc = tl.where(keep, x - tl.log(e), float("-inf"))
+    upd = sc > best
+    bidx = tl.where(upd, i, bidx)
+    return tl.where(upd, sc, best), bidx
+
+
+@triton.jit
 def _kernel_body(Xr, Nr, V, invt, tp, mp, k, BLOCK: tl.constexpr, MINP: tl.constexpr, CHECK: tl.constexpr):
     """The row's token. Every pass keeps per-lane partials (max, sum, best score and its first index, counts) and
     reduces across lanes once at its end: a reduction per trip would cost more than the trip's loads."""
@@ -58,15 +75,11 @@ def _kernel_body(Xr, Nr, V, invt, tp, mp, k, BLOCK: tl.constexpr, MINP: tl.const
     for off in range(0, V, BLOCK):
         i = off + offs
         ok = i < V
-        x = tl.load(Xr + i, mask=ok, other=float("-inf")).to(tl.float32) * invt
-        e = tl.load(Nr + i, mask=ok, other=1.0)
+        x, e = _trip(Xr, Nr, i, ok, invt)
         keep = ok
         if MINP:
             keep = keep & (tl.exp(x - m) >= mp)
-        sc = tl.where(keep, x - tl.log(e), float("-inf"))
-        upd = sc > best
-        bidx = tl.where(upd, i, bidx)
-        best = tl.where(upd, sc, best)
+        best, bidx = _race(x, e, i, keep, best, bidx)
     tok = _first_best(best, bidx)
     if CHECK:
         done = (k <= 0) & (tp >= 1.0)
@@ -81,8 +94,7 @@ def _kernel_body(Xr, Nr, V, invt, tp, mp, k, BLOCK: tl.constexpr, MINP: tl.const
             for off in range(0, V, BLOCK):
                 i = off + offs
                 ok = i < V
-                x = tl.load(Xr + i, mask=ok, other=float("-inf")).to(tl.float32) * invt
-                e = tl.load(Nr + i, mask=ok, other=1.0)
+                x, e = _trip(Xr, Nr, i, ok, invt)
                 q = tl.exp(x - m)
                 above = x > xj
                 cnt += above.to(tl.int32)
@@ -90,10 +102,7 @@ def _kernel_body(Xr, Nr, V, invt, tp, mp, k, BLOCK: tl.constexpr, MINP: tl.const
                 keep = above
                 if MINP:
                     keep = keep & (q >= mp)
-                sc = tl.where(keep, x - tl.log(e), float("-inf"))
-                upd = sc > best
-                bidx = tl.where(upd, i, bidx)
-                best = tl.where(upd, sc, best)
+                best, bidx = _race(x, e, i, keep, best, bidx)
             n_above = tl.sum(cnt, 0)
             done = ((k <= 0) | (n_above < k)) & ((tp >= 1.0) | (tl.sum(mass, 0) < tp * z))
             # nothing above the winner: it is the top value and stays (kept, unless the row holds a NaN or an inf,
