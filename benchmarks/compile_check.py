@@ -561,6 +561,10 @@ def cases(quick: bool):
                 torch.empty(T, KVH, d, dtype=dtype),
             ),
         )
+    from mlaserve.kernels import spec_step
+
+    for N in (2, 3, 4):  # a greedy speculative step's bookkeeping (K = 1-3 draft steps), as the warm-up compiles it
+        yield f"spec_step N={N}", spec_step.warm_up, (N, 64, "cpu")
     from mlaserve.kernels.race_sample import race_sample
 
     for V in (8192, 129280, 163840):  # the default model's, DeepSeek-V3's, Kimi's and Moonlight's vocabularies
