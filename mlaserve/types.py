@@ -67,6 +67,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of the prompt or output: positive logits divided, negative multiplied
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's field)
     skip_special_tokens: bool = True  # the output text leaves out special tokens
     keep_special_token_ids: frozenset[int] = frozenset()  # ... but these (a tool or reasoning parser's markers)
     structured: StructuredOutput | None = None  # the output follows a JSON schema, regex, choice or grammar
@@ -130,8 +131,9 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
-        if not isinstance(self.skip_special_tokens, bool):
-            bad("skip_special_tokens", f"must be true or false, got {self.skip_special_tokens!r}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -234,6 +234,7 @@ class LLMEngine:
             self.tokenizer,
             req.prompt_token_ids,
             stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
             keep_special_token_ids=params.keep_special_token_ids,
         )

@@ -28,7 +28,6 @@ UNSUPPORTED = {
     "allowed_token_ids": (),
     "bad_words": ((), []),
     "logits_processors": ((), []),
-    "include_stop_str_in_output": (False,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
 }
@@ -64,6 +63,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -89,7 +89,6 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    include_stop_str_in_output: Any = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
@@ -164,6 +163,7 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens,
             seed=self.seed,
             stop=self.stop,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,

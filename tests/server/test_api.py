@@ -176,3 +176,23 @@ def test_stop_string_and_reason(server, offline):
     body = {"prompt": PROMPT_IDS[1], "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": stop}
     c = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     assert c["finish_reason"] == "stop" and c["stop_reason"] == stop and c["text"] == want.text[: want.text.find(stop)]
+
+
+def test_stop_string_kept_with_include_stop_str_in_output(server, offline):
+    """vLLM's include_stop_str_in_output: the text ends with the matched stop string, streamed or not."""
+    want = offline.generate([PROMPT_IDS[1]], _sp(16), use_tqdm=False)[0]
+    stop = want.text[3:6]
+    if len(stop) < 3 or stop.startswith("\ufffd"):
+        pytest.skip("this model's greedy text has no clean stop string")
+    cut = want.text[: want.text.find(stop) + len(stop)]
+    body = {"prompt": PROMPT_IDS[1], "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    body["include_stop_str_in_output"] = True
+    c = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert c["finish_reason"] == "stop" and c["stop_reason"] == stop and c["text"] == cut
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = sse_chunks(r)
+    assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == cut
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    body["include_stop_str_in_output"] = "yes"  # strict: a boolean only
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include_stop_str_in_output"
