@@ -41,7 +41,9 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":")[0]) from None
         params.keep_special_token_ids = plan.keep_ids  # the parsers' markers survive skip_special_tokens
-        ids = await ctx.encode(text, add_special_tokens=False, field="messages")
+        cut = req.truncate_prompt_tokens
+        ids = await ctx.encode(text, add_special_tokens=False, field="messages", truncating=cut is not None)
+        ids = ctx.truncate(ids, cut, params.max_tokens)
         rid, created = new_id("chatcmpl"), now()
         gen = await ctx.submit([ids], params, rid, field="messages")
         if req.stream:

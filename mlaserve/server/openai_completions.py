@@ -35,7 +35,12 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
             params = req.sampling_params(req.max_tokens, req.logprobs, prompt_lp, req.best_of, ctx.sampling_defaults)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":")[0]) from None
-        prompts = [p if isinstance(p, list) else await ctx.encode(p, add_special_tokens=True) for p in req.prompts()]
+        cut = req.truncate_prompt_tokens
+        prompts = [
+            p if isinstance(p, list) else await ctx.encode(p, add_special_tokens=True, truncating=cut is not None)
+            for p in req.prompts()
+        ]
+        prompts = [ctx.truncate(p, cut, req.max_tokens) for p in prompts]
         rid, created = new_id("cmpl"), now()
         gen = await ctx.submit(prompts, params, rid)
         if req.stream:

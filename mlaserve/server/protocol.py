@@ -29,7 +29,6 @@ UNSUPPORTED = {
     "bad_words": ((), []),
     "logits_processors": ((), []),
     "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (),
 }
 CHAT_UNSUPPORTED = {"continue_final_message": (False,)}
 UNSUPPORTED_WHY = {
@@ -76,6 +75,8 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (texts can collide)
     user: str | None = None
+    # keep the prompt's last k tokens (vLLM's field); -1: as many as leave room for max_tokens in max_model_len
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # structured output: one of these (structured.py)
     response_format: Any = None
     guided_json: Any = None
@@ -91,7 +92,6 @@ class _SamplingFields(BaseModel):
     logits_processors: Any = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: Any = None
-    truncate_prompt_tokens: Any = None
 
     @field_validator(*UNSUPPORTED)
     @classmethod
@@ -116,6 +116,13 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
         if any(not s or len(s) > MAX_STOP_LEN for s in stops):
             raise ValueError(f"each stop string must hold 1 to {MAX_STOP_LEN} characters")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v == 0:
+            raise ValueError("must be -1 (fit max_model_len) or a positive number of tokens, got 0")
         return v
 
     @field_validator("stop_token_ids")

@@ -162,11 +162,15 @@ class ServingContext:
             msg = str(e)
             raise APIError(400, msg if msg.startswith("messages") else f"messages: {msg}", "messages") from None
 
-    async def encode(self, text: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
+    async def encode(
+        self, text: str, add_special_tokens: bool, field: str = "prompt", truncating: bool = False
+    ) -> list[int]:
+        """text -> token ids; a text too long for max_model_len is refused untokenized, unless the request
+        truncates it (truncate_prompt_tokens: the body's size limit bounds it then)."""
         if self.tok is None:
             raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
         limit = self.llm.max_model_len * self.max_token_chars
-        if len(text) > limit:
+        if len(text) > limit and not truncating:
             raise APIError(
                 413,
                 f"{field}: {len(text)} characters cannot fit in max_model_len "
@@ -176,6 +180,20 @@ class ServingContext:
         if len(text) > THREAD_ENCODE_CHARS:
             return await asyncio.to_thread(self.tok.encode, text, add_special_tokens)
         return self.tok.encode(text, add_special_tokens)
+
+    def truncate(self, ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (truncate_prompt_tokens; None: all); keep -1: the last max_model_len -
+        max_tokens (max_tokens None: max_model_len - 1), what leaves room to generate."""
+        if keep is None:
+            return ids
+        n = self.llm.max_model_len
+        if keep > n:
+            raise APIError(
+                400, f"truncate_prompt_tokens: {keep} is more than max_model_len {n}", "truncate_prompt_tokens"
+            )
+        if keep == -1:
+            keep = max(1, n - (max_tokens or 1))
+        return ids[-keep:]
 
     def check_length(self, ids: list[int], field: str = "prompt") -> None:
         n, llm = len(ids), self.llm

@@ -196,3 +196,30 @@ def test_stop_string_kept_with_include_stop_str_in_output(server, offline):
     body["include_stop_str_in_output"] = "yes"  # strict: a boolean only
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "include_stop_str_in_output"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, offline):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are the prompt (ids or text); -1 keeps what leaves
+    room for max_tokens; a text over the untokenized length limit is tokenized and cut instead of refused."""
+    url, ids = f"{server.url}/v1/completions", PROMPT_IDS[1]
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(url, json={**body, "truncate_prompt_tokens": 10}, timeout=60).json()
+    assert r["usage"]["prompt_tokens"] == 10 and r["choices"][0]["token_ids"] == greedy_ids(offline, ids[-10:], 6)
+    n = server.llm.engine.max_model_len
+    long = [100 + i % 50 for i in range(n + 20)]
+    r = httpx.post(url, json={**body, "prompt": long, "truncate_prompt_tokens": -1}, timeout=60).json()
+    assert r["usage"]["prompt_tokens"] == n - 6 and r["choices"][0]["token_ids"] == greedy_ids(
+        offline, long[-(n - 6) :], 6
+    )
+    text = "hello " * (n * 40)  # more characters than max_model_len tokens could hold: refused untokenized
+    assert httpx.post(url, json={**body, "prompt": text}, timeout=60).status_code == 413
+    r = httpx.post(url, json={**body, "prompt": text, "truncate_prompt_tokens": 8}, timeout=60).json()
+    want = offline.tokenizer.encode(text, True)[-8:]
+    assert r["usage"]["prompt_tokens"] == 8 and r["choices"][0]["token_ids"] == greedy_ids(offline, want, 6)
+    chat = {"messages": [{"role": "user", "content": "hello " * 30}], "max_tokens": 2, "truncate_prompt_tokens": 5}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5, r.text
+    for bad in (0, n + 1, "5", -2):
+        r = httpx.post(url, json={**body, "truncate_prompt_tokens": bad}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (bad, r.text)
+    assert_idle_no_leak(server)
