@@ -66,6 +66,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # tokens of the prompt or output: positive logits divided, negative multiplied
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens can be generated (vLLM's field)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's field)
     skip_special_tokens: bool = True  # the output text leaves out special tokens
@@ -121,6 +122,10 @@ class SamplingParams:
                 bad("logit_bias", f"token id {t} is negative")
             if not _is_num(b) or not -100 <= b <= 100:
                 bad("logit_bias", f"the bias of token {t} must be in [-100, 100], got {b!r}")
+        if self.allowed_token_ids is not None:
+            a = self.allowed_token_ids
+            if not isinstance(a, (list, tuple)) or not a or any(not _is_int(t) or t < 0 for t in a):
+                bad("allowed_token_ids", f"must be a non-empty list of token ids, got {a!r}"[:200])
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -146,8 +151,15 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """The logits are changed before sampling (penalties, logit_bias, min_tokens, a grammar): no graph arg-max."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
+        """The logits are changed before sampling (penalties, logit_bias, allowed_token_ids, min_tokens, a grammar):
+        no graph arg-max."""
+        return (
+            self.penalized
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or self.min_tokens > 0
+            or self.structured is not None
+        )
 
     @property
     def num_seqs(self) -> int:

@@ -186,6 +186,9 @@ class LLMEngine:
         for t in params.logit_bias or ():
             if t >= V:
                 raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {V})")
+        for t in params.allowed_token_ids or ():
+            if t >= V:
+                raise ValueError(f"allowed_token_ids: token id {t} is outside the vocabulary [0, {V})")
         if self.spec_k:  # the verify step computes no prompt logprobs and no grammar's mask
             for name, on in (
                 ("prompt_logprobs", params.prompt_logprobs is not None),

@@ -1,6 +1,7 @@
 """What changes the logits before sampling, vLLM's definitions, batched over the rows that ask for it:
 
     logit_bias          logits[t] += bias[t]
+    allowed_token_ids   every other token at -inf
     min_tokens          EOS and stop_token_ids at -inf while fewer than min_tokens tokens are generated
     repetition_penalty  a token of the prompt or the output: positive logits / r, negative ones * r
     frequency_penalty   logits -= f * (times the token was generated)
@@ -41,6 +42,7 @@ class SamplingRow:
         return (
             p.penalized
             or bool(p.logit_bias)
+            or p.allowed_token_ids is not None
             or len(self.output_ids) + pending < p.min_tokens
             or self.grammar is not None
         )
@@ -72,6 +74,11 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch
             ri.append(i), ti.append(t), vals.append(float(b))
     if ri:
         logits.index_put_((_to(ri, dev), _to(ti, dev)), _to(vals, dev, torch.float32), accumulate=True)
+    allow = [i for i in act if rows[i].params.allowed_token_ids is not None]
+    if allow:
+        keep = torch.stack([_allowed_mask(rows[i], V, dev) for i in allow])
+        sel = _to(allow, dev)
+        logits[sel] = logits[sel].masked_fill(~keep, float("-inf"))
     ri, ti = [], []
     for i in act:
         r = rows[i]
@@ -124,6 +131,17 @@ def _penalize(x: torch.Tensor, rows: list[SamplingRow], pending: torch.Tensor | 
     freq = _to([float(r.params.frequency_penalty) for r in rows], dev, torch.float32).unsqueeze(1)
     pres = _to([float(r.params.presence_penalty) for r in rows], dev, torch.float32).unsqueeze(1)
     return x - freq * counts - pres * seen
+
+
+def _allowed_mask(r: SamplingRow, V: int, dev) -> torch.Tensor:
+    """[V] bool: the tokens the row may generate (allowed_token_ids), made once per request."""
+    mask = r.cache.get("allowed_mask") if r.cache is not None else None
+    if mask is None:
+        mask = torch.zeros(V, dtype=torch.bool, device=dev)
+        mask[_to(sorted(set(r.params.allowed_token_ids)), dev)] = True
+        if r.cache is not None:
+            r.cache["allowed_mask"] = mask
+    return mask
 
 
 def _prompt_mask(r: SamplingRow, V: int, dev) -> torch.Tensor:

@@ -25,7 +25,6 @@ MAX_STOP_LEN = 1024
 UNSUPPORTED = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "allowed_token_ids": (),
     "bad_words": ((), []),
     "logits_processors": ((), []),
     "spaces_between_special_tokens": (True,),
@@ -70,6 +69,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
     min_tokens: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0)
     return_token_ids: bool = False
@@ -87,7 +87,6 @@ class _SamplingFields(BaseModel):
     # known fields the engine cannot honour: a 400 naming the field when set to anything but these
     use_beam_search: Any = None
     length_penalty: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
     skip_special_tokens: bool = True
@@ -161,6 +160,7 @@ class _SamplingFields(BaseModel):
             if self.repetition_penalty is None
             else self.repetition_penalty,
             logit_bias={int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
             min_tokens=self.min_tokens,
             prompt_logprobs=prompt_logprobs,
             temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,

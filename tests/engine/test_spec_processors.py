@@ -1,9 +1,9 @@
 """Logits processors under speculative decoding (engine/spec_loop.py, SpecLoop._processed): repetition, frequency and
-presence penalties, logit_bias and min_tokens change the verify rows' logits as plain decoding's, row i of a request
-counting as generated its first i drafts and, in an overlapped step, the tokens of the verify in flight. Greedy
-outputs (and sampled ones at top_k = 1) must equal plain decoding's with the same processors, token for token, with
-a random draft and with an oracle draft that proposes those very outputs (so most drafts are accepted and every
-verify row past the first depends on the drafts before it), overlapped and not."""
+presence penalties, logit_bias, allowed_token_ids and min_tokens change the verify rows' logits as plain decoding's,
+row i of a request counting as generated its first i drafts and, in an overlapped step, the tokens of the verify in
+flight. Greedy outputs (and sampled ones at top_k = 1) must equal plain decoding's with the same processors, token
+for token, with a random draft and with an oracle draft that proposes those very outputs (so most drafts are
+accepted and every verify row past the first depends on the drafts before it), overlapped and not."""
 
 import pytest
 
@@ -25,18 +25,20 @@ def _params():
         SamplingParams(temperature=0, min_tokens=12, stop_token_ids=[7], logit_bias={7: 30.0}, max_tokens=MAX),
         SamplingParams(temperature=0, **g),  # no processor, beside the others
         SamplingParams(temperature=0.8, top_k=1, repetition_penalty=1.4, presence_penalty=0.3, **g),
+        SamplingParams(temperature=0, allowed_token_ids=[7, 11, 20, 33, 50], **g),
     ]
 
 
 @pytest.fixture(scope="module")
 def plain_processed(tiny_ckpt):
-    prompts, params = _prompts(6, seed=5), _params()
+    prompts, params = _prompts(7, seed=5), _params()
     out = run_requests(make_engine(tiny_ckpt, page_size=4), prompts, params)
     bare = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)] * len(prompts)
     unprocessed = run_requests(make_engine(tiny_ckpt, page_size=4), prompts, bare)
     changed = [a != b for a, b in zip(out, unprocessed)]
-    assert changed == [True, True, True, True, False, True], changed  # the processors change the tokens
+    assert changed == [True, True, True, True, False, True, True], changed  # the processors change the tokens
     assert len(out[3]) == 13 and out[3][-1] == 7, out[3]
+    assert set(out[6]) <= {7, 11, 20, 33, 50}, out[6]
     return out
 
 
@@ -45,7 +47,7 @@ def plain_processed(tiny_ckpt):
 )
 def test_processors_equal_plain(tiny_ckpt, draft, plain_processed, k, oracle, overlap):  # noqa: F811
     """Overlapped steps count the tokens of the verify in flight on the device (the host has not read them)."""
-    prompts = _prompts(6, seed=5)
+    prompts = _prompts(7, seed=5)
     spec = SpecConfig(draft_model=draft, num_steps=k)
     eng = make_engine(tiny_ckpt, spec=spec, page_size=4, max_num_seqs=8, disable_overlap_schedule=not overlap)
     if oracle:

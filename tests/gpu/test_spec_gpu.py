@@ -239,8 +239,9 @@ def test_logprobs_under_graphs(tiny_ckpt, trained):
 
 
 def test_logits_processors_under_graphs(tiny_ckpt, trained):
-    """Penalties and logit_bias under speculation on the GPU: the verify rows processed as plain decoding's rows (row
-    i counting the first i drafts), greedy tokens equal plain decoding's (fp32), beside a request with none."""
+    """Penalties, logit_bias and allowed_token_ids under speculation on the GPU: the verify rows processed as plain
+    decoding's rows (row i counting the first i drafts), greedy tokens equal plain decoding's (fp32), beside a
+    request with none."""
     from mlaserve import LLM, SamplingParams
 
     g = dict(temperature=0, max_tokens=MAX, ignore_eos=True)
@@ -249,8 +250,9 @@ def test_logits_processors_under_graphs(tiny_ckpt, trained):
         SamplingParams(frequency_penalty=0.9, presence_penalty=0.6, **g),
         SamplingParams(logit_bias={7: 8.0}, **g),
         SamplingParams(**g),
+        SamplingParams(allowed_token_ids=[7, 11, 20, 33, 50], **g),
     ]
-    prompts = _prompts(4)
+    prompts = _prompts(5)
     kw = dict(device="cuda", dtype="float32", num_pages=2048, page_size=64)
     base = LLM(tiny_ckpt, **kw)
     want = [o.outputs[0].token_ids for o in base.generate(prompts, sp, use_tqdm=False)]

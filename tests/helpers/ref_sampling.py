@@ -24,11 +24,13 @@ def model_logits(engine, ids: list[int]) -> torch.Tensor:
 
 
 def ref_process(logits: torch.Tensor, prompt: list[int], out: list[int], p) -> torch.Tensor:
-    """One row's logits [V] after logit_bias, min_tokens (stop ids given by p.stop_token_ids), repetition, frequency
-    and presence penalties: token by token, as vLLM defines them."""
+    """One row's logits [V] after logit_bias, allowed_token_ids, min_tokens (stop ids given by p.stop_token_ids),
+    repetition, frequency and presence penalties: token by token, as vLLM defines them."""
     x = logits.clone().tolist()
     for t, b in (p.logit_bias or {}).items():
         x[int(t)] += b
+    if getattr(p, "allowed_token_ids", None) is not None:
+        x = [v if t in p.allowed_token_ids else float("-inf") for t, v in enumerate(x)]
     if len(out) < p.min_tokens:
         for t in p.stop_token_ids:
             x[t] = float("-inf")

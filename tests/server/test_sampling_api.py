@@ -108,6 +108,16 @@ def test_penalties_and_logit_bias_as_reference(server, offline, client):
     assert got != plain
 
 
+def test_allowed_token_ids(server, offline):
+    """vLLM's allowed_token_ids: greedy tokens are the arg-max over those ids, as a reference computes them."""
+    allowed = [5, 40, 77, 300, 301]
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "allowed_token_ids": allowed}, timeout=60)
+    got = r.json()["choices"][0]["token_ids"]
+    assert got == ref_greedy(offline.engine, PROMPT, SamplingParams(allowed_token_ids=allowed), 6)
+    assert set(got) <= set(allowed)
+
+
 def test_echo_with_prompt_logprobs(server, offline, client):
     prompt = PROMPT[:12]
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1)

@@ -17,6 +17,7 @@ def _rows(gen):
         SamplingParams(),
         SamplingParams(repetition_penalty=1.4, logit_bias={3: 5.0, 7: -100}),
         SamplingParams(min_tokens=4, stop_token_ids=[1, 2], repetition_penalty=0.8, frequency_penalty=-0.5),
+        SamplingParams(allowed_token_ids=[3, 9, 11, 40, 9], logit_bias={9: 2.0, 12: 1.0}, presence_penalty=0.5),
     ]
     rows = []
     for p in ps:
@@ -29,7 +30,7 @@ def _rows(gen):
 def test_matches_reference_per_token():
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):
-        logits, rows = torch.randn(4, V, generator=gen) * 3, _rows(gen)
+        logits, rows = torch.randn(5, V, generator=gen) * 3, _rows(gen)
         got = process_logits(logits, rows)
         for i, r in enumerate(rows):
             want = ref_process(logits[i], r.prompt_ids, r.output_ids, r.params)
@@ -39,8 +40,8 @@ def test_matches_reference_per_token():
 
 def test_pending_token_counts():
     gen = torch.Generator().manual_seed(1)
-    logits, rows = torch.randn(4, V, generator=gen), _rows(gen)
-    pending = torch.randint(0, V, (4,), generator=gen)
+    logits, rows = torch.randn(5, V, generator=gen), _rows(gen)
+    pending = torch.randint(0, V, (5,), generator=gen)
     got = process_logits(logits, rows, pending)
     for i, r in enumerate(rows):
         out = r.output_ids + [int(pending[i])]
@@ -75,12 +76,26 @@ def test_pending_tokens_of_varying_number():
     flight's tokens): every real one counts, for the penalties and for min_tokens, their number read on the device."""
     gen = torch.Generator().manual_seed(2)
     for _ in range(4):
-        logits, rows = torch.randn(4, V, generator=gen), _rows(gen)
-        pending = torch.randint(0, V, (4, 5), generator=gen)
-        n = torch.randint(0, 6, (4,), generator=gen)
+        logits, rows = torch.randn(5, V, generator=gen), _rows(gen)
+        pending = torch.randint(0, V, (5, 5), generator=gen)
+        n = torch.randint(0, 6, (5,), generator=gen)
         pending[torch.arange(5)[None, :] >= n[:, None]] = V
         got = process_logits(logits, rows, pending)
         for i, r in enumerate(rows):
             out = r.output_ids + pending[i, : n[i]].tolist()
             want = ref_process(logits[i], r.prompt_ids, out, r.params)
             torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-6)
+
+
+def test_allowed_token_ids_keep_only_those():
+    """allowed_token_ids: every other token at -inf (whatever its bias), the mask made once per request."""
+    logits = torch.randn(2, V)
+    rows = [
+        SamplingRow(SamplingParams(allowed_token_ids=[4, 30], logit_bias={5: 100.0}), None, [], [], frozenset(), {})
+    ]
+    rows.append(SamplingRow(SamplingParams(), None, [], [], frozenset(), {}))
+    got = process_logits(logits, rows)
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [4, 30] and torch.equal(got[1], logits[1])
+    assert torch.equal(got[0, [4, 30]], logits[0, [4, 30]]) and "allowed_mask" in rows[0].cache
+    tok, _ = sample(torch.randn(64, V), [rows[0]] * 64, torch.Generator().manual_seed(1))
+    assert set(tok.tolist()) <= {4, 30}
