@@ -1,7 +1,7 @@
 """POST /v1/completions: a prompt string or token ids (or a list of either); SSE streams one event per engine step
 per prompt and choice, each with the step's token_ids when return_token_ids is set. Choice i * n + j is prompt i's
 j-th sequence (vLLM's numbering). echo prepends the prompt (its text, token ids, and with logprobs its prompt
-logprobs, the first token's None)."""
+logprobs, the first token's None); with max_tokens 0 the choice is the prompt alone (vLLM's scoring form)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
         if req.echo and req.logprobs is not None:
             prompt_lp = max(prompt_lp or 0, req.logprobs)
         try:
-            params = req.sampling_params(req.max_tokens, req.logprobs, prompt_lp, req.best_of, ctx.sampling_defaults)
+            max_tokens = 1 if req.echo_only else req.max_tokens
+            params = req.sampling_params(max_tokens, req.logprobs, prompt_lp, req.best_of, ctx.sampling_defaults)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":")[0]) from None
         cut = req.truncate_prompt_tokens
@@ -107,6 +108,21 @@ def _choice(
     return c
 
 
+def _prompt_only(o: StepOutput) -> StepOutput:
+    """An event of an echo-only request (max_tokens 0): the engine's one token dropped, as if none was asked for."""
+    usage = dataclasses.replace(o.usage, completion_tokens=0)
+    return dataclasses.replace(
+        o,
+        new_token_ids=[],
+        new_text="",
+        new_logprobs=[],
+        new_top_logprobs=[],
+        finish_reason="length" if o.finished else None,
+        stop_reason=None,
+        usage=usage,
+    )
+
+
 def _with_sampled(t: int, lp: float, top: dict[int, float]) -> dict[int, float]:
     """The sampled token's entry, then the top alternatives (vLLM's top_logprobs holds both)."""
     return {t: lp, **{i: v for i, v in top.items() if i != t}}
@@ -116,6 +132,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, prompts, gen, rid
     name, n = ctx.model_name, req.n
     usages, offsets, echoed = {}, {}, set()
     async for i, o in gen:
+        o = _prompt_only(o) if req.echo_only else o
         idx = i * n + o.index
         echo = None
         if req.echo and idx not in echoed:
@@ -150,7 +167,7 @@ def _response(
     choices, usages = [], []
     for i in range(len(outs)):
         for j in range(req.n):
-            steps = [o for o in outs[i] if o.index == j]
+            steps = [_prompt_only(o) if req.echo_only else o for o in outs[i] if o.index == j]
             ids = [t for o in steps for t in o.new_token_ids]
             lps = [x for o in steps for x in o.new_logprobs or []]
             tops = [x for o in steps for x in o.new_top_logprobs or []] or [{}] * len(ids)
@@ -158,7 +175,8 @@ def _response(
             text = "".join(o.new_text for o in steps)
             last = dataclasses.replace(steps[-1], prompt_logprobs=steps[0].prompt_logprobs)
             choices.append(_choice(ctx, req, i * req.n + j, ids, text, last, lps, tops, 0, echo))
-        usages.append(outs[i][-1].usage)  # the last event holds the request's usage (all its choices)
+        end = _prompt_only(outs[i][-1]) if req.echo_only else outs[i][-1]
+        usages.append(end.usage)  # the last event holds the request's usage (all its choices)
     return {
         "id": rid,
         "object": "text_completion",

@@ -184,9 +184,9 @@ def _is_token_ids(x) -> bool:
 
 class CompletionRequest(_SamplingFields):
     prompt: Any  # a string, a list of token ids, or a list of either: normalised to a list of prompts below
-    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False  # before max_tokens: its validator reads it
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: with echo, the prompt alone (its logprobs: scoring)
     logprobs: int | None = Field(default=None, ge=0)  # the limit is the engine's max_logprobs
-    echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
@@ -196,6 +196,19 @@ class CompletionRequest(_SamplingFields):
         if v:
             raise ValueError(f"is not supported (no fill-in-the-middle), got {v!r}")
         return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _echo_only(cls, v, info):
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("0 returns the prompt alone, which needs echo: true")
+        return v
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo (vLLM's, as eval harnesses score a text): the prompt and its logprobs, no
+        completion (the engine still runs one step: its token is dropped)."""
+        return self.max_tokens == 0
 
     @field_validator("best_of")
     @classmethod

@@ -2,6 +2,8 @@
 top_logprobs equal to the model's log-softmax, penalties and logit_bias as a reference sampler computes them, echo
 with prompt logprobs, best_of; and the endpoints /version, /tokenize, /detokenize, /v1/models/{id}."""
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -131,6 +133,28 @@ def test_echo_with_prompt_logprobs(server, offline, client):
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}  # vLLM's extra, no echo
     plp = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and [plp[i][str(prompt[i])]["logprob"] for i in range(1, 12)] == pytest.approx(want, abs=1e-4)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server, offline):
+    """max_tokens 0 with echo (vLLM's form, as eval harnesses score a text): the choice is the prompt alone, its
+    logprobs the model's, no completion token counted; streamed the same; without echo a 400 naming max_tokens."""
+    prompt, url = PROMPT[:12], f"{server.url}/v1/completions"
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    r = httpx.post(url, json=body, timeout=60).json()
+    c, text = r["choices"][0], httpx.post(f"{server.url}/detokenize", json={"tokens": prompt}).json()["prompt"]
+    assert c["text"] == text and c["finish_reason"] == "length" and len(c["logprobs"]["tokens"]) == 12
+    ref = model_logits(offline.engine, prompt).log_softmax(-1)
+    want = [ref[i - 1, prompt[i]].item() for i in range(1, 12)]
+    assert c["logprobs"]["token_logprobs"][0] is None
+    assert c["logprobs"]["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == 12
+    with httpx.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        events = [json.loads(ln[5:]) for ln in s.iter_lines() if ln.startswith("data:") and "[DONE]" not in ln]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == text
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    r = httpx.post(url, json={**body, "echo": False}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert_idle_no_leak(server)
 
 
 def test_best_of(client):
