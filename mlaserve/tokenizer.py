@@ -218,8 +218,16 @@ class Tokenizer:
             raise ValueError(f"chat_template: the template does not compile (line {e.lineno}: {e})") from e
         self.chat_template, self.has_chat_template, self._template = source, True, compiled
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render the chat template to a prompt string (encode it with add_special_tokens=False)."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs
+    ) -> str:
+        """Render the chat template to a prompt string (encode it with add_special_tokens=False).
+        continue_final_message: the text ends with the last message's text, left open (what the template puts after
+        it, the end of its turn, cut), so the model continues that message: a prefilled reply."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
+            return _open_final_message(self.apply_chat_template(messages, False, **kwargs), messages)
         if self.chat_template is None:
             raise ValueError(
                 "chat_template: this model's tokenizer has no chat template "
@@ -241,6 +249,24 @@ class Tokenizer:
         except (TypeError, KeyError, AttributeError, IndexError, ValueError, ZeroDivisionError) as e:
             # a template that fails on these messages (a None where it adds strings, a missing key): the request's
             raise ValueError(f"chat template: failed to render these messages: {type(e).__name__}: {e}") from e
+
+
+def _open_final_message(rendered: str, messages: list[dict]) -> str:
+    """The rendered chat cut just after the last message's text (its last text part when it has parts), at that
+    text's last place in it: what the template adds after it (end-of-turn tokens) is dropped."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    core = content.strip()
+    at = rendered.rfind(core)
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not keep the last message's text as sent")
+    # keep the message's trailing whitespace when the template kept it too
+    end = at + len(content.lstrip())
+    return rendered[:end] if rendered[at:end] == content.lstrip() else rendered[: at + len(core)]
 
 
 # ---- the byte-level tokenizer of random checkpoints ---------------------------------------------------------------

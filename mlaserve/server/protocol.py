@@ -29,7 +29,6 @@ UNSUPPORTED = {
     "logits_processors": ((), []),
     "spaces_between_special_tokens": (True,),
 }
-CHAT_UNSUPPORTED = {"continue_final_message": (False,)}
 UNSUPPORTED_WHY = {
     "use_beam_search": "beam search is not supported",
 }
@@ -251,13 +250,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict | None = None
     tools: Any = None  # checked with tool_choice by chat_tools (errors naming tools[i]...)
     tool_choice: Any = None
-    continue_final_message: Any = None
+    continue_final_message: bool = False  # the reply continues the last message (a prefilled answer)
     echo: Any = None
-
-    @field_validator(*CHAT_UNSUPPORTED)
-    @classmethod
-    def _chat_unsupported(cls, v, info):
-        return _refuse(info.field_name, v, CHAT_UNSUPPORTED[info.field_name])
 
     @field_validator("echo")
     @classmethod
@@ -269,7 +263,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _own_keys(cls, v):
-        clash = sorted(set(v or ()) & {"messages", "add_generation_prompt"})
+        clash = sorted(set(v or ()) & {"messages", "add_generation_prompt", "continue_final_message"})
         if clash:
             raise ValueError(f"must not set {', '.join(clash)} (use the request's own fields)")
         return v

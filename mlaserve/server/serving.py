@@ -153,13 +153,20 @@ class ServingContext:
             raise APIError(400, "messages: this model has no chat template; use /v1/completions", "messages")
         try:
             kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+            gen = req.add_generation_prompt
+            if getattr(req, "continue_final_message", False):
+                kwargs["continue_final_message"] = True
+                # add_generation_prompt left unset: off (vLLM asks for both; the two together are refused)
+                gen = gen and "add_generation_prompt" in req.model_fields_set
             return tok.apply_chat_template(
                 [m.model_dump() for m in req.messages],  # a null content stays (templates test `content is none`)
-                add_generation_prompt=req.add_generation_prompt,
+                add_generation_prompt=gen,
                 **kwargs,
             )
         except (ValueError, TypeError) as e:
             msg = str(e)
+            if msg.startswith("continue_final_message"):
+                raise APIError(400, msg, "continue_final_message") from None
             raise APIError(400, msg if msg.startswith("messages") else f"messages: {msg}", "messages") from None
 
     async def encode(

@@ -19,6 +19,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
 

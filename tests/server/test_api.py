@@ -223,3 +223,21 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, offline):
         r = httpx.post(url, json={**body, "truncate_prompt_tokens": bad}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (bad, r.text)
     assert_idle_no_leak(server)
+
+
+def test_continue_final_message_prefills_the_reply(server, offline):
+    """continue_final_message: the prompt ends with the assistant's prefilled text, left open (as /tokenize renders
+    it), and the reply continues it: greedy tokens equal the offline engine's on those ids."""
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hello, my name"}]
+    tok = httpx.post(f"{server.url}/tokenize", json={"messages": msgs, "continue_final_message": True}).json()
+    text = offline.tokenizer.decode(tok["tokens"], skip_special_tokens=False)
+    assert text.endswith("Hello, my name") and text.count("<|im_end|>") == 1
+    body = {"messages": msgs, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "continue_final_message": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == tok["count"]
+    assert r.json()["choices"][0]["token_ids"] == greedy_ids(offline, tok["tokens"], 6)
+    both = {**body, "continue_final_message": True, "add_generation_prompt": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=both, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    assert_idle_no_leak(server)

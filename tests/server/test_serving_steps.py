@@ -24,9 +24,19 @@ def _refusal(fn, *args) -> tuple[int, str, str | None]:
     return e.value.status, e.value.message, e.value.param
 
 
-def _chat(messages, kwargs=None, add_generation_prompt=True):
+def _chat(messages, kwargs=None, add_generation_prompt=True, gen_set=None, **fields):
+    """A chat request's fields as render_chat reads them; gen_set: add_generation_prompt was sent (default: when
+    False)."""
     msgs = [ChatMessage(**m) for m in messages]
-    return SimpleNamespace(messages=msgs, chat_template_kwargs=kwargs, add_generation_prompt=add_generation_prompt)
+    gen_set = not add_generation_prompt if gen_set is None else gen_set
+    set_ = set(fields) | ({"add_generation_prompt"} if gen_set else set())
+    return SimpleNamespace(
+        messages=msgs,
+        chat_template_kwargs=kwargs,
+        add_generation_prompt=add_generation_prompt,
+        model_fields_set=set_,
+        **fields,
+    )
 
 
 def test_render_chat_passes_the_messages_kwargs_and_tools():
@@ -45,6 +55,13 @@ def test_render_chat_passes_the_messages_kwargs_and_tools():
         ),
         ([{"role": "user", "content": "x"}], False, {}),
         ([{"role": "user", "content": "y"}], True, {}),
+    ]
+    # continue_final_message: the generation prompt off unless the request set it (then the template refuses both)
+    ctx.render_chat(_chat([{"role": "user", "content": "z"}], continue_final_message=True))
+    ctx.render_chat(_chat([{"role": "user", "content": "w"}], None, True, gen_set=True, continue_final_message=True))
+    assert tok.template_calls[3:] == [
+        ([{"role": "user", "content": "z"}], False, {"continue_final_message": True}),
+        ([{"role": "user", "content": "w"}], True, {"continue_final_message": True}),
     ]
 
 

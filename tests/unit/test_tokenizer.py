@@ -159,6 +159,29 @@ def test_chatml_template(tok):
     assert ids[:2] == [256, 258] and ids.count(256) == 1
 
 
+def test_continue_final_message_leaves_the_last_message_open(tok, tmp_path):
+    """continue_final_message: the text ends with the last message's text (its trailing spaces kept when the
+    template keeps them; the last text part of a list), not with the template's end of turn."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the answer is "}]
+    closed = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    opened = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert opened == closed[: closed.rindex("<|im_end|>")] and opened.endswith("answer is ")
+    parts = [msgs[0], {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tok.apply_chat_template(parts, False, continue_final_message=True).endswith("assistant\na\nb")
+    trims = _with_template(tmp_path, "{% for m in messages %}<{{ m.content | trim }}>{% endfor %}")
+    assert (
+        trims.apply_chat_template([{"role": "user", "content": " x y  "}], False, continue_final_message=True) == "<x y"
+    )
+    with pytest.raises(ValueError, match="^continue_final_message: cannot be combined with add_generation_prompt"):
+        tok.apply_chat_template(msgs, continue_final_message=True)
+    with pytest.raises(ValueError, match="^continue_final_message: the last message has no text"):
+        tok.apply_chat_template([msgs[0], {"role": "assistant", "content": " "}], False, continue_final_message=True)
+    (tmp_path / "u").mkdir()
+    upper = _with_template(tmp_path / "u", "{% for m in messages %}{{ m.content | upper }}{% endfor %}")
+    with pytest.raises(ValueError, match="^continue_final_message: the chat template does not keep"):
+        upper.apply_chat_template([{"role": "user", "content": "abc"}], False, continue_final_message=True)
+
+
 def test_text_parts_and_image_parts(tok):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert tok.apply_chat_template(parts, add_generation_prompt=False) == "<|bos|><|im_start|>user\na\nb<|im_end|>\n"
