@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..types import SamplingParams, Usage
 from .structured import structured_output
@@ -252,6 +252,15 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     continue_final_message: bool = False  # the reply continues the last message (a prefilled answer)
     echo: Any = None
+
+    @model_validator(mode="after")
+    def _partial_reply(self):
+        """A last assistant message marked `"partial": true` (Moonshot's API for Kimi) or `"prefix": true`
+        (DeepSeek's) asks for what continue_final_message does."""
+        last = self.messages[-1]
+        if last.role == "assistant" and any((last.model_extra or {}).get(k) is True for k in ("partial", "prefix")):
+            self.continue_final_message = True
+        return self
 
     @field_validator("echo")
     @classmethod

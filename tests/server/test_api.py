@@ -226,8 +226,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, offline):
 
 
 def test_continue_final_message_prefills_the_reply(server, offline):
-    """continue_final_message: the prompt ends with the assistant's prefilled text, left open (as /tokenize renders
-    it), and the reply continues it: greedy tokens equal the offline engine's on those ids."""
+    """continue_final_message (or a last assistant message marked partial / prefix): the prompt ends with the
+    assistant's prefilled text, left open (as /tokenize renders it), and the reply continues it: greedy tokens equal
+    the offline engine's on those ids."""
     msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hello, my name"}]
     tok = httpx.post(f"{server.url}/tokenize", json={"messages": msgs, "continue_final_message": True}).json()
     text = offline.tokenizer.decode(tok["tokens"], skip_special_tokens=False)
@@ -236,7 +237,12 @@ def test_continue_final_message_prefills_the_reply(server, offline):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "continue_final_message": True}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == tok["count"]
-    assert r.json()["choices"][0]["token_ids"] == greedy_ids(offline, tok["tokens"], 6)
+    want = greedy_ids(offline, tok["tokens"], 6)
+    assert r.json()["choices"][0]["token_ids"] == want
+    for mark in ("partial", "prefix"):  # Moonshot's and DeepSeek's way to ask for it
+        marked = [msgs[0], {**msgs[1], mark: True}]
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "messages": marked}, timeout=60).json()
+        assert r["usage"]["prompt_tokens"] == tok["count"] and r["choices"][0]["token_ids"] == want
     both = {**body, "continue_final_message": True, "add_generation_prompt": True}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=both, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
