@@ -516,6 +516,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= {lo}, got {getattr(self, name)}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+        if self.max_model_len is not None and self.max_model_len < 2:  # a prompt token and a generated one
+            raise ValueError(f"max_model_len: must be >= 2 (or unset: the model's), got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages: must be >= 2, got {self.num_pages}")
         if not 0 < self.gpu_memory_utilization <= 1:

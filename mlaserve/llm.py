@@ -300,8 +300,9 @@ def cli_main(args) -> int:
     rc = run_if_follower_node(args)
     if rc is not None:
         return rc
+    # the sampling flags are checked before the model loads (generation_config.json fills the unset ones)
+    params = sampling_params_from_args(args, args.model or default_model_path())
     llm = LLM(args.model, **engine_kwargs_from_args(args))
-    params = sampling_params_from_args(args, llm.engine_config.model)
     outs = llm.generate(args.prompt, params)
     for i, o in enumerate(outs):
         c = o.outputs[0]

@@ -329,6 +329,8 @@ def cli_main(args) -> int:
 
 def check_port_free(host: str, port: int) -> None:
     """Raise OSError naming --host / --port when the server could not bind them."""
+    if not 0 <= port <= 65535:
+        raise OSError(f"--port: must be in 0-65535, got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free

@@ -95,6 +95,26 @@ def test_serve_checks_the_port_before_loading_the_model(tmp_path, capsys):
     assert len(err) == 1 and f"--port {port}" in err[0] and "config.json" not in err[0]
 
 
+def test_generate_checks_the_sampling_flags_before_loading_the_model(tmp_path, capsys):
+    # the model folder does not exist: the flag's error coming first proves the order
+    assert main(["generate", str(tmp_path / "no-model"), "--max-tokens", "0", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "max_tokens: must be a positive integer, got 0" in err[0]
+
+
+def test_serve_refuses_bad_sizes_in_one_line(tmp_path, capsys):
+    """A port outside 0-65535 names --port before the model loads; max_model_len 0 is refused, not read as unset."""
+    assert main(["serve", str(tmp_path / "no-model"), "--port", "99999"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--port: must be in 0-65535, got 99999" in err[0]
+    from mlaserve.config import EngineConfig
+
+    for bad in (0, 1, -4):
+        with pytest.raises(ValueError, match=f"^max_model_len: must be >= 2 .*got {bad}$"):
+            EngineConfig(model="m", max_model_len=bad).validate()
+    EngineConfig(model="m", max_model_len=2).validate()
+
+
 @pytest.mark.parametrize(
     "flags,says",
     [
