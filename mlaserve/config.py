@@ -516,6 +516,12 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= {lo}, got {getattr(self, name)}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError(
+                f"prefill_graph_max_tokens: must be >= 0 (0: no prefill graphs), got {self.prefill_graph_max_tokens}"
+            )
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_model_len is not None and self.max_model_len < 2:  # a prompt token and a generated one
             raise ValueError(f"max_model_len: must be >= 2 (or unset: the model's), got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 2:

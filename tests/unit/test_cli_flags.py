@@ -103,7 +103,8 @@ def test_generate_checks_the_sampling_flags_before_loading_the_model(tmp_path, c
 
 
 def test_serve_refuses_bad_sizes_in_one_line(tmp_path, capsys):
-    """A port outside 0-65535 names --port before the model loads; max_model_len 0 is refused, not read as unset."""
+    """A port outside 0-65535 names --port before the model loads; max_model_len 0 is refused, not read as unset;
+    a KV budget of 0 GB or a negative prefill graph size names its field."""
     assert main(["serve", str(tmp_path / "no-model"), "--port", "99999"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--port: must be in 0-65535, got 99999" in err[0]
@@ -113,6 +114,14 @@ def test_serve_refuses_bad_sizes_in_one_line(tmp_path, capsys):
         with pytest.raises(ValueError, match=f"^max_model_len: must be >= 2 .*got {bad}$"):
             EngineConfig(model="m", max_model_len=bad).validate()
     EngineConfig(model="m", max_model_len=2).validate()
+    for field, bad, says in (
+        ("kv_cache_memory_gb", -1.0, "must be > 0"),
+        ("kv_cache_memory_gb", 0.0, "must be > 0"),
+        ("prefill_graph_max_tokens", -5, "must be >= 0"),
+    ):
+        with pytest.raises(ValueError, match=f"^{field}: {says}"):
+            EngineConfig(model="m", **{field: bad}).validate()
+    EngineConfig(model="m", prefill_graph_max_tokens=0).validate()
 
 
 @pytest.mark.parametrize(
