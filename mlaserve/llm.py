@@ -186,6 +186,11 @@ class LLM:
         finally:
             self._busy -= 1
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so the next prompts are computed whole (False, and nothing done, while a
+        request is unfinished)."""
+        return self.engine.reset_prefix_cache() is not None
+
     def close(self) -> None:
         """Stop the other ranks (tensor parallelism) and free the engine: its weights, KV cache and CUDA graphs go
         back to the device, so another LLM can start in the same process. The LLM cannot be used afterwards."""

@@ -261,6 +261,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.loop.pending
 
+    def reset_prefix_cache(self) -> int | None:
+        """Forget every cached prefix (vLLM's reset_prefix_cache: a benchmark's runs each start cold) -> the pages
+        freed; None, and nothing done, while a request is running or waiting (their pages are in use)."""
+        if self.has_unfinished():
+            return None
+        freed = len(self.pool.evictable)
+        self.pool.reset_prefix_cache()
+        return freed
+
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One step's events (loop.py: plain, overlapped or speculative)."""

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.engine import LLMEngine
 from ..version import __version__
 from . import guard, openai_chat, openai_completions, tokenize
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, EngineDeadError
 from .chat_tools import ChatOptions
 from .guard import HTTPLimits
 from .http_limits import uvicorn_kwargs
@@ -136,6 +136,20 @@ def build_app(
     async def prometheus():
         return Response(metrics.render() if metrics else b"", media_type="text/plain; version=0.0.4")
 
+    async def reset_prefix_cache():
+        """vLLM's POST /reset_prefix_cache and SGLang's /flush_cache: the next prompts are computed whole (a
+        benchmark's runs each start cold). Refused (409) while requests are running or waiting."""
+        try:
+            freed = await engine.reset_prefix_cache()
+        except EngineDeadError:
+            raise APIError(503, engine.stopped_message()) from None
+        if freed is None:
+            raise APIError(409, "prefix cache: not reset while requests are running or waiting; retry when idle")
+        log.info("prefix cache reset: %d cached pages freed", freed)
+        return {"status": "ok", "freed_pages": freed}
+
+    app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
+    app.add_api_route("/flush_cache", reset_prefix_cache, methods=["GET", "POST"])
     openai_completions.register(app, ctx)
     openai_chat.register(app, ctx)
     tokenize.register(app, ctx)

@@ -163,10 +163,17 @@ class AsyncEngine:
             raise
         return gen
 
+    async def reset_prefix_cache(self) -> int | None:
+        """The engine thread forgets every cached prefix between steps -> the pages freed, or None while requests
+        are unfinished (LLMEngine.reset_prefix_cache)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._submit(("reset", fut))
+        return await fut
+
     def _submit(self, cmd: tuple) -> None:
         with self._lock:
             if self.error is not None or self._stop:
-                if cmd[0] == "add":
+                if cmd[0] != "abort":
                     raise EngineDeadError(self.stopped_message(), public=True)
                 return  # an abort after death: nothing is running
             self._cmds.put(cmd)
@@ -207,6 +214,9 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 self._add(*cmd[1:])
+            elif cmd[0] == "reset":
+                fut = cmd[1]
+                _call(fut.get_loop(), _resolve, fut, self.engine.reset_prefix_cache())
             else:
                 self._abort(cmd[1])
 
@@ -292,8 +302,15 @@ class AsyncEngine:
                 break
             if cmd[0] == "add":
                 _call(cmd[1].loop, _settle, cmd[1].accepted, err)
+            elif cmd[0] == "reset":
+                _call(cmd[1].get_loop(), _settle, cmd[1], err)
         for x in live:
             _call(x.gen.loop, x.gen.queue.put_nowait, err)
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def _put_all(items: list) -> None:

@@ -20,6 +20,7 @@ from .protocol import error_json
 API_KEY_ENV = "MLASERVE_API_KEY"  # several keys: comma-separated
 OPEN_PATHS = ("/health", "/version")
 JSON_TYPES = ("application/json",)  # and any application/*+json
+BODYLESS_POSTS = ("/reset_prefix_cache", "/flush_cache")  # admin commands: no body, so no content type
 
 
 FLAGS = {  # HTTPLimits field -> its `mlaserve serve` flag, named in errors
@@ -165,7 +166,7 @@ class Guard:
                     msg, challenge = "invalid API key", 'Bearer error="invalid_token"'
                 body = api_error(f"authorization: {msg}", 401, "authorization", "authentication_error")
                 return await _respond(send, 401, body, [(b"www-authenticate", challenge.encode())])
-        if method == "POST" and not _is_json(_header(scope, b"content-type")):
+        if method == "POST" and path not in BODYLESS_POSTS and not _is_json(_header(scope, b"content-type")):
             got = _header(scope, b"content-type")
             msg = (
                 f"content-type: POST bodies must be application/json, got {got!r}"

@@ -324,6 +324,7 @@ def error_json(message: str, status: int, param: str | None = None) -> dict:
         400: "invalid_request_error",
         404: "not_found_error",
         405: "invalid_request_error",
+        409: "invalid_request_error",
         413: "invalid_request_error",
         422: "invalid_request_error",
         503: "server_overloaded",

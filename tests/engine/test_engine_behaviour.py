@@ -76,6 +76,37 @@ def test_prefix_cache_hit_same_output(tiny_ckpt, page_size):
     assert tok(outs[True]) == tok(outs[False])
 
 
+def test_reset_prefix_cache_forgets_every_prefix_when_idle(tiny_ckpt):
+    """reset_prefix_cache: refused (None) while a request is unfinished; when idle it frees every cached page, and
+    the same prompt is then computed whole (no cached tokens), with the same greedy tokens."""
+    prompt = [random.Random(5).randrange(512) for _ in range(40)]
+    engine = make_engine(tiny_ckpt, page_size=16, num_pages=64)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def once():
+        rid = engine.add_request(prompt, sp)
+        outs = [o for o in run_all_events(engine) if o.request_id == rid]
+        return [t for o in outs for t in o.new_token_ids], outs[-1].usage.cached_tokens
+
+    first, _ = once()
+    again, hit = once()
+    assert hit == 32 and again == first
+    engine.add_request(prompt, sp)
+    assert engine.reset_prefix_cache() is None and len(engine.pool.cached) > 0
+    run_all(engine)
+    # 46 tokens: 2 full pages of 16 cached (the third is not full)
+    assert engine.reset_prefix_cache() == 2 and not engine.pool.cached and engine.pool.num_used == 0
+    cold, hit = once()
+    assert hit == 0 and cold == first
+
+
+def run_all_events(engine):
+    seen = []
+    while engine.has_unfinished():
+        seen += engine.step()
+    return seen
+
+
 def test_live_requests_share_cached_prefix_pages(tiny_ckpt):
     """A request arriving while another with the same prefix is still decoding holds that request's full prefix pages
     by reference: each shared page counted once in the pool, with two references."""

@@ -247,3 +247,28 @@ def test_continue_final_message_prefills_the_reply(server, offline):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=both, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
     assert_idle_no_leak(server)
+
+
+def test_reset_prefix_cache_starts_the_next_prompt_cold(server, offline):
+    """vLLM's POST /reset_prefix_cache and SGLang's /flush_cache (no body, no content type): a repeated prompt hits
+    the prefix cache, and after a reset it is computed whole; refused with a 409 while a request is unfinished."""
+    url, ids = server.url, [7 + i % 90 for i in range(64)]
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0}
+    cached = lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"]["prompt_tokens_details"]  # noqa: E731
+    cached()
+    assert cached()["cached_tokens"] > 0
+    r = httpx.post(f"{url}/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200 and r.json()["freed_pages"] > 0, r.text
+    assert cached()["cached_tokens"] == 0
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{url}/flush_cache", timeout=60).status_code == 200
+        assert cached()["cached_tokens"] == 0
+    room = server.llm.engine.max_model_len - len(ids)
+    long = {"prompt": ids, "max_tokens": room, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as s:
+        lines = s.iter_lines()  # kept: a dropped iterator closes the stream, which aborts the request
+        assert s.status_code == 200 and next(lines).startswith("data: {")  # the request is running
+        r = httpx.post(f"{url}/reset_prefix_cache", timeout=60)
+        assert r.status_code == 409 and "running or waiting" in r.json()["error"]["message"], r.text
+    assert offline.reset_prefix_cache() is True  # LLM's, as vLLM's
+    assert_idle_no_leak(server)
