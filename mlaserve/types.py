@@ -69,6 +69,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens can be generated (vLLM's field)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's field)
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens; -1: what leaves room for max_tokens
     skip_special_tokens: bool = True  # the output text leaves out special tokens
     keep_special_token_ids: frozenset[int] = frozenset()  # ... but these (a tool or reasoning parser's markers)
     structured: StructuredOutput | None = None  # the output follows a JSON schema, regex, choice or grammar
@@ -122,6 +123,9 @@ class SamplingParams:
                 bad("logit_bias", f"token id {t} is negative")
             if not _is_num(b) or not -100 <= b <= 100:
                 bad("logit_bias", f"the bias of token {t} must be in [-100, 100], got {b!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
+            bad("truncate_prompt_tokens", f"must be -1 (fit max_model_len) or a positive number of tokens, got {k!r}")
         if self.allowed_token_ids is not None:
             a = self.allowed_token_ids
             if not isinstance(a, (list, tuple)) or not a or any(not _is_int(t) or t < 0 for t in a):

@@ -157,9 +157,22 @@ class LLMEngine:
         return max_model_len
 
     # ---- requests ------------------------------------------------------------------------------
+    def truncated(self, ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
+        """truncate_prompt_tokens (vLLM's): the prompt's last `keep` tokens (None: all of them); -1: the last
+        max_model_len - max_tokens (max_tokens None: max_model_len - 1), what leaves room to generate."""
+        if keep is None:
+            return ids
+        n = self.max_model_len
+        if keep > n:
+            raise ValueError(f"truncate_prompt_tokens: {keep} is more than max_model_len {n}")
+        if keep == -1:
+            keep = max(1, n - (max_tokens or 1))
+        return ids[-keep:]
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field and the limit; nothing is queued."""
         params.validate()
+        prompt_token_ids = self.truncated(prompt_token_ids, params.truncate_prompt_tokens, params.max_tokens)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt: must not be empty")
@@ -214,6 +227,7 @@ class LLMEngine:
         """Queue a request; n > 1 or best_of: its sequences as child requests (parallel.py), whose events carry
         this request id and their choice as StepOutput.index."""
         self.validate(prompt_token_ids, params)
+        prompt_token_ids = self.truncated(prompt_token_ids, params.truncate_prompt_tokens, params.max_tokens)
         if request_id is not None and (request_id in self.states or request_id in self.parallel.groups):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if params.num_seqs == 1:

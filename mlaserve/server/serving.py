@@ -189,18 +189,12 @@ class ServingContext:
         return self.tok.encode(text, add_special_tokens)
 
     def truncate(self, ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
-        """The prompt's last `keep` tokens (truncate_prompt_tokens; None: all); keep -1: the last max_model_len -
-        max_tokens (max_tokens None: max_model_len - 1), what leaves room to generate."""
-        if keep is None:
-            return ids
-        n = self.llm.max_model_len
-        if keep > n:
-            raise APIError(
-                400, f"truncate_prompt_tokens: {keep} is more than max_model_len {n}", "truncate_prompt_tokens"
-            )
-        if keep == -1:
-            keep = max(1, n - (max_tokens or 1))
-        return ids[-keep:]
+        """truncate_prompt_tokens, here so that usage, echo and the length checks see the prompt the engine runs
+        (LLMEngine.truncated; the engine is not asked to truncate again)."""
+        try:
+            return self.llm.truncated(ids, keep, max_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), "truncate_prompt_tokens") from None
 
     def check_length(self, ids: list[int], field: str = "prompt") -> None:
         n, llm = len(ids), self.llm

@@ -6,7 +6,7 @@ import pytest
 
 from mlaserve.types import SamplingParams
 
-from .conftest import make_engine, run_all
+from .conftest import make_engine, run_all, run_requests
 
 
 def _prompts(n, seed=7, lo=5, hi=60):
@@ -277,3 +277,22 @@ def test_sampled_logprobs_equal_a_reference_log_softmax(tiny_ckpt):
             assert top[t] == pytest.approx(lp, abs=1e-4), (i, t)
         assert top.get(tok, out.logprobs[i]) == pytest.approx(out.logprobs[i], abs=1e-6)
     assert not_argmax >= 8, not_argmax  # the sampled path leaves the arg-max: the test tells the two apart
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_ckpt):
+    """SamplingParams.truncate_prompt_tokens (vLLM's): the request runs on the prompt's last k tokens (-1: what
+    leaves room for max_tokens in max_model_len); 0, -2 and more than max_model_len are refused naming it."""
+    engine = make_engine(tiny_ckpt, page_size=16, num_pages=64)
+    rng = random.Random(6)
+    prompt = [rng.randrange(512) for _ in range(50)]
+    sp = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    cut = run_requests(engine, [prompt], [SamplingParams(truncate_prompt_tokens=12, **sp)])
+    assert cut == run_requests(engine, [prompt[-12:]], [SamplingParams(**sp)])
+    n = engine.max_model_len
+    long = [rng.randrange(512) for _ in range(n + 30)]
+    rid = engine.add_request(long, SamplingParams(truncate_prompt_tokens=-1, **sp))
+    assert engine.states[rid].req.prompt_token_ids == long[-(n - 5) :]
+    run_all(engine)
+    for bad, says in ((0, "must be -1"), (-2, "must be -1"), (n + 1, "more than max_model_len")):
+        with pytest.raises(ValueError, match=f"^truncate_prompt_tokens: .*{says}"):
+            engine.add_request(prompt, SamplingParams(truncate_prompt_tokens=bad, **sp))
