@@ -76,6 +76,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE.jsonl",
         help="record each prompt's greedy output for the benchmark-only REPLAY draft (needs --temperature 0)",
     )
+    p.add_argument(
+        "--reset-prefix-cache",
+        action="store_true",
+        help="ask the server to forget its cached prefixes after the warm-ups (POST /reset_prefix_cache, else "
+        "SGLang's /flush_cache), so runs compared with the cache on each start cold",
+    )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -109,6 +115,21 @@ async def _model_card(client: httpx.AsyncClient, model: str | None) -> tuple[str
             raise RuntimeError("/v1/models lists no model; pass --model")
         return cards[0]["id"], cards[0]
     return model, next((c for c in cards if c.get("id") == model), {})
+
+
+async def _reset_prefix_cache(client: httpx.AsyncClient) -> str:
+    """POST /reset_prefix_cache (vLLM's, mlaserve's), else /flush_cache (SGLang's) -> the route that answered 200;
+    RuntimeError naming what the server said otherwise."""
+    said = []
+    for route in ("/reset_prefix_cache", "/flush_cache"):
+        try:
+            resp = await client.post(route)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"--reset-prefix-cache: {route}: {type(e).__name__}: {e}") from None
+        if resp.status_code == 200:
+            return route
+        said.append(f"{route}: HTTP {resp.status_code} {resp.text[:200]}")
+    raise RuntimeError(f"--reset-prefix-cache: the server did not reset its cache ({'; '.join(said)})")
 
 
 async def _scrape(client: httpx.AsyncClient) -> dict | None:
@@ -191,6 +212,7 @@ async def run_bench(args) -> dict:
             warm_failed = [r for r in warm_recs if not r.success]
         else:
             warm_failed = []
+        reset = await _reset_prefix_cache(client) if getattr(args, "reset_prefix_cache", False) else None
         before = await _scrape(client)
         arrivals = poisson_arrivals(args.num_prompts, args.request_rate, args.seed)
         records = await _run_requests(client, prompts, args, model, arrivals, "bench")
@@ -247,6 +269,7 @@ async def run_bench(args) -> dict:
         **acceptance,
         "speculative": card.get("speculative"),
         "replay_recordings": replay,
+        "prefix_cache_reset": reset,  # the route that reset the server's prefix cache before the run, or None
         "server_metrics": {"before": before, "after": after, "delta": delta},
         "warnings": warnings,
         "requests": reqs,

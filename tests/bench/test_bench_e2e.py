@@ -23,9 +23,14 @@ from mlaserve.cli import main  # noqa: E402
 VOCAB = 1000
 
 
-def make_app(token_ids: bool = True) -> FastAPI:
+def make_app(token_ids: bool = True, flush: bool = False) -> FastAPI:
     app = FastAPI()
     totals = {"draft": 0, "accepted": 0, "generation": 0, "prompt": 0, "drafts": 0}
+    if flush:  # SGLang's cache reset only
+
+        @app.post("/flush_cache")
+        def flush_cache():
+            return PlainTextResponse("Cache flushed.")
 
     @app.get("/v1/models")
     def models():
@@ -240,3 +245,19 @@ def test_save_replay_records_the_greedy_outputs(fake_server, tmp_path, capsys):
     assert r["replay_recordings"] == {"path": str(rec), "count": 8}
     assert _serve(fake_server, tmp_path / "s.json", "--save-replay", str(rec), "--temperature", "0.5") == 2
     assert "--save-replay records greedy outputs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fake_server", [{"flush": True}], indirect=True)
+def test_reset_prefix_cache_falls_back_to_flush_cache(fake_server, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert _serve(fake_server, out, "--reset-prefix-cache") == 0
+    assert json.loads(out.read_text())["prefix_cache_reset"] == "/flush_cache"
+
+
+def test_reset_prefix_cache_refused_is_an_error(fake_server, tmp_path, capsys):
+    assert _serve(fake_server, tmp_path / "r.json", "--reset-prefix-cache") == 2
+    said = capsys.readouterr().out
+    assert "--reset-prefix-cache: the server did not reset its cache (/reset_prefix_cache: HTTP 404" in said
+    assert "/flush_cache: HTTP 404" in said and not (tmp_path / "r.json").exists()
+    assert _serve(fake_server, tmp_path / "r.json") == 0
+    assert json.loads((tmp_path / "r.json").read_text())["prefix_cache_reset"] is None

@@ -10,7 +10,7 @@ from mlaserve.models.make_random import make_random
 from .conftest import assert_idle_no_leak, start_server
 
 
-def _bench(url, out, label):
+def _bench(url, out, label, *extra):
     return main(
         [
             "bench",
@@ -37,6 +37,7 @@ def _bench(url, out, label):
             label,
             "--save-result",
             str(out),
+            *extra,
         ]
     )
 
@@ -44,7 +45,8 @@ def _bench(url, out, label):
 def test_bench_twice_identical_then_other_weights_differ(server, tmp_path, tmp_path_factory, capsys):
     base, cand = tmp_path / "base-1.json", tmp_path / "cand-1.json"
     assert _bench(server.url, base, "baseline") == 0
-    assert _bench(server.url, cand, "candidate") == 0
+    assert _bench(server.url, cand, "candidate", "--reset-prefix-cache") == 0  # cold, as the baseline's first run
+    assert json.loads(cand.read_text())["prefix_cache_reset"] == "/reset_prefix_cache"
     r = json.loads(base.read_text())
     # /v1/models told the bench the vocabulary and the special ids to keep out of the prompts
     assert r["vocab_size"] == 512 and r["vocab_size_source"] == "server"
