@@ -67,6 +67,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of the prompt or output: positive logits divided, negative multiplied
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these tokens can be generated (vLLM's field)
+    bad_words: list[str] | None = None  # never generated, at a word's start or inside text (vLLM's field)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's field)
     truncate_prompt_tokens: int | None = None  # the prompt's last k tokens; -1: what leaves room for max_tokens
@@ -126,6 +127,11 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
             bad("truncate_prompt_tokens", f"must be -1 (fit max_model_len) or a positive number of tokens, got {k!r}")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, (list, tuple))
+            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            bad("bad_words", f"must be a list of non-empty strings, got {self.bad_words!r}"[:200])
         if self.allowed_token_ids is not None:
             a = self.allowed_token_ids
             if not isinstance(a, (list, tuple)) or not a or any(not _is_int(t) or t < 0 for t in a):
@@ -155,12 +161,13 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """The logits are changed before sampling (penalties, logit_bias, allowed_token_ids, min_tokens, a grammar):
-        no graph arg-max."""
+        """The logits are changed before sampling (penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, a
+        grammar): no graph arg-max."""
         return (
             self.penalized
             or bool(self.logit_bias)
             or self.allowed_token_ids is not None
+            or bool(self.bad_words)
             or self.min_tokens > 0
             or self.structured is not None
         )

@@ -202,6 +202,11 @@ class LLMEngine:
         for t in params.allowed_token_ids or ():
             if t >= V:
                 raise ValueError(f"allowed_token_ids: token id {t} is outside the vocabulary [0, {V})")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: need a tokenizer; this model has none")
+            if self.spec_k:
+                raise ValueError("bad_words: not supported together with speculative decoding")
         if self.spec_k:  # the verify step computes no prompt logprobs and no grammar's mask
             for name, on in (
                 ("prompt_logprobs", params.prompt_logprobs is not None),
@@ -257,7 +262,10 @@ class LLMEngine:
         )
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         grammar = self.grammars.state(params.structured) if params.structured is not None else None
-        self.states[req.request_id] = ReqState(req, detok, gen, eos, grammar=grammar)
+        st = ReqState(req, detok, gen, eos, grammar=grammar)
+        if params.bad_words:
+            st.cache["bad_words"] = bad_word_ids(self.tokenizer, params.bad_words)
+        self.states[req.request_id] = st
         return req
 
     def abort_request(self, request_id: str) -> bool:
@@ -338,3 +346,15 @@ class LLMEngine:
             "overlapped_steps": self.num_overlapped_steps,
             "generated_tokens": self.num_generated_tokens,
         }
+
+
+def bad_word_ids(tokenizer: Tokenizer, words: list[str]) -> list[tuple[int, ...]]:
+    """bad_words -> the token sequences to ban: each word as it starts a text and after a space (how it appears
+    inside one), without special tokens; duplicates dropped."""
+    seqs: list[tuple[int, ...]] = []
+    for w in words:
+        for form in (w.lstrip(), " " + w.lstrip()):
+            ids = tuple(tokenizer.encode(form, False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs

@@ -187,6 +187,7 @@ class Loop:
                 or req.request_id not in self.states
                 or (id(c) in decoding and c.num_new != 1)
                 or self.states[req.request_id].grammar is not None  # its mask needs the token `out` samples
+                or req.params.bad_words  # so do its bans (which tokens end the output)
             ):
                 return None
             if self.post.at_length(req, 1):

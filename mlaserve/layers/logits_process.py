@@ -2,6 +2,7 @@
 
     logit_bias          logits[t] += bias[t]
     allowed_token_ids   every other token at -inf
+    bad_words           a word's last token at -inf where the output ends with the tokens before it
     min_tokens          EOS and stop_token_ids at -inf while fewer than min_tokens tokens are generated
     repetition_penalty  a token of the prompt or the output: positive logits / r, negative ones * r
     frequency_penalty   logits -= f * (times the token was generated)
@@ -43,6 +44,7 @@ class SamplingRow:
             p.penalized
             or bool(p.logit_bias)
             or p.allowed_token_ids is not None
+            or bool(p.bad_words)
             or len(self.output_ids) + pending < p.min_tokens
             or self.grammar is not None
         )
@@ -79,6 +81,13 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch
         keep = torch.stack([_allowed_mask(rows[i], V, dev) for i in allow])
         sel = _to(allow, dev)
         logits[sel] = logits[sel].masked_fill(~keep, float("-inf"))
+    ri, ti = [], []
+    for i in act:  # bad_words: the host holds every output token (such rows are never sampled with one in flight)
+        for seq in (rows[i].cache or {}).get("bad_words", ()):
+            if len(seq) == 1 or tuple(rows[i].output_ids[-(len(seq) - 1) :]) == seq[:-1]:
+                ri.append(i), ti.append(seq[-1])
+    if ri:
+        logits.index_put_((_to(ri, dev), _to(ti, dev)), torch.tensor(float("-inf"), device=dev))
     ri, ti = [], []
     for i in act:
         r = rows[i]

@@ -25,7 +25,6 @@ MAX_STOP_LEN = 1024
 UNSUPPORTED = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "bad_words": ((), []),
     "logits_processors": ((), []),
     "spaces_between_special_tokens": (True,),
 }
@@ -69,6 +68,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_STOP)
     min_tokens: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0)
     return_token_ids: bool = False
@@ -86,7 +86,6 @@ class _SamplingFields(BaseModel):
     # known fields the engine cannot honour: a 400 naming the field when set to anything but these
     use_beam_search: Any = None
     length_penalty: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: Any = None
@@ -114,6 +113,13 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
         if any(not s or len(s) > MAX_STOP_LEN for s in stops):
             raise ValueError(f"each stop string must hold 1 to {MAX_STOP_LEN} characters")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v):
+        if any(not w.strip() or len(w) > MAX_STOP_LEN for w in v or ()):
+            raise ValueError(f"each bad word must hold 1 to {MAX_STOP_LEN} characters, not only spaces")
         return v
 
     @field_validator("truncate_prompt_tokens")
@@ -160,6 +166,7 @@ class _SamplingFields(BaseModel):
             else self.repetition_penalty,
             logit_bias={int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             min_tokens=self.min_tokens,
             prompt_logprobs=prompt_logprobs,
             temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,

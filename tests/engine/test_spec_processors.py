@@ -57,3 +57,10 @@ def test_processors_equal_plain(tiny_ckpt, draft, plain_processed, k, oracle, ov
     assert st["spec_device_steps"] > 0 and (st["overlapped_steps"] > 0) == overlap, st
     if oracle:
         assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st
+
+
+def test_bad_words_are_refused_under_speculation(tiny_ckpt, draft):  # noqa: F811
+    """bad_words read the output's last tokens, which a verify row does not hold on the host: refused, named."""
+    eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=1), page_size=4)
+    with pytest.raises(ValueError, match="^bad_words: not supported together with speculative decoding"):
+        eng.add_request([5, 6, 7], SamplingParams(temperature=0, bad_words=["ab"]))

@@ -49,3 +49,16 @@ def ref_greedy(engine, prompt: list[int], p, max_tokens: int) -> list[int]:
         row = model_logits(engine, prompt + out)[-1]
         out.append(int(ref_process(row, prompt, out, p).argmax()))
     return out
+
+
+def ref_greedy_banned(engine, prompt: list[int], seqs: list[tuple[int, ...]], max_tokens: int) -> list[int]:
+    """Greedy decoding where a banned sequence's last token is -inf whenever the output ends with the tokens before
+    it (bad_words), each step from a full forward of prompt + output."""
+    out: list[int] = []
+    for _ in range(max_tokens):
+        row = model_logits(engine, prompt + out)[-1].clone()
+        for seq in seqs:
+            if len(seq) == 1 or (len(out) >= len(seq) - 1 and tuple(out[len(out) - len(seq) + 1 :]) == seq[:-1]):
+                row[seq[-1]] = float("-inf")
+        out.append(int(row.argmax()))
+    return out

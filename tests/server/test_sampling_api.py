@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from mlaserve import SamplingParams
-from tests.helpers.ref_sampling import model_logits, ref_greedy
+from tests.helpers.ref_sampling import model_logits, ref_greedy, ref_greedy_banned
 
 from .conftest import assert_idle_no_leak, greedy_ids
 
@@ -118,6 +118,23 @@ def test_allowed_token_ids(server, offline):
     got = r.json()["choices"][0]["token_ids"]
     assert got == ref_greedy(offline.engine, PROMPT, SamplingParams(allowed_token_ids=allowed), 6)
     assert set(got) <= set(allowed)
+
+
+def test_bad_words(server, offline):
+    """vLLM's bad_words: each word's token sequences (at a text's start and after a space) never end the output;
+    greedy tokens equal a reference that bans them step by step; a word of spaces is a 400 naming the field."""
+    from mlaserve.engine.engine import bad_word_ids
+
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    url = f"{server.url}/v1/completions"
+    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    words = [offline.tokenizer.decode(plain["token_ids"][2:4]), offline.tokenizer.decode(plain["token_ids"][6:7])]
+    seqs = bad_word_ids(offline.tokenizer, words)
+    got = httpx.post(url, json={**body, "bad_words": words}, timeout=60).json()["choices"][0]["token_ids"]
+    assert got == ref_greedy_banned(offline.engine, PROMPT, seqs, 12) and got != plain["token_ids"]
+    assert not any(tuple(got[i : i + len(q)]) == q for q in seqs for i in range(len(got)))
+    r = httpx.post(url, json={**body, "bad_words": ["  "]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
 
 
 def test_echo_with_prompt_logprobs(server, offline, client):

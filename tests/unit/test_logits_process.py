@@ -99,3 +99,21 @@ def test_allowed_token_ids_keep_only_those():
     assert torch.equal(got[0, [4, 30]], logits[0, [4, 30]]) and "allowed_mask" in rows[0].cache
     tok, _ = sample(torch.randn(64, V), [rows[0]] * 64, torch.Generator().manual_seed(1))
     assert set(tok.tolist()) <= {4, 30}
+
+
+def test_bad_words_ban_a_words_last_token_after_its_start():
+    """bad_words (their token sequences in the row's cache): a one-token word is always banned; a longer one's last
+    token only where the output ends with the tokens before it."""
+    logits = torch.randn(3, V)
+    seqs = {"bad_words": [(5,), (7, 9), (1, 2, 3)]}
+    p = SamplingParams(bad_words=["x"])
+    rows = [
+        SamplingRow(p, None, [], [4, 7], frozenset(), dict(seqs)),  # ends with 7: 9 banned too
+        SamplingRow(p, None, [], [1, 2, 7, 1, 2], frozenset(), dict(seqs)),  # ends with 1, 2: 3 banned
+        SamplingRow(p, None, [7], [], frozenset(), dict(seqs)),  # the prompt's 7 does not count
+    ]
+    got = process_logits(logits, rows)
+    banned = [sorted(torch.isinf(r).nonzero().flatten().tolist()) for r in got]
+    assert banned == [[5, 9], [3, 5], [5]]
+    keep = torch.isfinite(got)
+    assert torch.equal(got[keep], logits[keep])
