@@ -1,12 +1,14 @@
 """Soak: `mlaserve serve` (the default model on the CPU) under minutes of mixed traffic, then the checks that nothing
 leaked or drifted.
 
-Traffic, from --workers clients at once: streamed and plain completions and chats (greedy and sampled), aborts
-(clients that disconnect mid-stream or before the answer), bad inputs (they must get a 4xx JSON error), requests
-larger than max_model_len (a 400), requests that fill the KV cache, and every --burst-every seconds a burst of
---burst concurrent requests. Afterwards: KV pages in use, running and waiting requests back to zero (from /metrics),
-the server's RSS within 5 % of what it was after the warm-up, the same greedy ids for the same prompts as before, no
-unexpected status (5xx, a hang) and no traceback in the server log. Writes benchmarks/results/soak_cpu_<date>.json.
+Traffic, from --workers clients at once: streamed and plain completions and chats (greedy and sampled), vLLM's extra
+request fields (allowed_token_ids, bad_words, include_stop_str_in_output, truncate_prompt_tokens, echo with max_tokens
+0, continue_final_message) and prefix-cache resets, aborts (clients that disconnect mid-stream or before the answer),
+bad inputs (they must get a 4xx JSON error), requests larger than max_model_len (a 400), requests that fill the KV
+cache, and every --burst-every seconds a burst of --burst concurrent requests. Afterwards: KV pages in use, running
+and waiting requests back to zero (from /metrics), the server's RSS within 5 % of what it was after the warm-up, the
+same greedy ids for the same prompts as before, no unexpected status (5xx, a hang) and no traceback in the server log.
+Writes benchmarks/results/soak_cpu_<date>.json.
 
     PYTHONPATH=$PWD python benchmarks/soak.py --minutes 10
 """
@@ -47,7 +49,7 @@ BAD = [
     b"[1, 2]",
 ]
 # kind -> weight; a fill holds the whole cache for about max_model_len steps, so it is rarer
-ACTIONS = {"stream": 4, "plain": 3, "chat": 2, "abort": 3, "bad": 2, "oversized": 1, "fill": 0.25}
+ACTIONS = {"stream": 4, "plain": 3, "chat": 2, "fields": 2, "abort": 3, "bad": 2, "oversized": 1, "fill": 0.25}
 
 
 class Tally:
@@ -108,6 +110,8 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random, max_mode
             else:
                 r = await client.post(CHAT, json={"messages": msgs, **sampled})
                 tally.add(kind, "ok" if r.status_code == 200 else "unexpected", f"{r.status_code} {r.text}")
+        elif kind == "fields":  # vLLM's extra fields, one a request, and the prefix-cache reset
+            await _fields(client, rng, sampled, tally)
         elif kind == "plain":
             r = await client.post(C, json={"prompt": _prompt(rng), "n": rng.choice((1, 1, 2)), **sampled})
             tally.add(kind, "ok" if r.status_code == 200 else "unexpected", f"{r.status_code} {r.text}")
@@ -140,6 +144,37 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random, max_mode
             raise ValueError(f"unknown traffic kind {kind!r}")
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
         tally.add(kind, "unexpected", repr(e))
+
+
+async def _fields(client: httpx.AsyncClient, rng: random.Random, sampled: dict, tally: Tally) -> None:
+    """One request with one of vLLM's extra fields (streamed or not), or a prefix-cache reset: 200, or a 409 while
+    other requests run."""
+    pick = rng.choice(("allowed", "bad_words", "stop", "truncate", "echo_only", "continue", "reset"))
+    if pick == "reset":
+        r = await client.post("/reset_prefix_cache")
+        ok = r.status_code == 200 or (r.status_code == 409 and "running or waiting" in r.text)
+        tally.add("fields", "ok" if ok else "unexpected", f"reset: {r.status_code} {r.text}")
+        return
+    path, body = C, {"prompt": _prompt(rng), **sampled}
+    if pick == "allowed":
+        body["allowed_token_ids"] = rng.sample(range(2, 512), 5)
+    elif pick == "bad_words":
+        body["bad_words"] = rng.sample(("soak", "page", "grow", " the", "a"), 2)
+    elif pick == "stop":
+        body.update(stop=[rng.choice(("a", "e", " "))], include_stop_str_in_output=True)
+    elif pick == "truncate":
+        body["truncate_prompt_tokens"] = rng.choice((-1, 1, 8))
+    elif pick == "echo_only":
+        body.update(max_tokens=0, echo=True, logprobs=1)
+    else:
+        path, body = CHAT, {**sampled, "continue_final_message": True}
+        body["messages"] = [{"role": "user", "content": _prompt(rng)}, {"role": "assistant", "content": "def"}]
+    if rng.random() < 0.5 and pick != "echo_only":
+        reason = await _stream(client, path, body)
+        tally.add("fields", "ok" if reason in ("stop", "length") else "unexpected", f"{pick}: {reason}")
+    else:
+        r = await client.post(path, json=body)
+        tally.add("fields", "ok" if r.status_code == 200 else "unexpected", f"{pick}: {r.status_code} {r.text}")
 
 
 async def burst(client: httpx.AsyncClient, n: int, tally: Tally) -> dict:

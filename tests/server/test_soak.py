@@ -14,7 +14,7 @@ def test_soak_traffic_briefly(server):
     run = asyncio.run(soak.traffic(server.url, 4, workers=4, burst_n=24, burst_every=1.5, actions=actions))
     assert run["num_unexpected"] == 0, run["unexpected"]
     assert run["bursts"] and run["counts"]["burst"]["ok"] == 24 * len(run["bursts"])
-    assert {"stream", "plain", "abort", "bad"} <= set(run["counts"]), run["counts"]
+    assert {"stream", "plain", "fields", "abort", "bad"} <= set(run["counts"]), run["counts"]
     idle = soak.wait_idle(server.url, timeout=60)
     assert idle["kv_cache_pages_used"] == 0 and idle["num_requests_running"] == 0
     assert_idle_no_leak(server)
