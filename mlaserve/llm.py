@@ -214,6 +214,41 @@ class LLM:
 
                 torch.cuda.empty_cache()
 
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of messages) or several, each through the model's chat template,
+        then generate(); each output's `prompt` is its rendered text, and its text the raw reply (no tool-call or
+        reasoning parsing: the server does that). continue_final_message: the reply continues the last message."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer, so no chat template; use generate()")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not convs or any(not isinstance(c, list) or not c for c in convs):
+            raise ValueError("messages: a non-empty list of messages, or a list of such lists")
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        texts = [
+            self.tokenizer.apply_chat_template(
+                c,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **kwargs,
+            )
+            for c in convs
+        ]
+        outs = self.generate(
+            [self.tokenizer.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm
+        )
+        for o, t in zip(outs, texts):
+            o.prompt = t
+        return outs
+
     def _prompt_ids(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -266,6 +301,7 @@ class LLM:
         bar.close()
         outs = []
         for rid, (ids, text), sp in zip(rids, encoded, params):
+            ids = self.engine.truncated(ids, sp.truncate_prompt_tokens, sp.max_tokens)  # the prompt that ran
             comps = []
             for i in range(sp.n):
                 r = results[rid][i]
