@@ -57,6 +57,11 @@ MODULES = {
         "tests/kernels_interp/test_race_sample_interp.py::test_race_into_kernel_equals_reference",
         "tests/kernels_interp/test_race_sample_interp.py::test_race_into_kernel_one_filter_a_batch",
     ],
+    "layers/logits_process.py": [  # the processors against the per-token reference, through sample(), a grammar's
+        "tests/unit/test_logits_process.py",
+        "tests/unit/test_sampler.py",
+        "tests/engine/test_structured.py",
+    ],
     "bench/compare.py": ["tests/bench/test_compare.py"],
     "detokenizer.py": ["tests/unit/test_detokenizer.py"],
     "server/serving.py": [  # its steps alone, then the HTTP tests: refusals, sampling fields, streams, a failed step

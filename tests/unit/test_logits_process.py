@@ -96,7 +96,11 @@ def test_allowed_token_ids_keep_only_those():
     rows.append(SamplingRow(SamplingParams(), None, [], [], frozenset(), {}))
     got = process_logits(logits, rows)
     assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [4, 30] and torch.equal(got[1], logits[1])
-    assert torch.equal(got[0, [4, 30]], logits[0, [4, 30]]) and "allowed_mask" in rows[0].cache
+    assert torch.equal(got[0, [4, 30]], logits[0, [4, 30]])
+    mask = rows[0].cache["allowed_mask"]
+    assert mask.nonzero().flatten().tolist() == [4, 30]
+    process_logits(logits, rows)
+    assert rows[0].cache["allowed_mask"] is mask  # made once per request
     tok, _ = sample(torch.randn(64, V), [rows[0]] * 64, torch.Generator().manual_seed(1))
     assert set(tok.tolist()) <= {4, 30}
 
@@ -117,3 +121,40 @@ def test_bad_words_ban_a_words_last_token_after_its_start():
     assert banned == [[5, 9], [3, 5], [5]]
     keep = torch.isfinite(got)
     assert torch.equal(got[keep], logits[keep])
+
+
+def test_min_tokens_masks_stop_ids_until_reached_counting_tokens_in_flight():
+    """min_tokens alone: EOS and stop ids at -inf while the output (with the tokens in flight: one a row, or up to
+    M a row padded with V) is shorter; every such row masked, not only the last; an id >= V is ignored."""
+    V, eos = 50, 1
+    logits = torch.zeros(4, V)
+    p = SamplingParams(min_tokens=3, stop_token_ids=[7])
+    stops = frozenset({eos, 7, V})  # V: outside this vocabulary
+    rows = [SamplingRow(p, None, [9], [5] * n, stops, {}) for n in (2, 3, 1, 0)]
+    masked = lambda out: [bool(torch.isinf(out[i, [eos, 7]]).all()) for i in range(4)]  # noqa: E731
+    assert masked(process_logits(logits, rows)) == [True, False, True, True]
+    assert masked(process_logits(logits, rows, torch.full((4,), 5))) == [False, False, True, True]
+    pending = torch.tensor([[5, V], [V, V], [5, V], [5, 5]])  # 1, 0, 1 and 2 tokens in flight
+    assert masked(process_logits(logits, rows, pending)) == [False, False, True, True]
+    assert masked(process_logits(logits, rows, torch.tensor([[5, 5, 5]] * 4))) == [False, False, False, False]
+    biased = SamplingParams(min_tokens=3, stop_token_ids=[7], logit_bias={3: 0.5})  # processed for its bias
+    rows = [SamplingRow(biased, None, [9], [5] * n, stops, {}) for n in (2, 3, 1, 0)]
+    assert masked(process_logits(logits, rows)) == [True, False, True, True]
+
+
+def test_repetition_penalty_alone_and_the_prompt_mask_made_once():
+    """Rows whose only processor is the repetition penalty (none at 1.0 beside them): the prompt's and output's
+    tokens penalised as the per-token reference does; the prompt's mask is made once per request."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, V, generator=gen) * 3
+    rows = [
+        SamplingRow(SamplingParams(repetition_penalty=r), None, [3, 4, 40], [4, 9], frozenset(), {}) for r in (1.5, 0.7)
+    ]
+    got = process_logits(logits, rows)
+    for i, r in enumerate(rows):
+        want = ref_process(logits[i], r.prompt_ids, r.output_ids, r.params)
+        torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-6)
+    mask = rows[0].cache["prompt_mask"]
+    assert mask.nonzero().flatten().tolist() == [3, 4, 40]
+    process_logits(logits, rows)
+    assert rows[0].cache["prompt_mask"] is mask
