@@ -87,7 +87,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch
             if len(seq) == 1 or tuple(rows[i].output_ids[-(len(seq) - 1) :]) == seq[:-1]:
                 ri.append(i), ti.append(seq[-1])
     if ri:
-        logits.index_put_((_to(ri, dev), _to(ti, dev)), torch.tensor(float("-inf"), device=dev))
+        logits[_to(ri, dev), _to(ti, dev)] = float("-inf")
     ri, ti = [], []
     for i in act:
         r = rows[i]
@@ -97,7 +97,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch
             ti += ids
     if ri:
         ri, ti = _to(ri, dev), _to(ti, dev)
-        masked = torch.tensor(float("-inf"), device=dev)
+        masked = torch.full((), float("-inf"), device=dev)  # a fill on the device: torch.tensor(...) would sync
         if n_pend != 1 and pending is not None:  # only where the output with its pending tokens is still short
             short = _to([len(r.output_ids) for r in rows], dev) + (pending < V).sum(1) < _to(
                 [r.params.min_tokens for r in rows], dev

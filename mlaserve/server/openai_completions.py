@@ -164,10 +164,12 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, prompts, gen, rid
 def _response(
     ctx: ServingContext, req: CompletionRequest, prompts, outs: dict[int, list[StepOutput]], rid: str, created: int
 ) -> dict:
+    if req.echo_only:
+        outs = {i: [_prompt_only(o) for o in os] for i, os in outs.items()}
     choices, usages = [], []
     for i in range(len(outs)):
         for j in range(req.n):
-            steps = [_prompt_only(o) if req.echo_only else o for o in outs[i] if o.index == j]
+            steps = [o for o in outs[i] if o.index == j]
             ids = [t for o in steps for t in o.new_token_ids]
             lps = [x for o in steps for x in o.new_logprobs or []]
             tops = [x for o in steps for x in o.new_top_logprobs or []] or [{}] * len(ids)
@@ -175,8 +177,7 @@ def _response(
             text = "".join(o.new_text for o in steps)
             last = dataclasses.replace(steps[-1], prompt_logprobs=steps[0].prompt_logprobs)
             choices.append(_choice(ctx, req, i * req.n + j, ids, text, last, lps, tops, 0, echo))
-        end = _prompt_only(outs[i][-1]) if req.echo_only else outs[i][-1]
-        usages.append(end.usage)  # the last event holds the request's usage (all its choices)
+        usages.append(outs[i][-1].usage)  # the last event holds the request's usage (all its choices)
     return {
         "id": rid,
         "object": "text_completion",

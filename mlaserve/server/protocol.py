@@ -118,15 +118,8 @@ class _SamplingFields(BaseModel):
     @field_validator("bad_words")
     @classmethod
     def _bad_words(cls, v):
-        if any(not w.strip() or len(w) > MAX_STOP_LEN for w in v or ()):
-            raise ValueError(f"each bad word must hold 1 to {MAX_STOP_LEN} characters, not only spaces")
-        return v
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncate(cls, v):
-        if v == 0:
-            raise ValueError("must be -1 (fit max_model_len) or a positive number of tokens, got 0")
+        if any(len(w) > MAX_STOP_LEN for w in v or ()):  # blank words: SamplingParams refuses them
+            raise ValueError(f"each bad word must hold at most {MAX_STOP_LEN} characters")
         return v
 
     @field_validator("stop_token_ids")
@@ -177,6 +170,7 @@ class _SamplingFields(BaseModel):
             seed=self.seed,
             stop=self.stop,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,  # SamplingParams checks it; the engine's cut is a no-op
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,

@@ -190,7 +190,7 @@ class ServingContext:
 
     def truncate(self, ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
         """truncate_prompt_tokens, here so that usage, echo and the length checks see the prompt the engine runs
-        (LLMEngine.truncated; the engine is not asked to truncate again)."""
+        (LLMEngine.truncated; its own cut of these ids then keeps them whole)."""
         try:
             return self.llm.truncated(ids, keep, max_tokens)
         except ValueError as e:
