@@ -5,6 +5,7 @@ engine steps that verified and drafted on the device (spec_device_steps / steps;
 
     python benchmarks/spec_sampled.py [--k 1] [--temperature 0.7] [--rounds 2] [--model DIR --draft DIR]
     python benchmarks/spec_sampled.py --sampler both     # each engine under the race kernel and the reference
+    python benchmarks/spec_sampled.py --temperature 0 --k 3 --ngram 2,4   # greedy, with an NGRAM engine beside
 
 --sampler both times every engine with the sampled rows drawn by the race kernel (kernels/race_sample.py) and by the
 torch reference it replaced, alternating in one process: the A/B of that change without a second tree.
@@ -57,6 +58,9 @@ def main() -> None:
     ap.add_argument("--model", default=default_model_path())
     ap.add_argument("--draft", default=default_draft_path())
     ap.add_argument("--sampler", choices=("race", "reference", "both"), default="race")
+    ap.add_argument(
+        "--ngram", default=None, metavar="LO,HI", help="also an NGRAM engine (prompt lookup, n-grams of LO..HI tokens)"
+    )
     ap.add_argument("--tag", default="", help="a name for the JSON (spec_sampled[_TAG]_k<K>.json)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
@@ -68,6 +72,10 @@ def main() -> None:
         "plain": LLM(a.model, max_model_len=1024, num_pages=1024),
         f"eagle3 K={a.k}": LLM(a.model, max_model_len=1024, num_pages=1024, speculative_config=spec),
     }
+    if a.ngram:
+        lo, hi = (int(x) for x in a.ngram.split(","))
+        ng = {"algorithm": "NGRAM", "num_steps": a.k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+        engines[f"ngram K={a.k}"] = LLM(a.model, max_model_len=1024, num_pages=1024, speculative_config=ng)
     for llm in engines.values():
         llm.generate(prompts[:2], params, use_tqdm=False)
     race = sampler._fused

@@ -96,8 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--speculative-algorithm",
         default=None,
-        choices=["EAGLE3", "REPLAY"],
-        help="REPLAY is a benchmark-only draft: it proposes recorded greedy outputs (--speculative-replay-path)",
+        choices=["EAGLE3", "NGRAM", "REPLAY"],
+        help="NGRAM drafts by prompt lookup, with no draft model (--speculative-ngram-*); REPLAY is a "
+        "benchmark-only draft: it proposes recorded greedy outputs (--speculative-replay-path)",
     )
     s.add_argument(
         "--speculative-draft-model-path",
@@ -131,6 +132,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=[0, 1],
         help="the draft's explicit eagle_aux_hidden_state_layer_ids: 0 reads the stream entering those layers (vLLM), "
         "1 leaving them (SGLang); the default ids (2, L/2, L-3) are read the same way by both",
+    )
+    s.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="NGRAM: the shortest context suffix looked up (vLLM's prompt_lookup_min); default: the max, or 5",
+    )
+    s.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="NGRAM: the longest context suffix looked up, tried first (vLLM's prompt_lookup_max); default: the "
+        "min, or 5",
     )
     s.add_argument(
         "--speculative-replay-path",
@@ -210,6 +226,12 @@ def engine_kwargs_from_args(args) -> dict:
         raise ValueError(
             f"--speculative-eagle-topk: tree drafting (topk > 1) is not implemented; chain drafting is 1, got {topk}"
         )
+    ngram = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
+    if ngram != (None, None) and args.speculative_algorithm != "NGRAM":
+        raise ValueError(
+            "--speculative-ngram-min/max-match-window-size: for --speculative-algorithm NGRAM "
+            '(in --speculative-config: "prompt_lookup_min" / "prompt_lookup_max")'
+        )
     if args.speculative_simulate_acceptance is not None and not args.speculative_algorithm:
         raise ValueError(
             "--speculative-simulate-acceptance: needs --speculative-algorithm EAGLE3 and its draft "
@@ -233,6 +255,11 @@ def engine_kwargs_from_args(args) -> dict:
             "num_draft_tokens": args.speculative_num_draft_tokens,
             "aux_layer_offset": args.speculative_aux_layer_offset,
         }
+        if args.speculative_algorithm == "NGRAM":
+            kw["speculative_config"].update(
+                prompt_lookup_min=args.speculative_ngram_min_match_window_size,
+                prompt_lookup_max=args.speculative_ngram_max_match_window_size,
+            )
         if args.speculative_algorithm == "REPLAY":
             kw["speculative_config"].update(
                 replay_path=args.speculative_replay_path,

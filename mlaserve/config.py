@@ -581,6 +581,9 @@ def draft_speculative_tokens(path: str | None) -> int | None:
     return n
 
 
+NGRAM_MAX = 64  # the longest n-gram NGRAM looks up (prompt_lookup_max)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Chain drafting: `num_steps` draft tokens per step, verified together (N = num_steps + 1).
@@ -594,7 +597,11 @@ class SpecConfig:
     probability, whatever the target computes (the chain stops at the first rejection; drawn on the device from a
     generator seeded by `replay_seed`), and the step emits the accepted drafts and the target's token after them.
     Every kernel, the overlap and the draft run as they would at that acceptance, at any context, but the text is
-    not the target's greedy text. REPLAY keeps the text and needs the target to reproduce a recording."""
+    not the target's greedy text. REPLAY keeps the text and needs the target to reproduce a recording.
+
+    NGRAM (prompt lookup, spec/ngram.py): no draft model; the drafts continue the latest earlier occurrence of the
+    context's longest suffix n-gram, n in [prompt_lookup_min, prompt_lookup_max] (vLLM's defaults: one given sets
+    the other, neither gives 5 and 5)."""
 
     draft_model: str | None = None
     algorithm: str = "EAGLE3"
@@ -607,6 +614,8 @@ class SpecConfig:
     replay_miss_rate: float = 0.0
     replay_seed: int = 0
     simulate_acceptance: float | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
 
     # vLLM's speculative_config keys -> ours (vLLM: {"method": "eagle3", "model": DIR, "num_speculative_tokens": n})
     VLLM_KEYS = {"method": "algorithm", "model": "draft_model", "num_speculative_tokens": "num_steps"}
@@ -622,11 +631,13 @@ class SpecConfig:
                 raise ValueError(f"speculative_config: {theirs!r} (vLLM's name) and {ours!r} both given")
             v = d.pop(theirs)
             if theirs == "method":
-                if not isinstance(v, str) or v.lower() != "eagle3":
+                m = v.lower() if isinstance(v, str) else None
+                if m not in ("eagle3", "ngram", "[ngram]"):
                     raise ValueError(
-                        f"speculative_config.method: eagle3 (an EAGLE3 draft, chain drafting) is served, got {v!r}"
+                        "speculative_config.method: eagle3 (an EAGLE3 draft, chain drafting) or ngram (prompt "
+                        f"lookup) is served, got {v!r}"
                     )
-                v = "EAGLE3"
+                v = "EAGLE3" if m == "eagle3" else "NGRAM"
             d[ours] = v
         return d
 
@@ -645,6 +656,10 @@ class SpecConfig:
         if steps is None:  # vLLM: a speculators draft's own speculative_tokens, else one
             steps = draft_speculative_tokens(d.get("draft_model")) or 1
         steps = int(steps)
+        if str(d.get("algorithm", "")).upper() == "NGRAM":  # vLLM's defaults
+            lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+            d["prompt_lookup_min"] = 5 if lo is None and hi is None else (hi if lo is None else lo)
+            d["prompt_lookup_max"] = d["prompt_lookup_min"] if hi is None else hi
         cfg = cls(**{**d, "num_steps": steps, "num_draft_tokens": int(d.get("num_draft_tokens") or steps + 1)})
         cfg.validate()
         return cfg
@@ -653,12 +668,38 @@ class SpecConfig:
     def is_replay(self) -> bool:
         return self.algorithm.upper() == "REPLAY"
 
-    def validate(self) -> None:
-        if self.algorithm.upper() not in ("EAGLE3", "REPLAY"):
+    @property
+    def is_ngram(self) -> bool:
+        return self.algorithm.upper() == "NGRAM"
+
+    def _validate_ngram(self) -> None:
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= NGRAM_MAX:
+                raise ValueError(f"speculative_config.{name}: an integer in [1, {NGRAM_MAX}], got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
-                f"speculative_config.algorithm: EAGLE3, or REPLAY (benchmark only), got {self.algorithm!r}"
+                f"speculative_config.prompt_lookup_min: at most prompt_lookup_max ({self.prompt_lookup_max}), got "
+                f"{self.prompt_lookup_min}"
             )
-        if not self.is_replay and not self.draft_model:
+        for name, what in (
+            ("draft_model", "a draft model"),
+            ("replay_path", "recorded outputs"),
+            ("simulate_acceptance", "simulated acceptance"),
+        ):
+            if getattr(self, name) is not None:
+                raise ValueError(f"speculative_config.{name}: NGRAM drafts from the context and takes no {what}")
+
+    def validate(self) -> None:
+        if not isinstance(self.algorithm, str) or self.algorithm.upper() not in ("EAGLE3", "NGRAM", "REPLAY"):
+            raise ValueError(
+                f"speculative_config.algorithm: EAGLE3, NGRAM, or REPLAY (benchmark only), got {self.algorithm!r}"
+            )
+        if self.is_ngram:
+            self._validate_ngram()
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError("speculative_config.prompt_lookup_min/max: only the NGRAM algorithm looks up n-grams")
+        if not self.is_replay and not self.is_ngram and not self.draft_model:
             raise ValueError("speculative_config.draft_model: the EAGLE3 draft's folder is required")
         if self.num_steps < 1:
             raise ValueError(f"speculative_config.num_steps: must be >= 1, got {self.num_steps}")
@@ -679,6 +720,8 @@ class SpecConfig:
                 raise ValueError(
                     "speculative_config.simulate_acceptance: for EAGLE3 only (REPLAY sets its acceptance by its misses)"
                 )
+        if self.is_ngram:
+            return
         if not self.is_replay:
             if self.replay_path is not None:
                 raise ValueError("speculative_config.replay_path: only the REPLAY algorithm reads recorded outputs")

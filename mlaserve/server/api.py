@@ -73,6 +73,8 @@ def speculative_card(spec) -> dict:
         "draft_model": spec.draft_model,
         "benchmark_only": spec.is_replay or spec.simulate_acceptance is not None,
     }
+    if spec.is_ngram:
+        out.update(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
     if spec.is_replay:
         out.update(replay_miss_rate=spec.replay_miss_rate, replay_seed=spec.replay_seed)
     if spec.simulate_acceptance is not None:

@@ -8,7 +8,7 @@ from ..config import SpecConfig
 
 
 def draft_kv_page_bytes(spec: SpecConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes per KV page of the draft model's own cache (0 without a draft model: REPLAY alone)."""
+    """Bytes per KV page of the draft model's own cache (0 without a draft model: NGRAM, REPLAY alone)."""
     if not spec.draft_model:
         return 0
     from ..models.eagle3 import DraftConfig
@@ -18,7 +18,12 @@ def draft_kv_page_bytes(spec: SpecConfig, page_size: int, dtype: torch.dtype) ->
 
 
 def build_proposer(spec: SpecConfig, runner):
-    """EAGLE3: the draft model. REPLAY (benchmark only): recorded greedy outputs, after the draft's forward if any."""
+    """EAGLE3: the draft model. NGRAM: prompt lookup, no model. REPLAY (benchmark only): recorded greedy outputs,
+    after the draft's forward if any."""
+    if spec.is_ngram:
+        from .ngram import NgramProposer
+
+        return NgramProposer(spec, runner)
     inner = None
     if spec.draft_model:
         from .eagle3 import Eagle3Proposer

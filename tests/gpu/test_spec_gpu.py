@@ -109,6 +109,20 @@ def test_replay_exact_acceptance_under_graphs(tiny_ckpt, plain, tmp_path, k, rat
     assert st["spec_device_steps"] == llm.engine.loop.decode_only_steps > 0
 
 
+@pytest.mark.parametrize("k,lo,hi", [(1, 1, 3), (3, 2, 4)])
+def test_ngram_exact_acceptance_under_graphs(tiny_ckpt, plain, k, lo, hi):
+    """NGRAM (prompt lookup, no draft model) under the verify's graphs: greedy equal to plain, each request's
+    acceptance per position what the lookup rule gives over its plain output."""
+    from ..spec.test_ngram import expected_per_position
+
+    prompts = _prompts()
+    spec = dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+    got, per_req, llm, _ = _greedy(tiny_ckpt, prompts, spec)
+    assert got == plain
+    assert per_req == [expected_per_position(p, o, k, lo, hi) for p, o in zip(prompts, plain)]
+    assert llm.engine.loop.decode_only_steps > 0
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_device_step_drafts_like_eager(tiny_ckpt, trained, plain, k):
     """The captured draft step fed by the verify on the device against the eager engine (enforce_eager: the host

@@ -179,9 +179,10 @@ def test_vllm_speculative_config_and_sglang_topk(tmp_path):
         with pytest.raises(ValueError, match=says):
             engine_kwargs_from_args(p.parse_args(argv))
     for d, says in [
-        ({"method": "ngram"}, "speculative_config.method: eagle3"),
+        ({"method": "medusa"}, "speculative_config.method: eagle3 .* or ngram"),
         ({"method": "eagle3", "model": str(draft), "draft_model": str(draft)}, "'model' .* and 'draft_model' both"),
-        ({"method": "eagle3", "model": str(draft), "prompt_lookup_max": 4}, r"unknown keys \['prompt_lookup_max'\]"),
+        ({"method": "eagle3", "model": str(draft), "prompt_lookup_max": 4}, "prompt_lookup_min/max: only the NGRAM"),
+        ({"method": "ngram", "suffix_tokens": 4}, r"unknown keys \['suffix_tokens'\]"),
     ]:
         with pytest.raises(ValueError, match=says):
             SpecConfig.from_dict(d)

@@ -1,0 +1,157 @@
+"""NGRAM speculative decoding (prompt lookup, spec/ngram.py): the lookup's rule, greedy outputs equal to plain
+decoding's with acceptance where the output copies its context, and its config, flags and errors."""
+
+import random
+
+import pytest
+
+from mlaserve.args import engine_kwargs_from_args
+from mlaserve.cli import build_parser
+from mlaserve.config import EngineConfig, SpecConfig
+from mlaserve.engine.engine import LLMEngine
+from mlaserve.server.api import speculative_card
+from mlaserve.spec.ngram import NgramIndex
+from mlaserve.types import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def index(tokens, lo, hi):
+    idx = NgramIndex(lo, hi)
+    idx.extend(tokens[:3])
+    idx.extend(tokens[3:])  # in two parts: the same as one
+    return idx
+
+
+def test_lookup_takes_the_longest_suffix_then_its_latest_occurrence():
+    # suffix [7, 8]: at 0 followed by 1, at 4 followed by 2; suffix [6, 7, 8]: at 3 followed by 9
+    toks = [7, 8, 1, 6, 7, 8, 9, 5, 7, 8, 2, 4, 6, 7, 8]
+    assert index(toks, 1, 3).lookup(3) == [9, 5, 7]
+    assert index(toks, 1, 2).lookup(3) == [2, 4, 6]  # the latest [7, 8] that has a token after it
+    assert index(toks, 4, 5).lookup(2) is None  # [4, 6, 7, 8] occurs once: its own suffix is no match
+    assert index([3, 1, 2, 3], 1, 2).lookup(4) == [1, 2, 3, 3]  # a run to the end, padded with its last token
+    assert index([5], 1, 1).lookup(2) is None and NgramIndex(1, 3).lookup(1) is None
+
+
+def test_lookup_equals_a_brute_force_search():
+    rng = random.Random(0)
+    for _ in range(300):
+        toks = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        lo = rng.randrange(1, 4)
+        hi, k = lo + rng.randrange(3), rng.randrange(1, 5)
+        want = None
+        for n in range(min(hi, len(toks)), lo - 1, -1):
+            ends = [j for j in range(n, len(toks)) if toks[j - n : j] == toks[len(toks) - n :]]
+            if ends:
+                run = toks[ends[-1] : ends[-1] + k]
+                want = run + [run[-1]] * (k - len(run))
+                break
+        assert index(toks, lo, hi).lookup(k) == want, (toks, lo, hi, k)
+
+
+def run(engine, prompts, params=GREEDY):
+    rids = [engine.add_request(p, params) for p in prompts]
+    out = {r: [] for r in rids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[r] for r in rids]
+
+
+@pytest.fixture(scope="module")
+def prompts_and_plain(tiny_ckpt):
+    """Random prompts, then the same prompts followed by their own greedy continuation (a context to copy
+    from), and plain greedy outputs of both (the random target's outputs also fall into loops)."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(5, 60))] for _ in range(5)]
+    plain = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"))
+    first = run(plain, prompts)
+    prompts += [p + o for p, o in zip(prompts, first)]
+    return prompts, first + run(plain, prompts[5:])
+
+
+def expected_per_position(prompt, out, k, lo, hi):
+    """The chain rule over the plain output: each step drafts by the lookup over prompt + out[:n], accepts the
+    drafts equal to out[n:], and emits 1 + accepted tokens, cut at max_tokens."""
+    counts, n = [0] * k, 1  # the prefill emitted output 0
+    while n < len(out):
+        d = index(prompt + out[:n], lo, hi).lookup(k) or [out[n - 1]] * k
+        a = 0
+        while a < k and n + a < len(out) and d[a] == out[n + a]:
+            a += 1
+        emitted = min(1 + a, len(out) - n)
+        for i in range(emitted - 1):
+            counts[i] += 1
+        n += emitted
+    return counts
+
+
+@pytest.mark.parametrize("k,lo,hi", [(1, 1, 3), (3, 2, 4), (2, 5, 5)])
+def test_ngram_greedy_outputs_equal_plain(tiny_ckpt, prompts_and_plain, k, lo, hi):
+    """Outputs equal plain decoding's, and each request's acceptance per position is exactly what the lookup rule
+    gives over its plain output."""
+    prompts, plain = prompts_and_plain
+    spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=lo, prompt_lookup_max=hi))
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"), spec=spec)
+    rids = [eng.add_request(p, GREEDY) for p in prompts]
+    out, last = {r: [] for r in rids}, {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+            last[o.request_id] = o
+    assert [out[r] for r in rids] == plain
+    want = [expected_per_position(p, o, k, lo, hi) for p, o in zip(prompts, plain)]
+    assert [list(last[r].usage.spec_accepted_per_position) for r in rids] == want
+    assert sum(c[0] for c in want) > 10  # the loops and the copies are found
+    assert 0 < eng.proposer.matched_tokens < eng.proposer.proposed_tokens == k * eng.stats()["spec_steps"]
+
+
+def test_ngram_sampled_requests_run(tiny_ckpt, prompts_and_plain):
+    """Sampled requests verify their n-gram drafts by the speculative-sampling rule; a seeded one repeats."""
+    prompts = prompts_and_plain[0][5:7]
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"), spec=SpecConfig.from_dict(dict(algorithm="NGRAM")))
+    p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=3)
+    a, b = run(eng, prompts, p), run(eng, prompts, p)
+    assert a == b and all(len(t) == 16 for t in a)
+
+
+def test_ngram_config_defaults_and_vllm_keys():
+    assert SpecConfig.from_dict(dict(algorithm="NGRAM")).prompt_lookup_min == 5
+    d = SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert d.is_ngram and (d.prompt_lookup_min, d.prompt_lookup_max, d.num_draft_tokens) == (4, 4, 4)
+    d = SpecConfig.from_dict({"method": "[ngram]", "prompt_lookup_min": 2})
+    assert (d.prompt_lookup_min, d.prompt_lookup_max, d.num_steps) == (2, 2, 1)
+    card = speculative_card(SpecConfig.from_dict(dict(algorithm="ngram", prompt_lookup_min=1, prompt_lookup_max=3)))
+    assert card["algorithm"] == "NGRAM" and not card["benchmark_only"] and card["prompt_lookup_max"] == 3
+
+
+@pytest.mark.parametrize(
+    "d,msg",
+    [
+        (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min: at most prompt_lookup_max"),
+        (dict(prompt_lookup_min=0), "prompt_lookup_min: an integer in"),
+        (dict(prompt_lookup_min=1, prompt_lookup_max=65), "prompt_lookup_max: an integer in"),
+        (dict(prompt_lookup_min=1, prompt_lookup_max=2.5), "prompt_lookup_max: an integer in"),
+        (dict(draft_model="/x"), "draft_model: NGRAM drafts from the context"),
+        (dict(replay_path="/x"), "replay_path: NGRAM"),
+        (dict(simulate_acceptance=0.5), "simulate_acceptance: NGRAM"),
+        (dict(algorithm="EAGLE3", draft_model=None, prompt_lookup_min=2), "prompt_lookup_min/max: only the NGRAM"),
+        (dict(algorithm=None, method="medusa"), "method: eagle3 .* or ngram"),
+    ],
+)
+def test_ngram_config_errors(d, msg):
+    d = {"algorithm": "NGRAM", **d}
+    if d["algorithm"] is None:
+        del d["algorithm"]
+    with pytest.raises(ValueError, match=f"speculative_config.{msg}"):
+        SpecConfig.from_dict(d)
+
+
+def test_ngram_cli_flags():
+    argv = ["generate", "--prompt", "x", "--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3"]
+    argv += ["--speculative-ngram-min-match-window-size", "2", "--speculative-ngram-max-match-window-size", "6"]
+    spec = SpecConfig.from_dict(engine_kwargs_from_args(build_parser(argv).parse_args(argv))["speculative_config"])
+    assert spec.is_ngram and (spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_draft_tokens) == (2, 6, 4)
+    argv = ["generate", "--prompt", "x", "--speculative-ngram-max-match-window-size", "6"]
+    with pytest.raises(ValueError, match="for --speculative-algorithm NGRAM"):
+        engine_kwargs_from_args(build_parser(argv).parse_args(argv))
