@@ -73,6 +73,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # the prompt's last k tokens; -1: what leaves room for max_tokens
     skip_special_tokens: bool = True  # the output text leaves out special tokens
     keep_special_token_ids: frozenset[int] = frozenset()  # ... but these (a tool or reasoning parser's markers)
+    # OpenAI's Predicted Outputs: the expected output (text, or token ids); an NGRAM engine drafts from it too
+    prediction: str | list[int] | None = None
     structured: StructuredOutput | None = None  # the output follows a JSON schema, regex, choice or grammar
 
     def __post_init__(self):
@@ -146,6 +148,12 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        pr = self.prediction
+        if pr is not None and not (
+            (isinstance(pr, str) and pr)
+            or (isinstance(pr, (list, tuple)) and pr and all(_is_int(t) and t >= 0 for t in pr))
+        ):
+            bad("prediction", f"must be non-empty text or a non-empty list of token ids, got {pr!r}"[:200])
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")
@@ -222,6 +230,7 @@ class Request:
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps that accepted draft i + 1
     spec_steps: int = 0
+    prediction_token_ids: list[int] | None = None  # params.prediction as tokens (an NGRAM engine's, else None)
 
     @property
     def all_token_ids(self) -> list[int]:

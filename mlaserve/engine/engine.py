@@ -202,6 +202,13 @@ class LLMEngine:
         for t in params.allowed_token_ids or ():
             if t >= V:
                 raise ValueError(f"allowed_token_ids: token id {t} is outside the vocabulary [0, {V})")
+        pr = params.prediction
+        if pr is not None and not isinstance(pr, str):
+            for t in pr:
+                if t >= V:
+                    raise ValueError(f"prediction: token id {t} is outside the vocabulary [0, {V})")
+        if isinstance(pr, str) and self.tokenizer is None and self.spec is not None and self.spec.is_ngram:
+            raise ValueError("prediction: text needs a tokenizer; this model has none (give token ids)")
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words: need a tokenizer; this model has none")
@@ -265,6 +272,10 @@ class LLMEngine:
         st = ReqState(req, detok, gen, eos, grammar=grammar)
         if params.bad_words:
             st.cache["bad_words"] = bad_word_ids(self.tokenizer, params.bad_words)
+        if params.prediction is not None and self.spec is not None and self.spec.is_ngram:  # others ignore it
+            pr = params.prediction
+            ids = self.tokenizer.encode(pr, add_special_tokens=False) if isinstance(pr, str) else list(pr)
+            req.prediction_token_ids = ids[: self.max_model_len]  # drafts past max_model_len are never verified
         self.states[req.request_id] = st
         return req
 

@@ -83,6 +83,9 @@ class _SamplingFields(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # OpenAI's Predicted Outputs, {"type": "content", "content": text or [{"type": "text", "text": ...}]}: an NGRAM
+    # server drafts from it (spec/ngram.py); others accept and ignore it
+    prediction: Any = None
     # known fields the engine cannot honour: a 400 naming the field when set to anything but these
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -94,6 +97,22 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _unsupported(cls, v, info):
         return _refuse(info.field_name, v, UNSUPPORTED[info.field_name])
+
+    @field_validator("prediction")
+    @classmethod
+    def _prediction(cls, v):
+        """-> the predicted text (None when empty)."""
+        if v is None:
+            return None
+        c = v.get("content") if isinstance(v, dict) and v.get("type") == "content" else None
+        if isinstance(c, list):
+            texts = [p.get("text") for p in c if isinstance(p, dict) and p.get("type") == "text"]
+            c = "".join(texts) if len(texts) == len(c) and all(isinstance(t, str) for t in texts) else None
+        if not isinstance(c, str):
+            raise ValueError(
+                'must be {"type": "content", "content": a string or a list of {"type": "text", "text": ...} parts}'
+            )
+        return c or None
 
     @field_validator("logit_bias")
     @classmethod
@@ -175,6 +194,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            prediction=self.prediction,
         )
 
 

@@ -6,6 +6,11 @@ far. Where a request copies from its prompt (code edits, quoting, summaries, str
 the copied run; where nothing matches, the draft is the last token repeated and costs the verify's width only.
 Drafts are chosen on the host after each step is read back (spec_loop.py's verified_drafts), as REPLAY's are.
 
+A request with a prediction (OpenAI's Predicted Outputs: the output it expects, e.g. the file being edited) is also
+looked up in its prompt followed by that prediction, which comes first at each n: the output's tail found there is
+continued by the prediction, so an output that follows it is accepted K tokens a step, and one that leaves it
+(an edit) is found again as soon as its last n tokens are back in the prediction.
+
 A continuation shorter than K (a match near the end of the context) is padded with its last token.
 """
 
@@ -32,14 +37,17 @@ class NgramIndex:
                     m[tuple(toks[p - n : p])] = p
             toks.append(t)
 
-    def lookup(self, k: int) -> list[int] | None:
-        """The k tokens after the latest earlier occurrence of the longest matching suffix, or None."""
+    def lookup(self, k: int, first: NgramIndex | None = None) -> list[int] | None:
+        """The k tokens after the latest earlier occurrence of the longest matching suffix of this context, or None;
+        at each n, an occurrence in `first` (another sequence's index, same lo and hi) before one here."""
         toks, L = self.tokens, len(self.tokens)
         for n in range(min(self.hi, L), self.lo - 1, -1):
-            j = self.after[n].get(tuple(toks[L - n :]))
-            if j is not None:
-                run = toks[j : j + k]  # j < L: at least one token
-                return run + [run[-1]] * (k - len(run))
+            key = tuple(toks[L - n :])
+            for idx in (first, self) if first is not None else (self,):
+                j = idx.after[n].get(key)
+                if j is not None:
+                    run = idx.tokens[j : j + k]  # j < len(idx.tokens): at least one token
+                    return run + [run[-1]] * (k - len(run))
         return None
 
 
@@ -49,7 +57,7 @@ class NgramProposer:
     def __init__(self, spec, runner=None):
         self.k = spec.num_steps
         self.lo, self.hi = spec.prompt_lookup_min, spec.prompt_lookup_max
-        self.index: dict[str, tuple[Request, NgramIndex]] = {}
+        self.index: dict[str, tuple[Request, NgramIndex, NgramIndex | None]] = {}  # context, prompt + prediction
         self.proposed_tokens = self.matched_tokens = 0  # draft tokens proposed; of those, from a match
 
     def tokens(self, req: Request) -> list[int]:
@@ -58,7 +66,11 @@ class NgramProposer:
         if entry is None or entry[0] is not req:
             if len(self.index) > 1024:  # forget finished requests
                 self.index = {k: v for k, v in self.index.items() if not v[0].finished}
-            entry = self.index[req.request_id] = (req, NgramIndex(self.lo, self.hi))
+            pred = None
+            if req.prediction_token_ids:
+                pred = NgramIndex(self.lo, self.hi)
+                pred.extend(req.prompt_token_ids + req.prediction_token_ids)
+            entry = self.index[req.request_id] = (req, NgramIndex(self.lo, self.hi), pred)
         idx = entry[1]
         p, n = len(req.prompt_token_ids), len(idx.tokens)
         if n < p:
@@ -66,7 +78,7 @@ class NgramProposer:
             n = p
         idx.extend(req.output_token_ids[n - p :])
         self.proposed_tokens += self.k
-        run = idx.lookup(self.k)
+        run = idx.lookup(self.k, entry[2])
         if run is None:
             return [idx.tokens[-1]] * self.k
         self.matched_tokens += self.k

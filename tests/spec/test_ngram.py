@@ -70,12 +70,13 @@ def prompts_and_plain(tiny_ckpt):
     return prompts, first + run(plain, prompts[5:])
 
 
-def expected_per_position(prompt, out, k, lo, hi):
-    """The chain rule over the plain output: each step drafts by the lookup over prompt + out[:n], accepts the
-    drafts equal to out[n:], and emits 1 + accepted tokens, cut at max_tokens."""
+def expected_per_position(prompt, out, k, lo, hi, pred=None):
+    """The chain rule over the plain output: each step drafts by the lookup over prompt + out[:n] (prompt + pred
+    first), accepts the drafts equal to out[n:], and emits 1 + accepted tokens, cut at max_tokens."""
     counts, n = [0] * k, 1  # the prefill emitted output 0
+    first = index(prompt + pred, lo, hi) if pred else None
     while n < len(out):
-        d = index(prompt + out[:n], lo, hi).lookup(k) or [out[n - 1]] * k
+        d = index(prompt + out[:n], lo, hi).lookup(k, first) or [out[n - 1]] * k
         a = 0
         while a < k and n + a < len(out) and d[a] == out[n + a]:
             a += 1
@@ -104,6 +105,48 @@ def test_ngram_greedy_outputs_equal_plain(tiny_ckpt, prompts_and_plain, k, lo, h
     assert [list(last[r].usage.spec_accepted_per_position) for r in rids] == want
     assert sum(c[0] for c in want) > 10  # the loops and the copies are found
     assert 0 < eng.proposer.matched_tokens < eng.proposer.proposed_tokens == k * eng.stats()["spec_steps"]
+
+
+def test_lookup_takes_the_prediction_first_at_each_n():
+    ctx, pred = index([1, 2, 3, 9, 1, 2], 1, 2), index([5, 1, 2, 4, 4], 1, 2)
+    assert ctx.lookup(2) == [3, 9] and ctx.lookup(2, pred) == [4, 4]
+    assert index([7, 2], 1, 2).lookup(2, pred) == [4, 4]  # [7, 2] is in neither: [2] in the prediction
+    assert index([1, 2, 3, 9, 1, 2], 2, 2).lookup(2, index([5, 6], 2, 2)) == [3, 9]  # no match there: the context's
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_prediction_drafts_the_predicted_output(tiny_ckpt, prompts_and_plain, k):
+    """OpenAI's Predicted Outputs on an NGRAM engine: each request predicting its own plain output (as token ids,
+    one with an edit in the middle) keeps greedy equal to plain, its acceptance exactly the rule's with the
+    prediction looked up first, and accepts more than without a prediction; a plain engine ignores it."""
+    prompts, plain = prompts_and_plain
+    prompts, plain = prompts[:5], plain[:5]
+    preds = [o[:20] + [7, 7, 7] + o[20:] if i == 2 else list(o) for i, o in enumerate(plain)]
+    spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=1, prompt_lookup_max=3))
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"), spec=spec)
+    rids = [eng.add_request(p, SamplingParams(**{**GREEDY.__dict__, "prediction": q})) for p, q in zip(prompts, preds)]
+    out, last = {r: [] for r in rids}, {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+            last[o.request_id] = o
+    assert [out[r] for r in rids] == plain
+    got = [list(last[r].usage.spec_accepted_per_position) for r in rids]
+    assert got == [expected_per_position(p, o, k, 1, 3, q) for p, o, q in zip(prompts, plain, preds)]
+    without = [expected_per_position(p, o, k, 1, 3) for p, o in zip(prompts, plain)]
+    assert sum(map(sum, got)) > 2 * sum(map(sum, without))
+    assert sum(c[0] for c in got) >= 0.8 * sum(len(o) // (k + 1) for o in plain)
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"))
+    assert run(eng, prompts[:1], SamplingParams(**{**GREEDY.__dict__, "prediction": preds[0]})) == plain[:1]
+
+
+def test_prediction_errors(tiny_ckpt):
+    for bad in ("", [], [1, -2], [1.5], {"a": 1}):
+        with pytest.raises(ValueError, match="prediction: must be non-empty text or a non-empty list of token ids"):
+            SamplingParams(prediction=bad)
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"), spec=SpecConfig.from_dict(dict(algorithm="NGRAM")))
+    with pytest.raises(ValueError, match=r"prediction: token id 512 is outside the vocabulary \[0, 512\)"):
+        eng.add_request([1, 2], SamplingParams(prediction=[3, 512]))
 
 
 def test_ngram_sampled_requests_run(tiny_ckpt, prompts_and_plain):
@@ -155,3 +198,35 @@ def test_ngram_cli_flags():
     argv = ["generate", "--prompt", "x", "--speculative-ngram-max-match-window-size", "6"]
     with pytest.raises(ValueError, match="for --speculative-algorithm NGRAM"):
         engine_kwargs_from_args(build_parser(argv).parse_args(argv))
+
+
+def test_ngram_server_takes_openai_prediction(tiny_ckpt):
+    """Through the server: a chat request predicting its reply's text (OpenAI's prediction field, both content
+    forms) gets the same reply with more accepted prediction tokens in its usage; a malformed prediction is a 400
+    naming the field; the server ends idle with no page leaked."""
+    import httpx
+
+    from ..server.conftest import assert_idle_no_leak, start_server
+
+    spec = dict(algorithm="NGRAM", num_steps=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    run_ = start_server(tiny_ckpt, speculative_config=spec)
+    try:
+        url = f"{run_.url}/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": "tell me"}], "max_tokens": 40, "temperature": 0}
+        body |= {"ignore_eos": True, "return_token_ids": True}
+        first = httpx.post(url, json=body, timeout=60).json()
+        text = first["choices"][0]["message"]["content"]
+        parts = [{"type": "text", "text": text[:7]}, {"type": "text", "text": text[7:]}]
+        for content in (text, parts):
+            r = httpx.post(url, json={**body, "prediction": {"type": "content", "content": content}}, timeout=60)
+            assert r.status_code == 200, r.text
+            again = r.json()
+            assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+            got, base = (x["usage"]["completion_tokens_details"] for x in (again, first))
+            assert got["accepted_prediction_tokens"] > base["accepted_prediction_tokens"] + 10, (got, base)
+        for bad in ({"type": "content"}, {"type": "text", "content": "x"}, "x", {"type": "content", "content": [1]}):
+            r = httpx.post(url, json={**body, "prediction": bad}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prediction", (bad, r.text)
+        assert_idle_no_leak(run_)
+    finally:
+        assert run_.stop() == 0
