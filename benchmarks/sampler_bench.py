@@ -23,6 +23,7 @@ SETS = {
     "temp 0.7, top_p 0.95": dict(temperature=0.7, top_p=0.95),
     "temp 1.0, top_k 50": dict(temperature=1.0, top_k=50),
     "temp 1.0, min_p 0.05": dict(temperature=1.0, min_p=0.05),
+    "temp 0.7, top_k 50, top_p 0.95": dict(temperature=0.7, top_k=50, top_p=0.95),
 }
 
 
@@ -46,7 +47,7 @@ def timed(logits, rows, gen, reps=50):
 
 def main():
     out = []
-    fused = sampler._fused
+    fused, cand = sampler._fused, sampler._candidates
     gen = torch.Generator(device="cuda").manual_seed(0)
     for V in (163840, 8192):
         for B in (1, 8, 32):
@@ -55,14 +56,16 @@ def main():
                 rows = [SamplingRow(SamplingParams(**kw), None) for _ in range(B)]
                 r = dict(V=V, B=B, params=name)
                 for mode in ("reference", "race kernel"):
-                    sampler._fused = (lambda p, V: False) if mode == "reference" else fused
+                    ref = mode == "reference"
+                    sampler._fused = (lambda p, V: False) if ref else fused
+                    sampler._candidates = (lambda p, V: False) if ref else cand
                     wall, gpu, n = timed(logits, rows, gen)
                     r[mode] = dict(wall_us=wall, gpu_us=gpu, kernels=n)
-                sampler._fused = fused
+                sampler._fused, sampler._candidates = fused, cand
                 out.append(r)
                 a, b = r["reference"], r["race kernel"]
                 print(
-                    f"V {V:6d} B {B:2d} {name:22s} reference {a['wall_us']:7.1f} us wall {a['gpu_us']:7.1f} GPU "
+                    f"V {V:6d} B {B:2d} {name:30s} reference {a['wall_us']:7.1f} us wall {a['gpu_us']:7.1f} GPU "
                     f"({a['kernels']:4.1f} kernels)  race {b['wall_us']:7.1f} wall {b['gpu_us']:7.1f} GPU "
                     f"({b['kernels']:4.1f})",
                     flush=True,

@@ -99,6 +99,38 @@ def _fused(p, V: int) -> bool:
     return not (0 < p.top_k < V and p.top_p < 1.0)
 
 
+TOPK_CANDIDATES = 1024  # top-k rows the race kernel leaves (those with top-p too) up to this k race over torch.topk
+
+
+def _candidates(p, V: int) -> bool:
+    """A top-k row whose race over its top-k values (_candidates_into) replaces the sort where the kernel cannot."""
+    return 0 < p.top_k <= TOPK_CANDIDATES and p.top_k < V and p.top_p < 1.0
+
+
+def _candidates_into(
+    tokens: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow], idx: list[int], nrow: list[int], noise
+) -> None:
+    """tokens[idx[j]] for rows with 0 < top_k <= TOPK_CANDIDATES: the reference's filter and race over the row's top-k
+    values alone (torch.topk, [n, k_max]), which hold every token the filter keeps: top-p's mass is the top-k
+    set's either way, so the same tokens from the same noise (nrow[j]: row j's noise row), without sorting V."""
+    dev = logits.device
+    sel = _to(idx, dev)
+    x = logits[sel].float() / _to([r.params.temperature for r in rows], dev).unsqueeze(1)
+    vals, ids = x.topk(max(r.params.top_k for r in rows), dim=-1)  # [n, k], largest first
+    drop = torch.arange(vals.shape[1], device=dev) >= _to([r.params.top_k for r in rows], dev).unsqueeze(1)
+    probs = vals.masked_fill(drop, float("-inf")).softmax(-1)
+    drop |= (probs.cumsum(-1) - probs) >= _to([r.params.top_p for r in rows], dev).unsqueeze(1)
+    vals = vals.masked_fill(drop, float("-inf"))
+    min_p = [r.params.min_p for r in rows]
+    if max(min_p) > 0:
+        probs = vals.softmax(-1)
+        vals = vals.masked_fill(
+            probs < probs.max(-1, keepdim=True).values * _to(min_p, dev).unsqueeze(1), float("-inf")
+        )
+    e = noise[_to(nrow, dev)].gather(1, ids)
+    tokens[sel] = ids.gather(1, (vals.softmax(-1) / e).argmax(-1, keepdim=True)).squeeze(1)
+
+
 def fused_all(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
     """Every row is sampled and the race kernel takes them all (so no arg-max pass is needed first)."""
     V = logits.shape[-1]
@@ -116,8 +148,9 @@ def race_into(
 ) -> None:
     """tokens[idx[j]] = a draw from row idx[j] of logits [R, V] filtered by rows[j] (temperature, top-k, top-p,
     min-p), by the exponential race over noise row j: argmax(p / E), E ~ Exp(1), draws from p. tokens [R] int64.
-    On the GPU one launch for the rows the race kernel takes; the others (and every row on the CPU) run the
-    reference: the sort-based filter, softmax, argmax. kernel: whether to launch the race kernel (default: on the
+    On the GPU one launch for the rows the race kernel takes, and the race over torch.topk's candidates for those
+    with top-k and top-p (_candidates_into); the others (and every row on the CPU) run the reference: the
+    sort-based filter, softmax, argmax. kernel: whether to launch the race kernel (default: on the
     GPU; tests set it for CPU tensors under Triton's interpreter)."""
     V, dev = logits.shape[1], logits.device
     kernel = logits.is_cuda if kernel is None else kernel
@@ -135,7 +168,10 @@ def race_into(
         )
         check = any(top_k) or any(p.top_p < 1.0 for p in ps)
         race_sample(logits, noise, par, tokens, any(p.min_p > 0 for p in ps), check, pdl)
-    taken = set(fused)
+    cand = [j for j, r in enumerate(rows) if j not in fused and _candidates(r.params, V)] if kernel else []
+    if cand:
+        _candidates_into(tokens, logits, [rows[j] for j in cand], [idx[j] for j in cand], cand, noise)
+    taken = set(fused) | set(cand)
     rest = [j for j in range(len(rows)) if j not in taken]
     if rest:
         sel, nsel = _to([idx[j] for j in rest], dev), _to(rest, dev)

@@ -759,10 +759,11 @@ def test_sample_and_verify_rows_race_equal_reference(monkeypatch, V):
     logits = torch.randn(8, V, device="cuda") * 3
     vlogits = torch.randn(8, 3, V, device="cuda") * 3
     drafts = vlogits[:, :2].argmax(-1)  # the greedy row accepts both; the sampled ones what their draws say
-    race = sampler._fused
+    race, cand = sampler._fused, sampler._candidates
 
     def run(fused):
         monkeypatch.setattr(sampler, "_fused", race if fused else (lambda p, V: False))
+        monkeypatch.setattr(sampler, "_candidates", cand if fused else (lambda p, V: False))
         tok = sampler.sample(logits, kc.sampling_rows("cuda"), torch.Generator(device="cuda").manual_seed(5))[0]
         y, acc = verify_rows(vlogits, drafts, kc.sampling_rows("cuda"), torch.Generator(device="cuda").manual_seed(6))
         return tok, y, acc

@@ -163,3 +163,45 @@ def test_which_rows_the_race_kernel_takes():
     assert took(top_k=5) and took(top_p=0.9) and took(min_p=0.1) and took(top_k=5, top_p=1.0)
     assert took(top_k=0, top_p=0.9) and took(top_k=-1, top_p=0.9) and took(top_k=V, top_p=0.9)
     assert not took(top_k=5, top_p=0.9) and not took(top_k=1, top_p=0.9) and not took(top_k=V - 1, top_p=0.99)
+
+
+def test_which_rows_race_over_their_top_k_candidates():
+    """The rows the race kernel leaves (top-k and top-p both on) with top-k up to TOPK_CANDIDATES."""
+    from mlaserve.layers.sampler import TOPK_CANDIDATES, _candidates
+
+    V = 5000
+    took = lambda **kw: _candidates(SamplingParams(**kw), V)  # noqa: E731
+    assert took(top_k=1, top_p=0.9) and took(top_k=TOPK_CANDIDATES, top_p=0.99) and took(top_k=50, top_p=0.5)
+    assert not took(top_k=TOPK_CANDIDATES + 1, top_p=0.9) and not took(top_k=50) and not took(top_p=0.9)
+    assert not took(top_k=0, top_p=0.9) and not took(top_k=-1, top_p=0.9) and not took(top_k=V, top_p=0.9)
+    assert not _candidates(SamplingParams(top_k=40, top_p=0.9), 40)
+
+
+def test_top_k_candidates_race_equals_the_reference():
+    """_candidates_into (the race over torch.topk's values) gives the reference's tokens (the sort-based filter over
+    the whole row, softmax, argmax(p / E)) from the same logits and noise rows, on fresh random rows: temperatures,
+    top-k from 1 to near V, top-p (its mass over the top-k set's), min-p on half; rows not named stay poisoned."""
+    from mlaserve.layers.sampler import _candidates_into
+
+    g = torch.Generator().manual_seed(3)
+    u = lambda: float(torch.rand(1, generator=g))  # noqa: E731
+    for trial in range(60):
+        V = int(torch.randint(20, 3000, (1,), generator=g))
+        n = 1 + trial % 5
+        ps = [
+            SamplingParams(
+                temperature=0.1 + 1.5 * u(),
+                top_k=[1, 2, 7, 40, V - 1][(trial + j) % 5],
+                top_p=0.05 + 0.94 * u(),
+                min_p=0.3 * u() if trial % 2 else 0.0,
+            )
+            for j in range(n)
+        ]
+        logits = torch.randn(n + 2, V, generator=g) * (0.1 + 5 * u())
+        noise = torch.empty(n + 1, V).exponential_(generator=g)
+        nrow = [(j + 1) % (n + 1) for j in range(n)]  # each row's noise row, not its own index
+        tok = torch.full((n + 2,), -1, dtype=torch.int64)
+        _candidates_into(tok, logits, rows(*ps), list(range(1, n + 1)), nrow, noise)
+        ref = (_filter(logits[1 : n + 1], rows(*ps)).softmax(-1) / noise[nrow]).argmax(-1)
+        assert torch.equal(tok[1 : n + 1], ref), (trial, tok.tolist(), ref.tolist())
+        assert tok[0] == -1 and tok[-1] == -1
