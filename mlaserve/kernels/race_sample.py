@@ -12,7 +12,7 @@ again. The top value is always kept, so this ends; with top-p alone a winner is 
 Scores are x - log(E) (x = logit / temperature), the log of the reference's p / E up to a constant. Ties at the
 k-th value or at the top-p boundary keep every tied token (the sort keeps the first of them); the row's masses are
 summed in another order than the sort's cumsum. Rows with both top-k and top-p (top-p over the top-k set's
-renormalised mass) take the reference.
+renormalised mass) are the sampler's: a race over their top-k candidates (sampler.py's _candidates_into).
 """
 
 from __future__ import annotations

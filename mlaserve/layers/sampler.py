@@ -4,8 +4,9 @@ temperature, top-k, top-p, min-p with per-request seeds; logprobs of the sampled
 Every row is sampled from its own logits alone; a seeded request draws its noise from its own
 generator, so the same seed gives the same tokens whatever else is in the batch. The filter (_filter), softmax and
 race here are the reference; on the GPU race_into runs the filters and the race of the sampled rows in one launch
-(kernels/race_sample.py), over the same noise. Logprobs are those of the model's raw logits (vLLM's default,
-raw_logprobs), before any processor, temperature or mask.
+(kernels/race_sample.py), and those with top-k and top-p over their top-k candidates, over the same noise.
+Logprobs are those of the model's raw logits (vLLM's default, raw_logprobs), before any processor, temperature or
+mask.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def race_noise(rows: list[SamplingRow], n: int, V: int, generator: torch.Generat
 
 
 def _fused(p, V: int) -> bool:
-    """The race kernel samples this row (kernels/race_sample.py); top-k and top-p together take the reference."""
+    """The race kernel samples this row (kernels/race_sample.py); top-k and top-p together: _candidates_into."""
     return not (0 < p.top_k < V and p.top_p < 1.0)
 
 
