@@ -50,6 +50,7 @@ MODULES = {
         "not batch_invariance and not logprobs and not stop_strings",
     ],
     "spec/verify.py": ["tests/spec/test_verify_rules.py"],
+    "spec/ngram.py": ["tests/spec/test_ngram.py", "-k", "not server"],
     "layers/sampler.py": [
         "tests/unit/test_sampler.py",
         "tests/unit/test_logits_process.py",

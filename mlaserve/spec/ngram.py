@@ -7,9 +7,9 @@ the copied run; where nothing matches, the draft is the last token repeated and 
 Drafts are chosen on the host after each step is read back (spec_loop.py's verified_drafts), as REPLAY's are.
 
 A request with a prediction (OpenAI's Predicted Outputs: the output it expects, e.g. the file being edited) is also
-looked up in its prompt followed by that prediction, which comes first at each n: the output's tail found there is
-continued by the prediction, so an output that follows it is accepted K tokens a step, and one that leaves it
-(an edit) is found again as soon as its last n tokens are back in the prediction.
+looked up in the prediction (after the prompt's last tokens), which comes first at each n: the output's tail found
+there is continued by the prediction, so an output that follows it is accepted K tokens a step, and one that leaves
+it (an edit) is found again as soon as its last n tokens are back in the prediction.
 
 A continuation shorter than K (a match near the end of the context) is padded with its last token.
 """
@@ -57,19 +57,20 @@ class NgramProposer:
     def __init__(self, spec, runner=None):
         self.k = spec.num_steps
         self.lo, self.hi = spec.prompt_lookup_min, spec.prompt_lookup_max
-        self.index: dict[str, tuple[Request, NgramIndex, NgramIndex | None]] = {}  # context, prompt + prediction
+        self.index: dict[str, tuple[Request, NgramIndex, NgramIndex | None]] = {}  # context, prediction
         self.proposed_tokens = self.matched_tokens = 0  # draft tokens proposed; of those, from a match
 
     def tokens(self, req: Request) -> list[int]:
         """The K draft tokens after req's context (its prompt and output so far)."""
         entry = self.index.get(req.request_id)
         if entry is None or entry[0] is not req:
-            if len(self.index) > 1024:  # forget finished requests
+            if len(self.index) > 64:  # forget finished requests (an index holds each n-gram of a context)
                 self.index = {k: v for k, v in self.index.items() if not v[0].finished}
             pred = None
             if req.prediction_token_ids:
-                pred = NgramIndex(self.lo, self.hi)
-                pred.extend(req.prompt_token_ids + req.prediction_token_ids)
+                pred = NgramIndex(self.lo, self.hi)  # after the prompt's last hi - 1 tokens: n-grams across the join
+                prompt = req.prompt_token_ids
+                pred.extend(prompt[max(0, len(prompt) - self.hi + 1) :] + req.prediction_token_ids)
             entry = self.index[req.request_id] = (req, NgramIndex(self.lo, self.hi), pred)
         idx = entry[1]
         p, n = len(req.prompt_token_ids), len(idx.tokens)

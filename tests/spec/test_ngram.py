@@ -71,10 +71,11 @@ def prompts_and_plain(tiny_ckpt):
 
 
 def expected_per_position(prompt, out, k, lo, hi, pred=None):
-    """The chain rule over the plain output: each step drafts by the lookup over prompt + out[:n] (prompt + pred
-    first), accepts the drafts equal to out[n:], and emits 1 + accepted tokens, cut at max_tokens."""
+    """The chain rule over the plain output: each step drafts by the lookup over prompt + out[:n] (the prompt's
+    last hi - 1 tokens + pred first), accepts the drafts equal to out[n:], and emits 1 + accepted tokens, cut at
+    max_tokens."""
     counts, n = [0] * k, 1  # the prefill emitted output 0
-    first = index(prompt + pred, lo, hi) if pred else None
+    first = index(prompt[max(0, len(prompt) - hi + 1) :] + pred, lo, hi) if pred else None
     while n < len(out):
         d = index(prompt + out[:n], lo, hi).lookup(k, first) or [out[n - 1]] * k
         a = 0
@@ -112,6 +113,21 @@ def test_lookup_takes_the_prediction_first_at_each_n():
     assert ctx.lookup(2) == [3, 9] and ctx.lookup(2, pred) == [4, 4]
     assert index([7, 2], 1, 2).lookup(2, pred) == [4, 4]  # [7, 2] is in neither: [2] in the prediction
     assert index([1, 2, 3, 9, 1, 2], 2, 2).lookup(2, index([5, 6], 2, 2)) == [3, 9]  # no match there: the context's
+
+
+def test_proposer_finds_n_grams_across_the_prompt_and_prediction_join():
+    """The prediction is indexed after the prompt's last hi - 1 tokens (a prompt shorter than that whole), so the
+    first output token after the prompt already finds its continuation; without a match, the last token repeated."""
+    from types import SimpleNamespace
+
+    from mlaserve.spec.ngram import NgramProposer
+    from mlaserve.types import Request
+
+    prop = NgramProposer(SimpleNamespace(num_steps=2, prompt_lookup_min=3, prompt_lookup_max=5))
+    req = Request([4, 5, 6], GREEDY, prediction_token_ids=[7, 8, 9], output_token_ids=[7])
+    assert prop.tokens(req) == [8, 9]
+    req.output_token_ids += [8, 1]
+    assert prop.tokens(req) == [1, 1] and (prop.proposed_tokens, prop.matched_tokens) == (4, 2)
 
 
 @pytest.mark.parametrize("k", [1, 3])
