@@ -128,6 +128,26 @@ def test_proposer_finds_n_grams_across_the_prompt_and_prediction_join():
     assert prop.tokens(req) == [8, 9]
     req.output_token_ids += [8, 1]
     assert prop.tokens(req) == [1, 1] and (prop.proposed_tokens, prop.matched_tokens) == (4, 2)
+    idx = prop.index[req.request_id][1]
+    req.output_token_ids += [4, 5, 6]
+    assert prop.tokens(req) == [7, 8] and (prop.proposed_tokens, prop.matched_tokens) == (6, 4)
+    assert prop.index[req.request_id][1] is idx and idx.tokens == [4, 5, 6, 7, 8, 1, 4, 5, 6]  # extended, not rebuilt
+
+
+def test_proposer_forgets_finished_requests():
+    from types import SimpleNamespace
+
+    from mlaserve.spec.ngram import NgramProposer
+    from mlaserve.types import Request, RequestStatus
+
+    prop = NgramProposer(SimpleNamespace(num_steps=1, prompt_lookup_min=1, prompt_lookup_max=2))
+    reqs = [Request([1, 2, 1], GREEDY, output_token_ids=[2]) for _ in range(70)]
+    for i, r in enumerate(reqs):
+        assert prop.tokens(r) == [1]
+        if i % 2:
+            r.status = RequestStatus.FINISHED
+    assert len(prop.index) == 70 - 32  # at the 66th, 32 of the 65 held had finished
+    assert all(not r.finished for r, *_ in list(prop.index.values())[:-5])
 
 
 @pytest.mark.parametrize("k", [1, 3])
