@@ -132,6 +132,10 @@ def test_proposer_finds_n_grams_across_the_prompt_and_prediction_join():
     req.output_token_ids += [4, 5, 6]
     assert prop.tokens(req) == [7, 8] and (prop.proposed_tokens, prop.matched_tokens) == (6, 4)
     assert prop.index[req.request_id][1] is idx and idx.tokens == [4, 5, 6, 7, 8, 1, 4, 5, 6]  # extended, not rebuilt
+    four = NgramProposer(SimpleNamespace(num_steps=2, prompt_lookup_min=4, prompt_lookup_max=4))
+    for prompt in ([4, 5, 6], list(range(20, 30)) + [4, 5, 6]):  # the join's 4-grams need the prompt's last 3
+        req = Request(prompt, GREEDY, prediction_token_ids=[7, 8, 9], output_token_ids=[7])
+        assert four.tokens(req) == [8, 9], prompt
 
 
 def test_proposer_forgets_finished_requests():
