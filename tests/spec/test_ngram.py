@@ -9,7 +9,6 @@ from mlaserve.args import engine_kwargs_from_args
 from mlaserve.cli import build_parser
 from mlaserve.config import EngineConfig, SpecConfig
 from mlaserve.engine.engine import LLMEngine
-from mlaserve.server.api import speculative_card
 from mlaserve.spec.ngram import NgramIndex
 from mlaserve.types import SamplingParams
 
@@ -204,6 +203,8 @@ def test_ngram_config_defaults_and_vllm_keys():
     assert d.is_ngram and (d.prompt_lookup_min, d.prompt_lookup_max, d.num_draft_tokens) == (4, 4, 4)
     d = SpecConfig.from_dict({"method": "[ngram]", "prompt_lookup_min": 2})
     assert (d.prompt_lookup_min, d.prompt_lookup_max, d.num_steps) == (2, 2, 1)
+    from mlaserve.server.api import speculative_card  # here: tests/gpu imports this module without the server
+
     card = speculative_card(SpecConfig.from_dict(dict(algorithm="ngram", prompt_lookup_min=1, prompt_lookup_max=3)))
     assert card["algorithm"] == "NGRAM" and not card["benchmark_only"] and card["prompt_lookup_max"] == 3
 
