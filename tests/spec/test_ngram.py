@@ -49,12 +49,18 @@ def test_lookup_equals_a_brute_force_search():
 
 
 def run(engine, prompts, params=GREEDY):
-    rids = [engine.add_request(p, params) for p in prompts]
-    out = {r: [] for r in rids}
+    return run_counted(engine, prompts, [params] * len(prompts))[0]
+
+
+def run_counted(engine, prompts, params):
+    """-> (each request's tokens, its acceptance per draft position from its last event's usage)."""
+    rids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    out, last = {r: [] for r in rids}, {}
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
-    return [out[r] for r in rids]
+            last[o.request_id] = o
+    return [out[r] for r in rids], [list(last[r].usage.spec_accepted_per_position) for r in rids]
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +100,10 @@ def test_ngram_greedy_outputs_equal_plain(tiny_ckpt, prompts_and_plain, k, lo, h
     prompts, plain = prompts_and_plain
     spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=lo, prompt_lookup_max=hi))
     eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"), spec=spec)
-    rids = [eng.add_request(p, GREEDY) for p in prompts]
-    out, last = {r: [] for r in rids}, {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-            last[o.request_id] = o
-    assert [out[r] for r in rids] == plain
+    got, per_position = run_counted(eng, prompts, [GREEDY] * len(prompts))
+    assert got == plain
     want = [expected_per_position(p, o, k, lo, hi) for p, o in zip(prompts, plain)]
-    assert [list(last[r].usage.spec_accepted_per_position) for r in rids] == want
+    assert per_position == want
     assert sum(c[0] for c in want) > 10  # the loops and the copies are found
     assert 0 < eng.proposer.matched_tokens < eng.proposer.proposed_tokens == k * eng.stats()["spec_steps"]
 
@@ -163,14 +164,8 @@ def test_prediction_drafts_the_predicted_output(tiny_ckpt, prompts_and_plain, k)
     preds = [o[:20] + [7, 7, 7] + o[20:] if i == 2 else list(o) for i, o in enumerate(plain)]
     spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=1, prompt_lookup_max=3))
     eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu"), spec=spec)
-    rids = [eng.add_request(p, SamplingParams(**{**GREEDY.__dict__, "prediction": q})) for p, q in zip(prompts, preds)]
-    out, last = {r: [] for r in rids}, {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-            last[o.request_id] = o
-    assert [out[r] for r in rids] == plain
-    got = [list(last[r].usage.spec_accepted_per_position) for r in rids]
+    outs, got = run_counted(eng, prompts, [SamplingParams(**{**GREEDY.__dict__, "prediction": q}) for q in preds])
+    assert outs == plain
     assert got == [expected_per_position(p, o, k, 1, 3, q) for p, o, q in zip(prompts, plain, preds)]
     without = [expected_per_position(p, o, k, 1, 3) for p, o in zip(prompts, plain)]
     assert sum(map(sum, got)) > 2 * sum(map(sum, without))
