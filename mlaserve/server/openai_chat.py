@@ -41,6 +41,7 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":")[0]) from None
         params.keep_special_token_ids = plan.keep_ids  # the parsers' markers survive skip_special_tokens
+        await ctx.encode_prediction(params)
         cut = req.truncate_prompt_tokens
         ids = await ctx.encode(text, add_special_tokens=False, field="messages", truncating=cut is not None)
         ids = ctx.truncate(ids, cut, params.max_tokens)

@@ -36,6 +36,7 @@ def register(app: FastAPI, ctx: ServingContext) -> None:
             params = req.sampling_params(max_tokens, req.logprobs, prompt_lp, req.best_of, ctx.sampling_defaults)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":")[0]) from None
+        await ctx.encode_prediction(params)
         cut = req.truncate_prompt_tokens
         prompts = [
             p if isinstance(p, list) else await ctx.encode(p, add_special_tokens=True, truncating=cut is not None)

@@ -188,6 +188,15 @@ class ServingContext:
             return await asyncio.to_thread(self.tok.encode, text, add_special_tokens)
         return self.tok.encode(text, add_special_tokens)
 
+    async def encode_prediction(self, params) -> None:
+        """params.prediction's text -> its token ids here (a thread for long texts), not in the engine's loop, for an
+        NGRAM engine, which drafts from it (truncated, as the engine keeps no more than max_model_len of it); other
+        engines ignore it, so it is dropped untokenized."""
+        text, spec = params.prediction, self.llm.spec
+        if isinstance(text, str):
+            ngram = spec is not None and spec.is_ngram
+            params.prediction = await self.encode(text, False, "prediction", truncating=True) if ngram else None
+
     def truncate(self, ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
         """truncate_prompt_tokens, here so that usage, echo and the length checks see the prompt the engine runs
         (LLMEngine.truncated; its own cut of these ids then keeps them whole)."""

@@ -272,3 +272,18 @@ def test_reset_prefix_cache_starts_the_next_prompt_cold(server, offline):
         assert r.status_code == 409 and "running or waiting" in r.json()["error"]["message"], r.text
     assert offline.reset_prefix_cache() is True  # LLM's, as vLLM's
     assert_idle_no_leak(server)
+
+
+def test_prediction_accepted_and_ignored_without_ngram(server):
+    """OpenAI's prediction on a server without NGRAM speculation: the same reply, nothing accepted; a malformed
+    one is still a 400 naming the field."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body["return_token_ids"] = True
+    url = f"{server.url}/v1/chat/completions"
+    a = httpx.post(url, json=body, timeout=60).json()
+    b = httpx.post(url, json={**body, "prediction": {"type": "content", "content": "hello"}}, timeout=60).json()
+    assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+    assert b["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
+    r = httpx.post(url, json={**body, "prediction": {"content": "x"}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prediction", r.text
+    assert_idle_no_leak(server)
