@@ -169,10 +169,11 @@ def race_into(
         )
         check = any(top_k) or any(p.top_p < 1.0 for p in ps)
         race_sample(logits, noise, par, tokens, any(p.min_p > 0 for p in ps), check, pdl)
-    cand = [j for j, r in enumerate(rows) if j not in fused and _candidates(r.params, V)] if kernel else []
+    taken = set(fused)  # a set: every sampled row of the step is looked up in it
+    cand = [j for j, r in enumerate(rows) if _candidates(r.params, V) and j not in taken] if kernel else []
     if cand:
         _candidates_into(tokens, logits, [rows[j] for j in cand], [idx[j] for j in cand], cand, noise)
-    taken = set(fused) | set(cand)
+    taken |= set(cand)
     rest = [j for j in range(len(rows)) if j not in taken]
     if rest:
         sel, nsel = _to([idx[j] for j in rest], dev), _to(rest, dev)
