@@ -565,6 +565,12 @@ def cases(quick: bool):
 
     for N in (2, 3, 4):  # a greedy speculative step's bookkeeping (K = 1-3 draft steps), as the warm-up compiles it
         yield f"spec_step N={N}", spec_step.warm_up, (N, 64, "cpu")
+    from mlaserve.kernels import ngram
+
+    for K, lo, hi in ((1, 1, 3), (3, 5, 5), (4, 1, 64)):  # NGRAM's lookup, as the proposer's warm-up compiles it
+        i32 = dict(dtype=torch.int32)
+        z = (torch.zeros(8, 4096, **i32), torch.zeros(8, 1024, **i32), torch.zeros(8, dtype=torch.int64))
+        yield f"ngram K={K} lo={lo} hi={hi}", ngram.warm_up, (*z, torch.zeros(2, dtype=torch.int64), K + 1, K, lo, hi)
     from mlaserve.kernels.race_sample import race_sample
 
     for V in (8192, 129280, 163840):  # the default model's, DeepSeek-V3's, Kimi's and Moonlight's vocabularies

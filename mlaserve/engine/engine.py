@@ -114,9 +114,9 @@ class LLMEngine:
             self.loop = OverlapLoop(self.loop)
 
     def capture_spec_step_graphs(self, use_graphs: bool = True) -> None:
-        """The step graphs of greedy EAGLE3 steps (spec_graph.py), over the runner's verify graphs and the draft's
-        static step, on one rank (their inputs come from the device). use_graphs=False: the same step run eagerly
-        (the CPU tests, after runner.capture_graphs(..., use_graphs=False))."""
+        """The step graphs of greedy EAGLE3 and NGRAM steps (spec_graph.py), over the runner's verify graphs and the
+        draft's static step (NGRAM: its lookup), on one rank (their inputs come from the device). use_graphs=False:
+        the same step run eagerly (the CPU tests, after runner.capture_graphs(..., use_graphs=False))."""
         draft = getattr(self.proposer, "graphs", None)
         if draft is None or self.runner.graphs is None or self.runner.ranks.world_size > 1:
             return

@@ -11,7 +11,8 @@ launcher, on a loop whose host time is the step's time when the model is small. 
              the host filled them exactly, and on padding rows)
     verify   the target's forward over B x N tokens -> logits, aux
     accept   y [B, N] = the arg-max of every row; a [B] = the accepted counts against the fed drafts (ids[:, 1:])
-    draft    DraftGraphs' step from (y, a, aux), its first positions moved on by shift -> drafts [B, K]
+    draft    DraftGraphs' step from (y, a, aux), its first positions moved on by shift -> drafts [B, K]; for NGRAM,
+             NgramSteps (spec/ngram.py): y[:a + 1] appended to each request's token row, the lookup from there
     pack     ids <- [y[a], drafts] (the next verify's input ids), shift <- a (0 on padding rows), and the host ring's
              row r (GraphRunner.host_tokens, pinned: written over the bus) <- [y, a, drafts] row by row
 
@@ -35,7 +36,8 @@ log = logging.getLogger("mlaserve.spec")
 
 class SpecStepGraphs:
     def __init__(self, graphs, draft_graphs, use_graphs: bool = True):
-        """graphs: the GraphRunner of verify graphs (N tokens a request); draft_graphs: the proposer's DraftGraphs."""
+        """graphs: the GraphRunner of verify graphs (N tokens a request); draft_graphs: the proposer's DraftGraphs
+        (or NgramSteps: the same interface)."""
         self.gr, self.dg = graphs, draft_graphs
         self.N = graphs.q
         if draft_graphs.N != self.N:
@@ -82,7 +84,7 @@ class SpecStepGraphs:
             for B in reversed(self.bs_list):
                 key = ("decode", B)
                 self.gr._fill(key, self.gr.graphs[key], [])  # all padding: valid, harmless inputs
-                self.dg._fill(B, self.dg.graphs[B][1], [], [])
+                self.dg.fill_step(B, [], [])
                 self.shift.zero_()
                 graph = None
                 if self.use_graphs:
@@ -106,9 +108,9 @@ class SpecStepGraphs:
         return self.gr.input_ids[: B * self.N].view(B, self.N)[sel], self.shift[sel]
 
     @torch.inference_mode()
-    def run(self, key: tuple, decode: list[SeqChunk], pages: list[list[int]], fed=None) -> torch.Tensor:
+    def run(self, key: tuple, decode: list[SeqChunk], reqs: list, fed=None) -> torch.Tensor:
         """Replay the step graph of `key` (key()) for these decode chunks (each at its first verified position for
-        zero accepted tokens before; pages: each request's pages). fed: None, the chunks' token_ids are their input
+        zero accepted tokens before; reqs: their requests). fed: None, the chunks' token_ids are their input
         ids and their positions exact; "in place", the last step left these rows' ids and shifts, in this order;
         or (ids [n, N], shift [n]) on the device. -> the host ring's rows [n, N + 1 + K] = [y, a, drafts], to read
         after an event recorded behind this."""
@@ -122,7 +124,7 @@ class SpecStepGraphs:
             gr.input_ids[: n * N].copy_(ids.reshape(-1))
             self.shift[:n].copy_(shift)
             self.shift[n:B].zero_()
-        dg._fill(B, dg.graphs[B][1], [c.num_cached for c in decode], pages)
+        dg.fill_step(B, [c.num_cached for c in decode], reqs)
         gr.static_runs["spec_step"] += 1
         graph = self.graphs[B]
         if graph is not None:

@@ -203,7 +203,7 @@ class SpecLoop(Loop):
 
     def _launch_in_graph(self, out: SchedulerOutput, key: tuple, decode: list[SeqChunk], fed) -> VerifyStep:
         """Verify, accept and draft in one replay of the step graph (fed: SpecStepGraphs.run's)."""
-        rows = self.step_graphs.run(key, decode, [c.req.pages for c in out.decode], fed)
+        rows = self.step_graphs.run(key, decode, [c.req for c in out.decode], fed)
         self.num_steps += 1
         self.decode_only_steps += 1
         step = VerifyStep(out, None, None, in_graph=True)

@@ -235,10 +235,14 @@ def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
             eager_decode_from=_eager_decode_from(runner.graphs),
         )
     t0 = time.perf_counter()
-    if draft is not None and runner.device.type == "cuda":  # the greedy speculative step's bookkeeping kernels
+    # the greedy speculative step's bookkeeping kernels, for a proposer that drafts on the device (EAGLE3, NGRAM)
+    ngram = engine.spec_k and engine.spec is not None and engine.spec.is_ngram
+    if (draft is not None or ngram) and runner.device.type == "cuda":
         from ..kernels.spec_step import warm_up as warm_spec_step
 
         warm_spec_step(engine.spec_k + 1, cfg.page_size, runner.device, runner.kernels.pdl)
+        if ngram:
+            engine.proposer.warm_up()
     for step in steps:
         decode, prefill = _chunks(step, runner.num_pages, cfg.page_size, lookahead)
         _step(runner, decode, prefill, draft)

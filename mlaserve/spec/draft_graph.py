@@ -161,6 +161,10 @@ class DraftGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.bs_list if b >= n), None)
 
+    def fill_step(self, B: int, starts: list[int], reqs: list) -> None:
+        """The step graph's host inputs (engine/spec_graph.py) for requests reqs at their first verified positions."""
+        self._fill(B, self.graphs[B][1], starts, [r.pages for r in reqs])
+
     def _fill(self, B: int, batches: list[ForwardBatch], starts: list[int], pages: list[list[int]]) -> None:
         """The host's inputs: each row's first verified position and the page table (only the columns in use,
         and only when it changed)."""

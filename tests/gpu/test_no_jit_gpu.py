@@ -88,12 +88,16 @@ def _workload(llm) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "speculative,kv_cache_dtype", [(False, "auto"), (True, "auto"), (False, "fp8")], ids=["plain", "eagle3", "fp8kv"]
+    "speculative,kv_cache_dtype",
+    [(False, "auto"), (True, "auto"), ("ngram", "auto"), (False, "fp8")],
+    ids=["plain", "eagle3", "ngram", "fp8kv"],
 )
 def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative, kv_cache_dtype):
     pytest.importorskip("triton")
     spec = None
-    if speculative:
+    if speculative == "ngram":  # the lookup kernel, in the step graphs and eagerly (mixed steps, sampled rows)
+        spec = {"algorithm": "NGRAM", "num_steps": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    elif speculative:
         from mlaserve.models.make_random_draft import make_random_draft
 
         draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")

@@ -27,7 +27,7 @@ def _greedy(ckpt, prompts, spec=None, sp=None, **kw):
     graphs = getattr(llm.engine.proposer, "graphs", None) or getattr(
         getattr(llm.engine.proposer, "inner", None), "graphs", None
     )
-    if graphs is not None:  # count the steps the draft's captured graphs served (fed by the device, or the host)
+    if hasattr(graphs, "run_verified"):  # count the steps the draft's captured graphs served (device- or host-fed)
         run, run_verified = graphs.run, graphs.run_verified
         graphs.run = lambda chunks: draft_runs.append(len(chunks)) or run(chunks)
         graphs.run_verified = lambda y, *a: draft_runs.append(y.shape[0]) or run_verified(y, *a)
@@ -111,16 +111,18 @@ def test_replay_exact_acceptance_under_graphs(tiny_ckpt, plain, tmp_path, k, rat
 
 @pytest.mark.parametrize("k,lo,hi", [(1, 1, 3), (3, 2, 4)])
 def test_ngram_exact_acceptance_under_graphs(tiny_ckpt, plain, k, lo, hi):
-    """NGRAM (prompt lookup, no draft model) under the verify's graphs: greedy equal to plain, each request's
-    acceptance per position what the lookup rule gives over its plain output."""
+    """NGRAM (prompt lookup, no draft model) under the step graphs (the lookup kernel inside, overlapped): greedy
+    equal to plain, each request's acceptance per position what the lookup rule gives over its plain output."""
     from ..spec.test_ngram import expected_per_position
 
     prompts = _prompts()
     spec = dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
-    got, per_req, llm, _ = _greedy(tiny_ckpt, prompts, spec)
+    got, per_req, llm, step_runs = _greedy(tiny_ckpt, prompts, spec)
     assert got == plain
     assert per_req == [expected_per_position(p, o, k, lo, hi) for p, o in zip(prompts, plain)]
-    assert llm.engine.loop.decode_only_steps > 0
+    st = llm.engine.stats()
+    assert st["spec_device_steps"] == llm.engine.loop.decode_only_steps > 0
+    assert step_runs and st["overlapped_steps"] > 0  # the lookup inside the step graph, overlapped with the host
 
 
 @pytest.mark.parametrize("k", [1, 3])

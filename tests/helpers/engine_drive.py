@@ -21,6 +21,24 @@ def drive(engine, arrivals: dict, aborts: dict) -> dict:
     return events
 
 
+def drive_checked(model: str, spec, arrivals: dict, eos: int, **cfg) -> tuple[dict, object]:
+    """An engine of `model` on the CPU (spec: a SpecConfig, its greedy step graph run eagerly; or None) whose "eos" is
+    token `eos`, driven through `arrivals` with the request "aborted" aborted at call 8; no KV page may leak.
+    -> (drive's events, the engine)."""
+    from mlaserve.config import EngineConfig
+    from mlaserve.engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=model, device="cpu", **cfg), spec=spec)
+    if spec is not None:
+        eng.runner.capture_graphs(spec.num_steps + 1, eng.max_model_len, use_graphs=False)
+        eng.capture_spec_step_graphs(use_graphs=False)
+    eng.eos_token_ids = frozenset({eos})
+    events = drive(eng, arrivals, {8: ["aborted"]})
+    eng.pool.check()
+    assert eng.pool.num_free == eng.pool.num_pages
+    return events, eng
+
+
 def summary(evs) -> tuple:
     """A request's events -> (tokens, text, finished, finish_reason, stop_reason, completion tokens)."""
     e = evs[-1]

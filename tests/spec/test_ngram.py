@@ -1,5 +1,7 @@
-"""NGRAM speculative decoding (prompt lookup, spec/ngram.py): the lookup's rule, greedy outputs equal to plain
-decoding's with acceptance where the output copies its context, and its config, flags and errors."""
+"""NGRAM speculative decoding (prompt lookup, spec/ngram.py): the lookup's rule (NgramIndex here, in plain Python,
+against a brute-force search; the device rule ngram_drafts_ref against it), greedy outputs equal to plain decoding's
+with acceptance where the output copies its context, overlapped steps and the step graph, and its config, flags
+and errors."""
 
 import random
 
@@ -9,10 +11,42 @@ from mlaserve.args import engine_kwargs_from_args
 from mlaserve.cli import build_parser
 from mlaserve.config import EngineConfig, SpecConfig
 from mlaserve.engine.engine import LLMEngine
-from mlaserve.spec.ngram import NgramIndex
 from mlaserve.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+class NgramIndex:
+    """The rule, incrementally on the host: one context with, for each n in [lo, hi], every n-gram -> the position
+    after its latest occurrence that has a token after it (so the context's own suffix matches only an earlier
+    occurrence)."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.tokens: list[int] = []
+        self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
+
+    def extend(self, tokens: list[int]) -> None:
+        toks = self.tokens
+        for t in tokens:
+            p = len(toks)  # t's position: the n-grams ending at p - 1 now have a continuation
+            for n, m in self.after.items():
+                if p >= n:
+                    m[tuple(toks[p - n : p])] = p
+            toks.append(t)
+
+    def lookup(self, k: int, first=None) -> list[int] | None:
+        """The k tokens after the latest earlier occurrence of the longest matching suffix of this context, or None;
+        at each n, an occurrence in `first` (another sequence's index, same lo and hi) before one here."""
+        toks, L = self.tokens, len(self.tokens)
+        for n in range(min(self.hi, L), self.lo - 1, -1):
+            key = tuple(toks[L - n :])
+            for idx in (first, self) if first is not None else (self,):
+                j = idx.after[n].get(key)
+                if j is not None:
+                    run = idx.tokens[j : j + k]  # j < len(idx.tokens): at least one token
+                    return run + [run[-1]] * (k - len(run))
+        return None
 
 
 def index(tokens, lo, hi):
@@ -46,6 +80,51 @@ def test_lookup_equals_a_brute_force_search():
                 want = run + [run[-1]] * (k - len(run))
                 break
         assert index(toks, lo, hi).lookup(k) == want, (toks, lo, hi, k)
+
+
+def test_device_rule_equals_the_index():
+    """ngram_drafts_ref (the rule the device runs: append a verify's tokens at each row's position, then look up in
+    the prediction and the context) against NgramIndex over the same context and prediction: random rows in one
+    batch with padding rows between, shifts, and tokens left in the rows past each context by earlier steps."""
+    import torch
+
+    from mlaserve.spec.ngram import ngram_drafts_ref
+
+    rng = random.Random(3)
+    for trial in range(40):
+        lo = rng.randrange(1, 4)
+        hi, k, S, C = lo + rng.randrange(3), rng.randrange(1, 5), 6, 64
+        N = k + 1
+        hist = torch.randint(0, 4, (S, C), dtype=torch.int32)  # stale tokens past each context
+        pred, pred_lens = torch.randint(0, 4, (S, 40), dtype=torch.int32), torch.zeros(S, dtype=torch.int64)
+        rows, want, matched = [], [], 0
+        for b in range(5):
+            if b == 2:
+                rows.append((-1, 0, 0, 0, [0] * N))  # a padding row
+                want.append([0] * k)
+                continue
+            slot, ctx = b if b < 2 else b + 1, [rng.randrange(4) for _ in range(rng.randrange(N + 3, 40))]
+            acc, shift = rng.randrange(N), rng.randrange(3)
+            head = ctx[: len(ctx) - acc - 1]  # the context before the step's emitted tokens
+            hist[slot, : len(head)] = torch.tensor(head, dtype=torch.int32)
+            p = [rng.randrange(4) for _ in range(rng.randrange(0, 30))] if b % 2 else []
+            pred[slot, : len(p)] = torch.tensor(p or [0], dtype=torch.int32)[: len(p)]
+            pred_lens[slot] = len(p)
+            y = ctx[len(head) :] + [rng.randrange(4) for _ in range(N - acc - 1)]
+            rows.append((len(head) - 1 - shift, shift, slot, acc, y))  # the host's base, then the device's shift
+            idx, first = NgramIndex(lo, hi), None
+            idx.extend(ctx)
+            if p:
+                first = NgramIndex(lo, hi)
+                first.extend(p)
+            found = idx.lookup(k, first)
+            matched += found is not None
+            want.append(found or [ctx[-1]] * k)
+        base, shift, slots, acc, y = (torch.tensor(list(c), dtype=torch.int64) for c in zip(*rows))
+        counts = torch.zeros(2, dtype=torch.int64)
+        got = ngram_drafts_ref(hist, pred, pred_lens, slots, base, acc, y, k, lo, hi, counts, shift=shift)
+        assert got.tolist() == want, trial
+        assert counts.tolist() == [4 * k, matched * k]  # the padding row counts nothing
 
 
 def run(engine, prompts, params=GREEDY):
@@ -105,7 +184,68 @@ def test_ngram_greedy_outputs_equal_plain(tiny_ckpt, prompts_and_plain, k, lo, h
     want = [expected_per_position(p, o, k, lo, hi) for p, o in zip(prompts, plain)]
     assert per_position == want
     assert sum(c[0] for c in want) > 10  # the loops and the copies are found
-    assert 0 < eng.proposer.matched_tokens < eng.proposer.proposed_tokens == k * eng.stats()["spec_steps"]
+    st, prop, n = eng.stats(), eng.proposer, len(prompts)
+    assert 0 < prop.matched_tokens < prop.proposed_tokens
+    # a lookup after each prompt and each verify, and for each request at most one more: its row of the overlapped
+    # step launched before the step that ended it was read back
+    assert k * (st["spec_steps"] + n) <= prop.proposed_tokens <= k * (st["spec_steps"] + 2 * n)
+    assert st["overlapped_steps"] > 0 and st["spec_device_steps"] == eng.loop.decode_only_steps > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_ngram_overlapped_and_in_the_step_graph(tiny_ckpt, prompts_and_plain, k):
+    """The lookup on the device lets NGRAM steps overlap with the host and run inside the greedy step graph (run
+    eagerly here): serial, overlapped and step-graph engines give plain's outputs and exactly the rule's acceptance
+    per position, and leak no page."""
+    prompts, plain = prompts_and_plain
+    spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=1, prompt_lookup_max=3))
+    want = [expected_per_position(p, o, k, 1, 3) for p, o in zip(prompts, plain)]
+    for mode in ("serial", "overlapped", "step-graph"):
+        cfg = EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, disable_overlap_schedule=mode == "serial")
+        eng = LLMEngine(cfg, spec=spec)
+        if mode == "step-graph":
+            eng.runner.capture_graphs(k + 1, eng.max_model_len, use_graphs=False)
+            eng.capture_spec_step_graphs(use_graphs=False)
+            assert eng.loop.step_graphs is eng.spec_step_graphs is not None
+        got, per_position = run_counted(eng, prompts, [GREEDY] * len(prompts))
+        assert got == plain, mode
+        assert per_position == want, mode
+        st = eng.stats()
+        assert (st["overlapped_steps"] > 0) == (mode != "serial"), mode
+        runs = eng.runner.graphs.static_runs["spec_step"] if mode == "step-graph" else 0
+        assert (runs > st["spec_device_steps"] // 2) == (mode == "step-graph"), (mode, runs)
+        eng.pool.check()
+        assert eng.pool.num_free == eng.pool.num_pages
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_ngram_step_graph_with_requests_ending_and_arriving(tiny_ckpt, k):
+    """Through NGRAM's step graph (run eagerly), requests that end inside a step (length, stop token, EOS, a stop
+    string), arrivals and an abort mid-run: every event is the plain engine's, and no KV page leaks; the requests'
+    rows are reused as they end."""
+    from mlaserve.tokenizer import Tokenizer
+
+    from ..helpers.engine_drive import assert_same_events, drive_checked, ending_mid_step, stop_string_in
+
+    rng = random.Random(4242)
+    base = [[rng.randrange(512) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+    cfg = dict(model=tiny_ckpt, device="cpu", page_size=16)
+    cfg_kw = dict(page_size=16, max_num_seqs=4)
+    plain0 = run(LLMEngine(EngineConfig(**cfg)), base[:1], SamplingParams(temperature=0, max_tokens=24))[0]
+    prompts = [p + plain0 for p in base]  # each copies a run the output then repeats: drafts get accepted
+    plain0 = run(LLMEngine(EngineConfig(**cfg)), prompts[:1], SamplingParams(temperature=0, max_tokens=24))[0]
+    plain1 = run(LLMEngine(EngineConfig(**cfg)), prompts[1:2], SamplingParams(temperature=0, max_tokens=24))[0]
+    arrivals = ending_mid_step(prompts, plain0, 24, GREEDY)
+    stop = stop_string_in(Tokenizer.from_pretrained(tiny_ckpt).decode(plain0))
+    if stop:
+        g = dict(temperature=0, ignore_eos=True)
+        arrivals[0].append(("stop_str", prompts[0], SamplingParams(max_tokens=24, stop=[stop], **g)))
+    spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=1, prompt_lookup_max=3))
+    plain_runs, _ = drive_checked(tiny_ckpt, None, arrivals, plain1[5], **cfg_kw)  # "eos" ends at its 6th token
+    runs, eng = drive_checked(tiny_ckpt, spec, arrivals, plain1[5], **cfg_kw)
+    assert eng.runner.graphs.static_runs["spec_step"] > 0 and eng.stats()["spec_accepted_tokens"] > 0
+    assert len(runs) > eng.proposer.hist.shape[0] == 4  # more requests than rows: rows taken back
+    assert_same_events(plain_runs, runs, "NGRAM step graph")
 
 
 def test_lookup_takes_the_prediction_first_at_each_n():
@@ -128,30 +268,41 @@ def test_proposer_finds_n_grams_across_the_prompt_and_prediction_join():
     assert prop.tokens(req) == [8, 9]
     req.output_token_ids += [8, 1]
     assert prop.tokens(req) == [1, 1] and (prop.proposed_tokens, prop.matched_tokens) == (4, 2)
-    idx = prop.index[req.request_id][1]
+    slot = prop.slot[req.request_id][1]
     req.output_token_ids += [4, 5, 6]
     assert prop.tokens(req) == [7, 8] and (prop.proposed_tokens, prop.matched_tokens) == (6, 4)
-    assert prop.index[req.request_id][1] is idx and idx.tokens == [4, 5, 6, 7, 8, 1, 4, 5, 6]  # extended, not rebuilt
+    assert prop.slot[req.request_id][1] == slot and prop.hist[slot, :9].tolist() == [4, 5, 6, 7, 8, 1, 4, 5, 6]
     four = NgramProposer(SimpleNamespace(num_steps=2, prompt_lookup_min=4, prompt_lookup_max=4))
     for prompt in ([4, 5, 6], list(range(20, 30)) + [4, 5, 6]):  # the join's 4-grams need the prompt's last 3
         req = Request(prompt, GREEDY, prediction_token_ids=[7, 8, 9], output_token_ids=[7])
         assert four.tokens(req) == [8, 9], prompt
 
 
-def test_proposer_forgets_finished_requests():
+def test_proposer_takes_back_slots_of_requests_not_running():
+    """Each request holds a row while it runs; when none is free, those of finished or preempted requests are
+    taken back (a preempted one gets a row again, its context rewritten, when its prompt is computed again)."""
     from types import SimpleNamespace
 
     from mlaserve.spec.ngram import NgramProposer
     from mlaserve.types import Request, RequestStatus
 
-    prop = NgramProposer(SimpleNamespace(num_steps=1, prompt_lookup_min=1, prompt_lookup_max=2))
-    reqs = [Request([1, 2, 1], GREEDY, output_token_ids=[2]) for _ in range(70)]
+    prop = NgramProposer(SimpleNamespace(num_steps=1, prompt_lookup_min=1, prompt_lookup_max=2), max_seqs=4)
+    reqs = [Request([1, 2, 1, 9 + i], GREEDY, output_token_ids=[2]) for i in range(10)]
     for i, r in enumerate(reqs):
+        r.status = RequestStatus.RUNNING
         assert prop.tokens(r) == [1]
-        if i % 2:
-            r.status = RequestStatus.FINISHED
-    assert len(prop.index) == 70 - 32  # at the 66th, 32 of the 65 held had finished
-    assert all(not r.finished for r, *_ in list(prop.index.values())[:-5])
+        if i % 4:  # 0, 4, 8 keep running
+            r.status = RequestStatus.FINISHED if i % 2 else RequestStatus.WAITING
+    held = {rid: s for rid, (_, s) in prop.slot.items()}
+    assert len(held) == 4 and sorted(held.values()) == [0, 1, 2, 3]
+    assert all(reqs[i].request_id in held for i in (0, 4, 8, 9))
+    for r in reqs:
+        if r.request_id in held:
+            assert prop.hist[held[r.request_id], :5].tolist() == r.prompt_token_ids + r.output_token_ids
+    reqs[9].status = RequestStatus.RUNNING
+    extra = Request([5, 5], GREEDY, output_token_ids=[5], status=RequestStatus.RUNNING)
+    with pytest.raises(RuntimeError, match="NGRAM: more running requests than its 4 slots"):
+        prop.tokens(extra)
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -195,7 +195,7 @@ def test_step_graph_with_requests_ending_and_arriving(tiny_ckpt, trained, k):
     no KV page leaks."""
     from mlaserve.tokenizer import Tokenizer
 
-    from ..helpers.engine_drive import assert_same_events, drive, ending_mid_step, stop_string_in
+    from ..helpers.engine_drive import assert_same_events, drive_checked, ending_mid_step, stop_string_in
 
     prompts = held_out(6, seed=4242)
     plain0 = tokens(run(LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", page_size=16)), prompts[:2])[0])
@@ -205,20 +205,12 @@ def test_step_graph_with_requests_ending_and_arriving(tiny_ckpt, trained, k):
     if stop:
         g = dict(temperature=0, ignore_eos=True)
         arrivals[0].append(("stop_str", prompts[0], SamplingParams(max_tokens=24, stop=[stop], **g)))
-    runs = {}
-    for mode in ("plain", "step-graph"):
-        spec = SpecConfig(draft_model=trained, num_steps=k, num_draft_tokens=k + 1) if mode != "plain" else None
-        eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=8), spec=spec)
-        if spec is not None:
-            eng.runner.capture_graphs(k + 1, eng.max_model_len, use_graphs=False)
-            eng.capture_spec_step_graphs(use_graphs=False)
-        eng.eos_token_ids = frozenset({plain1[5]})  # "eos" ends at its 6th token
-        runs[mode] = drive(eng, arrivals, {8: ["aborted"]})
-        eng.pool.check()
-        assert eng.pool.num_free == eng.pool.num_pages
-        if spec is not None:
-            assert eng.runner.graphs.static_runs["spec_step"] > 0 and eng.stats()["spec_accepted_tokens"] > 0
-    assert_same_events(runs["plain"], runs["step-graph"], "step graph")
+    spec = SpecConfig(draft_model=trained, num_steps=k, num_draft_tokens=k + 1)
+    cfg = dict(page_size=16, max_num_seqs=8)
+    plain_runs, _ = drive_checked(tiny_ckpt, None, arrivals, plain1[5], **cfg)  # "eos" ends at its 6th token
+    runs, eng = drive_checked(tiny_ckpt, spec, arrivals, plain1[5], **cfg)
+    assert eng.runner.graphs.static_runs["spec_step"] > 0 and eng.stats()["spec_accepted_tokens"] > 0
+    assert_same_events(plain_runs, runs, "step graph")
 
 
 def _acceptance(ckpt, draft, k, prompts):
