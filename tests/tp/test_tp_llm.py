@@ -100,6 +100,27 @@ def test_llm_tp2_replay_draft_exact_acceptance(tiny_ckpt, tp1, tmp_path):
         llm.close()
 
 
+def test_llm_tp2_ngram_exact_acceptance(tiny_ckpt, tp1):
+    """NGRAM under TP2: the lookup runs on rank 0 beside the sharded target; outputs are TP1's and each request's
+    acceptance per draft position exactly the lookup rule's over them."""
+    from tests.spec.test_ngram import expected_per_position
+
+    prompts = [p + o for p, o in zip(_prompts(), tp1)]  # each followed by its own output: a context to copy
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(tiny_ckpt, device="cpu").generate(prompts, sp, use_tqdm=False)]
+    spec = dict(algorithm="NGRAM", num_steps=2, prompt_lookup_min=1, prompt_lookup_max=3)
+    llm = LLM(tiny_ckpt, device="cpu", tp=2, on_rank_failure=lambda e: None, speculative_config=spec)
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert [o.token_ids for o in outs] == plain
+        got = [list(o.usage.spec_accepted_per_position) for o in outs]
+        want = [expected_per_position(p, o, 2, 1, 3) for p, o in zip(prompts, plain)]
+        assert got == want and sum(map(sum, want)) > 0, (got, want)
+        assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+    finally:
+        llm.close()
+
+
 def test_llm_tp2_with_the_trained_default_draft():
     """The shipped default model and its trained EAGLE3 draft (K=2) under TP2: plain TP1 decoding's greedy tokens,
     with drafts accepted for a real reason (the held-out prompts the draft's acceptance is measured on)."""
