@@ -96,17 +96,17 @@ class NgramProposer:
     benchmark_only = False
 
     def __init__(self, spec, runner=None, max_seqs: int = 8, max_len: int = 1024):
-        """runner: the target's ModelRunner (its device, max_num_seqs and the longest context its KV cache holds),
-        or None: a CPU proposer for max_seqs requests of max_len tokens (tests)."""
+        """runner: the target's ModelRunner (its device, max_num_seqs, and the longest context: max_model_len, the
+        model's max_position_embeddings if unset, at most what the KV cache holds), or None: a CPU proposer for
+        max_seqs requests of max_len tokens (tests)."""
         self.k, self.N = spec.num_steps, spec.num_steps + 1
         self.lo, self.hi = spec.prompt_lookup_min, spec.prompt_lookup_max
         self.device, self.pdl = torch.device("cpu"), False
         if runner is not None:
             self.device, self.pdl = runner.device, runner.kernels.pdl
             max_seqs = runner.cfg.max_num_seqs
-            max_len = runner.num_pages * runner.cfg.page_size
-            if runner.cfg.max_model_len:
-                max_len = min(max_len, runner.cfg.max_model_len)
+            longest = runner.cfg.max_model_len or runner.model_cfg.max_position_embeddings  # the engine's limit
+            max_len = min(runner.num_pages * runner.cfg.page_size, longest)  # or what the KV cache holds
         C = max_len + 2 * self.N + 2  # an overlapped verify of a request at the limit writes up to 2 N past it
         i32 = dict(dtype=torch.int32, device=self.device)
         self.hist = torch.zeros(max_seqs, C, **i32)

@@ -248,6 +248,15 @@ def test_ngram_step_graph_with_requests_ending_and_arriving(tiny_ckpt, k):
     assert_same_events(plain_runs, runs, "NGRAM step graph")
 
 
+def test_ngram_rows_hold_the_longest_context(tiny_ckpt):
+    """A request's row holds the longest context the engine serves: max_model_len, else the model's
+    max_position_embeddings (4096 here), at most what the KV cache holds; plus a verify's 2 N of slack."""
+    spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=3, prompt_lookup_min=1, prompt_lookup_max=3))
+    for kw, C in [(dict(num_pages=1024), 4096), (dict(num_pages=64), 1024), (dict(max_model_len=300), 300)]:
+        eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4, **kw), spec=spec)
+        assert eng.proposer.hist.shape == (4, C + 2 * 4 + 2), kw
+
+
 def test_lookup_takes_the_prediction_first_at_each_n():
     ctx, pred = index([1, 2, 3, 9, 1, 2], 1, 2), index([5, 1, 2, 4, 4], 1, 2)
     assert ctx.lookup(2) == [3, 9] and ctx.lookup(2, pred) == [4, 4]
