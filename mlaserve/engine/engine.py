@@ -212,13 +212,10 @@ class LLMEngine:
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words: need a tokenizer; this model has none")
-            if self.spec_k:
-                raise ValueError("bad_words: not supported together with speculative decoding")
-        if self.spec_k:  # the verify step computes no prompt logprobs and no grammar's mask
+        if self.spec_k:  # the verify step computes no prompt logprobs
             for name, on in (
                 ("prompt_logprobs", params.prompt_logprobs is not None),
                 ("best_of", params.num_seqs > params.n),
-                (params.structured and params.structured.field, params.structured is not None),
             ):
                 if on:
                     raise ValueError(f"{name}: not supported together with speculative decoding")

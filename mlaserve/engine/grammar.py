@@ -47,6 +47,30 @@ class GrammarState:
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def fill_after(self, bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
+        """Row `row` of bitmask: the mask after `tokens` more (a verify's row after the drafts before it), the matcher
+        left as it was (fed, then rolled back). Where the grammar refuses one of them, or ends before the last, the
+        row allows everything: the verify rejects that draft, so no token is taken from this row."""
+        waiting, fed = self.waiting, 0
+        try:
+            for t in tokens:
+                if waiting:
+                    waiting = frozenset() if t in waiting else waiting
+                elif self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                    bitmask[row].fill_(-1)
+                    return
+                else:
+                    fed += 1
+            if waiting:
+                bitmask[row].fill_(-1)
+            elif self.matcher.is_terminated():
+                bitmask[row].fill_(-1)  # the stop token is among the tokens: the request ends there
+            else:
+                self.matcher.fill_next_token_bitmask(bitmask, row)
+        finally:
+            if fed:
+                self.matcher.rollback(fed)
+
     def accept(self, token: int) -> bool:
         if self.waiting:
             if token in self.waiting:
@@ -58,6 +82,19 @@ class GrammarState:
     def terminated(self) -> bool:
         """The grammar is complete and accepted a stop token: the request ends."""
         return not self.waiting and self.matcher.is_terminated()
+
+
+class GrammarAhead:
+    """A verify row's view of a request's grammar (engine/spec_loop.py): its mask after the drafts before the row,
+    which process_logits finds among the row's pending tokens (covers_pending: this mask has them)."""
+
+    covers_pending = True
+
+    def __init__(self, state: GrammarState, drafts: list[int]):
+        self.state, self.drafts = state, drafts
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.state.fill_after(bitmask, row, self.drafts)
 
 
 class GrammarCompiler:

@@ -22,11 +22,15 @@ draft and pack in one graph), which leaves the next step's ids and shifts in its
 simulated acceptance, logprobs, logits processors, or at a size it has no graph for, the pieces run one launch each
 as above. Logprobs (and top alternatives) are the raw log-softmax of the verify rows at the emitted tokens, as plain
 decoding's; logits processors change the verify rows as plain decoding's (_processed), counting the tokens of the
-verify in flight on the device in an overlapped step.
+verify in flight on the device in an overlapped step. A grammar (structured output) masks verify row i after the
+request's first i drafts (engine/grammar.GrammarAhead), and bad_words match row i's context with those drafts on
+the host; a step holding such a request is fed from the host, not overlapped (its masks need the tokens the step
+before accepts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -38,6 +42,7 @@ from ..layers.sampler import SamplingRow, sample, top_logprobs
 from ..spec.eagle3 import DraftChunk
 from ..spec.verify import count_accepted, simulate_accept, verify_greedy, verify_rows
 from ..types import Request, RequestStatus
+from .grammar import GrammarAhead
 from .loop import Loop, seq_chunk
 from .postprocess import StepOutput
 from .scheduler import ScheduledChunk, SchedulerOutput
@@ -122,8 +127,9 @@ class SpecLoop(Loop):
         pdl = self.runner.kernels.pdl
         processed, greedy = any(r.params.processes_logits for r in reqs), all(r.params.greedy for r in reqs)
         rows = [self._row(r) for r in reqs] if processed or not greedy else None
-        if processed:
-            logits = self._processed(logits, rows, drafts, prev)
+        if processed:  # a step fed from the host has each request's drafts there (a grammar's masks follow them)
+            ahead = [self.states[r.request_id].drafts for r in reqs] if prev is None else None
+            logits = self._processed(logits, rows, drafts, prev, ahead)
         if greedy:
             y, acc = verify_greedy(logits, drafts, pdl)
         else:
@@ -134,18 +140,39 @@ class SpecLoop(Loop):
 
     @staticmethod
     def _processed(
-        logits: torch.Tensor, rows: list[SamplingRow], drafts: torch.Tensor, prev: tuple | None
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        drafts: torch.Tensor,
+        prev: tuple | None,
+        ahead: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """logits [B, N, V] -> what each request's logits processors (rows [B]: its sampling row) make of them. Row
         i of a request counts as generated its output on the host, then (prev = (y [B, N'], accepted a [B]) of the
         verify in flight, an overlapped step) that verify's tokens y[:a + 1], then its first i drafts (drafts
         [B, K]): the tokens before that row. Those after the output are on the device (process_logits' pending, V
-        where unused)."""
+        where unused). A grammar's row i takes its mask after the first i drafts, from the host's copy (ahead [B]:
+        each request's drafts), and a bad_words row holds them in its output_ids (its pending emptied); neither
+        verifies overlapped (next_verify)."""
         B, N, V = logits.shape
         dev = logits.device
-        rows = [r for r in rows for _ in range(N)]
+        expanded, on_host = [], []  # on_host: requests whose rows hold their drafts in output_ids (bad_words)
+        for b, r in enumerate(rows):
+            if (r.grammar is not None or r.params.bad_words) and ahead is None:
+                raise RuntimeError("a grammar or bad_words row is verified only with its drafts on the host")
+            if r.params.bad_words:
+                on_host.append(b)
+            for i in range(N):
+                row = r
+                if r.grammar is not None:
+                    row = dataclasses.replace(row, grammar=GrammarAhead(r.grammar, ahead[b][:i]))
+                if r.params.bad_words:  # the words' starts are matched on the host's tokens
+                    row = dataclasses.replace(row, output_ids=r.output_ids + ahead[b][:i])
+                expanded.append(row)
+        rows = expanded
         i, j = torch.arange(N, device=dev)[:, None], torch.arange(N - 1, device=dev)[None, :]
         pending = torch.where(j < i, drafts.to(torch.int64)[:, None, :], V)  # [B, N, K]: row i's first i drafts
+        if on_host:
+            pending[torch.tensor(on_host).to(dev, non_blocking=True)] = V  # counted in their output_ids instead
         if prev is not None:
             y, a = prev
             m = torch.arange(y.shape[1], device=dev)[None, :]
@@ -282,6 +309,8 @@ class SpecLoop(Loop):
             req = c.req
             if req.status != RequestStatus.RUNNING or req.request_id not in self.states:
                 return None
+            if self.states[req.request_id].grammar is not None or req.params.bad_words:
+                return None  # its masks (its bans) need the tokens `out` accepts, on the host
             if self.post.at_length(req, 1) or req.num_tokens + N >= self.post.max_model_len:
                 ending.add(id(req))
             else:

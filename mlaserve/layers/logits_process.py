@@ -109,7 +109,9 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch
         logits[_to(pen, dev)] = _penalize(logits[_to(pen, dev)], [rows[i] for i in pen], pending, pen)
     gram = [i for i in act if rows[i].grammar is not None]
     if gram:
-        if pending is not None:  # the matcher has not seen the token in flight: its mask would be a step behind
+        # the matcher has not seen the tokens pending: its mask would be behind, unless the row's grammar feeds them
+        # itself (a verify row's, after the drafts before it: engine/grammar.GrammarAhead)
+        if pending is not None and not all(getattr(rows[i].grammar, "covers_pending", False) for i in gram):
             raise RuntimeError("a grammar row cannot be sampled while its previous token is in flight")
         apply_bitmask(logits, gram, fill_bitmasks([rows[i].grammar for i in gram], V, dev), raw)
     return logits

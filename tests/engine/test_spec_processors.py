@@ -1,9 +1,9 @@
 """Logits processors under speculative decoding (engine/spec_loop.py, SpecLoop._processed): repetition, frequency and
-presence penalties, logit_bias, allowed_token_ids and min_tokens change the verify rows' logits as plain decoding's,
-row i of a request counting as generated its first i drafts and, in an overlapped step, the tokens of the verify in
-flight. Greedy outputs (and sampled ones at top_k = 1) must equal plain decoding's with the same processors, token
-for token, with a random draft and with an oracle draft that proposes those very outputs (so most drafts are
-accepted and every verify row past the first depends on the drafts before it), overlapped and not."""
+presence penalties, logit_bias, allowed_token_ids, min_tokens and bad_words change the verify rows' logits as plain
+decoding's, row i of a request counting as generated its first i drafts and, in an overlapped step, the tokens of
+the verify in flight. Greedy outputs (and sampled ones at top_k = 1) must equal plain decoding's with the same
+processors, token for token, with a random draft and with an oracle draft that proposes those very outputs (so most
+drafts are accepted and every verify row past the first depends on the drafts before it), overlapped and not."""
 
 import pytest
 
@@ -59,8 +59,31 @@ def test_processors_equal_plain(tiny_ckpt, draft, plain_processed, k, oracle, ov
         assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st
 
 
-def test_bad_words_are_refused_under_speculation(tiny_ckpt, draft):  # noqa: F811
-    """bad_words read the output's last tokens, which a verify row does not hold on the host: refused, named."""
-    eng = make_engine(tiny_ckpt, spec=SpecConfig(draft_model=draft, num_steps=1), page_size=4)
-    with pytest.raises(ValueError, match="^bad_words: not supported together with speculative decoding"):
-        eng.add_request([5, 6, 7], SamplingParams(temperature=0, bad_words=["ab"]))
+@pytest.mark.parametrize("k,oracle", [(1, False), (3, True), (2, True)])
+def test_bad_words_equal_plain(tiny_ckpt, draft, k, oracle):  # noqa: F811
+    """bad_words under speculation: verify row i matches the words' starts against the output and the request's
+    first i drafts, on the host (such steps are not overlapped); greedy outputs equal plain decoding's with the same
+    bans, beside a request without them (which overlaps once alone)."""
+    prompts = _prompts(4, seed=9)
+    g = dict(temperature=0, max_tokens=MAX, ignore_eos=True)
+    eng = make_engine(tiny_ckpt, page_size=4)
+    free = run_requests(eng, prompts, [SamplingParams(**g)] * 4)
+    tok = eng.tokenizer
+    params = [SamplingParams(**g, bad_words=[tok.decode(o[2:4]), tok.decode(o[6:7])]) for o in free[:3]]
+    # bans beside min_tokens (stop token 7, pushed up, masked for 12 tokens: it ends the 13th) and a penalty: a
+    # row's drafts count once, in its output_ids, or 7 would end the output early
+    extra = dict(min_tokens=12, stop_token_ids=[7], logit_bias={7: 30.0}, frequency_penalty=0.5, ignore_eos=False)
+    params[1] = SamplingParams(**{**params[1].__dict__, **extra})
+    params.append(SamplingParams(**{**g, "max_tokens": 3 * MAX}))
+    plain = run_requests(make_engine(tiny_ckpt, page_size=4), prompts, params)
+    assert sum(a != b for a, b in zip(plain[:3], free)) >= 2  # the bans change the outputs
+    assert len(plain[1]) == 13 and plain[1][-1] == 7, plain[1]
+    spec = SpecConfig(draft_model=draft, num_steps=k)
+    eng = make_engine(tiny_ckpt, spec=spec, page_size=4, max_num_seqs=8)
+    if oracle:
+        install_oracle(eng, prompts, plain)
+    assert run_requests(eng, prompts, params) == plain
+    st = eng.stats()
+    assert st["spec_device_steps"] > 0 and st["overlapped_steps"] > 0, st
+    if oracle:
+        assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st

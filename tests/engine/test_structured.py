@@ -1,7 +1,9 @@
 """Structured output in the engine: each greedy token is the model's arg-max over exactly the tokens a fresh
 xgrammar matcher allows after the tokens before it (one reference forward over the whole output); sampled and
 batched requests match their grammar too, beside plain requests in the same steps (the overlapped loop stepping
-aside for them); invalid grammars and speculative decoding are refused naming the field."""
+aside for them); invalid grammars are refused naming the field. Under speculative decoding (REPLAY, NGRAM) greedy
+structured outputs equal plain decoding's, with exactly the acceptance REPLAY's misses imply, and sampled ones follow
+their grammar."""
 
 from __future__ import annotations
 
@@ -161,13 +163,117 @@ def test_bad_shapes():
         StructuredOutput("xml", "x")
 
 
-def test_speculative_decoding_refuses_structured_output(tiny_ckpt, tmp_path):
-    path = str(tmp_path / "rec.jsonl")
-    write_recordings(path, [([1, 2, 3], [4, 5])])
-    spec = SpecConfig.from_dict({"algorithm": "REPLAY", "num_steps": 2, "replay_path": path})
-    eng = make_engine(tiny_ckpt, spec=spec, num_pages=64, page_size=16)
-    # tool_choice: the forced tool call's schema (server/chat_tools.py) is refused under its own field's name
-    for field in ("response_format", "tool_choice"):
-        so = StructuredOutput("regex", "[a-z]+", field=field)
-        with pytest.raises(ValueError, match=f"{field}: not supported together with speculative decoding"):
-            eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=4, structured=so))
+def test_fill_after_is_the_mask_after_the_tokens(engine):
+    """GrammarState.fill_after: the mask a matcher fed the tokens gives, the matcher left as it was; a row after a
+    token the grammar refuses, or after the grammar ended, allows everything."""
+    so = StructuredOutput("regex", r"(ab|cd)+e")
+    tok = engine.tokenizer
+    ids = [tok.encode(c, add_special_tokens=False) for c in "abcde"]
+    assert all(len(i) == 1 for i in ids)
+    a, b, c, d, e = (i[0] for i in ids)
+    st = engine.grammars.state(so)
+    V = engine.model_config.vocab_size
+    W = (V + 31) // 32
+
+    def fresh(tokens):
+        m = xgr.GrammarMatcher(engine.grammars.compile(so))
+        for t in tokens:
+            assert m.accept_token(t)
+        bm = torch.empty(1, W, dtype=torch.int32)
+        m.fill_next_token_bitmask(bm, 0)
+        return bm[0]
+
+    assert st.accept(a)
+    bm = torch.zeros(6, W, dtype=torch.int32)
+    for row, more in enumerate([[], [b], [b, c], [b, c, d]]):
+        st.fill_after(bm, row, more)
+        assert torch.equal(bm[row], fresh([a] + more)), more
+    st.fill_after(bm, 4, [b, a, a])  # a refused after "ab" ... "a" is fine, "aa" is not
+    assert (bm[4] == -1).all()
+    st.fill_after(bm, 5, [])
+    assert torch.equal(bm[5], fresh([a]))  # unchanged by the fills
+    assert st.accept(b) and st.accept(e) and not st.accept(a)
+
+
+def _structured_workload(engine):
+    """Greedy requests under each kind of grammar (each its own prompt: REPLAY keys its recordings by prompt), one
+    free until its end-of-reasoning token, and a plain one."""
+    kinds = [
+        StructuredOutput("json", json.dumps(SCHEMA)),
+        StructuredOutput("regex", r"[0-9]{3}-[a-z]{2,4}"),
+        StructuredOutput("choice", choices=("yes", "no", "maybe")),
+        StructuredOutput("grammar", 'root ::= "a" ("b" | "c") ("b" | "c") "d"'),
+        StructuredOutput("regex", r"(ab|cd)+e"),
+    ]
+    g = dict(temperature=0, max_tokens=40)
+    params = [SamplingParams(**g, structured=so) for so in kinds]
+    end = 290 if 290 not in engine.eos_token_ids else 291
+    after = StructuredOutput("json", json.dumps(SCHEMA), after_token_ids=(end,))
+    params.append(SamplingParams(**g, logit_bias={end: 100.0}, structured=after))  # the grammar holds from token 1
+    params.append(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    return [PROMPT + [50 + i] for i in range(len(params))], params
+
+
+@pytest.mark.parametrize("how", ["replay-full", "replay-0.3", "ngram"])
+def test_speculative_structured_output_equals_plain(tiny_ckpt, tmp_path, how):
+    """Speculative decoding with structured output (EAGLE3's, NGRAM's, REPLAY's verify): verify row i of a grammar
+    request is masked after the request's first i drafts, so greedy outputs equal plain decoding's; with REPLAY
+    proposing plain's outputs, each request's acceptance per position is exactly what its misses imply (a mask
+    behind the drafts would refuse a recorded token and miss, or emit a wrong one)."""
+    from tests.engine.conftest import run_requests
+    from tests.spec.test_replay import expected_per_position
+
+    plain_eng = make_engine(tiny_ckpt, num_pages=128, page_size=16)
+    prompts, params = _structured_workload(plain_eng)
+    plain = run_requests(plain_eng, prompts, params)
+    for out in plain[:-1]:
+        assert out[-1] in plain_eng.eos_token_ids, out  # every grammar finished
+    k = 3
+    if how == "ngram":
+        spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=1, prompt_lookup_max=3))
+    else:
+        path = str(tmp_path / "rec.jsonl")
+        write_recordings(path, zip(prompts, plain))
+        rate = 0.0 if how == "replay-full" else 0.3
+        spec = SpecConfig.from_dict(
+            dict(algorithm="REPLAY", num_steps=k, replay_path=path, replay_miss_rate=rate, replay_seed=3)
+        )
+    eng = make_engine(tiny_ckpt, spec=spec, num_pages=128, page_size=16)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outs, last = {r: [] for r in rids}, {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] += o.new_token_ids
+            last[o.request_id] = o
+    assert [outs[r] for r in rids] == plain
+    if how != "ngram":
+        got = [list(last[r].usage.spec_accepted_per_position) for r in rids]
+        want = [expected_per_position(p, k, rate, 3, max_tokens=len(o)) for p, o in zip(prompts, plain)]
+        assert got == want and sum(map(sum, want)) > 0
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_speculative_sampled_structured_output_follows_the_grammar(tiny_ckpt):
+    """Sampled structured requests on an NGRAM engine (the speculative-sampling rule over masked verify rows) beside
+    greedy plain ones: every output follows its grammar, and the plain requests keep overlapping."""
+    spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=3, prompt_lookup_min=1, prompt_lookup_max=3))
+    eng = make_engine(tiny_ckpt, spec=spec, num_pages=128, page_size=16)
+    checks = {
+        "json": (StructuredOutput("json", json.dumps(SCHEMA)), lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+        "regex": (StructuredOutput("regex", r"(ab|cd)+e"), lambda t: re.fullmatch(r"(ab|cd)+e", t) or 1 / 0),
+        "choice": (
+            StructuredOutput("choice", choices=("yes", "no", "maybe")),
+            lambda t: t in ("yes", "no", "maybe") or 1 / 0,
+        ),
+    }
+    rids = {}
+    for seed in (1, 2, 3):
+        for name, (so, _) in checks.items():
+            sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured=so)
+            rids[eng.add_request(PROMPT + [seed], sp)] = name
+    plain = eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    outs = run_all(eng)
+    for rid, name in rids.items():
+        assert outs[rid][-1] in eng.eos_token_ids, (name, outs[rid])
+        checks[name][1](text_of(eng, outs[rid]))
+    assert len(outs[plain]) == 40 and eng.stats()["spec_steps"] > 0
