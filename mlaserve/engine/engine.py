@@ -212,13 +212,8 @@ class LLMEngine:
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words: need a tokenizer; this model has none")
-        if self.spec_k:  # the verify step computes no prompt logprobs
-            for name, on in (
-                ("prompt_logprobs", params.prompt_logprobs is not None),
-                ("best_of", params.num_seqs > params.n),
-            ):
-                if on:
-                    raise ValueError(f"{name}: not supported together with speculative decoding")
+        if self.spec_k and params.num_seqs > params.n:  # the verify rows keep no cumulative logprob to rank by
+            raise ValueError("best_of: not supported together with speculative decoding")
         if params.structured is not None:
             self.grammars.compile(params.structured)  # a ValueError naming the field; cached for _add
         if params.stop and self.tokenizer is None:

@@ -45,6 +45,7 @@ from ..types import Request, RequestStatus
 from .grammar import GrammarAhead
 from .loop import Loop, seq_chunk
 from .postprocess import StepOutput
+from .prompt_logprobs import prompt_logprobs
 from .scheduler import ScheduledChunk, SchedulerOutput
 
 log = logging.getLogger("mlaserve.engine")
@@ -211,7 +212,12 @@ class SpecLoop(Loop):
                 return self._launch_in_graph(out, key, decode, (decode_tokens, decode_shift))
             dev, ids = decode_tokens[:, 1:], decode_tokens.reshape(-1)
         prefill = [seq_chunk(c.req, c.num_new, c.sample) for c in out.prefill]
+        for c, ch in zip(out.prefill, prefill):
+            if c.req.params.prompt_logprobs is not None and ch.num_cached < len(c.req.prompt_token_ids):
+                ch.need_logits = "all"  # every prompt position's logits (prompt_logprobs.py), as plain decoding's
         logits, aux, _ = self.runner.execute(decode, prefill, decode_tokens=ids, decode_shift=decode_shift)
+        if any(ch.need_logits == "all" for ch in prefill):
+            logits = prompt_logprobs(out.prefill, prefill, logits, len(decode) * N)
         self.num_steps += 1
         step = VerifyStep(out, logits, aux, dev)
         if out.decode and not out.prefill:

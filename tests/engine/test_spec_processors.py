@@ -87,3 +87,38 @@ def test_bad_words_equal_plain(tiny_ckpt, draft, k, oracle):  # noqa: F811
     assert st["spec_device_steps"] > 0 and st["overlapped_steps"] > 0, st
     if oracle:
         assert st["spec_accepted_tokens"] > st["spec_steps"] // 2, st
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NGRAM"])
+def test_prompt_logprobs_equal_plain(tiny_ckpt, draft, algorithm):  # noqa: F811
+    """prompt_logprobs under speculation: the prefill computes every prompt position's logits, as plain decoding's
+    (with long prompts split in chunks beside verify steps): the same prompt logprobs and the same outputs."""
+    prompts = [p * 8 for p in _prompts(3, seed=11)]  # past one chunk of 64 tokens
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=k) for k in (0, 2, 5)]
+    params.append(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))  # decoding while they prefill
+    prompts.append(_prompts(1, seed=12)[0])
+
+    def run(eng):
+        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        toks, first = {r: [] for r in rids}, {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks[o.request_id] += o.new_token_ids
+                first.setdefault(o.request_id, o.prompt_logprobs)
+        return [toks[r] for r in rids], [first[r] for r in rids]
+
+    kw = dict(page_size=4, max_num_seqs=8, max_num_batched_tokens=64, chunked_prefill_size=64)
+    want = run(make_engine(tiny_ckpt, **kw))
+    assert all(len(lp) == len(p) for lp, p in zip(want[1][:3], prompts)) and want[1][3] is None
+    if algorithm == "EAGLE3":
+        spec = SpecConfig(draft_model=draft, num_steps=2)
+    else:
+        spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=2, prompt_lookup_min=1, prompt_lookup_max=3))
+    eng = make_engine(tiny_ckpt, spec=spec, **kw)
+    got = run(eng)
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1]):  # the same logits: equal to float32's last bits or within rounding
+        assert (a is None) == (b is None)
+        for x, y in zip(a or [], b or []):
+            assert (x is None and y is None) or (x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x))
+    assert eng.stats()["spec_steps"] > 0
