@@ -249,6 +249,31 @@ def test_ngram_step_graph_with_requests_ending_and_arriving(tiny_ckpt, k):
     assert_same_events(plain_runs, runs, "NGRAM step graph")
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_ngram_under_preemption(tiny_ckpt, prompts_and_plain, k):
+    """A KV cache too small for the batch preempts requests (recomputed later: their rows rewritten, or taken back
+    and given again): outputs stay plain's, and after every step each running request's next drafts are the rule's
+    over its context then (a recompute's prefill emits a token without a verify, so the chain rule's counts per
+    position do not apply here)."""
+    prompts, plain = prompts_and_plain
+    spec = SpecConfig.from_dict(dict(algorithm="NGRAM", num_steps=k, prompt_lookup_min=1, prompt_lookup_max=3))
+    eng = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", page_size=16, num_pages=14, max_num_seqs=4), spec=spec)
+    rids = [eng.add_request(p, GREEDY) for p in prompts]
+    out, checked = {r: [] for r in rids}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+        for req in eng.scheduler.running:
+            drafts = eng.states[req.request_id].drafts
+            if drafts is not None and req.output_token_ids:
+                ctx = req.prompt_token_ids + req.output_token_ids
+                assert drafts == (index(ctx, 1, 3).lookup(k) or [ctx[-1]] * k), (req.request_id, ctx)
+                checked += 1
+    assert eng.scheduler.num_preemptions > 0 and checked > 100
+    assert [out[r] for r in rids] == plain
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
 def test_ngram_rows_hold_the_longest_context(tiny_ckpt):
     """A request's row holds the longest context the engine serves: max_model_len, else the model's
     max_position_embeddings (4096 here), at most what the KV cache holds; plus a verify's 2 N of slack."""
