@@ -266,9 +266,9 @@ class NgramSteps:
         self.p, self.K, self.N = proposer, proposer.k, proposer.N
         self.bs_list = [b for b in DECODE_BATCH_SIZES if b < max_bs] + [max_bs]
         self.graphs = {B: (None, None, None) for B in self.bs_list}
-        self.meta = torch.zeros(2, self.bs_list[-1], dtype=torch.int64, device=proposer.device)  # base, slot
-        self.meta[0].fill_(-1)
-        self.base = self.meta[0]
+        # a step of B rows: meta[:B] each row's first verified position (-1: padding), meta[B:2B] its slot; one copy
+        self.meta = torch.full((2 * self.bs_list[-1],), -1, dtype=torch.int64, device=proposer.device)
+        self.base = self.meta  # base[:B]: the step graph's live rows (>= 0)
         self._inputs: tuple | None = None
 
     def fill_step(self, B: int, starts: list[int], reqs: list[Request]) -> None:
@@ -277,11 +277,11 @@ class NgramSteps:
             s, new = self.p._slot(r)
             slots.append(self.p._write_context(r) if new else s)
         pad = B - len(starts)
-        self.meta[:, :B].copy_(torch.tensor([starts + [-1] * pad, slots + [0] * pad]), non_blocking=True)
+        self.meta[: 2 * B].copy_(torch.tensor(starts + [-1] * pad + slots + [0] * pad), non_blocking=True)
 
     def verified_inputs(self, y: torch.Tensor, acc: torch.Tensor, shift: torch.Tensor | None, B: int) -> None:
         self._inputs = (y, acc, shift)
 
     def _forward(self, B: int, batches=None, mirrors: bool = False, hidden=None) -> torch.Tensor:
         y, acc, shift = self._inputs
-        return self.p._drafts(self.meta[1, :B], self.meta[0, :B], acc, y, shift)
+        return self.p._drafts(self.meta[B : 2 * B], self.meta[:B], acc, y, shift)
