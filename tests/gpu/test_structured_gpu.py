@@ -87,3 +87,33 @@ def test_grammar_after_the_end_of_reasoning_on_cuda_graphs(tiny_ckpt):
     ids = outs[1].token_ids
     assert ids[0] == end and ids[-1] in eng.eos_token_ids
     jsonschema.validate(json.loads(eng.tokenizer.decode(ids[1:-1])), SCHEMA)
+
+
+@pytest.mark.parametrize("k,rate", [(1, 0.0), (3, 0.0), (3, 0.3)])
+def test_json_schema_under_speculation(tiny_ckpt, tmp_path, k, rate):
+    """Structured output on a speculative CUDA-graph engine (REPLAY proposing plain decoding's structured outputs):
+    verify row i masked after the first i drafts gives plain's tokens, with exactly the acceptance the misses imply;
+    greedy plain requests beside them keep overlapping and their tokens."""
+    pytest.importorskip("xgrammar")
+    from mlaserve import LLM, SamplingParams, StructuredOutput
+    from mlaserve.spec.replay import write_recordings
+    from tests.spec.test_replay import expected_per_position
+
+    so = StructuredOutput("json", json.dumps(SCHEMA), field="response_format")
+    prompts = [[40, 41, 42, 43], [44, 45], [5, 6, 7, 8]]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured=so)] * 2
+    params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    kw = dict(device="cuda", num_pages=512, page_size=64)
+    llm = LLM(tiny_ckpt, **kw)
+    plain = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(p[-1] in llm.engine.eos_token_ids for p in plain[:2])
+    llm.close()
+    path = str(tmp_path / "rec.jsonl")
+    write_recordings(path, zip(prompts, plain))
+    spec = dict(algorithm="REPLAY", num_steps=k, replay_path=path, replay_miss_rate=rate)
+    llm = LLM(tiny_ckpt, speculative_config=spec, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == plain
+    got = [list(o.usage.spec_accepted_per_position) for o in outs]
+    assert got == [expected_per_position(p, k, rate, 0, max_tokens=len(o)) for p, o in zip(prompts, plain)]
+    llm.close()
