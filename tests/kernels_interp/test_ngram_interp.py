@@ -7,7 +7,7 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("k,lo,hi,V", [(1, 1, 3, 3), (3, 2, 4, 4), (2, 5, 5, 2), (4, 1, 1, 50)])
+@pytest.mark.parametrize("k,lo,hi,V", [(1, 1, 3, 3), (3, 2, 4, 4), (2, 5, 5, 2), (4, 1, 1, 50), (2, 3, 12, 2)])
 def test_ngram_kernel_equals_reference(kdev, k, lo, hi, V):
     from mlaserve.kernels.ngram import ngram_drafts
     from mlaserve.spec.ngram import ngram_drafts_ref
