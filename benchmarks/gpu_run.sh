@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite and the benchmarks in one go, each stage under its own time limit, everything logged under $OUT.
-#   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2] [tp]
+#   bash benchmarks/gpu_run.sh [tests] [kernels] [m1] [spec] [m2] [tp] [ngram] ...
 #     tests    the gpu-marked tests (TESTS: paths, TESTS_K: a -k expression, TESTS_S: seconds)
 #     kernels  benchmarks/kernels_bench.py (KERNEL_ARGS, default --quick; KERNELS_S)
 #     m1       benchmarks/bench_engine.py on M1 (made at /tmp/m1 if absent), transformers after it (M1_ARGS; M1_S)
@@ -10,6 +10,7 @@
 #     fp8      DeepSeek-V3 shapes, 6 layers, FP8 blocks, dummy weights, then the same model in bf16 (FP8_S)
 #     tp       two GPUs: the NCCL parity test and TP2 under CUDA graphs against one GPU (TP_S)
 #     structured  benchmarks/structured_cost.py: structured output's cost per decode step on M1 shapes (STRUCT_S)
+#     ngram    benchmarks/ngram_speed.py on the default model, K=3 and K=1 (NGRAM_S each)
 #     kvfp8    M1 TPOT at batch 8 and 32, context 8192, with the latent cache in the model's dtype then in FP8
 #              (--kv-cache-dtype fp8), and the KV tokens each holds at the same --gpu-mem (KVFP8_S)
 # Packages the machine lacks (xgrammar, apache-tvm-ffi, the server's) travel as wheels in .whl/, installed first.
@@ -68,6 +69,13 @@ if [[ $stages == *" structured "* ]]; then
   el "structured output: cost per decode step at batch 1 and 8, plain greedy beside it (M1 shapes, dummy weights)"
   timeout ${STRUCT_S:-300} python3 benchmarks/structured_cost.py --preset moonlight-16b-a3b --batches 1,8 --tokens 256 \
     --out "$OUT/structured_cost.json" 2>&1 | tee "$OUT/structured.log" | grep -vE "it/s|Loading" | tail -8
+fi
+if [[ $stages == *" ngram "* ]]; then
+  el "NGRAM (prompt lookup) against plain decoding on the default model, K=3 then K=1 (NGRAM_S each)"
+  for k in 3 1; do
+    timeout ${NGRAM_S:-240} python3 benchmarks/ngram_speed.py --k $k --rounds 2 --out "$OUT" 2>&1 \
+      | tee "$OUT/ngram_k$k.log" | grep -vE "it/s|Loading" | tail -12
+  done
 fi
 if [[ $stages == *" kvfp8 "* ]]; then
   el "M1 TPOT at context 8192 with the KV cache in bf16, then in FP8 (same memory)"
