@@ -313,6 +313,25 @@ def test_proposer_finds_n_grams_across_the_prompt_and_prediction_join():
         assert four.tokens(req) == [8, 9], prompt
 
 
+def test_a_prediction_longer_than_the_row_is_cut(caplog):
+    """A prediction past the prediction row (the prompt's last hi - 1 tokens and PRED_MAX more, at most a context's
+    length) is looked up in its first part, with a warning naming the request."""
+    from types import SimpleNamespace
+
+    from mlaserve.spec.ngram import NgramProposer
+    from mlaserve.types import Request, RequestStatus
+
+    prop = NgramProposer(SimpleNamespace(num_steps=2, prompt_lookup_min=2, prompt_lookup_max=3), max_len=20)
+    width = prop.pred.shape[1]  # 20 + 2 * 3 + 2 = 28: the prompt's last 2 tokens and 26 of the prediction
+    pred = list(range(100, 160))
+    req = Request([1, 2, 3], GREEDY, prediction_token_ids=pred, output_token_ids=[100], status=RequestStatus.RUNNING)
+    with caplog.at_level("WARNING", logger="mlaserve.spec"):
+        assert prop.tokens(req) == [101, 102]
+    assert width == 28 and f"request {req.request_id}: the first 26 of its prediction's 60 tokens" in caplog.text
+    req.output_token_ids += [101, 102, 103, 123, 124]  # [123, 124] just before the cut: its run stops at 125
+    assert prop.tokens(req) == [125, 125]  # the row's last token, padded with itself: nothing past the cut
+
+
 def test_proposer_takes_back_slots_of_requests_not_running():
     """Each request holds a row while it runs; when none is free, those of finished or preempted requests are
     taken back (a preempted one gets a row again, its context rewritten, when its prompt is computed again)."""

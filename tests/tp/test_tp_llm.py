@@ -1,10 +1,12 @@
 """Through LLM: attn-tp2 with moe-tp2 and with ep2 (two gloo processes) give TP1's greedy tokens."""
 
+import importlib.util
 import random
 
 import pytest
 
 from mlaserve import LLM, SamplingParams
+from mlaserve.types import StructuredOutput
 
 
 def _prompts():
@@ -102,12 +104,18 @@ def test_llm_tp2_replay_draft_exact_acceptance(tiny_ckpt, tp1, tmp_path):
 
 def test_llm_tp2_ngram_exact_acceptance(tiny_ckpt, tp1):
     """NGRAM under TP2: the lookup runs on rank 0 beside the sharded target; outputs are TP1's and each request's
-    acceptance per draft position exactly the lookup rule's over them."""
+    acceptance per draft position exactly the lookup rule's over them; structured output too."""
     from tests.spec.test_ngram import expected_per_position
 
     prompts = [p + o for p, o in zip(_prompts(), tp1)]  # each followed by its own output: a context to copy
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(tiny_ckpt, device="cpu").generate(prompts, sp, use_tqdm=False)]
+    xgr = importlib.util.find_spec("xgrammar") is not None
+    so = StructuredOutput("regex", r"(ab|cd)+e")  # verify rows masked on rank 0 after the drafts
+    sp_so = SamplingParams(temperature=0, max_tokens=30, structured=so)
+    one = LLM(tiny_ckpt, device="cpu")  # one rank's outputs first: no other LLM beside a TP one in a process
+    plain = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+    plain_so = [o.token_ids for o in one.generate(prompts[:2], sp_so, use_tqdm=False)] if xgr else None
+    one.close()
     spec = dict(algorithm="NGRAM", num_steps=2, prompt_lookup_min=1, prompt_lookup_max=3)
     llm = LLM(tiny_ckpt, device="cpu", tp=2, on_rank_failure=lambda e: None, speculative_config=spec)
     try:
@@ -117,6 +125,9 @@ def test_llm_tp2_ngram_exact_acceptance(tiny_ckpt, tp1):
         want = [expected_per_position(p, o, 2, 1, 3) for p, o in zip(prompts, plain)]
         assert got == want and sum(map(sum, want)) > 0, (got, want)
         assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+        if xgr:  # structured output: one rank's tokens
+            two = [o.token_ids for o in llm.generate(prompts[:2], sp_so, use_tqdm=False)]
+            assert two == plain_so and all(t[-1] in llm.engine.eos_token_ids for t in two)
     finally:
         llm.close()
 
