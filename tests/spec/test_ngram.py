@@ -92,26 +92,30 @@ def test_device_rule_equals_the_index():
     from mlaserve.spec.ngram import ngram_drafts_ref
 
     rng = random.Random(3)
-    for trial in range(40):
-        lo = rng.randrange(1, 4)
-        hi, k, S, C = lo + rng.randrange(3), rng.randrange(1, 5), 6, 64
+    for trial in range(100):
+        lo, V = rng.randrange(1, 4), rng.choice([2, 3, 4])
+        hi, k, S = lo + rng.randrange(5), rng.randrange(1, 5), 6
+        C = rng.choice([64, 42])  # 42: the longest contexts end where a verify's tokens no longer fit the row
         N = k + 1
-        hist = torch.randint(0, 4, (S, C), dtype=torch.int32)  # stale tokens past each context
-        pred, pred_lens = torch.randint(0, 4, (S, 40), dtype=torch.int32), torch.zeros(S, dtype=torch.int64)
+        hist = torch.randint(0, V, (S, C), dtype=torch.int32)  # stale tokens past each context
+        pred, pred_lens = torch.randint(0, V, (S, 40), dtype=torch.int32), torch.zeros(S, dtype=torch.int64)
         rows, want, matched = [], [], 0
         for b in range(5):
             if b == 2:
                 rows.append((-1, 0, 0, 0, [0] * N))  # a padding row
                 want.append([0] * k)
                 continue
-            slot, ctx = b if b < 2 else b + 1, [rng.randrange(4) for _ in range(rng.randrange(N + 3, 40))]
+            slot, ctx = b if b < 2 else b + 1, [rng.randrange(V) for _ in range(rng.randrange(N + 3, 40))]
             acc, shift = rng.randrange(N), rng.randrange(3)
             head = ctx[: len(ctx) - acc - 1]  # the context before the step's emitted tokens
             hist[slot, : len(head)] = torch.tensor(head, dtype=torch.int32)
-            p = [rng.randrange(4) for _ in range(rng.randrange(0, 30))] if b % 2 else []
+            p = []
+            if b % 2:  # random, one token, or a piece of the context (long matches in both)
+                i = rng.randrange(len(ctx))
+                p = rng.choice([[rng.randrange(V) for _ in range(rng.randrange(0, 30))], [ctx[-1]], ctx[i : i + 30]])
             pred[slot, : len(p)] = torch.tensor(p or [0], dtype=torch.int32)[: len(p)]
             pred_lens[slot] = len(p)
-            y = ctx[len(head) :] + [rng.randrange(4) for _ in range(N - acc - 1)]
+            y = ctx[len(head) :] + [rng.randrange(V) for _ in range(N - acc - 1)]
             rows.append((len(head) - 1 - shift, shift, slot, acc, y))  # the host's base, then the device's shift
             idx, first = NgramIndex(lo, hi), None
             idx.extend(ctx)
@@ -123,9 +127,36 @@ def test_device_rule_equals_the_index():
             want.append(found or [ctx[-1]] * k)
         base, shift, slots, acc, y = (torch.tensor(list(c), dtype=torch.int64) for c in zip(*rows))
         counts = torch.zeros(2, dtype=torch.int64)
+        before = hist.clone()
         got = ngram_drafts_ref(hist, pred, pred_lens, slots, base, acc, y, k, lo, hi, counts, shift=shift)
         assert got.tolist() == want, trial
         assert counts.tolist() == [4 * k, matched * k]  # the padding row counts nothing
+        for b0, sh, slot, _, yb in rows:  # each row took its tokens, within the row, alone
+            if b0 >= 0:
+                start = b0 + sh + 1
+                before[slot, start : start + N] = torch.tensor(yb, dtype=torch.int32)[: C - start]
+        assert torch.equal(hist, before), trial
+    # a longer match in the context beats a shorter one in the prediction: [1, 2, 3, 4] then 9 against [2, 3, 4] then 7
+    ctx, p = [1, 2, 3, 4, 9, 5, 5, 1, 2, 3, 4], [6, 2, 3, 4, 7, 7]
+    hist, pred = torch.zeros(1, 32, dtype=torch.int32), torch.zeros(1, 32, dtype=torch.int32)
+    hist[0, : len(ctx)], pred[0, : len(p)] = torch.tensor(ctx), torch.tensor(p)
+    one = torch.tensor([0])
+    for hi, want in ((4, [9, 5]), (3, [7, 7])):  # at most 3 tokens: both match 3, the prediction first
+        y = torch.tensor([[ctx[-1]] * 3])
+        got = ngram_drafts_ref(
+            hist,
+            pred,
+            torch.tensor([len(p)]),
+            one,
+            torch.tensor([len(ctx) - 2]),
+            one,
+            y,
+            2,
+            1,
+            hi,
+            torch.zeros(2, dtype=torch.int64),
+        )
+        assert got.tolist() == [want], hi
 
 
 def run(engine, prompts, params=GREEDY):
@@ -208,9 +239,24 @@ def test_ngram_overlapped_and_in_the_step_graph(tiny_ckpt, prompts_and_plain, k)
             eng.runner.capture_graphs(k + 1, eng.max_model_len, use_graphs=False)
             eng.capture_spec_step_graphs(use_graphs=False)
             assert eng.loop.step_graphs is eng.spec_step_graphs is not None
+        step, rows_checked = eng.step, []
+
+        def checked(
+            s=step, e=eng, n=rows_checked, m=mode
+        ):  # after each step every running request's row is its context
+            out = s()
+            for r in e.scheduler.running:
+                if r.request_id in e.proposer.slot and r.output_token_ids:
+                    row = e.proposer.hist[e.proposer.slot[r.request_id][1], : r.num_tokens].tolist()
+                    assert row == r.prompt_token_ids + r.output_token_ids, (m, r.request_id)
+                    n.append(1)
+            return out
+
+        eng.step = checked
         got, per_position = run_counted(eng, prompts, [GREEDY] * len(prompts))
         assert got == plain, mode
         assert per_position == want, mode
+        assert len(rows_checked) > 50, mode
         st = eng.stats()
         assert (st["overlapped_steps"] > 0) == (mode != "serial"), mode
         runs = eng.runner.graphs.static_runs["spec_step"] if mode == "step-graph" else 0
@@ -311,6 +357,33 @@ def test_proposer_finds_n_grams_across_the_prompt_and_prediction_join():
     for prompt in ([4, 5, 6], list(range(20, 30)) + [4, 5, 6]):  # the join's 4-grams need the prompt's last 3
         req = Request(prompt, GREEDY, prediction_token_ids=[7, 8, 9], output_token_ids=[7])
         assert four.tokens(req) == [8, 9], prompt
+
+
+def test_a_request_without_a_row_gets_its_context_written():
+    """A verify of a request whose row was taken back (or never given: a proposer started afresh) writes the
+    context the host holds before the lookup, on the launches' path and the step graph's; a request id reused by
+    another request frees the first one's row."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mlaserve.spec.ngram import NgramProposer, NgramSteps
+    from mlaserve.types import Request, RequestStatus
+
+    prop = NgramProposer(SimpleNamespace(num_steps=2, prompt_lookup_min=1, prompt_lookup_max=3), max_seqs=3)
+    ctx = [4, 5, 6, 7, 4, 5, 6]
+    want = index(ctx, 1, 3).lookup(2)
+    reqs = [Request(ctx[:3], GREEDY, output_token_ids=ctx[3:], status=RequestStatus.RUNNING) for _ in range(2)]
+    y, acc = torch.tensor([[ctx[-1]] * 3]), torch.tensor([0])
+    assert want == [7, 4] and prop.propose_verified(y, acc, None, reqs[:1], starts=[len(ctx) - 2]).tolist() == [want]
+    steps = NgramSteps(prop, 4)
+    steps.fill_step(2, [len(ctx) - 2], reqs[1:])  # a padding row beside it
+    steps.verified_inputs(torch.cat([y, y]), torch.cat([acc, acc]), None, 2)
+    assert steps._forward(2).tolist()[0] == want and len(prop.free) == 1
+    again = Request(ctx[:3], GREEDY, output_token_ids=ctx[3:5], status=RequestStatus.RUNNING)
+    again.request_id = reqs[0].request_id  # the id of a request that ended, reused
+    assert prop.tokens(again) == index(ctx[:5], 1, 3).lookup(2) and len(prop.free) == 1
+    assert prop.slot[again.request_id][0] is again
 
 
 def test_a_prediction_longer_than_the_row_is_cut(caplog):
