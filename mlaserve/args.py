@@ -96,9 +96,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--speculative-algorithm",
         default=None,
-        choices=["EAGLE3", "NGRAM", "REPLAY"],
-        help="NGRAM drafts by prompt lookup, with no draft model (--speculative-ngram-*); REPLAY is a "
-        "benchmark-only draft: it proposes recorded greedy outputs (--speculative-replay-path)",
+        choices=["EAGLE3", "MTP", "NEXTN", "NGRAM", "REPLAY"],
+        help="MTP (or SGLang's NEXTN) drafts with the target checkpoint's own multi-token prediction layer "
+        "(DeepSeek-V3/R1), no draft folder; NGRAM drafts by prompt lookup, with no draft model "
+        "(--speculative-ngram-*); REPLAY is a benchmark-only draft: it proposes recorded greedy outputs "
+        "(--speculative-replay-path)",
     )
     s.add_argument(
         "--speculative-draft-model-path",

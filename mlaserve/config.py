@@ -599,6 +599,9 @@ class SpecConfig:
     Every kernel, the overlap and the draft run as they would at that acceptance, at any context, but the text is
     not the target's greedy text. REPLAY keeps the text and needs the target to reproduce a recording.
 
+    MTP (DeepSeek-V3/R1's multi-token prediction layer, spec/mtp.py; vLLM's `deepseek_mtp`, SGLang's `NEXTN`): no
+    draft folder; the draft is layer num_hidden_layers of the target's own checkpoint, chained like EAGLE3's.
+
     NGRAM (prompt lookup, spec/ngram.py): no draft model; the drafts continue the latest earlier occurrence of the
     context's longest suffix n-gram, n in [prompt_lookup_min, prompt_lookup_max] (vLLM's defaults: one given sets
     the other, neither gives 5 and 5)."""
@@ -622,7 +625,7 @@ class SpecConfig:
 
     @classmethod
     def normalize(cls, d: dict) -> dict:
-        """A speculative_config dict in our keys, vLLM's translated (method eagle3 only: chain drafting)."""
+        """A speculative_config dict in our keys, vLLM's translated (methods eagle3, deepseek_mtp / mtp, ngram)."""
         d = dict(d)
         for theirs, ours in cls.VLLM_KEYS.items():
             if theirs not in d:
@@ -632,12 +635,12 @@ class SpecConfig:
             v = d.pop(theirs)
             if theirs == "method":
                 m = v.lower() if isinstance(v, str) else None
-                if m not in ("eagle3", "ngram", "[ngram]"):
+                if m not in ("eagle3", "ngram", "[ngram]", "deepseek_mtp", "mtp"):
                     raise ValueError(
-                        "speculative_config.method: eagle3 (an EAGLE3 draft, chain drafting) or ngram (prompt "
-                        f"lookup) is served, got {v!r}"
+                        "speculative_config.method: eagle3 (an EAGLE3 draft, chain drafting), deepseek_mtp (the "
+                        f"target's MTP layer) or ngram (prompt lookup) is served, got {v!r}"
                     )
-                v = "EAGLE3" if m == "eagle3" else "NGRAM"
+                v = {"eagle3": "EAGLE3", "deepseek_mtp": "MTP", "mtp": "MTP"}.get(m, "NGRAM")
             d[ours] = v
         return d
 
@@ -672,6 +675,10 @@ class SpecConfig:
     def is_ngram(self) -> bool:
         return self.algorithm.upper() == "NGRAM"
 
+    @property
+    def is_mtp(self) -> bool:
+        return self.algorithm.upper() in ("MTP", "NEXTN")  # NEXTN: SGLang's name
+
     def _validate_ngram(self) -> None:
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             v = getattr(self, name)
@@ -691,15 +698,29 @@ class SpecConfig:
                 raise ValueError(f"speculative_config.{name}: NGRAM drafts from the context and takes no {what}")
 
     def validate(self) -> None:
-        if not isinstance(self.algorithm, str) or self.algorithm.upper() not in ("EAGLE3", "NGRAM", "REPLAY"):
+        if not isinstance(self.algorithm, str) or self.algorithm.upper() not in (
+            "EAGLE3",
+            "MTP",
+            "NEXTN",
+            "NGRAM",
+            "REPLAY",
+        ):
             raise ValueError(
-                f"speculative_config.algorithm: EAGLE3, NGRAM, or REPLAY (benchmark only), got {self.algorithm!r}"
+                "speculative_config.algorithm: EAGLE3, MTP (or NEXTN), NGRAM, or REPLAY (benchmark only), got "
+                f"{self.algorithm!r}"
             )
+        if self.is_mtp:
+            for name, what in (("draft_model", "draft folder"), ("replay_path", "recorded outputs")):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"speculative_config.{name}: MTP drafts with the target checkpoint's own MTP layer and takes "
+                        f"no {what}"
+                    )
         if self.is_ngram:
             self._validate_ngram()
         elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
             raise ValueError("speculative_config.prompt_lookup_min/max: only the NGRAM algorithm looks up n-grams")
-        if not self.is_replay and not self.is_ngram and not self.draft_model:
+        if not self.is_replay and not self.is_ngram and not self.is_mtp and not self.draft_model:
             raise ValueError("speculative_config.draft_model: the EAGLE3 draft's folder is required")
         if self.num_steps < 1:
             raise ValueError(f"speculative_config.num_steps: must be >= 1, got {self.num_steps}")

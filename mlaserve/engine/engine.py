@@ -53,7 +53,9 @@ class LLMEngine:
         if spec is not None:
             from ..spec.build import draft_kv_page_bytes
 
-            extra = draft_kv_page_bytes(spec, cfg.page_size, resolve_dtype(cfg.dtype, self.model_config))
+            extra = draft_kv_page_bytes(
+                spec, cfg.page_size, resolve_dtype(cfg.dtype, self.model_config), self.model_config
+            )
         self.runner = runner or ModelRunner(cfg, self.model_config, ranks=ranks, extra_page_bytes=extra)
         log.info("kernels: %s", self.runner.kernels)  # the switches and thresholds every kernel call site got
         if self.runner.kernels.deterministic:

@@ -375,7 +375,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     """forward(ids, positions, batch) -> final hidden [T, D]; compute_logits(hidden) -> fp32 [n, vocab].
 
     `aux_layer_ids`, when set (EAGLE3), makes forward also return the residual stream entering those
-    layers (id == num_layers: the final pre-norm stream), concatenated in id order: [T, len(ids) * D].
+    layers (id == num_layers: the final pre-norm stream; -1: the final normed hidden, the MTP draft's),
+    concatenated in id order: [T, len(ids) * D].
     `kernels` (the engine's KernelConfig) goes to every module that launches kernels."""
 
     def __init__(
@@ -409,6 +410,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, batch, norms[i + 1])
         if len(layers) in self.aux_layer_ids:
             aux[len(layers)] = residual  # the final pre-norm stream
+        aux[-1] = x  # the final normed hidden (what lm_head reads)
         return (x, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)) if self.aux_layer_ids else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

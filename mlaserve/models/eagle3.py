@@ -114,6 +114,14 @@ class Eagle3Draft(nn.Module):
             )
             self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    @property
+    def hidden_width(self) -> int:  # the target aux hidden it reads, [T, n * Ht]
+        return self.cfg.fc_in_features
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, d/2] fp32 of the midlayer's RoPE."""
         if self.rotary is not None:

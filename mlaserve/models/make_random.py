@@ -40,7 +40,8 @@ def load_preset(name_or_path: str) -> dict:
 
 
 def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float | str]]:
-    """(name, shape, init) for every tensor of the text model; init is a std, "norm" or "bias"."""
+    """(name, shape, init) for every tensor of the text model, its MTP layers (num_nextn_predict_layers) last;
+    init is a std, "norm", "bias" or "copy:NAME" (the values of tensor NAME)."""
     D, H, L = cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers
     N, P, R, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
 
@@ -54,20 +55,19 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float 
             lin(prefix + "down_proj.weight", D, inter, 0.5),
         ]
 
-    specs = [("model.embed_tokens.weight", (cfg.vocab_size, D), 1.0)]
-    for i in range(L):
+    def layer(i):
         p = f"model.layers.{i}."
-        specs += [(p + "input_layernorm.weight", (D,), "norm"), (p + "post_attention_layernorm.weight", (D,), "norm")]
+        out = [(p + "input_layernorm.weight", (D,), "norm"), (p + "post_attention_layernorm.weight", (D,), "norm")]
         a = p + "self_attn."
         if cfg.q_lora_rank:
-            specs += [
+            out += [
                 lin(a + "q_a_proj.weight", cfg.q_lora_rank, D),
                 (a + "q_a_layernorm.weight", (cfg.q_lora_rank,), "norm"),
                 lin(a + "q_b_proj.weight", H * (N + P), cfg.q_lora_rank),
             ]
         else:
-            specs.append(lin(a + "q_proj.weight", H * (N + P), D))
-        specs += [
+            out.append(lin(a + "q_proj.weight", H * (N + P), D))
+        out += [
             lin(a + "kv_a_proj_with_mqa.weight", R + P, D),
             (a + "kv_a_layernorm.weight", (R,), "norm"),
             lin(a + "kv_b_proj.weight", H * (N + V), R),
@@ -76,18 +76,34 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float 
         m = p + "mlp."
         if cfg.is_moe_layer(i):
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-            specs.append(lin(m + "gate.weight", E, D, 2.0))
+            out.append(lin(m + "gate.weight", E, D, 2.0))
             if cfg.has_correction_bias:
-                specs.append((m + "gate.e_score_correction_bias", (E,), "bias"))
+                out.append((m + "gate.e_score_correction_bias", (E,), "bias"))
             for e in range(E):
-                specs += mlp(f"{m}experts.{e}.", I)
+                out += mlp(f"{m}experts.{e}.", I)
             if cfg.n_shared_experts:
-                specs += mlp(m + "shared_experts.", I * cfg.n_shared_experts)
+                out += mlp(m + "shared_experts.", I * cfg.n_shared_experts)
         else:
-            specs += mlp(m, cfg.intermediate_size)
+            out += mlp(m, cfg.intermediate_size)
+        return out
+
+    specs = [("model.embed_tokens.weight", (cfg.vocab_size, D), 1.0)]
+    for i in range(L):
+        specs += layer(i)
     specs.append(("model.norm.weight", (D,), "norm"))
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     if not cfg.tie_word_embeddings:  # tied: lm_head is embed_tokens, and checkpoints leave it out
         specs.append(lin("lm_head.weight", cfg.vocab_size, D, 4.0))
+    for i in range(L, L + cfg.num_nextn_predict_layers):  # DeepSeek-V3's MTP layers, after everything else
+        p = f"model.layers.{i}."
+        specs += layer(i) + [
+            (p + "enorm.weight", (D,), "norm"),
+            (p + "hnorm.weight", (D,), "norm"),
+            lin(p + "eh_proj.weight", D, 2 * D),
+            (p + "shared_head.norm.weight", (D,), "norm"),
+            (p + "embed_tokens.weight", (cfg.vocab_size, D), "copy:model.embed_tokens.weight"),  # as published
+            (p + "shared_head.head.weight", (cfg.vocab_size, D), "copy:" + head),
+        ]
     return specs
 
 
@@ -133,11 +149,14 @@ def make_random(
     tokenizer: bool = True,
     quantization: str | None = None,
     config_only: bool = False,
+    mtp: bool = False,
 ) -> str:
     """Write config.json, sharded safetensors and the index to `out`. `overrides` update the text config;
     `wrapper` puts a plain text model inside the Kimi-K2.5 wrapper (weights under `language_model.`);
     `quantization` is none | int4-experts | fp8-block (None: the preset's published form); `config_only` writes
-    config.json (and the tokenizer) alone, for --load-format dummy.
+    config.json (and the tokenizer) alone, for --load-format dummy; `mtp` writes the preset's MTP layers (at least
+    one), after every other tensor, in the published layout (the decoder layer quantized as the others, eh_proj and
+    the copies of embed_tokens and lm_head in the model dtype).
     The same seed draws the same numbers for the same tensor list, wrapped or not, quantized or not."""
     raw = copy.deepcopy(load_preset(preset))
     raw.pop("_note", None)
@@ -153,7 +172,8 @@ def make_random(
     text.update(overrides or {})
     if dtype is not None:
         text["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
-    text["num_nextn_predict_layers"] = 0  # no MTP weights are written
+    # MTP layers (DeepSeek-V3's one; the draft of --speculative-algorithm MTP) only when asked for
+    text["num_nextn_predict_layers"] = max(int(text.get("num_nextn_predict_layers") or 0), 1) if mtp else 0
     text.pop("quantization_config", None)
     raw.pop("quantization_config", None)
     qc = published_config(scheme)
@@ -180,8 +200,14 @@ def _write_weights(cfg: ModelConfig, out: str, seed: int, device: str, shard_byt
 
     gen = torch.Generator(device=device).manual_seed(seed)
     items = []  # (checkpoint key, tensor)
+    drawn = {}
     for name, shape, init in tqdm(hf_tensor_specs(cfg), desc="Writing random weights", disable=not progress):
-        t = _draw(shape, init, gen, tdtype, device)
+        if isinstance(init, str) and init.startswith("copy:"):
+            t = drawn[init[5:]].clone()
+        else:
+            t = _draw(shape, init, gen, tdtype, device)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            drawn[name] = t
         module = name[: -len(".weight")]
         if quant is not None and name.endswith(".weight") and quant.quantizes(module, cfg.weight_prefix):
             items += quantized_tensors(name, t, quant.method).items()

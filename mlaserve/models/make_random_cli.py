@@ -34,6 +34,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "others none)",
     )
     p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="also write the MTP layer DeepSeek-V3 ships (num_nextn_predict_layers, at least 1), the draft of "
+        "--speculative-algorithm MTP",
+    )
+    p.add_argument(
         "--config-only",
         action="store_true",
         help="write config.json and the tokenizer, no weights: a folder for --load-format dummy (weights in place)",
@@ -73,6 +79,7 @@ def cli_main(args) -> int:
         wrapper=args.wrapper,
         quantization=args.quantization,
         config_only=args.config_only,
+        mtp=args.mtp,
     )
     print(out)
     return 0

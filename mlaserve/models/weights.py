@@ -24,6 +24,7 @@ from ..layers.fp8_linear import Fp8ExpandedLinear
 from ..layers.moe import ExpertsBase
 from ..layers.quant import BLOCK
 from ..layers.quant_experts import Fp8Experts, Int4Experts
+from .deepseek_mtp import SHARED_WITH_TARGET
 from .dummy_weights import init_dummy_weights  # noqa: F401  (--load-format dummy: the loader without files)
 
 log = logging.getLogger("mlaserve.weights")
@@ -114,9 +115,10 @@ def _open(file: str):
         raise CheckpointError(f"{file}: cannot read safetensors header ({e}); is the file truncated?") from None
 
 
-def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> None:
-    """Fill every parameter of `model` (a DeepseekV3ForCausalLM) from the checkpoint folder `path`."""
-    loader = _Loader(model)
+def load_weights(model: torch.nn.Module, path: str, progress: bool = True, mtp: bool = False) -> None:
+    """Fill every parameter of `model` (a DeepseekV3ForCausalLM) from the checkpoint folder `path`. mtp: `model` is
+    the checkpoint's MTP layer (a DeepseekMTP, models/deepseek_mtp.py), which reads layer num_hidden_layers alone."""
+    loader = _Loader(model, mtp)
     handles = [(f, _open(f)) for f in checkpoint_files(path)]
     loader.where = {key: h for _, h in handles for key in h.keys()}  # a weight's scale may sit in another shard
     bar = tqdm(total=len(loader.where), desc="Loading weights", unit="tensor", disable=not progress)
@@ -137,8 +139,8 @@ def load_weights(model: torch.nn.Module, path: str, progress: bool = True) -> No
 class _Loader:
     """One load's state: the model's parameters and expert blocks, what is still missing, what was skipped."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.cfg = model, model.config
+    def __init__(self, model: torch.nn.Module, mtp: bool = False):
+        self.model, self.cfg, self.mtp = model, model.config, mtp
         self.experts = {n: m for n, m in model.named_modules() if isinstance(m, ExpertsBase)}
         # quantized experts load per expert only; the bf16 block also takes transformers 5's fused tensors by name
         self.params = {
@@ -154,8 +156,8 @@ class _Loader:
             for w in ("gate_proj", "up_proj", "down_proj")
             for s in m.suffixes
         }
-        self.dtype = model.lm_head.weight.dtype
-        self.skipped = {"vision": 0, "mtp": 0}
+        self.dtype = next(p.dtype for n, p in model.named_parameters() if n.endswith("norm.weight"))
+        self.skipped = {"vision": 0, "mtp": 0, "target": 0, "shared": 0}
         self.expanded: list[tuple[str, int, int]] = []  # (name, bytes held, bytes in the checkpoint)
         self.where: dict = {}
 
@@ -168,8 +170,15 @@ class _Loader:
                 return
             raise CheckpointError(f"{file}: unexpected tensor {key!r} (expected the prefix {prefix!r})")
         m = LAYER_KEY.match(name)
-        if m and int(m.group(1)) >= self.cfg.num_hidden_layers:
-            self.skipped["mtp"] += 1  # DeepSeek-V3's MTP layer (index num_hidden_layers), unused here
+        layer, L = (int(m.group(1)) if m else -1), self.cfg.num_hidden_layers
+        if not self.mtp and layer >= L:
+            self.skipped["mtp"] += 1  # DeepSeek-V3's MTP layer (index num_hidden_layers): the MTP draft's
+            return
+        if self.mtp and layer != L:  # the target's tensors, and MTP layers past the first (the draft uses one)
+            self.skipped["target" if layer < L else "mtp"] += 1
+            return
+        if self.mtp and name[m.end() :] in SHARED_WITH_TARGET:
+            self.skipped["shared"] += 1  # copies of the target's embedding and lm_head
             return
         suffix = name.rpartition(".")[2]
         if suffix in REFUSED:
@@ -263,8 +272,16 @@ class _Loader:
             raise CheckpointError(f"{path}: missing tensor {missing[0]!r}{more}")
         if self.skipped["vision"]:
             log.info("skipped %d vision-tower tensors: mlaserve serves the text model only", self.skipped["vision"])
-        if self.skipped["mtp"]:
+        if self.skipped["mtp"] and not self.mtp:
             log.info("skipped %d tensors of the MTP layer (layers >= %d)", self.skipped["mtp"], cfg.num_hidden_layers)
+        if self.mtp:
+            log.info(
+                "MTP layer %d loaded; its copies of the target's embedding and lm_head (%d tensors) not read: the "
+                "target's are used%s",
+                cfg.num_hidden_layers,
+                self.skipped["shared"],
+                f"; {self.skipped['mtp']} tensors of further MTP layers skipped" if self.skipped["mtp"] else "",
+            )
         if self.expanded:
             held, stored = sum(e[1] for e in self.expanded), sum(e[2] for e in self.expanded)
             log.info(

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SpecConfig
+from ..config import ModelConfig, SpecConfig
 
 
-def draft_kv_page_bytes(spec: SpecConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes per KV page of the draft model's own cache (0 without a draft model: NGRAM, REPLAY alone)."""
+def draft_kv_page_bytes(spec: SpecConfig, page_size: int, dtype: torch.dtype, target: ModelConfig) -> int:
+    """Bytes per KV page of the draft model's own cache (0 without a draft model: NGRAM, REPLAY alone). MTP: one
+    MLA layer of the target's shape."""
+    if spec.is_mtp:
+        from .mtp import check_has_mtp
+
+        check_has_mtp(target)  # before the target loads
+        return page_size * target.kv_cache_dim * dtype.itemsize
     if not spec.draft_model:
         return 0
     from ..models.eagle3 import DraftConfig
@@ -18,12 +24,16 @@ def draft_kv_page_bytes(spec: SpecConfig, page_size: int, dtype: torch.dtype) ->
 
 
 def build_proposer(spec: SpecConfig, runner):
-    """EAGLE3: the draft model. NGRAM: prompt lookup, no model. REPLAY (benchmark only): recorded greedy outputs,
-    after the draft's forward if any."""
+    """EAGLE3: the draft model. MTP: the target checkpoint's MTP layer. NGRAM: prompt lookup, no model. REPLAY
+    (benchmark only): recorded greedy outputs, after the draft's forward if any."""
     if spec.is_ngram:
         from .ngram import NgramProposer
 
         return NgramProposer(spec, runner)
+    if spec.is_mtp:
+        from .mtp import MtpProposer
+
+        return MtpProposer(spec, runner)
     inner = None
     if spec.draft_model:
         from .eagle3 import Eagle3Proposer

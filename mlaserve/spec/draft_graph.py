@@ -35,7 +35,7 @@ class DraftGraphs:
         self.acc = torch.zeros(B, **i64)
         self.base = torch.full((B,), -1, **i64)  # each row's first verified position; -1: a padding row
         self.page_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros(B * N, hidden_dim, dtype=proposer.draft.fc.weight.dtype, device=dev)
+        self.hidden = torch.zeros(B * N, hidden_dim, dtype=proposer.draft.hidden_dtype, device=dev)
         # derived inside the step (_prepare)
         self.ext_pos = torch.zeros(B * N, **i64)
         self.ext_slots = torch.full((B * N,), -1, **i64)

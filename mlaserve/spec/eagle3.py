@@ -15,7 +15,7 @@ import torch
 from ..attention.base import ForwardBatch, SeqChunk
 from ..config import SpecConfig
 from ..kernel_config import use_kernels
-from ..models.eagle3 import DraftConfig, Eagle3Draft, load_draft
+from ..models.eagle3 import DraftConfig, load_draft
 from ..types import Request
 
 log = logging.getLogger("mlaserve.spec")
@@ -84,8 +84,9 @@ def draft_page_bytes(cfg: DraftConfig, page_size: int, dtype: torch.dtype) -> in
     return page_size * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
 
-def full_embedding(runner) -> torch.nn.Embedding:
-    """The target's whole embedding table on this rank (read from the checkpoint, or random for dummy weights)."""
+def full_embedding(runner, name: str = "model.embed_tokens.weight") -> torch.nn.Embedding:
+    """The target's whole embedding table (or, by `name`, its whole lm_head) on this rank: read from the checkpoint,
+    or random for dummy weights."""
     c = runner.model_cfg
     emb = torch.nn.Embedding(c.vocab_size, c.hidden_size, device=runner.device, dtype=runner.dtype)
     emb.weight.requires_grad_(False)
@@ -96,50 +97,41 @@ def full_embedding(runner) -> torch.nn.Embedding:
 
     from ..models.weights import checkpoint_files
 
-    key = c.weight_prefix + "model.embed_tokens.weight"
+    key = c.weight_prefix + name
+    if name == "lm_head.weight" and c.tie_word_embeddings:
+        key = c.weight_prefix + "model.embed_tokens.weight"
     for f in checkpoint_files(runner.cfg.model):
         with safe_open(f, framework="pt", device="cpu") as h:
             if key in h.keys():
                 emb.weight.copy_(h.get_tensor(key))
                 return emb
-    raise ValueError(f"{runner.cfg.model}: no tensor {key!r} for the draft's shared embedding")
+    raise ValueError(f"{runner.cfg.model}: no tensor {key!r} for the draft's shared {name.split('.')[-2]}")
 
 
 class Eagle3Proposer:
+    """The draft model's proposer; `_load` gives the draft (the MTP proposer, spec/mtp.py, overrides it)."""
+
     def __init__(self, spec: SpecConfig, runner):
         self.k = spec.num_steps
         self.page_size = runner.cfg.page_size
         self.device = runner.device
-        target = runner.model
-        embed = target.model.embed_tokens
-        if runner.ranks.world_size > 1:  # the draft runs on rank 0 alone: it needs the whole vocabulary
-            embed = full_embedding(runner)
-        tc = target.config
-        cfg = DraftConfig.from_pretrained(spec.draft_model)
-        check_draft_fits(cfg, tc)
-        ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
-        self.draft: Eagle3Draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed)
+        self.draft, ids, mla = self._load(spec, runner)
         use_kernels(self.draft, runner.kernels)
         self.pdl = runner.kernels.pdl
-        width = self.draft.embed_tokens.weight.shape[-1]
-        if width != cfg.hidden_size:  # the target's embedding, shared: its width is the target's hidden size
-            raise ValueError(
-                f"speculative_config.draft_model: the draft's hidden_size {cfg.hidden_size} does not fit the "
-                f"target's hidden_size {width} (the draft has no embed_tokens of its own and shares the target's)"
-            )
-        target.aux_layer_ids = ids
+        runner.model.aux_layer_ids = ids
         pages, gpu = runner.num_pages, self.device.type == "cuda"
-        if cfg.mla is not None:
-            cache = torch.zeros(1, pages, self.page_size, cfg.mla.kv_cache_dim, dtype=runner.dtype, device=self.device)
+        if mla is not None:  # the draft's one MLA layer: its latent KV in a cache of its own, in the model dtype
+            cache = torch.zeros(1, pages, self.page_size, mla.kv_cache_dim, dtype=runner.dtype, device=self.device)
             if gpu:  # triton is imported only where it runs
                 from ..attention.triton_mla import TritonMLABackend
 
-                self.attn = TritonMLABackend(cache, cfg.mla.kv_lora_rank, kernels=runner.kernels)
+                self.attn = TritonMLABackend(cache, mla.kv_lora_rank, kernels=runner.kernels)
             else:
                 from ..attention.torch_ref import TorchRefBackend
 
-                self.attn = TorchRefBackend(cache, cfg.mla.kv_lora_rank)
+                self.attn = TorchRefBackend(cache, mla.kv_lora_rank)
         else:
+            cfg = self.draft.cfg
             from ..attention.mha_ref import PagedMHARef
 
             cache = torch.zeros(
@@ -152,7 +144,26 @@ class Eagle3Proposer:
             else:
                 self.attn = PagedMHARef(cache)
         self.graphs = None  # DraftGraphs once capture_graphs() ran
-        log.info("EAGLE3 draft %s: %d draft steps, aux layers %s", cfg.architecture, self.k, target.aux_layer_ids)
+
+    def _load(self, spec: SpecConfig, runner):
+        """-> (the draft, the target's aux layer ids it reads, the MLA config of its attention or None: GQA)."""
+        target = runner.model
+        embed = target.model.embed_tokens
+        if runner.ranks.world_size > 1:  # the draft runs on rank 0 alone: it needs the whole vocabulary
+            embed = full_embedding(runner)
+        tc = target.config
+        cfg = DraftConfig.from_pretrained(spec.draft_model)
+        check_draft_fits(cfg, tc)
+        ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
+        draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed)
+        width = draft.embed_tokens.weight.shape[-1]
+        if width != cfg.hidden_size:  # the target's embedding, shared: its width is the target's hidden size
+            raise ValueError(
+                f"speculative_config.draft_model: the draft's hidden_size {cfg.hidden_size} does not fit the "
+                f"target's hidden_size {width} (the draft has no embed_tokens of its own and shares the target's)"
+            )
+        log.info("EAGLE3 draft %s: %d draft steps, aux layers %s", cfg.architecture, spec.num_steps, ids)
+        return draft, ids, cfg.mla
 
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor):
         batch = ForwardBatch.build([], chunks, self.page_size, self.device, self.attn)
@@ -163,7 +174,7 @@ class Eagle3Proposer:
     def capture_graphs(self, max_bs: int, max_pages: int, use_graphs: bool = True) -> None:
         from .draft_graph import DraftGraphs
 
-        self.graphs = DraftGraphs(self, max_bs, max_pages, self.draft.cfg.fc_in_features, use_graphs)
+        self.graphs = DraftGraphs(self, max_bs, max_pages, self.draft.hidden_width, use_graphs)
         self.graphs.capture()
 
     @torch.inference_mode()

@@ -1,0 +1,57 @@
+"""The MTP proposer: DeepSeek-V3's multi-token prediction layer, read from the target's own checkpoint, drafts as
+an EAGLE3 draft does (same chain, same device step after a verify, same graphs: spec/eagle3.py), from the
+target's final normed hidden (models/deepseek_mtp.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import SpecConfig
+from ..models.deepseek_mtp import DeepseekMTP
+from .eagle3 import Eagle3Proposer, full_embedding
+
+log = logging.getLogger("mlaserve.spec")
+
+FINAL_NORMED = -1  # DeepseekV3ForCausalLM's aux id of its final normed hidden
+
+
+def check_has_mtp(cfg) -> None:
+    """Refuse a target whose checkpoint has no MTP layer (Kimi-K2, Kimi-K2.5, Moonlight), naming the field."""
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError(
+            "speculative_config.algorithm: MTP drafts with the target's multi-token prediction layer, and this "
+            f"model's config.json has num_nextn_predict_layers {cfg.num_nextn_predict_layers} (DeepSeek-V3 and R1 "
+            "ship one); use EAGLE3 with a draft model, or NGRAM"
+        )
+
+
+class MtpProposer(Eagle3Proposer):
+    def _load(self, spec: SpecConfig, runner):
+        from ..models.dummy_weights import init_dummy_weights
+        from ..models.weights import load_weights
+
+        cfg, target = runner.model_cfg, runner.model
+        check_has_mtp(cfg)
+        moe_impl = runner.cfg.moe_backend if runner.cfg.moe_backend != "auto" else None
+        moe_impl = moe_impl or ("triton" if self.device.type == "cuda" else "torch")
+        with torch.device(self.device):
+            draft = DeepseekMTP(cfg, runner.dtype, moe_impl)
+        if runner.cfg.load_format == "dummy":
+            init_dummy_weights(draft, seed=runner.cfg.seed + 1)
+        else:
+            load_weights(draft, runner.cfg.model, progress=False, mtp=True)
+        if runner.ranks.world_size > 1:  # the draft runs on rank 0 alone: it needs the whole vocabulary
+            draft.embed_tokens = full_embedding(runner)
+            draft.head = full_embedding(runner, "lm_head.weight").weight
+        else:
+            draft.embed_tokens, draft.head = target.model.embed_tokens, target.lm_head.weight
+        log.info(
+            "MTP draft: layer %d of %s, %d draft step%s",
+            cfg.num_hidden_layers,
+            runner.cfg.model,
+            spec.num_steps,
+            "s" if spec.num_steps > 1 else "",
+        )
+        return draft.eval(), (FINAL_NORMED,), cfg
