@@ -155,3 +155,28 @@ def test_llm_tp2_with_the_trained_default_draft():
         assert sum(accepted) >= len(want) * 24 // 4, accepted  # a random draft accepts ~0
     finally:
         llm.close()
+
+
+def test_llm_tp2_mtp_matches_tp1(tmp_path):
+    """MTP under TP2: the checkpoint's MTP layer runs whole on rank 0 (the full embedding and lm_head read from the
+    checkpoint) beside the sharded target, fed the target's final normed hidden: one rank's outputs, and the same
+    acceptance per draft position as one rank's MTP engine."""
+    from mlaserve.models.make_random import make_random
+
+    path = make_random("tiny", str(tmp_path / "m"), seed=0, dtype="float32", progress=False, mtp=True)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
+    one = LLM(path, device="cpu")  # one rank's outputs first: no other LLM beside a TP one in a process
+    plain = [o.token_ids for o in one.generate(_prompts(), sp, use_tqdm=False)]
+    one.close()
+    one = LLM(path, device="cpu", speculative_config=spec)
+    ref = [list(o.usage.spec_accepted_per_position) for o in one.generate(_prompts(), sp, use_tqdm=False)]
+    one.close()
+    llm = LLM(path, device="cpu", tp=2, on_rank_failure=lambda e: None, speculative_config=spec)
+    try:
+        outs = llm.generate(_prompts(), sp, use_tqdm=False)
+        assert [o.token_ids for o in outs] == plain
+        assert [list(o.usage.spec_accepted_per_position) for o in outs] == ref
+        assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+    finally:
+        llm.close()
