@@ -235,6 +235,11 @@ def main():
     )
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--draft", default=None)
+    ap.add_argument(
+        "--mtp",
+        action="store_true",
+        help="speculate with the checkpoint's MTP layer (K=1, N=2; DeepSeek-V3's); --make / --preset write it",
+    )
     ap.add_argument("--spec-only", action="store_true")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="512,8192")
@@ -322,6 +327,7 @@ def main():
             device="cuda",
             progress=False,
             quantization=a.quantization,
+            mtp=a.mtp,
         )
         res["make_random_s"] = time.perf_counter() - t
         log(f"wrote {a.model} in {res['make_random_s']:.1f}s")
@@ -338,6 +344,7 @@ def main():
             dtype="bfloat16",
             quantization=a.quantization,
             config_only=True,
+            mtp=a.mtp,
         )
         mcfg = ModelConfig.from_pretrained(path)
     if a.draft and not os.path.isdir(a.draft):  # a random draft fitted to the target's config
@@ -414,15 +421,19 @@ def main():
                         gpu_after=gpu_state(),
                     )
                 )
-    if a.draft:
+    if a.draft or a.mtp:
         # Plain TPOT first: the speculative engine re-captures the shared runner's graphs for verify width 2.
         cases = [(b, c) for c in ctxs for b in batches]
         base = {(b, c): ml_tpot(engine, b, c, vocab)[0] for b, c in cases}
-        spec = SpecConfig(draft_model=a.draft, num_steps=1, num_draft_tokens=2)
+        if a.mtp:
+            spec, method = SpecConfig(algorithm="MTP", num_steps=1, num_draft_tokens=2), "MTP"
+            draft_label = "the checkpoint's MTP layer" + (", dummy weights" if a.dummy else "")
+        else:
+            spec, method = SpecConfig(draft_model=a.draft, num_steps=1, num_draft_tokens=2), "EAGLE3"
+            # what the draft is, as far as its folder says: train-draft leaves train_draft.json beside it
+            trained = os.path.exists(os.path.join(a.draft, "train_draft.json"))
+            draft_label = "trained draft" if trained else f"draft {os.path.basename(os.path.normpath(a.draft))}"
         engine_spec = LLMEngine(cfg, runner=engine.runner, spec=spec)
-        # what the draft is, as far as its folder says: train-draft leaves train_draft.json beside it
-        trained = os.path.exists(os.path.join(a.draft, "train_draft.json"))
-        draft_label = "trained draft" if trained else f"draft {os.path.basename(os.path.normpath(a.draft))}"
         graph_runs = engine_spec.runner.graphs.static_runs if engine_spec.runner.graphs is not None else {}
         for b, c in cases:
             st0, g0 = engine_spec.stats(), engine_spec.loop.decode_only_steps
@@ -431,7 +442,7 @@ def main():
             st, g1 = engine_spec.stats(), engine_spec.loop.decode_only_steps
             rows.append(
                 dict(
-                    figure=f"TPOT b{b} ctx{c} EAGLE3 K=1 N=2 ({draft_label})",
+                    figure=f"TPOT b{b} ctx{c} {method} K=1 N=2 ({draft_label})",
                     ms=s / tok * 1e3,
                     step_ms=s * 1e3,
                     tokens_per_step=tok,
@@ -451,7 +462,7 @@ def main():
                     step_graph_share=(graph_runs.get("spec_step", 0) - sg0) / max(g1 - g0, 1),
                 )
             )
-    if a.profile and a.draft:  # the speculative step's kernels and its host gaps (batch 1)
+    if a.profile and (a.draft or a.mtp):  # the speculative step's kernels and its host gaps (batch 1)
         res["profile_eagle3"] = profile(engine_spec, vocab, 0, "decode_b1_eagle3")
     if a.replay_sweep or a.simulate_sweep:
         from benchmarks.replay_sweep import replay_sweep

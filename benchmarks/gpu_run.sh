@@ -10,6 +10,7 @@
 #     fp8      DeepSeek-V3 shapes, 6 layers, FP8 blocks, dummy weights, then the same model in bf16 (FP8_S)
 #     tp       two GPUs: the NCCL parity test and TP2 under CUDA graphs against one GPU (TP_S)
 #     structured  benchmarks/structured_cost.py: structured output's cost per decode step on M1 shapes (STRUCT_S)
+#     mtp      DeepSeek-V3 shapes, 6 layers, FP8, dummy weights, with the MTP layer: its K=1 step against plain (MTP_S)
 #     ngram    benchmarks/ngram_speed.py on the default model, K=3 and K=1 (NGRAM_S each)
 #     kvfp8    M1 TPOT at batch 8 and 32, context 8192, with the latent cache in the model's dtype then in FP8
 #              (--kv-cache-dtype fp8), and the KV tokens each holds at the same --gpu-mem (KVFP8_S)
@@ -69,6 +70,11 @@ if [[ $stages == *" structured "* ]]; then
   el "structured output: cost per decode step at batch 1 and 8, plain greedy beside it (M1 shapes, dummy weights)"
   timeout ${STRUCT_S:-300} python3 benchmarks/structured_cost.py --preset moonlight-16b-a3b --batches 1,8 --tokens 256 \
     --out "$OUT/structured_cost.json" 2>&1 | tee "$OUT/structured.log" | grep -vE "it/s|Loading" | tail -8
+fi
+if [[ $stages == *" mtp "* ]]; then
+  el "DeepSeek-V3 FP8 with its MTP layer: the MTP step (K=1, N=2) against plain decode, same run"
+  timeout ${MTP_S:-400} python3 benchmarks/bench_engine.py --preset deepseek-v3 --layers 6 --dummy --quantization fp8-block \
+    --mtp --spec-only --label dsv3-fp8-mtp --gpu-mem 0.95 --batches 1,8 --contexts 512 2>&1 | tee "$OUT/mtp.log" | tail -8
 fi
 if [[ $stages == *" ngram "* ]]; then
   el "NGRAM (prompt lookup) against plain decoding on the default model, K=3 then K=1 (NGRAM_S each)"
