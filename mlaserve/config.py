@@ -659,6 +659,8 @@ class SpecConfig:
         if steps is None:  # vLLM: a speculators draft's own speculative_tokens, else one
             steps = draft_speculative_tokens(d.get("draft_model")) or 1
         steps = int(steps)
+        if str(d.get("algorithm", "")).upper() == "NEXTN":  # SGLang's name
+            d["algorithm"] = "MTP"
         if str(d.get("algorithm", "")).upper() == "NGRAM":  # vLLM's defaults
             lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
             d["prompt_lookup_min"] = 5 if lo is None and hi is None else (hi if lo is None else lo)

@@ -48,7 +48,7 @@ def _size(n: int) -> str:
 
 def weight_bytes(model: torch.nn.Module, rank: int = 0) -> WeightBytes:
     """The bytes `model`'s parameters hold, by kind."""
-    dtype = model.lm_head.weight.dtype
+    dtype = next(p.dtype for n, p in model.named_parameters() if n.endswith("norm.weight"))  # the model dtype
     quantized = dequantized = expanded = extra = 0
     seen, what = set(), {}
     for mod_name, mod in model.named_modules():

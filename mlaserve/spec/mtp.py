@@ -30,6 +30,7 @@ def check_has_mtp(cfg) -> None:
 class MtpProposer(Eagle3Proposer):
     def _load(self, spec: SpecConfig, runner):
         from ..models.dummy_weights import init_dummy_weights
+        from ..models.weight_bytes import weight_bytes
         from ..models.weights import load_weights
 
         cfg, target = runner.model_cfg, runner.model
@@ -42,16 +43,22 @@ class MtpProposer(Eagle3Proposer):
             init_dummy_weights(draft, seed=runner.cfg.seed + 1)
         else:
             load_weights(draft, runner.cfg.model, progress=False, mtp=True)
+        own = weight_bytes(draft).total  # before the target's tables join it
         if runner.ranks.world_size > 1:  # the draft runs on rank 0 alone: it needs the whole vocabulary
             draft.embed_tokens = full_embedding(runner)
-            draft.head = full_embedding(runner, "lm_head.weight").weight
+            draft.head = full_embedding(runner, "lm_head.weight").weight.detach()
+            own += 2 * draft.head.numel() * draft.head.element_size()
         else:
-            draft.embed_tokens, draft.head = target.model.embed_tokens, target.lm_head.weight
+            draft.embed_tokens, draft.head = target.model.embed_tokens, target.lm_head.weight.detach()
         log.info(
-            "MTP draft: layer %d of %s, %d draft step%s",
+            "MTP draft: layer %d of %s, %d draft step%s, %.1f MB of weights on this rank%s",
             cfg.num_hidden_layers,
             runner.cfg.model,
             spec.num_steps,
             "s" if spec.num_steps > 1 else "",
+            own / 1e6,
+            " (with whole copies of the embedding and lm_head: the draft runs on rank 0 alone)"
+            if runner.ranks.world_size > 1
+            else " (the embedding and lm_head are the target's)",
         )
         return draft.eval(), (FINAL_NORMED,), cfg
