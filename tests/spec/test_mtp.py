@@ -260,3 +260,18 @@ def test_bad_input(tiny_ckpt, mtp_ckpt, tmp_path):
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.3\."):
         _engine(str(bare))
     assert ModelConfig.from_pretrained(mtp_ckpt).num_nextn_predict_layers == 1
+
+
+def test_cli_flags(tmp_path):
+    from mlaserve.args import engine_kwargs_from_args
+    from mlaserve.cli import build_parser
+
+    def spec(*flags):
+        argv = ["generate", "--prompt", "x", *flags]
+        return SpecConfig.from_dict(engine_kwargs_from_args(build_parser(argv).parse_args(argv))["speculative_config"])
+
+    s = spec("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2")  # SGLang's name
+    assert s.is_mtp and s.algorithm == "MTP" and s.num_draft_tokens == 3
+    assert spec("--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}').is_mtp
+    with pytest.raises(ValueError, match="speculative_config.draft_model: MTP drafts with the target checkpoint"):
+        spec("--speculative-algorithm", "MTP", "--speculative-draft-model-path", str(tmp_path))
