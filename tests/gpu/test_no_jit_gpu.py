@@ -89,14 +89,19 @@ def _workload(llm) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "speculative,kv_cache_dtype",
-    [(False, "auto"), (True, "auto"), ("ngram", "auto"), (False, "fp8")],
-    ids=["plain", "eagle3", "ngram", "fp8kv"],
+    [(False, "auto"), (True, "auto"), ("ngram", "auto"), ("mtp", "auto"), (False, "fp8")],
+    ids=["plain", "eagle3", "ngram", "mtp", "fp8kv"],
 )
 def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative, kv_cache_dtype):
     pytest.importorskip("triton")
     spec = None
     if speculative == "ngram":  # the lookup kernel, in the step graphs and eagerly (mixed steps, sampled rows)
         spec = {"algorithm": "NGRAM", "num_steps": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    elif speculative == "mtp":  # the checkpoint's MTP layer (MLA + MoE) as the draft, K=2
+        from mlaserve.models.make_random import make_random
+
+        tiny_ckpt = make_random("tiny", str(tmp_path / "m"), seed=0, dtype="float32", progress=False, mtp=True)
+        spec = {"algorithm": "MTP", "num_steps": 2}
     elif speculative:
         from mlaserve.models.make_random_draft import make_random_draft
 
