@@ -101,10 +101,11 @@ def _plan(args) -> int:
             quantization=args.quantization,
             config_only=True,
             tokenizer=False,
+            mtp=args.mtp,
         )
         cfg = ModelConfig.from_pretrained(path)
     for line in plan_lines(
-        cfg, parallel_config_from_args(args), torch_dtype(cfg.torch_dtype), args.gpu_memory_gib * 2**30
+        cfg, parallel_config_from_args(args), torch_dtype(cfg.torch_dtype), args.gpu_memory_gib * 2**30, mtp=args.mtp
     ):
         print(line)
     return 0

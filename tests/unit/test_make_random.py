@@ -209,3 +209,30 @@ def test_plan_prints_each_ranks_bytes(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("3 layers, compressed-tensors INT4, group 32, bfloat16; attn-tp 2, moe-tp 1, ep 2")
     assert [ln.split(" weights:")[0] for ln in lines[1:]] == ["rank 0", "rank 1"] and "fits" in lines[1]
+
+
+def test_plan_with_the_mtp_draft(capsys):
+    """--mtp: rank 0 also holds the MTP layer whole and, under TP, whole copies of the embedding and lm_head; its
+    room shrinks by exactly that, the other ranks' not at all."""
+    import re
+
+    from mlaserve.config import ModelConfig
+    from mlaserve.models.make_random import make_random as mr
+    from mlaserve.models.weight_bytes import mtp_bytes
+
+    assert cli_main(["make-random", "deepseek-v3", "--plan", "--layers", "4", "--tp", "2"]) == 0
+    plain = capsys.readouterr().out.strip().splitlines()
+    assert cli_main(["make-random", "deepseek-v3", "--plan", "--layers", "4", "--tp", "2", "--mtp"]) == 0
+    mtp = capsys.readouterr().out.strip().splitlines()
+    assert mtp[1].startswith("MTP draft on rank 0: ") and mtp[3] == plain[2]  # rank 1 unchanged
+
+    def left(line):
+        return float(re.search(r"fits, ([\d.]+) GB left", line).group(1))
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = ModelConfig.from_pretrained(mr("deepseek-v3", tmp, layers=4, config_only=True, tokenizer=False, mtp=True))
+    extra = mtp_bytes(cfg, 2)
+    assert extra > 2 * cfg.vocab_size * cfg.hidden_size * 2  # the layer's experts, and both tables
+    assert abs(left(plain[1]) - left(mtp[2]) - extra / 1e9) < 0.02
