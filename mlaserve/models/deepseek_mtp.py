@@ -13,7 +13,7 @@ Draft position p holds the pair (the target's final hidden at p, the token at p+
     normed = shared_head.norm(h); logits = head(normed)      predicts the token at p+2
 `hidden` is the target's final *normed* hidden (what its lm_head reads), as both vLLM and SGLang feed it. A chain
 of more draft steps than MTP layers reuses the one layer, each step reading the previous step's normed output (as
-SGLang does; vLLM reads the pre-norm stream).
+SGLang does; vLLM reads the pre-norm stream). The embedding at position 0 is not masked (SGLang; vLLM zeroes it).
 """
 
 from __future__ import annotations
