@@ -56,6 +56,8 @@ MODULES = {
         "rule or lookup or proposer or longest or longer_than or without_a_row or (equal_plain and 1-1-3)"
         " or (overlapped_and and 1) or (ending_and and 3) or (preemption and 1) or (prediction_drafts and 1)",
     ],
+    "models/deepseek_mtp.py": ["tests/spec/test_mtp.py"],  # the layer against transformers', every draft checked
+    "spec/mtp.py": ["tests/spec/test_mtp.py"],
     "layers/sampler.py": [
         "tests/unit/test_sampler.py",
         "tests/unit/test_logits_process.py",

@@ -25,8 +25,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def mtp_ckpt(tmp_path_factory):
-    """The tiny preset with one MTP layer (model.layers.3), fp32."""
-    return make_random("tiny", str(tmp_path_factory.mktemp("mtp")), seed=0, dtype="float32", progress=False, mtp=True)
+    """The tiny preset with one MTP layer (model.layers.3), fp32; rms_norm_eps 1e-2, so a norm built without the
+    config's epsilon (1e-6 by default) shows in the transformers comparison."""
+    return make_random(
+        "tiny",
+        str(tmp_path_factory.mktemp("mtp")),
+        seed=0,
+        dtype="float32",
+        progress=False,
+        mtp=True,
+        overrides={"rms_norm_eps": 1e-2},
+    )
 
 
 def _prompts(n=8, seed=0):
@@ -61,6 +70,9 @@ class HfMtp:
             path, dtype=torch.float32, num_hidden_layers=self.L + 1, attn_implementation="eager"
         ).eval()
         self.layer, self.rotary = deeper.model.layers[self.L], deeper.model.rotary_emb
+        for m in [*self.target.modules(), *self.layer.modules()]:  # transformers builds q_a_layernorm and
+            if hasattr(m, "variance_epsilon"):  # kv_a_layernorm with 1e-6 whatever the config says; vLLM, SGLang
+                m.variance_epsilon = self.eps  # and mlaserve with rms_norm_eps
         self.w = _tensors(path, f"model.layers.{self.L}.")
 
     @torch.no_grad()
@@ -111,6 +123,18 @@ def test_layer_matches_transformers(mtp_ckpt, ref):
         want = ref.logits(seq, h)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
         torch.testing.assert_close(out[1], h, atol=2e-5, rtol=2e-5)  # aux id -1: the final normed hidden
+
+
+def test_layer_takes_the_engine_dtype(mtp_ckpt):
+    """A bf16 engine over the fp32 checkpoint: the MTP layer's parameters take the dtypes the target's MoE layer's
+    take (bf16, the router fp32), and its own norms and eh_proj bf16."""
+    eng = _engine(mtp_ckpt, dtype="bfloat16")
+    mine = dict(eng.proposer.draft.layer.named_parameters())
+    theirs = dict(eng.runner.model.model.layers[2].named_parameters())
+    assert {n: p.dtype for n, p in mine.items() if n in theirs} == {n: p.dtype for n, p in theirs.items()}
+    for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+        assert mine[n].dtype == torch.bfloat16, n
+    assert eng.proposer.draft.hidden_dtype == torch.bfloat16
 
 
 def _prefill(eng, seq):
