@@ -57,7 +57,7 @@ MODULES = {
         " or (overlapped_and and 1) or (ending_and and 3) or (preemption and 1) or (prediction_drafts and 1)",
     ],
     "models/deepseek_mtp.py": ["tests/spec/test_mtp.py"],  # the layer against transformers', every draft checked
-    "spec/mtp.py": ["tests/spec/test_mtp.py"],
+    "spec/mtp.py": ["tests/spec/test_mtp.py", "tests/tp/test_tp_llm.py::test_llm_tp2_mtp_matches_tp1"],
     "layers/sampler.py": [
         "tests/unit/test_sampler.py",
         "tests/unit/test_logits_process.py",

@@ -201,6 +201,19 @@ def test_every_draft_is_the_reference(mtp_ckpt, ref, baseline):
     assert checked >= 150  # 8 requests x 23 verifies, nearly all clear of ties
 
 
+def test_dummy_weights(mtp_ckpt):
+    """--load-format dummy: the MTP layer is made in place too (random, finite, its own draw), and greedy output is
+    the plain dummy engine's."""
+    prompts = _prompts(4)
+    plain = LLMEngine(EngineConfig(model=mtp_ckpt, device="cpu", load_format="dummy"))
+    base = [tokens(e) for e in run(plain, prompts, GREEDY)]
+    eng = _engine(mtp_ckpt, 2, load_format="dummy")
+    assert [tokens(e) for e in run(eng, prompts, GREEDY)] == base
+    w = eng.proposer.draft.layer.eh_proj.weight
+    assert torch.isfinite(w).all() and w.std() > 0
+    assert eng.proposer.draft.head.data_ptr() == eng.runner.model.lm_head.weight.data_ptr()  # the target's, shared
+
+
 def test_published_layout(tmp_path):
     """FP8 (deepseek-v3's form): layer L's linears FP8 with block scales like every layer's, eh_proj and the copies
     of embed_tokens and lm_head in the model dtype, the copies equal to the target's; the loader reads layer L
