@@ -19,12 +19,12 @@ SGLang does; vLLM reads the pre-norm stream). The embedding at position 0 is not
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import ForwardBatch
 from ..config import ModelConfig
 from ..distributed.tp import RankInfo
+from ..layers.embedding import ParallelLMHead
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -64,7 +64,7 @@ class DeepseekMTP(nn.Module):
     """The draft interface EAGLE3's drafts have (spec/eagle3.py, spec/draft_graph.py):
     forward(ids, positions, hidden, batch) -> (normed [T, D], the hidden the next draft step reads [T, D]);
     draft_token_ids(normed [n, D]) -> greedy tokens [n]. Parameter names are the checkpoint's (model.layers.{L}.*);
-    `embed_tokens` and `head` (the target's, or whole copies of them under TP) are set at load."""
+    `embed_tokens` and `lm_head` (the target's modules, or whole-vocabulary copies under TP) are set at load."""
 
     def __init__(self, cfg: ModelConfig, dtype=torch.float32, moe_impl: str = "torch"):
         super().__init__()
@@ -73,7 +73,7 @@ class DeepseekMTP(nn.Module):
         self.layer: DeepseekMTPLayer = self.model.layers[str(cfg.num_hidden_layers)]
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         self.embed_tokens: nn.Module | None = None
-        self.head: torch.Tensor | None = None  # [vocab, D]
+        self.lm_head: ParallelLMHead | None = None  # one rank's whole vocabulary: [vocab, D]
         self.hidden_width = cfg.hidden_size  # the width of the target hidden it reads
 
     @property
@@ -89,4 +89,4 @@ class DeepseekMTP(nn.Module):
         return normed, normed
 
     def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
-        return F.linear(normed, self.head).argmax(-1)
+        return self.lm_head(normed).argmax(-1)  # the target's head path (its GEMV at 1-2 rows on a GPU)

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from ..config import SpecConfig
+from ..layers.embedding import ParallelLMHead
 from ..models.deepseek_mtp import DeepseekMTP
 from .eagle3 import Eagle3Proposer, full_embedding
 
@@ -46,10 +47,13 @@ class MtpProposer(Eagle3Proposer):
         own = weight_bytes(draft).total  # before the target's tables join it
         if runner.ranks.world_size > 1:  # the draft runs on rank 0 alone: it needs the whole vocabulary
             draft.embed_tokens = full_embedding(runner)
-            draft.head = full_embedding(runner, "lm_head.weight").weight.detach()
-            own += 2 * draft.head.numel() * draft.head.element_size()
+            table = full_embedding(runner, "lm_head.weight").weight
+            with torch.device(self.device):
+                draft.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=runner.dtype)
+            draft.lm_head.weight.requires_grad_(False).copy_(table)
+            own += 2 * table.numel() * table.element_size()
         else:
-            draft.embed_tokens, draft.head = target.model.embed_tokens, target.lm_head.weight.detach()
+            draft.embed_tokens, draft.lm_head = target.model.embed_tokens, target.lm_head
         log.info(
             "MTP draft: layer %d of %s, %d draft step%s, %.1f MB of weights on this rank%s",
             cfg.num_hidden_layers,

@@ -118,7 +118,7 @@ def test_layer_matches_transformers(mtp_ckpt, ref):
         batch = ForwardBatch.build([], [SeqChunk(seq[1:], 0, pages, "all")], eng.cfg.page_size, p.device, p.attn)
         with torch.inference_mode():
             normed, _ = p.draft(batch.input_ids, batch.positions, h[:T].clone(), batch)
-            got = normed @ p.draft.head.T
+            got = p.draft.lm_head(normed)
             out = eng.runner.model(torch.tensor(seq), torch.arange(len(seq)), _prefill(eng, seq))
         want = ref.logits(seq, h)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
@@ -211,7 +211,7 @@ def test_dummy_weights(mtp_ckpt):
     assert [tokens(e) for e in run(eng, prompts, GREEDY)] == base
     w = eng.proposer.draft.layer.eh_proj.weight
     assert torch.isfinite(w).all() and w.std() > 0
-    assert eng.proposer.draft.head.data_ptr() == eng.runner.model.lm_head.weight.data_ptr()  # the target's, shared
+    assert eng.proposer.draft.lm_head is eng.runner.model.lm_head  # the target's, shared
 
 
 def test_published_layout(tmp_path):
