@@ -280,8 +280,8 @@ def main():
     ap.add_argument(
         "--simulate-sweep",
         action="store_true",
-        help="the --replay-sweep table with the EAGLE3 draft's simulated acceptance (--speculative-simulate-acceptance)"
-        " instead of REPLAY (needs --draft): holds at any context and overlaps, but the texts are not the model's",
+        help="the --replay-sweep table with the draft's simulated acceptance (--speculative-simulate-acceptance) instead"
+        " of REPLAY (needs --draft or --mtp): holds at any context and overlaps, but the texts are not the model's",
     )
     ap.add_argument("--sweep-k", default="1,2,3", help="--replay-sweep: draft steps K")
     ap.add_argument("--sweep-acceptance", default="0,0.5,0.7,0.9,1.0", help="--replay-sweep: acceptance rates")
@@ -302,8 +302,10 @@ def main():
     a = ap.parse_args()
     if a.ttft_reps < 1:
         ap.error(f"--ttft-reps must be at least 1, got {a.ttft_reps}")
-    if a.simulate_sweep and not a.draft:
-        ap.error("--simulate-sweep: the simulated acceptance runs the EAGLE3 draft; give --draft DIR")
+    if a.simulate_sweep and not (a.draft or a.mtp):
+        ap.error("--simulate-sweep: the simulated acceptance runs a draft; give --draft DIR or --mtp")
+    if a.replay_sweep and a.mtp:
+        ap.error("--replay-sweep: REPLAY runs an EAGLE3 draft's forward (--draft); with --mtp use --simulate-sweep")
     os.makedirs(a.out, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     res = {
@@ -489,6 +491,7 @@ def main():
             a.sweep_ctx,
             a.out,
             simulate=a.simulate_sweep,
+            mtp=a.mtp,
         )
         rows += sweep
     for r in twin or []:

@@ -10,7 +10,8 @@
 #     fp8      DeepSeek-V3 shapes, 6 layers, FP8 blocks, dummy weights, then the same model in bf16 (FP8_S)
 #     tp       two GPUs: the NCCL parity test and TP2 under CUDA graphs against one GPU (TP_S)
 #     structured  benchmarks/structured_cost.py: structured output's cost per decode step on M1 shapes (STRUCT_S)
-#     mtp      DeepSeek-V3 shapes, 6 layers, FP8, dummy weights, with the MTP layer: its K=1 step against plain (MTP_S)
+#     mtp      DeepSeek-V3 shapes, 6 layers, FP8, dummy weights, with the MTP layer: its K=1 step against plain, then
+#              K=1, 2 at simulated acceptance 0, 0.7 and 1 (MTP_S)
 #     ngram    benchmarks/ngram_speed.py on the default model, K=3 and K=1 (NGRAM_S each)
 #     kvfp8    M1 TPOT at batch 8 and 32, context 8192, with the latent cache in the model's dtype then in FP8
 #              (--kv-cache-dtype fp8), and the KV tokens each holds at the same --gpu-mem (KVFP8_S)
@@ -74,7 +75,8 @@ fi
 if [[ $stages == *" mtp "* ]]; then
   el "DeepSeek-V3 FP8 with its MTP layer: the MTP step (K=1, N=2) against plain decode, same run"
   timeout ${MTP_S:-400} python3 benchmarks/bench_engine.py --preset deepseek-v3 --layers 6 --dummy --quantization fp8-block \
-    --mtp --spec-only --label dsv3-fp8-mtp --gpu-mem 0.95 --batches 1,8 --contexts 512 2>&1 | tee "$OUT/mtp.log" | tail -8
+    --mtp --spec-only --label dsv3-fp8-mtp --gpu-mem 0.95 --batches 1,8 --contexts 512 --simulate-sweep --sweep-k 1,2 \
+    --sweep-acceptance 0,0.7,1.0 2>&1 | tee "$OUT/mtp.log" | grep -vE "it/s" | tail -16
 fi
 if [[ $stages == *" ngram "* ]]; then
   el "NGRAM (prompt lookup) against plain decoding on the default model, K=3 then K=1 (NGRAM_S each)"

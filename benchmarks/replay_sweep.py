@@ -46,10 +46,22 @@ def break_even(points: list[tuple[float, float]]) -> float | None:
 
 
 def replay_sweep(
-    engine, cfg, mcfg, vocab: int, draft: str | None, ks, accs, batches, ctx: int, out_dir: str, simulate=False
+    engine,
+    cfg,
+    mcfg,
+    vocab: int,
+    draft: str | None,
+    ks,
+    accs,
+    batches,
+    ctx: int,
+    out_dir: str,
+    simulate=False,
+    mtp=False,
 ):
-    """simulate: the EAGLE3 draft with SpecConfig.simulate_acceptance instead of REPLAY (no recording: the
-    acceptance is drawn whatever the target computes, so it holds at any context, and the steps overlap)."""
+    """simulate: the EAGLE3 draft (mtp: the checkpoint's MTP layer) with SpecConfig.simulate_acceptance instead of
+    REPLAY (no recording: the acceptance is drawn whatever the target computes, so it holds at any context, and the
+    steps overlap)."""
     from mlaserve.engine.engine import LLMEngine
     from mlaserve.spec.replay import read_recordings, write_recordings
 
@@ -63,10 +75,11 @@ def replay_sweep(
     if not simulate:
         write_recordings(path, recs)
     rows = []
-    what = "SIMULATED" if simulate else "REPLAY"
+    what = ("MTP " if mtp else "") + ("SIMULATED" if simulate else "REPLAY")
     for k in ks:
         if simulate:
-            spec = SpecConfig(draft_model=draft, num_steps=k, num_draft_tokens=k + 1, simulate_acceptance=0.0)
+            who = dict(algorithm="MTP") if mtp else dict(draft_model=draft)
+            spec = SpecConfig(**who, num_steps=k, num_draft_tokens=k + 1, simulate_acceptance=0.0)
         else:
             spec = SpecConfig(
                 algorithm="REPLAY", draft_model=draft, num_steps=k, num_draft_tokens=k + 1, replay_path=path
