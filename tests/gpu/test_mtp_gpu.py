@@ -18,28 +18,15 @@ def mtp_ckpt(tmp_path_factory):
 
 def _drafts_by_length(ckpt, k, eager, **kw):
     from mlaserve import LLM, SamplingParams
+    from tests.helpers.engine_drive import drafts_by_length
 
-    llm = LLM(
-        ckpt,
-        device="cuda",
-        speculative_config={"algorithm": "MTP", "num_steps": k},
-        num_pages=2048,
-        page_size=64,
-        enforce_eager=eager,
-        **kw,
-    )
-    eng, log = llm.engine, {}
-    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)) for p in _prompts()]
-    out = {r: [] for r in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-        for r in eng.scheduler.running:  # a request's drafts keyed by its length: free of step timing
-            if r.request_id in eng.states:
-                log.setdefault((rids.index(r.request_id), r.num_tokens), list(eng.states[r.request_id].drafts))
-    st = eng.stats()
+    spec = {"algorithm": "MTP", "num_steps": k}
+    llm = LLM(ckpt, device="cuda", speculative_config=spec, num_pages=2048, page_size=64, enforce_eager=eager, **kw)
+    sp = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    out, log = drafts_by_length(llm.engine, _prompts(), sp)
+    st = llm.engine.stats()
     llm.close()
-    return [out[r] for r in rids], log, st
+    return out, log, st
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -83,3 +83,19 @@ def ending_mid_step(prompts: list, g0: list[int], max_tokens: int, greedy: Sampl
         3: [("late", prompts[3], SamplingParams(max_tokens=9, **g))],
         5: [("aborted", prompts[4], SamplingParams(max_tokens=max_tokens, **g)), ("late2", prompts[5], greedy)],
     }
+
+
+def drafts_by_length(engine, prompts, params) -> tuple[list[list[int]], dict]:
+    """Drive `engine` step by step over prompts -> (each request's output tokens, every running request's drafts
+    after each step keyed by (its index, its length then): free of step timing, so engines that step differently
+    compare)."""
+    log = {}
+    rids = [engine.add_request(p, params) for p in prompts]
+    out = {r: [] for r in rids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        for r in engine.scheduler.running:
+            if r.request_id in engine.states:
+                log.setdefault((rids.index(r.request_id), r.num_tokens), list(engine.states[r.request_id].drafts))
+    return [out[r] for r in rids], log

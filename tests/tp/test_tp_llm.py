@@ -157,26 +157,12 @@ def test_llm_tp2_with_the_trained_default_draft():
         llm.close()
 
 
-def _drafts_by_length(llm, prompts, sp) -> tuple[list[list[int]], dict]:
-    """Drive llm's engine (rank 0's) step by step: the outputs, and every running request's drafts keyed by (its
-    index, its length)."""
-    eng, log = llm.engine, {}
-    rids = [eng.add_request(p, sp) for p in prompts]
-    out = {r: [] for r in rids}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-        for r in eng.scheduler.running:
-            if r.request_id in eng.states:
-                log.setdefault((rids.index(r.request_id), r.num_tokens), list(eng.states[r.request_id].drafts))
-    return [out[r] for r in rids], log
-
-
 def test_llm_tp2_mtp_matches_tp1(tmp_path):
     """MTP under TP2: the checkpoint's MTP layer runs whole on rank 0 (the full embedding and lm_head read from the
     checkpoint) beside the sharded target, fed the target's final normed hidden: one rank's outputs, and after
     every step the drafts one rank's MTP engine drafts at that length."""
     from mlaserve.models.make_random import make_random
+    from tests.helpers.engine_drive import drafts_by_length
 
     path = make_random("tiny", str(tmp_path / "m"), seed=0, dtype="float32", progress=False, mtp=True)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -185,11 +171,11 @@ def test_llm_tp2_mtp_matches_tp1(tmp_path):
     plain = [o.token_ids for o in one.generate(_prompts(), sp, use_tqdm=False)]
     one.close()
     one = LLM(path, device="cpu", speculative_config=spec)
-    out1, drafts1 = _drafts_by_length(one, _prompts(), sp)
+    out1, drafts1 = drafts_by_length(one.engine, _prompts(), sp)
     one.close()
     llm = LLM(path, device="cpu", tp=2, on_rank_failure=lambda e: None, speculative_config=spec)
     try:
-        out2, drafts2 = _drafts_by_length(llm, _prompts(), sp)
+        out2, drafts2 = drafts_by_length(llm.engine, _prompts(), sp)
         assert out1 == out2 == plain
         assert drafts2 == drafts1 and len(drafts1) >= 60
         assert llm.engine.pool.num_free == llm.engine.pool.num_pages
