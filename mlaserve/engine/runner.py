@@ -55,6 +55,7 @@ class ModelRunner:
         if self.device.type == "cpu":  # before the first bf16 matmul, which fixes their capacity
             bound_matmul_caches()
         moe_impl = cfg.moe_backend if cfg.moe_backend != "auto" else ("triton" if on_gpu else "torch")
+        self.moe_impl = moe_impl  # the MTP draft's layer takes the same
 
         t0 = time.perf_counter()
         with torch.device(self.device):

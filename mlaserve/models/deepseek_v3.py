@@ -410,6 +410,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, batch, norms[i + 1])
         if len(layers) in self.aux_layer_ids:
             aux[len(layers)] = residual  # the final pre-norm stream
+        if self.aux_layer_ids == (-1,):  # the MTP draft's: the final normed hidden itself, no copy
+            return x, x
         aux[-1] = x  # the final normed hidden (what lm_head reads)
         return (x, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)) if self.aux_layer_ids else x
 

@@ -36,10 +36,8 @@ class MtpProposer(Eagle3Proposer):
 
         cfg, target = runner.model_cfg, runner.model
         check_has_mtp(cfg)
-        moe_impl = runner.cfg.moe_backend if runner.cfg.moe_backend != "auto" else None
-        moe_impl = moe_impl or ("triton" if self.device.type == "cuda" else "torch")
         with torch.device(self.device):
-            draft = DeepseekMTP(cfg, runner.dtype, moe_impl)
+            draft = DeepseekMTP(cfg, runner.dtype, runner.moe_impl)
         if runner.cfg.load_format == "dummy":
             init_dummy_weights(draft, seed=runner.cfg.seed + 1)
         else:
