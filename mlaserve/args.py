@@ -208,14 +208,7 @@ def engine_kwargs_from_args(args) -> dict:
     for line in compat_notes(args):
         log.info(line)
     kw = {f: getattr(args, f) for f in ENGINE_FIELDS}
-    for f in ("tp", "attn_tp_size", "moe_tp_size", "ep_size"):
-        if getattr(args, f, None) is not None:
-            kw[f] = getattr(args, f)
-    if getattr(args, "enable_expert_parallel", False):
-        world = kw.get("attn_tp_size") or kw.get("tp") or 1
-        if kw.get("moe_tp_size", 1) != 1 or kw.get("ep_size", world) != world:
-            raise ValueError("--enable-expert-parallel: means --ep-size = --tp, --moe-tp-size 1; give one or the other")
-        kw.update(moe_tp_size=1, ep_size=world)
+    kw.update(parallel_sizes_from_args(args))
     kernels = kernels_from_args(args)
     if kernels is not None:
         kw["kernels"] = kernels
@@ -300,14 +293,18 @@ def run_if_follower_node(args) -> int | None:
     """On nodes > 0 of a multi-node run, serve as followers of node 0's engine; None on node 0."""
     if args.nnodes <= 1 or args.node_rank == 0:
         return None
-    from .config import EngineConfig
+    from .config import EngineConfig, SpecConfig
     from .distributed.engine_ranks import run_follower_node
+    from .engine.cuda_graph import graph_safe_kernels
 
     kw = {f: getattr(args, f) for f in ENGINE_FIELDS}
-    kernels = kernels_from_args(args)
-    if kernels is not None:
-        kw["kernels"] = kernels
-    return run_follower_node(EngineConfig(model=args.model, **kw), parallel_config_from_args(args))
+    spec = engine_kwargs_from_args(args).get("speculative_config")
+    spec = SpecConfig.from_dict(spec) if spec else None  # MTP: these ranks hold shards of the draft too
+    cfg = EngineConfig(model=args.model, kernels=kernels_from_args(args) or KernelConfig.from_env(), **kw)
+    q = spec.num_steps + 1 if spec is not None else 1
+    # the kernel edges node 0's LLM gives its ranks (llm.py), so that every rank computes the same forms
+    cfg = dataclasses.replace(cfg, kernels=graph_safe_kernels(cfg.kernels, cfg.max_num_seqs, q))
+    return run_follower_node(cfg, parallel_config_from_args(args), spec)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -455,12 +452,22 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def parallel_sizes_from_args(args) -> dict:
+    """--tp, --attn-tp-size, --moe-tp-size and --ep-size as given, with --enable-expert-parallel applied (EP over the
+    world, moe-TP 1): node 0's engine and the follower nodes read the layout through this one rule."""
+    sizes = ("tp", "attn_tp_size", "moe_tp_size", "ep_size")
+    kw = {f: getattr(args, f) for f in sizes if getattr(args, f, None) is not None}
+    if getattr(args, "enable_expert_parallel", False):
+        world = kw.get("attn_tp_size") or kw.get("tp") or 1
+        if kw.get("moe_tp_size", 1) != 1 or kw.get("ep_size", world) != world:
+            raise ValueError("--enable-expert-parallel: means --ep-size = --tp, --moe-tp-size 1; give one or the other")
+        kw.update(moe_tp_size=1, ep_size=world)
+    return kw
+
+
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     return ParallelConfig.from_tp(
-        args.tp,
-        attn_tp_size=args.attn_tp_size,
-        moe_tp_size=args.moe_tp_size,
-        ep_size=args.ep_size,
+        **parallel_sizes_from_args(args),
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         dist_init_addr=args.dist_init_addr,

@@ -110,7 +110,7 @@ class LLM:
 
             model_cfg = ModelConfig.from_pretrained(model)
             ranks, self._workers = start_rank0(
-                self.engine_config, self.parallel, model_cfg, on_failure=self._rank_failed
+                self.engine_config, self.parallel, model_cfg, on_failure=self._rank_failed, spec=spec
             )
         try:
             with self._engine_call():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ..config import EngineConfig, ModelConfig, ParallelConfig
+from ..config import EngineConfig, ModelConfig, ParallelConfig, SpecConfig
 from . import tp
 from .allreduce import AllReduceConfig
 from .launch import RankFailed, Workers, abort, launch, spawn_ranks
@@ -37,15 +37,20 @@ def check_gpus(par: ParallelConfig, device: str) -> None:
 
 
 def start_rank0(
-    engine_cfg: EngineConfig, par: ParallelConfig, model_cfg: ModelConfig, on_failure=abort
+    engine_cfg: EngineConfig,
+    par: ParallelConfig,
+    model_cfg: ModelConfig,
+    on_failure=abort,
+    spec: SpecConfig | None = None,
 ) -> tuple[RankInfo, Workers]:
-    """Node 0: spawn local ranks 1.., join as rank 0. A rank that dies calls on_failure (default: exit)."""
+    """Node 0: spawn local ranks 1.., join as rank 0. A rank that dies calls on_failure (default: exit). spec: the
+    engine's speculative decoding (the ranks build their shards of an MTP draft)."""
     par.validate(model_cfg)
     if par.node_rank != 0:
         raise ValueError("node_rank: only node 0 runs the engine; run followers with run_follower_node")
     check_gpus(par, _device(engine_cfg))
     init = make_init_args(par, _device(engine_cfg), allreduce=AllReduceConfig.from_kernels(engine_cfg.kernels))
-    workers = spawn_ranks(init, worker_loop, (engine_cfg,), local_ranks=range(1, par.local_world_size))
+    workers = spawn_ranks(init, worker_loop, (engine_cfg, spec), local_ranks=range(1, par.local_world_size))
     workers.watch(on_failure)
     try:
         info = init_rank(0, init)
@@ -78,13 +83,13 @@ def abandon_rank0(workers: Workers) -> None:
     shutdown_rank(FAILED_TEARDOWN_S)
 
 
-def run_follower_node(engine_cfg: EngineConfig, par: ParallelConfig) -> int:
+def run_follower_node(engine_cfg: EngineConfig, par: ParallelConfig, spec: SpecConfig | None = None) -> int:
     """Nodes > 0: run every local rank as a follower until rank 0 says stop; 1 with the message if one dies."""
     par.validate(ModelConfig.from_pretrained(engine_cfg.model))
     check_gpus(par, _device(engine_cfg))
     try:
         allreduce = AllReduceConfig.from_kernels(engine_cfg.kernels)
-        launch(par, worker_loop, engine_cfg, device=_device(engine_cfg), allreduce=allreduce)
+        launch(par, worker_loop, engine_cfg, spec, device=_device(engine_cfg), allreduce=allreduce)
     except RankFailed as e:
         log.error("%s\n%s", e, e.details)
         return 1

@@ -18,7 +18,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..distributed.tp import RankInfo
 from ..tokenizer import Tokenizer
 from ..types import Request, SamplingParams, Usage
-from .cuda_graph import graph_safe_kernels
+from .cuda_graph import a2a_edge, captured_decode_sizes, graph_safe_kernels
 from .grammar import GrammarCompiler
 from .kv_pool import KVPool
 from .loop import Loop, OverlapLoop
@@ -49,14 +49,16 @@ class LLMEngine:
         cfg = dataclasses.replace(cfg, kernels=graph_safe_kernels(cfg.kernels, cfg.max_num_seqs, q))
         self.cfg, self.spec = cfg, spec
         self.model_config = model_cfg or ModelConfig.from_pretrained(cfg.model)
-        extra = 0
+        extra = reserve = 0
         if spec is not None:
-            from ..spec.build import draft_kv_page_bytes
+            from ..spec.build import draft_kv_page_bytes, draft_weight_bytes
 
-            extra = draft_kv_page_bytes(
-                spec, cfg.page_size, resolve_dtype(cfg.dtype, self.model_config), self.model_config
-            )
-        self.runner = runner or ModelRunner(cfg, self.model_config, ranks=ranks, extra_page_bytes=extra)
+            dtype = resolve_dtype(cfg.dtype, self.model_config)
+            extra = draft_kv_page_bytes(spec, cfg.page_size, dtype, self.model_config)
+            reserve = draft_weight_bytes(spec, self.model_config, ranks, dtype)
+        self.runner = runner or ModelRunner(
+            cfg, self.model_config, ranks=ranks, extra_page_bytes=extra, reserve_bytes=reserve
+        )
         log.info("kernels: %s", self.runner.kernels)  # the switches and thresholds every kernel call site got
         if self.runner.kernels.deterministic:
             log.info(self.runner.kernels.deterministic_summary())
@@ -94,9 +96,11 @@ class LLMEngine:
         self.spec_step_graphs = None  # the greedy speculative step in one graph (spec_graph.py), when captured
         if self.runner.device.type == "cuda" and not cfg.enforce_eager:
             self.runner.capture_graphs(self.spec_k + 1, self.max_model_len)
-            if hasattr(self.proposer, "capture_graphs"):  # the draft runs on rank 0 only: no collectives inside
-                self.proposer.capture_graphs(cfg.max_num_seqs, self.runner.graphs.max_pages)
-                self.capture_spec_step_graphs()
+            if hasattr(self.proposer, "capture_graphs"):
+                max_bs = self._draft_graph_max_bs()
+                if max_bs:
+                    self.proposer.capture_graphs(max_bs, self.runner.graphs.max_pages)
+                    self.capture_spec_step_graphs()
         elif self.runner.device.type == "cpu" and hasattr(self.proposer, "capture_graphs"):
             # the draft's static step, run eagerly: a greedy decode-only verify drafts from its device outputs on
             # the CPU too (spec_loop.py), so the path the GPU's graphs take is the one CI runs
@@ -114,6 +118,17 @@ class LLMEngine:
             self.loop = Loop(self)
         if ranks.world_size == 1 and not cfg.disable_overlap_schedule:  # overlapped steps (loop.py): one rank
             self.loop = OverlapLoop(self.loop)
+
+    def _draft_graph_max_bs(self) -> int:
+        """The largest batch of the draft's graphs: max_num_seqs, but for a draft sharded over EP ranks (MTP) the
+        verify graphs' largest (their steps stay below the MoE all-to-all, which no graph holds: cuda_graph.py);
+        0: none."""
+        from ..spec.build import draft_is_sharded
+
+        if not draft_is_sharded(self.spec):
+            return self.cfg.max_num_seqs
+        edge = a2a_edge(self.runner.ranks, self.runner.kernels)
+        return max(captured_decode_sizes(self.cfg.max_num_seqs, self.spec_k + 1, edge), default=0)
 
     def capture_spec_step_graphs(self, use_graphs: bool = True) -> None:
         """The step graphs of greedy EAGLE3 and NGRAM steps (spec_graph.py), over the runner's verify graphs and the

@@ -7,6 +7,7 @@ step's chunks to the other ranks as one int32 tensor over the model's group (ste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -23,7 +24,7 @@ from ..models.weight_bytes import weight_bytes
 from ..models.weights import load_weights
 from .cpu_matmul_caches import bound_matmul_caches
 from .cuda_graph import a2a_edge, decode_graph_size
-from .step_broadcast import StepChannel
+from .step_broadcast import DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, StepChannel
 
 log = logging.getLogger("mlaserve.runner")
 
@@ -34,21 +35,65 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+# The settings a rank computes with, which must be rank 0's (a follower node builds its own from its flags), and
+# every field of its KernelConfig.
+SAME_ON_EVERY_RANK = (
+    "dtype",
+    "page_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "prefill_graph_max_tokens",
+    "enforce_eager",
+    "attention_backend",
+    "kv_cache_dtype",
+    "moe_backend",
+    "load_format",
+    "seed",
+)
+
+
+def check_ranks_agree(cfg: EngineConfig, ranks: RankInfo, extra_page_bytes: int) -> None:
+    """Refuse, on every rank, a start where a rank's layout or settings differ from rank 0's, naming the rank, the
+    field and both values: ranks that split or compute differently would run without an error and emit wrong
+    tokens."""
+    mine = {"moe_tp_size (--moe-tp-size)": ranks.moe_tp_size, "ep_size (--ep-size)": ranks.ep_size}
+    mine.update((f, getattr(cfg, f)) for f in SAME_ON_EVERY_RANK)
+    mine["the draft's KV bytes a page (--speculative-*)"] = extra_page_bytes
+    mine.update((f"kernels.{f.name}", getattr(cfg.kernels, f.name)) for f in dataclasses.fields(cfg.kernels))
+    every = tp.all_gather_object(mine)
+    for r, theirs in enumerate(every):
+        bad = [k for k in mine if theirs[k] != every[0][k]]
+        if bad:
+            k = bad[0]
+            raise ValueError(
+                f"rank {r} was started with {k} = {theirs[k]!r} and rank 0 with {every[0][k]!r}"
+                + (f" (and {len(bad) - 1} more: {', '.join(bad[1:])})" if len(bad) > 1 else "")
+                + ": start every node with the same flags and MLASERVE_* environment"
+            )
+
+
 def resolve_dtype(dtype: str, model_cfg: ModelConfig) -> torch.dtype:
     return torch_dtype(model_cfg.torch_dtype if dtype == "auto" else dtype)
 
 
 class ModelRunner:
     def __init__(
-        self, cfg: EngineConfig, model_cfg: ModelConfig, ranks: RankInfo = RankInfo(), extra_page_bytes: int = 0
+        self,
+        cfg: EngineConfig,
+        model_cfg: ModelConfig,
+        ranks: RankInfo = RankInfo(),
+        extra_page_bytes: int = 0,
+        reserve_bytes: int = 0,
     ):
         self.cfg, self.model_cfg, self.ranks = cfg, model_cfg, ranks
         self.extra_page_bytes = extra_page_bytes  # e.g. the EAGLE3 draft's KV cache shares the page ids
+        self.reserve_bytes = reserve_bytes  # weights loaded after the cache is sized (the MTP draft's), kept free
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(cfg.dtype, model_cfg)
         self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
+        check_ranks_agree(cfg, ranks, extra_page_bytes)
         self.kernels = cfg.kernels  # what every kernel call site of this rank gets (the same on every rank)
         tp.set_ordered_all_reduce(self.kernels.deterministic)  # the all-reduce's order per element, not by size
         on_gpu = self.device.type == "cuda"
@@ -113,7 +158,7 @@ class ModelRunner:
             # Leave (1 - utilization) of the card plus room for activations of a full token budget.
             # Activations of a full token budget (MoE and attention intermediates) plus CUDA-graph pools.
             activations = 4 * (1 << 30) + self.cfg.max_num_batched_tokens * self.model_cfg.hidden_size * 128
-            budget = free - (1 - self.cfg.gpu_memory_utilization) * total - activations
+            budget = free - (1 - self.cfg.gpu_memory_utilization) * total - activations - self.reserve_bytes
         else:
             budget = self.cfg.kv_cache_memory_gb * (1 << 30)
         pages = int(budget // self._page_bytes())
@@ -185,11 +230,33 @@ class ModelRunner:
         if self.ranks.world_size > 1:
             if decode_tokens is not None or decode_shift is not None:
                 raise ValueError("decode_tokens, decode_shift: device-side inputs need a single rank")
-            if not self._awake:
-                tp.broadcast_object(("wake",))
-                self._awake = True
+            self._wake()
             self.steps.send(decode, prefill)  # the other ranks run the same forward
         return self.execute_local(decode, prefill, decode_tokens, decode_shift)
+
+    def _wake(self) -> None:
+        if not self._awake:
+            tp.broadcast_object(("wake",))
+            self._awake = True
+
+    # Rank 0 of a draft sharded over TP (spec/mtp.py): each draft step goes to the other ranks first, as a step does.
+    def follow_draft(self, seq: list[SeqChunk], hidden: torch.Tensor) -> None:
+        """An extension (Eagle3Proposer.extend): its chunks, then hidden [tokens, width]."""
+        self._wake()
+        self.steps.send_draft(DRAFT, seq, [hidden])
+
+    def follow_draft_verified(self, starts, pages, y, acc, shift, hidden) -> None:
+        """A static step after a verify (DraftGraphs.run_verified's arguments): rows' starts and pages, then the
+        device tensors [y | acc | shift] (int64) and hidden, sent from the device without a host round trip."""
+        self._wake()
+        rows = [SeqChunk([], s, p, "none") for s, p in zip(starts, pages)]
+        ints = [y.reshape(-1), acc] + ([shift] if shift is not None else [])
+        kind = DRAFT_VERIFIED if shift is None else DRAFT_VERIFIED_SHIFT
+        self.steps.send_draft(kind, rows, [torch.cat([t.to(torch.int64) for t in ints]), hidden])
+
+    def follow_draft_capture(self, max_bs: int, max_pages: int, use_graphs: bool) -> None:
+        self.park()
+        tp.broadcast_object(("capture_draft", max_bs, max_pages, use_graphs))
 
     def park(self) -> None:
         """Rank 0, when the engine goes idle: the other ranks stop waiting for steps inside the model group (whose

@@ -6,11 +6,19 @@ Layout, in words: [kind, total words, decode chunks, prefill chunks], then per c
 logits], then every chunk's token ids, then every chunk's pages. The first FIRST_WORDS words go in one broadcast of a
 fixed size (the receivers cannot know the size before it); a longer step sends the rest in a second.
 
+A sharded draft's steps (the MTP layer under TP, spec/mtp.py) go the same way, as DRAFT messages: an extension's
+chunks (DRAFT: token ids, first position, pages, "last" where a chain of drafts follows), or a verified step's rows
+(DRAFT_VERIFIED: no token ids, each row's first verified position and pages; _SHIFT: with the shifts), then the
+device tensors the step reads (send_tensor: the verify's tokens and counts, the target hidden states), which never
+pass through the host.
+
 Between bursts of steps the other ranks park: rank 0 sends PARK and they wait on the host group (gloo, whose timeout is
 long) for "wake", so an idle server never leaves them inside a collective past the model group's timeout.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,13 +26,22 @@ import torch.distributed as dist
 
 from ..attention.base import SeqChunk
 
-STEP, PARK = 1, 2
+STEP, PARK, DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT = 1, 2, 3, 4, 5
+DRAFT_KINDS = (DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT)
 HEADER = 4
 FIRST_WORDS = 4096  # 16 KB: a decode step of 8 requests at an 8k context is ~1.1k words
 LOGITS = ("none", "last", "all")  # need_logits by code
 
 
-def encode(decode: list[SeqChunk], prefill: list[SeqChunk]) -> np.ndarray:
+@dataclass
+class DraftMessage:
+    """A sharded draft's step (the module docstring): kind, and its chunks."""
+
+    kind: int
+    chunks: list[SeqChunk]
+
+
+def encode(decode: list[SeqChunk], prefill: list[SeqChunk], kind: int = STEP) -> np.ndarray:
     chunks = decode + prefill
     meta = np.array(
         [(len(c.token_ids), c.num_cached, len(c.pages), LOGITS.index(c.need_logits)) for c in chunks], dtype=np.int64
@@ -34,7 +51,7 @@ def encode(decode: list[SeqChunk], prefill: list[SeqChunk]) -> np.ndarray:
     words = np.concatenate([np.zeros(HEADER, dtype=np.int64), meta.reshape(-1), *ids, *pages])
     if len(words) and (words.max(initial=0) >= 2**31 or words.min(initial=0) < 0):
         raise ValueError("step: a token id, position or page is outside int32")
-    words[:HEADER] = STEP, len(words), len(decode), len(prefill)
+    words[:HEADER] = kind, len(words), len(decode), len(prefill)
     return words.astype(np.int32)
 
 
@@ -68,7 +85,7 @@ class StepChannel:
     def __init__(self, device: torch.device, group=None):
         self.device, self.group = device, group
         self.buf = torch.zeros(FIRST_WORDS, dtype=torch.int32, device=device)
-        self.sent = 0  # steps sent or received
+        self.sent = 0  # messages (steps, draft steps) sent or received
 
     def _room(self, n: int) -> None:
         if n > self.buf.numel():
@@ -79,26 +96,42 @@ class StepChannel:
         if n > FIRST_WORDS:
             dist.broadcast(self.buf[FIRST_WORDS:n], src=0, group=self.group)
 
-    def send(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> None:
-        words = encode(decode, prefill)
+    def send(self, decode: list[SeqChunk], prefill: list[SeqChunk], kind: int = STEP) -> None:
+        words = encode(decode, prefill, kind)
         self._room(len(words))
         # from pageable memory: the host buffer is consumed before copy_ returns, so the next step may reuse it
         self.buf[: len(words)].copy_(torch.from_numpy(words), non_blocking=True)
         self._broadcast(len(words))
         self.sent += 1
 
+    def send_draft(self, kind: int, chunks: list[SeqChunk], tensors: list[torch.Tensor]) -> None:
+        """A sharded draft's step: its chunks, then its device tensors, each broadcast as it is."""
+        self.send([], chunks, kind)
+        for t in tensors:
+            self.send_tensor(t)
+
+    def send_tensor(self, t: torch.Tensor) -> None:
+        dist.broadcast(t.contiguous(), src=0, group=self.group)
+
+    def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next tensor rank 0 sent (its shape and dtype known from the message before it)."""
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(t, src=0, group=self.group)
+        return t
+
     def park(self) -> None:
         self.buf[:HEADER].copy_(torch.tensor([PARK, HEADER, 0, 0], dtype=torch.int32), non_blocking=True)
         self._broadcast(HEADER)
 
-    def recv(self) -> tuple[list[SeqChunk], list[SeqChunk]] | None:
-        """The next step's (decode, prefill), or None when rank 0 parks the ranks."""
+    def recv(self) -> tuple[list[SeqChunk], list[SeqChunk]] | DraftMessage | None:
+        """The next step's (decode, prefill), a DraftMessage (its tensors follow: recv_tensor), or None when rank 0
+        parks the ranks."""
         dist.broadcast(self.buf[:FIRST_WORDS], src=0, group=self.group)
         head = self.buf[:FIRST_WORDS].cpu().numpy()  # waits for the broadcast (and so for rank 0)
         kind, total = int(head[0]), int(head[1])
         if kind == PARK:
             return None
-        if kind != STEP:
+        if kind != STEP and kind not in DRAFT_KINDS:
             raise RuntimeError(f"step message: unknown kind {kind} from rank 0")
         words = head
         if total > FIRST_WORDS:
@@ -106,4 +139,5 @@ class StepChannel:
             dist.broadcast(self.buf[FIRST_WORDS:total], src=0, group=self.group)
             words = np.concatenate([head, self.buf[FIRST_WORDS:total].cpu().numpy()])
         self.sent += 1
-        return decode_words(words[:total])
+        decode, prefill = decode_words(words[:total])
+        return DraftMessage(kind, prefill) if kind in DRAFT_KINDS else (decode, prefill)

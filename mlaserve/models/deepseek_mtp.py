@@ -5,7 +5,9 @@ The layer ships inside the target's own checkpoint as `model.layers.{L}` (L = nu
 `num_nextn_predict_layers` says it is there): a whole decoder layer (MLA + MoE, quantized as the target's layers
 are) plus `enorm`, `hnorm`, `eh_proj` [D, 2D] and `shared_head.norm`. Its `embed_tokens` and `shared_head.head`
 are copies of the target's embedding and lm_head (DeepSeek-V3 shares them by design), so the target's are used and
-the copies are not read.
+the copies are not read. Under TP the layer is sharded as the target's layers are (attention heads, MoE slices or
+experts; the norms and eh_proj whole on every rank), and every rank runs the draft with the target's vocabulary
+slices of the embedding and lm_head, as vLLM and SGLang do.
 
 Draft position p holds the pair (the target's final hidden at p, the token at p+1), as EAGLE3's drafts do:
     x = eh_proj([enorm(embed(token)) | hnorm(hidden)])      [T, 2D] -> [T, D]
@@ -43,8 +45,8 @@ class SharedHead(nn.Module):
 class DeepseekMTPLayer(DeepseekV3DecoderLayer):
     """The decoder layer under its checkpoint names, plus the MTP's input projection and output norm."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, moe_impl: str):
-        super().__init__(cfg, layer_id, RankInfo(), dtype, moe_impl)  # the draft runs on one rank, whole
+    def __init__(self, cfg: ModelConfig, layer_id: int, ranks: RankInfo, dtype, moe_impl: str):
+        super().__init__(cfg, layer_id, ranks, dtype, moe_impl)
         self.self_attn.layer_id = 0  # its latent KV is the only layer of the draft's own cache
         D = cfg.hidden_size
         self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
@@ -54,26 +56,26 @@ class DeepseekMTPLayer(DeepseekV3DecoderLayer):
 
 
 class _Layers(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, moe_impl: str):
+    def __init__(self, cfg: ModelConfig, ranks: RankInfo, dtype, moe_impl: str):
         super().__init__()
         L = cfg.num_hidden_layers
-        self.layers = nn.ModuleDict({str(L): DeepseekMTPLayer(cfg, L, dtype, moe_impl)})
+        self.layers = nn.ModuleDict({str(L): DeepseekMTPLayer(cfg, L, ranks, dtype, moe_impl)})
 
 
 class DeepseekMTP(nn.Module):
     """The draft interface EAGLE3's drafts have (spec/eagle3.py, spec/draft_graph.py):
     forward(ids, positions, hidden, batch) -> (normed [T, D], the hidden the next draft step reads [T, D]);
     draft_token_ids(normed [n, D]) -> greedy tokens [n]. Parameter names are the checkpoint's (model.layers.{L}.*);
-    `embed_tokens` and `lm_head` (the target's modules, or whole-vocabulary copies under TP) are set at load."""
+    `embed_tokens` and `lm_head` (the target's modules: this rank's vocabulary slices under TP) are set at load."""
 
-    def __init__(self, cfg: ModelConfig, dtype=torch.float32, moe_impl: str = "torch"):
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, moe_impl: str = "torch", ranks: RankInfo = RankInfo()):
         super().__init__()
         self.config = cfg
-        self.model = _Layers(cfg, dtype, moe_impl)
+        self.model = _Layers(cfg, ranks, dtype, moe_impl)
         self.layer: DeepseekMTPLayer = self.model.layers[str(cfg.num_hidden_layers)]
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
         self.embed_tokens: nn.Module | None = None
-        self.lm_head: ParallelLMHead | None = None  # one rank's whole vocabulary: [vocab, D]
+        self.lm_head: ParallelLMHead | None = None  # [vocab / TP, D]; its logits gathered whole on every rank
         self.hidden_width = cfg.hidden_size  # the width of the target hidden it reads
 
     @property

@@ -96,14 +96,14 @@ def weight_plan(cfg, par, dtype=torch.bfloat16, moe_impl: str = "triton") -> lis
     return out
 
 
-def mtp_bytes(cfg, world_size: int, dtype=torch.bfloat16, moe_impl: str = "triton") -> int:
-    """What the MTP draft (models/deepseek_mtp.py) adds to rank 0: its layer, whole, and under TP whole copies of
-    the embedding and lm_head (one rank's own are vocabulary slices)."""
+def mtp_bytes(cfg, ranks=None, dtype=torch.bfloat16, moe_impl: str = "triton") -> int:
+    """What the MTP draft (models/deepseek_mtp.py) adds to one rank (`ranks`, a RankInfo; default one rank): its
+    layer's shard (the embedding and lm_head are the target's)."""
+    from ..distributed.tp import RankInfo
     from .deepseek_mtp import DeepseekMTP
 
     with torch.device("meta"):
-        n = weight_bytes(DeepseekMTP(cfg, dtype, moe_impl)).total
-    return n + (2 * cfg.vocab_size * cfg.hidden_size * dtype.itemsize if world_size > 1 else 0)
+        return weight_bytes(DeepseekMTP(cfg, dtype, moe_impl, ranks or RankInfo())).total
 
 
 def plan_lines(
@@ -115,20 +115,22 @@ def plan_lines(
     mtp: bool = False,
 ) -> list[str]:
     """The load log's byte plan for every rank of `par`, and whether it fits a GPU of `gpu_bytes` (default: an
-    H200's 139 GiB) at `utilization`, with the KV-cache tokens the rest holds. mtp: rank 0 also holds the MTP
-    draft (--speculative-algorithm MTP)."""
+    H200's 139 GiB) at `utilization`, with the KV-cache tokens the rest holds. mtp: every rank also holds its shard
+    of the MTP draft and its one-layer cache (--speculative-algorithm MTP)."""
     q = cfg.quantization
     lines = [
         f"{cfg.num_hidden_layers} layers, {q.describe() if q else 'unquantized'}, {str(dtype).removeprefix('torch.')}"
         f"; attn-tp {par.attn_tp_size}, moe-tp {par.moe_tp_size}, ep {par.ep_size}"
     ]
     kv_token = cfg.num_hidden_layers * cfg.kv_cache_dim * dtype.itemsize  # the latent cache is not split by TP
-    extra = mtp_bytes(cfg, par.world_size, dtype) if mtp else 0
-    if mtp:
-        lines.append(f"MTP draft on rank 0: {_size(extra)} (its layer whole; under TP whole embedding and lm_head)")
+    if mtp:  # the draft's per-rank bytes
+        extra = [mtp_bytes(cfg, par.rank_info(r), dtype) for r in range(par.world_size)]
+        lines.append(f"MTP draft: {_size(max(extra))} on a rank at most (its layer, sharded as the target's)")
+    else:
+        extra = [0] * par.world_size
+    per = kv_token + (cfg.kv_cache_dim * dtype.itemsize if mtp else 0)  # + the draft's one-layer cache
     for wb in weight_plan(cfg, par, dtype):
-        room = utilization * gpu_bytes - wb.total - (extra if wb.rank == 0 else 0)
-        per = kv_token + (cfg.kv_cache_dim * dtype.itemsize if mtp and wb.rank == 0 else 0)  # + the draft's cache
+        room = utilization * gpu_bytes - wb.total - extra[wb.rank]
         fits = f"fits, {_size(room)} left: {int(room // per):,} KV tokens" if room > 0 else "does NOT fit"
         lines.append(f"{wb.line()} -> {fits} of {utilization:.0%} of {gpu_bytes / 2**30:.0f} GiB")
     return lines

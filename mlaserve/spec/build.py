@@ -23,6 +23,23 @@ def draft_kv_page_bytes(spec: SpecConfig, page_size: int, dtype: torch.dtype, ta
     return draft_page_bytes(DraftConfig.from_pretrained(spec.draft_model), page_size, dtype)
 
 
+def draft_weight_bytes(spec: SpecConfig | None, target: ModelConfig, ranks, dtype: torch.dtype) -> int:
+    """The draft weights a rank (`ranks`, a RankInfo) will hold, which load after its KV cache is sized from the
+    free memory, so kept out of it: the MTP layer's shard (from the model built on the meta device). EAGLE3 drafts
+    (about a GB) and NGRAM: 0, left to the activations' margin."""
+    if spec is None or not spec.is_mtp:
+        return 0
+    from ..models.weight_bytes import mtp_bytes
+
+    return mtp_bytes(target, ranks, dtype)
+
+
+def draft_is_sharded(spec: SpecConfig | None) -> bool:
+    """Whether every TP rank holds a shard of the draft and runs it with rank 0 (MTP: a layer of the target's
+    own shape), rather than rank 0 alone (an EAGLE3 draft, whole; NGRAM and REPLAY: no model)."""
+    return spec is not None and spec.is_mtp
+
+
 def build_proposer(spec: SpecConfig, runner):
     """EAGLE3: the draft model. MTP: the target checkpoint's MTP layer. NGRAM: prompt lookup, no model. REPLAY
     (benchmark only): recorded greedy outputs, after the draft's forward if any."""

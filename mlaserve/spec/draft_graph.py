@@ -218,15 +218,3 @@ class DraftGraphs:
         self.acc[:n].copy_(acc)
         if n < B:
             self.acc[n:B].zero_()
-
-    @torch.inference_mode()
-    def run(self, chunks) -> dict[str, list[int]]:
-        """chunks: one per verified request (its emitted tokens), each with all N aux rows in `hidden`."""
-        N = self.N
-        y = [c.token_ids + [c.token_ids[-1]] * (N - len(c.token_ids)) for c in chunks]
-        dev = self.p.device
-        y = torch.tensor(y, dtype=torch.int64).to(dev, non_blocking=True)
-        acc = torch.tensor([len(c.token_ids) - 1 for c in chunks], dtype=torch.int64).to(dev, non_blocking=True)
-        hidden = torch.cat([c.hidden for c in chunks])
-        drafts = self.run_verified(y, acc, hidden, [c.start for c in chunks], [c.req.pages for c in chunks]).tolist()
-        return {c.req.request_id: d for c, d in zip(chunks, drafts)}

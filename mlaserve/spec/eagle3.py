@@ -84,9 +84,9 @@ def draft_page_bytes(cfg: DraftConfig, page_size: int, dtype: torch.dtype) -> in
     return page_size * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
 
-def full_embedding(runner, name: str = "model.embed_tokens.weight") -> torch.nn.Embedding:
-    """The target's whole embedding table (or, by `name`, its whole lm_head) on this rank: read from the checkpoint,
-    or random for dummy weights."""
+def full_embedding(runner) -> torch.nn.Embedding:
+    """The target's whole embedding table on this rank (an EAGLE3 draft runs on rank 0 alone under TP): read from
+    the checkpoint, or random for dummy weights."""
     c = runner.model_cfg
     emb = torch.nn.Embedding(c.vocab_size, c.hidden_size, device=runner.device, dtype=runner.dtype)
     emb.weight.requires_grad_(False)
@@ -97,22 +97,25 @@ def full_embedding(runner, name: str = "model.embed_tokens.weight") -> torch.nn.
 
     from ..models.weights import checkpoint_files
 
-    key = c.weight_prefix + name
-    if name == "lm_head.weight" and c.tie_word_embeddings:
-        key = c.weight_prefix + "model.embed_tokens.weight"
+    key = c.weight_prefix + "model.embed_tokens.weight"
     for f in checkpoint_files(runner.cfg.model):
         with safe_open(f, framework="pt", device="cpu") as h:
             if key in h.keys():
                 emb.weight.copy_(h.get_tensor(key))
                 return emb
-    raise ValueError(f"{runner.cfg.model}: no tensor {key!r} for the draft's shared {name.split('.')[-2]}")
+    raise ValueError(f"{runner.cfg.model}: no tensor {key!r} for the draft's shared embedding")
 
 
 class Eagle3Proposer:
-    """The draft model's proposer; `_load` gives the draft (the MTP proposer, spec/mtp.py, overrides it)."""
+    """The draft model's proposer; `_load` gives the draft (the MTP proposer, spec/mtp.py, overrides it).
+
+    `followers`: on rank 0 of a draft sharded over TP (MTP), the runner, whose follow_draft sends each draft step to
+    the other ranks before this one runs it (they run `extend` and `run_verified` with the same inputs); None where
+    the draft runs on this rank alone (one rank; an EAGLE3 draft, whole on rank 0 under TP)."""
 
     def __init__(self, spec: SpecConfig, runner):
         self.k = spec.num_steps
+        self.followers = None
         self.page_size = runner.cfg.page_size
         self.device = runner.device
         self.draft, ids, mla = self._load(spec, runner)
@@ -172,8 +175,12 @@ class Eagle3Proposer:
         return self.draft.draft_token_ids(normed[rows]), h[rows]
 
     def capture_graphs(self, max_bs: int, max_pages: int, use_graphs: bool = True) -> None:
+        """The static draft step after a verify, for up to max_bs requests (captured on every rank of a sharded
+        draft, together)."""
         from .draft_graph import DraftGraphs
 
+        if self.followers is not None:
+            self.followers.follow_draft_capture(max_bs, max_pages, use_graphs)
         self.graphs = DraftGraphs(self, max_bs, max_pages, self.draft.hidden_width, use_graphs)
         self.graphs.capture()
 
@@ -195,6 +202,14 @@ class Eagle3Proposer:
         if self.graphs is None or hidden is None or not self.graphs.fits(pages):
             return None
         starts = [r.num_computed_tokens for r in reqs] if starts is None else starts
+        return self.run_verified(y, acc, hidden, starts, pages, shift)
+
+    def run_verified(self, y, acc, hidden, starts: list[int], pages: list[list[int]], shift=None) -> torch.Tensor:
+        """The static draft step after a verify (DraftGraphs.run_verified, which gives the arguments), on every rank
+        that holds a shard of the draft."""
+        hidden = hidden.to(self.draft.hidden_dtype)
+        if self.followers is not None:
+            self.followers.follow_draft_verified(starts, pages, y, acc, shift, hidden)
         return self.graphs.run_verified(y, acc, hidden, starts, pages, shift)
 
     @torch.inference_mode()
@@ -207,18 +222,41 @@ class Eagle3Proposer:
             and all(c.verify for c in chunks)
             and self.graphs.fits([c.req.pages for c in chunks])
         ):
-            return self.graphs.run(chunks)
+            return self._propose_verified_chunks(chunks)
         seq = [SeqChunk(c.token_ids, c.start, c.req.pages, "last" if c.propose else "none") for c in chunks]
-        tokens, h = self._run(seq, torch.cat([c.hidden[: len(c.token_ids)] for c in chunks]))
-        wanted = [c for c in chunks if c.propose]
-        if not wanted:  # prompt chunks that only extend the draft's KV: no chain to run on zero rows
+        drafts = self.extend(seq, torch.cat([c.hidden[: len(c.token_ids)] for c in chunks]))
+        if drafts is None:
             return {}
+        wanted = [c for c in chunks if c.propose]
+        return {c.req.request_id: d for c, d in zip(wanted, drafts.tolist())}
+
+    def _propose_verified_chunks(self, chunks: list[DraftChunk]) -> dict[str, list[int]]:
+        """chunks: one per verified request (its emitted tokens), each with all N aux rows in `hidden`: the static
+        step's inputs made on the host."""
+        N, dev = self.k + 1, self.device
+        y = [c.token_ids + [c.token_ids[-1]] * (N - len(c.token_ids)) for c in chunks]
+        y = torch.tensor(y, dtype=torch.int64).to(dev, non_blocking=True)
+        acc = torch.tensor([len(c.token_ids) - 1 for c in chunks], dtype=torch.int64).to(dev, non_blocking=True)
+        hidden = torch.cat([c.hidden for c in chunks])
+        drafts = self.run_verified(y, acc, hidden, [c.start for c in chunks], [c.req.pages for c in chunks])
+        return {c.req.request_id: d for c, d in zip(chunks, drafts.tolist())}
+
+    @torch.inference_mode()
+    def extend(self, seq: list[SeqChunk], hidden: torch.Tensor) -> torch.Tensor | None:
+        """Extend the draft over seq (hidden [tokens, width]: the target hidden of each of their tokens), then chain
+        num_steps draft tokens after each chunk that asks for its last row -> [n asking, K], or None if none asks."""
+        hidden = hidden.to(self.draft.hidden_dtype)
+        if self.followers is not None:
+            self.followers.follow_draft(seq, hidden)
+        tokens, h = self._run(seq, hidden)
+        wanted = [s for s in seq if s.need_logits == "last"]
+        if not wanted:  # prompt chunks that only extend the draft's KV: no chain to run on zero rows
+            return None
         steps = [tokens]
         for i in range(1, self.k):
-            nxt = [SeqChunk([0], c.start + len(c.token_ids) + i - 1, c.req.pages, "last") for c in wanted]
+            nxt = [SeqChunk([0], s.num_cached + len(s.token_ids) + i - 1, s.pages, "last") for s in wanted]
             batch = ForwardBatch.build([], nxt, self.page_size, self.device, self.attn)
             batch.input_ids.copy_(steps[-1])  # the previous draft tokens, without a host round trip
             normed, h = self.draft(batch.input_ids, batch.positions, h, batch)
             steps.append(self.draft.draft_token_ids(normed))
-        drafts = torch.stack(steps, dim=1).tolist()  # [n, K]
-        return {c.req.request_id: d for c, d in zip(wanted, drafts)}
+        return torch.stack(steps, dim=1)  # [n, K]

@@ -28,8 +28,7 @@ def _greedy(ckpt, prompts, spec=None, sp=None, **kw):
         getattr(llm.engine.proposer, "inner", None), "graphs", None
     )
     if hasattr(graphs, "run_verified"):  # count the steps the draft's captured graphs served (device- or host-fed)
-        run, run_verified = graphs.run, graphs.run_verified
-        graphs.run = lambda chunks: draft_runs.append(len(chunks)) or run(chunks)
+        run_verified = graphs.run_verified
         graphs.run_verified = lambda y, *a: draft_runs.append(y.shape[0]) or run_verified(y, *a)
     step = llm.engine.spec_step_graphs
     if step is not None:  # and the step graphs (engine/spec_graph.py), the draft's step inside

@@ -49,3 +49,27 @@ def test_ep2_all_to_all_steps_stay_out_of_graphs(tiny_ckpt):
     ref, _ = _greedy(tiny_ckpt, "1")
     got, closed_s = _greedy(tiny_ckpt, "1", attn_tp_size=2, ep_size=2, kernels=KernelConfig(moe_a2a_min_tokens=64))
     assert got == ref and closed_s < 15
+
+
+@pytest.mark.parametrize("layout", [dict(attn_tp_size=2, moe_tp_size=2), dict(attn_tp_size=2, ep_size=2)])
+def test_tp2_mtp_draft_graphs_match_one_gpu(tmp_path, layout):
+    """MTP under TP2 with CUDA graphs: each rank captures the sharded draft's graphs (its collectives inside) beside
+    the verify graphs; greedy outputs and acceptance equal one GPU's (fp32)."""
+    from mlaserve.models.make_random import make_random
+
+    path = make_random("tiny", str(tmp_path / "m"), seed=0, dtype="float32", progress=False, mtp=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 200))] for _ in range(8)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
+    kw = dict(device="cuda", dtype="float32", num_pages=1024, page_size=64, max_num_seqs=8, speculative_config=spec)
+    out = []
+    for par in ({}, layout):
+        llm = LLM(path, prefill_graph_max_tokens=1024, **kw, **par)
+        try:
+            got = llm.generate(prompts, sp, use_tqdm=False)
+            assert llm.engine.proposer.graphs is not None and llm.engine.proposer.graphs.graphs
+            out.append(([o.token_ids for o in got], [list(o.usage.spec_accepted_per_position) for o in got]))
+        finally:
+            llm.close()
+    assert out[1] == out[0]

@@ -134,8 +134,10 @@ def test_spec_greedy_equals_plain(tiny_ckpt, trained, plain, k):
             eng.proposer.graphs = None
         elif mode == "host-fed":
             eng.proposer.propose_verified = lambda *a: None
-            graph_run = eng.proposer.graphs.run
-            eng.proposer.graphs.run = lambda chunks, r=graph_run, lg=ran: lg.append(len(chunks)) or r(chunks)
+            graph_run = eng.proposer._propose_verified_chunks
+            eng.proposer._propose_verified_chunks = lambda chunks, r=graph_run, lg=ran: (
+                lg.append(len(chunks)) or r(chunks)
+            )
         elif mode == "step-graph":
             eng.runner.capture_graphs(k + 1, eng.max_model_len, use_graphs=False)
             eng.capture_spec_step_graphs(use_graphs=False)

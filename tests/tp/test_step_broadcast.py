@@ -77,3 +77,69 @@ def test_tp2_steps_go_without_broadcast_object(tiny_ckpt, monkeypatch):
             assert not llm.engine.runner._awake  # parked after the call
     finally:
         llm.close()
+
+
+class _Wire:
+    """dist.broadcast between a sender and a receiver in one process: what rank 0 sends, the follower receives."""
+
+    def __init__(self):
+        self.queue, self.sending = [], True
+
+    def __call__(self, t, src, group):
+        if self.sending:
+            self.queue.append(t.clone())
+        else:
+            t.copy_(self.queue.pop(0))
+
+
+class _Draft:
+    """What a follower's draft is called with (worker.follow_draft)."""
+
+    def __init__(self, k, width):
+        self.k, self.calls = k, []
+        self.draft = type("D", (), {"hidden_width": width, "hidden_dtype": torch.float32})()
+
+    def extend(self, seq, hidden):
+        self.calls.append(("extend", seq, hidden))
+
+    def run_verified(self, *args):
+        self.calls.append(("run_verified", *args))
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_draft_steps_reach_a_follower_unchanged(monkeypatch, shifted):
+    """A sharded draft's steps (ModelRunner.follow_draft, follow_draft_verified), as a follower unpacks them
+    (worker.follow_draft): the same chunks, tokens, accepted counts, shifts and hidden states."""
+    from types import SimpleNamespace
+
+    from mlaserve.distributed.worker import follow_draft
+    from mlaserve.engine.runner import ModelRunner
+    from mlaserve.engine.step_broadcast import DraftMessage
+
+    wire = _Wire()
+    monkeypatch.setattr("mlaserve.engine.step_broadcast.dist.broadcast", wire)
+    ch = StepChannel(torch.device("cpu"))
+    rank0 = SimpleNamespace(_wake=lambda: None, steps=ch)
+    n, K, W = 3, 2, 5
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 1000, (n, K + 1), generator=g)
+    acc = torch.randint(0, K + 1, (n,), generator=g, dtype=torch.int32)  # a kernel's int32 counts travel as int64
+    shift = torch.randint(0, 3, (n,), generator=g) if shifted else None
+    hidden = torch.randn(n * (K + 1), W, generator=g)
+    starts, pages = [5, 17, 0], [[1, 2], [3], [4, 5, 6]]
+    ModelRunner.follow_draft_verified(rank0, starts, pages, y, acc, shift, hidden)
+    seq = [SeqChunk([7, 8, 9], 4, [1, 2], "last"), SeqChunk([10], 0, [3], "none")]
+    ModelRunner.follow_draft(rank0, seq, hidden[:4])
+
+    wire.sending = False
+    draft = _Draft(K, W)
+    for _ in range(2):
+        msg = ch.recv()
+        assert isinstance(msg, DraftMessage)
+        follow_draft(draft, ch, msg)
+    assert not wire.queue  # every tensor sent was read
+    (_, y2, acc2, h2, starts2, pages2, shift2), (_, seq2, h3) = draft.calls
+    assert torch.equal(y2, y) and torch.equal(acc2, acc.long()) and torch.equal(h2, hidden)
+    assert (starts2, pages2) == (starts, pages)
+    assert shift2 is None if shift is None else torch.equal(shift2, shift)
+    assert seq2 == seq and torch.equal(h3, hidden[:4])

@@ -157,10 +157,11 @@ def test_llm_tp2_with_the_trained_default_draft():
         llm.close()
 
 
-def test_llm_tp2_mtp_matches_tp1(tmp_path):
-    """MTP under TP2: the checkpoint's MTP layer runs whole on rank 0 (the full embedding and lm_head read from the
-    checkpoint) beside the sharded target, fed the target's final normed hidden: one rank's outputs, and after
-    every step the drafts one rank's MTP engine drafts at that length."""
+@pytest.mark.parametrize("layout", [dict(attn_tp_size=2, moe_tp_size=2), dict(attn_tp_size=2, ep_size=2)])
+def test_llm_tp2_mtp_matches_tp1(tmp_path, layout):
+    """MTP under TP2 (MoE-TP and EP): each rank holds its shard of the checkpoint's MTP layer and runs every draft
+    step with rank 0 (the draft's collectives line up with the other rank's), fed the target's final normed hidden:
+    one rank's outputs, and after every step the drafts one rank's MTP engine drafts at that length."""
     from mlaserve.models.make_random import make_random
     from tests.helpers.engine_drive import drafts_by_length
 
@@ -172,12 +173,101 @@ def test_llm_tp2_mtp_matches_tp1(tmp_path):
     one.close()
     one = LLM(path, device="cpu", speculative_config=spec)
     out1, drafts1 = drafts_by_length(one.engine, _prompts(), sp)
+    whole = {n: p.shape for n, p in one.engine.proposer.draft.named_parameters()}
+    whole_bytes = one.engine.proposer.weight_bytes
+    assert whole_bytes == one.engine.runner.reserve_bytes
     one.close()
-    llm = LLM(path, device="cpu", tp=2, on_rank_failure=lambda e: None, speculative_config=spec)
+    llm = LLM(path, device="cpu", on_rank_failure=lambda e: None, speculative_config=spec, **layout)
     try:
+        p = llm.engine.proposer
+        assert p.followers is llm.engine.runner
+        shard = {n: t.shape for n, t in p.draft.named_parameters()}
+        assert shard.keys() == whole.keys()
+        split = [n for n in whole if shard[n] != whole[n]]
+        assert any("self_attn" in n for n in split) and any("experts" in n for n in split), split
+        assert any("embed_tokens" in n for n in split) and any("lm_head" in n for n in split), split
+        # its bytes kept out of the KV cache's budget before it loaded: what it holds
+        assert p.weight_bytes == llm.engine.runner.reserve_bytes < whole_bytes
         out2, drafts2 = drafts_by_length(llm.engine, _prompts(), sp)
         assert out1 == out2 == plain
         assert drafts2 == drafts1 and len(drafts1) >= 60
         assert llm.engine.pool.num_free == llm.engine.pool.num_pages
     finally:
         llm.close()
+
+
+def _node1(path, addr, flags):
+    """`mlaserve generate PATH --tp 2 --nnodes 2 --node-rank 1 ...` (a follower node) in a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "mlaserve", "generate", path, "--prompt", "x", "--device", "cpu", "--tp", "2"]
+    cmd += ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, *flags]
+    env = {**os.environ, "PYTHONPATH": repo}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo, env=env)
+
+
+def test_two_node_mtp_follower_node_from_the_cli(tmp_path):
+    """Two nodes of one rank each, EP over the nodes: node 1 is `mlaserve generate ... --node-rank 1
+    --enable-expert-parallel` with MTP (its layout and its shard of the draft from its own flags), node 0 an LLM:
+    one rank's MTP outputs."""
+    from mlaserve.distributed.rendezvous import free_port
+    from mlaserve.models.make_random import make_random
+
+    path = make_random("tiny", str(tmp_path / "m"), seed=0, dtype="float32", progress=False, mtp=True)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
+    one = LLM(path, device="cpu", speculative_config=spec)
+    want = [o.token_ids for o in one.generate(_prompts(), sp, use_tqdm=False)]
+    one.close()
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ["--enable-expert-parallel", "--speculative-algorithm", "MTP", "--speculative-num-steps", "2"]
+    node1 = _node1(path, addr, flags)
+    try:
+        llm = LLM(
+            path, device="cpu", tp=2, ep_size=2, moe_tp_size=1, nnodes=2, node_rank=0, dist_init_addr=addr,
+            speculative_config=spec, on_rank_failure=lambda e: None,
+        )  # fmt: skip
+        try:
+            assert [o.token_ids for o in llm.generate(_prompts(), sp, use_tqdm=False)] == want
+        finally:
+            llm.close()
+        _, err = node1.communicate(timeout=120)
+        assert node1.returncode == 0, err[-2000:]
+    finally:
+        node1.kill()
+
+
+@pytest.mark.parametrize(
+    "flags, msg",
+    [
+        (["--page-size", "16"], r"with moe_tp_size \(--moe-tp-size\) = 2 and rank 0 with 1 \(and 1 more: ep_size"),
+        (["--enable-expert-parallel", "--page-size", "32"], "with page_size = 32 and rank 0 with 16:"),
+        (
+            ["--enable-expert-parallel", "--page-size", "16"],
+            r"with the draft's KV bytes a page \(--speculative-\*\) = 0",
+        ),
+    ],
+)
+def test_two_nodes_started_differently_are_refused(tmp_path, flags, msg):
+    """A follower node started with another layout, another page size, or without node 0's MTP draft: refused at
+    start on both nodes, naming the field and both values (they would otherwise emit wrong tokens)."""
+    from mlaserve.distributed.rendezvous import free_port
+    from mlaserve.models.make_random import make_random
+
+    path = make_random("tiny", str(tmp_path / "m"), seed=0, dtype="float32", progress=False, mtp=True)
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = _node1(path, addr, flags)
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 1} if "draft" in msg else None
+    try:
+        with pytest.raises(ValueError, match=msg):
+            LLM(
+                path, device="cpu", tp=2, ep_size=2, moe_tp_size=1, nnodes=2, node_rank=0, dist_init_addr=addr,
+                page_size=16, speculative_config=spec, on_rank_failure=lambda e: None,
+            )  # fmt: skip
+        _, err = node1.communicate(timeout=120)
+        assert node1.returncode != 0 and "rank 1 was started with" in err, err[-2000:]
+    finally:
+        node1.kill()

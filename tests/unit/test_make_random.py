@@ -212,11 +212,11 @@ def test_plan_prints_each_ranks_bytes(capsys):
 
 
 def test_plan_with_the_mtp_draft(capsys):
-    """--mtp: rank 0 also holds the MTP layer whole and, under TP, whole copies of the embedding and lm_head; its
-    room shrinks by exactly that, the other ranks' not at all."""
+    """--mtp: every rank holds its shard of the MTP layer (split as the target's layers are; the embedding and
+    lm_head are the target's), and each rank's room shrinks by exactly its shard."""
     import re
 
-    from mlaserve.config import ModelConfig
+    from mlaserve.config import ModelConfig, ParallelConfig
     from mlaserve.models.make_random import make_random as mr
     from mlaserve.models.weight_bytes import mtp_bytes
 
@@ -224,7 +224,7 @@ def test_plan_with_the_mtp_draft(capsys):
     plain = capsys.readouterr().out.strip().splitlines()
     assert cli_main(["make-random", "deepseek-v3", "--plan", "--layers", "4", "--tp", "2", "--mtp"]) == 0
     mtp = capsys.readouterr().out.strip().splitlines()
-    assert mtp[1].startswith("MTP draft on rank 0: ") and mtp[3] == plain[2]  # rank 1 unchanged
+    assert mtp[1].startswith("MTP draft: ") and len(mtp) == len(plain) + 1
 
     def left(line):
         return float(re.search(r"fits, ([\d.]+) GB left", line).group(1))
@@ -233,6 +233,11 @@ def test_plan_with_the_mtp_draft(capsys):
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = ModelConfig.from_pretrained(mr("deepseek-v3", tmp, layers=4, config_only=True, tokenizer=False, mtp=True))
-    extra = mtp_bytes(cfg, 2)
-    assert extra > 2 * cfg.vocab_size * cfg.hidden_size * 2  # the layer's experts, and both tables
-    assert abs(left(plain[1]) - left(mtp[2]) - extra / 1e9) < 0.02
+    par = ParallelConfig(attn_tp_size=2, moe_tp_size=2)
+    whole = mtp_bytes(cfg)
+    shards = [mtp_bytes(cfg, par.rank_info(r)) for r in range(2)]
+    # halved but for what every rank holds whole (the norms, eh_proj [D, 2D], the router)
+    eh_proj = 2 * cfg.hidden_size * cfg.hidden_size * 2
+    assert all(abs(s - (whole + eh_proj) / 2) < 0.01 * whole for s in shards), (whole, shards)
+    for r in range(2):
+        assert abs(left(plain[1 + r]) - left(mtp[2 + r]) - shards[r] / 1e9) < 0.02
