@@ -52,11 +52,13 @@ SAME_ON_EVERY_RANK = (
 )
 
 
-def check_ranks_agree(cfg: EngineConfig, ranks: RankInfo, extra_page_bytes: int) -> None:
-    """Refuse, on every rank, a start where a rank's layout or settings differ from rank 0's, naming the rank, the
-    field and both values: ranks that split or compute differently would run without an error and emit wrong
-    tokens."""
+def check_ranks_agree(cfg: EngineConfig, model_cfg: ModelConfig, ranks: RankInfo, extra_page_bytes: int) -> None:
+    """Refuse, on every rank, a start where a rank's model, layout or settings differ from rank 0's, naming the
+    rank, the field and both values: ranks that split or compute differently would run without an error and emit
+    wrong tokens."""
     mine = {"moe_tp_size (--moe-tp-size)": ranks.moe_tp_size, "ep_size (--ep-size)": ranks.ep_size}
+    fields = [f.name for f in dataclasses.fields(model_cfg) if f.compare]
+    mine.update((f"the model's config.json: {f}", getattr(model_cfg, f)) for f in fields)
     mine.update((f, getattr(cfg, f)) for f in SAME_ON_EVERY_RANK)
     mine["the draft's KV bytes a page (--speculative-*)"] = extra_page_bytes
     mine.update((f"kernels.{f.name}", getattr(cfg.kernels, f.name)) for f in dataclasses.fields(cfg.kernels))
@@ -93,7 +95,7 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(cfg.dtype, model_cfg)
         self.kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
-        check_ranks_agree(cfg, ranks, extra_page_bytes)
+        check_ranks_agree(cfg, model_cfg, ranks, extra_page_bytes)
         self.kernels = cfg.kernels  # what every kernel call site of this rank gets (the same on every rank)
         tp.set_ordered_all_reduce(self.kernels.deterministic)  # the all-reduce's order per element, not by size
         on_gpu = self.device.type == "cuda"

@@ -271,3 +271,21 @@ def test_two_nodes_started_differently_are_refused(tmp_path, flags, msg):
         assert node1.returncode != 0 and "rank 1 was started with" in err, err[-2000:]
     finally:
         node1.kill()
+
+
+def test_two_nodes_on_different_checkpoints_are_refused(tmp_path):
+    """A follower node given another checkpoint (here one layer fewer): refused at start, naming the config field."""
+    from mlaserve.distributed.rendezvous import free_port
+    from mlaserve.models.make_random import make_random
+
+    path = make_random("tiny", str(tmp_path / "a"), seed=0, dtype="float32", progress=False)
+    other = make_random("tiny", str(tmp_path / "b"), seed=0, dtype="float32", progress=False, layers=2)
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = _node1(other, addr, ["--page-size", "16"])
+    try:
+        with pytest.raises(ValueError, match="rank 1 was started with the model's config.json: num_hidden_layers = 2 "):
+            LLM(path, device="cpu", tp=2, nnodes=2, node_rank=0, dist_init_addr=addr, page_size=16)
+        node1.communicate(timeout=120)
+        assert node1.returncode != 0
+    finally:
+        node1.kill()
