@@ -54,7 +54,7 @@ class LLMEngine:
             from ..spec.build import draft_kv_page_bytes, draft_weight_bytes
 
             dtype = resolve_dtype(cfg.dtype, self.model_config)
-            extra = draft_kv_page_bytes(spec, cfg.page_size, dtype, self.model_config)
+            extra = draft_kv_page_bytes(spec, cfg.page_size, dtype, self.model_config, ranks.world_size)
             reserve = draft_weight_bytes(spec, self.model_config, ranks, dtype)
         self.runner = runner or ModelRunner(
             cfg, self.model_config, ranks=ranks, extra_page_bytes=extra, reserve_bytes=reserve
@@ -120,12 +120,12 @@ class LLMEngine:
             self.loop = OverlapLoop(self.loop)
 
     def _draft_graph_max_bs(self) -> int:
-        """The largest batch of the draft's graphs: max_num_seqs, but for a draft sharded over EP ranks (MTP) the
-        verify graphs' largest (their steps stay below the MoE all-to-all, which no graph holds: cuda_graph.py);
+        """The largest batch of the draft's graphs: max_num_seqs, but for a draft sharded over EP ranks the verify
+        graphs' largest (their steps stay below the MoE all-to-all, which no graph holds: cuda_graph.py);
         0: none."""
         from ..spec.build import draft_is_sharded
 
-        if not draft_is_sharded(self.spec):
+        if not draft_is_sharded(self.spec, self.runner.ranks.world_size):
             return self.cfg.max_num_seqs
         edge = a2a_edge(self.runner.ranks, self.runner.kernels)
         return max(captured_decode_sizes(self.cfg.max_num_seqs, self.spec_k + 1, edge), default=0)

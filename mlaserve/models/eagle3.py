@@ -8,6 +8,10 @@ over `draft_vocab_size` mapped to target ids by `d2t` (target = i + d2t[i]).
 
 forward(ids, positions, hidden, batch) -> (normed hidden for logits, the hidden the next draft step reads: the
 pre-norm stream, or the normed one under `norm_output`).
+
+Under TP (`ranks`, where `shardable` allows) the midlayer is split as a target layer is: attention heads (o_proj
+row-parallel and all-reduced), the MLP's intermediate dim, the lm_head's draft vocabulary (its logits gathered);
+fc, the norms and d2t whole on every rank.
 """
 
 from __future__ import annotations
@@ -17,14 +21,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import ForwardBatch
-from ..layers.linear import Linear, checked_copy
+from ..distributed import tp
+from ..distributed.tp import RankInfo
+from ..layers.embedding import ParallelLMHead
+from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary_llama import apply_rope_neox, llama_rope
 from .deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP
 from .eagle3_config import LLAMA_ARCHS, MLA_ARCHS, DraftConfig
 from .weights import CheckpointError, checkpoint_files
 
-__all__ = ["LLAMA_ARCHS", "MLA_ARCHS", "DraftConfig", "Eagle3Draft", "load_draft", "rope_neox"]
+__all__ = ["LLAMA_ARCHS", "MLA_ARCHS", "DraftConfig", "Eagle3Draft", "load_draft", "rope_neox", "shardable"]
+
+
+def shardable(cfg: DraftConfig, world: int) -> bool:
+    """Whether the draft splits over `world` ranks: its attention heads (GQA: the KV heads too) and the MLP's
+    intermediate dim divide by it. Otherwise it runs whole on rank 0 (spec/eagle3.py)."""
+    if cfg.mla is not None:
+        heads = (cfg.mla.num_attention_heads,)
+    else:
+        heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
+    return all(n % world == 0 for n in (*heads, cfg.intermediate_size))
 
 
 def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -38,38 +55,42 @@ def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
 class LlamaEagle3Attention(nn.Module):
     """GQA attention over the draft's paged K/V cache; q/k/v read the 2H-wide input."""
 
-    def __init__(self, cfg: DraftConfig, dtype):
+    def __init__(self, cfg: DraftConfig, dtype, ranks: RankInfo = RankInfo()):
         super().__init__()
         self.cfg = cfg
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(2 * cfg.hidden_size, nh * hd, dtype=dtype)
-        self.k_proj = Linear(2 * cfg.hidden_size, nkv * hd, dtype=dtype)
-        self.v_proj = Linear(2 * cfg.hidden_size, nkv * hd, dtype=dtype)
-        self.o_proj = Linear(nh * hd, cfg.hidden_size, dtype=dtype)
+        nh, nkv, hd, W = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ranks.world_size
+        self.num_heads, self.num_kv_heads = nh // W, nkv // W  # this rank's
+        col = dict(shard="col", rank=ranks.rank, size=W, dtype=dtype)
+        self.q_proj = Linear(2 * cfg.hidden_size, nh * hd, **col)
+        self.k_proj = Linear(2 * cfg.hidden_size, nkv * hd, **col)
+        self.v_proj = Linear(2 * cfg.hidden_size, nkv * hd, **col)
+        self.o_proj = Linear(nh * hd, cfg.hidden_size, shard="row", rank=ranks.rank, size=W, dtype=dtype)
+        self.reduce = W > 1
 
     def forward(self, x, cos, sin, batch: ForwardBatch):
         """x [T, 2H]; cos/sin [T, d/2] fp32 (the scaled RoPE's, attention_factor included)."""
         c, T = self.cfg, x.shape[0]
-        q = apply_rope_neox(self.q_proj(x).view(T, c.num_attention_heads, c.head_dim), cos, sin)
-        k = apply_rope_neox(self.k_proj(x).view(T, c.num_key_value_heads, c.head_dim), cos, sin)
-        v = self.v_proj(x).view(T, c.num_key_value_heads, c.head_dim)
-        out = batch.attn.forward(q, k, v, c.head_dim**-0.5, batch)  # [T, nh, hd]
-        return self.o_proj(out.reshape(T, -1))
+        q = apply_rope_neox(self.q_proj(x).view(T, self.num_heads, c.head_dim), cos, sin)
+        k = apply_rope_neox(self.k_proj(x).view(T, self.num_kv_heads, c.head_dim), cos, sin)
+        v = self.v_proj(x).view(T, self.num_kv_heads, c.head_dim)
+        out = batch.attn.forward(q, k, v, c.head_dim**-0.5, batch)  # [T, heads of this rank, hd]
+        out = self.o_proj(out.reshape(T, -1))
+        return tp.all_reduce(out) if self.reduce else out
 
 
 class Eagle3MidLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig, dtype):
+    def __init__(self, cfg: DraftConfig, dtype, ranks: RankInfo = RankInfo()):
         super().__init__()
         H = cfg.hidden_size
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         if cfg.mla is not None:
-            self.self_attn = DeepseekV3Attention(cfg.mla, 0, _ranks1(), dtype, in_features=2 * H)
+            self.self_attn = DeepseekV3Attention(cfg.mla, 0, ranks, dtype, in_features=2 * H)
         else:
-            self.self_attn = LlamaEagle3Attention(cfg, dtype)
+            self.self_attn = LlamaEagle3Attention(cfg, dtype, ranks)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = DeepseekV3MLP(H, cfg.intermediate_size, _ranks1(), dtype)
+        self.mlp = DeepseekV3MLP(H, cfg.intermediate_size, ranks, dtype)
 
     def forward(self, embeds, hidden, batch, rope):
         """rope: (cos, sin) of the step's positions."""
@@ -81,14 +102,8 @@ class Eagle3MidLayer(nn.Module):
         return self.mlp(x), h  # the output and the stream it adds to
 
 
-def _ranks1():
-    from ..distributed.tp import RankInfo
-
-    return RankInfo()
-
-
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: DraftConfig, dtype=torch.float32):
+    def __init__(self, cfg: DraftConfig, dtype=torch.float32, ranks: RankInfo = RankInfo()):
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size
@@ -99,9 +114,12 @@ class Eagle3Draft(nn.Module):
             nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps, dtype=dtype) for _ in range(n)) if cfg.fc_norm else None
         )
         self.fc = Linear(cfg.fc_in_features, H, dtype=dtype)
-        self.midlayer = Eagle3MidLayer(cfg, dtype)
+        self.midlayer = Eagle3MidLayer(cfg, dtype, ranks)
         self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = Linear(H, cfg.draft_vocab_size, dtype=dtype)
+        if ranks.world_size > 1:  # this rank's slice of the draft vocabulary; the logits gathered whole
+            self.lm_head = ParallelLMHead(cfg.draft_vocab_size, H, rank=ranks.rank, size=ranks.world_size, dtype=dtype)
+        else:
+            self.lm_head = Linear(H, cfg.draft_vocab_size, dtype=dtype)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.rotary = None
         if cfg.mla is not None:
@@ -148,7 +166,10 @@ class Eagle3Draft(nn.Module):
 
     def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens in target ids. normed [n, H] -> [n]."""
-        i = F.linear(normed, self.lm_head.weight).argmax(-1)
+        if isinstance(self.lm_head, ParallelLMHead):
+            i = self.lm_head(normed).argmax(-1)
+        else:
+            i = F.linear(normed, self.lm_head.weight).argmax(-1)
         return i + self.d2t[i]
 
 
@@ -174,13 +195,14 @@ def check_vocab_map(path: str, cfg: DraftConfig, d2t: torch.Tensor, t2d: torch.T
         )
 
 
-def load_draft(path: str, dtype, device, target_embed: nn.Module) -> Eagle3Draft:
-    """Load a draft checkpoint; embed_tokens comes from the draft if it has one, else from the target."""
+def load_draft(path: str, dtype, device, target_embed: nn.Module, ranks: RankInfo = RankInfo()) -> Eagle3Draft:
+    """Load a draft checkpoint (this rank's shard of it); embed_tokens comes from the draft if it has one (whole on
+    every rank), else from the target."""
     from safetensors import safe_open
 
     cfg = DraftConfig.from_pretrained(path)
     with torch.device(device):
-        model = Eagle3Draft(cfg, dtype)
+        model = Eagle3Draft(cfg, dtype, ranks)
     params = dict(model.named_parameters())
     loaded, own_embed, t2d = set(), None, None
     for file in checkpoint_files(path):
@@ -210,7 +232,7 @@ def load_draft(path: str, dtype, device, target_embed: nn.Module) -> Eagle3Draft
                         raise CheckpointError(
                             f"{file}: tensor {key!r} has shape {tuple(t.shape)}, expected {params[name].hf_shape}"
                         )
-                    checked_copy(params[name], t)
+                    params[name].weight_loader(params[name], t)  # this rank's shard
                 else:
                     raise CheckpointError(f"{file}: unexpected tensor {key!r} in the EAGLE3 draft")
                 loaded.add(name)

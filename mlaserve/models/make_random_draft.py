@@ -71,10 +71,20 @@ def draft_tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], float | str]
 
 
 def make_random_draft(
-    preset: str, out: str, *, target: str | None = None, seed: int = 0, dtype: str | None = None, device: str = "cpu"
+    preset: str,
+    out: str,
+    *,
+    target: str | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    device: str = "cpu",
+    overrides: dict | None = None,
 ) -> str:
+    """A random draft of `preset`'s format fitted to `target`; overrides: config.json fields set last (the tensors
+    follow them)."""
     tcfg = ModelConfig.from_pretrained(target) if target else None
     c = draft_config(preset, tcfg)
+    c.update(overrides or {})
     if dtype is not None:
         c["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
     tdtype = torch_dtype(c.get("torch_dtype", "bfloat16"))

@@ -7,9 +7,11 @@ import torch
 from ..config import ModelConfig, SpecConfig
 
 
-def draft_kv_page_bytes(spec: SpecConfig, page_size: int, dtype: torch.dtype, target: ModelConfig) -> int:
-    """Bytes per KV page of the draft model's own cache (0 without a draft model: NGRAM, REPLAY alone). MTP: one
-    MLA layer of the target's shape."""
+def draft_kv_page_bytes(
+    spec: SpecConfig, page_size: int, dtype: torch.dtype, target: ModelConfig, world: int = 1
+) -> int:
+    """Bytes per KV page of the draft model's own cache on a rank of `world` (0 without a draft model: NGRAM, REPLAY
+    alone). MTP: one MLA layer of the target's shape."""
     if spec.is_mtp:
         from .mtp import check_has_mtp
 
@@ -20,7 +22,8 @@ def draft_kv_page_bytes(spec: SpecConfig, page_size: int, dtype: torch.dtype, ta
     from ..models.eagle3 import DraftConfig
     from .eagle3 import draft_page_bytes
 
-    return draft_page_bytes(DraftConfig.from_pretrained(spec.draft_model), page_size, dtype)
+    shards = world if draft_is_sharded(spec, world) else 1
+    return draft_page_bytes(DraftConfig.from_pretrained(spec.draft_model), page_size, dtype, shards)
 
 
 def draft_weight_bytes(spec: SpecConfig | None, target: ModelConfig, ranks, dtype: torch.dtype) -> int:
@@ -34,10 +37,30 @@ def draft_weight_bytes(spec: SpecConfig | None, target: ModelConfig, ranks, dtyp
     return mtp_bytes(target, ranks, dtype)
 
 
-def draft_is_sharded(spec: SpecConfig | None) -> bool:
-    """Whether every TP rank holds a shard of the draft and runs it with rank 0 (MTP: a layer of the target's
-    own shape), rather than rank 0 alone (an EAGLE3 draft, whole; NGRAM and REPLAY: no model)."""
-    return spec is not None and spec.is_mtp
+def draft_is_sharded(spec: SpecConfig | None, world: int) -> bool:
+    """Whether each of `world` > 1 ranks holds a shard of the draft and runs it with rank 0: MTP (a layer of the
+    target's own shape), and an EAGLE3 draft whose heads and MLP divide by world (models/eagle3.shardable); an
+    EAGLE3 draft that does not runs whole on rank 0, and NGRAM and REPLAY alone have no model."""
+    if spec is None or world == 1:
+        return False
+    if spec.is_mtp:
+        return True
+    if not spec.draft_model:
+        return False
+    from ..models.eagle3 import DraftConfig, shardable
+
+    return shardable(DraftConfig.from_pretrained(spec.draft_model), world)
+
+
+def build_sharded_draft(spec: SpecConfig, runner):
+    """Ranks > 0 of a sharded draft (draft_is_sharded): this rank's proposer, which runs rank 0's draft steps."""
+    if spec.is_mtp:
+        from .mtp import MtpProposer
+
+        return MtpProposer(spec, runner)
+    from .eagle3 import Eagle3Proposer
+
+    return Eagle3Proposer(spec, runner)
 
 
 def build_proposer(spec: SpecConfig, runner):

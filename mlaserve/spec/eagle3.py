@@ -14,8 +14,9 @@ import torch
 
 from ..attention.base import ForwardBatch, SeqChunk
 from ..config import SpecConfig
+from ..distributed.tp import RankInfo
 from ..kernel_config import use_kernels
-from ..models.eagle3 import DraftConfig, load_draft
+from ..models.eagle3 import DraftConfig, load_draft, shardable
 from ..types import Request
 
 log = logging.getLogger("mlaserve.spec")
@@ -78,10 +79,11 @@ def check_draft_fits(cfg: DraftConfig, tc) -> None:
         )
 
 
-def draft_page_bytes(cfg: DraftConfig, page_size: int, dtype: torch.dtype) -> int:
+def draft_page_bytes(cfg: DraftConfig, page_size: int, dtype: torch.dtype, shards: int = 1) -> int:
+    """A page of the draft's cache on one rank; shards: the ranks its GQA heads split over (an MLA latent is whole)."""
     if cfg.mla is not None:
         return page_size * cfg.mla.kv_cache_dim * dtype.itemsize
-    return page_size * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    return page_size * 2 * (cfg.num_key_value_heads // shards) * cfg.head_dim * dtype.itemsize
 
 
 def full_embedding(runner) -> torch.nn.Embedding:
@@ -134,11 +136,11 @@ class Eagle3Proposer:
 
                 self.attn = TorchRefBackend(cache, mla.kv_lora_rank)
         else:
-            cfg = self.draft.cfg
+            cfg, kv_heads = self.draft.cfg, self.draft.midlayer.self_attn.num_kv_heads  # this rank's
             from ..attention.mha_ref import PagedMHARef
 
             cache = torch.zeros(
-                pages, self.page_size, 2, cfg.num_key_value_heads, cfg.head_dim, dtype=runner.dtype, device=self.device
+                pages, self.page_size, 2, kv_heads, cfg.head_dim, dtype=runner.dtype, device=self.device
             )
             if gpu:
                 from ..attention.triton_mha import TritonPagedMHA
@@ -150,22 +152,29 @@ class Eagle3Proposer:
 
     def _load(self, spec: SpecConfig, runner):
         """-> (the draft, the target's aux layer ids it reads, the MLA config of its attention or None: GQA)."""
-        target = runner.model
-        embed = target.model.embed_tokens
-        if runner.ranks.world_size > 1:  # the draft runs on rank 0 alone: it needs the whole vocabulary
-            embed = full_embedding(runner)
+        target, ranks = runner.model, runner.ranks
         tc = target.config
         cfg = DraftConfig.from_pretrained(spec.draft_model)
         check_draft_fits(cfg, tc)
         ids = aux_layer_ids(cfg, tc.num_hidden_layers, spec.aux_layer_offset)
-        draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed)
+        embed = target.model.embed_tokens
+        sharded = ranks.world_size > 1 and shardable(cfg, ranks.world_size)
+        if ranks.world_size > 1 and not sharded:  # the draft runs on rank 0 alone: it needs the whole vocabulary
+            embed = full_embedding(runner)
+        draft = load_draft(spec.draft_model, runner.dtype, runner.device, embed, ranks if sharded else RankInfo())
+        if sharded and ranks.rank == 0:
+            self.followers = runner  # the other ranks run each draft step with this one
         width = draft.embed_tokens.weight.shape[-1]
         if width != cfg.hidden_size:  # the target's embedding, shared: its width is the target's hidden size
             raise ValueError(
                 f"speculative_config.draft_model: the draft's hidden_size {cfg.hidden_size} does not fit the "
                 f"target's hidden_size {width} (the draft has no embed_tokens of its own and shares the target's)"
             )
-        log.info("EAGLE3 draft %s: %d draft steps, aux layers %s", cfg.architecture, spec.num_steps, ids)
+        if ranks.rank == 0:
+            where = f"split over {ranks.world_size} ranks" if sharded else "whole on this rank"
+            if ranks.world_size > 1 and not sharded:
+                where += f" (its heads or MLP do not divide by {ranks.world_size})"
+            log.info("EAGLE3 draft %s, %s: %d draft steps, aux layers %s", cfg.architecture, where, spec.num_steps, ids)
         return draft, ids, cfg.mla
 
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor):

@@ -51,17 +51,24 @@ def test_ep2_all_to_all_steps_stay_out_of_graphs(tiny_ckpt):
     assert got == ref and closed_s < 15
 
 
+@pytest.mark.parametrize("draft", ["mtp", "eagle3"])
 @pytest.mark.parametrize("layout", [dict(attn_tp_size=2, moe_tp_size=2), dict(attn_tp_size=2, ep_size=2)])
-def test_tp2_mtp_draft_graphs_match_one_gpu(tmp_path, layout):
-    """MTP under TP2 with CUDA graphs: each rank captures the sharded draft's graphs (its collectives inside) beside
-    the verify graphs; greedy outputs and acceptance equal one GPU's (fp32)."""
+def test_tp2_sharded_draft_graphs_match_one_gpu(tmp_path, layout, draft):
+    """A draft split over TP2 (MTP; an EAGLE3 draft whose heads divide) with CUDA graphs: each rank captures the
+    draft's graphs (its collectives inside) beside the verify graphs; greedy outputs and acceptance equal one
+    GPU's (fp32)."""
     from mlaserve.models.make_random import make_random
+    from mlaserve.models.make_random_draft import make_random_draft
 
-    path = make_random("tiny", str(tmp_path / "m"), seed=0, dtype="float32", progress=False, mtp=True)
+    path = make_random("tiny", str(tmp_path / "m"), seed=0, dtype="float32", progress=False, mtp=draft == "mtp")
+    if draft == "mtp":
+        spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
+    else:
+        d = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=path, dtype="float32")
+        spec = {"draft_model": d, "num_steps": 2}
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 200))] for _ in range(8)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
     kw = dict(device="cuda", dtype="float32", num_pages=1024, page_size=64, max_num_seqs=8, speculative_config=spec)
     out = []
     for par in ({}, layout):
@@ -69,6 +76,7 @@ def test_tp2_mtp_draft_graphs_match_one_gpu(tmp_path, layout):
         try:
             got = llm.generate(prompts, sp, use_tqdm=False)
             assert llm.engine.proposer.graphs is not None and llm.engine.proposer.graphs.graphs
+            assert (llm.engine.proposer.followers is not None) is bool(par)
             out.append(([o.token_ids for o in got], [list(o.usage.spec_accepted_per_position) for o in got]))
         finally:
             llm.close()

@@ -42,21 +42,35 @@ def test_llm_refuses_sizes_that_do_not_divide(tiny_ckpt):
         LLM(tiny_ckpt, device="cpu", tp=3)
 
 
-def test_llm_tp2_with_eagle3_matches_tp1(tiny_ckpt, tp1, tmp_path):
-    """The draft runs on rank 0 alone (full embedding, no collectives) beside the sharded target."""
+@pytest.mark.parametrize("kv_heads, sharded", [(None, True), (1, False)], ids=["split", "whole-on-rank-0"])
+def test_llm_tp2_with_eagle3_matches_tp1(tiny_ckpt, tp1, tmp_path, kv_heads, sharded):
+    """An EAGLE3 draft under TP2: split over the ranks where its heads divide by 2 (every rank runs each draft step
+    with rank 0), else whole on rank 0 (a whole embedding, no collectives). Either way one rank's outputs and, after
+    every step, the drafts one rank's engine drafts at that length."""
     from mlaserve.models.make_random_draft import make_random_draft
+    from tests.helpers.engine_drive import drafts_by_length
 
-    draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
-    llm = LLM(
-        tiny_ckpt,
-        device="cpu",
-        tp=2,
-        on_rank_failure=lambda e: None,
-        speculative_config={"draft_model": draft, "num_steps": 1},
-    )
+    over = {"num_key_value_heads": kv_heads} if kv_heads else None
+    draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32", overrides=over)
+    spec = {"draft_model": draft, "num_steps": 2}
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = LLM(tiny_ckpt, device="cpu", speculative_config=spec)
+    out1, drafts1 = drafts_by_length(one.engine, _prompts(), sp)
+    whole = {n: t.shape for n, t in one.engine.proposer.draft.named_parameters()}
+    one.close()
+    llm = LLM(tiny_ckpt, device="cpu", tp=2, on_rank_failure=lambda e: None, speculative_config=spec)
     try:
-        outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-        assert [o.token_ids for o in outs] == tp1
+        p = llm.engine.proposer
+        assert (p.followers is llm.engine.runner) is sharded
+        mine = {n: t.shape for n, t in p.draft.named_parameters()}
+        split = sorted(n for n in whole if mine[n] != whole[n])
+        if sharded:  # q/k/v/o, the MLP, the lm_head and the target's embedding: this rank's halves
+            assert {n.split(".")[-2] for n in split} >= {"q_proj", "k_proj", "o_proj", "down_proj", "lm_head"}, split
+        else:
+            assert split == [], split
+        out2, drafts2 = drafts_by_length(llm.engine, _prompts(), sp)
+        assert out1 == out2 == tp1
+        assert drafts2 == drafts1 and len(drafts1) >= 40
     finally:
         llm.close()
 
