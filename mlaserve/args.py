@@ -299,7 +299,7 @@ def run_if_follower_node(args) -> int | None:
 
     kw = {f: getattr(args, f) for f in ENGINE_FIELDS}
     spec = engine_kwargs_from_args(args).get("speculative_config")
-    spec = SpecConfig.from_dict(spec) if spec else None  # MTP: these ranks hold shards of the draft too
+    spec = SpecConfig.from_dict(spec) if spec else None  # a sharded draft: these ranks hold shards of it too
     cfg = EngineConfig(model=args.model, kernels=kernels_from_args(args) or KernelConfig.from_env(), **kw)
     q = spec.num_steps + 1 if spec is not None else 1
     # the kernel edges node 0's LLM gives its ranks (llm.py), so that every rank computes the same forms

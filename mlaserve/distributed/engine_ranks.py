@@ -44,7 +44,7 @@ def start_rank0(
     spec: SpecConfig | None = None,
 ) -> tuple[RankInfo, Workers]:
     """Node 0: spawn local ranks 1.., join as rank 0. A rank that dies calls on_failure (default: exit). spec: the
-    engine's speculative decoding (the ranks build their shards of an MTP draft)."""
+    engine's speculative decoding (the ranks build their shards of a sharded draft: spec/build.py)."""
     par.validate(model_cfg)
     if par.node_rank != 0:
         raise ValueError("node_rank: only node 0 runs the engine; run followers with run_follower_node")

@@ -6,11 +6,11 @@ Layout, in words: [kind, total words, decode chunks, prefill chunks], then per c
 logits], then every chunk's token ids, then every chunk's pages. The first FIRST_WORDS words go in one broadcast of a
 fixed size (the receivers cannot know the size before it); a longer step sends the rest in a second.
 
-A sharded draft's steps (the MTP layer under TP, spec/mtp.py) go the same way, as DRAFT messages: an extension's
-chunks (DRAFT: token ids, first position, pages, "last" where a chain of drafts follows), or a verified step's rows
-(DRAFT_VERIFIED: no token ids, each row's first verified position and pages; _SHIFT: with the shifts), then the
-device tensors the step reads (send_tensor: the verify's tokens and counts, the target hidden states), which never
-pass through the host.
+A sharded draft's steps (MTP, or an EAGLE3 draft split over the ranks: spec/build.draft_is_sharded) go the same
+way, as DRAFT messages: an extension's chunks (DRAFT: token ids, first position, pages, "last" where a chain of
+drafts follows), or a verified step's rows (DRAFT_VERIFIED: no token ids, each row's first verified position and
+pages; _SHIFT: with the shifts), then the device tensors the step reads (send_tensor: the verify's tokens and
+counts, the target hidden states), which never pass through the host.
 
 Between bursts of steps the other ranks park: rank 0 sends PARK and they wait on the host group (gloo, whose timeout is
 long) for "wake", so an idle server never leaves them inside a collective past the model group's timeout.
