@@ -58,6 +58,10 @@ MODULES = {
     ],
     "models/deepseek_mtp.py": ["tests/spec/test_mtp.py"],  # the layer against transformers', every draft checked
     "spec/mtp.py": ["tests/spec/test_mtp.py", "tests/tp/test_tp_llm.py::test_llm_tp2_mtp_matches_tp1"],
+    "engine/step_broadcast.py": [  # the codec and channel alone, then a sharded draft's steps under TP2
+        "tests/tp/test_step_broadcast.py",
+        "tests/tp/test_tp_llm.py::test_llm_tp2_mtp_matches_tp1",
+    ],
     "layers/sampler.py": [
         "tests/unit/test_sampler.py",
         "tests/unit/test_logits_process.py",

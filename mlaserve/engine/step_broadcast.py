@@ -85,7 +85,6 @@ class StepChannel:
     def __init__(self, device: torch.device, group=None):
         self.device, self.group = device, group
         self.buf = torch.zeros(FIRST_WORDS, dtype=torch.int32, device=device)
-        self.sent = 0  # messages (steps, draft steps) sent or received
 
     def _room(self, n: int) -> None:
         if n > self.buf.numel():
@@ -102,7 +101,6 @@ class StepChannel:
         # from pageable memory: the host buffer is consumed before copy_ returns, so the next step may reuse it
         self.buf[: len(words)].copy_(torch.from_numpy(words), non_blocking=True)
         self._broadcast(len(words))
-        self.sent += 1
 
     def send_draft(self, kind: int, chunks: list[SeqChunk], tensors: list[torch.Tensor]) -> None:
         """A sharded draft's step: its chunks, then its device tensors, each broadcast as it is."""
@@ -138,6 +136,5 @@ class StepChannel:
             self._room(total)
             dist.broadcast(self.buf[FIRST_WORDS:total], src=0, group=self.group)
             words = np.concatenate([head, self.buf[FIRST_WORDS:total].cpu().numpy()])
-        self.sent += 1
         decode, prefill = decode_words(words[:total])
         return DraftMessage(kind, prefill) if kind in DRAFT_KINDS else (decode, prefill)

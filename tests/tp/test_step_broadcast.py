@@ -39,22 +39,37 @@ def test_codec_refuses_values_outside_int32():
         encode([SeqChunk([1], 0, [2**31])], [])
 
 
+GROUP = object()  # the channel's process group, as the broadcasts must name it
+
+
 def test_channel_over_one_rank_group_round_trips(monkeypatch):
-    """send and recv through the same buffer (the broadcast a no-op): short steps, long ones (a second broadcast) and
-    the park message."""
+    """send and recv through the same buffer (the broadcast a no-op, each from rank 0 over the channel's group):
+    short steps, one of exactly FIRST_WORDS words (one broadcast), long ones (a second broadcast) and the park
+    message; an unknown kind is an error naming it."""
     sent = []
-    monkeypatch.setattr("mlaserve.engine.step_broadcast.dist.broadcast", lambda t, src, group: sent.append(t.numel()))
-    ch = StepChannel(torch.device("cpu"))
+
+    def broadcast(t, src, group):
+        assert src == 0 and group is GROUP
+        sent.append(t.numel())
+
+    monkeypatch.setattr("mlaserve.engine.step_broadcast.dist.broadcast", broadcast)
+    ch = StepChannel(torch.device("cpu"), GROUP)
     rng = random.Random(0)
-    for n_tok in (3, 2 * FIRST_WORDS):
-        step = (_chunks(rng, 2, 4, 5), [SeqChunk(list(range(n_tok)), 0, [1, 2])])
+    exact = FIRST_WORDS - len(encode([], [SeqChunk([], 0, [1, 2])]))  # tokens that make it FIRST_WORDS words
+    steps = [(_chunks(rng, 2, 4, 5), [SeqChunk(list(range(n_tok)), 0, [1, 2])]) for n_tok in (3, 2 * FIRST_WORDS)]
+    steps.insert(1, ([], [SeqChunk(list(range(exact)), 0, [1, 2])]))
+    for step in steps:
         ch.send(*step)
         assert ch.recv() == step
+    assert len(encode(*steps[1])) == FIRST_WORDS
     ch.park()
     assert ch.recv() is None
-    n_long = len(encode(*step))
-    assert sent == [FIRST_WORDS] * 2 + [FIRST_WORDS, n_long - FIRST_WORDS] * 2 + [FIRST_WORDS] * 2
+    n_long = len(encode(*steps[2]))
+    assert sent == [FIRST_WORDS] * 4 + [FIRST_WORDS, n_long - FIRST_WORDS] * 2 + [FIRST_WORDS] * 2
     assert int(ch.buf[0]) == PARK
+    ch.buf[0] = 9
+    with pytest.raises(RuntimeError, match="step message: unknown kind 9 from rank 0"):
+        ch.recv()
 
 
 def test_tp2_steps_go_without_broadcast_object(tiny_ckpt, monkeypatch):
@@ -86,6 +101,7 @@ class _Wire:
         self.queue, self.sending = [], True
 
     def __call__(self, t, src, group):
+        assert src == 0 and group is GROUP
         if self.sending:
             self.queue.append(t.clone())
         else:
@@ -118,7 +134,7 @@ def test_draft_steps_reach_a_follower_unchanged(monkeypatch, shifted):
 
     wire = _Wire()
     monkeypatch.setattr("mlaserve.engine.step_broadcast.dist.broadcast", wire)
-    ch = StepChannel(torch.device("cpu"))
+    ch = StepChannel(torch.device("cpu"), GROUP)
     rank0 = SimpleNamespace(_wake=lambda: None, steps=ch)
     n, K, W = 3, 2, 5
     g = torch.Generator().manual_seed(0)
@@ -139,7 +155,8 @@ def test_draft_steps_reach_a_follower_unchanged(monkeypatch, shifted):
         follow_draft(draft, ch, msg)
     assert not wire.queue  # every tensor sent was read
     (_, y2, acc2, h2, starts2, pages2, shift2), (_, seq2, h3) = draft.calls
+    assert y2.dtype == acc2.dtype == torch.int64 and h2.dtype == h3.dtype == torch.float32
     assert torch.equal(y2, y) and torch.equal(acc2, acc.long()) and torch.equal(h2, hidden)
     assert (starts2, pages2) == (starts, pages)
-    assert shift2 is None if shift is None else torch.equal(shift2, shift)
+    assert shift2 is None if shift is None else shift2.dtype == torch.int64 and torch.equal(shift2, shift)
     assert seq2 == seq and torch.equal(h3, hidden[:4])
