@@ -19,15 +19,13 @@ log = logging.getLogger("mlaserve.worker")
 
 def worker_loop(info: RankInfo, engine_cfg: EngineConfig, spec: SpecConfig | None = None) -> str:
     from ..engine.runner import ModelRunner, resolve_dtype
-    from ..spec.build import build_sharded_draft, draft_is_sharded, draft_kv_page_bytes, draft_weight_bytes
+    from ..spec.build import build_sharded_draft, draft_is_sharded, draft_memory
 
     model_cfg = ModelConfig.from_pretrained(engine_cfg.model)
     sharded = draft_is_sharded(spec, info.world_size)
-    extra = reserve = 0
-    if spec is not None:  # the pages rank 0 sizes, its draft's cache beside each (a sharded draft's on every rank)
-        dtype = resolve_dtype(engine_cfg.dtype, model_cfg)
-        extra = draft_kv_page_bytes(spec, engine_cfg.page_size, dtype, model_cfg, info.world_size)
-        reserve = draft_weight_bytes(spec, model_cfg, info, dtype)
+    # the pages rank 0 sizes, its draft's cache beside each (a sharded draft's on every rank)
+    dtype = resolve_dtype(engine_cfg.dtype, model_cfg)
+    extra, reserve = draft_memory(spec, engine_cfg.page_size, dtype, model_cfg, info)
     runner = ModelRunner(engine_cfg, model_cfg, ranks=info, extra_page_bytes=extra, reserve_bytes=reserve)
     draft = build_sharded_draft(spec, runner) if sharded else None  # this rank's shard of the draft
     steps = 0

@@ -49,13 +49,10 @@ class LLMEngine:
         cfg = dataclasses.replace(cfg, kernels=graph_safe_kernels(cfg.kernels, cfg.max_num_seqs, q))
         self.cfg, self.spec = cfg, spec
         self.model_config = model_cfg or ModelConfig.from_pretrained(cfg.model)
-        extra = reserve = 0
-        if spec is not None:
-            from ..spec.build import draft_kv_page_bytes, draft_weight_bytes
+        from ..spec.build import draft_memory
 
-            dtype = resolve_dtype(cfg.dtype, self.model_config)
-            extra = draft_kv_page_bytes(spec, cfg.page_size, dtype, self.model_config, ranks.world_size)
-            reserve = draft_weight_bytes(spec, self.model_config, ranks, dtype)
+        dtype = resolve_dtype(cfg.dtype, self.model_config)
+        extra, reserve = draft_memory(spec, cfg.page_size, dtype, self.model_config, ranks)
         self.runner = runner or ModelRunner(
             cfg, self.model_config, ranks=ranks, extra_page_bytes=extra, reserve_bytes=reserve
         )

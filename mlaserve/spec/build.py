@@ -37,6 +37,15 @@ def draft_weight_bytes(spec: SpecConfig | None, target: ModelConfig, ranks, dtyp
     return mtp_bytes(target, ranks, dtype)
 
 
+def draft_memory(spec: SpecConfig | None, page_size: int, dtype: torch.dtype, target: ModelConfig, ranks) -> tuple:
+    """What a rank (`ranks`, a RankInfo) sets aside for the draft: (KV bytes per page, weight bytes kept out of the
+    cache's budget); (0, 0) without speculation."""
+    if spec is None:
+        return 0, 0
+    pages = draft_kv_page_bytes(spec, page_size, dtype, target, ranks.world_size)
+    return pages, draft_weight_bytes(spec, target, ranks, dtype)
+
+
 def draft_is_sharded(spec: SpecConfig | None, world: int) -> bool:
     """Whether each of `world` > 1 ranks holds a shard of the draft and runs it with rank 0: MTP (a layer of the
     target's own shape), and an EAGLE3 draft whose heads and MLP divide by world (models/eagle3.shardable); an
