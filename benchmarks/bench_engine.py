@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -223,6 +224,13 @@ def hf_bench(path, cases, ttft_lengths, vocab):
     return out
 
 
+def bench_spec(a) -> SpecConfig:
+    """The K=1, N=2 speculation the bench times: the checkpoint's MTP layer (--mtp) or the EAGLE3 --draft."""
+    if a.mtp:
+        return SpecConfig(algorithm="MTP", num_steps=1, num_draft_tokens=2)
+    return SpecConfig(draft_model=a.draft, num_steps=1, num_draft_tokens=2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -280,8 +288,9 @@ def main():
     ap.add_argument(
         "--simulate-sweep",
         action="store_true",
-        help="the --replay-sweep table with the draft's simulated acceptance (--speculative-simulate-acceptance) instead"
-        " of REPLAY (needs --draft or --mtp): holds at any context and overlaps, but the texts are not the model's",
+        help="the --replay-sweep table with the draft's simulated acceptance (--speculative-simulate-acceptance)"
+        " instead of REPLAY (needs --draft or --mtp): holds at any context and overlaps, but the texts are not the"
+        " model's",
     )
     ap.add_argument("--sweep-k", default="1,2,3", help="--replay-sweep: draft steps K")
     ap.add_argument("--sweep-acceptance", default="0,0.5,0.7,0.9,1.0", help="--replay-sweep: acceptance rates")
@@ -385,7 +394,18 @@ def main():
     kvb = {"kv_dtype_bytes": 1} if a.kv_cache_dtype != "auto" else {}  # the floors read the cache's bytes
     sync()
     t = time.perf_counter()
-    engine = LLMEngine(cfg)
+    if a.draft or a.mtp:  # the speculative engine shares this runner: its cache leaves the draft's memory free
+        from mlaserve.config import RankInfo
+        from mlaserve.engine.cuda_graph import graph_safe_kernels
+        from mlaserve.engine.runner import ModelRunner, resolve_dtype
+        from mlaserve.spec.build import draft_memory
+
+        mc = ModelConfig.from_pretrained(path)
+        extra, reserve = draft_memory(bench_spec(a), cfg.page_size, resolve_dtype(cfg.dtype, mc), mc, RankInfo())
+        rcfg = dataclasses.replace(cfg, kernels=graph_safe_kernels(cfg.kernels, cfg.max_num_seqs, 1))  # as LLMEngine
+        engine = LLMEngine(cfg, runner=ModelRunner(rcfg, mc, extra_page_bytes=extra, reserve_bytes=reserve))
+    else:
+        engine = LLMEngine(cfg)
     sync()
     res["mlaserve_load_s"] = engine.runner.load_seconds
     res["weight_bytes"] = vars(engine.runner.weight_bytes)
@@ -427,11 +447,12 @@ def main():
         # Plain TPOT first: the speculative engine re-captures the shared runner's graphs for verify width 2.
         cases = [(b, c) for c in ctxs for b in batches]
         base = {(b, c): ml_tpot(engine, b, c, vocab)[0] for b, c in cases}
+        spec = bench_spec(a)
         if a.mtp:
-            spec, method = SpecConfig(algorithm="MTP", num_steps=1, num_draft_tokens=2), "MTP"
+            method = "MTP"
             draft_label = "the checkpoint's MTP layer" + (", dummy weights" if a.dummy else "")
         else:
-            spec, method = SpecConfig(draft_model=a.draft, num_steps=1, num_draft_tokens=2), "EAGLE3"
+            method = "EAGLE3"
             # what the draft is, as far as its folder says: train-draft leaves train_draft.json beside it
             trained = os.path.exists(os.path.join(a.draft, "train_draft.json"))
             draft_label = "trained draft" if trained else f"draft {os.path.basename(os.path.normpath(a.draft))}"
