@@ -218,32 +218,31 @@ class NgramProposer:
         wanted = [c for c in chunks if c.propose]
         if not wanted:
             return {}
-        rows, base, last = [], [], []
+        rows = []
         for c in wanted:
-            req = c.req
-            s, new = self._slot(req)
+            s, new = self._slot(c.req)
             if c.verify and not new:  # the emitted tokens after the context its row holds
                 self.hist[s, c.start + 1 : c.start + 1 + len(c.token_ids)].copy_(
                     torch.tensor(c.token_ids, dtype=torch.int32), non_blocking=True
                 )
             else:
-                s = self._write_context(req)
-            L = req.num_tokens
+                s = self._write_context(c.req)
             rows.append(s)
-            base.append(L - 2)  # the last token "emitted" again at L - 1: the context is the whole row
-            last.append(req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
-        meta = self._meta([rows, base, last])
-        n = len(wanted)
-        y = meta[2][:, None].expand(n, self.N).contiguous()  # one kernel variant: a verify's width
-        drafts = self._drafts(meta[0], meta[1], torch.zeros_like(meta[0]), y).tolist()
+        drafts = self._context_drafts(rows, [c.req for c in wanted])
         return {c.req.request_id: d for c, d in zip(wanted, drafts)}
 
     def tokens(self, req: Request) -> list[int]:
         """The K draft tokens after req's context as the host holds it (writes all of it: tests, tools)."""
-        s = self._write_context(req)
-        L, last = req.num_tokens, (req.prompt_token_ids + req.output_token_ids)[-1]
-        meta = self._meta([[s], [L - 2], [last]])
-        return self._drafts(meta[0], meta[1], torch.zeros_like(meta[0]), meta[2][:, None].expand(1, self.N))[0].tolist()
+        return self._context_drafts([self._write_context(req)], [req])[0]
+
+    def _context_drafts(self, slots: list[int], reqs: list[Request]) -> list[list[int]]:
+        """The K drafts after each request's whole context, which its slot's row holds: the lookup as after a
+        verify whose last token (at L - 1) is the context's last, so the row up to it is the context."""
+        base = [r.num_tokens - 2 for r in reqs]
+        last = [(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs]
+        meta = self._meta([slots, base, last])
+        y = meta[2][:, None].expand(len(reqs), self.N).contiguous()  # one kernel variant: a verify's width
+        return self._drafts(meta[0], meta[1], torch.zeros_like(meta[0]), y).tolist()
 
     def capture_graphs(self, max_bs: int, max_pages: int, use_graphs: bool = True) -> None:
         """The lookup's part of the greedy step graph (engine/spec_graph.py): its static inputs."""
