@@ -47,26 +47,28 @@ class GrammarState:
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
-    def fill_after(self, bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
-        """Row `row` of bitmask: the mask after `tokens` more (a verify's row after the drafts before it), the matcher
-        left as it was (fed, then rolled back). Where the grammar refuses one of them, or ends before the last, the
-        row allows everything: the verify rejects that draft, so no token is taken from this row."""
+    def fill_chain(self, masks: torch.Tensor, tokens: list[int]) -> None:
+        """masks [len(tokens) + 1, W] (CPU int32): row i the mask after tokens[:i] more (a verify's row i, after the
+        drafts before it), in one pass, the matcher left as it was (fed, then rolled back). From a token the grammar
+        refuses, or once it has ended, every later row allows everything: the verify rejects that draft, so no
+        token is taken from those rows."""
         waiting, fed = self.waiting, 0
         try:
-            for t in tokens:
+            for i in range(len(tokens) + 1):
+                if waiting or self.matcher.is_terminated():  # free, or the stop token is among the tokens before
+                    masks[i].fill_(-1)
+                else:
+                    self.matcher.fill_next_token_bitmask(masks, i)
+                if i == len(tokens):
+                    break
+                t = tokens[i]
                 if waiting:
                     waiting = frozenset() if t in waiting else waiting
                 elif self.matcher.is_terminated() or not self.matcher.accept_token(t):
-                    bitmask[row].fill_(-1)
+                    masks[i + 1 :].fill_(-1)
                     return
                 else:
                     fed += 1
-            if waiting:
-                bitmask[row].fill_(-1)
-            elif self.matcher.is_terminated():
-                bitmask[row].fill_(-1)  # the stop token is among the tokens: the request ends there
-            else:
-                self.matcher.fill_next_token_bitmask(bitmask, row)
         finally:
             if fed:
                 self.matcher.rollback(fed)
@@ -85,16 +87,34 @@ class GrammarState:
 
 
 class GrammarAhead:
-    """A verify row's view of a request's grammar (engine/spec_loop.py): its mask after the drafts before the row,
-    which process_logits finds among the row's pending tokens (covers_pending: this mask has them)."""
-
-    covers_pending = True
+    """A verify's view of a request's grammar (engine/spec_loop.py): the masks of its rows, row i's after the first i
+    drafts (GrammarState.fill_chain, computed once, on the first row asked for); `row(i)` is what process_logits
+    takes for row i, which it finds among the row's pending tokens (covers_pending: this mask has them)."""
 
     def __init__(self, state: GrammarState, drafts: list[int]):
         self.state, self.drafts = state, drafts
+        self.masks: torch.Tensor | None = None
+
+    def row(self, i: int) -> GrammarAheadRow:
+        return GrammarAheadRow(self, i)
+
+    def fill_row(self, i: int, bitmask: torch.Tensor, row: int) -> None:
+        if self.masks is None:
+            self.masks = torch.empty(len(self.drafts) + 1, bitmask.shape[1], dtype=bitmask.dtype)
+            self.state.fill_chain(self.masks, self.drafts)
+        bitmask[row].copy_(self.masks[min(i, len(self.drafts))])  # a row past the drafts: the mask after all
+
+
+class GrammarAheadRow:
+    """Row i of a verify under a grammar (GrammarAhead.row)."""
+
+    covers_pending = True
+
+    def __init__(self, ahead: GrammarAhead, i: int):
+        self.ahead, self.i = ahead, i
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self.state.fill_after(bitmask, row, self.drafts)
+        self.ahead.fill_row(self.i, bitmask, row)
 
 
 class GrammarCompiler:

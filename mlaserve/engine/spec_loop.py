@@ -162,10 +162,11 @@ class SpecLoop(Loop):
                 raise RuntimeError("a grammar or bad_words row is verified only with its drafts on the host")
             if r.params.bad_words:
                 on_host.append(b)
+            chain = GrammarAhead(r.grammar, ahead[b][: N - 1]) if r.grammar is not None else None
             for i in range(N):
                 row = r
-                if r.grammar is not None:
-                    row = dataclasses.replace(row, grammar=GrammarAhead(r.grammar, ahead[b][:i]))
+                if chain is not None:
+                    row = dataclasses.replace(row, grammar=chain.row(i))
                 if r.params.bad_words:  # the words' starts are matched on the host's tokens
                     row = dataclasses.replace(row, output_ids=r.output_ids + ahead[b][:i])
                 expanded.append(row)

@@ -163,9 +163,12 @@ def test_bad_shapes():
         StructuredOutput("xml", "x")
 
 
-def test_fill_after_is_the_mask_after_the_tokens(engine):
-    """GrammarState.fill_after: the mask a matcher fed the tokens gives, the matcher left as it was; a row after a
-    token the grammar refuses, or after the grammar ended, allows everything."""
+def test_fill_chain_is_the_mask_after_each_prefix(engine):
+    """GrammarState.fill_chain: row i the mask a matcher fed the first i tokens gives, in one pass, the matcher left
+    as it was; every row from a token the grammar refuses, or after the grammar ended, allows everything; and
+    GrammarAhead's rows are those masks, a row past the drafts the last."""
+    from mlaserve.engine.grammar import GrammarAhead
+
     so = StructuredOutput("regex", r"(ab|cd)+e")
     tok = engine.tokenizer
     ids = [tok.encode(c, add_special_tokens=False) for c in "abcde"]
@@ -184,14 +187,25 @@ def test_fill_after_is_the_mask_after_the_tokens(engine):
         return bm[0]
 
     assert st.accept(a)
-    bm = torch.zeros(6, W, dtype=torch.int32)
-    for row, more in enumerate([[], [b], [b, c], [b, c, d]]):
-        st.fill_after(bm, row, more)
-        assert torch.equal(bm[row], fresh([a] + more)), more
-    st.fill_after(bm, 4, [b, a, a])  # a refused after "ab" ... "a" is fine, "aa" is not
-    assert (bm[4] == -1).all()
-    st.fill_after(bm, 5, [])
-    assert torch.equal(bm[5], fresh([a]))  # unchanged by the fills
+    masks = torch.zeros(4, W, dtype=torch.int32)
+    st.fill_chain(masks, [b, c, d])
+    for i, more in enumerate([[], [b], [b, c], [b, c, d]]):
+        assert torch.equal(masks[i], fresh([a] + more)), more
+    masks = torch.zeros(4, W, dtype=torch.int32)
+    st.fill_chain(masks, [b, a, a])  # "a" is fine after "ab", "aa" is not: rows 0-2 masks, row 3 everything
+    assert torch.equal(masks[2], fresh([a, b, a])) and (masks[3] == -1).all()
+    masks = torch.zeros(4, W, dtype=torch.int32)
+    st.fill_chain(masks, [b, e, a])  # the grammar ends at "e": the row after it allows everything
+    assert torch.equal(masks[2], fresh([a, b, e])) or (masks[2] == -1).all()
+    assert (masks[3] == -1).all()
+    ahead = GrammarAhead(st, [b, c])
+    bm = torch.zeros(4, W, dtype=torch.int32)
+    for row, i in enumerate([0, 1, 2, 3]):
+        ahead.row(i).fill_bitmask(bm, row)
+    assert torch.equal(bm[0], fresh([a])) and torch.equal(bm[2], fresh([a, b, c])) and torch.equal(bm[3], bm[2])
+    one = torch.zeros(1, W, dtype=torch.int32)
+    st.fill_chain(one, [])
+    assert torch.equal(one[0], fresh([a]))  # unchanged by the fills
     assert st.accept(b) and st.accept(e) and not st.accept(a)
 
 
