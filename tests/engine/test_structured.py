@@ -156,6 +156,77 @@ def test_invalid_is_refused_naming_the_field(engine, so, match):
     assert not engine.has_unfinished()
 
 
+def test_invalid_grammar_says_why(engine):
+    # the message after the field and the kind is xgrammar's reason, without its C++ source location
+    with pytest.raises(ValueError) as e:
+        engine.grammars.compile(StructuredOutput("regex", "[a-", field="guided_regex"))
+    reason = str(e.value).split("invalid regular expression: ", 1)[1]
+    assert reason and reason not in ("None", "NoneType") and not reason.startswith("[")
+
+
+def test_no_tokenizer_is_refused_naming_the_field(engine):
+    from mlaserve.engine.grammar import GrammarCompiler
+
+    c = GrammarCompiler(None, engine.model_config.vocab_size, [])
+    with pytest.raises(ValueError, match="guided_regex: structured output needs a tokenizer; this model has none"):
+        c.compile(StructuredOutput("regex", "a+", field="guided_regex"))
+
+
+def test_without_xgrammar_the_request_is_refused_naming_the_field(engine, monkeypatch):
+    from mlaserve.engine import grammar
+
+    def missing(self):
+        raise ImportError("No module named 'xgrammar'")
+
+    monkeypatch.setattr(grammar.GrammarCompiler, "_build", missing)
+    c = grammar.GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, [])
+    with pytest.raises(ValueError, match="response_format: structured output needs the xgrammar package .No module"):
+        c.compile(StructuredOutput("json_object", field="response_format"))
+
+
+def test_padded_vocabulary_ids_are_never_allowed(engine):
+    # a model whose lm_head has more rows than its tokenizer has tokens: those ids spell nothing, so no grammar
+    # allows them (a regex over any capital letters, the ids' stand-in spelling a mutant would give, included)
+    from mlaserve.engine.grammar import GrammarCompiler
+
+    V = engine.model_config.vocab_size
+    c = GrammarCompiler(engine.tokenizer, V + 64, sorted(engine.eos_token_ids))
+    m = xgr.GrammarMatcher(c.compile(StructuredOutput("regex", "[A-Z]+")))
+    bm = torch.zeros(1, (V + 64 + 31) // 32, dtype=torch.int32)
+    m.fill_next_token_bitmask(bm, 0)
+    allowed = allowed_tokens(bm, V + 64)[0]
+    assert allowed[:V].any() and not allowed[V:].any()
+
+
+def test_choices_beyond_ascii(engine):
+    tok = engine.tokenizer
+    m = xgr.GrammarMatcher(engine.grammars.compile(StructuredOutput("choice", choices=("café", "naïve"))))
+    for t in tok.encode("café", add_special_tokens=False):
+        assert m.accept_token(t)
+    assert m.accept_token(sorted(engine.eos_token_ids)[0]) and m.is_terminated()
+
+
+def test_json_object_is_compact(engine):
+    # json_object, as json schemas: no runs of blank space (a space right after "{" is refused)
+    tok = engine.tokenizer
+    brace, space = (tok.encode(t, add_special_tokens=False) for t in ("{", " "))
+    assert len(brace) == 1 and len(space) == 1
+    m = xgr.GrammarMatcher(engine.grammars.compile(StructuredOutput("json_object")))
+    assert m.accept_token(brace[0]) and not m.accept_token(space[0])
+
+
+def test_compiled_grammars_are_kept_least_recently_used_first_out(engine, monkeypatch):
+    from mlaserve.engine import grammar
+
+    monkeypatch.setattr(grammar, "CACHE_SIZE", 2)
+    c = grammar.GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, sorted(engine.eos_token_ids))
+    a, b, d = (StructuredOutput("regex", r) for r in ("a+", "b+", "d+"))
+    ga, gb = c.compile(a), c.compile(b)
+    assert c.compile(a) is ga  # a used last: b is the oldest
+    c.compile(d)
+    assert len(c._cache) == 2 and c.compile(a) is ga and c.compile(b) is not gb
+
+
 def test_bad_shapes():
     with pytest.raises(ValueError, match="guided_choice: the choices"):
         StructuredOutput("choice", choices=(), field="guided_choice")
@@ -194,10 +265,22 @@ def test_fill_chain_is_the_mask_after_each_prefix(engine):
     masks = torch.zeros(4, W, dtype=torch.int32)
     st.fill_chain(masks, [b, a, a])  # "a" is fine after "ab", "aa" is not: rows 0-2 masks, row 3 everything
     assert torch.equal(masks[2], fresh([a, b, a])) and (masks[3] == -1).all()
-    masks = torch.zeros(4, W, dtype=torch.int32)
-    st.fill_chain(masks, [b, e, a])  # the grammar ends at "e": the row after it allows everything
-    assert torch.equal(masks[2], fresh([a, b, e])) or (masks[2] == -1).all()
-    assert (masks[3] == -1).all()
+    stop = engine.grammars.stop_ids[0]
+    masks = torch.zeros(5, W, dtype=torch.int32)
+    st.fill_chain(masks, [b, e, stop, a])  # the grammar ends with the stop token: every row after it all allowed
+    assert torch.equal(masks[2], fresh([a, b, e]))
+    assert (masks[3] == -1).all() and (masks[4] == -1).all()
+    # free until token `d` (after_token_ids): rows up to it allow everything, then the grammar from its start
+    free = engine.grammars.state(StructuredOutput("regex", r"(ab|cd)+e", after_token_ids=(d,)))
+    bm = torch.zeros(1, W, dtype=torch.int32)
+    free.fill_bitmask(bm, 0)
+    assert (bm[0] == -1).all()
+    masks = torch.zeros(5, W, dtype=torch.int32)
+    free.fill_chain(masks, [e, d, c, d])
+    assert (masks[0] == -1).all() and (masks[1] == -1).all()
+    assert torch.equal(masks[2], fresh([])) and torch.equal(masks[3], fresh([c]))
+    assert torch.equal(masks[4], fresh([c, d]))
+    assert free.waiting == frozenset((d,))  # the chain left the state as it was
     ahead = GrammarAhead(st, [b, c])
     bm = torch.zeros(4, W, dtype=torch.int32)
     for row, i in enumerate([0, 1, 2, 3]):
