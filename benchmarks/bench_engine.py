@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import json
 import os
@@ -394,18 +393,8 @@ def main():
     kvb = {"kv_dtype_bytes": 1} if a.kv_cache_dtype != "auto" else {}  # the floors read the cache's bytes
     sync()
     t = time.perf_counter()
-    if a.draft or a.mtp:  # the speculative engine shares this runner: its cache leaves the draft's memory free
-        from mlaserve.config import RankInfo
-        from mlaserve.engine.cuda_graph import graph_safe_kernels
-        from mlaserve.engine.runner import ModelRunner, resolve_dtype
-        from mlaserve.spec.build import draft_memory
-
-        mc = ModelConfig.from_pretrained(path)
-        extra, reserve = draft_memory(bench_spec(a), cfg.page_size, resolve_dtype(cfg.dtype, mc), mc, RankInfo())
-        rcfg = dataclasses.replace(cfg, kernels=graph_safe_kernels(cfg.kernels, cfg.max_num_seqs, 1))  # as LLMEngine
-        engine = LLMEngine(cfg, runner=ModelRunner(rcfg, mc, extra_page_bytes=extra, reserve_bytes=reserve))
-    else:
-        engine = LLMEngine(cfg)
+    # the speculative engine shares this runner: its cache leaves the draft's memory free
+    engine = LLMEngine(cfg, reserve_for=bench_spec(a) if a.draft or a.mtp else None)
     sync()
     res["mlaserve_load_s"] = engine.runner.load_seconds
     res["weight_bytes"] = vars(engine.runner.weight_bytes)

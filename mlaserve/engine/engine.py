@@ -42,7 +42,10 @@ class LLMEngine:
         spec: SpecConfig | None = None,
         proposer=None,
         ranks: RankInfo = RankInfo(),
+        reserve_for: SpecConfig | None = None,
     ):
+        """reserve_for (benchmarks): a plain engine (spec None) whose runner a speculative engine of that SpecConfig
+        will share sets aside the draft's KV pages and weights, as that engine's own runner would."""
         cfg.validate()
         # the FP8 activation edge where CUDA-graph padding cannot cross it (LLM applied it already for TP ranks)
         q = spec.num_steps + 1 if spec is not None else 1
@@ -52,7 +55,7 @@ class LLMEngine:
         from ..spec.build import draft_memory
 
         dtype = resolve_dtype(cfg.dtype, self.model_config)
-        extra, reserve = draft_memory(spec, cfg.page_size, dtype, self.model_config, ranks)
+        extra, reserve = draft_memory(spec or reserve_for, cfg.page_size, dtype, self.model_config, ranks)
         self.runner = runner or ModelRunner(
             cfg, self.model_config, ranks=ranks, extra_page_bytes=extra, reserve_bytes=reserve
         )

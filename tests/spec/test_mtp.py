@@ -214,6 +214,21 @@ def test_dummy_weights(mtp_ckpt):
     assert eng.proposer.draft.lm_head is eng.runner.model.lm_head  # the target's, shared
 
 
+def test_plain_engine_reserving_for_a_draft_it_will_share(mtp_ckpt, baseline):
+    # reserve_for: the plain engine's runner sets aside the draft's pages and weights as the speculative engine's
+    # own runner does, and a speculative engine built on it gives plain greedy output
+    spec = SpecConfig(algorithm="MTP", num_steps=1, num_draft_tokens=2)
+    cfg = EngineConfig(model=mtp_ckpt, device="cpu")
+    own = LLMEngine(cfg, spec=spec).runner
+    plain = LLMEngine(cfg, reserve_for=spec)
+    assert own.reserve_bytes > 0 and own.extra_page_bytes > 0
+    assert (plain.runner.reserve_bytes, plain.runner.extra_page_bytes) == (own.reserve_bytes, own.extra_page_bytes)
+    assert plain.proposer is None and plain.spec is None
+    assert LLMEngine(EngineConfig(model=mtp_ckpt, device="cpu")).runner.reserve_bytes == 0
+    shared = LLMEngine(cfg, runner=plain.runner, spec=spec)
+    assert [tokens(e) for e in run(shared, _prompts(), GREEDY)] == baseline
+
+
 def test_published_layout(tmp_path):
     """FP8 (deepseek-v3's form): layer L's linears FP8 with block scales like every layer's, eh_proj and the copies
     of embed_tokens and lm_head in the model dtype, the copies equal to the target's; the loader reads layer L
