@@ -44,9 +44,6 @@ class KernelConfig:
     # (kernels/prefill_attention_gluon.py: two warp-specialized warpgroups, each's softmax under MMAs); the same
     # bits as the Triton kernel
     prefill_gluon: bool = True
-    # MLASERVE_INT4_FUSED: one-token INT4 MoE steps on MoE-TP shards (I <= 512) run both GEMVs in one cooperative
-    # launch (kernels/int4_mma_fused.py), each pair's down rows starting once its own gemv1 programs are done
-    int4_gemv_fused: bool = True
 
     # ---- thresholds: which path a step of a given size takes ----
     # layers.linear: steps of 1..gemv_serve_tokens rows times weights of <= gemv_max_bytes go to the Triton GEMV
@@ -176,7 +173,6 @@ class KernelConfig:
             moe_gemv_tiles=tiles,
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),
             prefill_gluon=on("MLASERVE_PREFILL_GLUON"),
-            int4_gemv_fused=on("MLASERVE_INT4_FUSED"),
             allreduce=env.get("MLASERVE_ALLREDUCE", "auto"),
         )
 

@@ -140,24 +140,16 @@ def _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, g0, NG, woff, sgrp, grp, EVEN:
 
 
 @triton.jit
-def _trip_x(xa_ptr, xb_ptr, has_b, g0, NG, xoff, diag, diag_b, grp, PERM: tl.constexpr, CG: tl.constexpr = False):
+def _trip_x(xa_ptr, xb_ptr, has_b, g0, NG, xoff, diag, diag_b, grp, PERM: tl.constexpr):
     """The x pairs of the lanes' group [1, V] x 4 (pair registers of words 0..3): token A's (xa_ptr) on the diagonal
     lanes, token B's (xb_ptr, if has_b) on the second diagonal, zero elsewhere; and the -192 x sums (D columns 0-3
-    token A's, 4-7 token B's). PERM: x is stored as pairs (j, j + 4) already (gemv1's H). CG: x is read through L2
-    (written by other programs of the same launch)."""
+    token A's, 4-7 token B's). PERM: x is stored as pairs (j, j + 4) already (gemv1's H)."""
     on = (diag | (diag_b & has_b)) & (g0 + grp < NG)
     off = 16 * g0 + xoff
-    src = tl.where(diag, xa_ptr, xb_ptr)
-    if CG:
-        y0 = tl.load(src + off, mask=on, other=0, cache_modifier=".cg")
-        y1 = tl.load(src + (off + 4), mask=on, other=0, cache_modifier=".cg")
-        y2 = tl.load(src + (off + 8), mask=on, other=0, cache_modifier=".cg")
-        y3 = tl.load(src + (off + 12), mask=on, other=0, cache_modifier=".cg")
-    else:
-        y0 = tl.load(src + off, mask=on, other=0)
-        y1 = tl.load(src + (off + 4), mask=on, other=0)
-        y2 = tl.load(src + (off + 8), mask=on, other=0)
-        y3 = tl.load(src + (off + 12), mask=on, other=0)
+    y0 = tl.load(tl.where(diag, xa_ptr, xb_ptr) + off, mask=on, other=0)
+    y1 = tl.load(tl.where(diag, xa_ptr, xb_ptr) + (off + 4), mask=on, other=0)
+    y2 = tl.load(tl.where(diag, xa_ptr, xb_ptr) + (off + 8), mask=on, other=0)
+    y3 = tl.load(tl.where(diag, xa_ptr, xb_ptr) + (off + 12), mask=on, other=0)
     if not PERM:
         y0 = tl.inline_asm_elementwise(PREP_ASM, PREP_CONSTRAINTS, [y0], dtype=tl.int32, is_pure=True, pack=4)
         y1 = tl.inline_asm_elementwise(PREP_ASM, PREP_CONSTRAINTS, [y1], dtype=tl.int32, is_pure=True, pack=4)

@@ -14,7 +14,6 @@ import triton
 from ..kernel_config import KernelConfig
 from .int4_gemm import int4_gemm
 from .int4_gemv import int4_gemv
-from .int4_mma_fused import fused_fits, int4_gemv_fused
 from .int4_mma_run import int4_gemv_mma, mma_config, mma_preferred, mma_supported
 from .moe_align import moe_align
 from .moe_sum import moe_sum
@@ -171,16 +170,15 @@ def int4_fused_experts(
     for max(T, plan_tokens) tokens (int4_plan), so a step computes each row as a step of that many would.
     config (benchmarks, tests): "form": "gemv" / "gemm" (default: int4_plan's), "gemv" meaning
     "gemv_mma" where mma_supported and mma_preferred, else "gemv_fma"; for gemv_mma "pair" (two pairs of one expert
-    in one pass, default True), "fused" (a one-token step on a MoE-TP shard in one launch, int4_mma_fused.py,
-    where fused_fits; default kernels.int4_gemv_fused unless mma1 / mma2 set tiles); "mma1", "mma2" ({"MR", "WG",
-    "PREFETCH", "MUL", "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1",
-    "gemv2" ({"ROWS", "G", "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
+    in one pass, default True); "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL",
+    "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1", "gemv2" ({"ROWS", "G",
+    "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if T == 0:  # checks `add`; empty
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
     pdl = pdl_args(x, kernels.pdl)  # every launch alike
     cfg = dict(config or {})
-    keys = ("form", "pair", "fused", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2")
+    keys = ("form", "pair", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2")
     bad = set(cfg) - set(keys)
     if bad:
         raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
@@ -195,12 +193,6 @@ def int4_fused_experts(
         o1, o2 = cfg.get("mma1", {}), cfg.get("mma2", {})
         c1, c2 = (dict(o) if "MR" in o else dict(c, **o) for c, o in ((c1, o1), (c2, o2)))  # with MR: a whole tile
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
-        fused = cfg.get("fused", kernels.int4_gemv_fused and not (o1 or o2))
-        if fused and fused_fits(P, K, D, I, x.device):
-            int4_gemv_fused(
-                x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, expert_offset, hbuf, y, pdl
-            )
-            return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
         int4_gemv_mma(
             x,
             w13_packed,

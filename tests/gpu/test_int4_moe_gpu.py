@@ -183,37 +183,3 @@ def test_int4_moe_deterministic_mode_is_batch_invariant():
         assert torch.equal(a, b[: a.shape[0]])
     ref = int4_fused_experts_ref(x[:33].float(), *w, tw[:33], ids[:33], 96)
     kc.assert_close(outs[2], ref, BF, "int4 moe deterministic")
-
-
-@pytest.mark.parametrize("shape", ["tp4", "tp8"])
-def test_int4_moe_one_launch_form(shape):
-    # one-token steps on the MoE-TP shards take the one-launch form (kernels/int4_mma_fused.py): against the
-    # reference alone, with the shared experts' add, under EP (the pairs of experts this rank does not own exit
-    # at once) and replayed in a CUDA graph with new routings; then 50 calls back to back, each leaving its
-    # counts at zero for the next, and the two-launch GEMVs' output on the same step within bf16 rounding
-    from mlaserve.kernels import int4_mma_fused as f
-    from mlaserve.kernels.int4_moe import int4_fused_experts
-    from tests.helpers.int4_ref import int4_fused_experts_ref
-
-    D, I = SHAPES[shape]
-    w = experts(D, I, 48)
-    assert f.fused_fits(1, K, D, I, torch.device("cuda"))
-    on = dict(fused=True)
-    for _ in range(3):
-        check(w, 1, config=on)
-    check(w, 1, config=on, add=True, ids_dtype=torch.int32)
-    for _ in range(3):
-        check(w, 1, offset=96, E_all=384, config=on)
-    check(w, 1, offset=8, E_all=64, config=on, graph=True)
-    counts = f._COUNTS[torch.cuda.current_device()]
-    outs = []
-    for _ in range(50):
-        ids, tw = routing(1, 48, 0, 48)
-        x = torch.randn(1, D, device="cuda").to(BF)
-        outs.append((x, ids, tw, int4_fused_experts(x, *w, tw, ids, config=on)))
-    torch.cuda.synchronize()
-    assert int(counts.abs().sum()) == 0, counts
-    for x, ids, tw, out in outs[::7]:
-        kc.assert_close(out, int4_fused_experts_ref(x.float(), *w, tw, ids), BF, f"one launch {shape}, back to back")
-        two = int4_fused_experts(x, *w, tw, ids, config=dict(fused=False))
-        kc.assert_close(out, two.float(), BF, f"one launch against two {shape}")
