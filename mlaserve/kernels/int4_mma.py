@@ -202,6 +202,7 @@ def _mma_dot(
     WAIT: tl.constexpr,
     MUL: tl.constexpr,
     NS: tl.constexpr,
+    NGC: tl.constexpr = 0,
 ):
     """8 * sum over the K = 32 NG columns of the top and bottom rows' w . x, as acc [MR, 128 WG] (lanes above).
     W / Wb, S / Sb: the top / bottom rows' word / scale bases; wrow / srow [MR, 128 WG] int32: each element's row
@@ -209,10 +210,21 @@ def _mma_dot(
     sums land in the lanes t < 2 / t >= 2. PREFETCH:
     each trip's loads are issued before the previous trip's MMAs (in registers). NS > 1: trips after the first are
     loaded NS - 1 ahead by cp.async into shared memory (Triton's pipeliner), which holds far more bytes in flight
-    than registers. WAIT: the kernel's PDL wait comes between the first trip's weights and its x."""
+    than registers. WAIT: the kernel's PDL wait comes between the first trip's weights and its x. NGC > 0: NG known
+    at compile time (= NGC) and every trip unrolled, the same sums in the same order: a runtime loop's next-trip
+    loads are placed by ptxas at the end of the loop body, just before their use, where unrolled ones spread over
+    the trips before (as many as the register budget holds)."""
     woff, sgrp, xoff, diag, diag_b, grp = _lanes(WG)
     acc = tl.zeros([MR, 128 * WG], tl.float32)
     TRIP: tl.constexpr = 4 * WG
+    if NGC > 0:
+        for g0 in tl.static_range(0, NGC, TRIP):
+            wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, g0, NGC, woff, sgrp, grp, EVEN)
+            if g0 == 0:
+                pdl_wait(WAIT)
+            y0, y1, y2, y3, xs = _trip_x(xa_ptr, xb_ptr, has_b, g0, NGC, xoff, diag, diag_b, grp, PERM)
+            acc = _mma(wt, wb, st, sb, y0, y1, y2, y3, xs, acc, MUL)
+        return acc
     wt, wb, st, sb = _trip_w(W, Wb, S, Sb, wrow, srow, t_ok, b_ok, 0, NG, woff, sgrp, grp, EVEN)
     pdl_wait(WAIT)
     y0, y1, y2, y3, xs = _trip_x(xa_ptr, xb_ptr, has_b, 0, NG, xoff, diag, diag_b, grp, PERM)

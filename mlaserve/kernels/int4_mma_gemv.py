@@ -71,9 +71,10 @@ def _int4_mma_gemv1_kernel(
     MUL: tl.constexpr,
     NS: tl.constexpr,
     PDL: tl.constexpr,
+    NGC: tl.constexpr,
 ):
     """Hbuf[p, n] (and Hbuf[q, n] for a pair q of the same expert, _partner) for the 8 MR gate rows n of the
-    program's block (top rows) and their up rows I + n (bottom rows)."""
+    program's block (top rows) and their up rows I + n (bottom rows). NGC > 0: K's trips unrolled (_mma_dot)."""
     pdl_wait(PDL)
     pdl_release(PDL)  # only now: gemv2 reads the routing before its own wait (pdl.py)
     ROWS: tl.constexpr = 8 * MR
@@ -94,7 +95,7 @@ def _int4_mma_gemv1_kernel(
     xb = X32 + (q // TOPK).to(tl.int64) * stride_xt
     wrow, srow = n * stride_wn, n * (4 * stride_sn4)
     acc = _mma_dot(
-        W, Wb, S, Sb, wrow, srow, n < I, n < I, xa, xb, has_q, NG, MR, WG, EVEN, False, PREFETCH, False, MUL, NS
+        W, Wb, S, Sb, wrow, srow, n < I, n < I, xa, xb, has_q, NG, MR, WG, EVEN, False, PREFETCH, False, MUL, NS, NGC
     )
     gate, up = tl.split(_row_sums(acc, MR, WG))  # [MR, 8, 2]: tokens A, B
     h_a, h_b = tl.split(gate * tl.sigmoid(gate) * up)

@@ -33,15 +33,16 @@ def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
     """(gemv1, gemv2) tiles (kernels_bench's MMA sweep on an H200, docs/experiments.md). The kernels stream best
     with many small programs resident at once: 2 x 8 rows (MR 2) a program of 4 warps, capped at 64 registers so
     8 programs (32 warps) fit an SM, and all of a one-token step's gemv1 programs in one wave (Kimi-K2.5: 1024).
-    gemv1 with fewer row blocks than that (MoE-TP shards at 1-2 tokens): 8 warps over 32-group trips, the next
-    trip's words loaded before the current one's MMAs (PREFETCH). gemv2 (K = I): 2 warps over 8-group trips at one
+    gemv1 with fewer row blocks than that (MoE-TP shards at 1-2 tokens): 8 warps over 32-group trips, unrolled
+    (UNROLL), at 128 registers (two programs an SM), or 168 where the programs fit one an SM (MoE-TP8, one token):
+    ptxas then issues later trips' loads during earlier trips' MMAs. gemv2 (K = I): 2 warps over 8-group trips at one
     token a request (16 programs an SM), else 4 warps over 16-group trips, or 2 over 8 at I = 256 (one trip) with
     one 16-row block a program."""
     ng2 = I // 32
     if pairs * triton.cdiv(I, 16) >= 1024:
         c1 = dict(MR=2, WG=4, MUL=False, maxnreg=64)
     else:
-        c1 = dict(MR=2, WG=8, MUL=False, PREFETCH=True)
+        c1 = dict(MR=2, WG=8, MUL=False, UNROLL=True, maxnreg=168 if pairs * triton.cdiv(I, 16) <= 128 else 128)
     if ng2 % 16 == 0 and pairs <= 8:
         c2 = dict(MR=2, WG=2, MUL=False, maxnreg=64)
     elif ng2 % 16 == 0:  # steps of several tokens pair experts (more live registers): 72, 7 programs an SM
@@ -52,10 +53,11 @@ def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
 
 
 def mma_preferred(D: int, I: int, pairs: int) -> bool:
-    """Where the tensor-core GEMV measured faster than the FMA one (one H200, kernels_bench --only int4_moe; numbers
-    in docs/performance.md): the whole Kimi-K2.5 expert and its EP shards (I >= 1024) at every step, the MoE-TP4
-    shard (I = 512) at one token; smaller shards and TP4 steps of several tokens stay on FMAs."""
-    return I >= 1024 or (I >= 512 and pairs <= 8)
+    """Where the tensor-core GEMV measured faster than the FMA one (kernels_bench --only int4_moe and
+    benchmarks/gemv1_unroll.py; numbers in docs/performance.md): the whole Kimi-K2.5 expert and its EP shards
+    (I >= 1024) at every step, the MoE-TP4 and TP8 shards (I = 512, 256) at one token; smaller shards and the
+    shards' steps of several tokens stay on FMAs."""
+    return I >= 1024 or (I >= 256 and pairs <= 8)
 
 
 def mma_supported(x: torch.Tensor, D: int, I: int) -> bool:
@@ -73,10 +75,11 @@ def int4_gemv_mma(
     x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2, pair=True, plan_tokens=0
 ):
     """Both GEMVs into hbuf [TK, I] (bf16, pair order) and y [TK, D] (the caller checked every shape and
-    mma_supported). c1 / c2: {"MR", "WG", "PREFETCH", "MUL", "NS", "maxnreg"} and c2's "NB" (gemv1: 8 MR gate rows
-    a program, gemv2: NB blocks of 16 MR rows; WG warps; NS: cp.async stages; maxnreg: a register cap, for more
-    programs an SM). pair: the pairs of one expert two at a time (each expert's weights read once for both; steps of
-    up to PAIR_MAX pairs), decided for max(T, plan_tokens) tokens (int4_fused_experts' plan)."""
+    mma_supported). c1 / c2: {"MR", "WG", "PREFETCH", "MUL", "NS", "maxnreg"}, c1's "UNROLL" and c2's "NB" (gemv1:
+    8 MR gate rows a program, gemv2: NB blocks of 16 MR rows; WG warps; NS: cp.async stages; maxnreg: a register
+    cap, for more programs an SM; UNROLL: K's trips unrolled at compile time, int4_mma._mma_dot's NGC). pair: the pairs
+    of one expert two at a time (each expert's weights read once for both; steps of up to PAIR_MAX pairs), decided
+    for max(T, plan_tokens) tokens (int4_fused_experts' plan)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
@@ -116,6 +119,7 @@ def int4_gemv_mma(
         PREFETCH=c1.get("PREFETCH", False),
         MUL=c1.get("MUL", False),
         NS=c1.get("NS", 1),
+        NGC=ng1 if c1.get("UNROLL", False) else 0,
         num_warps=c1["WG"],
         num_stages=1,
         maxnreg=c1.get("maxnreg"),

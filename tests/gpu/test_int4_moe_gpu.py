@@ -183,3 +183,20 @@ def test_int4_moe_deterministic_mode_is_batch_invariant():
         assert torch.equal(a, b[: a.shape[0]])
     ref = int4_fused_experts_ref(x[:33].float(), *w, tw[:33], ids[:33], 96)
     kc.assert_close(outs[2], ref, BF, "int4 moe deterministic")
+
+
+@pytest.mark.parametrize("shape", ["tp4", "tp8"])
+def test_int4_moe_unrolled_gemv1_gives_the_same_bits(shape):
+    # one-token steps on the MoE-TP shards run the tensor-core gemv1 with K's trips unrolled (mma_config's UNROLL):
+    # the same sums in the same order as the runtime loop, so the same bits
+    from mlaserve.kernels.int4_moe import int4_fused_experts
+
+    D, I = SHAPES[shape]
+    w = experts(D, I, 32)
+    for _ in range(3):
+        ids, tw = routing(1, 32, 0, 32)
+        x = torch.randn(1, D, device="cuda").to(BF)
+        rolled = dict(form="gemv_mma", mma1=dict(UNROLL=False, PREFETCH=True, maxnreg=None))
+        a = int4_fused_experts(x, *w, tw, ids, config=dict(form="gemv_mma"))
+        b = int4_fused_experts(x, *w, tw, ids, config=rolled)
+        assert torch.equal(a, b), (a - b).abs().max()

@@ -110,6 +110,9 @@ def mma(kdev):
                 mma2=dict(MR=4, WG=1, PREFETCH=True),
             ),
         ),
+        # K's trips unrolled (NGC): 4 whole trips of 16 groups, then 8 warps over 20 groups (one masked trip)
+        (1, 2048, 128, 0, False, dict(mma1=dict(MR=1, WG=4, UNROLL=True))),
+        (1, 640, 256, 1, True, dict(mma1=dict(MR=2, WG=8, UNROLL=True))),
     ],
 )
 def test_gemv_mma_form(kdev, mma, T, D, I, offset, add, cfg):
@@ -150,8 +153,8 @@ def test_gemv_mma_row_blocks(kdev, mma, D, I, c2):
 
 
 def test_gemv_picks_mma_where_it_applies(kdev, mma, monkeypatch):
-    # bf16 with D, I multiples of 128 (I = 512: one token): the tensor-core GEMV; fp32, or other sizes, or I = 512
-    # at several tokens: the FMA GEMV
+    # bf16 with D, I multiples of 128 (I = 512 or 256: one token): the tensor-core GEMV; fp32, or other sizes, or
+    # I = 512 at several tokens: the FMA GEMV
     from mlaserve.kernels import int4_moe
 
     calls = []
@@ -162,7 +165,8 @@ def test_gemv_picks_mma_where_it_applies(kdev, mma, monkeypatch):
     check(kdev, torch.float32, T=1, D=128, I=512, E=4, K=2, seed=34)
     check(kdev, torch.bfloat16, T=5, D=128, I=512, E=4, K=2, seed=37)
     check(kdev, torch.bfloat16, T=1, D=256, I=128, E=4, K=2, seed=38)
-    assert calls == ["int4_gemv_mma", "int4_gemv", "int4_gemv", "int4_gemv"]
+    check(kdev, torch.bfloat16, T=1, D=128, I=256, E=4, K=2, seed=39)
+    assert calls == ["int4_gemv_mma", "int4_gemv", "int4_gemv", "int4_gemv", "int4_gemv_mma"]
     with pytest.raises(ValueError, match="gemv_mma"):
         check(kdev, torch.bfloat16, T=1, D=96, I=64, E=3, K=2, config=dict(form="gemv_mma"))
 
