@@ -15,32 +15,13 @@ import os
 
 import torch
 
+from benchmarks.bench_util import graph_us
 from mlaserve.kernels.int4_mma_gemv import _int4_mma_gemv1_kernel
 from mlaserve.kernels.int4_moe import int4_fused_experts
 from tests.helpers.int4_ref import random_int4_experts
 
 E, K, D = 384, 8, 7168
 SHAPES = {"tp2": 1024, "tp4": 512, "tp8": 256}
-
-
-def timed(fn, n=48):
-    for i in range(3):
-        fn(i)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(7):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        g.replay()
-        en.record()
-        torch.cuda.synchronize()
-        ts.append(st.elapsed_time(en) / n * 1000)
-    return sorted(ts)[3]
 
 
 def main():
@@ -85,7 +66,7 @@ def main():
                 g1(0, h, ngc, cap)
                 torch.cuda.synchronize()
                 same = bool(torch.equal(h, ref))
-                us = timed(lambda i, h=h, ngc=ngc, cap=cap: g1(i, h, ngc, cap))
+                us = graph_us(lambda i, h=h, ngc=ngc, cap=cap: g1(i, h, ngc, cap), range(48), replays=7)
                 rows.append(dict(shape=shape, part="gemv1", name=name, us=us, TBps=b1 / us / 1e6, same_bits=same))
                 print(f"{shape} r{rnd} gemv1 {name:34s} {us:7.2f} us {b1 / us / 1e6:.2f} TB/s same {same}", flush=True)
             for name, cfg in var_b:
@@ -93,7 +74,9 @@ def main():
                 torch.cuda.synchronize()
                 outs.setdefault(name, out)
                 same = bool(torch.equal(out, outs["default"]))
-                us = timed(lambda i, cfg=cfg: int4_fused_experts(x, *w, tw, ids[i % 48], 0, config=cfg))
+                us = graph_us(
+                    lambda i, cfg=cfg: int4_fused_experts(x, *w, tw, ids[i % 48], 0, config=cfg), range(48), replays=7
+                )
                 rows.append(dict(shape=shape, part="call", name=name, us=us, TBps=ball / us / 1e6, same_bits=same))
                 print(
                     f"{shape} r{rnd} call  {name:34s} {us:7.2f} us {ball / us / 1e6:.2f} TB/s same {same}", flush=True

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.bench_util import graph_us
+
 
 @triton.jit
 def _sum_kernel(X, Out, n, per_prog, BLOCK: tl.constexpr):
@@ -23,26 +25,6 @@ def _sum_kernel(X, Out, n, per_prog, BLOCK: tl.constexpr):
         idx = start + off + tl.arange(0, BLOCK)
         acc += tl.load(X + idx, mask=idx < n, other=0)
     tl.store(Out + pid, tl.sum(acc))
-
-
-def timed(fn, bufs):
-    for b in bufs[:3]:
-        fn(b)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for b in bufs:
-            fn(b)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        g.replay()
-        en.record()
-        torch.cuda.synchronize()
-        ts.append(st.elapsed_time(en) / len(bufs) * 1000)
-    return sorted(ts)[2]
 
 
 rows = []
@@ -56,10 +38,10 @@ for mb in (16.5, 33.0, 49.6, 99.0, 198.2):
         for block, warps in ((2048, 4), (4096, 8), (8192, 8)):
             per = triton.cdiv(triton.cdiv(n, progs), block) * block
             grid = (triton.cdiv(n, per),)
-            us = timed(lambda b: _sum_kernel[grid](b, out, n, per, BLOCK=block, num_warps=warps), bufs)
+            us = graph_us(lambda b: _sum_kernel[grid](b, out, n, per, BLOCK=block, num_warps=warps), bufs)
             if best is None or us < best[0]:
                 best = (us, progs, block, warps)
-    ts = timed(lambda b: b.sum(), bufs)
+    ts = graph_us(lambda b: b.sum(), bufs)
     r = dict(
         MB=mb,
         triton_us=best[0],
@@ -92,7 +74,7 @@ for progs in (264, 528, 1056, 2112):
                 per = triton.cdiv(triton.cdiv(n, progs), block) * block
                 _sum_kernel[(triton.cdiv(n, per),)](bufs[i], out, n, per, BLOCK=block, num_warps=warps)
 
-        us = timed(two, list(range(40)))
+        us = graph_us(two, list(range(40)))
         if best2 is None or us < best2[0]:
             best2 = (us, progs, block, warps)
 print(f"33.0 + 16.5 MB, two launches: {best2[0]:.2f} us, {49.5 / best2[0]:.2f} TB/s {best2[1:]}")
