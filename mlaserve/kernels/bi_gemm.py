@@ -1,12 +1,12 @@
-"""A batch-invariant GEMM for deterministic mode: y = x @ w^T (or per batch: x[b] @ w[b]^T) with one tile config for
-every M, a fixed BLOCK_K and a K split fixed by the weight's shape, so each output row is the same bit for bit
+"""A batch-invariant GEMM for deterministic mode: y = x @ w^T (or per batch: x[b] @ w[b]^T) with one BLOCK_K and one
+K split for every M, fixed by the weight's shape, so each output row is the same bit for bit
 whatever other rows share the launch (Thinking Machines' and SGLang's batch-invariant matmul; cuBLAS picks its
 kernel and split-K by M).
 
-Each program owns one [BLOCK_M, BLOCK_N] tile of one batch entry. K is cut into S chunks of CHUNK (k_splits: a
-function of B, N and K only); each chunk is walked from its start in BLOCK_K steps into an fp32 partial that starts
-at zero, and the row's result is 0 + p_0 + p_1 + ... + p_{S-1}, in that order, rounded once. Two launches compute
-exactly those operations:
+Each program owns one [BLOCK_M, BLOCK_N] tile of one batch entry (64 x 64, or 128 x 128 on large grids: the tile
+changes no bit). K is cut into S chunks of CHUNK (k_splits: a function of B, N and K only); each chunk is walked
+from its start in BLOCK_K steps into an fp32 partial that starts at zero, and the row's result is 0 + p_0 + p_1 +
+... + p_{S-1}, in that order, rounded once. Two launches compute exactly those operations:
     loop   one program per tile adds its partials as it goes (large M: enough tiles to fill the GPU)
     split  one program per (tile, chunk) writes its partial to an fp32 workspace [B, S, M, N], and a second kernel
            sums each row's partials in order (small M: a decode step's few tiles would leave most SMs idle)
@@ -23,8 +23,14 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_release, pdl_wait
 
-# the one tile config (16-bit: mma tiles; fp32, tests: IEEE FMA dots in smaller tiles)
+# the tile config that sets the K split (16-bit: mma tiles; fp32, tests: IEEE FMA dots in smaller tiles)
 TILES_16 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+# 16-bit loop-form launches of >= 128 rows whose grid of these tiles has >= LARGE_MIN_PROGRAMS programs take them: the
+# same BLOCK_K and K split, one wgmma a warpgroup over 128 columns, and the same bits (each element's sum over a
+# BLOCK_K step does not depend on the tile: tests/gpu/test_deterministic_gpu.py), 1.1-2.5x faster at prefill sizes
+# (kernels_bench --only bi_gemm; slower on grids smaller than that)
+TILES_16_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+LARGE_MIN_PROGRAMS = 44
 TILES_32 = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 # k_splits aims one M tile's (tile, chunk) programs at about two per SM of an H200 (132 SMs), each chunk at least
@@ -182,6 +188,11 @@ def bi_gemm(
     m_tiles, n_tiles = triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])
     if split is None:
         split = S > 1 and m_tiles * n_tiles * B < SPLIT_BELOW_PROGRAMS
+    big = TILES_16_LARGE
+    if tiles is None and not split and cfg is TILES_16 and M >= big["BLOCK_M"]:
+        m_big, n_big = triton.cdiv(M, big["BLOCK_M"]), triton.cdiv(N, big["BLOCK_N"])
+        if m_big * n_big * B >= LARGE_MIN_PROGRAMS:
+            cfg, m_tiles, n_tiles = big, m_big, n_big
     part = torch.empty((B, S, M, N), dtype=torch.float32, device=x.device) if split else yb
     _bi_gemm_kernel[(n_tiles, m_tiles, B * S if split else B)](
         xb,
