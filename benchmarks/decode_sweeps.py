@@ -147,24 +147,29 @@ def run_linear_decode(rep: Report, sz: Sizes):
         ws = None
 
 
-LARGER_TILES = {  # BLOCK_K 64 as TILES_16's; one wgmma shape per warpgroup (m64 x BLOCK_N)
+LARGER_TILES = {  # BLOCK_K 64 as TILES_16's; one wgmma shape per warpgroup (m64 x BLOCK_N); each forced
+    "64x64w4": None,  # TILES_16 in the loop form (the default takes TILES_16_LARGE on large grids)
     "128x64w8": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
-    "128x128w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "128x128w8": None,  # TILES_16_LARGE
 }
 
 
 def run_bi_gemm(rep: Report, sz: Sizes):
-    """Deterministic mode's dense GEMM (kernels/bi_gemm.py: one tile config at every M, a K split fixed by the
+    """Deterministic mode's dense GEMM (kernels/bi_gemm.py: one BLOCK_K and K split at every M, fixed by the
     weight's shape) against F.linear (cuBLAS) at M1's linears and decode to prefill row counts: the mode's GEMM cost
-    in the form it picks by M and in each form forced, every row checked equal to the largest M's."""
+    in the form and tile it picks by M and in each form forced, every row checked equal to the largest M's; from 256
+    rows each loop-form tile forced (LARGER_TILES), its bits checked against the 64x64 tile's."""
     import torch.nn.functional as F
 
-    from mlaserve.kernels.bi_gemm import TILES_16, bi_gemm, k_splits
+    from mlaserve.kernels.bi_gemm import TILES_16, TILES_16_LARGE, bi_gemm, k_splits
+
+    forced = {k: v or (TILES_16 if k == "64x64w4" else TILES_16_LARGE) for k, v in LARGER_TILES.items()}
 
     for N, Kd in sz.bi_gemm_shapes:
         w = (torch.randn(N, Kd, device=sz.dev) / Kd**0.5).to(BF)
         xs = torch.randn(max(sz.bi_gemm_M), Kd, device=sz.dev).to(BF)
         full = bi_gemm(xs, w)
+        full64 = bi_gemm(xs, w, tiles=TILES_16)
         S, chunk = k_splits(1, N, Kd, TILES_16)
         for M in sz.bi_gemm_M:
             x = xs[:M]
@@ -178,18 +183,18 @@ def run_bi_gemm(rep: Report, sz: Sizes):
                 nbytes, flops = (N * Kd + M * Kd + M * N) * 2, 2 * M * N * Kd
                 err = rel(fn(), ref)
                 rep.add("bi_gemm", f"[{N}, {Kd}] M={M} {name}", ms, nbytes, flops, err=err, M=M, rows_equal=same, S=S)
-            if M >= 256:  # larger loop-form tiles: faster prefill if their MMA gives the 64x64 tile's bits
-                for name, t in LARGER_TILES.items():
+            if M >= 256:  # loop-form tiles forced: faster prefill if their MMA gives the 64x64 tile's bits
+                for name, t in forced.items():
                     fn = functools.partial(bi_gemm, x, w, tiles=t)
                     ms = bench(fn, sz)
-                    eq = bool(torch.equal(fn(), full[:M]))
+                    eq = bool(torch.equal(fn(), full64[:M]))
                     nbytes, flops = (N * Kd + M * Kd + M * N) * 2, 2 * M * N * Kd
                     rep.add("bi_gemm", f"[{N}, {Kd}] M={M} bi_gemm {name}", ms, nbytes, flops, M=M, rows_equal=eq, S=S)
                     if not eq:
                         print(f"bi_gemm [{N}, {Kd}] M={M} {name}: bits differ from the 64x64 tile's")
             if not same:
                 print(f"bi_gemm [{N}, {Kd}] M={M}: rows differ from M={max(sz.bi_gemm_M)}'s")
-        w = xs = full = None
+        w = xs = full = full64 = None
 
 
 def run_gqa(rep: Report, sz: Sizes):
