@@ -97,3 +97,38 @@ def test_bad_input_names_field(kdev):
         bi_gemm(x, torch.zeros(8, 16, device=kdev), out=torch.empty(2, 9, device=kdev))
     with pytest.raises(ValueError, match="bi_gemm: tiles"):
         bi_gemm(x, torch.zeros(8, 16, device=kdev), tiles=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=4))
+
+
+def test_large_tiles_on_large_grids_keep_the_rows(kdev, monkeypatch):
+    """16-bit loop-form launches of >= 128 rows whose grid of 128x128 tiles is large enough take those tiles (the
+    bounds lowered here so a small weight reaches them), with the 64x64 tile's K split (3 chunks here): rows equal
+    to the split form's at M = 1 and to the 64x64 loop form's, every element written. The GPU suite holds the bits
+    at M1's shapes."""
+    from mlaserve.kernels import bi_gemm as bg
+
+    monkeypatch.setattr(bg, "LARGE_MIN_PROGRAMS", 2)
+    monkeypatch.setattr(bg, "SPLIT_BELOW_PROGRAMS", 4)
+    seen = []
+    launch = bg._bi_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*a, **k):
+                seen.append(k["BLOCK_M"])
+                return launch[grid](*a, **k)
+
+            return run
+
+    monkeypatch.setattr(bg, "_bi_gemm_kernel", Spy())
+    N, K, M = 256, 336, 160
+    x = torch.randn(M, K, device=kdev).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=kdev) / K**0.5).to(torch.bfloat16)
+    big = bg.bi_gemm(x, w, out=nan_like((M, N), torch.bfloat16, kdev))
+    assert seen == [128]
+    small = bg.bi_gemm(x, w, tiles=bg.TILES_16)
+    one = bg.bi_gemm(x[:1], w, split=True)
+    assert seen == [128, 64, 64]
+    assert bg.k_splits(1, N, K, bg.TILES_16)[0] == 3
+    assert torch.equal(big, small) and torch.equal(big[:1], one)
+    ref = x.float() @ w.float().t()
+    assert (big.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
