@@ -185,13 +185,15 @@ class KernelConfig:
 
     def moe_fixed_config(self) -> dict | None:
         """fused_experts' `config` in deterministic mode: the tiled GEMMs with one tile config for every step
-        (moe_config's 64-row band: BLOCK_K 64, no split-K), no per-pair blocks, no GEMV form; None otherwise."""
+        (moe_config's 64-row band: BLOCK_K 64, no split-K), no per-pair blocks, no GEMV form, except that decode-sized
+        steps on the GPU take the default 16-row tiles, which give the same bits (decode_tiles); None otherwise."""
         if not self.deterministic:
             return None
         gemm = dict(BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
         return dict(
             no_align=False,
             gemv=False,
+            decode_tiles=True,
             tma=False,
             BLOCK_M=64,
             gemm1=dict(gemm, BLOCK_N=64),

@@ -398,11 +398,12 @@ def fused_experts(
     offset + E_local + s), slot s being channels [s*I, (s+1)*I) of that MLP, read in place.
     norm = (weight [D], eps, residual [T, D]): the add + RMSNorm that follows the MoE, fused into its sum over k
     (moe_sum.py) -> (norm(out + residual), out + residual), bit-equal to add_rms_norm(out, residual, weight, eps).
-    config (benchmarks, tests): moe_config overrides, flat or
-    {"gemm1": {...}, "gemm2": {...}}, plus "no_align": bool (default: T*K <= kernels.no_align_max_pairs) and "tma":
-    bool (weight tiles by TMA; default: kernels.moe_tma, for the bf16/fp16 decode tiles, BLOCK_M 16, on sm_90+
-    where whole tiles fit), "prewait": bool (GEMM2's reads before its PDL wait; default: kernels.moe_prewait under
-    PDL with no_align; tests set it without PDL, where it only reorders the code), and "gemv": bool or moe_gemv's
+    config (benchmarks, tests): moe_config overrides, flat or {"gemm1": {...}, "gemm2": {...}}, plus "decode_tiles"
+    (deterministic mode: on the GPU in 16-bit, steps whose default tiles have 16-row blocks take those instead of
+    the overrides, the same bits), "no_align": bool (default: T*K <= kernels.no_align_max_pairs) and "tma": bool
+    (weight tiles by TMA; default: kernels.moe_tma, for the bf16/fp16 decode tiles, BLOCK_M 16, on sm_90+ where
+    whole tiles fit), "prewait": bool (GEMM2's reads before its PDL wait; default: kernels.moe_prewait under PDL
+    with no_align; tests set it without PDL, where it only reorders the code), and "gemv": bool or moe_gemv's
     {"gemv1": {...}, "gemv2": {...}} tiles (the GEMVs of moe_gemv.py instead of the tiled GEMMs, no_align steps
     only; default: kernels.moe_gemv_config()). all_local: every id names a local expert (no expert parallelism), so
     the sum over k reads no ids (moe_sum). kernels: the switches and thresholds above, and pdl (kernel_config.py)."""
@@ -432,6 +433,12 @@ def fused_experts(
     no_align, gemv = experts_form(x, K, config, kernels)  # pops config's no_align and gemv
     tma = config.pop("tma", None)
     prewait = config.pop("prewait", None)
+    if config.pop("decode_tiles", False) and x.is_cuda and x.dtype != torch.float32:
+        if moe_config(T, K, E_all, D, I, x.dtype)[0]["BLOCK_M"] == 16:
+            # deterministic mode at decode sizes: the default 16-row tiles (BLOCK_K 128, TMA where it fits). A row's
+            # sums are its k16 MMA steps chained in K order into one fp32 accumulator whatever the tile's rows,
+            # columns and BLOCK_K, and wgmma and mma.sync agree: the fixed tiles' bits (test_deterministic_gpu.py)
+            config, tma = {}, None
     if gemv:
         if not no_align:
             raise ValueError(f"gemv: the GEMV form serves per-pair blocks only (no_align; T*K={TK})")

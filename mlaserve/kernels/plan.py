@@ -93,6 +93,7 @@ def reduction_plan(
     k_all = top_k + (n_shared if fuse else 0)
     no_align, gemv = experts_form(x, k_all, config, kernels)
     config.pop("tma", None)  # TMA tiles are bit-equal to the pointer loads (docs/kernels.md): stages only
+    config.pop("decode_tiles", None)  # deterministic mode's decode tiles are bit-equal to its fixed ones
     c1, c2 = moe_config(T, k_all, e_all, hidden, moe_inter, dtype, **config)
     plan["moe_form"] = "gemv" if gemv else "per_pair" if no_align else "aligned"
     plan["moe_tiles"] = None if gemv else (tuple(sorted(c1.items())), tuple(sorted(c2.items())))
