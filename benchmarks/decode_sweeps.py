@@ -147,23 +147,28 @@ def run_linear_decode(rep: Report, sz: Sizes):
         ws = None
 
 
-LARGER_TILES = {  # BLOCK_K 64 as TILES_16's; one wgmma shape per warpgroup (m64 x BLOCK_N); each forced
-    "64x64w4": None,  # TILES_16 in the loop form (the default takes TILES_16_LARGE on large grids)
-    "128x64w8": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
-    "128x128w8": None,  # TILES_16_LARGE
-}
+def loop_tiles() -> dict:
+    """bi_gemm's loop-form tiles kernels_bench forces (BLOCK_K 64 as TILES_16's; one wgmma shape per warpgroup, m64
+    x BLOCK_N): the 64x64 tile, the 128x128 one the default takes on large grids, and 128x64 between them."""
+    from mlaserve.kernels.bi_gemm import TILES_16, TILES_16_LARGE
+
+    return {
+        "64x64w4": TILES_16,
+        "128x64w8": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
+        "128x128w8": TILES_16_LARGE,
+    }
 
 
 def run_bi_gemm(rep: Report, sz: Sizes):
     """Deterministic mode's dense GEMM (kernels/bi_gemm.py: one BLOCK_K and K split at every M, fixed by the
     weight's shape) against F.linear (cuBLAS) at M1's linears and decode to prefill row counts: the mode's GEMM cost
     in the form and tile it picks by M and in each form forced, every row checked equal to the largest M's; from 256
-    rows each loop-form tile forced (LARGER_TILES), its bits checked against the 64x64 tile's."""
+    rows each loop-form tile forced (loop_tiles), its bits checked against the 64x64 tile's."""
     import torch.nn.functional as F
 
-    from mlaserve.kernels.bi_gemm import TILES_16, TILES_16_LARGE, bi_gemm, k_splits
+    from mlaserve.kernels.bi_gemm import TILES_16, bi_gemm, k_splits
 
-    forced = {k: v or (TILES_16 if k == "64x64w4" else TILES_16_LARGE) for k, v in LARGER_TILES.items()}
+    forced = loop_tiles()
 
     for N, Kd in sz.bi_gemm_shapes:
         w = (torch.randn(N, Kd, device=sz.dev) / Kd**0.5).to(BF)
