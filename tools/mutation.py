@@ -79,6 +79,10 @@ MODULES = {
         "tests/server/test_tools_reasoning.py",
     ],
     "bench/compare.py": ["tests/bench/test_compare.py"],
+    "kernel_config.py": [  # the switches, thresholds and their checks; the environment; deterministic mode's pins
+        "tests/unit/test_kernel_config.py",
+        "tests/unit/test_deterministic_flag.py",
+    ],
     "detokenizer.py": ["tests/unit/test_detokenizer.py"],
     "server/serving.py": [  # its steps alone, then the HTTP tests: refusals, sampling fields, streams, a failed step
         "tests/server/test_serving_body.py",

@@ -184,3 +184,111 @@ def test_the_engine_applies_the_edge(tiny_ckpt, tmp_path):
     assert eng.cfg.kernels.fp8_a8_min_tokens == 512 and eng.runner.kernels.fp8_a8_min_tokens == 512
     plain = LLMEngine(EngineConfig(model=tiny_ckpt, device="cpu", max_num_seqs=128))
     assert plain.runner.kernels.fp8_a8_min_tokens == KernelConfig.fp8_a8_min_tokens
+
+
+def test_from_env_reads_every_switch_and_refuses_bad_tiles():
+    assert KernelConfig.from_env({"MLASERVE_FP8_KV_B_A8": "0"}).fp8_kv_b_a8 is False
+    assert KernelConfig.from_env({"MLASERVE_FP8_KV_B_A8": "1"}).fp8_kv_b_a8 is True
+    for bad in ("2:x:8:1", "2:4:8", ":::"):
+        with pytest.raises(ValueError, match=f'MLASERVE_MOE_GEMV: must be "0", "1" or "n1:w1:n2:w2" .* got {bad!r}'):
+            KernelConfig.from_env({"MLASERVE_MOE_GEMV": bad})
+    on = KernelConfig.from_env({"MLASERVE_MOE_GEMV": "1"})
+    assert on.moe_gemv and on.moe_gemv_tiles is None and on.moe_gemv_config() is True
+    tiles = KernelConfig(moe_gemv_tiles=(2, 4, 8, 1)).moe_gemv_config()
+    assert tiles == {"gemv1": {"BLOCK_N": 2, "num_warps": 4}, "gemv2": {"BLOCK_N": 8, "num_warps": 1}}
+    assert KernelConfig(moe_gemv=False, moe_gemv_tiles=(2, 4, 8, 1)).moe_gemv_config() is False
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("gemv_serve_tokens", -1, "kernels.gemv_serve_tokens: must be an integer >= 0, got -1"),
+        ("gemv_serve_tokens", 1.5, "kernels.gemv_serve_tokens: must be an integer >= 0, got 1.5"),
+        ("gemv_serve_tokens", True, "kernels.gemv_serve_tokens: must be an integer >= 0, got True"),
+        ("moe_a2a_min_tokens", -1, "kernels.moe_a2a_min_tokens: must be an integer >= 0, got -1"),
+        ("mla_num_splits", -2, "kernels.mla_num_splits: must be an integer >= 0, got -2"),
+        ("mla_num_splits", 0, "kernels.mla_num_splits: must be an integer >= 1 (or None), got 0"),
+        ("mla_split_tokens", -1, "kernels.mla_split_tokens: must be an integer >= 0, got -1"),
+        ("mla_split_tokens", 2.0, "kernels.mla_split_tokens: must be an integer >= 0, got 2.0"),
+        ("int4_gemv_sharing", True, "kernels.int4_gemv_sharing: must be a number > 0, got True"),
+        ("int4_gemv_sharing", 0, "kernels.int4_gemv_sharing: must be a number > 0, got 0"),
+        ("int4_gemv_sharing", -1.5, "kernels.int4_gemv_sharing: must be a number > 0, got -1.5"),
+        ("int4_gemv_sharing", "3", "kernels.int4_gemv_sharing: must be a number > 0, got '3'"),
+        (
+            "allreduce",
+            "ring",
+            "kernels.allreduce (MLASERVE_ALLREDUCE): must be one of auto, nccl, one_shot, two_shot, got 'ring'",
+        ),
+        (
+            "moe_gemv_tiles",
+            (1, 2, 3),
+            "kernels.moe_gemv_tiles: must be 4 positive integers (n1, w1, n2, w2), got (1, 2, 3)",
+        ),
+        (
+            "moe_gemv_tiles",
+            (1, 2, 3, 0),
+            "kernels.moe_gemv_tiles: must be 4 positive integers (n1, w1, n2, w2), got (1, 2, 3, 0)",
+        ),
+        (
+            "moe_gemv_tiles",
+            (1, 2, 3, 4.0),
+            "kernels.moe_gemv_tiles: must be 4 positive integers (n1, w1, n2, w2), got (1, 2, 3, 4.0)",
+        ),
+    ],
+)
+def test_bad_values_name_the_field_the_rule_and_the_value(field, value, message):
+    with pytest.raises(ValueError) as err:
+        KernelConfig(**{field: value})
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("mla_num_splits", 1),
+        ("moe_a2a_min_tokens", 0),
+        ("mla_split_tokens", 0),
+        ("int4_gemv_sharing", 0.5),
+        ("int4_gemv_sharing", 2),
+        ("moe_gemv_tiles", (1, 1, 1, 1)),
+        ("allreduce", "two_shot"),
+    ],
+)
+def test_edge_values_are_accepted(field, value):
+    assert getattr(KernelConfig(**{field: value}), field) == value
+
+
+def test_deterministic_mode_passes_its_fixed_tiles_and_cut():
+    """What the mode hands the kernels (docs/kernels.md, "Deterministic mode"): the MoE's 64-row band with BLOCK_K 64
+    (its decode steps on the GPU take the bit-equal default tiles), the INT4 GEMM's one tile, MLA decode's 32 splits
+    of >= 64 tokens by pointer loads; off, none of them."""
+    k = KernelConfig().batch_invariant()
+    gemm = dict(BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    assert k.moe_fixed_config() == dict(
+        no_align=False,
+        gemv=False,
+        decode_tiles=True,
+        tma=False,
+        BLOCK_M=64,
+        gemm1=dict(gemm, BLOCK_N=64),
+        gemm2=dict(gemm, BLOCK_N=128),
+    )
+    assert k.int4_fixed_config() == dict(
+        BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True
+    )
+    assert KernelConfig().int4_fixed_config() is None
+    assert k.mla_decode_args() == (32, {"TMA": False, "FEW": False, "MIN_SPLIT_TOKENS": 64})
+    assert KernelConfig(mla_num_splits=8).mla_decode_args() == (8, {"TMA": False, "FEW": False})
+    assert KernelConfig().mla_decode_args() == (None, None)
+
+
+def test_deterministic_summary_lists_pins_and_gaps():
+    from mlaserve.kernel_config import DETERMINISTIC_PINS, NOT_YET_INVARIANT
+
+    k = KernelConfig().batch_invariant()
+    pins = ", ".join(f"{name}={getattr(k, name)}" for name in DETERMINISTIC_PINS)
+    assert k.deterministic_summary() == (
+        f"deterministic inference: pinned {pins}; MoE tiles {k.moe_fixed_config()}; "
+        f"not yet batch-invariant: {'; '.join(NOT_YET_INVARIANT)}"
+    )
+    assert "gemv_serve_tokens=0, head_gemv_max_tokens=0, " in k.deterministic_summary()
