@@ -230,6 +230,16 @@ def graph_us(fn, items, replays: int = 5) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def save_json(name: str, rows: list) -> str:
+    """$OUT/<name> (default out/): {"gpu": the device's name, "rows": rows}; returns the path."""
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    return path
+
+
 def cfg_label(cfg: dict) -> str:
     """ "BLOCK_N": 32, "num_warps": 4, "PARTIAL_DTYPE": torch.bfloat16 -> "N32 w4 PARTIAL_DTYPEbfloat16"."""
     short = {"BLOCK_M": "M", "BLOCK_N": "N", "BLOCK_K": "K", "num_warps": "w", "num_stages": "s"}

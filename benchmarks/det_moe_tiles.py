@@ -6,12 +6,9 @@ default kernels' (the grouped GEMV). A CUDA graph of calls over rotating routing
     PYTHONPATH=$PWD python benchmarks/det_moe_tiles.py      # JSON to $OUT/det_moe_tiles.json
 """
 
-import json
-import os
-
 import torch
 
-from benchmarks.bench_util import graph_us
+from benchmarks.bench_util import graph_us, save_json
 from mlaserve.kernel_config import KernelConfig
 from mlaserve.kernels.fused_moe import fused_experts
 
@@ -69,12 +66,7 @@ def main():
     }
     rows.append(dict(variant="default kernels", us=times))
     print(f"{'default kernels (grouped GEMV)':44s} T=1 {times[1]:6.1f} us  T=8 {times[8]:6.1f} us", flush=True)
-    os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
-    json.dump(
-        dict(gpu=torch.cuda.get_device_name(), rows=rows),
-        open(os.path.join(os.environ.get("OUT", "out"), "det_moe_tiles.json"), "w"),
-        indent=1,
-    )
+    save_json("det_moe_tiles.json", rows)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,9 @@ budget, rounds alternating; "same": the output equals the default's bit for bit.
     PYTHONPATH=$PWD python benchmarks/gemv1_unroll.py      # JSON to $OUT/gemv1_unroll.json
 """
 
-import json
-import os
-
 import torch
 
-from benchmarks.bench_util import graph_us
+from benchmarks.bench_util import graph_us, save_json
 from mlaserve.kernels.int4_mma_gemv import _int4_mma_gemv1_kernel
 from mlaserve.kernels.int4_moe import int4_fused_experts
 from tests.helpers.int4_ref import random_int4_experts
@@ -81,12 +78,7 @@ def main():
                 print(
                     f"{shape} r{rnd} call  {name:34s} {us:7.2f} us {ball / us / 1e6:.2f} TB/s same {same}", flush=True
                 )
-    os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
-    json.dump(
-        dict(gpu=torch.cuda.get_device_name(), rows=rows),
-        open(os.path.join(os.environ.get("OUT", "out"), "gemv1_unroll.json"), "w"),
-        indent=1,
-    )
+    save_json("gemv1_unroll.json", rows)
 
 
 if __name__ == "__main__":
