@@ -33,16 +33,17 @@ def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
     """(gemv1, gemv2) tiles (kernels_bench's MMA sweep on an H200, docs/experiments.md). The kernels stream best
     with many small programs resident at once: 2 x 8 rows (MR 2) a program of 4 warps, capped at 64 registers so
     8 programs (32 warps) fit an SM, and all of a one-token step's gemv1 programs in one wave (Kimi-K2.5: 1024).
-    gemv1 with fewer row blocks than that (MoE-TP shards at 1-2 tokens): 8 warps over 32-group trips, unrolled
-    (UNROLL), at 128 registers (two programs an SM), or 168 where the programs fit one an SM (MoE-TP8, one token):
-    ptxas then issues later trips' loads during earlier trips' MMAs. gemv2 (K = I): 2 warps over 8-group trips at one
+    gemv1 with fewer row blocks than that (MoE-TP shards at 1-2 tokens): 8 gate rows a program (MR 1), 8 warps
+    over 32-group trips, unrolled (UNROLL), at 128 registers (two programs an SM): ptxas then issues later trips'
+    loads during earlier trips' MMAs, and the smaller programs beat MR 2 (at 168 registers too, MoE-TP8) by 2-6 %
+    (benchmarks/gemv1_tiles.py). gemv2 (K = I): 2 warps over 8-group trips at one
     token a request (16 programs an SM), else 4 warps over 16-group trips, or 2 over 8 at I = 256 (one trip) with
     one 16-row block a program."""
     ng2 = I // 32
     if pairs * triton.cdiv(I, 16) >= 1024:
         c1 = dict(MR=2, WG=4, MUL=False, maxnreg=64)
     else:
-        c1 = dict(MR=2, WG=8, MUL=False, UNROLL=True, maxnreg=168 if pairs * triton.cdiv(I, 16) <= 128 else 128)
+        c1 = dict(MR=1, WG=8, MUL=False, UNROLL=True, maxnreg=128)
     if ng2 % 16 == 0 and pairs <= 8:
         c2 = dict(MR=2, WG=2, MUL=False, maxnreg=64)
     elif ng2 % 16 == 0:  # steps of several tokens pair experts (more live registers): 72, 7 programs an SM

@@ -188,7 +188,7 @@ def test_int4_moe_deterministic_mode_is_batch_invariant():
 @pytest.mark.parametrize("shape", ["tp4", "tp8"])
 def test_int4_moe_unrolled_gemv1_gives_the_same_bits(shape):
     # one-token steps on the MoE-TP shards run the tensor-core gemv1 with K's trips unrolled (mma_config's UNROLL):
-    # the same sums in the same order as the runtime loop, so the same bits
+    # the same sums in the same order as the runtime loop, so the same bits; and as programs of 2 x 8 gate rows
     from mlaserve.kernels.int4_moe import int4_fused_experts
 
     D, I = SHAPES[shape]
@@ -200,3 +200,6 @@ def test_int4_moe_unrolled_gemv1_gives_the_same_bits(shape):
         a = int4_fused_experts(x, *w, tw, ids, config=dict(form="gemv_mma"))
         b = int4_fused_experts(x, *w, tw, ids, config=rolled)
         assert torch.equal(a, b), (a - b).abs().max()
+        mr2 = dict(form="gemv_mma", mma1=dict(MR=2, WG=8, UNROLL=True, maxnreg=128))
+        c = int4_fused_experts(x, *w, tw, ids, config=mr2)
+        assert torch.equal(a, c), (a - c).abs().max()
