@@ -33,6 +33,7 @@ GEMV2 = [dict(MR=1, WG=2, maxnreg=64), dict(MR=1, WG=4, maxnreg=64)]
 
 def calls():
     """(label, config) of every timed call: each gemv1 variant with the default gemv2, then GEMV2's tiles."""
+
     def c1(mr, wg, cap, unroll=True):
         return dict(MR=mr, WG=wg, maxnreg=cap, UNROLL=unroll)
 
@@ -72,7 +73,7 @@ def compile_only():
 
         w = (cc.big(E, 2 * I, D // 8, dtype=torch.int32), cc.big(E, 2 * I, D // 32))
         w = (*w, cc.big(E, D, I // 8, dtype=torch.int32), cc.big(E, D, I // 32))
-        for lab, cfg in calls()[len(VARIANTS):]:
+        for lab, cfg in calls()[len(VARIANTS) :]:
             cc.RESULTS.clear()
             x = torch.empty(1, D, dtype=torch.bfloat16)
             int4_fused_experts(x, *w, torch.empty(1, K), torch.zeros(1, K, dtype=torch.int64), 0, config=cfg)
@@ -105,7 +106,9 @@ def main():
                 launch(x32, w13, s13, h, ids[0], I, mr, wg, cap)
                 torch.cuda.synchronize()
                 same = bool(torch.equal(h, ref))
-                us = graph_us(lambda i, h=h, v=(mr, wg, cap): launch(x32, w13, s13, h, ids[i % 48], I, *v), range(48), 7)
+                us = graph_us(
+                    lambda i, h=h, v=(mr, wg, cap): launch(x32, w13, s13, h, ids[i % 48], I, *v), range(48), 7
+                )
                 a.setdefault((mr, wg, cap), []).append(us)
                 rows.append(dict(shape=shape, part="gemv1", MR=mr, WG=wg, maxnreg=cap, us=us, TBps=b1 / us / 1e6,
                                  same_bits=same))  # fmt: skip
@@ -117,7 +120,9 @@ def main():
                 torch.cuda.synchronize()
                 ref_out = outs.setdefault("default", out)
                 same = bool(torch.equal(out, ref_out))
-                us = graph_us(lambda i, cfg=cfg: int4_fused_experts(x, *w, tw, ids[i % 48], 0, config=cfg), range(48), 7)
+                us = graph_us(
+                    lambda i, cfg=cfg: int4_fused_experts(x, *w, tw, ids[i % 48], 0, config=cfg), range(48), 7
+                )
                 rows.append(dict(shape=shape, part="call", variant=lab, us=us, TBps=ball / us / 1e6, same_bits=same))
                 print(f"{shape} r{rnd} call  {lab}: {us:7.2f} us {ball / us / 1e6:.2f} TB/s same {same}")
     save_json("gemv1_tiles.json", rows)
