@@ -84,6 +84,10 @@ MODULES = {
         "tests/unit/test_deterministic_flag.py",
     ],
     "detokenizer.py": ["tests/unit/test_detokenizer.py"],
+    "quantization.py": [  # the published forms parsed, every refusal's field and value, which linears are quantized
+        "tests/unit/test_quant_config.py",
+        "tests/unit/test_quant_checkpoint_errors.py",
+    ],
     "server/serving.py": [  # its steps alone, then the HTTP tests: refusals, sampling fields, streams, a failed step
         "tests/server/test_serving_body.py",
         "tests/server/test_serving_steps.py",
