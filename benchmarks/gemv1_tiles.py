@@ -39,6 +39,9 @@ def calls():
 
     out = [(f"MR{mr} WG{wg} cap{cap}", dict(form="gemv_mma", mma1=c1(mr, wg, cap))) for mr, wg, cap in VARIANTS]
     out.append(("MR1 WG8 cap64, runtime loop", dict(form="gemv_mma", mma1=c1(1, 8, 64, False))))
+    for ns in (2, 3, 4):  # the runtime loop with cp.async stages (shared memory) ahead
+        out.append((f"MR1 WG8 cap128, loop NS{ns}", dict(form="gemv_mma", mma1=dict(c1(1, 8, 128, False), NS=ns))))
+    out.append(("MR1 WG8 cap128, loop PREFETCH", dict(form="gemv_mma", mma1=dict(c1(1, 8, 128, False), PREFETCH=True))))
     for c2 in GEMV2:
         lab = "gemv2 " + " ".join(f"{k}{v}" for k, v in c2.items())
         out.append((f"MR1 WG8 cap64, {lab}", dict(form="gemv_mma", mma1=c1(1, 8, 64), mma2=c2)))
@@ -77,7 +80,7 @@ def compile_only():
             cc.RESULTS.clear()
             x = torch.empty(1, D, dtype=torch.bfloat16)
             int4_fused_experts(x, *w, torch.empty(1, K), torch.zeros(1, K, dtype=torch.int64), 0, config=cfg)
-            print(shape, lab, [(r["name"], r["regs"], r["spills"]) for r in cc.RESULTS], flush=True)
+            print(shape, lab, [(r["name"], r["regs"], r["spills"], r["pipe"], r["shared"]) for r in cc.RESULTS], flush=True)
 
 
 def main():
