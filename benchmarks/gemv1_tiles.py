@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-E, K, D = 384, 8, 7168
+from benchmarks.gemv1_unroll import D, E, K, shard_inputs
+
 SHAPES = {"tp4": 512, "tp2": 1024, "tp8": 256}
 # (MR, WG, maxnreg) of gemv1: the tiles before (TP2 / TP4; TP8's are the second), the default, others
 VARIANTS = [
@@ -80,25 +81,23 @@ def compile_only():
             cc.RESULTS.clear()
             x = torch.empty(1, D, dtype=torch.bfloat16)
             int4_fused_experts(x, *w, torch.empty(1, K), torch.zeros(1, K, dtype=torch.int64), 0, config=cfg)
-            print(shape, lab, [(r["name"], r["regs"], r["spills"], r["pipe"], r["shared"]) for r in cc.RESULTS], flush=True)
+            print(
+                shape,
+                lab,
+                [(r["name"], r["regs"], r["spills"], r["pipe"], r["shared"]) for r in cc.RESULTS],
+                flush=True,
+            )
 
 
 def main():
     from benchmarks.bench_util import graph_us, save_json
     from mlaserve.kernels.int4_moe import int4_fused_experts
-    from tests.helpers.int4_ref import random_int4_experts
 
     dev = "cuda"
     rows = []
     for shape, I in SHAPES.items():
-        torch.manual_seed(0)
-        w = random_int4_experts(E, D, I, dev)
+        w, b1, ball, ids, x, tw = shard_inputs(I, dev)
         w13, s13 = w[0], w[1]
-        b1 = (w13[0].numel() * 4 + s13[0].numel() * 2) * K
-        ball = sum(t[0].numel() * t.element_size() for t in w) * K
-        ids = [torch.randperm(E, device=dev)[:K].view(1, K) for _ in range(48)]
-        x = torch.randn(1, D, device=dev).to(torch.bfloat16)
-        tw = torch.rand(1, K, device=dev)
         x32 = x.view(torch.int32)
         ref = torch.full((K, I), float("nan"), dtype=torch.bfloat16, device=dev)
         launch(x32, w13, s13, ref, ids[0], I, *VARIANTS[0])

@@ -21,18 +21,25 @@ E, K, D = 384, 8, 7168
 SHAPES = {"tp2": 1024, "tp4": 512, "tp8": 256}
 
 
+def shard_inputs(I: int, dev):
+    """A one-token step on a shard of intermediate size I, seeded: the experts (random_int4_experts), the bytes
+    gemv1 and the whole call read, 48 routings (8 of the 384 experts each), x [1, D] bf16 and its top-k weights."""
+    torch.manual_seed(0)
+    w = random_int4_experts(E, D, I, dev)
+    w13, s13 = w[0], w[1]
+    b1 = (w13[0].numel() * 4 + s13[0].numel() * 2) * K
+    ball = sum(t[0].numel() * t.element_size() for t in w) * K
+    ids = [torch.randperm(E, device=dev)[:K].view(1, K) for _ in range(48)]
+    x = torch.randn(1, D, device=dev).to(torch.bfloat16)
+    return w, b1, ball, ids, x, torch.rand(1, K, device=dev)
+
+
 def main():
     dev = "cuda"
     rows = []
     for shape, I in SHAPES.items():
-        torch.manual_seed(0)
-        w = random_int4_experts(E, D, I, dev)
+        w, b1, ball, ids, x, tw = shard_inputs(I, dev)
         w13, s13 = w[0], w[1]
-        b1 = (w13[0].numel() * 4 + s13[0].numel() * 2) * K
-        ball = sum(t[0].numel() * t.element_size() for t in w) * K
-        ids = [torch.randperm(E, device=dev)[:K].view(1, K) for _ in range(48)]
-        x = torch.randn(1, D, device=dev).to(torch.bfloat16)
-        tw = torch.rand(1, K, device=dev)
         x32 = x.view(torch.int32)
         ng = D // 32
 
