@@ -1,6 +1,6 @@
 """Deterministic mode (`--deterministic-inference`) on the GPU: its kernels compute each row the same bit for bit
-whatever shares the launch (bi_gemm, MLA decode with the fixed cut, the fused MoE with fixed tiles, at M1's shapes),
-and on M1 (random bf16, dummy weights) each of 8 prompts of 5 to 6,000 tokens (and a ninth whose last token is a
+whatever shares the launch (bi_gemm, MLA decode with the fixed cut, the fused MoE with fixed tiles, at M1's,
+DeepSeek-V3's and Kimi-K2.5's shapes), and on M1 (random bf16, dummy weights) each of 8 prompts of 5 to 6,000 tokens (and a ninth whose last token is a
 prefill chunk of its own when it runs alone) gives the same 256 greedy tokens alone, all together, inside a batch of
 32 mixed prompts, after a prefix-cache hit and through EAGLE3 (a REPLAY draft at 0.7 acceptance, K = 1 and 2):
 issue #34's must-show. TP is not covered yet (NOT_YET_INVARIANT)."""
@@ -20,9 +20,16 @@ def _det():
     return KernelConfig().batch_invariant()
 
 
-@pytest.mark.parametrize("N,K", [(3648, 2048), (2048, 2048), (22528, 2048), (2048, 11264), (163840, 2048)])
+# M1's q|kv_a, o_proj, dense gate|up and down, lm_head; DeepSeek-V3's q_a|kv_a, o_proj, dense gate|up and down;
+# Kimi-K2.5's o_proj, shared expert gate|up and down, lm_head
+BI_GEMM_SHAPES = [(3648, 2048), (2048, 2048), (22528, 2048), (2048, 11264), (163840, 2048)]
+BI_GEMM_SHAPES += [(2112, 7168), (7168, 16384), (36864, 7168), (7168, 18432)]
+BI_GEMM_SHAPES += [(7168, 8192), (4096, 7168), (7168, 2048), (163840, 7168)]
+
+
+@pytest.mark.parametrize("N,K", BI_GEMM_SHAPES)
 def test_bi_gemm_rows_bitwise_across_m(gpu_seed, N, K):
-    """M1's q|kv_a, o_proj, dense gate|up and down, lm_head: rows equal at M = 1 .. 4096; close to fp32."""
+    """Rows equal at M = 1 .. 4096 (so a row's bits do not depend on what shares the launch); close to fp32."""
     from mlaserve.kernels.bi_gemm import bi_gemm
 
     Ms = (1, 2, 3, 17, 64, 200, 1000, 4096)
@@ -39,11 +46,13 @@ def test_bi_gemm_rows_bitwise_across_m(gpu_seed, N, K):
     assert torch.equal(logits, bi_gemm(x[:300], w, out_dtype=torch.float32)[:5])
 
 
-def test_bi_gemm_batched_heads_across_t(gpu_seed):
-    """The absorbed projections' form at M1's 16 heads: [T, H, 128] @ [H, 128, 512] and back, T = 1 .. 512."""
+@pytest.mark.parametrize("H", [16, 64, 128])
+def test_bi_gemm_batched_heads_across_t(gpu_seed, H):
+    """The absorbed projections' form at M1's 16, Kimi-K2.5's 64 and DeepSeek-V3's 128 heads: [T, H, 128] @
+    [H, 128, 512] and back, T = 1 .. 512."""
     from mlaserve.kernels.bi_gemm import bi_gemm
 
-    H, N, R = 16, 128, 512
+    N, R = 128, 512
     w_kc = (torch.randn(H, N, R, device=DEV) / N**0.5).to(torch.bfloat16)
     q = torch.randn(512, H, N, device=DEV, dtype=torch.bfloat16)
     full = torch.empty(512, H, R, device=DEV, dtype=torch.bfloat16)
@@ -54,12 +63,13 @@ def test_bi_gemm_batched_heads_across_t(gpu_seed):
         assert torch.equal(out, full[:T]), T
 
 
-def test_mla_decode_rows_bitwise_across_batches(gpu_seed):
+@pytest.mark.parametrize("H", [16, 64, 128])
+def test_mla_decode_rows_bitwise_across_batches(gpu_seed, H):
     from mlaserve.kernels.mla_decode import mla_decode
     from tests.helpers.kernel_checks import make_paged
 
     splits, cfg = _det().mla_decode_args()
-    H, R, P = 16, 512, 64
+    R, P = 512, 64
     rng = random.Random(torch.initial_seed())
     ctx = [rng.randrange(5, 6000) for _ in range(64)] + [16448]
     kv, table, lens = make_paged(ctx, 64, R + P, torch.bfloat16, DEV)
@@ -76,15 +86,17 @@ def test_mla_decode_rows_bitwise_across_batches(gpu_seed):
             assert torch.equal(got[i], every[r]), (rows, r, ctx[r])
 
 
-def test_fused_moe_fixed_tiles_rows_bitwise_across_t(gpu_seed):
-    """Moonlight's MoE (64 experts, top-6, D 2048, I 1408): rows equal at T = 1 .. 1024."""
+@pytest.mark.parametrize("E,D,I,K", [(64, 2048, 1408, 6), (128, 7168, 2048, 8)])
+def test_fused_moe_fixed_tiles_rows_bitwise_across_t(gpu_seed, E, D, I, K):
+    """Moonlight's MoE (64 experts, top-6, D 2048, I 1408) and 128 experts of Kimi-K2.5's / DeepSeek-V3's shape
+    (top-8, D 7168, I 2048; 384 and 256 in the models): rows equal at T = 1 .. 1024."""
     from mlaserve.kernels.fused_moe import fused_experts
 
     k = _det()
-    E, D, I, K, T = 64, 2048, 1408, 6, 1024
+    T = 1024
     x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
-    w13 = (torch.randn(E, 2 * I, D, device=DEV) / D**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, D, I, device=DEV) / I**0.5).to(torch.bfloat16)
+    w13 = torch.empty(E, 2 * I, D, device=DEV, dtype=torch.bfloat16).normal_().mul_(D**-0.5)
+    w2 = torch.empty(E, D, I, device=DEV, dtype=torch.bfloat16).normal_().mul_(I**-0.5)
     ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(T)])
     wts = torch.rand(T, K, device=DEV)
     full = fused_experts(x, w13, w2, wts, ids, config=k.moe_fixed_config(), kernels=k)
