@@ -84,6 +84,7 @@ MODULES = {
         "tests/unit/test_deterministic_flag.py",
     ],
     "detokenizer.py": ["tests/unit/test_detokenizer.py"],
+    "layers/quant.py": ["tests/unit/test_int4_pack.py", "tests/unit/test_quant_formats.py"],  # the formats' maths
     "quantization.py": [  # the published forms parsed, every refusal's field and value, which linears are quantized
         "tests/unit/test_quant_config.py",
         "tests/unit/test_quant_checkpoint_errors.py",

@@ -22,6 +22,36 @@ def test_unpack_matches_per_element_decode():
         for c in range(32):
             assert nib[r, c].item() == decode_one(packed[r, c // 8].item(), c), (r, c)
     assert nib[0, :8].tolist() == [15] * 8 and nib[0, 8:16].tolist() == [0] * 7 + [8]
+    assert int4_ref.unpack_int4(packed, 32).dtype == torch.int8
+
+
+def test_a_row_narrower_than_its_words_drops_the_padding_nibbles():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-8, 8, (3, 24), generator=g)
+    packed, scale = int4_ref.pack_int4(q), torch.rand(3, 1, generator=g).to(torch.bfloat16)
+    assert torch.equal(int4_ref.unpack_int4(packed, 20), q[:, :20].to(torch.int8))
+    assert torch.equal(int4_ref.dequant_int4(packed, scale, 20), q[:, :20].float() * scale.float())
+
+
+def test_bad_inputs_are_refused_with_the_rule():
+    r = int4_ref
+    with pytest.raises(ValueError) as e:
+        r.unpack_int4(torch.zeros(2, 4, dtype=torch.int64), 32)
+    assert str(e.value) == "packed weights must be int32, got torch.int64"
+    with pytest.raises(ValueError) as e:
+        r.pack_int4(torch.zeros(2, 5, 12, dtype=torch.int64))
+    assert str(e.value) == "pack_int4: in_features=12 must be a multiple of 8"
+    for bad in (8, -9):
+        q = torch.zeros(2, 16, dtype=torch.int64)
+        q[1, 3] = bad
+        with pytest.raises(ValueError) as e:
+            r.pack_int4(q)
+        assert str(e.value) == "pack_int4: values must lie in [-8, 7]"
+    edges = torch.tensor([[-8, 7] * 4])
+    assert torch.equal(r.unpack_int4(r.pack_int4(edges), 8).long(), edges)
+    with pytest.raises(ValueError) as e:
+        r.quantize_int4(torch.zeros(2, 5, 48))
+    assert str(e.value) == "quantize_int4: in_features=48 must be a multiple of 32"
 
 
 def test_pack_is_unpacks_inverse_and_dequant_rule():
@@ -43,6 +73,7 @@ def test_quantize_round_trip_within_half_a_step():
     packed, scale = r.quantize_int4(w)
     got = r.dequant_int4(packed, scale, 96)
     assert torch.equal(got[0, :32], torch.zeros(32))
+    assert scale[0, 0] == 0 and torch.equal(r.unpack_int4(packed, 96)[0, :32], torch.zeros(32, dtype=torch.int8))
     assert ((got - w).abs() <= scale.float().repeat_interleave(32, -1) / 2 + 1e-6).all()
 
 
