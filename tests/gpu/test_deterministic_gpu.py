@@ -1,9 +1,9 @@
 """Deterministic mode (`--deterministic-inference`) on the GPU: its kernels compute each row the same bit for bit
 whatever shares the launch (bi_gemm, MLA decode with the fixed cut, the fused MoE with fixed tiles, at M1's,
-DeepSeek-V3's and Kimi-K2.5's shapes), and on M1 (random bf16, dummy weights) each of 8 prompts of 5 to 6,000 tokens (and a ninth whose last token is a
-prefill chunk of its own when it runs alone) gives the same 256 greedy tokens alone, all together, inside a batch of
-32 mixed prompts, after a prefix-cache hit and through EAGLE3 (a REPLAY draft at 0.7 acceptance, K = 1 and 2):
-issue #34's must-show. TP is not covered yet (NOT_YET_INVARIANT)."""
+DeepSeek-V3's and Kimi-K2.5's shapes), and on M1 (random bf16, dummy weights) each of 8 prompts of 5 to 6,000
+tokens (and a ninth whose last token is a prefill chunk of its own when it runs alone) gives the same 256 greedy
+tokens alone, all together, inside a batch of 32 mixed prompts, after a prefix-cache hit and through EAGLE3 (a
+REPLAY draft at 0.7 acceptance, K = 1 and 2): issue #34's must-show. TP is not covered yet (NOT_YET_INVARIANT)."""
 
 import random
 
