@@ -39,6 +39,7 @@ REFUSED = {
     "weight_g_idx": "act-order INT4 (a group index); mlaserve computes int4 with groups in input order",
     "input_scale": "a static activation scale; mlaserve quantizes activations dynamically",
 }
+WEIGHT_SUFFIXES = ("weight", "weight_scale_inv", "weight_packed", "weight_scale", "weight_shape")  # of any format
 KIND = {"dense": "an unquantized weight", "fp8": "an FP8 block-scaled weight", "int4": "a packed INT4 weight"}
 QUANT_DTYPES = {  # suffix -> safetensors dtypes a quantized tensor may have
     ("fp8", "weight"): ("F8_E4M3",),
@@ -193,9 +194,11 @@ class _Loader:
         mod = self.experts.get(mod_name)
         if mod is None or e >= mod.num_experts:
             raise CheckpointError(f"{file}: unexpected tensor {key!r} (no such expert in the model)")
+        if suffix not in WEIGHT_SUFFIXES:  # a bias, or a part no format has
+            raise CheckpointError(f"{file}: unexpected tensor {key!r} (the model has no such parameter)")
         got = _kind(suffix, h.get_slice(key).get_dtype())
         want = "int4" if isinstance(mod, Int4Experts) else "fp8" if isinstance(mod, Fp8Experts) else "dense"
-        if got != want or suffix not in mod.suffixes:
+        if got != want:  # each format's parts are its kind's (_kind), so its suffixes are the block's
             raise self.mismatch(file, key, h, got, want)
         src = _Tensor(h, key)  # the header only: nothing is read before the slice is taken
         _check_shape(file, key, src.shape, mod.expert_shape(which, suffix))
@@ -306,9 +309,10 @@ def _kind(suffix: str, dtype: str) -> str:
 
 
 def _param_kind(name: str, param) -> str:
+    """What a parameter outside the quantized expert blocks holds (INT4 lives only in those, loaded per expert)."""
     if name.endswith("weight_scale_inv") or param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return "fp8"
-    return "int4" if param.dtype == torch.int32 else "dense"
+    return "dense"
 
 
 def _check_dtype(file: str, key: str, h, kind: str, suffix: str) -> None:

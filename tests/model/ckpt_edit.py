@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 INDEX = "model.safetensors.index.json"
@@ -59,3 +61,12 @@ def edit_shard(path, key: str, edit) -> str:
     save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
     write_weight_map(path, {**{k: f for k, f in wm.items() if f != fname}, **{k: fname for k in tensors}})
     return os.path.join(path, fname)
+
+
+def assert_names_its_file(msg: str) -> None:
+    """A load error about one tensor starts with the file that holds it: '<file>: [unexpected] tensor '<key>' ...'."""
+    m = re.match(r"(.+?): (?:unexpected |cannot read )?tensor '([^']+)'", msg)
+    if m is None or "truncated" in msg:  # not about one tensor, or a file that cannot be opened
+        return
+    with safe_open(m[1], framework="pt") as h:
+        assert m[2] in h.keys(), msg

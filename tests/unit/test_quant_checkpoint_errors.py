@@ -30,6 +30,7 @@ def load_error(path, kind=CheckpointError) -> str:
         load_model(path)
     msg = str(info.value)
     assert type(info.value) is kind and "\n" not in msg, msg
+    ckpt_edit.assert_names_its_file(msg)
     return msg
 
 
@@ -89,7 +90,7 @@ def test_quantized_files_without_a_quantization_config(int4, fp8, which):
     cfg.pop("quantization_config")
     ckpt_edit.write_config(path, cfg)
     msg = load_error(path)
-    assert "config.json has no quantization_config" in msg
+    assert msg.endswith(", but the model holds an unquantized weight there (config.json has no quantization_config)")
     assert ("packed INT4 weight (I32)" if which == "int4" else "FP8 block-scaled weight (F8_E4M3)") in msg
 
 
@@ -130,12 +131,16 @@ def test_fp8_wrong_shapes(fp8, key, bad, want):
 
 @pytest.mark.parametrize(
     "key,dtype,want",
-    [(EXPERT + "weight_scale", torch.float32, "BF16"), (EXPERT + "weight_packed", torch.int64, "I32")],
+    [
+        (EXPERT + "weight_scale", torch.float32, "F32, expected BF16"),
+        (EXPERT + "weight_packed", torch.int64, "I64, expected I32"),
+        (EXPERT + "weight_shape", torch.float32, "F32, expected I64 or I32"),
+    ],
 )
 def test_int4_wrong_dtypes(int4, key, dtype, want):
     t = ckpt_edit.load_all(int4)[key]
-    replace(int4, key, {key: t.to(dtype)})
-    assert f"{key!r} has dtype" in (msg := load_error(int4)) and f"expected {want}" in msg
+    shard = replace(int4, key, {key: t.to(dtype)})
+    assert load_error(int4) == f"{shard}: tensor {key!r} has dtype {want}"
 
 
 def test_fp8_e5m2_and_fp16_scales_refused(fp8):
@@ -150,8 +155,8 @@ def test_fp8_e5m2_and_fp16_scales_refused(fp8):
 
 def test_int4_weight_shape_disagrees(int4):
     key = EXPERT + "weight_shape"
-    replace(int4, key, {key: torch.tensor([32, 60])})
-    assert "says the weight is (32, 60), expected (32, 64)" in load_error(int4)
+    shard = replace(int4, key, {key: torch.tensor([32, 60])})
+    assert load_error(int4) == f"{shard}: tensor {key!r} says the weight is (32, 60), expected (32, 64)"
 
 
 @pytest.mark.parametrize("companion", ["weight_zero_point", "weight_g_idx", "input_scale"])
