@@ -100,6 +100,29 @@ def test_tied_embeddings_fill_a_missing_lm_head(tiny):
     assert str(e.value) == f"{tiny}: missing tensor 'lm_head.weight' (and 1 more)"
 
 
+def test_a_one_layer_model_loads_its_embedding_and_head(tmp_path):
+    """Tensors outside the layers (embedding, final norm, lm_head) are no layer's, not layer num_hidden_layers'."""
+    from tests.model.helpers import make_tiny
+
+    path = make_tiny(tmp_path, num_hidden_layers=1)
+    model = load_model(path)
+    assert torch.equal(model.model.embed_tokens.weight, stored(path, "model.embed_tokens.weight"))
+    assert torch.equal(model.lm_head.weight, stored(path, "lm_head.weight"))
+
+
+def test_a_stray_fp8_scale_in_an_unquantized_checkpoint(tiny):
+    """A weight_scale_inv is skipped only beside a weight the model expands from FP8 (kv_b_proj); elsewhere it is
+    refused as the FP8 part it is."""
+    key = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    shard = ckpt_edit.add_shard(tiny, {key: torch.ones(1, 1)})
+    with pytest.raises(CheckpointError) as e:
+        load_model(tiny)
+    assert str(e.value) == (
+        f"{shard}: tensor {key!r} is an FP8 block-scaled weight (F32), but the model holds an unquantized weight "
+        "there (config.json has no quantization_config)"
+    )
+
+
 def test_a_bias_on_an_expert_is_unexpected(tiny):
     key = "model.layers.1.mlp.experts.2.gate_proj.bias"
     shard = ckpt_edit.add_shard(tiny, {key: torch.zeros(32)})
@@ -157,6 +180,15 @@ def test_mtp_layers_skipped_by_the_target_and_read_by_the_draft(mtp_ckpt, caplog
     for name, p in draft.named_parameters():
         if name in names:
             assert torch.equal(p, stored(path, name)), name
+
+
+def test_a_checkpoint_of_one_mtp_layer_logs_no_further_ones(tmp_path, caplog):
+    path = make_random("tiny", str(tmp_path), seed=0, dtype="float32", progress=False, mtp=True)
+    draft = DeepseekMTP(ModelConfig.from_pretrained(path), torch.float32, "torch", RankInfo())
+    assert load_log(caplog, draft, path, mtp=True) == [
+        "MTP layer 3 loaded; its copies of the target's embedding and lm_head (2 tensors) not read: the target's "
+        "are used"
+    ]
 
 
 def _expansion(path, model, ranks) -> str:
