@@ -149,7 +149,7 @@ def test_fused_experts_missing_a_part_name_it(tiny_ckpt, tmp_path):
         assert str(e.value) == f"{broken}: missing tensor {first_key!r} (and {n - 1} more)"
 
 
-def test_vision_towers_are_counted_in_the_log(tiny_ckpt, tmp_path, caplog):
+def test_vision_towers_are_counted_in_the_log(tmp_path, caplog):
     path = make_random("tiny", str(tmp_path), seed=5, dtype="float32", progress=False, wrapper=True)
     ckpt_edit.add_shard(path, {"vision_tower.a.weight": torch.ones(2), "mm_projector.b.weight": torch.ones(2)})
     model = DeepseekV3ForCausalLM(ModelConfig.from_pretrained(path))
@@ -191,7 +191,7 @@ def test_a_checkpoint_of_one_mtp_layer_logs_no_further_ones(tmp_path, caplog):
     ]
 
 
-def _expansion(path, model, ranks) -> str:
+def _expansion(path, model) -> str:
     """The load log's line for kv_b_proj's FP8 -> model dtype expansion, from the checkpoint's own tensors."""
     held = stored_b = 0
     layers = model.model.layers
@@ -221,7 +221,7 @@ def test_fp8_expansion_is_logged_with_this_ranks_bytes(tmp_path_factory, caplog,
     assert isinstance(lin, Fp8ExpandedLinear) == (world == 1)  # TP2: no scales of its own
     kv_b = lin.weight
     assert kv_b.shape[0] == 2 * 224 // world and kv_b.dtype == torch.bfloat16
-    assert load_log(caplog, model, path) == [_expansion(path, model, world)]
+    assert load_log(caplog, model, path) == [_expansion(path, model)]
     key = "model.layers.0.self_attn.kv_b_proj.weight"
     full = stored(path, key).float()
     scale = stored(path, key + "_scale_inv").repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
