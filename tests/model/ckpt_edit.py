@@ -70,3 +70,21 @@ def assert_names_its_file(msg: str) -> None:
         return
     with safe_open(m[1], framework="pt") as h:
         assert m[2] in h.keys(), msg
+
+
+def fuse_experts(src: str, dst: str) -> None:
+    """Rewrite a per-expert checkpoint in transformers 5's fused form (experts.gate_up_proj / down_proj)."""
+    os.makedirs(dst)
+    out = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(src, f)))
+    for layer in {k.split(".")[2] for k in out if ".experts." in k}:
+        p = f"model.layers.{layer}.mlp.experts."
+        n = len({k for k in out if k.startswith(p)}) // 3
+        gate_up = [[out.pop(f"{p}{e}.gate_proj.weight"), out.pop(f"{p}{e}.up_proj.weight")] for e in range(n)]
+        out[p + "gate_up_proj"] = torch.stack([torch.cat(pair) for pair in gate_up])
+        out[p + "down_proj"] = torch.stack([out.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as a, open(os.path.join(dst, "config.json"), "w") as b:
+        b.write(a.read())

@@ -1,16 +1,15 @@
 """Each rank reads only its own shard from the safetensors files (in one process: loading needs no peers)."""
 
-import os
-
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from mlaserve.config import ParallelConfig
 from mlaserve.distributed.tp import RankInfo
 from mlaserve.layers.quant import dequant_fp8_block
 from mlaserve.models.weights import _Tensor
+from tests.model import ckpt_edit
 
 from .ranks import load
 
@@ -45,28 +44,10 @@ def test_each_rank_reads_exactly_its_shard(tiny_ckpt, sizes):
         assert model.model.layers[0].mlp.gate_proj.weight.shape[0] == 128 // info.world_size
 
 
-def fuse_experts(src: str, dst: str) -> None:
-    """Rewrite a per-expert checkpoint in transformers 5's fused form (experts.gate_up_proj / down_proj)."""
-    os.makedirs(dst)
-    out = {}
-    for f in sorted(os.listdir(src)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(src, f)))
-    for layer in {k.split(".")[2] for k in out if ".experts." in k}:
-        p = f"model.layers.{layer}.mlp.experts."
-        n = len({k for k in out if k.startswith(p)}) // 3
-        gate_up = [[out.pop(f"{p}{e}.gate_proj.weight"), out.pop(f"{p}{e}.up_proj.weight")] for e in range(n)]
-        out[p + "gate_up_proj"] = torch.stack([torch.cat(pair) for pair in gate_up])
-        out[p + "down_proj"] = torch.stack([out.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
-    save_file(out, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(src, "config.json")) as a, open(os.path.join(dst, "config.json"), "w") as b:
-        b.write(a.read())
-
-
 @pytest.mark.parametrize("sizes", [(2, 2, 1), (2, 1, 2)], ids=["moe-tp2", "ep2"])
 def test_fused_expert_checkpoint_reads_only_the_shard(tiny_ckpt, tmp_path, sizes):
     fused = str(tmp_path / "fused")
-    fuse_experts(tiny_ckpt, fused)
+    ckpt_edit.fuse_experts(tiny_ckpt, fused)
     for (info, per_expert, _), (_, model, reads) in zip(shard_loads(tiny_ckpt, sizes), shard_loads(fused, sizes)):
         assert sum(n for _, n, _ in reads) == sum(p.numel() for p in model.parameters()), f"rank {info.rank}"
         for name, p in per_expert.named_parameters():

@@ -23,7 +23,6 @@ from mlaserve.models.weights import CheckpointError, _as_box, _Tensor, checkpoin
 from tests.helpers.quant_ckpt import FP8_TP, make_quantized
 from tests.model import ckpt_edit
 from tests.model.helpers import load_model
-from tests.tp.test_sharded_load import fuse_experts
 
 LOGGER = "mlaserve.weights"
 
@@ -134,7 +133,7 @@ def test_a_bias_on_an_expert_is_unexpected(tiny):
 def test_fused_experts_missing_a_part_name_it(tiny_ckpt, tmp_path):
     """transformers 5's fused tensors stand for every expert's projections they hold, and only those."""
     fused = str(tmp_path / "fused")
-    fuse_experts(tiny_ckpt, fused)
+    ckpt_edit.fuse_experts(tiny_ckpt, fused)
     for part, first in (("gate_up_proj", "gate_proj"), ("down_proj", "down_proj")):
         shutil.rmtree(tmp_path / "broken", ignore_errors=True)
         broken = shutil.copytree(fused, tmp_path / "broken")
