@@ -596,8 +596,8 @@ def cases(quick: bool):
 
 
 def int4_moe_cases(quick: bool):
-    """The INT4 MoE (kernels/int4_moe.py) at Kimi-K2.5's expert shapes: the default tiles of each step size, and the
-    tiles kernels_bench --only int4_moe sweeps (full shape, at its 2048-token step)."""
+    """The INT4 MoE (kernels/int4_moe.py) at Kimi-K2.5's expert shapes: the default tiles of each step size, the
+    tiles kernels_bench --only int4_moe sweeps (full shape, at its 2048-token step), and an EP8 rank's."""
     from benchmarks.int4_moe_bench import GEMM_SWEEP, GEMV1_SWEEP, GEMV2_SWEEP, gemv2_variant
     from mlaserve.kernels.int4_moe import int4_fused_experts
 
@@ -619,6 +619,14 @@ def int4_moe_cases(quick: bool):
                     functools.partial(int4_fused_experts, all_local=False, config=cfg),
                     (torch.empty(T, D, dtype=bf), *w, torch.empty(T, 8), torch.zeros(T, 8, dtype=torch.int64), 0),
                 )
+    # an EP8 rank (48 of 384 experts) at decode and verify steps: the tiles for the pairs it is expected to own
+    w = (big(48, 4096, 896, dtype=i32), big(48, 4096, 224), big(48, 7168, 256, dtype=i32), big(48, 7168, 64))
+    for T in [1, 2]:
+        yield (
+            f"int4_moe kimi-ep8 T={T} ",
+            functools.partial(int4_fused_experts, all_local=False, num_experts=384),
+            (torch.empty(T, 7168, dtype=bf), *w, torch.empty(T, 8), torch.zeros(T, 8, dtype=torch.int64), 0),
+        )
 
 
 def main(argv=None) -> int:

@@ -7,8 +7,8 @@ fused_experts on the same (dequantized) weights, torch's `_weight_int4pack_mm` a
     INT4_BENCH_BF16=0 INT4_BENCH_FORMS=gemv_mma,gemm ...           # no bf16 fused_experts rows; these forms only
 
 Shapes: kimi (7168 -> 2048, 384 experts), kimi-tp2 (I=1024), kimi-tp4 (I=512), kimi-tp8 (I=256), kimi-ep8 (48 local
-experts of 384: `busy` routes every pair to a local expert, as the busiest rank sees it; `random` over all 384,
-about one local pair a token). Steps of 1, 2 tokens (decode, verify: the GEMV form), 8 and 32 (both forms) and a
+experts of 384: `busy` routes every pair to a local expert, as the busiest rank sees it, and runs as all-local;
+`random` over all 384, about one local pair a token, with the expert count the engine passes). Steps of 1, 2 tokens (decode, verify: the GEMV form), 8 and 32 (both forms) and a
 2048-token prefill chunk (the GEMM form). Each timed call cycles through ROTATE routings over disjoint experts, so
 the weights stream from HBM, not L2 (the union exceeds its 50 MB). bytes: what one call reads, packed words +
 scales of the distinct local experts it selects + x; TB/s against the 4.3 TB/s copy ceiling. The bf16 rows time
@@ -222,6 +222,7 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                 ws = [torch.rand(T, K, device=dev) for _ in sets]
                 x = torch.randn(T, D, device=dev).to(BF)
                 route = "" if E == E_all else (" busy" if busy else " random")
+                n_all = 0 if busy else E_all  # EP: the engine's expert count (tiles for the pairs a rank owns)
                 n_exp = sum(int(ids[ids < E].unique().numel()) for ids in sets) / len(sets)
                 nbytes = n_exp * expert_bytes(D, I) + x.numel() * 2
                 default = default_form(T * K, E)
@@ -238,11 +239,11 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                     variants += [("gemv_mma", dict(pair=False), " unpaired")]
                 for form, extra, tag in variants:
                     if form == "gemv_mma":
-                        cfgs = mma_config(D, I, T * K)
+                        cfgs = mma_config(D, I, T * K, T * K * E / (n_all or E))
                     else:
                         cfgs = gemv_config(D, I, T * K) if form.startswith("gemv") else gemm_config(T, K, E, D, I, BF)
                     cfg = dict(form=form, **extra)
-                    out = int4_fused_experts(x, *w, ws[0], sets[0], 0, all_local=busy, config=cfg)
+                    out = int4_fused_experts(x, *w, ws[0], sets[0], 0, all_local=busy, config=cfg, num_experts=n_all)
                     if ref is None and not bf16:
                         err = float("nan")
                     else:
@@ -250,7 +251,8 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                     calls = list(zip(sets, ws))
                     ms = bench(
                         lambda f=cfg, c=calls: [  # noqa: B023
-                            int4_fused_experts(x, *w, tw, ids, 0, all_local=busy, config=f) for ids, tw in c
+                            int4_fused_experts(x, *w, tw, ids, 0, all_local=busy, config=f, num_experts=n_all)
+                            for ids, tw in c
                         ],
                         sz,
                     ) / len(calls)

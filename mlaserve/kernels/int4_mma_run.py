@@ -22,29 +22,33 @@ def pair_worthwhile(pairs: int, E: int) -> bool:
     return 1.0 - distinct / pairs >= PAIR_MIN_SHARED
 
 
-def pair_width(tokens: int, K: int, E: int) -> int:
+def pair_width(tokens: int, K: int, E: int, num_experts: int = 0) -> int:
     """The pairing scan's width (a power of 2 >= tokens * K; 0: no pairing) for a step of `tokens` tokens of top-K
-    over E local experts: one token shares no expert, and pairing needs pair_worthwhile."""
+    over E local experts of num_experts in all (0: E; EP: a rank's pairs share an expert as often as the step's
+    pairs share one of all the experts): one token shares no expert, and pairing needs pair_worthwhile."""
     pairs = tokens * K
-    return triton.next_power_of_2(pairs) if tokens > 1 and pair_worthwhile(pairs, E) else 0
+    return triton.next_power_of_2(pairs) if tokens > 1 and pair_worthwhile(pairs, num_experts or E) else 0
 
 
-def mma_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
-    """(gemv1, gemv2) tiles (kernels_bench's MMA sweep on an H200, docs/experiments.md). The kernels stream best
-    with many small programs resident at once: 2 x 8 rows (MR 2) a program of 4 warps, capped at 64 registers so
-    8 programs (32 warps) fit an SM, and all of a one-token step's gemv1 programs in one wave (Kimi-K2.5: 1024).
-    gemv1 with fewer row blocks than that (MoE-TP shards at 1-2 tokens): 8 gate rows a program (MR 1), 8 warps
-    over 32-group trips, unrolled (UNROLL), at 128 registers (two programs an SM): ptxas then issues later trips'
-    loads during earlier trips' MMAs, and the smaller programs beat MR 2 (at 168 registers too, MoE-TP8) by 2-6 %
-    (benchmarks/gemv1_tiles.py). gemv2 (K = I): 2 warps over 8-group trips at one
-    token a request (16 programs an SM), else 4 warps over 16-group trips, or 2 over 8 at I = 256 (one trip) with
-    one 16-row block a program."""
+def mma_config(D: int, I: int, pairs: int, owned: float | None = None) -> tuple[dict, dict]:
+    """(gemv1, gemv2) tiles for a step of `pairs` (token, k) pairs of which the rank is expected to own `owned`
+    (default all; EP: pairs x its share of the experts; the others' programs exit at once). Kernels_bench's MMA
+    sweep on an H200 (docs/experiments.md): the kernels stream best with many small programs resident at once: 2 x
+    8 rows (MR 2) a program of 4 warps, capped at 64 registers so 8 programs (32 warps) fit an SM, and all of a
+    one-token step's gemv1 programs in one wave (Kimi-K2.5: 1024). gemv1 with fewer owned row blocks than that
+    (MoE-TP shards at 1-2 tokens, EP ranks): 8 gate rows a program (MR 1), 8 warps over 32-group trips, unrolled
+    (UNROLL), at 128 registers (two programs an SM): ptxas then issues later trips' loads during earlier trips'
+    MMAs, and the smaller programs beat MR 2 (at 168 registers too, MoE-TP8) by 2-6 % (benchmarks/gemv1_tiles.py).
+    gemv2 (K = I): 2 warps over 8-group trips at one token a request with every pair local (16 programs an SM),
+    else 4 warps over 16-group trips (an EP rank's few owned pairs: benchmarks/int4_ep_owned.py), or 2 over 8 at
+    I = 256 (one trip) with one 16-row block a program."""
     ng2 = I // 32
-    if pairs * triton.cdiv(I, 16) >= 1024:
+    owned = pairs if owned is None else owned
+    if owned * triton.cdiv(I, 16) >= 1024:
         c1 = dict(MR=2, WG=4, MUL=False, maxnreg=64)
     else:
         c1 = dict(MR=1, WG=8, MUL=False, UNROLL=True, maxnreg=128)
-    if ng2 % 16 == 0 and pairs <= 8:
+    if ng2 % 16 == 0 and pairs <= 8 and owned >= pairs:
         c2 = dict(MR=2, WG=2, MUL=False, maxnreg=64)
     elif ng2 % 16 == 0:  # steps of several tokens pair experts (more live registers): 72, 7 programs an SM
         c2 = dict(MR=2, WG=4, MUL=False, **(dict(maxnreg=72) if ng2 >= 64 else {}))
@@ -73,14 +77,15 @@ def mma_supported(x: torch.Tensor, D: int, I: int) -> bool:
 
 
 def int4_gemv_mma(
-    x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2, pair=True, plan_tokens=0
-):
+    x, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2, pair=True, plan_tokens=0,
+    num_experts=0,
+):  # fmt: skip
     """Both GEMVs into hbuf [TK, I] (bf16, pair order) and y [TK, D] (the caller checked every shape and
     mma_supported). c1 / c2: {"MR", "WG", "PREFETCH", "MUL", "NS", "maxnreg"}, c1's "UNROLL" and c2's "NB" (gemv1:
     8 MR gate rows a program, gemv2: NB blocks of 16 MR rows; WG warps; NS: cp.async stages; maxnreg: a register
     cap, for more programs an SM; UNROLL: K's trips unrolled at compile time, int4_mma._mma_dot's NGC). pair: the pairs
     of one expert two at a time (each expert's weights read once for both; steps of up to PAIR_MAX pairs), decided
-    for max(T, plan_tokens) tokens (int4_fused_experts' plan)."""
+    for max(T, plan_tokens) tokens (int4_fused_experts' plan) over num_experts in all (0: E; pair_width)."""
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
@@ -94,7 +99,7 @@ def int4_gemv_mma(
             )
     x32 = x.view(torch.int32)
     TK = T * K
-    tkp = pair_width(max(T, plan_tokens), K, E) if pair else 0
+    tkp = pair_width(max(T, plan_tokens), K, E, num_experts) if pair else 0
     k1 = _int4_mma_gemv1_kernel[(TK * triton.cdiv(I, 8 * c1["MR"]),)](
         x32,
         w13,

@@ -85,28 +85,47 @@ def resolve_form(form: str, pairs: int, E: int, D: int, I: int, kernels: KernelC
 
 
 def form_tiles(
-    form: str, tokens: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, kernels: KernelConfig
+    form: str,
+    tokens: int,
+    K: int,
+    E: int,
+    D: int,
+    I: int,
+    dtype: torch.dtype,
+    kernels: KernelConfig,
+    num_experts: int = 0,
 ) -> tuple[dict, dict]:
-    """The default tiles of `form` for a step of `tokens` tokens of top-K; in deterministic mode the GEMMs take
-    kernels.int4_fixed_config() at every step (fp32 x: gemm_config's one fp32 tile), so a row's sums do not
-    depend on the step."""
+    """The default tiles of `form` for a step of `tokens` tokens of top-K over E local experts of num_experts in
+    all (0: E; EP: the tensor-core GEMV's tiles follow the pairs the rank is expected to own, tokens x K x E /
+    num_experts); in deterministic mode the GEMMs take kernels.int4_fixed_config() at every step (fp32 x:
+    gemm_config's one fp32 tile), so a row's sums do not depend on the step."""
     fixed = kernels.int4_fixed_config()
     if form == "gemm" and fixed is not None and dtype != torch.float32:
         return dict(fixed), dict(fixed)
     if form == "gemm":
         return gemm_config(tokens, K, E, D, I, dtype)
-    return (mma_config if form == "gemv_mma" else gemv_config)(D, I, tokens * K)
+    if form == "gemv_mma":
+        return mma_config(D, I, tokens * K, tokens * K * E / (num_experts or E))
+    return gemv_config(D, I, tokens * K)
 
 
 def int4_plan(
-    tokens: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, kernels: KernelConfig, mma_ok: bool
+    tokens: int,
+    K: int,
+    E: int,
+    D: int,
+    I: int,
+    dtype: torch.dtype,
+    kernels: KernelConfig,
+    mma_ok: bool,
+    num_experts: int = 0,
 ) -> tuple[str, dict, dict]:
-    """(form, first tiles, second tiles) the default config takes for a step planned as `tokens` tokens. Both
-    follow the planned size, not the step's own, so an eager decode step planned as its padded CUDA-graph twin
-    (ForwardBatch.plan_tokens) computes each row as the graph does (kernels/plan.py walks it at Kimi-K2.5's
-    shards)."""
+    """(form, first tiles, second tiles) the default config takes for a step planned as `tokens` tokens over E
+    local experts of num_experts in all (0: E). Both follow the planned size, not the step's own, so an eager
+    decode step planned as its padded CUDA-graph twin (ForwardBatch.plan_tokens) computes each row as the graph
+    does (kernels/plan.py walks it at Kimi-K2.5's shards)."""
     form = resolve_form("", tokens * K, E, D, I, kernels, mma_ok)
-    return form, *form_tiles(form, tokens, K, E, D, I, dtype, kernels)
+    return form, *form_tiles(form, tokens, K, E, D, I, dtype, kernels, num_experts)
 
 
 def _check(x, w13p, w13s, w2p, w2s, topk_weights, topk_ids):
@@ -158,6 +177,7 @@ def int4_fused_experts(
     config: dict | None = None,
     kernels: KernelConfig = KernelConfig(),
     plan_tokens: int = 0,
+    num_experts: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])) over the pairs whose expert e = id - expert_offset is
     in [0, E) (others contribute nothing: EP), plus `add` -> [T, D] in x.dtype; equals int4_fused_experts_ref. With
@@ -166,6 +186,8 @@ def int4_fused_experts(
     x [T, D]; w13_packed int32 [E, 2I, D/8] (gate rows, then up rows), w13_scale [E, 2I, D/32]; w2_packed int32
     [E, D, I/8], w2_scale [E, D, I/32]; topk_weights [T, K] fp32; topk_ids [T, K] int32/int64.
     all_local: every id names a local expert (no EP), so the sum reads no ids; pass False under EP.
+    num_experts: the experts over all ranks (0: E); under EP the GEMV's tiles and pairing follow the share of a
+    step's pairs the rank is expected to own (form_tiles, pair_width).
     kernels: its pdl switch and the INT4 GEMV thresholds (kernel_config.py). plan_tokens: form and tiles are chosen
     for max(T, plan_tokens) tokens (int4_plan), so a step computes each row as a step of that many would.
     config (benchmarks, tests): "form": "gemv" / "gemm" (default: int4_plan's), "gemv" meaning
@@ -174,6 +196,10 @@ def int4_fused_experts(
     "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1", "gemv2" ({"ROWS", "G",
     "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
+    if num_experts and (num_experts < E or all_local and num_experts != E):
+        raise ValueError(
+            f"num_experts={num_experts} must be 0 or at least the {E} local experts (and equal them with all_local)"
+        )
     if T == 0:  # checks `add`; empty
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
     pdl = pdl_args(x, kernels.pdl)  # every launch alike
@@ -185,7 +211,7 @@ def int4_fused_experts(
     TK, P = T * K, max(T, plan_tokens)
     mma_ok = mma_supported(x, D, I)
     form = resolve_form(cfg.get("form"), P * K, E, D, I, kernels, mma_ok)
-    c1, c2 = form_tiles(form, P, K, E, D, I, x.dtype, kernels)
+    c1, c2 = form_tiles(form, P, K, E, D, I, x.dtype, kernels, num_experts)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if form == "gemv_mma":
         if not mma_ok:
@@ -209,6 +235,7 @@ def int4_fused_experts(
             c2,
             pair=cfg.get("pair", True),
             plan_tokens=P,
+            num_experts=num_experts,
         )
     elif form == "gemv_fma":
         c1, c2 = dict(c1, **cfg.get("gemv1", {})), dict(c2, **cfg.get("gemv2", {}))

@@ -31,6 +31,10 @@ class QuantExperts(ExpertsBase):
         """The tensors the kernel takes, in its argument order."""
         raise NotImplementedError
 
+    def kernel_args(self) -> dict:
+        """Its kernel's keyword arguments beyond those every quantized kernel takes."""
+        return {}
+
     def forward(self, x, topk_weights, topk_ids, impl: str = "torch", add=None, shared=None, norm=None, plan_tokens=0):
         """-> the routed experts' output [T, D] in x.dtype, plus `add` (the shared experts') when given. Triton
         only: norm = (weight, eps, residual), the add + RMSNorm after the MoE fused into its sum -> (normed,
@@ -55,6 +59,7 @@ class QuantExperts(ExpertsBase):
                 all_local=self.num_local == self.num_experts,
                 kernels=self.kernels,
                 plan_tokens=plan_tokens,
+                **self.kernel_args(),
             )
         y = torch.zeros_like(x)
         local = topk_ids - self.expert_offset
@@ -121,6 +126,9 @@ class Int4Experts(QuantExperts):
 
     def stored(self):
         return self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale
+
+    def kernel_args(self) -> dict:
+        return dict(num_experts=self.num_experts)  # EP: the GEMV's tiles follow the pairs a rank owns
 
     def logical_numel(self) -> int:
         """Weights this rank holds, counted as unpacked values."""

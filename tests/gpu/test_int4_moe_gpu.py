@@ -39,8 +39,9 @@ def check(w, T, offset=0, E_all=None, form=None, config=None, ids_dtype=torch.in
     cfg = dict(config or {}, **({"form": form} if form else {}))
     local = E_all == E
 
-    def run():
-        return int4_fused_experts(x, *w, tw, ids, offset, add=extra, all_local=local, config=cfg)
+    def run():  # under EP with the expert count, as layers.quant_experts passes it
+        n = 0 if local else E_all
+        return int4_fused_experts(x, *w, tw, ids, offset, add=extra, all_local=local, config=cfg, num_experts=n)
 
     what = f"int4 moe T={T} E={E}/{E_all} off={offset} {cfg}"
     if graph:
@@ -154,13 +155,13 @@ def test_int4_moe_eager_step_equals_its_graph_twin(case):
     ids, tw = routing(g, E, offset, 384)
     ids[b:], tw[b:] = ids[: g - b], tw[: g - b]  # pad rows: copies of real rows' routing
     x = torch.randn(g, 7168, device="cuda").to(BF)
-    run = dict(expert_offset=offset, all_local=E == 384)
+    run = dict(expert_offset=offset, all_local=E == 384, num_experts=384)
     twin = int4_fused_experts(x, *w, tw, ids, **run)
     with kc.poisoned_empty():
         step = int4_fused_experts(x[:b], *w, tw[:b], ids[:b], plan_tokens=g, **run)
     assert torch.equal(step, twin[:b]), case
     alone = int4_fused_experts(x[:b], *w, tw[:b], ids[:b], **run)
-    plans = [(*int4_plan(t, K, E, 7168, I, BF, KernelConfig(), True), pair_width(t, K, E)) for t in (b, g)]
+    plans = [(*int4_plan(t, K, E, 7168, I, BF, KernelConfig(), True, 384), pair_width(t, K, E, 384)) for t in (b, g)]
     print(f"{case}: alone {plans[0][0]}, planned {plans[1][0]}; alone, {(alone != step).sum()} values differ")
     assert plans[0] != plans[1]
     if case in ("ep4", "ep2"):

@@ -139,6 +139,16 @@ def test_gemv_mma_pairs_of_one_expert(kdev, mma, pair, c2):
     check(kdev, torch.bfloat16, 5, 256, 128, E=3, K=2, offset=2, config=cfg, seed=36, add=True)
 
 
+@pytest.mark.parametrize("n", [12, 64])
+def test_gemv_mma_ep_rank_tiles(kdev, mma, n):
+    # an EP rank's default tiles, chosen for the pairs it is expected to own of n experts in all (8-warp gemv1
+    # programs of 8 gate rows; pairing on at n = 12, off at 64)
+    cfg = dict(form="gemv_mma")
+    check(
+        kdev, torch.bfloat16, 2, 256, 128, E=3, K=2, offset=2, config=cfg, seed=39, foreign=4, add=True, num_experts=n
+    )
+
+
 @pytest.mark.parametrize(
     "D,I,c2",
     [
@@ -302,3 +312,29 @@ def test_bad_arguments_name_the_field(kdev):
         int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, config=dict(form="fast"))
     with pytest.raises(ValueError, match="config keys"):
         int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, config=dict(BLOCK_M=16))
+    for n, local in ((3, False), (8, True)):  # fewer experts in all than local ones; all local but more in all
+        with pytest.raises(ValueError, match=f"num_experts={n} must be 0 or at least the 4 local experts"):
+            int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, all_local=local, num_experts=n)
+
+
+def test_ep_rank_tiles_follow_the_pairs_it_owns():
+    # Kimi-K2.5's experts (7168 -> 2048, top-8 of 384). An EP8 rank (48 local) expects 1 of a one-token step's 8
+    # pairs and 2 of a two-token step's 16: gemv1 in programs of 8 gate rows and 8 warps, gemv2 of 4 warps (the
+    # all-local tiles are sized for all the pairs), and no pairing: two tokens share ~2 % of their experts, not the
+    # ~14 % that 16 draws over 48 experts would (benchmarks/int4_ep_owned.py)
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels.int4_mma_run import pair_width
+    from mlaserve.kernels.int4_moe import int4_plan
+
+    def tiles(T, E, n=0):
+        form, c1, c2 = int4_plan(T, 8, E, 7168, 2048, torch.bfloat16, KernelConfig(), True, n)
+        assert form == "gemv_mma"
+        return c1["MR"], c1["WG"], c1.get("UNROLL", False), c1["maxnreg"], c2["MR"], c2["WG"], c2.get("maxnreg")
+
+    assert tiles(1, 384) == (2, 4, False, 64, 2, 2, 64)
+    assert tiles(1, 48) == tiles(1, 48, 48) == tiles(1, 384)  # no expert count: the all-local step's tiles
+    shard, gemv2_4 = (1, 8, True, 128), (2, 4, 72)
+    assert tiles(1, 48, 384) == tiles(2, 48, 384) == tiles(1, 192, 384) == (*shard, *gemv2_4)  # EP8, EP2
+    assert tiles(8, 48, 384) == tiles(2, 384) == (2, 4, False, 64, *gemv2_4)  # 8 pairs owned: the all-local tiles
+    assert pair_width(2, 8, 48) == 16 and pair_width(2, 8, 48, 384) == 0
+    assert pair_width(8, 8, 48, 384) == 64  # 64 pairs over 384 share ~8 % of their experts

@@ -100,3 +100,21 @@ def test_transformers_reads_the_int4_checkpoint(pair):
         _, (logits,) = RefRunner(ours).prefill([ids])
         assert_logits_close(logits, hf_logits(hf_t, ids), rel=1e-5)
         assert_logits_close(logits, hf_logits(hf_q, ids), rel=1e-2)
+
+
+@pytest.mark.parametrize("cls,extra", [(Int4Experts, {"num_experts": 8}), (Fp8Experts, {})])
+def test_the_kernel_call_of_an_ep_rank(cls, extra, monkeypatch):
+    # impl="triton" hands the kernel the rank's experts and their first id, and (INT4) the expert count over all
+    # ranks, by which the GEMV's tiles follow the pairs the rank is expected to own
+    import importlib
+
+    module, fn = cls.kernel
+    seen = {}
+    monkeypatch.setattr(
+        importlib.import_module(f"mlaserve.kernels.{module}"), fn, lambda *a, **k: seen.update(args=a, **k) or a[0]
+    )
+    experts = cls(8, 128, 128, ep_rank=1, ep_size=2)
+    x = torch.zeros(1, 128)
+    experts.forward(x, torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int64), impl="triton")
+    assert seen["args"][1:-3] == experts.stored() and seen["args"][-1] == 4 and seen["all_local"] is False
+    assert {k: seen[k] for k in extra} == extra and ("num_experts" in seen) == bool(extra)
