@@ -8,9 +8,10 @@ fused_experts on the same (dequantized) weights, torch's `_weight_int4pack_mm` a
 
 Shapes: kimi (7168 -> 2048, 384 experts), kimi-tp2 (I=1024), kimi-tp4 (I=512), kimi-tp8 (I=256), kimi-ep8 (48 local
 experts of 384: `busy` routes every pair to a local expert, as the busiest rank sees it, and runs as all-local;
-`random` over all 384, about one local pair a token, with the expert count the engine passes). Steps of 1, 2 tokens (decode, verify: the GEMV form), 8 and 32 (both forms) and a
-2048-token prefill chunk (the GEMM form). Each timed call cycles through ROTATE routings over disjoint experts, so
-the weights stream from HBM, not L2 (the union exceeds its 50 MB). bytes: what one call reads, packed words +
+`random` over all 384, about one local pair a token, with the expert count the engine passes). Steps of 1, 2
+tokens (decode, verify: the GEMV form), 8 and 32 (both forms) and a 2048-token prefill chunk (the GEMM form). Each
+timed call cycles through ROTATE routings over disjoint experts, so the weights stream from HBM, not L2 (the union
+exceeds its 50 MB). bytes: what one call reads, packed words +
 scales of the distinct local experts it selects + x; TB/s against the 4.3 TB/s copy ceiling. The bf16 rows time
 fused_experts on the same weights dequantized to bf16 (2 bytes a weight). Rows `gemv kernels` time the two GEMV
 launches alone (no sum). `form*` marks the form int4_fused_experts picks by default; where the GEMV form runs, the

@@ -85,16 +85,9 @@ def resolve_form(form: str, pairs: int, E: int, D: int, I: int, kernels: KernelC
 
 
 def form_tiles(
-    form: str,
-    tokens: int,
-    K: int,
-    E: int,
-    D: int,
-    I: int,
-    dtype: torch.dtype,
-    kernels: KernelConfig,
+    form: str, tokens: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, kernels: KernelConfig,
     num_experts: int = 0,
-) -> tuple[dict, dict]:
+) -> tuple[dict, dict]:  # fmt: skip
     """The default tiles of `form` for a step of `tokens` tokens of top-K over E local experts of num_experts in
     all (0: E; EP: the tensor-core GEMV's tiles follow the pairs the rank is expected to own, tokens x K x E /
     num_experts); in deterministic mode the GEMMs take kernels.int4_fixed_config() at every step (fp32 x:
@@ -110,16 +103,9 @@ def form_tiles(
 
 
 def int4_plan(
-    tokens: int,
-    K: int,
-    E: int,
-    D: int,
-    I: int,
-    dtype: torch.dtype,
-    kernels: KernelConfig,
-    mma_ok: bool,
+    tokens: int, K: int, E: int, D: int, I: int, dtype: torch.dtype, kernels: KernelConfig, mma_ok: bool,
     num_experts: int = 0,
-) -> tuple[str, dict, dict]:
+) -> tuple[str, dict, dict]:  # fmt: skip
     """(form, first tiles, second tiles) the default config takes for a step planned as `tokens` tokens over E
     local experts of num_experts in all (0: E). Both follow the planned size, not the step's own, so an eager
     decode step planned as its padded CUDA-graph twin (ForwardBatch.plan_tokens) computes each row as the graph
