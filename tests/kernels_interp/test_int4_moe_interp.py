@@ -140,13 +140,20 @@ def test_gemv_mma_pairs_of_one_expert(kdev, mma, pair, c2):
 
 
 @pytest.mark.parametrize("n", [12, 64])
-def test_gemv_mma_ep_rank_tiles(kdev, mma, n):
+def test_gemv_mma_ep_rank_tiles(kdev, mma, n, monkeypatch):
     # an EP rank's default tiles, chosen for the pairs it is expected to own of n experts in all (8-warp gemv1
-    # programs of 8 gate rows; pairing on at n = 12, off at 64)
+    # programs of 8 gate rows; pairing on at n = 12, off at 64): the call hands the count to both choices
+    from mlaserve.kernels import int4_mma_run, int4_moe
+
+    seen = []
+    for mod, name in ((int4_moe, "mma_config"), (int4_mma_run, "pair_width")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=fn, _n=name: (seen.append((_n, a)), _f(*a))[1])
     cfg = dict(form="gemv_mma")
     check(
         kdev, torch.bfloat16, 2, 256, 128, E=3, K=2, offset=2, config=cfg, seed=39, foreign=4, add=True, num_experts=n
     )
+    assert seen == [("mma_config", (256, 128, 4, 4 * 3 / n)), ("pair_width", (2, 2, 3, n))]
 
 
 @pytest.mark.parametrize(
