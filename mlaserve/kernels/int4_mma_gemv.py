@@ -219,31 +219,13 @@ def _int4_mma_gemv2_kernel(
     p = tl.program_id(0) // nprog
     c = tl.program_id(0) % nprog
     e, own = _pair(p, TopkIds, expert_offset, E_LOCAL, PDL)
+    if not own:  # before the pairing scan: under EP most programs exit here
+        return
     skip, q, has_q = _partner(p, TopkIds, TK, TKP, PDL)
-    if own & (skip == 0):
-        W, S = W2 + e * stride_we, S2 + e * stride_se
-        _gemv2_blocks(
-            H32,
-            W,
-            S,
-            Y,
-            TopkW,
-            p,
-            q,
-            has_q,
-            c,
-            D,
-            NG,
-            stride_hm,
-            stride_wn,
-            stride_sn4,
-            stride_yt,
-            MR,
-            WG,
-            NB,
-            EVEN,
-            PREFETCH,
-            MUL,
-            NS,
-            PDL,
-        )
+    if skip:
+        return
+    W, S = W2 + e * stride_we, S2 + e * stride_se
+    _gemv2_blocks(
+        H32, W, S, Y, TopkW, p, q, has_q, c, D, NG, stride_hm, stride_wn, stride_sn4, stride_yt, MR, WG, NB, EVEN,
+        PREFETCH, MUL, NS, PDL,
+    )  # fmt: skip
