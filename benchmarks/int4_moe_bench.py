@@ -5,6 +5,7 @@ fused_experts on the same (dequantized) weights, torch's `_weight_int4pack_mm` a
     INT4_BENCH_SHAPES=kimi-tp4,kimi-ep8 ... --only int4_moe     # some shapes only (a run under 10 minutes)
     INT4_BENCH_STEPS=1,2,8 INT4_BENCH_SWEEPS=0 ...               # some steps; no GEMM/FMA sweeps nor anchor
     INT4_BENCH_BF16=0 INT4_BENCH_FORMS=gemv_mma,gemm ...           # no bf16 fused_experts rows; these forms only
+    INT4_BENCH_BOTH=8,32,64 ...                                     # steps timed in both forms (default 8,32)
 
 Shapes: kimi (7168 -> 2048, 384 experts), kimi-tp2 (I=1024), kimi-tp4 (I=512), kimi-tp8 (I=256), kimi-ep8 (48 local
 experts of 384: `busy` routes every pair to a local expert, as the busiest rank sees it, and runs as all-local;
@@ -214,6 +215,7 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
     bf16 = os.environ.get("INT4_BENCH_BF16", "1") != "0"
     sweeps = os.environ.get("INT4_BENCH_SWEEPS", "1") != "0"
     only_forms = [f for f in os.environ.get("INT4_BENCH_FORMS", "").split(",") if f]
+    both = tuple(int(t) for t in os.environ.get("INT4_BENCH_BOTH", ",".join(map(str, BOTH_FORMS))).split(","))
     for name, (D, I, E, E_all) in shapes.items():
         w = random_int4_experts(E, D, I, dev)
         w13, w2 = dequant_bf16(w, D, I) if bf16 else (None, None)
@@ -226,8 +228,8 @@ def _run(rep: Report, sz: Sizes, shapes: dict, steps: tuple, K: int):
                 n_all = 0 if busy else E_all  # EP: the engine's expert count (tiles for the pairs a rank owns)
                 n_exp = sum(int(ids[ids < E].unique().numel()) for ids in sets) / len(sets)
                 nbytes = n_exp * expert_bytes(D, I) + x.numel() * 2
-                default = default_form(T * K, E)
-                forms = ("gemv", "gemm") if T in BOTH_FORMS else (default,)
+                default = default_form(T * K, E, num_experts=n_all)
+                forms = ("gemv", "gemm") if T in both else (default,)
                 if "gemv" in forms and dev == "cuda":
                     forms = ("gemv_mma", "gemv_fma") + forms[1:]
                     if default == "gemv":

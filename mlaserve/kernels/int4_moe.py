@@ -22,12 +22,14 @@ from .pdl import pdl_args
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def default_form(pairs: int, E: int, kernels: KernelConfig = KernelConfig()) -> str:
-    """'gemv' or 'gemm' for `pairs` (token, k) pairs over E local experts: the GEMV form while the pairs are at
-    most kernels.int4_gemv_sharing x the distinct experts they are expected to select (pairs draws over E:
-    E (1 - (1 - 1/E)^pairs)) and at most kernels.int4_gemv_max_pairs (at 384 experts ~1000 pairs, decode of 128
-    requests; under EP8's 48 local experts ~130)."""
-    distinct = E * (1.0 - (1.0 - 1.0 / E) ** pairs)
+def default_form(pairs: int, E: int, kernels: KernelConfig = KernelConfig(), num_experts: int = 0) -> str:
+    """'gemv' or 'gemm' for `pairs` (token, k) pairs over E local experts of num_experts in all (0: E): the GEMV
+    form while the pairs are at most kernels.int4_gemv_sharing x the distinct experts they are expected to select
+    (pairs draws over n = num_experts or E: n (1 - (1 - 1/n)^pairs); under EP the pairs a rank owns and the experts
+    they select are both the E / n share, so the ratio is judged over all n) and at most kernels.int4_gemv_max_pairs
+    (at 384 experts ~1000 pairs, decode of 128 requests; with 48 experts all local ~130)."""
+    n = num_experts or E
+    distinct = n * (1.0 - (1.0 - 1.0 / n) ** pairs)
     return "gemv" if pairs <= kernels.int4_gemv_max_pairs and pairs <= kernels.int4_gemv_sharing * distinct else "gemm"
 
 
@@ -73,10 +75,13 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
     return c1, dict(c1)
 
 
-def resolve_form(form: str, pairs: int, E: int, D: int, I: int, kernels: KernelConfig, mma_ok: bool) -> str:
+def resolve_form(
+    form: str, pairs: int, E: int, D: int, I: int, kernels: KernelConfig, mma_ok: bool, num_experts: int = 0
+) -> str:
     """'gemv_mma' / 'gemv_fma' / 'gemm' for a config's form ('' or None: default_form's; 'gemv': on the tensor
-    cores where mma_ok (mma_supported) and mma_preferred) at `pairs` (token, k) pairs over E local experts."""
-    form = form or default_form(pairs, E, kernels)
+    cores where mma_ok (mma_supported) and mma_preferred) at `pairs` (token, k) pairs over E local experts of
+    num_experts in all (0: E)."""
+    form = form or default_form(pairs, E, kernels, num_experts)
     if form == "gemv":
         form = "gemv_mma" if mma_ok and mma_preferred(D, I, pairs) else "gemv_fma"
     if form not in ("gemv_mma", "gemv_fma", "gemm"):
@@ -110,7 +115,7 @@ def int4_plan(
     local experts of num_experts in all (0: E). Both follow the planned size, not the step's own, so an eager
     decode step planned as its padded CUDA-graph twin (ForwardBatch.plan_tokens) computes each row as the graph
     does (kernels/plan.py walks it at Kimi-K2.5's shards)."""
-    form = resolve_form("", tokens * K, E, D, I, kernels, mma_ok)
+    form = resolve_form("", tokens * K, E, D, I, kernels, mma_ok, num_experts)
     return form, *form_tiles(form, tokens, K, E, D, I, dtype, kernels, num_experts)
 
 
@@ -196,7 +201,7 @@ def int4_fused_experts(
         raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
     TK, P = T * K, max(T, plan_tokens)
     mma_ok = mma_supported(x, D, I)
-    form = resolve_form(cfg.get("form"), P * K, E, D, I, kernels, mma_ok)
+    form = resolve_form(cfg.get("form"), P * K, E, D, I, kernels, mma_ok, num_experts)
     c1, c2 = form_tiles(form, P, K, E, D, I, x.dtype, kernels, num_experts)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
     if form == "gemv_mma":
