@@ -84,9 +84,10 @@ class KernelConfig:
     fp8_scaled_mm_min_bytes: int = 24 << 20
     # INT4 experts: the GEMV form (each pair streams its expert) while the pairs are at most int4_gemv_sharing x
     # the distinct experts they are expected to select and at most int4_gemv_max_pairs; else the grouped GEMM,
-    # which reads an expert once for all its pairs but streams ~3x slower (kernels_bench --only int4_moe)
+    # which reads an expert once for all its pairs but dequantizes more slowly. The two break even near 1.8 pairs
+    # an expert, alike at Kimi-K2.5's whole expert, its MoE-TP shards and an EP rank (docs/kernels.md)
     int4_gemv_max_pairs: int = 1024
-    int4_gemv_sharing: float = 3.0
+    int4_gemv_sharing: float = 2.0
 
     # ---- the all-reduce under TP ----
     # MLASERVE_ALLREDUCE: auto (by message size, distributed/allreduce.py), nccl, or one_shot / two_shot (that

@@ -134,7 +134,7 @@ def test_int4_moe_pairs_of_one_expert(shape):
 # of one expert's pairs turns on, and the MoE-TP8 shard at 3 -> 4, where the GEMV's row tiles change
 # (kernels/plan.py's twin walk lists these)
 TWINS = {
-    "ep4": (96, 96, 2048, 33, 48),
+    "ep4": (96, 96, 2048, 65, 96),
     "ep2": (192, 192, 2048, 67, 96),
     "all": (384, 0, 2048, 5, 8),
     "tp8": (384, 0, 256, 3, 4),

@@ -120,18 +120,18 @@ def test_graphs_equal_eager_on_quantized_checkpoints(scheme, tmp_path):
 
 
 def test_graphs_equal_eager_at_the_int4_form_edge(tmp_path):
-    """96 routed experts, top-8 (what an EP4 rank of Kimi-K2.5 holds): a decode step of 33 requests takes the INT4
-    GEMV form planned alone and the GEMM form in its graph of 48. Planned as that graph (ForwardBatch.plan_tokens),
-    the eager engine's greedy tokens equal the graphed engine's."""
+    """96 routed experts, top-8, all local: a decode step of 17 requests takes the INT4 GEMV form planned alone and
+    the GEMM form in its graph of 24. Planned as that graph (ForwardBatch.plan_tokens), the eager engine's greedy
+    tokens equal the graphed engine's."""
     from mlaserve import LLM, SamplingParams
     from mlaserve.kernel_config import KernelConfig
     from mlaserve.kernels.int4_moe import default_form
 
     _need_kernels("int4-experts")
-    assert default_form(33 * 8, 96) == "gemv" and default_form(48 * 8, 96) == "gemm"
+    assert default_form(17 * 8, 96) == "gemv" and default_form(24 * 8, 96) == "gemm"
     shape = dict(hidden_size=256, moe_intermediate_size=128, n_routed_experts=96, num_experts_per_tok=8)
     path = make_quantized(tmp_path / "m", "int4-experts", **shape, n_group=1, topk_group=1)
-    prompts = [[1 + i, 40 + 3 * i, 300 - i] for i in range(33)]
+    prompts = [[1 + i, 40 + 3 * i, 300 - i] for i in range(17)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for eager in (True, False):

@@ -324,6 +324,25 @@ def test_bad_arguments_name_the_field(kdev):
             int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, all_local=local, num_experts=n)
 
 
+def test_default_form_under_ep_judges_sharing_over_all_experts():
+    # The GEMV form while the pairs are at most int4_gemv_sharing x the distinct experts they select. An EP8 rank
+    # of Kimi-K2.5 (48 of 384 experts) at 32 tokens owns ~32 of the step's 256 pairs on ~23 experts: judged over
+    # its 48 that would be 256 pairs on ~48 (the GEMM); judged over all 384, as the owned pairs are, the GEMV.
+    # The edge then sits where the all-local step's does (kernels_bench --only int4_moe, docs/kernels.md)
+    from mlaserve.kernel_config import KernelConfig
+    from mlaserve.kernels.int4_moe import default_form, int4_plan
+
+    def last_gemv(E, n=0, k=KernelConfig()):
+        return max(t for t in range(1, 200) if default_form(t * 8, E, k, n) == "gemv")
+
+    assert last_gemv(384) == last_gemv(48, 384) == last_gemv(96, 384) == 76
+    assert last_gemv(48) == 9 and last_gemv(48, 48) == 9  # all local: sharing over its own 48
+    assert last_gemv(384, k=KernelConfig(int4_gemv_sharing=3.0)) == 128  # int4_gemv_max_pairs caps it
+    assert default_form(32 * 8, 48) == "gemm" and default_form(32 * 8, 48, num_experts=384) == "gemv"
+    plan = int4_plan(32, 8, 48, 7168, 2048, torch.bfloat16, KernelConfig(), True, 384)
+    assert plan[0] == "gemv_mma" and int4_plan(32, 8, 48, 7168, 2048, torch.bfloat16, KernelConfig(), True)[0] == "gemm"
+
+
 def test_ep_rank_tiles_follow_the_pairs_it_owns():
     # Kimi-K2.5's experts (7168 -> 2048, top-8 of 384). An EP8 rank (48 local) expects 1 of a one-token step's 8
     # pairs and 2 of a two-token step's 16: gemv1 in programs of 8 gate rows and 8 warps, gemv2 of 4 warps (the
