@@ -39,6 +39,7 @@ def reduction_plan(
     rank: int = 512,
     nope: int = 128,
     experts: int = 64,
+    num_experts: int = 0,
     top_k: int = 6,
     n_shared: int = 2,
     moe_inter: int = 512,
@@ -50,7 +51,8 @@ def reduction_plan(
 ) -> dict[str, object]:
     """Each decision point's choice for a step of `tokens` rows (decode: tokens // q_len requests, each with a
     seq_len context) of a model of these sizes (M1-like by default). plan_reqs: the decode requests the attention
-    is planned for (ForwardBatch.plan_decode_reqs; default the step's own)."""
+    is planned for (ForwardBatch.plan_decode_reqs; default the step's own). experts: the routed experts on the rank;
+    num_experts: over all ranks (0: experts; EP: the INT4 experts' form, tiles and pairing follow it)."""
     from .bi_gemm import TILES_16, TILES_32, k_splits
     from .fp8_gemm import fp8_gemm_config
     from .fp8_linear import linear_form
@@ -110,9 +112,9 @@ def reduction_plan(
     # twin's, ForwardBatch.plan_tokens), mma_supported as on an sm_90 GPU (bf16, dims multiples of 128)
     P = max(T, (plan_reqs or 0) * q_len)
     mma_ok = dtype == torch.bfloat16 and hidden % 128 == 0 and moe_inter % 128 == 0
-    form, c1, c2 = int4_plan(P, top_k, experts, hidden, moe_inter, dtype, kernels, mma_ok)
+    form, c1, c2 = int4_plan(P, top_k, experts, hidden, moe_inter, dtype, kernels, mma_ok, num_experts)
     plan["int4_form"] = form
-    pairing = pair_width(P, top_k, experts) if form == "gemv_mma" else 0
+    pairing = pair_width(P, top_k, experts, num_experts) if form == "gemv_mma" else 0
     plan["int4_tiles"] = (tuple(sorted(c1.items())), tuple(sorted(c2.items())), pairing)
     # MLA decode: the splits, tiles, load path (TMA as the call site decides on an sm_90 GPU whose cache pages hold
     # whole tiles) and the cut of a seq_len context (the tokens of a split)
