@@ -604,7 +604,8 @@ def run_unquantized_twin(a) -> list[dict]:
 def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
     """Where the time goes: the top GPU kernels of one long prefill (unless prefill_len is 0), and of 16 batch-1
     decode steps alone (the request's prefill and warm-up steps run outside the profiler). Per-step figures divide
-    by the step count. A decode profile also splits the steps' span into GPU-busy and idle time (the host's)."""
+    by the step count. A decode profile also splits the steps' span into GPU-busy and idle time (the host's); every
+    profile ends with its critical path (what each kernel adds to the span, PDL's overlapping waits taken out)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
@@ -649,9 +650,10 @@ def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
             out[name]["gaps"] = gaps = idle_gaps(prof)
             for g in gaps:
                 log(f"  idle {g['us']:8.1f} us after {g['after']}, before {g['before']}")
+        if cuda:
             out[name]["chain"] = chain = critical_path(prof, n)
             log(f"  critical path of {name} (each kernel's end minus the previous kernel's end, any stream):")
-            for r in chain[:24]:
+            for r in chain[:40]:
                 log(
                     f"  {r['us_per_pass']:8.1f} us/pass {r['count_per_pass']:6.1f}x {r['us_per_call']:7.2f} us  "
                     f"{r['name']}"
