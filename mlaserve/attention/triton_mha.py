@@ -16,7 +16,7 @@ class TritonPagedMHA(PagedMHARef):
     ) -> torch.Tensor:
         if batch.num_decode_reqs != batch.num_reqs:
             return super().forward(q, k, v, scale, batch)
-        gqa_store_kv(self.kv_cache, batch.slot_mapping, k.contiguous(), v.contiguous())
+        gqa_store_kv(self.kv_cache, batch.slot_mapping, k, v)
         return gqa_decode(
             q, self.kv_cache, batch.page_table, batch.seq_lens, batch.decode_q_len, scale, torch.empty_like(q)
         )

@@ -44,12 +44,13 @@ def _store_kernel(
 
 
 def gqa_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v [T, kv_heads, d] (contiguous per token) -> cache [pages, page_size, 2, kv_heads, d] at flat slots
+    """k, v [T, kv_heads, d] (any token stride: column views of a fused q|k|v output are read in place; a token's
+    heads not back to back are copied first) -> cache [pages, page_size, 2, kv_heads, d] at flat slots
     page * page_size + offset (slots < 0 skipped)."""
     T, kvh, d = k.shape
     if T == 0:
         return
-    k, v = k.reshape(T, kvh * d), v.reshape(T, kvh * d)
+    k, v = k.reshape(T, kvh * d), v.reshape(T, kvh * d)  # views where each token's heads are dense
     _store_kernel[(T,)](
         cache,
         slots,

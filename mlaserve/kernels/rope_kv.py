@@ -1,7 +1,9 @@
 """RoPE over interleaved pairs fused with the latent KV-cache write, the query RoPE (layers.rotary.apply_rope), and
-the step's cos/sin tables (layers.rotary.RotaryEmbedding).
+the step's cos/sin tables (layers.rotary.RotaryEmbedding); and the rotate-half RoPE of the Llama EAGLE3 draft's
+queries and keys (layers.rotary_llama.apply_rope_neox).
 
-out[2i] = x[2i] cos[i] - x[2i+1] sin[i];  out[2i+1] = x[2i+1] cos[i] + x[2i] sin[i], computed in fp32.
+out[2i] = x[2i] cos[i] - x[2i+1] sin[i];  out[2i+1] = x[2i+1] cos[i] + x[2i] sin[i], computed in fp32 (rotate-half:
+the pairs are (x[i], x[i + P/2])).
 """
 
 from __future__ import annotations
@@ -260,6 +262,87 @@ def _rope_q_kernel(
         BLOCK_H,
         BLOCK_P,
     )
+
+
+@triton.jit
+def _rope_neox_kernel(
+    X,
+    Cos,
+    Sin,
+    Out,
+    T,
+    H,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_cos,
+    stride_sin,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """rope_neox: tokens [BLOCK_T] x heads [BLOCK_H] a program, each row's two halves (x1 = x[:HALF], x2 =
+    x[HALF:]) rotated as (x1 cos - x2 sin, x2 cos + x1 sin) in fp32. Every element is read and written by the
+    same program, so out may alias x."""
+    pdl_start(PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, BLOCK_HALF)
+    t64 = t.to(tl.int64)
+    ok = (t < T)[:, None, None] & (h < H)[None, :, None] & (i < HALF)[None, None, :]
+    src = X + t64[:, None, None] * stride_xt + h[None, :, None] * stride_xh + i[None, None, :]
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    cs_ok = (t < T)[:, None] & (i < HALF)[None, :]
+    cs = tl.load(Cos + t64[:, None] * stride_cos + i[None, :], mask=cs_ok, other=0.0)[:, None, :]
+    sn = tl.load(Sin + t64[:, None] * stride_sin + i[None, :], mask=cs_ok, other=0.0)[:, None, :]
+    y1, y2 = _rotate_pairs(x1, x2, cs, sn)
+    dst = Out + t64[:, None, None] * stride_ot + h[None, :, None] * stride_oh + i[None, None, :]
+    tl.store(dst, y1.to(Out.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, y2.to(Out.dtype.element_ty), mask=ok)
+
+
+def rope_neox(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, pdl: bool = True
+) -> torch.Tensor:
+    """Llama's rotate-half RoPE (layers.rotary_llama.apply_rope_neox) in one launch: x [T, H, P] -> out [T, H, P],
+    any token and head strides with a unit last one (out may be x itself); cos/sin [T, P/2] fp32."""
+    T, H, P = x.shape
+    if out.shape != x.shape or P % 2 or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(
+            f"out {tuple(out.shape)} must match x {tuple(x.shape)}, with an even last dim and unit last strides"
+        )
+    _check_cos_sin(cos, sin, T, P)
+    if T == 0:
+        return out
+    block_half = triton.next_power_of_2(P // 2)
+    block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_half))
+    block_t = max(1, 2048 // (block_h * block_half))  # ~4k elements a program (not from T: one compile per H, P)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    _rope_neox_kernel[grid](
+        x,
+        cos,
+        sin,
+        out,
+        T,
+        H,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HALF=P // 2,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=4,
+        **pdl_args(x, pdl),
+    )
+    return out
 
 
 def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None:

@@ -57,3 +57,27 @@ def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x[..., : d // 2].float(), x[..., d // 2 :].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pdl: bool = True) -> torch.Tensor:
+    """apply_rope_neox in place: one launch on the GPU (kernels/rope_kv.rope_neox; x [T, heads, d] may be a strided
+    view, unit last stride), the torch ops elsewhere (ten launches a call there)."""
+    if x.is_cuda:
+        from ..kernels.rope_kv import rope_neox
+
+        return rope_neox(x, cos, sin, x, pdl)
+    x.copy_(apply_rope_neox(x, cos, sin))
+    return x
+
+
+def llama_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, pdl: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, d/2] fp32 of positions [T]: cos(pos * inv_freq) * scale and sin(...) * scale; one launch on the
+    GPU (kernels/rope_kv.rope_cos_sin, the same values), six torch ops elsewhere."""
+    if positions.is_cuda:
+        from ..kernels.rope_kv import rope_cos_sin
+
+        return rope_cos_sin(positions, inv_freq, scale, pdl)
+    f = positions.float()[:, None] * inv_freq
+    return f.cos() * scale, f.sin() * scale

@@ -23,10 +23,11 @@ from torch import nn
 from ..attention.base import ForwardBatch
 from ..distributed import tp
 from ..distributed.tp import RankInfo
+from ..kernel_config import KernelConfig
 from ..layers.embedding import ParallelLMHead
-from ..layers.linear import Linear
+from ..layers.linear import Linear, linear_many, stack_rows
 from ..layers.norm import RMSNorm
-from ..layers.rotary_llama import apply_rope_neox, llama_rope
+from ..layers.rotary_llama import apply_rope_neox, llama_cos_sin, llama_rope, rope_neox_
 from .deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP
 from .eagle3_config import LLAMA_ARCHS, MLA_ARCHS, DraftConfig
 from .weights import CheckpointError, checkpoint_files
@@ -53,7 +54,10 @@ def rope_neox(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
 
 
 class LlamaEagle3Attention(nn.Module):
-    """GQA attention over the draft's paged K/V cache; q/k/v read the 2H-wide input."""
+    """GQA attention over the draft's paged K/V cache; q/k/v read the 2H-wide input, by one GEMM (their weights
+    stacked by stack_rows), and q and k are rotated in place, in one launch on the GPU."""
+
+    kernels = KernelConfig()  # the model's, once built (kernel_config.use_kernels)
 
     def __init__(self, cfg: DraftConfig, dtype, ranks: RankInfo = RankInfo()):
         super().__init__()
@@ -66,16 +70,34 @@ class LlamaEagle3Attention(nn.Module):
         self.v_proj = Linear(2 * cfg.hidden_size, nkv * hd, **col)
         self.o_proj = Linear(nh * hd, cfg.hidden_size, shard="row", rank=ranks.rank, size=W, dtype=dtype)
         self.reduce = W > 1
+        stack_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, batch: ForwardBatch):
         """x [T, 2H]; cos/sin [T, d/2] fp32 (the scaled RoPE's, attention_factor included)."""
         c, T = self.cfg, x.shape[0]
-        q = apply_rope_neox(self.q_proj(x).view(T, self.num_heads, c.head_dim), cos, sin)
-        k = apply_rope_neox(self.k_proj(x).view(T, self.num_kv_heads, c.head_dim), cos, sin)
-        v = self.v_proj(x).view(T, self.num_kv_heads, c.head_dim)
+        q, k, v = (
+            t.view(T, n, c.head_dim)  # column views of one [T, (heads + 2 kv heads) hd] output when stacked
+            for t, n in zip(
+                linear_many(x, self.q_proj, self.k_proj, self.v_proj),
+                (self.num_heads, self.num_kv_heads, self.num_kv_heads),
+            )
+        )
+        qk = _side_by_side(q, k)
+        for t in (q, k) if qk is None else (qk,):
+            rope_neox_(t, cos, sin, self.kernels.pdl)
         out = batch.attn.forward(q, k, v, c.head_dim**-0.5, batch)  # [T, heads of this rank, hd]
         out = self.o_proj(out.reshape(T, -1))
         return tp.all_reduce(out) if self.reduce else out
+
+
+def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, Hq, d] and k [T, Hk, d] as one [T, Hq + Hk, d] view where k's heads follow q's in each row of one
+    buffer (linear_many's stacked output), so one RoPE launch rotates both; else None."""
+    T, Hq, d = q.shape
+    same = q.stride() == (q.stride(0), d, 1) and k.stride() == (q.stride(0), d, 1) and q.dtype == k.dtype
+    if not same or k.data_ptr() != q.data_ptr() + Hq * d * q.element_size():
+        return None
+    return q.as_strided((T, Hq + k.shape[1], d), (q.stride(0), d, 1))
 
 
 class Eagle3MidLayer(nn.Module):
@@ -144,8 +166,7 @@ class Eagle3Draft(nn.Module):
         """(cos, sin) [T, d/2] fp32 of the midlayer's RoPE."""
         if self.rotary is not None:
             return self.rotary(positions)
-        f = positions.float()[:, None] * self.inv_freq
-        return f.cos() * self.rope_scale, f.sin() * self.rope_scale
+        return llama_cos_sin(positions, self.inv_freq, self.rope_scale, self.midlayer.self_attn.kernels.pdl)
 
     def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's aux states [T, n*Ht] -> fc's output [T, H], through the config's norms."""

@@ -552,6 +552,15 @@ def test_rope_q_real(H):
     kc.check_rope_q("cuda", torch.float32, T=77, H=H, P=64, alias=True, head_major=True)
 
 
+@pytest.mark.parametrize("H,P", [(16, 128), (6, 16), (48, 64)])
+def test_rope_neox_real(H, P):
+    # the Llama drafts' q|k heads (Kimi-K2.5's draft 64 + 8 over TP, the default model's 4 + 2): decode, verify and
+    # an 8k prefill, in place and into another buffer
+    for T, alias in ((1, True), (16, False), (8192, True), (8191, False)):
+        kc.check_rope_neox("cuda", BF, T=T, H=H, P=P, alias=alias)
+    kc.check_rope_neox("cuda", torch.float32, T=77, H=H, P=P, alias=True)
+
+
 @pytest.mark.parametrize("T", [1, 2, 33, 8192])
 def test_rope_cos_sin_real(T):
     # bit-equal to RotaryEmbedding's torch ops at the models' 32 frequencies, unscaled (Moonlight) and YaRN-scaled

@@ -485,6 +485,29 @@ def cuda_graph(fn):
     return g, result
 
 
+def check_rope_neox(device, dtype, *, T: int, H: int, P: int, alias: bool):
+    """rope_neox against layers.rotary_llama.apply_rope_neox: x a column view of a wider buffer (a fused q|k|v
+    output's q|k), rotated in place (alias) or into a NaN-poisoned view of another buffer; the buffer's other
+    columns must come back untouched."""
+    from mlaserve.kernels.rope_kv import rope_neox
+    from mlaserve.layers.rotary_llama import apply_rope_neox
+
+    buf = torch.randn(T, H * P + 24, device=device).to(dtype)
+    x = buf[:, 8 : 8 + H * P].view(T, H, P)
+    before, ref_x = buf.clone(), x.clone()
+    pos = torch.randint(0, 4096, (T,), device=device).float()
+    freqs = pos[:, None] * (1e-4 ** (torch.arange(P // 2, device=device) / (P // 2)))
+    cos, sin = freqs.cos(), freqs.sin()
+    ref = apply_rope_neox(ref_x, cos, sin)
+    out = x if alias else nan_like((T, H, P + 8), dtype, device)[..., 4 : 4 + P]
+    rope_neox(x, cos, sin, out)
+    what = f"rope_neox T={T} H={H} P={P} alias={alias} {dtype}"
+    assert torch.equal(buf[:, :8], before[:, :8]) and torch.equal(buf[:, 8 + H * P :], before[:, 8 + H * P :]), what
+    if not alias:
+        assert torch.equal(x, ref_x), f"{what}: x changed"
+    return assert_close(out, ref, dtype, what)
+
+
 def check_rope_cos_sin(device, *, T: int, half: int, scale: float, pos_dtype=torch.int64, exact: bool = False):
     """rope_cos_sin against RotaryEmbedding's torch form (positions up to 2^20, YaRN-like frequencies); exact:
     bit-equal (compiled: tl.cos/tl.sin are CUDA's precise cosf/sinf, which torch's kernels call)."""

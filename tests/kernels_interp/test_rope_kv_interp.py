@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.helpers.kernel_checks import check_rope_cos_sin, check_rope_q, check_rope_store_kv
+from tests.helpers.kernel_checks import check_rope_cos_sin, check_rope_neox, check_rope_q, check_rope_store_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -41,3 +41,11 @@ def test_rope_q_odd_heads_head_major(kdev, alias):
 def test_rope_cos_sin(kdev, T, half, scale, pos_dtype):
     # one launch for RotaryEmbedding's five torch ops: several token blocks, padded frequency lanes, int32 positions
     check_rope_cos_sin(kdev, T=T, half=half, scale=scale, pos_dtype=pos_dtype)
+
+
+@pytest.mark.parametrize("alias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,P", [(5, 6, 16), (3, 3, 12), (70, 2, 64)])
+def test_rope_neox(kdev, dtype, alias, T, H, P):
+    # the Llama draft's q|k (rotate-half pairs): several heads, a padded half (P=12), several token blocks (T=70)
+    check_rope_neox(kdev, dtype, T=T, H=H, P=P, alias=alias)
