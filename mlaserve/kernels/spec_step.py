@@ -184,6 +184,99 @@ def draft_inputs(
     )
 
 
+_POS_ARGS = ["Base", "Acc", "PageTable", "ExtPos", "ExtSlots", "ExtSeq", "Rows", "DecPos", "DecSlots", "DecSeq"]
+
+
+@triton.jit(do_not_specialize=_POS_ARGS + ["stride_pt", "stride_dec", "max_pages", "page_size"])
+def _draft_positions_kernel(
+    Base,
+    Acc,
+    PageTable,
+    ExtPos,
+    ExtSlots,
+    ExtSeq,
+    Rows,
+    DecPos,
+    DecSlots,
+    DecSeq,
+    stride_pt,
+    stride_dec,
+    max_pages,
+    page_size,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    K1: tl.constexpr,
+    K1P: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program b: row b's extension over its N verified positions (from Base[b]; -1: a padding row, whose slots are
+    -1), the row its draft token is taken from (b N + Acc[b]), and its K1 chained one-token steps' positions (from
+    Base[b] + Acc[b] + 1), KV slots and lengths."""
+    pdl_start(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    base = tl.load(Base + b)
+    acc = tl.load(Acc + b)
+    live = base >= 0
+    start = tl.maximum(base, 0)
+    j = tl.arange(0, NP)
+    ok = j < N
+    q = start + j
+    page = tl.load(PageTable + b * stride_pt + tl.minimum(q // page_size, max_pages - 1), mask=ok, other=0)
+    tl.store(ExtPos + b * N + j, q, mask=ok)
+    tl.store(ExtSlots + b * N + j, tl.where(live, page.to(tl.int64) * page_size + q % page_size, -1), mask=ok)
+    tl.store(ExtSeq + b, (start + N).to(tl.int32))
+    tl.store(Rows + b, b * N + acc)
+    if K1 > 0:
+        i = tl.arange(0, K1P)
+        ok = i < K1
+        q = start + acc + 1 + i
+        page = tl.load(PageTable + b * stride_pt + tl.minimum(q // page_size, max_pages - 1), mask=ok, other=0)
+        tl.store(DecPos + i * stride_dec + b, q, mask=ok)
+        tl.store(
+            DecSlots + i * stride_dec + b, tl.where(live, page.to(tl.int64) * page_size + q % page_size, -1), mask=ok
+        )
+        tl.store(DecSeq + i * stride_dec + b, (q + 1).to(tl.int32), mask=ok)
+
+
+def draft_positions(
+    base: torch.Tensor,
+    acc: torch.Tensor,
+    page_table: torch.Tensor,
+    ext: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: torch.Tensor,
+    dec: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    N: int,
+    page_size: int,
+    pdl: bool = True,
+) -> None:
+    """The draft step's positions for B = len(base) rows in one launch (DraftGraphs._prepare's torch code): ext =
+    (positions [B N] int64, slots [B N] int64, lengths [B] int32) of the extension over each row's N verified
+    positions, rows [B] int64 = b N + acc[b], and dec = (positions, slots, lengths) [K - 1, >= B] (int64, int64,
+    int32, unit column stride) of the chained steps, or None (K = 1). base, acc [B] int64; page_table int32 [>= B,
+    max_pages]."""
+    B = base.shape[0]
+    K1 = 0 if dec is None else dec[0].shape[0]
+    dec_t = dec if dec is not None else ext
+    _draft_positions_kernel[(B,)](
+        base,
+        acc,
+        page_table,
+        *ext,
+        rows,
+        *dec_t,
+        page_table.stride(0),
+        dec_t[0].stride(0),
+        page_table.shape[1],
+        page_size,
+        N=N,
+        NP=max(2, triton.next_power_of_2(N)),
+        K1=K1,
+        K1P=max(2, triton.next_power_of_2(max(K1, 1))),
+        num_warps=1,
+        **pdl_args(base, pdl),
+    )
+
+
 _PACK_ARGS = ["Y", "Acc", "Drafts", "Ids", "Rows", "Base", "Shift", "RingRow", "stride_y", "stride_d", "stride_r"]
 
 

@@ -91,6 +91,15 @@ class DraftGraphs:
     def _prepare(self, B: int) -> None:
         """The extension's and the chain's positions, KV slots and lengths, and the rows taken, from the inputs."""
         N, ps = self.N, self.p.page_size
+        if self.base.is_cuda:  # one launch for the torch code below (kernels/spec_step.py)
+            from ..kernels.spec_step import draft_positions
+
+            ext = (self.ext_pos[: B * N], self.ext_slots[: B * N], self.ext_seq[:B])
+            dec = (self.dec_pos[:, :B], self.dec_slots[:, :B], self.dec_seq[:, :B]) if self.K > 1 else None
+            draft_positions(
+                self.base[:B], self.acc[:B], self.page_table[:B], ext, self.rows[:B], dec, N, ps, self.p.pdl
+            )
+            return
         base, acc = self.base[:B], self.acc[:B]
         live = (base >= 0)[:, None]
         start = base.clamp(min=0)

@@ -112,3 +112,36 @@ def test_pack_step(kdev, B, N, R, r):
     if kdev != "cpu":
         torch.cuda.synchronize()
     assert torch.equal(ids, ref_ids) and torch.equal(shift, ref_shift) and torch.equal(ring, ref_ring)
+
+
+@pytest.mark.parametrize("B,K,page_size", [(1, 1, 16), (5, 1, 4), (4, 3, 2), (7, 2, 64)])
+def test_draft_positions(kdev, B, K, page_size):
+    """DraftGraphs._prepare's torch code (the CPU's) against the kernel: rows past B of every buffer keep their
+    poison; padding rows (base -1) get slots -1; positions cross page boundaries."""
+    from types import SimpleNamespace
+
+    from mlaserve.kernels.spec_step import draft_positions
+    from mlaserve.spec.draft_graph import DraftGraphs
+
+    g = torch.Generator().manual_seed(B * 7 + K)
+    p = SimpleNamespace(k=K, device="cpu", draft=SimpleNamespace(hidden_dtype=torch.float32), page_size=page_size)
+    p.pdl, p.attn = False, None
+    max_pages = 10
+    dg = DraftGraphs(p, max_bs=B + 3, max_pages=max_pages, hidden_dim=8)
+    M = dg.base.shape[0]
+    for t in (dg.ext_pos, dg.ext_slots, dg.ext_seq, dg.rows, dg.dec_pos, dg.dec_slots, dg.dec_seq):
+        t.fill_(POISON)
+    dg.base.copy_(torch.randint(0, (max_pages - 2) * page_size - K - 2, (M,), generator=g))
+    dg.base[torch.randperm(B, generator=g)[: B // 3]] = -1  # padding rows
+    dg.acc.copy_(torch.randint(0, K + 1, (M,), generator=g))
+    dg.page_table.copy_(torch.stack([torch.randperm(100, generator=g)[:max_pages] for _ in range(M)]))
+    outs = ("ext_pos", "ext_slots", "ext_seq", "rows", "dec_pos", "dec_slots", "dec_seq")
+    dev = {n: getattr(dg, n).clone().to(kdev) for n in ("base", "acc", "page_table", *outs)}
+    dg._prepare(B)
+    N = K + 1
+    ext = (dev["ext_pos"][: B * N], dev["ext_slots"][: B * N], dev["ext_seq"][:B])
+    dec = (dev["dec_pos"][:, :B], dev["dec_slots"][:, :B], dev["dec_seq"][:, :B]) if K > 1 else None
+    draft_positions(dev["base"][:B], dev["acc"][:B], dev["page_table"][:B], ext, dev["rows"][:B], dec, N, page_size)
+    for n in outs:
+        assert torch.equal(dev[n].cpu(), getattr(dg, n)), n
+    assert (dg.ext_slots[: B * N].view(B, N)[dg.base[:B] < 0] == -1).all()
