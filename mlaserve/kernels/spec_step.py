@@ -387,6 +387,10 @@ def warm_up(N: int, page_size: int, device, pdl: bool = True) -> None:
         draft_inputs(y, acc, shift, torch.zeros(2 * N, **z), torch.zeros(2, **z), base, 2, pdl)
     pack_verified(y, acc, y[:, 1:], pdl)
     table = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    ext = (torch.zeros(2 * N, **z), torch.zeros(2 * N, **z), torch.zeros(2, **i32))
+    dec = (torch.zeros(N - 2, 2, **z), torch.zeros(N - 2, 2, **z), torch.zeros(N - 2, 2, **i32)) if N > 2 else None
+    draft_positions(base, acc, table, ext, torch.zeros(2, **z), dec, N, page_size, pdl)
     shift_decode(
         torch.zeros(2 * N, **z),
         torch.zeros(2, dtype=torch.int32, device=device),
