@@ -319,9 +319,7 @@ def rope_neox(
     if T == 0:
         return out
     block_half = triton.next_power_of_2(P // 2)
-    block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_half))
-    block_t = max(1, 2048 // (block_h * block_half))  # ~4k elements a program (not from T: one compile per H, P)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    block_h, block_t, grid = _rope_tiles(T, H, 2 * block_half)
     _rope_neox_kernel[grid](
         x,
         cos,
@@ -343,6 +341,14 @@ def rope_neox(
         **pdl_args(x, pdl),
     )
     return out
+
+
+def _rope_tiles(T: int, H: int, block_p: int) -> tuple[int, int, tuple[int, int]]:
+    """(BLOCK_H, BLOCK_T, grid) of the query RoPEs: ~4k elements a program of block_p-wide rows (not from T: one
+    compile per H, P)."""
+    block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_p))
+    block_t = max(1, 4096 // (block_h * block_p))
+    return block_h, block_t, (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
 
 
 def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, P: int) -> None:
@@ -447,9 +453,7 @@ def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     if T == 0:
         return out
     block_p = max(2, triton.next_power_of_2(P))
-    block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_p))
-    block_t = max(1, 4096 // (block_h * block_p))  # ~4k elements a program (not from T: one compile per H, P)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(H, block_h))
+    block_h, block_t, grid = _rope_tiles(T, H, block_p)
     _rope_q_kernel[grid](
         x,
         cos,
