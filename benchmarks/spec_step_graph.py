@@ -5,6 +5,8 @@ ms per engine step, output tokens/s, the mean accepted length, the steps the ste
 plain decoding's. Needs a GPU (the launches are what the step graph saves the host).
 
     python benchmarks/spec_step_graph.py [--k 1] [--rounds 3] [--max-tokens 256] [--out DIR]
+    PYTHONPATH=$PWD/ab/new python benchmarks/spec_step_graph.py --model mlaserve/assets/pycode-13m \
+        --draft mlaserve/assets/pycode-13m-eagle3   # the engine of an ab_trees.sh tree (made without the assets)
 """
 
 from __future__ import annotations
@@ -48,13 +50,16 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--model", default=None, help="the target (default: the shipped default model)")
+    ap.add_argument("--draft", default=None, help="its EAGLE3 draft, with eval_prompts.jsonl (default: shipped)")
     a = ap.parse_args()
-    draft = default_draft_path()
+    draft = a.draft or default_draft_path()
+    model = a.model or default_model_path()
     with open(os.path.join(draft, "eval_prompts.jsonl")) as f:
         prompts = [json.loads(line)["prompt_token_ids"] for line in f][: a.prompts]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     rows, plain = [], {}
-    llm = LLM(default_model_path(), max_model_len=1024, num_pages=1024)
+    llm = LLM(model, max_model_len=1024, num_pages=1024)
     llm.generate(prompts[:1], params, use_tqdm=False)
     for r in range(2):
         for b in (1, 8):
@@ -63,7 +68,7 @@ def main() -> None:
     llm.close()
     del llm
     spec = {"algorithm": "EAGLE3", "draft_model": draft, "num_steps": a.k}
-    llm = LLM(default_model_path(), max_model_len=1024, num_pages=1024, speculative_config=spec)
+    llm = LLM(model, max_model_len=1024, num_pages=1024, speculative_config=spec)
     eng = llm.engine
     loop = getattr(eng.loop, "loop", eng.loop)  # the SpecLoop an OverlapLoop wraps
     graphs = eng.spec_step_graphs
