@@ -554,8 +554,8 @@ def test_rope_q_real(H):
 
 @pytest.mark.parametrize("H,P", [(16, 128), (6, 16), (48, 64)])
 def test_rope_neox_real(H, P):
-    # the Llama drafts' q|k heads (Kimi-K2.5's draft 64 + 8 over TP, the default model's 4 + 2): decode, verify and
-    # an 8k prefill, in place and into another buffer
+    # q|k heads of Llama drafts (a TP4 rank's 16 query heads of 128, the default draft's 4 + 2 of 16, 48 of 64):
+    # decode, verify and an 8k prefill, in place and into another buffer
     for T, alias in ((1, True), (16, False), (8192, True), (8191, False)):
         kc.check_rope_neox("cuda", BF, T=T, H=H, P=P, alias=alias)
     kc.check_rope_neox("cuda", torch.float32, T=77, H=H, P=P, alias=True)
