@@ -628,7 +628,7 @@ def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
             key=lambda r: -r[1],
         )
         total = sum(r[1] for r in rows)
-        top = [{"name": k[:90], "ms": ms, "count": c, "us_per_call": 1e3 * ms / c} for k, ms, c in rows[:40]]
+        top = [{"name": k[:90], "ms": ms, "count": c, "us_per_call": 1e3 * ms / c} for k, ms, c in rows]
         out[name] = {
             "total_ms": total,
             "passes": n,

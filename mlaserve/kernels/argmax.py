@@ -3,7 +3,8 @@
 torch reduces a [1, 163840] row in one thread block (8.3 us on the H200, after every decode step at batch 1);
 here each row is cut into blocks of BLOCK values, each program reduces one block to (its max, the first index of
 it), and one program per row reduces those. torch's rules hold: the FIRST index of the maximum wins, and a NaN
-counts as larger than everything (the first NaN's index wins).
+counts as larger than everything (the first NaN's index wins). With `offsets` (an EAGLE3 draft's d2t) the second
+launch writes i + offsets[i], the draft id mapped to the target's, where torch takes two more launches.
 """
 
 from __future__ import annotations
@@ -47,17 +48,21 @@ def _argmax_rows_kernel(
     PartV,
     PartI,
     Out,
+    Offsets,
     Host,
     HostRow,
     NB,
+    stride_out,
     stride_host,
     BLOCK_NB: tl.constexpr,
+    OFFSETS: tl.constexpr,
     HOST: tl.constexpr,
     HOST_ROW: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program b: Out[b] = the index of row b's first maximum, from its blocks' (max, first index): block j's
-    indices all precede block j+1's, so the first block holding the row's max (or a NaN) has the answer.
+    """Program b: Out[b] = the index i of row b's first maximum, from its blocks' (max, first index): block j's
+    indices all precede block j+1's, so the first block holding the row's max (or a NaN) has the answer. OFFSETS:
+    Out[b] = i + Offsets[i].
     HOST: also Host[r, b] with r = HostRow[0] (HOST_ROW) or 0: pinned host memory written over the bus, so no copy
     launch follows, and from inside a CUDA graph (the row, read at run time, picks a slot of a ring)."""
     pdl_release(PDL)
@@ -72,7 +77,9 @@ def _argmax_rows_kernel(
     v = tl.load(PartV + b * NB + j, mask=ok, other=float("-inf"))
     _, jb = _first_max(v, j, ok)
     tok = tl.load(PartI + b * NB + jb).to(tl.int64)
-    tl.store(Out + b, tok)
+    if OFFSETS:
+        tok += tl.load(Offsets + tok)
+    tl.store(Out + b * stride_out, tok)
     if HOST:
         tl.store(Host + r * stride_host + b, tok)
 
@@ -83,8 +90,10 @@ def argmax_rows(
     host: torch.Tensor | None = None,
     host_row: torch.Tensor | None = None,
     pdl: bool = True,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [B, V] fp32/bf16/fp16 (a unit last stride) -> out [B] int64 (given, or new), equal to x.argmax(-1).
+    """x [B, V] fp32/bf16/fp16 (a unit last stride) -> out [B] int64 (given, any stride, or new), equal to
+    x.argmax(-1); with offsets (int64 [V] on x's device): i + offsets[i] of that i.
     host: pinned CPU int64 the kernel also writes: [B], or a ring [R, >= B] whose row host_row (an int32 [1] on
     x's device, read when the kernel runs) it writes. Read it after an event recorded behind this call."""
     if x.dim() != 2 or x.stride(-1) != 1 or not x.is_floating_point():
@@ -95,8 +104,12 @@ def argmax_rows(
     B, V = x.shape
     if V == 0 or V >= 2**31:
         raise ValueError(f"argmax_rows: V={V} must be in [1, 2^31)")
-    if out is not None and (out.shape != (B,) or out.dtype != torch.int64 or not out.is_contiguous()):
-        raise ValueError(f"argmax_rows: out must be a contiguous int64 [{B}], got {tuple(out.shape)} {out.dtype}")
+    if out is not None and (out.shape != (B,) or out.dtype != torch.int64 or out.device != x.device):
+        raise ValueError(f"argmax_rows: out must be an int64 [{B}] on {x.device}, got {tuple(out.shape)} {out.dtype}")
+    if offsets is not None and (offsets.shape != (V,) or offsets.dtype != torch.int64 or offsets.device != x.device):
+        raise ValueError(
+            f"argmax_rows: offsets must be an int64 [{V}] on {x.device}, got {tuple(offsets.shape)} {offsets.dtype}"
+        )
     if host is not None:
         shape_ok = host.shape == (B,) if host_row is None else (host.dim() == 2 and host.shape[1] >= B)
         if not shape_ok or host.dtype != torch.int64 or host.stride(-1) != 1 or host.device.type != "cpu":
@@ -120,11 +133,14 @@ def argmax_rows(
         part_v,
         part_i,
         out,
+        out if offsets is None else offsets,
         out if host is None else host,
         out if host_row is None else host_row,
         nb,
+        out.stride(0),
         0 if host is None or host_row is None else host.stride(0),
         BLOCK_NB=max(2, triton.next_power_of_2(nb)),
+        OFFSETS=offsets is not None,
         HOST=host is not None,
         HOST_ROW=host_row is not None,
         num_warps=1,

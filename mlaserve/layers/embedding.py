@@ -65,3 +65,11 @@ class ParallelLMHead(VocabParallelEmbedding):
                 )
         y = invariant_linear(h, self.weight, self.kernels)  # deterministic mode: the same per row at every size
         return (F.linear(h, self.weight) if y is None else y).float()
+
+
+def whole_table(embed: nn.Module) -> torch.Tensor | None:
+    """The [V, H] weight of an embedding that holds the whole vocabulary (the draft's own, or a target's on one
+    rank), whose rows the draft's input norm can gather; None for a vocabulary split over ranks."""
+    if isinstance(embed, nn.Embedding) or (isinstance(embed, VocabParallelEmbedding) and embed.size == 1):
+        return embed.weight
+    return None

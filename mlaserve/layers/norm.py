@@ -26,20 +26,36 @@ class RMSNorm(nn.Module):
             and (residual is None or residual.dtype == x.dtype)
         )
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """-> norm(x); with `residual`: (norm(x + residual), x + residual)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        *,
+        rows: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ):
+        """-> norm(x); with `residual`: (norm(x + residual), x + residual). rows [R]: of x[rows] (and
+        residual[rows]) only, gathered by the kernel itself on the GPU. out (no residual): the norm's output, any
+        row stride."""
         kernel = self.uses_kernel(x, residual)
         if residual is not None:
+            if out is not None:
+                raise ValueError("RMSNorm: out is for the norm without a residual")
             if kernel:
                 from ..kernels.rmsnorm import add_rms_norm
 
-                return add_rms_norm(x, residual, self.weight, self.eps, pdl=self.kernels.pdl)
+                return add_rms_norm(x, residual, self.weight, self.eps, pdl=self.kernels.pdl, rows=rows)
+            if rows is not None:
+                x, residual = x[rows], residual[rows]
             s = x + residual
             return self(s), s
         if kernel:  # one kernel on the GPU
             from ..kernels.rmsnorm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, pdl=self.kernels.pdl)
+            return rms_norm(x, self.weight, self.eps, pdl=self.kernels.pdl, rows=rows, out=out)
+        if rows is not None:
+            x = x[rows]
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        y = self.weight * h.to(x.dtype)
+        return y if out is None else out.copy_(y)

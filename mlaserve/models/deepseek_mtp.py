@@ -26,7 +26,7 @@ from torch import nn
 from ..attention.base import ForwardBatch
 from ..config import ModelConfig
 from ..distributed.tp import RankInfo
-from ..layers.embedding import ParallelLMHead
+from ..layers.embedding import ParallelLMHead, whole_table
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -82,13 +82,39 @@ class DeepseekMTP(nn.Module):
     def hidden_dtype(self) -> torch.dtype:
         return self.layer.eh_proj.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        rows: torch.Tensor | None = None,
+    ):
+        """rows [R]: return those rows only."""
         m = self.layer
-        e = m.enorm(self.embed_tokens(input_ids))
-        x = m.eh_proj(torch.cat([e, m.hnorm(hidden.to(e.dtype))], dim=-1))  # [T, D]: the stream entering the layer
+        D = hidden.shape[-1]
+        table = whole_table(self.embed_tokens)
+        dtype = self.embed_tokens.weight.dtype
+        eh = torch.empty(input_ids.shape[0], 2 * D, dtype=dtype, device=hidden.device)  # both norms write a half
+        if table is not None:  # the norm gathers the embedding rows itself
+            m.enorm(table, rows=input_ids, out=eh[:, :D])
+        else:
+            m.enorm(self.embed_tokens(input_ids), out=eh[:, :D])
+        m.hnorm(hidden.to(dtype), out=eh[:, D:])
+        x = m.eh_proj(eh)  # [T, D]: the stream entering the layer
         cos, sin = self.rotary(positions)
         normed, _ = m(m.input_layernorm(x), x, cos, sin, batch, m.shared_head.norm)
+        if rows is not None:
+            normed = normed[rows]
         return normed, normed
 
-    def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(normed).argmax(-1)  # the target's head path (its GEMV at 1-2 rows on a GPU)
+    def draft_token_ids(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy tokens [n] (into out, any stride, where given) by the target's head path (its GEMV at 1-2 rows on
+        a GPU) and the two-launch arg-max."""
+        logits = self.lm_head(normed)
+        if logits.is_cuda:
+            from ..kernels.argmax import argmax_rows
+
+            return argmax_rows(logits, out=out, pdl=self.lm_head.kernels.pdl)
+        tok = logits.argmax(-1)
+        return tok if out is None else out.copy_(tok)

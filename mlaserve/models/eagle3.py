@@ -17,15 +17,14 @@ fc, the norms and d2t whole on every rank.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import ForwardBatch
 from ..distributed import tp
 from ..distributed.tp import RankInfo
 from ..kernel_config import KernelConfig
-from ..layers.embedding import ParallelLMHead
-from ..layers.linear import Linear, linear_many, stack_rows
+from ..layers.embedding import ParallelLMHead, whole_table
+from ..layers.linear import Linear, linear, linear_many, stack_rows
 from ..layers.norm import RMSNorm
 from ..layers.rotary_llama import apply_rope_neox, llama_cos_sin, llama_rope, rope_neox_
 from .deepseek_v3 import DeepseekV3Attention, DeepseekV3MLP
@@ -114,11 +113,19 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = DeepseekV3MLP(H, cfg.intermediate_size, ranks, dtype)
 
-    def forward(self, embeds, hidden, batch, rope):
-        """rope: (cos, sin) of the step's positions."""
-        normed = self.hidden_norm(hidden)
+    def forward(self, input_ids, embed, hidden, batch, rope):
+        """input_ids [T], embed: the embedding they are looked up in, hidden [T, H]; rope: (cos, sin) of the step's
+        positions. The two norms write the halves of the attention's input [T, 2H] (no concatenation), and the
+        input norm gathers its rows from a whole table itself (no embedding launch)."""
+        H = hidden.shape[-1]
+        table = whole_table(embed)
+        x = torch.empty(input_ids.shape[0], 2 * H, dtype=hidden.dtype, device=hidden.device)
+        if table is not None:
+            self.input_layernorm(table, rows=input_ids, out=x[:, :H])
+        else:
+            self.input_layernorm(embed(input_ids), out=x[:, :H])
+        normed = self.hidden_norm(hidden, out=x[:, H:])
         residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [T, 2H]
         a = self.self_attn(x, *rope, batch)
         x, h = self.post_attention_layernorm(a, residual)  # h = residual + a, fused into the norm
         return self.mlp(x), h  # the output and the stream it adds to
@@ -176,22 +183,31 @@ class Eagle3Draft(nn.Module):
             aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(aux)
 
-    def forward(self, input_ids, positions, hidden, batch: ForwardBatch):
-        """hidden: the target's aux states [T, n*Ht] or the draft's own previous output [T, H]."""
-        embeds = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, hidden, batch: ForwardBatch, rows: torch.Tensor | None = None):
+        """hidden: the target's aux states [T, n*Ht] or the draft's own previous output [T, H]. -> (the final
+        norm's output, the stream the next step reads), [T, H] each, or of the rows `rows` [R] alone."""
+        dtype = self.embed_tokens.weight.dtype
         if hidden.shape[-1] != self.cfg.hidden_size:
-            hidden = self.combine_aux(hidden.to(embeds.dtype))
-        out, residual = self.midlayer(embeds, hidden, batch, self.rope(positions))
-        normed, h = self.norm(out, residual)  # h = residual + out
+            hidden = self.combine_aux(hidden.to(dtype))
+        out, residual = self.midlayer(input_ids, self.embed_tokens, hidden.to(dtype), batch, self.rope(positions))
+        normed, h = self.norm(out, residual, rows=rows)  # h = residual + out
         return normed, normed if self.cfg.norm_output else h
 
-    def draft_token_ids(self, normed: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens in target ids. normed [n, H] -> [n]."""
+    def draft_token_ids(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy draft tokens in target ids. normed [n, H] -> [n] (into out, any stride, where given). On the GPU
+        the arg-max and the d2t map are one kernel pair (kernels/argmax.py); the logits of a one- or two-row step
+        come from the Triton GEMV (layers/linear.py)."""
         if isinstance(self.lm_head, ParallelLMHead):
-            i = self.lm_head(normed).argmax(-1)
+            logits = self.lm_head(normed)
         else:
-            i = F.linear(normed, self.lm_head.weight).argmax(-1)
-        return i + self.d2t[i]
+            logits = linear(normed, self.lm_head.weight, self.lm_head.kernels)
+        if logits.is_cuda:
+            from ..kernels.argmax import argmax_rows
+
+            return argmax_rows(logits, out=out, pdl=self.lm_head.kernels.pdl, offsets=self.d2t)
+        i = logits.argmax(-1)
+        tok = i + self.d2t[i]
+        return tok if out is None else out.copy_(tok)
 
 
 def check_vocab_map(path: str, cfg: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor | None) -> None:

@@ -41,6 +41,7 @@ class DraftGraphs:
         self.ext_slots = torch.full((B * N,), -1, **i64)
         self.ext_seq = torch.zeros(B, dtype=torch.int32, device=dev)
         self.rows = torch.zeros(B, **i64)
+        self.toks = torch.zeros(B, self.K, **i64)  # the drafts [B, K], each step's column written by its arg-max
         self.dec_pos = torch.zeros(K1, B, **i64)
         self.dec_slots = torch.full((K1, B), -1, **i64)
         self.dec_seq = torch.zeros(K1, B, dtype=torch.int32, device=dev)
@@ -132,14 +133,13 @@ class DraftGraphs:
                 b.seq_lens_cpu[:] = self.dec_seq[i, :B].tolist()
         draft, ext = self.p.draft, batches[0]
         hidden = self.hidden[: B * self.N] if hidden is None else hidden.to(self.hidden.dtype)
-        normed, h = draft(ext.input_ids, ext.positions, hidden, ext)
-        tok, h = draft.draft_token_ids(normed[self.rows[:B]]), h[self.rows[:B]]
-        toks = [tok]
-        for b in batches[1:]:
+        normed, h = draft(ext.input_ids, ext.positions, hidden, ext, rows=self.rows[:B])  # the taken rows only
+        toks = self.toks[:B]
+        tok = draft.draft_token_ids(normed, out=toks[:, 0])
+        for i, b in enumerate(batches[1:], 1):
             normed, h = draft(tok, b.positions, h, b)
-            tok = draft.draft_token_ids(normed)
-            toks.append(tok)
-        return torch.stack(toks, dim=1)  # [B, K]
+            tok = draft.draft_token_ids(normed, out=toks[:, i])
+        return toks  # [B, K]
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -179,9 +179,8 @@ class Eagle3Proposer:
 
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor):
         batch = ForwardBatch.build([], chunks, self.page_size, self.device, self.attn)
-        normed, h = self.draft(batch.input_ids, batch.positions, hidden, batch)
-        rows = batch.logits_indices
-        return self.draft.draft_token_ids(normed[rows]), h[rows]
+        normed, h = self.draft(batch.input_ids, batch.positions, hidden, batch, rows=batch.logits_indices)
+        return self.draft.draft_token_ids(normed), h
 
     def capture_graphs(self, max_bs: int, max_pages: int, use_graphs: bool = True) -> None:
         """The static draft step after a verify, for up to max_bs requests (captured on every rank of a sharded

@@ -566,6 +566,12 @@ def check_argmax(device, dtype, *, B: int, V: int):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(dev_out, ref) and torch.equal(host, ref.cpu()), f"argmax_rows out/host B={B} V={V}"
+    # with offsets (an EAGLE3 draft's d2t: i -> i + offsets[i]) into a strided column of a poisoned [B, 3] buffer
+    offsets = torch.randint(0, 1000, (V,), generator=g).to(device)
+    cols = torch.full((B, 3), -1, dtype=torch.int64, device=device)
+    argmax_rows(x, out=cols[:, 1], offsets=offsets)
+    assert torch.equal(cols[:, 1], ref + offsets[ref]), f"argmax_rows offsets B={B} V={V}"
+    assert (cols[:, 0] == -1).all() and (cols[:, 2] == -1).all()
     # a ring row picked on the device at run time (as a CUDA graph does): only that row's first B values change
     ring = torch.full((3, B + 2), -1, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
     row = torch.tensor([2], dtype=torch.int32, device=device)

@@ -20,3 +20,7 @@ def test_argmax_rows_rejects():
         argmax_rows(torch.zeros(4, 6).t())
     with pytest.raises(ValueError, match="V=0"):
         argmax_rows(torch.zeros(3, 0))
+    with pytest.raises(ValueError, match="offsets"):
+        argmax_rows(torch.zeros(3, 6), offsets=torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out"):
+        argmax_rows(torch.zeros(3, 6), out=torch.zeros(3, dtype=torch.int32))
