@@ -1,9 +1,13 @@
 """The greedy EAGLE3 step's GPU time alone, M1 shapes (weights made in place, a random draft): for a running batch of
 1 and 8 requests at 512 tokens, its step graph (engine/spec_graph.py) replayed back to back, against the verify's
 graph and the draft's graph replayed back to back (the launches path's two graphs, without its small kernels), and
-each alone; and the host's time in one replay. Needs a GPU.
+each alone; and the host's time in one replay. Needs a GPU. With --model and --draft, a checkpoint and its draft
+from disk instead (the shipped default model: mlaserve/assets/pycode-13m and pycode-13m-eagle3), whose step is
+short enough that the loop's timing is at the mercy of the host: the replays here are the GPU's time alone.
 
     PYTHONPATH=$PWD python benchmarks/spec_step_replay.py [--rounds 3]
+    PYTHONPATH=$PWD python benchmarks/spec_step_replay.py --model mlaserve/assets/pycode-13m \
+        --draft mlaserve/assets/pycode-13m-eagle3
 """
 
 from __future__ import annotations
@@ -38,15 +42,20 @@ def timed(fn, reps: int = 60) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--draft", default="/tmp/m1-dummy-draft")
+    ap.add_argument("--draft", default="/tmp/m1-dummy-draft", help="made for M1 if absent (not with --model)")
+    ap.add_argument("--model", default=None, help="a checkpoint on disk (default: M1 shapes, weights made in place)")
     a = ap.parse_args()
-    path = make_random("moonlight-16b-a3b", "/tmp/cfg-spec-replay", dtype="bfloat16", config_only=True)
-    if not os.path.isdir(a.draft):
-        make_random_draft("kimi-k2.5-eagle3", a.draft, target=path, dtype="bfloat16")
+    if a.model is not None:
+        path, load = a.model, "auto"
+    else:
+        path = make_random("moonlight-16b-a3b", "/tmp/cfg-spec-replay", dtype="bfloat16", config_only=True)
+        load = "dummy"
+        if not os.path.isdir(a.draft):
+            make_random_draft("kimi-k2.5-eagle3", a.draft, target=path, dtype="bfloat16")
     vocab = ModelConfig.from_pretrained(path).vocab_size
     cfg = EngineConfig(
         model=path,
-        load_format="dummy",
+        load_format=load,
         gpu_memory_utilization=0.9,
         enable_prefix_caching=False,
         max_num_seqs=8,
