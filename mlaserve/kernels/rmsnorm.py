@@ -4,9 +4,9 @@ dtype, exactly layers.norm.RMSNorm's rounding. One program per row; rows may be 
 `add_rms_norm` also folds in the residual add that precedes every norm of a decoder layer: s = x + residual
 (rounded to the dtype, as `h + out` is), written out as the new residual stream, and norm(s).
 
-Both take `rows` (int64 [R]): output row i is the norm of input row rows[i], so a gather before the norm (an
-embedding lookup, the rows a draft takes) costs no launch of its own; a row is normed alone, so its bits are those
-of the whole-tensor call's row."""
+Both take `rows` (int32 or int64 [R], any stride): output row i is the norm of input row rows[i], so a gather
+before the norm (an embedding lookup, the rows a draft takes) costs no launch of its own; a row is normed alone, so
+its bits are those of the whole-tensor call's row."""
 
 from __future__ import annotations
 
