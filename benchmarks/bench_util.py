@@ -206,6 +206,19 @@ def bench(fn, sz: Sizes) -> float:
         return do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
+def back_to_back_ms(fn, reps: int = 60, warm: int = 5) -> float:
+    """ms a call of fn (a graph's replay, say) called back to back, after `warm` calls, one sync at each end: the GPU's
+    time a call wherever the host keeps ahead of it."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
 def graph_us(fn, items, replays: int = 5) -> float:
     """Microseconds a call: fn(item) for every item of `items` captured in one CUDA graph (after three eager calls),
     the median of `replays` replays divided by the item count. Items that rotate over more than L2 holds (weights,

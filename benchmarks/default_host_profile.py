@@ -15,24 +15,15 @@ import io
 import json
 import os
 import pstats
+import sys
 import time
 
 import torch
 
-from mlaserve.llm import LLM, default_draft_path, default_model_path
-from mlaserve.types import SamplingParams
-
-
-def replay_ms(fn, reps: int = 200) -> float:
-    """ms a call of fn back to back, after 5 warm calls."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps * 1e3
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: benchmarks.*
+from benchmarks.bench_util import back_to_back_ms  # noqa: E402
+from mlaserve.llm import LLM, default_draft_path, default_model_path  # noqa: E402
+from mlaserve.types import SamplingParams  # noqa: E402
 
 
 def loop(llm: LLM, prompts: list[list[int]], name: str, top: int) -> dict:
@@ -74,13 +65,14 @@ def main() -> None:
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "k": a.k}
     llm = LLM(model, max_model_len=1024, num_pages=1024)
     res["plain"] = loop(llm, prompts, "plain", a.top)
-    res["plain"]["graph_replay_ms"] = replay_ms(llm.engine.runner.graphs.graphs[("decode", 1)].graph.replay)
+    decode_graph = llm.engine.runner.graphs.graphs[("decode", 1)].graph
+    res["plain"]["graph_replay_ms"] = back_to_back_ms(decode_graph.replay, reps=200)
     llm.close()
     del llm
     spec = {"algorithm": "EAGLE3", "draft_model": draft, "num_steps": a.k}
     llm = LLM(model, max_model_len=1024, num_pages=1024, speculative_config=spec)
     res["eagle3"] = loop(llm, prompts, f"EAGLE3 K={a.k}", a.top)
-    res["eagle3"]["graph_replay_ms"] = replay_ms(llm.engine.spec_step_graphs.graphs[1].replay)
+    res["eagle3"]["graph_replay_ms"] = back_to_back_ms(llm.engine.spec_step_graphs.graphs[1].replay, reps=200)
     llm.close()
     for name in ("plain", "eagle3"):
         r = res[name]

@@ -21,22 +21,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: benchmarks.*
 from benchmarks import bench_engine as be  # noqa: E402
+from benchmarks.bench_util import back_to_back_ms as timed  # noqa: E402
 from mlaserve.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mlaserve.engine.engine import LLMEngine  # noqa: E402
 from mlaserve.models.make_random import make_random  # noqa: E402
 from mlaserve.models.make_random_draft import make_random_draft  # noqa: E402
-
-
-def timed(fn, reps: int = 60) -> float:
-    """ms a call of fn, back to back, after 5 warm calls."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps * 1e3
 
 
 def main() -> None:
