@@ -259,6 +259,17 @@ def main():
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and of decode")
     ap.add_argument(
+        "--chunked-prefill-size", type=int, default=0, help="the largest prefill chunk (default: the engine's)"
+    )
+    ap.add_argument(
+        "--host-profile", action="store_true", help="the host's functions (cProfile) over the longest --ttft prefill"
+    )
+    ap.add_argument(
+        "--spec-ttft",
+        action="store_true",
+        help="with --draft / --mtp: also the --ttft prompts' TTFT on the speculative engine (and its prefill profiled)",
+    )
+    ap.add_argument(
         "--hf-last",
         action="store_true",
         help="run transformers after mlaserve, not before (whichever runs second in the process is "
@@ -389,6 +400,7 @@ def main():
         warmup=not a.no_warmup,
         max_model_len=max(ctxs + ttfts) + 128,
         kv_cache_dtype=a.kv_cache_dtype,
+        **({"chunked_prefill_size": a.chunked_prefill_size} if a.chunked_prefill_size else {}),
     )
     kvb = {"kv_dtype_bytes": 1} if a.kv_cache_dtype != "auto" else {}  # the floors read the cache's bytes
     sync()
@@ -474,8 +486,14 @@ def main():
                     step_graph_share=(graph_runs.get("spec_step", 0) - sg0) / max(g1 - g0, 1),
                 )
             )
+        if a.spec_ttft:  # the same prompts' TTFT with the draft (its prefill runs the draft over the prompt too)
+            for n in ttfts:
+                s = ml_ttft(engine_spec, n, vocab, reps=a.ttft_reps)
+                fl = prefill_floor_s(mcfg, n)
+                rows.append(dict(figure=f"TTFT {n} tokens {method}", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl))
     if a.profile and (a.draft or a.mtp):  # the speculative step's kernels and its host gaps (batch 1)
-        res["profile_eagle3"] = profile(engine_spec, vocab, 0, "decode_b1_eagle3")
+        pre = max(ttfts) if a.spec_ttft else 0
+        res["profile_eagle3"] = profile(engine_spec, vocab, pre, "decode_b1_eagle3", ctx=ctxs[0])
     if a.replay_sweep or a.simulate_sweep:
         from benchmarks.replay_sweep import replay_sweep
 
@@ -507,7 +525,9 @@ def main():
     for r in twin or []:
         rows.append(dict(r, figure=f"{r['figure']}, unquantized bf16 (child process)"))
     if a.profile and not a.spec_only and engine is not None:
-        res["profile"] = profile(engine, vocab, max(ttfts))
+        res["profile"] = profile(engine, vocab, max(ttfts), ctx=ctxs[0])
+    if a.host_profile and engine is not None:
+        res["host_profile"] = host_profile(engine, vocab, max(ttfts))
     if a.hf and a.hf_last:  # transformers after mlaserve, once mlaserve's memory is back (its KV cache is most)
         engine = engine_spec = None  # noqa: F841
         gc.collect()
@@ -601,11 +621,12 @@ def run_unquantized_twin(a) -> list[dict]:
         return json.load(f)
 
 
-def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
+def profile(engine, vocab, prefill_len, decode_name="decode_b1", ctx=512):
     """Where the time goes: the top GPU kernels of one long prefill (unless prefill_len is 0), and of 16 batch-1
-    decode steps alone (the request's prefill and warm-up steps run outside the profiler). Per-step figures divide
-    by the step count. A decode profile also splits the steps' span into GPU-busy and idle time (the host's); every
-    profile ends with its critical path (what each kernel adds to the span, PDL's overlapping waits taken out)."""
+    decode steps at context ctx alone (the request's prefill and warm-up steps run outside the profiler). Per-step
+    figures divide by the step count. A decode profile also splits the steps' span into GPU-busy and idle time (the
+    host's); every profile ends with its critical path (what each kernel adds to the span, PDL's overlapping waits
+    taken out)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
@@ -613,7 +634,7 @@ def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
     steps = 16
     runs = [("prefill", 1, lambda around: ml_ttft(engine, prefill_len, vocab, reps=1, around=around))]
     runs = (runs if prefill_len else []) + [
-        (decode_name, steps, lambda around: ml_tpot(engine, 1, 512, vocab, steps, around))
+        (decode_name, steps, lambda around: ml_tpot(engine, 1, ctx, vocab, steps, around))
     ]
     for name, n, run in runs:
         cuda = torch.cuda.is_available()  # CPU: operator times (a check of this function)
@@ -646,10 +667,11 @@ def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
                 f"  GPU busy {busy / n:.1f} us of a {span / n:.1f} us step span (idle, waiting for the host: "
                 f"{(span - busy) / n:.1f} us)"
             )
-        if cuda and name == "prefill":  # one long step: where its idle time sits
-            out[name]["gaps"] = gaps = idle_gaps(prof)
+        if cuda:  # where the idle time sits (decode: summed over its steps by the ops on each side, a step's share)
+            out[name]["gaps"] = gaps = idle_gaps(prof, passes=0 if name == "prefill" else n)
             for g in gaps:
-                log(f"  idle {g['us']:8.1f} us after {g['after']}, before {g['before']}")
+                per = f" ({g['count']:.1f}x a pass)" if "count" in g else ""
+                log(f"  idle {g['us']:8.1f} us{per} after {g['after']}, before {g['before']}")
         if cuda:
             out[name]["chain"] = chain = critical_path(prof, n)
             log(f"  critical path of {name} (each kernel's end minus the previous kernel's end, any stream):")
@@ -659,6 +681,34 @@ def profile(engine, vocab, prefill_len, decode_name="decode_b1"):
                     f"{r['name']}"
                 )
     return out
+
+
+def host_profile(engine, vocab, length: int, top: int = 30) -> dict:
+    """The host's side of one prefill of `length` tokens (after a warm-up one): cProfile's top functions by own time
+    and by cumulative time, printed; -> {wall_ms, tottime: [(function, calls, s)], cumtime: [...]}."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    wall = ml_ttft(engine, length, vocab, reps=1, around=lambda: _profiling(prof))  # a warm-up prefill, then this
+    out = {"wall_ms": 1e3 * wall, "length": length}
+    st = pstats.Stats(prof)
+    for key in ("tottime", "cumtime"):
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2 if key == "tottime" else 3])[:top]
+        out[key] = [(f"{f[0].split('/')[-1]}:{f[1]}({f[2]})", v[1], v[2 if key == "tottime" else 3]) for f, v in rows]
+        log(f"\nhost profile of a {length}-token prefill ({1e3 * wall:.1f} ms under cProfile), by {key}:")
+        for name, calls, sec in out[key]:
+            log(f"  {1e3 * sec:9.2f} ms {calls:7d}x  {name}")
+    return out
+
+
+@contextlib.contextmanager
+def _profiling(prof):
+    prof.enable()
+    try:
+        yield prof
+    finally:
+        prof.disable()
 
 
 def gpu_busy(prof) -> tuple[float, float]:
@@ -678,9 +728,10 @@ def gpu_busy(prof) -> tuple[float, float]:
     return busy + cur_e - cur_s, iv[-1][1] - iv[0][0]
 
 
-def idle_gaps(prof, top: int = 8) -> list[dict]:
+def idle_gaps(prof, top: int = 8, passes: int = 0) -> list[dict]:
     """The longest stretches with no GPU op running (the host behind, or a wait on it), each with the op that ended
-    before it and the one that started after it."""
+    before it and the one that started after it. passes > 0: the gaps between the same two ops summed, per pass
+    (us, and count: how many a pass), so those that recur every step rank by what they cost a step."""
     ev = sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
     )
@@ -692,6 +743,11 @@ def idle_gaps(prof, top: int = 8) -> list[dict]:
                 gaps.append({"us": e.time_range.start - end, "after": last[:70], "before": e.name[:70]})
             if e.time_range.end > end:
                 end, last = e.time_range.end, e.name
+    if passes:
+        by: dict[tuple, list[float]] = {}
+        for g in gaps:
+            by.setdefault((g["after"], g["before"]), []).append(g["us"])
+        gaps = [{"us": sum(v) / passes, "count": len(v) / passes, "after": a, "before": b} for (a, b), v in by.items()]
     return sorted(gaps, key=lambda g: -g["us"])[:top]
 
 
