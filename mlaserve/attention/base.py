@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -95,43 +96,94 @@ class ForwardBatch:
         device,
         attn: AttentionBackend | None = None,
     ) -> ForwardBatch:
-        """Decode chunks must all have the same length (the verify width)."""
+        """Decode chunks must all have the same length (the verify width). The host's arrays go to the device in
+        two non-blocking copies from pinned memory (one of int64 words, one of int32): an eager step (a prefill
+        chunk with cached context, a step of prefill and decode rows) queues its forward behind the step before
+        it without waiting for it, where a copy from pageable memory would wait for the stream."""
         q_lens = {len(c.token_ids) for c in decode}
         if len(q_lens) > 1:
             raise ValueError(f"decode requests must share one query length, got {sorted(q_lens)}")
         chunks = decode + prefill
-        ids, pos, slots, logit_rows, starts = [], [], [], [], [0]
-        for c in chunks:
-            n = len(c.token_ids)
-            first = len(ids)
-            ids += c.token_ids
-            p = list(range(c.num_cached, c.num_cached + n))
-            pos += p
-            slots += [c.pages[q // page_size] * page_size + q % page_size for q in p]
+        n_new = [len(c.token_ids) for c in chunks]
+        lens = [c.num_cached + n for c, n in zip(chunks, n_new)]
+        starts = [0]
+        for n in n_new:
+            starts.append(starts[-1] + n)
+        T, B = starts[-1], len(chunks)
+        rows = []  # logit rows
+        for c, first, n in zip(chunks, starts, n_new):
             if c.need_logits == "last":
-                logit_rows.append(first + n - 1)
+                rows.append(first + n - 1)
             elif c.need_logits == "all":
-                logit_rows += range(first, first + n)
-            starts.append(len(ids))
+                rows += range(first, first + n)
         max_pages = max((len(c.pages) for c in chunks), default=0)
-        table = [c.pages + [0] * (max_pages - len(c.pages)) for c in chunks]
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        # int64 words [ids | positions | slots | logit rows], int32 words [seq_lens | starts | page table], each
+        # part starting on 16 bytes (so each view's pointer has the alignment its kernels were compiled for)
+        o64 = _offsets([T, T, T, len(rows)], 2)
+        o32 = _offsets([B, B + 1, B * max_pages], 4)
+        w64, w32 = np.zeros(o64[-1], dtype=np.int64), np.zeros(o32[-1], dtype=np.int32)
+        ids, pos, slots = w64[o64[0] : o64[0] + T], w64[o64[1] : o64[1] + T], w64[o64[2] : o64[2] + T]
+        short_ids, short_pos, short_slots, run = [], [], [], 0  # consecutive short chunks as lists (decode rows)
+        for c, first, n in zip(chunks, starts, n_new):
+            if n <= _SHORT:
+                short_ids += c.token_ids
+                p = range(c.num_cached, c.num_cached + n)
+                short_pos += p
+                short_slots += [c.pages[i // page_size] * page_size + i % page_size for i in p]
+                continue
+            if short_ids:
+                ids[run:first], pos[run:first], slots[run:first] = short_ids, short_pos, short_slots
+                short_ids, short_pos, short_slots = [], [], []
+            p = np.arange(c.num_cached, c.num_cached + n, dtype=np.int64)  # long chunks: vector maths
+            ids[first : first + n] = c.token_ids
+            pos[first : first + n] = p
+            slots[first : first + n] = np.asarray(c.pages, dtype=np.int64)[p // page_size] * page_size + p % page_size
+            run = first + n
+        if short_ids:
+            ids[run:T], pos[run:T], slots[run:T] = short_ids, short_pos, short_slots
+        w64[o64[3] : o64[3] + len(rows)] = rows
+        w32[o32[0] : o32[0] + B] = lens
+        w32[o32[1] : o32[1] + B + 1] = starts
+        if max_pages:
+            table = w32[o32[2] : o32[2] + B * max_pages].reshape(B, max_pages)
+            for b, c in enumerate(chunks):
+                table[b, : len(c.pages)] = c.pages
+        d64, d32 = _to_device(w64, device), _to_device(w32, device)
         return cls(
-            input_ids=torch.tensor(ids, **i64),
-            positions=torch.tensor(pos, **i64),
-            slot_mapping=torch.tensor(slots, **i64),
-            seq_lens=torch.tensor([c.num_cached + len(c.token_ids) for c in chunks], **i32),
-            query_start_loc=torch.tensor(starts, **i32),
-            page_table=torch.tensor(table, **i32).view(len(chunks), max_pages),
-            logits_indices=torch.tensor(logit_rows, **i64),
+            input_ids=d64[o64[0] : o64[0] + T],
+            positions=d64[o64[1] : o64[1] + T],
+            slot_mapping=d64[o64[2] : o64[2] + T],
+            seq_lens=d32[o32[0] : o32[0] + B],
+            query_start_loc=d32[o32[1] : o32[1] + B + 1],
+            page_table=d32[o32[2] : o32[2] + B * max_pages].view(B, max_pages),
+            logits_indices=d64[o64[3] : o64[3] + len(rows)],
             num_decode_reqs=len(decode),
             decode_q_len=len(decode[0].token_ids) if decode else 0,
-            seq_lens_cpu=[c.num_cached + len(c.token_ids) for c in chunks],
-            query_lens_cpu=[len(c.token_ids) for c in chunks],
+            seq_lens_cpu=lens,
+            query_lens_cpu=n_new,
             attn=attn,
-            max_query_len=max((len(c.token_ids) for c in chunks), default=0),
+            max_query_len=max(n_new, default=0),
             context_is_new=all(c.num_cached == 0 for c in prefill),
         )
+
+
+_SHORT = 16  # chunks of at most this many tokens are laid out by list (decode rows: no per-chunk numpy calls)
+
+
+def _offsets(sizes: list[int], align: int) -> list[int]:
+    """Start of each part, each rounded up to `align` words, then the total."""
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + -(-n // align) * align)
+    return out
+
+
+def _to_device(words: np.ndarray, device) -> torch.Tensor:
+    """words on the device; from CUDA, through pinned memory and a non-blocking copy (no wait on the stream)."""
+    t = torch.from_numpy(words)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class AttentionBackend(ABC):
