@@ -259,3 +259,41 @@ def test_deepseek_v2_graphs_equal_eager_and_reference(tmp_path, v2):
     graphs, llm = _greedy(dict(dtype="float32"), ckpt, prompts)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
     assert graphs == ref
+
+
+def test_eager_chunk_queues_without_waiting():
+    """A prefill chunk with cached context runs eagerly (no graph takes it). Its batch's copies and its kernels
+    queue behind a long sleep kernel without the host waiting for the stream (ForwardBatch.build: pinned,
+    non-blocking copies), and its logits are those of the same forward run with nothing queued before it."""
+    import time
+
+    from mlaserve import LLM
+    from mlaserve.attention.base import SeqChunk
+    from mlaserve.llm import default_model_path
+
+    llm = LLM(default_model_path(), device="cuda", num_pages=256, page_size=16)
+    r = llm.engine.runner
+    rng = random.Random(3)
+    ids = [rng.randrange(1000) for _ in range(160)]
+    pages = list(range(1, 11))  # the engine is idle: any pages are free to write
+    r.execute([], [SeqChunk(ids[:96], 0, pages, "none")])  # the cached part
+    step = SeqChunk(ids[96:], 96, pages, "last")
+    assert r.graphs is None or r.graphs.key_for([], [step]) is None  # eager: the case under test
+    ref = r.execute([], [step])[0].clone()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10_000_000)  # calibrate the sleep kernel's cycles
+    b.record()
+    b.synchronize()
+    sleep_ms = 500.0
+    cycles = int(sleep_ms * 1e7 / a.elapsed_time(b))
+    for _ in range(2):  # the first pass may allocate pinned blocks
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t = time.perf_counter()
+        logits = r.execute([], [step])[0]
+        queued_ms = 1e3 * (time.perf_counter() - t)
+        torch.cuda.synchronize()
+    assert queued_ms < sleep_ms / 4, f"the eager forward waited on the stream: {queued_ms:.1f} ms to queue it"
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    torch.testing.assert_close(logits, ref, rtol=1e-3, atol=1e-3)
