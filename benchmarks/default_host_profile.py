@@ -91,8 +91,8 @@ TIMED = (
 
 def marginal(llm: LLM, prompts: list[list[int]], short: int = 128, long: int = 448, rounds: int = 3) -> dict:
     """One more step in steady state: (time, steps, host time in each TIMED function) at `long` output tokens
-    minus the same at `short`, per step, the rounds' medians (each round runs both lengths over every prompt, one
-    request at a time). Event.synchronize is the host's wait on a step's read back."""
+    minus the same at `short`, per step, from the round whose step time is the median (each round runs both lengths
+    over every prompt, one request at a time). Event.synchronize is the host's wait on a step's read back."""
     import importlib
 
     eng = llm.engine
