@@ -277,3 +277,24 @@ def test_logits_processors_under_graphs(tiny_ckpt, trained):
     st = llm.engine.stats()
     assert st["spec_accepted_per_position"][0] > 0 and st["spec_device_steps"] > 0, st
     llm.close()
+
+
+def test_shipped_draft_accepts_on_the_gpu():
+    """The default model and its shipped draft in bf16 on the GPU (the draft's prefill over each prompt, then its
+    graph steps): at least 55 % of K=1 drafts accepted on the held-out prompts, the bound the CPU reference meets
+    (tests/model/test_default_model.py)."""
+    import json
+    import os
+
+    from mlaserve import LLM, SamplingParams
+    from mlaserve.llm import default_draft_path
+
+    with open(os.path.join(default_draft_path(), "eval_prompts.jsonl")) as f:
+        prompts = [json.loads(line)["prompt_token_ids"] for line in f][:12]
+    spec = LLM(device="cuda", speculative_config={"method": "eagle3", "num_speculative_tokens": 1})
+    spec.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    st = spec.engine.stats()
+    spec.close()
+    rate = st["spec_accepted_per_position"][0] / st["spec_steps"]
+    print(f"\nshipped draft on the GPU, K=1: {st['spec_accepted_per_position'][0]} of {st['spec_steps']} ({rate:.3f})")
+    assert rate >= 0.55
