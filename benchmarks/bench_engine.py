@@ -78,22 +78,24 @@ def sync():
 
 
 # ---- mlaserve ----------------------------------------------------------------------------------------
-def ml_ttft(engine, length, vocab, reps=3, around=contextlib.nullcontext):
-    """Time from add_request to the first token (one request alone; fresh prompts, so no prefix hit);
-    `around()` wraps the last rep alone (a profiler)."""
+def ml_ttft(engine, length, vocab, reps=3, around=contextlib.nullcontext, max_tokens=1):
+    """Time from add_request to the event with the first token (one request alone; fresh prompts, so no prefix
+    hit); `around()` wraps the last rep alone (a profiler). max_tokens 2: a speculative engine's draft extends over
+    the prompt before that event, as for any request that goes on (one that ends at its first token skips it)."""
     times = []
     for r in range(reps + 1):
         p = prompts(1, length, vocab, seed=1000 + r)[0]
         sync()
         with around() if r == reps else contextlib.nullcontext():
             t = time.perf_counter()
-            rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            while engine.has_unfinished():
-                engine.step()
+            rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            while not any(o.request_id == rid and o.new_token_ids for o in engine.step()):
+                pass
             sync()
         if r:  # the first is a warm-up
             times.append(time.perf_counter() - t)
-        del rid
+        while engine.has_unfinished():
+            engine.step()
     return statistics.median(times)
 
 
@@ -489,7 +491,7 @@ def main():
             )
         if a.spec_ttft:  # the same prompts' TTFT with the draft (its prefill runs the draft over the prompt too)
             for n in ttfts:
-                s = ml_ttft(engine_spec, n, vocab, reps=a.ttft_reps)
+                s = ml_ttft(engine_spec, n, vocab, reps=a.ttft_reps, max_tokens=2)
                 fl = prefill_floor_s(mcfg, n)
                 rows.append(dict(figure=f"TTFT {n} tokens {method}", ms=s * 1e3, floor_ms=fl * 1e3, ratio=s / fl))
     if a.profile and (a.draft or a.mtp):  # the speculative step's kernels and its host gaps (batch 1)
@@ -633,7 +635,9 @@ def profile(engine, vocab, prefill_len, decode_name="decode_b1", ctx=512):
 
     out = {}
     steps = 16
-    runs = [("prefill", 1, lambda around: ml_ttft(engine, prefill_len, vocab, reps=1, around=around))]
+    # a speculative engine's prefill with its draft's extend over the prompt (max_tokens 2: ml_ttft)
+    mt = 2 if engine.spec_k else 1
+    runs = [("prefill", 1, lambda around: ml_ttft(engine, prefill_len, vocab, reps=1, around=around, max_tokens=mt))]
     runs = (runs if prefill_len else []) + [
         (decode_name, steps, lambda around: ml_tpot(engine, 1, ctx, vocab, steps, around))
     ]
