@@ -28,6 +28,12 @@ from .step_broadcast import DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, StepCha
 
 log = logging.getLogger("mlaserve.runner")
 
+# A step of decode rows and new prompts' chunks (a request admitted while others decode) runs as the decode rows'
+# graph, then the chunks' prefill graph, where the chunks hold at most this many tokens: one eager forward over
+# both is bound by the host's launches, while two replays read the weights twice. Past it the chunks' compute
+# hides the launches and one forward wins (benchmarks/mixed_step.py).
+MIXED_SPLIT_MAX_TOKENS = 4096
+
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -286,6 +292,14 @@ class ModelRunner:
         if key is not None:
             self.graph_steps += 1
             return self.graphs.run(key, decode, prefill, decode_tokens, decode_shift)
+        split = self.split_keys(decode, prefill)
+        if split is not None:  # decode rows first, then the chunks, as one forward would order its outputs
+            self.graph_steps += 2
+            logits, aux, _ = self.graphs.run(split[0], decode, [], decode_tokens, decode_shift)
+            # copied out first: the graphs share one memory pool, so the prefill graph's replay may overwrite them
+            logits, aux = logits.clone(), None if aux is None else aux.clone()
+            p_logits, p_aux, _ = self.graphs.run(split[1], [], prefill)
+            return torch.cat([logits, p_logits]), None if aux is None else torch.cat([aux, p_aux]), None
         batch = self.build_batch(decode, prefill)
         if decode and not prefill:  # planned as the decode graph it would pad to (ForwardBatch.plan_decode_reqs)
             q = batch.decode_q_len
@@ -298,6 +312,16 @@ class ModelRunner:
         out = self.model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         return self.model.compute_logits(hidden[batch.logits_indices]), aux, None
+
+    def split_keys(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple | None:
+        """(decode graph key, prefill graph key) for a step of decode rows and prompt chunks run as two replays
+        (MIXED_SPLIT_MAX_TOKENS), or None: one forward. Not in the deterministic mode, whose rows keep one path."""
+        if self.graphs is None or not decode or not prefill or self.kernels.deterministic:
+            return None
+        if sum(len(c.token_ids) for c in prefill) > MIXED_SPLIT_MAX_TOKENS:
+            return None
+        kd, kp = self.graphs.key_for(decode, []), self.graphs.key_for([], prefill)
+        return None if kd is None or kp is None else (kd, kp)
 
     def shutdown(self) -> None:
         """Rank 0: tell the other ranks to stop, then destroy the graphs (release_graphs says why)."""

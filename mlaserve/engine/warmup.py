@@ -246,9 +246,13 @@ def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
     for step in steps:
         decode, prefill = _chunks(step, runner.num_pages, cfg.page_size, lookahead)
         _step(runner, decode, prefill, draft)
-        if runner.graphs is not None and runner.ranks.world_size == 1 and runner.graphs.key_for(decode, prefill):
-            # the same step eagerly (a prompt-logprobs prefill runs so): on one rank, where no other rank replays
-            # the graph's collectives meanwhile
+        graphed = runner.graphs is not None and (
+            runner.graphs.key_for(decode, prefill) or runner.split_keys(decode, prefill)
+        )
+        if graphed and runner.ranks.world_size == 1:
+            # the same step eagerly (a prompt-logprobs prefill runs so, and a mixed step the two graphs do not
+            # take: a chunk over cached context or past MIXED_SPLIT_MAX_TOKENS): on one rank, where no other rank
+            # replays the graph's collectives meanwhile
             graphs, runner.graphs = runner.graphs, None
             try:
                 _step(runner, decode, prefill, draft)

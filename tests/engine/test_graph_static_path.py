@@ -277,3 +277,75 @@ def test_eager_decode_steps_are_planned_as_their_graph_twins(tiny_ckpt):
     assert (3, 4) in decode_only and all(plan == {1: 1, 2: 2, 3: 4, 4: 4}[nd] for nd, plan in decode_only)
     assert all(plan == 0 for nd, reqs, plan in seen if nd != reqs)
     assert (3, 4) in moe_seen and all(planned >= tokens for tokens, planned in moe_seen)
+
+
+def _staggered(engine, prompts, gap=3):
+    """Each prompt added `gap` steps after the one before, so its prefill shares a step with the others' decode
+    rows -> each request's tokens, in prompt order."""
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    out, rids = {}, []
+    for p in prompts:
+        rids.append(engine.add_request(p, sp))
+        for _ in range(gap):
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for rid, toks in run_all(engine).items():
+        out.setdefault(rid, []).extend(toks)
+    return [out[r] for r in rids]
+
+
+@pytest.mark.parametrize("spec_k", [0, 2])
+def test_mixed_step_runs_as_two_static_forwards(tiny_ckpt, tmp_path, spec_k):
+    """A step of decode (or verify) rows and a new prompt's chunk runs as the decode graph's static path, then the
+    prefill graph's (runner.MIXED_SPLIT_MAX_TOKENS), and yields the plain eager engine's tokens; a chunk past the
+    limit, a chunk over a cached prefix and the deterministic mode keep one forward."""
+    from mlaserve.config import EngineConfig, SpecConfig
+    from mlaserve.engine import runner as runner_mod
+    from mlaserve.engine.engine import LLMEngine
+    from mlaserve.models.make_random_draft import make_random_draft
+
+    prompts = _prompts(4, seed=11, hi=90)
+    ref = _staggered(make_engine(tiny_ckpt, page_size=16), prompts)
+    spec = None
+    if spec_k:
+        draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
+        spec = SpecConfig(draft_model=draft, num_steps=spec_k)
+    for limit, deterministic, want_split in [(4096, False, True), (8, False, False), (4096, True, False)]:
+        eng = LLMEngine(
+            EngineConfig(
+                model=tiny_ckpt,
+                device="cpu",
+                page_size=16,
+                max_num_seqs=4,
+                prefill_graph_max_tokens=512,
+                deterministic=deterministic,
+            ),
+            spec=spec,
+        )
+        eng.runner.capture_graphs(spec_k + 1, eng.max_model_len, use_graphs=False)
+        steps = []  # per forward with both kinds of rows: the graph keys it ran
+        fwd, run = eng.runner.execute_local, eng.runner.graphs.run
+        keys = []
+        eng.runner.graphs.run = lambda key, d, p, *a, run=run, keys=keys: (keys.append(key), run(key, d, p, *a))[1]
+
+        def logged(decode, prefill, *a, fwd=fwd, keys=keys, steps=steps):
+            keys.clear()
+            out = fwd(decode, prefill, *a)
+            if decode and prefill:
+                steps.append(list(keys))
+            return out
+
+        eng.runner.execute_local = logged
+        runner_mod.MIXED_SPLIT_MAX_TOKENS, old = limit, runner_mod.MIXED_SPLIT_MAX_TOKENS
+        try:
+            got = _staggered(eng, prompts)
+        finally:
+            runner_mod.MIXED_SPLIT_MAX_TOKENS = old
+        assert got == ref, (limit, deterministic)
+        assert steps, "no step mixed decode rows with a prompt's chunk"
+        split = [k for k in steps if k]
+        if want_split:
+            assert split and all(k[0][0] == "decode" and k[1][0] == "prefill" for k in split), steps
+        else:
+            assert not split, steps
+        eng.pool.check()
