@@ -32,7 +32,7 @@ log = logging.getLogger("mlaserve.runner")
 # graph, then the chunks' prefill graph, where the chunks hold at most this many tokens: one eager forward over
 # both is bound by the host's launches, while two replays read the weights twice. Past it the chunks' compute
 # hides the launches and one forward wins (benchmarks/mixed_step.py).
-MIXED_SPLIT_MAX_TOKENS = 4096
+MIXED_SPLIT_MAX_TOKENS = 2048
 
 
 def resolve_device(device: str) -> torch.device:
