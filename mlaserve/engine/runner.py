@@ -315,8 +315,9 @@ class ModelRunner:
 
     def split_keys(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple | None:
         """(decode graph key, prefill graph key) for a step of decode rows and prompt chunks run as two replays
-        (MIXED_SPLIT_MAX_TOKENS), or None: one forward. Not in the deterministic mode, whose rows keep one path."""
-        if self.graphs is None or not decode or not prefill or self.kernels.deterministic:
+        (MIXED_SPLIT_MAX_TOKENS), or None: one forward. Not in the deterministic mode, whose rows keep one path, nor
+        under TP, whose warm-up cannot also run these steps eagerly (the other ranks would replay the graphs)."""
+        if self.graphs is None or not decode or not prefill or self.kernels.deterministic or self.ranks.world_size > 1:
             return None
         if sum(len(c.token_ids) for c in prefill) > MIXED_SPLIT_MAX_TOKENS:
             return None
