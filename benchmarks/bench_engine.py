@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.bench_util import code_id  # noqa: E402
+from benchmarks.bench_util import code_id, sleep_cycles  # noqa: E402
 from mlaserve.attention.base import SeqChunk  # noqa: E402
 from mlaserve.bench.roofline import decode_bytes, decode_floor_s, prefill_floor_s, total_params  # noqa: E402
 from mlaserve.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
@@ -721,12 +721,7 @@ def eager_enqueue(engine, vocab, length: int, chunk: int = 2048, reps: int = 5) 
     ids = prompts(1, chunk, vocab, seed=7)[0]
     step = SeqChunk(ids, length - chunk, pages, "last")
     sleep_ms = 200.0
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(10_000_000)  # calibrate: the sleep kernel counts clock cycles
-    b.record()
-    b.synchronize()
-    cycles = int(sleep_ms * 1e7 / a.elapsed_time(b))
+    cycles = sleep_cycles(sleep_ms)
     times = []
     for i in range(reps + 1):
         torch.cuda.synchronize()

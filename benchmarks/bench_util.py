@@ -206,6 +206,17 @@ def bench(fn, sz: Sizes) -> float:
         return do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
+def sleep_cycles(ms: float) -> int:
+    """Clock cycles for torch.cuda._sleep to hold the GPU about `ms` (the sleep kernel counts cycles): one timed
+    sleep of 10M cycles scales it."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10_000_000)
+    b.record()
+    b.synchronize()
+    return int(ms * 1e7 / a.elapsed_time(b))
+
+
 def back_to_back_ms(fn, reps: int = 60, warm: int = 5) -> float:
     """ms a call of fn (a graph's replay, say) called back to back, after `warm` calls, one sync at each end: the GPU's
     time a call wherever the host keeps ahead of it."""

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.bench_util import code_id  # noqa: E402
+from benchmarks.bench_util import code_id, sleep_cycles  # noqa: E402
 from mlaserve.attention.base import SeqChunk  # noqa: E402
 from mlaserve.config import EngineConfig  # noqa: E402
 
@@ -45,15 +45,6 @@ def timed(fn, reps: int, hold_cycles: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         gpus.append(a.elapsed_time(b))
     return statistics.median(walls[1:]), statistics.median(gpus[1:])  # the first warms the shapes
-
-
-def sleep_cycles(ms: float) -> int:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(10_000_000)
-    b.record()
-    b.synchronize()
-    return int(ms * 1e7 / a.elapsed_time(b))
 
 
 def main():
