@@ -61,6 +61,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(README says what is not yet covered)",
     )
     g.add_argument("--prefill-graph-max-tokens", type=int, default=8192, help="largest prefill CUDA graph")
+    g.add_argument(
+        "--prefill-graph-max-context",
+        type=int,
+        default=16384,
+        help="largest context (cached + new tokens) of a prefill CUDA graph over cached context (a prefix hit's "
+        "suffix, a long prompt's later chunks); 0: such chunks run eagerly",
+    )
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument(
         "--kv-cache-dtype",
@@ -193,6 +200,7 @@ ENGINE_FIELDS = (
     "disable_overlap_schedule",
     "deterministic",
     "prefill_graph_max_tokens",
+    "prefill_graph_max_context",
     "attention_backend",
     "kv_cache_dtype",
     "moe_backend",

@@ -485,6 +485,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     disable_overlap_schedule: bool = False  # True: read each decode step back before launching the next
     prefill_graph_max_tokens: int = 8192
+    # prefill graphs over cached context (a prefix hit's suffix, a long prompt's later chunks): the largest context
+    # (cached + new tokens) such a graph holds; 0: those chunks run eagerly
+    prefill_graph_max_context: int = 16384
     warmup: bool = True  # GPU: run every eager step shape at start-up, so no Triton kernel compiles while serving
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 latent, one scale per layer
@@ -519,6 +522,11 @@ class EngineConfig:
         if self.prefill_graph_max_tokens < 0:
             raise ValueError(
                 f"prefill_graph_max_tokens: must be >= 0 (0: no prefill graphs), got {self.prefill_graph_max_tokens}"
+            )
+        if self.prefill_graph_max_context < 0:
+            raise ValueError(
+                "prefill_graph_max_context: must be >= 0 (0: chunks over cached context run eagerly), got "
+                f"{self.prefill_graph_max_context}"
             )
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb}")

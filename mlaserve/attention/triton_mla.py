@@ -65,14 +65,18 @@ class TritonMLABackend(AttentionBackend):
             self._meta_batch = batch
             self._meta = dict(cu_q=cu_q, cu_k=cu_q, slots=slots, max_q_len=batch.max_query_len)
             return self._meta
+        # C from the host mirrors: under a context graph (engine/cuda_graph.py) the static context bucket, which the
+        # device's lengths sum to exactly; no step here reads the device back (capturable)
         lens_cpu = batch.seq_lens_cpu[nd:]
         n, C = len(lens_cpu), sum(lens_cpu)
         lens = batch.seq_lens[nd:].long()  # [n]
         cu_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         torch.cumsum(lens, 0, out=cu_k[1:])
         cu_q = (qsl[nd:] - qsl[nd]).to(torch.int32)
-        req = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=C)  # [C]
-        pos = torch.arange(C, device=dev) - cu_k[:-1].long()[req]
+        row = torch.arange(C, device=dev)
+        ends = cu_k[1:].long()
+        req = torch.searchsorted(ends, row, right=True)  # [C]: each context row's request (empty ones skipped)
+        pos = row - cu_k[:-1].long()[req]
         pages = batch.page_table[nd:].long()[req, pos // self.page_size]
         slots = pages * self.page_size + pos % self.page_size
         self._meta_batch = batch

@@ -111,11 +111,13 @@ def decode_bytes(
 
 
 def prefill_flops(c: ModelConfig, tokens: int, context: int | None = None, tp: int = 1) -> float:
-    """2 x active params x T + causal attention 2 x T^2/2 x H x (N+P+V) per layer (docs/benchmarking.md)."""
+    """2 x active params x T + causal attention 2 x T^2/2 x H x (N+P+V) per layer (docs/benchmarking.md); context:
+    cached tokens before the T (a prefix hit's suffix, a later chunk), which each of the T also attends."""
     p = param_counts(c)
     L, moe = c.num_hidden_layers, sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     active = L * p.attn + (L - moe) * p.dense_mlp + moe * (p.shared + p.gate + c.num_experts_per_tok * p.expert)
-    attn = 2 * tokens * tokens / 2 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * L
+    pairs = tokens * tokens / 2 + tokens * (context or 0)  # (query, key) pairs, causal
+    attn = 2 * pairs * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * L
     return (2 * active * tokens + attn) / tp + 2 * p.lm_head / tp  # lm_head on the last token only
 
 
@@ -125,6 +127,14 @@ def decode_floor_s(c: ModelConfig, batch: int, context: int, **kw) -> float:
 
 def prefill_floor_s(c: ModelConfig, tokens: int, **kw) -> float:
     return prefill_flops(c, tokens, **kw) / BF16_FLOPS_PER_S
+
+
+def chunk_floor_s(c: ModelConfig, tokens: int, context: int, dtype_bytes: int = 2) -> float:
+    """A prefill chunk of `tokens` after `context` cached ones, alone in its step: its FLOPs' time or the time to read
+    what it must (the weights its tokens select, the cached latent), whichever is longer. A short suffix is bound by
+    the bytes (a few hundred tokens select every expert), a long chunk by the FLOPs."""
+    reads = decode_bytes(c, 1, context, q_len=tokens, dtype_bytes=dtype_bytes)
+    return max(prefill_floor_s(c, tokens, context=context), reads / HBM_BYTES_PER_S)
 
 
 def total_params(c: ModelConfig) -> int:

@@ -1,8 +1,11 @@
 """CUDA graphs over static input buffers: decode graphs per padded batch size (q_len 1, or N when verifying),
-and prefill graphs per padded token bucket. One capture method, one replay method.
+prefill graphs per padded token bucket, and context graphs per (token bucket, context bucket) for prefill chunks
+over cached context (a prefix hit's suffix, a long prompt's later chunks). One capture method, one replay method.
 
 Padding is harmless by construction: padded requests have seq_len = q_len, a zero page-table row and slot -1
-(the KV store skips negative slots); padded prefill tokens form one extra request of their own.
+(the KV store skips negative slots); padded prefill tokens form one extra request of their own. A context graph's
+context (the latent rows its attention up-projects, [C, R+P]) has a static length: one more request of no tokens
+holds the context bucket's rows the real requests and the padding leave over.
 
 Decode graphs of one token a request also take the greedy arg-max of every row, so a greedy step needs nothing
 between two replays but the next step's input copies: the arg-max is written over the graph's own input ids
@@ -30,7 +33,11 @@ from ..layers.sampler import greedy_into
 log = logging.getLogger("mlaserve.cuda_graph")
 
 PREFILL_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
-PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request)
+PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request; a context graph: two)
+# context graphs: chunks of up to this many tokens (past it the chunk's compute hides an eager step's launches), over
+# a total context (cached + new tokens, padded) of one of these
+CONTEXT_GRAPH_MAX_TOKENS = 2048
+CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -141,6 +148,7 @@ class GraphRunner:
         prefill_max_tokens: int,
         max_pages: int,
         use_graphs: bool = True,
+        prefill_max_context: int = 0,
     ):
         self.runner, self.q = runner, decode_q_len
         self.page_size = runner.cfg.page_size
@@ -152,11 +160,24 @@ class GraphRunner:
         # the FP8 form edges (graph_safe_kernels): a prefill graph takes a step on its bucket's side of each
         k = runner.kernels
         self.form_edges = (k.fp8_a8_min_tokens, k.fp8_linear_a8_min_tokens, k.fp8_scaled_mm_min_rows)
+        # a context graph's context rows go through kv_b_proj, whose form the edges pick only where it holds an FP8
+        # copy (Fp8ExpandedLinear.forward_a8): then the real context and its bucket on the same side of each
+        fp8_rows = any(getattr(m, "w8", None) is not None for m in runner.model.modules())
+        self.context_edges = self.form_edges if fp8_rows else ()
         self.prefill_buckets = [t for t in PREFILL_TOKEN_BUCKETS if t <= prefill_max_tokens and t < edge]
         self.max_pages = max_pages
+        # (tokens, context) of the context graphs: a context past the page table's columns cannot be addressed
+        max_ctx = min(prefill_max_context, max_pages * self.page_size)
+        self.context_buckets = [
+            (t, c)
+            for t in self.prefill_buckets
+            if t <= CONTEXT_GRAPH_MAX_TOKENS
+            for c in CONTEXT_BUCKETS
+            if t < c <= max_ctx
+        ]
         dev = runner.device
         max_bs = self.bs_list[-1] if self.bs_list else 1
-        max_reqs = max(max_bs, PREFILL_MAX_REQS + 1)
+        max_reqs = max(max_bs, PREFILL_MAX_REQS + 2)
         max_tokens = max(max_bs * self.q, max(self.prefill_buckets, default=0))
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(max_tokens, **i64)
@@ -203,26 +224,43 @@ class GraphRunner:
             prefill
             and not decode
             and len(prefill) <= PREFILL_MAX_REQS
-            and all(c.num_cached == 0 and c.need_logits != "all" for c in prefill)  # the graph keeps last rows only
+            and all(c.need_logits != "all" for c in prefill)  # the graph keeps last rows only
         ):
             n = sum(len(c.token_ids) for c in prefill)
-            t = next((t for t in self.prefill_buckets if t >= n), None)
-            if t is None or any((n > e) != (t > e) for e in self.form_edges):
+            cached = sum(c.num_cached for c in prefill)
+            if cached == 0:
+                t = next((t for t in self.prefill_buckets if t >= n), None)
+                if t is None or any((n > e) != (t > e) for e in self.form_edges):
+                    return None
+                return ("prefill", t)
+            key = next(((t, c) for t, c in self.context_buckets if t >= n and c >= cached + t), None)
+            if key is None or any((n > e) != (key[0] > e) for e in self.form_edges):
                 return None
-            return ("prefill", t)
+            if any((cached + n > e) != (key[1] > e) for e in self.context_edges):
+                return None
+            return ("context", *key)
         return None
 
     # ---- static batches --------------------------------------------------------------------------------
     def _keys(self) -> list[tuple]:
-        return [("decode", b) for b in self.bs_list] + [("prefill", t) for t in self.prefill_buckets]
+        return (
+            [("decode", b) for b in self.bs_list]
+            + [("prefill", t) for t in self.prefill_buckets]
+            + [("context", t, c) for t, c in self.context_buckets]
+        )
+
+    @staticmethod
+    def _reqs(key: tuple) -> int:
+        """Request slots of a prefill or context graph: the real ones, the padding's, and a context graph's
+        leftover context's (module docstring)."""
+        return PREFILL_MAX_REQS + (2 if key[0] == "context" else 1)
 
     def _sizes(self, key: tuple) -> tuple[int, int]:
         """(tokens, lengths) of a graph's packed inputs: a decode graph's host ring row follows its requests'
         lengths (_Graph.ring_row)."""
-        kind, size = key
-        if kind == "decode":
-            return size * self.q, size + 1
-        return size, PREFILL_MAX_REQS + 1
+        if key[0] == "decode":
+            return key[1] * self.q, key[1] + 1
+        return key[1], self._reqs(key)
 
     @staticmethod
     def _words(n_tok: int, n_lens: int) -> int:
@@ -243,11 +281,11 @@ class GraphRunner:
         return self.packed[o : o + n_tok], self.packed[o + n2 : o + n2 + n_tok], lens
 
     def _batch(self, key: tuple) -> ForwardBatch:
-        kind, size = key
+        kind, size = key[:2]
         if kind == "decode":
             n_reqs, n_tok, n_logits, nd = size, size * self.q, size * self.q, size
         else:
-            n_reqs, n_tok, n_logits, nd = PREFILL_MAX_REQS + 1, size, PREFILL_MAX_REQS, 0
+            n_reqs, n_tok, n_logits, nd = self._reqs(key), size, PREFILL_MAX_REQS, 0
         positions, slots, lens = self._views(key)
         return ForwardBatch(
             input_ids=self.input_ids[:n_tok],
@@ -271,7 +309,7 @@ class GraphRunner:
         """Write the real chunks into the static buffers, and padding after them. ids_on_device: the first rows'
         input ids come from the device (run's decode_tokens), so the host writes only the rest. A decode graph's
         lengths are followed by the host ring row it writes to (self._ring)."""
-        kind, size = key
+        kind = key[0]
         ids, pos, slots, lens, qlens, rows, table = [], [], [], [], [], [], []
         # Only the columns in use are copied: attention reads a row's pages below its seq_len, never past it
         # (a 262k max_model_len would otherwise ship 4k columns per request every step).
@@ -279,7 +317,7 @@ class GraphRunner:
         first = 0
         for c in chunks:
             n = len(c.token_ids)
-            if kind == "prefill":  # long chunks: vector maths (per-token Python costs ms on an 8k prompt)
+            if kind != "decode":  # long chunks: vector maths (per-token Python costs ms on an 8k prompt)
                 p = np.arange(c.num_cached, c.num_cached + n)
                 ids.append(np.asarray(c.token_ids, dtype=np.int64))
                 pos.append(p)
@@ -315,6 +353,8 @@ class GraphRunner:
             lens += [pad_tok] + [0] * (pad_reqs - 1)
             qlens += [pad_tok] + [0] * (pad_reqs - 1)
             rows += [0] * (PREFILL_MAX_REQS - len(rows))
+            if kind == "context":  # the last request (no tokens) holds the context bucket's leftover rows
+                lens[-1] = key[2] - sum(lens)
         if kind == "decode":
             slots += [-1] * pad_tok
         table += [[0] * width] * pad_reqs
@@ -380,11 +420,13 @@ class GraphRunner:
         with gc_paused(self.use_graphs):
             self._capture_all()
         log.info(
-            "captured %d CUDA graphs (decode batch sizes %s x q_len %d; prefill buckets %s) in %.1fs",
+            "captured %d CUDA graphs (decode batch sizes %s x q_len %d; prefill buckets %s; over cached context, "
+            "(tokens, context) %s) in %.1fs",
             len(self.graphs),
             self.bs_list,
             self.q,
             self.prefill_buckets,
+            self.context_buckets,
             time.perf_counter() - t0,
         )
         edge = a2a_edge(self.runner.ranks, self.runner.kernels)
@@ -392,7 +434,8 @@ class GraphRunner:
             log.info("steps of %d tokens or more run eagerly: the EP MoE all-to-all (--moe-a2a-min-tokens)", edge)
 
     def _capture_all(self) -> None:
-        for key in sorted(self._keys(), key=lambda k: -k[1] * (self.q if k[0] == "decode" else 1)):
+        # the largest first (the pool grows to it); a context graph's leftover context after the tokens
+        for key in sorted(self._keys(), key=lambda k: (-k[1] * (self.q if k[0] == "decode" else 1), -k[-1])):
             batch = self._batch(key)
             g = _Graph(None, batch, None, None, batch.num_reqs, batch.num_tokens)
             if key[0] == "decode":
@@ -430,7 +473,7 @@ class GraphRunner:
             self.input_ids[:n_dec].copy_(decode_tokens)
         if decode_shift is not None:
             g.batch.shift_decode(decode_shift, self.page_size, self.runner.kernels.pdl)
-        kind = key[0] if key[0] == "prefill" else ("decode" if self.q == 1 else "verify")
+        kind = key[0] if key[0] != "decode" else ("decode" if self.q == 1 else "verify")
         self.static_runs[kind] += 1
         if g.graph is not None:
             g.graph.replay()

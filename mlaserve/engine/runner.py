@@ -49,6 +49,7 @@ SAME_ON_EVERY_RANK = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "prefill_graph_max_tokens",
+    "prefill_graph_max_context",
     "enforce_eager",
     "attention_backend",
     "kv_cache_dtype",
@@ -210,6 +211,7 @@ class ModelRunner:
             self.cfg.prefill_graph_max_tokens,
             self.graph_max_pages(decode_q_len, max_model_len),
             use_graphs=use_graphs,
+            prefill_max_context=self.cfg.prefill_graph_max_context,
         )
         self.graphs.capture()
 

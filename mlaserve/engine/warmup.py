@@ -5,8 +5,9 @@ A Triton kernel compiles once per variant: its constexprs (tile sizes picked fro
 forms, the MoE's BLOCK_M band) and the specialization of its other arguments (an int equal to 1 or divisible by 16,
 a pointer 16-byte aligned; a slice of the step's metadata at the decode rows moves a pointer by the decode count).
 CUDA graphs compile their fixed shapes when they are captured; the steps no graph fits run eagerly at any size:
-mixed steps (decode rows with a prefill chunk), prefill chunks with cached context (prefix hits, the second chunk of
-a long prompt), more prefill requests than a graph holds, and every step under enforce_eager. The plan visits, for
+mixed steps the two graphs do not take (engine/runner.py), prefill chunks past the context graphs (over cached context:
+prefix hits, a long prompt's later chunks), more prefill requests than a graph holds, prompt-logprobs prefills, and
+every step under enforce_eager. The plan visits, for
 those, every decode count up to max_num_seqs (with both residues of the step's tokens mod 16 and page tables of 1,
 16 and 17 columns), and prefill chunks at a ladder of token counts with every threshold a kernel picks its form by on
 both sides of it. EAGLE3 drafts extend over the same chunks. Pages are reused freely: the cache holds nothing yet.
@@ -251,8 +252,8 @@ def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
         )
         if graphed and runner.ranks.world_size == 1:
             # the same step eagerly (a prompt-logprobs prefill runs so, and a mixed step the two graphs do not
-            # take: a chunk over cached context or past MIXED_SPLIT_MAX_TOKENS): on one rank, where no other rank
-            # replays the graph's collectives meanwhile
+            # take: past MIXED_SPLIT_MAX_TOKENS, or under TP): on one rank, where no other rank replays the graph's
+            # collectives meanwhile
             graphs, runner.graphs = runner.graphs, None
             try:
                 _step(runner, decode, prefill, draft)

@@ -298,7 +298,7 @@ def _staggered(engine, prompts, gap=3):
 def test_mixed_step_runs_as_two_static_forwards(tiny_ckpt, tmp_path, spec_k):
     """A step of decode (or verify) rows and a new prompt's chunk runs as the decode graph's static path, then the
     prefill graph's (runner.MIXED_SPLIT_MAX_TOKENS), and yields the plain eager engine's tokens; a chunk past the
-    limit, a chunk over a cached prefix and the deterministic mode keep one forward."""
+    limit and the deterministic mode keep one forward."""
     from mlaserve.config import EngineConfig, SpecConfig
     from mlaserve.engine import runner as runner_mod
     from mlaserve.engine.engine import LLMEngine
@@ -349,3 +349,86 @@ def test_mixed_step_runs_as_two_static_forwards(tiny_ckpt, tmp_path, spec_k):
         else:
             assert not split, steps
         eng.pool.check()
+
+
+@pytest.mark.parametrize("spec_k", [0, 2])
+def test_chunks_over_cached_context_run_as_context_graphs(tiny_ckpt, tmp_path, spec_k):
+    """Prefix hits' suffixes and a long prompt's later chunks (prefill chunks over cached context) run the context
+    graphs' static path (GraphRunner.key_for: a token bucket and a context bucket, the leftover context in a request
+    of no tokens), alone and beside decode rows (two static forwards), and yield the eager engine's tokens with the
+    same prefix cache and chunking; no page leaks."""
+    from mlaserve.attention.base import SeqChunk
+    from mlaserve.config import EngineConfig, SpecConfig
+    from mlaserve.engine.engine import LLMEngine
+    from mlaserve.models.make_random_draft import make_random_draft
+
+    rng = random.Random(23)
+    prefix = [rng.randrange(512) for _ in range(64)]  # four pages: a hit for every later prompt
+    prompts = [prefix + [rng.randrange(512) for _ in range(rng.randrange(3, 60))] for _ in range(4)]
+    prompts.append([rng.randrange(512) for _ in range(150)])  # three 64-token chunks, the later two over context
+    spec = None
+    if spec_k:
+        draft = make_random_draft("tiny-eagle3", str(tmp_path / "d"), target=tiny_ckpt, dtype="float32")
+        spec = SpecConfig(draft_model=draft, num_steps=spec_k)
+
+    def engine(graphs: bool):
+        kw = dict(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4, prefill_graph_max_tokens=512)
+        eng = LLMEngine(EngineConfig(chunked_prefill_size=64, max_num_batched_tokens=96, **kw), spec=spec)
+        if graphs:
+            eng.runner.capture_graphs(spec_k + 1, eng.max_model_len, use_graphs=False)
+        return eng
+
+    def run(eng):  # the first prompt alone (it fills the prefix), the rest staggered beside its decode rows
+        first = _gen(eng, prompts[:1])
+        return first + _staggered(eng, prompts[1:], gap=2)
+
+    ref_eng = engine(False)
+    ref = run(ref_eng)
+    eng = engine(True)
+    gr = eng.runner.graphs
+    assert (256, 512) in gr.context_buckets and all(t < c <= 4096 for t, c in gr.context_buckets)
+    key = gr.key_for([], [SeqChunk(list(range(40)), 64, list(range(7)))])
+    assert key == ("context", 256, 512)  # 64 cached + the 256 bucket's tokens fit 512
+    assert gr.key_for([], [SeqChunk(list(range(40)), 300, list(range(22)))]) == ("context", 256, 1024)
+    assert gr.key_for([], [SeqChunk(list(range(40)), 64, list(range(7)), "all")]) is None  # prompt logprobs
+    keys, mixed = [], []
+    run_graph, fwd = gr.run, eng.runner.execute_local
+    gr.run = lambda key, d, p, *a: (keys.append(key), run_graph(key, d, p, *a))[1]
+
+    def logged(decode, prefill, *a):
+        n = len(keys)
+        out = fwd(decode, prefill, *a)
+        if decode and prefill:
+            mixed.append(keys[n:])
+        return out
+
+    eng.runner.execute_local = logged
+    assert run(eng) == ref
+    ctx = [k for k in keys if k[0] == "context"]
+    assert len(ctx) >= 5, keys  # four suffixes and the long prompt's later chunks
+    assert any(len(k) == 2 and k[1][0] == "context" for k in mixed), mixed  # beside decode rows: two forwards
+    assert gr.static_runs["context"] == len(ctx)
+    assert ref_eng.pool.hits and eng.pool.hits == ref_eng.pool.hits
+    for e in (ref_eng, eng):
+        e.pool.check()
+        assert e.pool.num_free == e.pool.num_pages
+
+
+def test_context_graph_fill_pads_the_context_to_its_bucket(tiny_ckpt):
+    """A context graph's lengths sum to its context bucket exactly (the attention's static context rows): the real
+    requests, the padding request (its own tokens only) and a last request of no tokens holding the rest."""
+    from mlaserve.attention.base import SeqChunk
+
+    engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, prefill_graph_max_tokens=512)
+    engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
+    gr = engine.runner.graphs
+    key = ("context", 256, 1024)
+    g = gr.graphs[key]
+    chunks = [SeqChunk([5] * 30, 100, list(range(9))), SeqChunk([6] * 12, 200, list(range(9, 23)))]
+    gr._fill(key, g, chunks)
+    lens = g.batch.seq_lens.tolist()
+    assert len(lens) == 10 and sum(lens) == 1024 and g.batch.seq_lens_cpu == lens
+    assert lens[:3] == [130, 212, 256 - 42] and lens[3:9] == [0] * 6 and lens[9] == 1024 - 130 - 212 - 214
+    starts = g.batch.query_start_loc.tolist()
+    assert starts[:4] == [0, 30, 42, 256] and starts[-1] == 256  # the last request has no tokens
+    assert g.batch.slot_mapping[42:].eq(-1).all()  # padding tokens are not stored

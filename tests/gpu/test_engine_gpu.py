@@ -144,6 +144,41 @@ def test_graphs_equal_eager_and_reference(tiny_ckpt, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_context_graphs_equal_eager(tiny_ckpt, dtype):
+    """Prefix hits' suffixes and a long prompt's later chunks replay the context graphs (static context buckets; the
+    attention's metadata derived on the device under capture) and give the eager engine's tokens, with the same
+    prefix cache and chunking."""
+    from mlaserve import LLM, SamplingParams
+
+    rng = random.Random(4)
+    prefix = [rng.randrange(512) for _ in range(200)]  # three 64-token pages hit
+    prompts = [prefix + [rng.randrange(512) for _ in range(rng.randrange(3, 300))] for _ in range(6)]
+    prompts.append([rng.randrange(512) for _ in range(700)])  # chunks of 256: the later two over context
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for name, kw in (("eager", dict(enforce_eager=True)), ("graphs", {})):
+        llm = LLM(
+            tiny_ckpt,
+            device="cuda",
+            dtype=dtype,
+            num_pages=2048,
+            page_size=64,
+            chunked_prefill_size=256,
+            max_num_batched_tokens=512,
+            **kw,
+        )
+        first = llm.generate(prompts[:1], sp, use_tqdm=False)  # caches the prefix
+        rest = llm.generate(prompts[1:], sp, use_tqdm=False)
+        outs[name] = [o.token_ids for o in first + rest]
+        if name == "graphs":
+            gr = llm.engine.runner.graphs
+            assert gr.graph_replays["context"] >= 2, gr.graph_replays
+            assert gr.graph_replays == gr.static_runs
+        assert llm.engine.pool.hits
+    assert outs["graphs"] == outs["eager"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_graphs_fork_the_kv_store(tiny_ckpt, monkeypatch, dtype):
     """Captured decode steps run the KV store on the side stream (forward_decode_forked), eager steps never do,
     except that steps of 1-2 tokens in bf16 run it inside absorb_q_rope's launch (forward_decode_fused), eager and

@@ -27,6 +27,19 @@ def test_benchmark_md_scales():
     assert prefill_flops(m1, 8192) > 4 * prefill_flops(m1, 2048)
 
 
+def test_chunk_floor_over_cached_context():
+    """A chunk after cached context attends it too (each token's pairs with every cached one); a short suffix's
+    floor is its reads (every expert's weights), a long chunk's its FLOPs."""
+    from mlaserve.bench.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S, chunk_floor_s, decode_bytes
+
+    m1 = ModelConfig.from_hf(load_preset("moonlight-16b-a3b"))
+    H, L = m1.num_attention_heads, m1.num_hidden_layers
+    extra = prefill_flops(m1, 256, context=4096) - prefill_flops(m1, 256)
+    assert extra == pytest.approx(2 * 256 * 4096 * H * (m1.qk_head_dim + m1.v_head_dim) * L)
+    assert chunk_floor_s(m1, 32, 4096) == decode_bytes(m1, 1, 4096, q_len=32) / HBM_BYTES_PER_S
+    assert chunk_floor_s(m1, 2048, 8192) == prefill_flops(m1, 2048, context=8192) / BF16_FLOPS_PER_S
+
+
 def test_quantized_floors_count_the_bytes_stored():
     """INT4 experts read 0.5 + 2/32 bytes a weight (packed words + bf16 group scales); FP8 1 + 4/128^2 (values + fp32
     block scales), except kv_b_proj, held in bf16."""

@@ -1,0 +1,149 @@
+"""TTFT of a prefill chunk over cached context, run as a context CUDA graph against one eager forward, on one engine
+in alternating rounds (GraphRunner.context_buckets emptied for the eager rounds):
+
+- a prefix hit's suffix: a prefix of P tokens cached (an earlier request's), then a request of that prefix and S new
+  tokens, timed from add_request to its first token's event;
+- a long prompt in chunks: L tokens with --chunk tokens a step, every chunk after the first over cached context.
+
+Each figure is beside its floor (bench/roofline.chunk_floor_s: the FLOPs' time or the reads', whichever is longer).
+
+    python benchmarks/context_prefill.py --preset moonlight-16b-a3b   # M1, random weights in place
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.bench_engine import prompts, sync  # noqa: E402
+from benchmarks.bench_util import code_id  # noqa: E402
+from mlaserve.bench.roofline import chunk_floor_s  # noqa: E402
+from mlaserve.config import EngineConfig, ModelConfig  # noqa: E402
+from mlaserve.types import SamplingParams  # noqa: E402
+
+
+def first_token_ms(engine, prompt: list[int]) -> tuple[float, int]:
+    """ms from add_request to the step that returns the request's first token, and the steps it took."""
+    sync()
+    t = time.perf_counter()
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    steps = 0
+    while True:
+        steps += 1
+        if any(o.request_id == rid and o.new_token_ids for o in engine.step()):
+            break
+    sync()
+    ms = (time.perf_counter() - t) * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    return ms, steps
+
+
+def timed_rounds(engine, make_prompt, reps: int) -> dict:
+    """reps rounds, each one prompt with context graphs and one without (the order alternating), after one untimed
+    round of each -> per mode the times, their median, the steps and the context graphs replayed."""
+    gr = engine.runner.graphs
+    buckets = gr.context_buckets
+    out = {m: dict(ms=[], steps=0, context_replays=0) for m in ("graph", "eager")}
+    for r in range(reps + 1):
+        for m in ("graph", "eager") if r % 2 == 0 else ("eager", "graph"):
+            gr.context_buckets = buckets if m == "graph" else []
+            before = gr.graph_replays["context"]
+            ms, steps = first_token_ms(engine, make_prompt(r, m))
+            if r:
+                out[m]["ms"].append(ms)
+                out[m]["steps"], out[m]["context_replays"] = steps, gr.graph_replays["context"] - before
+    gr.context_buckets = buckets
+    for m in out.values():
+        m["median_ms"] = statistics.median(m["ms"])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="moonlight-16b-a3b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--prefixes", default="1024,4096,8192", help="cached prefix tokens P")
+    ap.add_argument("--suffixes", default="32,256,1024,2048", help="new tokens S after the prefix")
+    ap.add_argument("--long", type=int, default=16384, help="a prompt of this many tokens in chunks (0: none)")
+    ap.add_argument("--chunk", type=int, default=2048, help="its chunk (chunked_prefill_size)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None, help="JSON file")
+    a = ap.parse_args()
+
+    from mlaserve.engine.engine import LLMEngine
+    from mlaserve.models.make_random import make_random
+
+    path = make_random(a.preset, "/tmp/cfg-context", layers=a.layers, dtype="bfloat16", config_only=True)
+    mcfg = ModelConfig.from_pretrained(path)
+    vocab = mcfg.vocab_size
+    prefixes = [int(x) for x in a.prefixes.split(",") if x]
+    suffixes = [int(x) for x in a.suffixes.split(",") if x]
+    max_len = max([p + s for p in prefixes for s in suffixes] + [a.long]) + 64
+    cfg = EngineConfig(model=path, load_format="dummy", max_num_seqs=8, warmup=False, max_model_len=max_len)
+    engine = LLMEngine(cfg)
+    res = dict(
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        command=" ".join(sys.argv),
+        **code_id(),
+        context_buckets=engine.runner.graphs.context_buckets,
+        suffix=[],
+        long=None,
+    )
+    print(
+        f"{'P cached':>9s} {'S new':>6s} {'graph ms':>9s} {'eager ms':>9s} {'floor ms':>9s} {'graph x':>8s} "
+        f"{'speedup':>8s}"
+    )
+    for i, P in enumerate(prefixes):
+        prefix = prompts(1, P, vocab, seed=50 + i)[0]
+        first_token_ms(engine, prefix)  # cached: its full pages stay in the prefix cache
+        for S in suffixes:
+
+            def make(r, m, P=P, S=S, prefix=prefix):
+                return prefix + prompts(1, S, vocab, seed=1000 * P + 10 * S + 2 * r + (m == "eager"))[0]
+
+            t = timed_rounds(engine, make, a.reps)
+            fl = chunk_floor_s(mcfg, S, P) * 1e3
+            g, e = t["graph"]["median_ms"], t["eager"]["median_ms"]
+            res["suffix"].append(dict(cached=P, new=S, floor_ms=fl, **t))
+            print(
+                f"{P:9d} {S:6d} {g:9.2f} {e:9.2f} {fl:9.2f} {g / fl:8.2f} {e / g:8.2f}  "
+                f"(context graphs replayed {t['graph']['context_replays']} / {t['eager']['context_replays']})"
+            )
+    if a.long:
+        chunked = LLMEngine(
+            EngineConfig(
+                model=path,
+                load_format="dummy",
+                max_num_seqs=8,
+                warmup=False,
+                max_model_len=max_len,
+                chunked_prefill_size=a.chunk,
+                enable_prefix_caching=False,
+            ),
+            runner=engine.runner,
+        )
+        t = timed_rounds(chunked, lambda r, m: prompts(1, a.long, vocab, seed=7 + 2 * r + (m == "eager"))[0], a.reps)
+        n = -(-a.long // a.chunk)
+        fl = sum(chunk_floor_s(mcfg, min(a.chunk, a.long - k * a.chunk), k * a.chunk) for k in range(n)) * 1e3
+        g, e = t["graph"]["median_ms"], t["eager"]["median_ms"]
+        res["long"] = dict(tokens=a.long, chunk=a.chunk, floor_ms=fl, **t)
+        print(
+            f"\n{a.long}-token prompt in {n} chunks of {a.chunk}: graph {g:.1f} ms, eager {e:.1f} ms, floor {fl:.1f} "
+            f"ms ({g / fl:.2f}x; eager {e / fl:.2f}x); context graphs replayed {t['graph']['context_replays']}"
+        )
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
