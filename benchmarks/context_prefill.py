@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -76,6 +77,7 @@ def main():
     ap.add_argument("--long", type=int, default=16384, help="a prompt of this many tokens in chunks (0: none)")
     ap.add_argument("--chunk", type=int, default=2048, help="its chunk (chunked_prefill_size)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warm", type=int, default=8, help="untimed rounds before the sweep")
     ap.add_argument("--out", default=None, help="JSON file")
     a = ap.parse_args()
 
@@ -89,6 +91,8 @@ def main():
     suffixes = [int(x) for x in a.suffixes.split(",") if x]
     max_len = max([p + s for p in prefixes for s in suffixes] + [a.long]) + 64
     cfg = EngineConfig(model=path, load_format="dummy", max_num_seqs=8, warmup=False, max_model_len=max_len)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("mlaserve.cuda_graph").setLevel(logging.INFO)  # the capture's line: graphs and seconds
     engine = LLMEngine(cfg)
     res = dict(
         gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -102,6 +106,10 @@ def main():
         f"{'P cached':>9s} {'S new':>6s} {'graph ms':>9s} {'eager ms':>9s} {'floor ms':>9s} {'graph x':>8s} "
         f"{'speedup':>8s}"
     )
+    # the eager forward's first runs are slower (host and allocator settling): untimed rounds of the first shape
+    warm = prompts(1, prefixes[0], vocab, seed=49)[0]
+    first_token_ms(engine, warm)
+    timed_rounds(engine, lambda r, m: warm + prompts(1, suffixes[0], vocab, seed=r)[0], a.warm)
     for i, P in enumerate(prefixes):
         prefix = prompts(1, P, vocab, seed=50 + i)[0]
         first_token_ms(engine, prefix)  # cached: its full pages stay in the prefix cache

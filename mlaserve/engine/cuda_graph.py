@@ -35,9 +35,10 @@ log = logging.getLogger("mlaserve.cuda_graph")
 PREFILL_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request; a context graph: two)
 # context graphs: chunks of up to this many tokens (past it the chunk's compute hides an eager step's launches), over
-# a total context (cached + new tokens, padded) of one of these
+# a total context (cached + new tokens, padded) of one of these: steps of 1.5x and 1.33x in turn (the padded rows
+# are up-projected too)
 CONTEXT_GRAPH_MAX_TOKENS = 2048
-CONTEXT_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+CONTEXT_BUCKETS = (512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536)
 
 
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:

@@ -389,7 +389,7 @@ def test_chunks_over_cached_context_run_as_context_graphs(tiny_ckpt, tmp_path, s
     assert (256, 512) in gr.context_buckets and all(t < c <= 4096 for t, c in gr.context_buckets)
     key = gr.key_for([], [SeqChunk(list(range(40)), 64, list(range(7)))])
     assert key == ("context", 256, 512)  # 64 cached + the 256 bucket's tokens fit 512
-    assert gr.key_for([], [SeqChunk(list(range(40)), 300, list(range(22)))]) == ("context", 256, 1024)
+    assert gr.key_for([], [SeqChunk(list(range(40)), 300, list(range(22)))]) == ("context", 256, 768)
     assert gr.key_for([], [SeqChunk(list(range(40)), 64, list(range(7)), "all")]) is None  # prompt logprobs
     keys, mixed = [], []
     run_graph, fwd = gr.run, eng.runner.execute_local
