@@ -432,3 +432,15 @@ def test_context_graph_fill_pads_the_context_to_its_bucket(tiny_ckpt):
     starts = g.batch.query_start_loc.tolist()
     assert starts[:4] == [0, 30, 42, 256] and starts[-1] == 256  # the last request has no tokens
     assert g.batch.slot_mapping[42:].eq(-1).all()  # padding tokens are not stored
+
+
+def test_no_context_graphs_at_max_context_zero(tiny_ckpt):
+    """--prefill-graph-max-context 0: no context graph is captured and chunks over cached context run eagerly."""
+    from mlaserve.attention.base import SeqChunk
+
+    engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, prefill_graph_max_context=0)
+    engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
+    gr = engine.runner.graphs
+    assert gr.context_buckets == [] and not any(k[0] == "context" for k in gr.graphs)
+    assert gr.key_for([], [SeqChunk(list(range(40)), 64, list(range(7)))]) is None
+    assert gr.key_for([], [SeqChunk(list(range(40)), 0, list(range(3)))]) == ("prefill", 256)

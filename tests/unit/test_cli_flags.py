@@ -118,10 +118,11 @@ def test_serve_refuses_bad_sizes_in_one_line(tmp_path, capsys):
         ("kv_cache_memory_gb", -1.0, "must be > 0"),
         ("kv_cache_memory_gb", 0.0, "must be > 0"),
         ("prefill_graph_max_tokens", -5, "must be >= 0"),
+        ("prefill_graph_max_context", -1, "must be >= 0"),
     ):
         with pytest.raises(ValueError, match=f"^{field}: {says}"):
             EngineConfig(model="m", **{field: bad}).validate()
-    EngineConfig(model="m", prefill_graph_max_tokens=0).validate()
+    EngineConfig(model="m", prefill_graph_max_tokens=0, prefill_graph_max_context=0).validate()
 
 
 @pytest.mark.parametrize(
