@@ -351,12 +351,13 @@ def test_mixed_step_runs_as_two_static_forwards(tiny_ckpt, tmp_path, spec_k):
         eng.pool.check()
 
 
-@pytest.mark.parametrize("spec_k", [0, 2])
-def test_chunks_over_cached_context_run_as_context_graphs(tiny_ckpt, tmp_path, spec_k):
+@pytest.mark.parametrize("spec_k,kv", [(0, "auto"), (2, "auto"), (0, "fp8")])
+def test_chunks_over_cached_context_run_as_context_graphs(tiny_ckpt, tmp_path, spec_k, kv):
     """Prefix hits' suffixes and a long prompt's later chunks (prefill chunks over cached context) run the context
     graphs' static path (GraphRunner.key_for: a token bucket and a context bucket, the leftover context in a request
     of no tokens), alone and beside decode rows (two static forwards), and yield the eager engine's tokens with the
-    same prefix cache and chunking; no page leaks."""
+    same prefix cache and chunking (and KV cache dtype: an FP8 cache's context rows are dequantized); no page
+    leaks."""
     from mlaserve.attention.base import SeqChunk
     from mlaserve.config import EngineConfig, SpecConfig
     from mlaserve.engine.engine import LLMEngine
@@ -373,6 +374,7 @@ def test_chunks_over_cached_context_run_as_context_graphs(tiny_ckpt, tmp_path, s
 
     def engine(graphs: bool):
         kw = dict(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4, prefill_graph_max_tokens=512)
+        kw["kv_cache_dtype"] = kv
         eng = LLMEngine(EngineConfig(chunked_prefill_size=64, max_num_batched_tokens=96, **kw), spec=spec)
         if graphs:
             eng.runner.capture_graphs(spec_k + 1, eng.max_model_len, use_graphs=False)
