@@ -24,7 +24,7 @@ from ..models.weight_bytes import weight_bytes
 from ..models.weights import load_weights
 from .cpu_matmul_caches import bound_matmul_caches
 from .cuda_graph import a2a_edge, decode_graph_size
-from .step_broadcast import DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, StepChannel
+from .step_broadcast import DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, EAGER, STEP, StepChannel
 
 log = logging.getLogger("mlaserve.runner")
 
@@ -230,19 +230,21 @@ class ModelRunner:
         prefill: list[SeqChunk],
         decode_tokens: torch.Tensor | None = None,
         decode_shift: torch.Tensor | None = None,
+        eager: bool = False,
     ):
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
         the EAGLE3 aux hidden states [T, 3D] of every token, or None; the decode graph's own arg-max of those rows,
         a GreedyTokens (engine/cuda_graph.py), or None). Device-side inputs (single rank) of a step launched before
         the step in flight is read back: decode_tokens [decode tokens] the decode chunks' input ids, in place of
         their token_ids (which then give only their lengths); decode_shift [len(decode)] int64, how many positions
-        each decode chunk starts past its num_cached (ForwardBatch.shift_decode; its pages must cover that)."""
+        each decode chunk starts past its num_cached (ForwardBatch.shift_decode; its pages must cover that).
+        eager: one eager forward whatever graph fits the step, on every rank (the warm-up's eager twins)."""
         if self.ranks.world_size > 1:
             if decode_tokens is not None or decode_shift is not None:
                 raise ValueError("decode_tokens, decode_shift: device-side inputs need a single rank")
             self._wake()
-            self.steps.send(decode, prefill)  # the other ranks run the same forward
-        return self.execute_local(decode, prefill, decode_tokens, decode_shift)
+            self.steps.send(decode, prefill, EAGER if eager else STEP)  # the other ranks run the same forward
+        return self.execute_local(decode, prefill, decode_tokens, decode_shift, eager)
 
     def _wake(self) -> None:
         if not self._awake:
@@ -282,6 +284,7 @@ class ModelRunner:
         prefill: list[SeqChunk],
         decode_tokens: torch.Tensor | None = None,
         decode_shift: torch.Tensor | None = None,
+        eager: bool = False,
     ):
         n_dec = sum(len(c.token_ids) for c in decode)
         if decode_tokens is not None and decode_tokens.shape != (n_dec,):
@@ -290,11 +293,11 @@ class ModelRunner:
             raise ValueError(
                 f"decode_shift: need one per decode chunk ({len(decode)}), got {tuple(decode_shift.shape)}"
             )
-        key = self.graphs.key_for(decode, prefill) if self.graphs is not None else None
+        key = self.graphs.key_for(decode, prefill) if self.graphs is not None and not eager else None
         if key is not None:
             self.graph_steps += 1
             return self.graphs.run(key, decode, prefill, decode_tokens, decode_shift)
-        split = self.split_keys(decode, prefill)
+        split = None if eager else self.split_keys(decode, prefill)
         if split is not None:  # decode rows first, then the chunks, as one forward would order its outputs
             self.graph_steps += 2
             logits, aux, _ = self.graphs.run(split[0], decode, [], decode_tokens, decode_shift)
@@ -317,9 +320,8 @@ class ModelRunner:
 
     def split_keys(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple | None:
         """(decode graph key, prefill graph key) for a step of decode rows and prompt chunks run as two replays
-        (MIXED_SPLIT_MAX_TOKENS), or None: one forward. Not in the deterministic mode, whose rows keep one path, nor
-        under TP, whose warm-up cannot also run these steps eagerly (the other ranks would replay the graphs)."""
-        if self.graphs is None or not decode or not prefill or self.kernels.deterministic or self.ranks.world_size > 1:
+        (MIXED_SPLIT_MAX_TOKENS), or None: one forward. Not in the deterministic mode, whose rows keep one path."""
+        if self.graphs is None or not decode or not prefill or self.kernels.deterministic:
             return None
         if sum(len(c.token_ids) for c in prefill) > MIXED_SPLIT_MAX_TOKENS:
             return None

@@ -26,11 +26,20 @@ import torch.distributed as dist
 
 from ..attention.base import SeqChunk
 
-STEP, PARK, DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT = 1, 2, 3, 4, 5
+STEP, PARK, DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, EAGER = 1, 2, 3, 4, 5, 6  # EAGER: EagerStep
 DRAFT_KINDS = (DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT)
 HEADER = 4
 FIRST_WORDS = 4096  # 16 KB: a decode step of 8 requests at an 8k context is ~1.1k words
 LOGITS = ("none", "last", "all")  # need_logits by code
+
+
+@dataclass
+class EagerStep:
+    """A step every rank runs as one eager forward, whatever graph fits it (the warm-up's eager twins of graphed
+    steps, engine/warmup.py)."""
+
+    decode: list[SeqChunk]
+    prefill: list[SeqChunk]
 
 
 @dataclass
@@ -121,15 +130,15 @@ class StepChannel:
         self.buf[:HEADER].copy_(torch.tensor([PARK, HEADER, 0, 0], dtype=torch.int32), non_blocking=True)
         self._broadcast(HEADER)
 
-    def recv(self) -> tuple[list[SeqChunk], list[SeqChunk]] | DraftMessage | None:
-        """The next step's (decode, prefill), a DraftMessage (its tensors follow: recv_tensor), or None when rank 0
-        parks the ranks."""
+    def recv(self) -> tuple[list[SeqChunk], list[SeqChunk]] | EagerStep | DraftMessage | None:
+        """The next step's (decode, prefill), an EagerStep, a DraftMessage (its tensors follow: recv_tensor), or None
+        when rank 0 parks the ranks."""
         dist.broadcast(self.buf[:FIRST_WORDS], src=0, group=self.group)
         head = self.buf[:FIRST_WORDS].cpu().numpy()  # waits for the broadcast (and so for rank 0)
         kind, total = int(head[0]), int(head[1])
         if kind == PARK:
             return None
-        if kind != STEP and kind not in DRAFT_KINDS:
+        if kind not in (STEP, EAGER) and kind not in DRAFT_KINDS:
             raise RuntimeError(f"step message: unknown kind {kind} from rank 0")
         words = head
         if total > FIRST_WORDS:
@@ -137,4 +146,6 @@ class StepChannel:
             dist.broadcast(self.buf[FIRST_WORDS:total], src=0, group=self.group)
             words = np.concatenate([head, self.buf[FIRST_WORDS:total].cpu().numpy()])
         decode, prefill = decode_words(words[:total])
+        if kind == EAGER:
+            return EagerStep(decode, prefill)
         return DraftMessage(kind, prefill) if kind in DRAFT_KINDS else (decode, prefill)

@@ -188,10 +188,10 @@ def _draft(proposer, decode: list[SeqChunk], prefill: list[SeqChunk], aux: torch
     proposer.propose(chunks)
 
 
-def _step(runner, decode: list[SeqChunk], prefill: list[SeqChunk], draft) -> None:
+def _step(runner, decode: list[SeqChunk], prefill: list[SeqChunk], draft, eager: bool = False) -> None:
     from ..layers.sampler import greedy_tokens
 
-    logits, aux, _ = runner.execute(decode, prefill)
+    logits, aux, _ = runner.execute(decode, prefill, eager=eager)
     greedy_tokens(logits, runner.kernels.pdl)  # the sampler's arg-max over the step's rows
     if logits.is_cuda and logits.shape[0]:  # and its race for sampled rows (kernels/race_sample.py)
         from ..kernels.race_sample import warm_race_sample
@@ -250,15 +250,10 @@ def warm_up(engine, steps: list[WarmupStep] | None = None) -> float:
         graphed = runner.graphs is not None and (
             runner.graphs.key_for(decode, prefill) or runner.split_keys(decode, prefill)
         )
-        if graphed and runner.ranks.world_size == 1:
-            # the same step eagerly (a prompt-logprobs prefill runs so, and a mixed step the two graphs do not
-            # take: past MIXED_SPLIT_MAX_TOKENS, or under TP): on one rank, where no other rank replays the graph's
-            # collectives meanwhile
-            graphs, runner.graphs = runner.graphs, None
-            try:
-                _step(runner, decode, prefill, draft)
-            finally:
-                runner.graphs = graphs
+        if graphed:
+            # the same step eagerly, on every rank (runner.execute's eager): a prompt-logprobs prefill runs so, and
+            # a mixed step the two graphs do not take (past MIXED_SPLIT_MAX_TOKENS)
+            _step(runner, decode, prefill, draft, eager=True)
     if runner.ranks.world_size > 1:
         runner.park()
     if runner.device.type == "cuda":

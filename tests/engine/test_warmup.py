@@ -235,7 +235,9 @@ def test_warm_up_launches_the_mla_decode_variants_speculative_serving_does(tiny_
     for key, g in runner.graphs.graphs.items():  # capture
         if key[0] == "decode":
             launch(g.batch)
-    monkeypatch.setattr(warmup, "_step", lambda r, d, p, dr: launch(ForwardBatch.build(d, p, page, "cpu", attn)))
+    monkeypatch.setattr(
+        warmup, "_step", lambda r, d, p, dr, eager=False: launch(ForwardBatch.build(d, p, page, "cpu", attn))
+    )
     warmup.warm_up(eng)
     start, forms = set(keys), set()
     keys.clear()

@@ -96,6 +96,44 @@ def test_llm_tp2_on_the_graph_path_matches_tp1(tiny_ckpt, tp1):
     assert workers.results == {1: f"rank 1: {steps} steps, {runner.graph_steps} by the graph runner"}
 
 
+def test_tp2_eager_twins_and_mixed_steps_on_the_graph_path(tiny_ckpt):
+    """Under TP2 on the graph path (eagerly on the CPU), the warm-up's eager twins of graphed steps run eagerly on
+    every rank (EAGER step messages), and a step of decode rows and a new prompt's chunk runs as two graphs on every
+    rank: a staggered workload gives one rank's tokens, and the follower ran what rank 0 ran."""
+    from mlaserve.engine.warmup import WarmupStep, warm_up
+    from tests.engine.test_graph_static_path import _staggered
+
+    prompts = [p for p in _prompts() if len(p) > 20][:4]
+    one = LLM(tiny_ckpt, device="cpu", max_num_seqs=8)
+    ref = _staggered(one.engine, prompts)
+    one.close()
+    llm = LLM(
+        tiny_ckpt, device="cpu", tp=2, max_num_seqs=8, prefill_graph_max_tokens=512, on_rank_failure=lambda e: None
+    )
+    workers = llm._workers
+    try:
+        runner = llm.engine.runner
+        runner.capture_graphs(1, llm.engine.max_model_len, use_graphs=False)
+        calls = []  # per forward: (decode rows, prefill rows, eager, graph forwards it ran)
+        run_local = runner.execute_local
+
+        def logged(d, p, decode_tokens=None, decode_shift=None, eager=False):
+            n = runner.graph_steps
+            out = run_local(d, p, decode_tokens, decode_shift, eager)
+            calls.append((bool(d), bool(p), eager, runner.graph_steps - n))
+            return out
+
+        runner.execute_local = logged
+        # a mixed step (two graphs) and a chunk over cached context (a context graph), each then eagerly on both ranks
+        warm_up(llm.engine, [WarmupStep(2, 1, 16, 20, 0), WarmupStep(0, 1, 0, 40, 16)])
+        assert calls == [(True, True, False, 2), (True, True, True, 0), (False, True, False, 1), (False, True, True, 0)]
+        assert _staggered(llm.engine, prompts) == ref
+        assert any(c[:2] == (True, True) and c[3] == 2 for c in calls[4:]), calls  # mixed steps as two graphs
+    finally:
+        llm.close()
+    assert workers.results == {1: f"rank 1: {len(calls)} steps, {runner.graph_steps} by the graph runner"}
+
+
 def test_llm_tp2_replay_draft_exact_acceptance(tiny_ckpt, tp1, tmp_path):
     """Speculation that accepts under TP2: the REPLAY draft proposes TP1's recorded outputs with seeded misses, so
     the outputs are TP1's and each request's acceptance per draft position is exactly what the misses imply."""
