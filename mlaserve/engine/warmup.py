@@ -5,12 +5,12 @@ A Triton kernel compiles once per variant: its constexprs (tile sizes picked fro
 forms, the MoE's BLOCK_M band) and the specialization of its other arguments (an int equal to 1 or divisible by 16,
 a pointer 16-byte aligned; a slice of the step's metadata at the decode rows moves a pointer by the decode count).
 CUDA graphs compile their fixed shapes when they are captured; the steps no graph fits run eagerly at any size:
-mixed steps the two graphs do not take (engine/runner.py), prefill chunks past the context graphs (over cached context:
-prefix hits, a long prompt's later chunks), more prefill requests than a graph holds, prompt-logprobs prefills, and
-every step under enforce_eager. The plan visits, for
-those, every decode count up to max_num_seqs (with both residues of the step's tokens mod 16 and page tables of 1,
-16 and 17 columns), and prefill chunks at a ladder of token counts with every threshold a kernel picks its form by on
-both sides of it. EAGLE3 drafts extend over the same chunks. Pages are reused freely: the cache holds nothing yet.
+mixed steps the two graphs do not take (engine/runner.py), prefill chunks past the context graphs (over cached
+context: prefix hits, a long prompt's later chunks), more prefill requests than a graph holds, prompt-logprobs
+prefills, and every step under enforce_eager. The plan visits, for those, every decode count up to max_num_seqs
+(with both residues of the step's tokens mod 16 and page tables of 1, 16 and 17 columns), and prefill chunks at a
+ladder of token counts with every threshold a kernel picks its form by on both sides of it. EAGLE3 drafts extend
+over the same chunks. Pages are reused freely: the cache holds nothing yet.
 
 MLA decode compiles per page-table width class (1, a multiple of 16, other: its row stride) and per form, which the
 decode count picks (batch 1-3's tiles, one split at large batches): ranges of consecutive counts. Each count's steps

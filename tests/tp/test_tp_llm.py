@@ -75,17 +75,23 @@ def test_llm_tp2_with_eagle3_matches_tp1(tiny_ckpt, tp1, tmp_path, kv_heads, sha
         llm.close()
 
 
+def _tp2_on_the_graph_path(tiny_ckpt):
+    """A TP2 LLM whose ranks take the graph runner's path, run eagerly on the CPU (use_graphs=False) -> (llm, its
+    workers)."""
+    llm = LLM(
+        tiny_ckpt, device="cpu", tp=2, max_num_seqs=8, prefill_graph_max_tokens=512, on_rank_failure=lambda e: None
+    )
+    llm.engine.runner.capture_graphs(1, llm.engine.max_model_len, use_graphs=False)
+    return llm, llm._workers
+
+
 def test_llm_tp2_on_the_graph_path_matches_tp1(tiny_ckpt, tp1):
     """Every rank takes the graph runner's path (run eagerly on the CPU: use_graphs=False), its decode graphs ending
     with the greedy arg-max into their own input ids and host ring: rank 0 samples from it, and the follower runs the
     same graphs."""
-    llm = LLM(
-        tiny_ckpt, device="cpu", tp=2, max_num_seqs=8, prefill_graph_max_tokens=512, on_rank_failure=lambda e: None
-    )
-    workers = llm._workers
+    llm, workers = _tp2_on_the_graph_path(tiny_ckpt)
     try:
         runner = llm.engine.runner
-        runner.capture_graphs(1, llm.engine.max_model_len, use_graphs=False)
         assert runner.graphs.greedy
         outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert [o.token_ids for o in outs] == tp1
@@ -107,13 +113,9 @@ def test_tp2_eager_twins_and_mixed_steps_on_the_graph_path(tiny_ckpt):
     one = LLM(tiny_ckpt, device="cpu", max_num_seqs=8)
     ref = _staggered(one.engine, prompts)
     one.close()
-    llm = LLM(
-        tiny_ckpt, device="cpu", tp=2, max_num_seqs=8, prefill_graph_max_tokens=512, on_rank_failure=lambda e: None
-    )
-    workers = llm._workers
+    llm, workers = _tp2_on_the_graph_path(tiny_ckpt)
     try:
         runner = llm.engine.runner
-        runner.capture_graphs(1, llm.engine.max_model_len, use_graphs=False)
         calls = []  # per forward: (decode rows, prefill rows, eager, graph forwards it ran)
         run_local = runner.execute_local
 
