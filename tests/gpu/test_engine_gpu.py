@@ -297,7 +297,7 @@ def test_deepseek_v2_graphs_equal_eager_and_reference(tmp_path, v2):
 
 
 def test_eager_chunk_queues_without_waiting():
-    """A prefill chunk with cached context runs eagerly (no graph takes it). Its batch's copies and its kernels
+    """A prefill chunk with cached context run eagerly (context graphs off). Its batch's copies and its kernels
     queue behind a long sleep kernel without the host waiting for the stream (ForwardBatch.build: pinned,
     non-blocking copies), and its logits are those of the same forward run with nothing queued before it."""
     import time
@@ -306,7 +306,7 @@ def test_eager_chunk_queues_without_waiting():
     from mlaserve.attention.base import SeqChunk
     from mlaserve.llm import default_model_path
 
-    llm = LLM(default_model_path(), device="cuda", num_pages=256, page_size=16)
+    llm = LLM(default_model_path(), device="cuda", num_pages=256, page_size=16, prefill_graph_max_context=0)
     r = llm.engine.runner
     rng = random.Random(3)
     ids = [rng.randrange(1000) for _ in range(160)]
