@@ -44,6 +44,9 @@ class KernelConfig:
     # (kernels/prefill_attention_gluon.py: two warp-specialized warpgroups, each's softmax under MMAs); the same
     # bits as the Triton kernel
     prefill_gluon: bool = True
+    # MLASERVE_PREFILL_SPLIT: MLA prefill steps of few query rows over long contexts (a prefix hit's suffix) cut
+    # each query block's keys into split programs merged by a second kernel (kernels/prefill_attention.kv_splits)
+    prefill_split: bool = True
 
     # ---- thresholds: which path a step of a given size takes ----
     # layers.linear: steps of 1..gemv_serve_tokens rows times weights of <= gemv_max_bytes go to the Triton GEMV
@@ -174,6 +177,7 @@ class KernelConfig:
             moe_gemv_tiles=tiles,
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),
             prefill_gluon=on("MLASERVE_PREFILL_GLUON"),
+            prefill_split=on("MLASERVE_PREFILL_SPLIT"),
             allreduce=env.get("MLASERVE_ALLREDUCE", "auto"),
         )
 

@@ -93,6 +93,72 @@ def test_two_source_rope_per_head_and_odd_nope(kdev):
     )
 
 
+SPLIT_CFG = dict(BLOCK_M=16, BLOCK_N=16, SPLIT_KEYS=32, MAX_SPLITS=4, SPLIT_MAX_TOKENS=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_few_rows_over_long_contexts(kdev, dtype):
+    # Requests: 3 rows over 150 keys (capped at 4 splits of 3 tiles), 1 row over 140 (9 tiles in 4 splits of 3: the
+    # last split empty), 20 rows over 60 (two query blocks, cut apart), 1 over 30 and 16 over 16 (one split: written
+    # straight to out), beside one another in one step.
+    check_prefill_mla(
+        kdev,
+        dtype,
+        H=2,
+        N=16,
+        P=8,
+        Dv=24,
+        q_lens=[3, 1, 20, 1, 16],
+        k_lens=[150, 140, 60, 30, 16],
+        config=SPLIT_CFG,
+        split_kv=True,
+    )
+
+
+def test_split_kv_row_results_do_not_depend_on_the_batch(kdev):
+    # a block's cut depends on its own request's lengths: a request alone and beside others gives the same bits
+    from mlaserve.kernels.prefill_attention import kv_splits, prefill_attention_mla
+
+    torch.manual_seed(0)
+    H, N, P, Dv, R = 2, 16, 8, 16, 16
+
+    def run(q_lens, k_lens, seed):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        Tp, C = sum(q_lens), sum(k_lens)
+        q = torch.randn(Tp, H, N + P, generator=g).to(kdev)
+        kv = torch.randn(C, H, N + Dv, generator=g).to(kdev)
+        lat = torch.randn(C, R + P, generator=g).to(kdev)
+        cu_q = torch.tensor([0] + q_lens, device=kdev).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + k_lens, device=kdev).cumsum(0).to(torch.int32)
+        out = torch.full((Tp, H, Dv), float("nan"), device=kdev)
+        args = (q, kv[..., :N], lat[:, R:], kv[..., N:], cu_q, cu_k, 0.2, out, max(q_lens))
+        return prefill_attention_mla(*args, config=SPLIT_CFG, split_kv=True), q, kv, lat
+
+    alone, q, kv, lat = run([5], [120], 1)
+    assert kv_splits(5, 120, SPLIT_CFG) == 4 and kv_splits(5 + 9, 120 + 40, SPLIT_CFG) == 4
+    # the same request first in a step of two (the other's rows and keys after it)
+    Tp, C = 5 + 9, 120 + 40
+    q2 = torch.cat([q, torch.randn(9, H, N + P, device=kdev)])
+    kv2 = torch.cat([kv, torch.randn(40, H, N + Dv, device=kdev)])
+    lat2 = torch.cat([lat, torch.randn(40, R + P, device=kdev)])
+    cu_q = torch.tensor([0, 5, Tp], dtype=torch.int32, device=kdev)
+    cu_k = torch.tensor([0, 120, C], dtype=torch.int32, device=kdev)
+    out = torch.full((Tp, H, Dv), float("nan"), device=kdev)
+    prefill_attention_mla(
+        q2, kv2[..., :N], lat2[:, R:], kv2[..., N:], cu_q, cu_k, 0.2, out, 9, config=SPLIT_CFG, split_kv=True
+    )
+    assert torch.equal(out[:5], alone)
+
+
+def test_kv_splits_rule():
+    from mlaserve.kernels.prefill_attention import MAX_SPLITS, SPLIT_KEYS, SPLIT_MAX_TOKENS, kv_splits
+
+    assert kv_splits(32, SPLIT_KEYS) == 1  # no context longer than one split
+    assert kv_splits(32, 4 * SPLIT_KEYS) == 4
+    assert kv_splits(32, 1000 * SPLIT_KEYS) == MAX_SPLITS
+    assert kv_splits(SPLIT_MAX_TOKENS + 1, 1000 * SPLIT_KEYS) == 1  # enough query blocks: no split
+
+
 def test_two_source_shape_errors(kdev):
     from mlaserve.kernels.prefill_attention import prefill_attention_mla
 
