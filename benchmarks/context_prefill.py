@@ -1,5 +1,7 @@
-"""TTFT of a prefill chunk over cached context, run as a context CUDA graph against one eager forward, on one engine
-in alternating rounds (GraphRunner.context_buckets emptied for the eager rounds):
+"""TTFT of a prefill chunk over cached context in three forms, on one engine in rotating rounds: the engine's default
+("graph": a suffix of at most SUFFIX_Q tokens as absorbed decode rows in a suffix graph, engine/suffix.py; longer
+chunks a context graph), the context graph alone ("context": GraphRunner.suffix_sizes emptied), and one eager
+forward in the naive form ("eager": the graphs' lists emptied and the runner's suffix rows off):
 
 - a prefix hit's suffix: a prefix of P tokens cached (an earlier request's), then a request of that prefix and S new
   tokens, timed from add_request to its first token's event;
@@ -48,21 +50,30 @@ def first_token_ms(engine, prompt: list[int]) -> tuple[float, int]:
     return ms, steps
 
 
+MODES = ("graph", "context", "eager")
+
+
 def timed_rounds(engine, make_prompt, reps: int) -> dict:
-    """reps rounds, each one prompt with context graphs and one without (the order alternating), after one untimed
-    round of each -> per mode the times, their median, the steps and the context graphs replayed."""
+    """reps rounds, each one prompt in each mode (the order rotating), after one untimed round -> per mode the
+    times, their median, the steps and the context and suffix graphs replayed."""
+    import mlaserve.engine.runner as runner_mod
+
     gr = engine.runner.graphs
-    buckets = gr.context_buckets
-    out = {m: dict(ms=[], steps=0, context_replays=0) for m in ("graph", "eager")}
+    buckets, sizes, rows = gr.context_buckets, gr.suffix_sizes, runner_mod.suffix_rows
+    out = {m: dict(ms=[], steps=0, context_replays=0, suffix_replays=0) for m in MODES}
     for r in range(reps + 1):
-        for m in ("graph", "eager") if r % 2 == 0 else ("eager", "graph"):
-            gr.context_buckets = buckets if m == "graph" else []
-            before = gr.graph_replays["context"]
+        for m in MODES[r % 3 :] + MODES[: r % 3]:
+            gr.context_buckets = [] if m == "eager" else buckets
+            gr.suffix_sizes = sizes if m == "graph" else []
+            runner_mod.suffix_rows = rows if m == "graph" else (lambda p: None)
+            before = dict(gr.graph_replays)
             ms, steps = first_token_ms(engine, make_prompt(r, m))
             if r:
                 out[m]["ms"].append(ms)
-                out[m]["steps"], out[m]["context_replays"] = steps, gr.graph_replays["context"] - before
-    gr.context_buckets = buckets
+                out[m]["steps"] = steps
+                for kind in ("context", "suffix"):
+                    out[m][f"{kind}_replays"] = gr.graph_replays[kind] - before.get(kind, 0)
+    gr.context_buckets, gr.suffix_sizes, runner_mod.suffix_rows = buckets, sizes, rows
     for m in out.values():
         m["median_ms"] = statistics.median(m["ms"])
     return out
@@ -73,7 +84,7 @@ def main():
     ap.add_argument("--preset", default="moonlight-16b-a3b")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--prefixes", default="1024,4096,8192", help="cached prefix tokens P")
-    ap.add_argument("--suffixes", default="32,256,1024,2048", help="new tokens S after the prefix")
+    ap.add_argument("--suffixes", default="8,32,256,1024,2048", help="new tokens S after the prefix")
     ap.add_argument("--long", type=int, default=16384, help="a prompt of this many tokens in chunks (0: none)")
     ap.add_argument("--chunk", type=int, default=2048, help="its chunk (chunked_prefill_size)")
     ap.add_argument("--reps", type=int, default=5)
@@ -103,8 +114,8 @@ def main():
         long=None,
     )
     print(
-        f"{'P cached':>9s} {'S new':>6s} {'graph ms':>9s} {'eager ms':>9s} {'floor ms':>9s} {'graph x':>8s} "
-        f"{'speedup':>8s}"
+        f"{'P cached':>9s} {'S new':>6s} {'graph ms':>9s} {'context':>9s} {'eager ms':>9s} {'floor ms':>9s} "
+        f"{'graph x':>8s} {'speedup':>8s}"
     )
     # the eager forward's first runs are slower (host and allocator settling): untimed rounds of the first shape
     warm = prompts(1, prefixes[0], vocab, seed=49)[0]
@@ -116,15 +127,16 @@ def main():
         for S in suffixes:
 
             def make(r, m, P=P, S=S, prefix=prefix):
-                return prefix + prompts(1, S, vocab, seed=1000 * P + 10 * S + 2 * r + (m == "eager"))[0]
+                return prefix + prompts(1, S, vocab, seed=1000 * P + 10 * S + 3 * r + MODES.index(m))[0]
 
             t = timed_rounds(engine, make, a.reps)
             fl = chunk_floor_s(mcfg, S, P) * 1e3
-            g, e = t["graph"]["median_ms"], t["eager"]["median_ms"]
+            g, c, e = (t[m]["median_ms"] for m in MODES)
             res["suffix"].append(dict(cached=P, new=S, floor_ms=fl, **t))
             print(
-                f"{P:9d} {S:6d} {g:9.2f} {e:9.2f} {fl:9.2f} {g / fl:8.2f} {e / g:8.2f}  "
-                f"(context graphs replayed {t['graph']['context_replays']} / {t['eager']['context_replays']})"
+                f"{P:9d} {S:6d} {g:9.2f} {c:9.2f} {e:9.2f} {fl:9.2f} {g / fl:8.2f} {e / g:8.2f}  (replayed: suffix "
+                f"{t['graph']['suffix_replays']}, context {t['graph']['context_replays']} / "
+                f"{t['context']['context_replays']} / {t['eager']['context_replays']})"
             )
     if a.long:
         chunked = LLMEngine(
@@ -139,7 +151,7 @@ def main():
             ),
             runner=engine.runner,
         )
-        t = timed_rounds(chunked, lambda r, m: prompts(1, a.long, vocab, seed=7 + 2 * r + (m == "eager"))[0], a.reps)
+        t = timed_rounds(chunked, lambda r, m: prompts(1, a.long, vocab, seed=7 + 3 * r + MODES.index(m))[0], a.reps)
         n = -(-a.long // a.chunk)
         fl = sum(chunk_floor_s(mcfg, min(a.chunk, a.long - k * a.chunk), k * a.chunk) for k in range(n)) * 1e3
         g, e = t["graph"]["median_ms"], t["eager"]["median_ms"]

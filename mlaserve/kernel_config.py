@@ -47,6 +47,9 @@ class KernelConfig:
     # MLASERVE_PREFILL_SPLIT: MLA prefill steps of few query rows over long contexts (a prefix hit's suffix) cut
     # each query block's keys into split programs merged by a second kernel (kernels/prefill_attention.kv_splits)
     prefill_split: bool = True
+    # MLASERVE_ABSORBED_SUFFIX: plain decoding's steps of short suffixes over cached context (a prefix hit's next
+    # turn) run as decode rows of 32 tokens in MLA's absorbed form, on suffix graphs (engine/suffix.py)
+    absorbed_suffix: bool = True
 
     # ---- thresholds: which path a step of a given size takes ----
     # layers.linear: steps of 1..gemv_serve_tokens rows times weights of <= gemv_max_bytes go to the Triton GEMV
@@ -178,6 +181,7 @@ class KernelConfig:
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),
             prefill_gluon=on("MLASERVE_PREFILL_GLUON"),
             prefill_split=on("MLASERVE_PREFILL_SPLIT"),
+            absorbed_suffix=on("MLASERVE_ABSORBED_SUFFIX"),
             allreduce=env.get("MLASERVE_ALLREDUCE", "auto"),
         )
 

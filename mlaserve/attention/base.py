@@ -22,6 +22,9 @@ class SeqChunk:
     num_cached: int  # tokens of this request already in the KV cache (their slots are written)
     pages: list[int]  # the request's page table (covers num_cached + len(token_ids) slots)
     need_logits: str = "last"  # "last" | "all" | "none"
+    # leading padding rows (a short suffix as a decode row of a fixed q_len, engine/suffix.py): their KV is not
+    # stored (slot -1); the rows attend like any other and their outputs are never read
+    pad: int = 0
 
 
 @dataclass
@@ -129,7 +132,7 @@ class ForwardBatch:
                 short_ids += c.token_ids
                 p = range(c.num_cached, c.num_cached + n)
                 short_pos += p
-                short_slots += [c.pages[i // page_size] * page_size + i % page_size for i in p]
+                short_slots += [-1] * c.pad + [c.pages[i // page_size] * page_size + i % page_size for i in p[c.pad :]]
                 continue
             if short_ids:
                 ids[run:first], pos[run:first], slots[run:first] = short_ids, short_pos, short_slots
@@ -138,6 +141,7 @@ class ForwardBatch:
             ids[first : first + n] = c.token_ids
             pos[first : first + n] = p
             slots[first : first + n] = np.asarray(c.pages, dtype=np.int64)[p // page_size] * page_size + p % page_size
+            slots[first : first + c.pad] = -1
             run = first + n
         if short_ids:
             ids[run:T], pos[run:T], slots[run:T] = short_ids, short_pos, short_slots

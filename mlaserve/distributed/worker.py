@@ -19,7 +19,7 @@ log = logging.getLogger("mlaserve.worker")
 
 def worker_loop(info: RankInfo, engine_cfg: EngineConfig, spec: SpecConfig | None = None) -> str:
     from ..engine.runner import ModelRunner, resolve_dtype
-    from ..engine.step_broadcast import EagerStep
+    from ..engine.step_broadcast import EagerStep, SuffixStep
     from ..spec.build import build_sharded_draft, draft_is_sharded, draft_memory
 
     model_cfg = ModelConfig.from_pretrained(engine_cfg.model)
@@ -42,6 +42,9 @@ def worker_loop(info: RankInfo, engine_cfg: EngineConfig, spec: SpecConfig | Non
                     steps += 1
                 elif isinstance(step, EagerStep):
                     runner.execute_local(step.decode, step.prefill, eager=True)
+                    steps += 1
+                elif isinstance(step, SuffixStep):
+                    runner.execute_local(step.decode, step.prefill, suffix=True)
                     steps += 1
                 elif draft is not None:
                     follow_draft(draft, runner.steps, step)

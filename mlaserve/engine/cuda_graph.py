@@ -5,7 +5,9 @@ over cached context (a prefix hit's suffix, a long prompt's later chunks). One c
 Padding is harmless by construction: padded requests have seq_len = q_len, a zero page-table row and slot -1
 (the KV store skips negative slots); padded prefill tokens form one extra request of their own. A context graph's
 context (the latent rows its attention up-projects, [C, R+P]) has a static length: one more request of no tokens
-holds the context bucket's rows the real requests and the padding leave over.
+holds the context bucket's rows the real requests and the padding leave over. Suffix graphs (plain decoding only)
+take a step of short suffix chunks as decode rows of SUFFIX_Q tokens in MLA's absorbed form (engine/suffix.py),
+per padded request count.
 
 Decode graphs of one token a request also take the greedy arg-max of every row, so a greedy step needs nothing
 between two replays but the next step's input copies: the arg-max is written over the graph's own input ids
@@ -29,6 +31,7 @@ from ..attention.base import ForwardBatch, SeqChunk
 from ..capture import DECODE_BATCH_SIZES, gc_paused
 from ..kernel_config import KernelConfig
 from ..layers.sampler import greedy_into
+from .suffix import SUFFIX_BATCH_SIZES, SUFFIX_Q, suffix_rows
 
 log = logging.getLogger("mlaserve.cuda_graph")
 
@@ -176,10 +179,16 @@ class GraphRunner:
             for c in CONTEXT_BUCKETS
             if t < c <= max_ctx
         ]
+        # suffix graphs: plain decoding's steps of short suffixes (engine/suffix.py), below the all-to-all's edge
+        plain = decode_q_len == 1 and not k.deterministic and k.absorbed_suffix
+        self.suffix_sizes = [b for b in SUFFIX_BATCH_SIZES if b * SUFFIX_Q < edge] if plain else []
+        self._suffix_rows: dict[int, torch.Tensor] = {}  # suffix graph -> its static logit rows (each row's last)
         dev = runner.device
         max_bs = self.bs_list[-1] if self.bs_list else 1
         max_reqs = max(max_bs, PREFILL_MAX_REQS + 2)
-        max_tokens = max(max_bs * self.q, max(self.prefill_buckets, default=0))
+        max_tokens = max(
+            max_bs * self.q, max(self.prefill_buckets, default=0), SUFFIX_Q * max(self.suffix_sizes or [0])
+        )
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(max_tokens, **i64)
         self.greedy = decode_q_len == 1  # decode graphs take the arg-max themselves (module docstring)
@@ -214,10 +223,16 @@ class GraphRunner:
         self.side_stream = torch.cuda.Stream(dev) if use_graphs and torch.device(dev).type == "cuda" else None
 
     # ---- eligibility -----------------------------------------------------------------------------------
-    def key_for(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple | None:
+    def key_for(self, decode: list[SeqChunk], prefill: list[SeqChunk], suffix: bool = False) -> tuple | None:
+        """The graph that takes this step, or None. suffix: a step of short suffix chunks may take a suffix graph
+        (runner.execute's suffix)."""
         chunks = decode + prefill
         if not chunks or any(len(c.pages) > self.max_pages for c in chunks):
             return None
+        if suffix and not decode and self.suffix_sizes and (rows := suffix_rows(prefill)) is not None:
+            b = next((b for b in self.suffix_sizes if b >= len(rows)), None)
+            if b is not None and all((len(rows) * SUFFIX_Q > e) == (b * SUFFIX_Q > e) for e in self.form_edges):
+                return ("suffix", b)
         if decode and not prefill:
             b = next((b for b in self.bs_list if b >= len(decode)), None)  # decode_graph_size over the captured list
             return None if b is None else ("decode", b)
@@ -248,6 +263,7 @@ class GraphRunner:
             [("decode", b) for b in self.bs_list]
             + [("prefill", t) for t in self.prefill_buckets]
             + [("context", t, c) for t, c in self.context_buckets]
+            + [("suffix", b) for b in self.suffix_sizes]
         )
 
     @staticmethod
@@ -261,6 +277,8 @@ class GraphRunner:
         lengths (_Graph.ring_row)."""
         if key[0] == "decode":
             return key[1] * self.q, key[1] + 1
+        if key[0] == "suffix":
+            return key[1] * SUFFIX_Q, key[1]
         return key[1], self._reqs(key)
 
     @staticmethod
@@ -281,12 +299,22 @@ class GraphRunner:
         lens = self.packed[o + 2 * n2 : o + w].view(torch.int32)[:n_lens]
         return self.packed[o : o + n_tok], self.packed[o + n2 : o + n2 + n_tok], lens
 
+    def _q(self, key: tuple) -> int:
+        """Tokens a request of a decode or suffix graph holds."""
+        return SUFFIX_Q if key[0] == "suffix" else self.q
+
     def _batch(self, key: tuple) -> ForwardBatch:
         kind, size = key[:2]
+        rows = (kind in ("decode", "suffix")) and self._q(key)  # a decode row's tokens
         if kind == "decode":
-            n_reqs, n_tok, n_logits, nd = size, size * self.q, size * self.q, size
+            n_reqs, n_tok, nd = size, size * self.q, size
+            logits_indices = self.logits_indices[:n_tok]  # unused: every row has logits (_forward)
+        elif kind == "suffix":  # each request's last row (its real tokens come last)
+            n_reqs, n_tok, nd = size, size * SUFFIX_Q, size
+            logits_indices = torch.arange(SUFFIX_Q - 1, n_tok, SUFFIX_Q, device=self.input_ids.device)
         else:
-            n_reqs, n_tok, n_logits, nd = self._reqs(key), size, PREFILL_MAX_REQS, 0
+            n_reqs, n_tok, nd = self._reqs(key), size, 0
+            logits_indices = self.logits_indices[:PREFILL_MAX_REQS]
         positions, slots, lens = self._views(key)
         return ForwardBatch(
             input_ids=self.input_ids[:n_tok],
@@ -295,22 +323,23 @@ class GraphRunner:
             seq_lens=lens[:n_reqs],
             query_start_loc=self.query_start_loc[: n_reqs + 1],
             page_table=self.page_table[:n_reqs],
-            logits_indices=self.logits_indices[:n_logits],
+            logits_indices=logits_indices,
             num_decode_reqs=nd,
-            decode_q_len=self.q if kind == "decode" else 0,
+            decode_q_len=rows or 0,
             seq_lens_cpu=[0] * n_reqs,
             query_lens_cpu=[0] * n_reqs,
             attn=self.runner.attn,
-            max_query_len=self.q if kind == "decode" else size,
+            max_query_len=rows or size,
             context_is_new=kind == "prefill",
-            side_stream=self.side_stream if kind == "decode" else None,
+            side_stream=self.side_stream if rows else None,
         )
 
     def _fill(self, key: tuple, g: _Graph, chunks: list[SeqChunk], ids_on_device: int = 0) -> None:
         """Write the real chunks into the static buffers, and padding after them. ids_on_device: the first rows'
         input ids come from the device (run's decode_tokens), so the host writes only the rest. A decode graph's
         lengths are followed by the host ring row it writes to (self._ring)."""
-        kind = key[0]
+        kind = "decode" if key[0] == "suffix" else key[0]  # suffix rows are decode rows of SUFFIX_Q tokens
+        q = self._q(key)
         ids, pos, slots, lens, qlens, rows, table = [], [], [], [], [], [], []
         # Only the columns in use are copied: attention reads a row's pages below its seq_len, never past it
         # (a 262k max_model_len would otherwise ship 4k columns per request every step).
@@ -325,11 +354,13 @@ class GraphRunner:
                 slots.append(
                     np.asarray(c.pages, dtype=np.int64)[p // self.page_size] * self.page_size + p % self.page_size
                 )
-            else:
+            else:  # decode rows (a suffix row's padding rows first: slot -1)
                 ids += c.token_ids
                 p = range(c.num_cached, c.num_cached + n)
                 pos += p
-                slots += [c.pages[i // self.page_size] * self.page_size + i % self.page_size for i in p]
+                slots += [-1] * c.pad + [
+                    c.pages[i // self.page_size] * self.page_size + i % self.page_size for i in p[c.pad :]
+                ]
             lens.append(c.num_cached + n)
             qlens.append(n)
             if c.need_logits == "all":
@@ -342,9 +373,9 @@ class GraphRunner:
         if kind == "decode":  # every row has logits, in order: no gather (_forward), so no indices
             pad_reqs = g.n_reqs - len(chunks)
             ids += [0] * pad_tok
-            pos += list(range(self.q)) * pad_reqs
-            lens += [self.q] * pad_reqs
-            qlens += [self.q] * pad_reqs
+            pos += list(range(q)) * pad_reqs
+            lens += [q] * pad_reqs
+            qlens += [q] * pad_reqs
             rows = []
         else:
             pad_reqs = g.n_reqs - len(chunks)  # the padding tokens form one request; the others are empty
@@ -398,7 +429,7 @@ class GraphRunner:
         model = self.runner.model
         out = model(batch.input_ids, batch.positions, batch)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
-        if batch.num_decode_reqs == 0:  # prefill: the last token of each request (a gather); decode: every row
+        if batch.logits_indices.shape[0] < batch.num_tokens:  # prefill, suffix: each request's last row; decode: all
             hidden = hidden[batch.logits_indices]
         logits = model.compute_logits(hidden)
         if ring_row is not None:  # after the model: the embedding has read these ids
@@ -422,12 +453,14 @@ class GraphRunner:
             self._capture_all()
         log.info(
             "captured %d CUDA graphs (decode batch sizes %s x q_len %d; prefill buckets %s; over cached context, "
-            "(tokens, context) %s) in %.1fs",
+            "(tokens, context) %s; short suffixes, requests %s x %d tokens) in %.1fs",
             len(self.graphs),
             self.bs_list,
             self.q,
             self.prefill_buckets,
             self.context_buckets,
+            self.suffix_sizes,
+            SUFFIX_Q,
             time.perf_counter() - t0,
         )
         edge = a2a_edge(self.runner.ranks, self.runner.kernels)
@@ -436,7 +469,7 @@ class GraphRunner:
 
     def _capture_all(self) -> None:
         # the largest first (the pool grows to it); a context graph's leftover context after the tokens
-        for key in sorted(self._keys(), key=lambda k: (-k[1] * (self.q if k[0] == "decode" else 1), -k[-1])):
+        for key in sorted(self._keys(), key=lambda k: (-self._sizes(k)[0], -k[-1])):
             batch = self._batch(key)
             g = _Graph(None, batch, None, None, batch.num_reqs, batch.num_tokens)
             if key[0] == "decode":
@@ -467,6 +500,16 @@ class GraphRunner:
         graph's GreedyTokens or None). decode_tokens: the decode chunks' input ids on the device, copied in after
         the host's, unless they are the input ids already (the last decode graph's arg-max, in order).
         decode_shift: the decode chunks' positions moved on the device (ForwardBatch.shift_decode)."""
+        if key[0] == "suffix":  # the chunks as suffix rows (key_for checked that they are)
+            g = self.fill(key, suffix_rows(prefill))
+            self.static_runs["suffix"] += 1
+            if g.graph is not None:
+                g.graph.replay()
+                self.graph_replays["suffix"] += 1
+                logits = g.logits
+            else:
+                logits, _ = self._forward(g.batch)
+            return logits[: len(prefill)], None, None
         chunks = decode + prefill
         n_dec = sum(len(c.token_ids) for c in decode)
         g = self.fill(key, chunks, 0 if decode_tokens is None else n_dec)

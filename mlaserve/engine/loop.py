@@ -98,7 +98,7 @@ class Loop:
         for c, ch in zip(out.prefill, prefill):
             if c.req.params.prompt_logprobs is not None and ch.num_cached < len(c.req.prompt_token_ids):
                 ch.need_logits = "all"  # every prompt position's logits (prompt_logprobs.py)
-        logits, _, greedy = self.runner.execute(decode, prefill, decode_tokens=decode_tokens)
+        logits, _, greedy = self.runner.execute(decode, prefill, decode_tokens=decode_tokens, suffix=True)
         self.num_steps += 1
         if any(ch.need_logits == "all" for ch in prefill):
             logits = prompt_logprobs(out.prefill, prefill, logits, len(decode))

@@ -24,7 +24,8 @@ from ..models.weight_bytes import weight_bytes
 from ..models.weights import load_weights
 from .cpu_matmul_caches import bound_matmul_caches
 from .cuda_graph import a2a_edge, decode_graph_size
-from .step_broadcast import DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, EAGER, STEP, StepChannel
+from .step_broadcast import DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, EAGER, STEP, SUFFIX, StepChannel
+from .suffix import suffix_batch_size, suffix_rows
 
 log = logging.getLogger("mlaserve.runner")
 
@@ -231,6 +232,7 @@ class ModelRunner:
         decode_tokens: torch.Tensor | None = None,
         decode_shift: torch.Tensor | None = None,
         eager: bool = False,
+        suffix: bool = False,
     ):
         """Run one forward -> (fp32 logits [n, vocab] of the rows the chunks asked for, in order;
         the EAGLE3 aux hidden states [T, 3D] of every token, or None; the decode graph's own arg-max of those rows,
@@ -238,13 +240,17 @@ class ModelRunner:
         the step in flight is read back: decode_tokens [decode tokens] the decode chunks' input ids, in place of
         their token_ids (which then give only their lengths); decode_shift [len(decode)] int64, how many positions
         each decode chunk starts past its num_cached (ForwardBatch.shift_decode; its pages must cover that).
-        eager: one eager forward whatever graph fits the step, on every rank (the warm-up's eager twins)."""
+        eager: one eager forward whatever graph fits the step, on every rank (the warm-up's eager twins).
+        suffix: a step of short suffix chunks may run them as decode rows in the absorbed form (engine/suffix.py;
+        plain decoding's steps; not with eager)."""
+        suffix = suffix and not eager
         if self.ranks.world_size > 1:
             if decode_tokens is not None or decode_shift is not None:
                 raise ValueError("decode_tokens, decode_shift: device-side inputs need a single rank")
             self._wake()
-            self.steps.send(decode, prefill, EAGER if eager else STEP)  # the other ranks run the same forward
-        return self.execute_local(decode, prefill, decode_tokens, decode_shift, eager)
+            kind = EAGER if eager else SUFFIX if suffix else STEP
+            self.steps.send(decode, prefill, kind)  # the other ranks run the same forward
+        return self.execute_local(decode, prefill, decode_tokens, decode_shift, eager, suffix)
 
     def _wake(self) -> None:
         if not self._awake:
@@ -285,6 +291,7 @@ class ModelRunner:
         decode_tokens: torch.Tensor | None = None,
         decode_shift: torch.Tensor | None = None,
         eager: bool = False,
+        suffix: bool = False,
     ):
         n_dec = sum(len(c.token_ids) for c in decode)
         if decode_tokens is not None and decode_tokens.shape != (n_dec,):
@@ -293,7 +300,7 @@ class ModelRunner:
             raise ValueError(
                 f"decode_shift: need one per decode chunk ({len(decode)}), got {tuple(decode_shift.shape)}"
             )
-        key = self.graphs.key_for(decode, prefill) if self.graphs is not None and not eager else None
+        key = self.graphs.key_for(decode, prefill, suffix) if self.graphs is not None and not eager else None
         if key is not None:
             self.graph_steps += 1
             return self.graphs.run(key, decode, prefill, decode_tokens, decode_shift)
@@ -305,7 +312,14 @@ class ModelRunner:
             logits, aux = logits.clone(), None if aux is None else aux.clone()
             p_logits, p_aux, _ = self.graphs.run(split[1], [], prefill)
             return torch.cat([logits, p_logits]), None if aux is None else torch.cat([aux, p_aux]), None
-        batch = self.build_batch(decode, prefill)
+        rows = None
+        if suffix and not decode and self.kernels.absorbed_suffix and not self.kernels.deterministic:
+            rows = suffix_rows(prefill)
+        if rows is not None:  # the suffix graph's rows, planned as that graph (engine/suffix.py)
+            batch = self.build_batch(rows, [])
+            batch.plan_decode_reqs = suffix_batch_size(len(rows))
+        else:
+            batch = self.build_batch(decode, prefill)
         if decode and not prefill:  # planned as the decode graph it would pad to (ForwardBatch.plan_decode_reqs)
             q = batch.decode_q_len
             b = decode_graph_size(len(decode), q, self.cfg.max_num_seqs, a2a_edge(self.ranks, self.kernels))

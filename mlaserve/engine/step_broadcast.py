@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from ..attention.base import SeqChunk
 
-STEP, PARK, DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, EAGER = 1, 2, 3, 4, 5, 6  # EAGER: EagerStep
+# EAGER: EagerStep; SUFFIX: SuffixStep
+STEP, PARK, DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, EAGER, SUFFIX = 1, 2, 3, 4, 5, 6, 7
 DRAFT_KINDS = (DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT)
 HEADER = 4
 FIRST_WORDS = 4096  # 16 KB: a decode step of 8 requests at an 8k context is ~1.1k words
@@ -37,6 +38,15 @@ LOGITS = ("none", "last", "all")  # need_logits by code
 class EagerStep:
     """A step every rank runs as one eager forward, whatever graph fits it (the warm-up's eager twins of graphed
     steps, engine/warmup.py)."""
+
+    decode: list[SeqChunk]
+    prefill: list[SeqChunk]
+
+
+@dataclass
+class SuffixStep:
+    """A step whose short suffix chunks may run as decode rows in the absorbed form (runner.execute's suffix,
+    engine/suffix.py): plain decoding's steps."""
 
     decode: list[SeqChunk]
     prefill: list[SeqChunk]
@@ -130,15 +140,15 @@ class StepChannel:
         self.buf[:HEADER].copy_(torch.tensor([PARK, HEADER, 0, 0], dtype=torch.int32), non_blocking=True)
         self._broadcast(HEADER)
 
-    def recv(self) -> tuple[list[SeqChunk], list[SeqChunk]] | EagerStep | DraftMessage | None:
-        """The next step's (decode, prefill), an EagerStep, a DraftMessage (its tensors follow: recv_tensor), or None
-        when rank 0 parks the ranks."""
+    def recv(self) -> tuple[list[SeqChunk], list[SeqChunk]] | EagerStep | SuffixStep | DraftMessage | None:
+        """The next step's (decode, prefill), an EagerStep, a SuffixStep, a DraftMessage (its tensors follow:
+        recv_tensor), or None when rank 0 parks the ranks."""
         dist.broadcast(self.buf[:FIRST_WORDS], src=0, group=self.group)
         head = self.buf[:FIRST_WORDS].cpu().numpy()  # waits for the broadcast (and so for rank 0)
         kind, total = int(head[0]), int(head[1])
         if kind == PARK:
             return None
-        if kind not in (STEP, EAGER) and kind not in DRAFT_KINDS:
+        if kind not in (STEP, EAGER, SUFFIX) and kind not in DRAFT_KINDS:
             raise RuntimeError(f"step message: unknown kind {kind} from rank 0")
         words = head
         if total > FIRST_WORDS:
@@ -148,4 +158,6 @@ class StepChannel:
         decode, prefill = decode_words(words[:total])
         if kind == EAGER:
             return EagerStep(decode, prefill)
+        if kind == SUFFIX:
+            return SuffixStep(decode, prefill)
         return DraftMessage(kind, prefill) if kind in DRAFT_KINDS else (decode, prefill)

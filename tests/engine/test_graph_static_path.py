@@ -217,6 +217,7 @@ def test_packed_input_regions_are_disjoint(tiny_ckpt):
     loop) never reads another graph's values (shared layouts once let a batch-32 graph read a smaller one's lengths
     as slots)."""
     from mlaserve.attention.base import SeqChunk
+    from mlaserve.engine.suffix import suffix_rows
 
     engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=32, prefill_graph_max_tokens=512)
     engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
@@ -242,6 +243,8 @@ def test_packed_input_regions_are_disjoint(tiny_ckpt):
             )
             for _ in range(min(3, g.n_reqs - 1))
         ]
+        if key[0] == "suffix":  # suffix rows of 32 tokens, padding first (engine/suffix.py)
+            chunks = suffix_rows([SeqChunk([7] * 5, 40, [5, 6, 9], "last")] * min(3, g.n_reqs))
         gr._ring = 2
         gr._fill(key, g, chunks)
         o, w = gr._offset[key], gr._words(*gr._sizes(key))

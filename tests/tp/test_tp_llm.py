@@ -102,6 +102,28 @@ def test_llm_tp2_on_the_graph_path_matches_tp1(tiny_ckpt, tp1):
     assert workers.results == {1: f"rank 1: {steps} steps, {runner.graph_steps} by the graph runner"}
 
 
+def test_tp2_prefix_hit_suffixes_on_the_suffix_graphs(tiny_ckpt):
+    """Under TP2 on the graph path (eagerly on the CPU), prefix hits' short suffixes go out as SUFFIX steps: every
+    rank runs them on the suffix graphs' static path (absorbed decode rows, engine/suffix.py), and the tokens are
+    one rank's."""
+    rng = random.Random(9)
+    prefix = [rng.randrange(512) for _ in range(128)]  # two whole 64-token pages: each suffix is all new tokens
+    prompts = [prefix] + [prefix + [rng.randrange(512) for _ in range(n)] for n in (3, 20, 32)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    one = LLM(tiny_ckpt, device="cpu", max_num_seqs=8)
+    ref = [one.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts]
+    one.close()
+    llm, workers = _tp2_on_the_graph_path(tiny_ckpt)
+    try:
+        runner = llm.engine.runner
+        assert [llm.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts] == ref
+        assert runner.graphs.static_runs["suffix"] == 3, runner.graphs.static_runs
+        steps = llm.engine.num_steps
+    finally:
+        llm.close()
+    assert workers.results == {1: f"rank 1: {steps} steps, {runner.graph_steps} by the graph runner"}
+
+
 def test_tp2_eager_twins_and_mixed_steps_on_the_graph_path(tiny_ckpt):
     """Under TP2 on the graph path (eagerly on the CPU), the warm-up's eager twins of graphed steps run eagerly on
     every rank (EAGER step messages), and a step of decode rows and a new prompt's chunk runs as two graphs on every
@@ -119,9 +141,9 @@ def test_tp2_eager_twins_and_mixed_steps_on_the_graph_path(tiny_ckpt):
         calls = []  # per forward: (decode rows, prefill rows, eager, graph forwards it ran)
         run_local = runner.execute_local
 
-        def logged(d, p, decode_tokens=None, decode_shift=None, eager=False):
+        def logged(d, p, decode_tokens=None, decode_shift=None, eager=False, suffix=False):
             n = runner.graph_steps
-            out = run_local(d, p, decode_tokens, decode_shift, eager)
+            out = run_local(d, p, decode_tokens, decode_shift, eager, suffix)
             calls.append((bool(d), bool(p), eager, runner.graph_steps - n))
             return out
 

@@ -1,0 +1,100 @@
+"""Short suffixes over cached context as decode rows in MLA's absorbed form (engine/suffix.py): the rule, the rows'
+layout, and an engine's prefix hits taking them eagerly and on the suffix graphs' static path with the tokens of a
+full prefill."""
+
+import random
+
+import pytest
+
+from mlaserve.attention.base import ForwardBatch, SeqChunk
+from mlaserve.engine.suffix import SUFFIX_Q, suffix_batch_size, suffix_rows
+from mlaserve.types import SamplingParams
+
+from .conftest import make_engine, run_all
+
+
+def test_suffix_q_is_mla_decode_max_q_len():
+    from mlaserve.kernels.mla_decode import MAX_Q_LEN
+
+    assert SUFFIX_Q == MAX_Q_LEN
+
+
+def test_suffix_rows_rule_and_layout():
+    pages = list(range(10))
+    c = SeqChunk([7, 8, 9], 40, pages, "last")
+    (row,) = suffix_rows([c])
+    assert row.token_ids == [0] * (SUFFIX_Q - 3) + [7, 8, 9] and row.pad == SUFFIX_Q - 3
+    assert row.num_cached + len(row.token_ids) == 43 and row.pages is pages  # the same length and pages
+    assert suffix_rows([SeqChunk([1] * 33, 40, pages)]) is None  # longer than a row
+    assert suffix_rows([SeqChunk([1] * 5, 0, pages)]) is None  # no cached context: a prompt's prefill
+    assert suffix_rows([SeqChunk([1] * 5, 20, pages)]) is None  # the block's first row would see nothing
+    assert suffix_rows([SeqChunk([1] * 5, 40, pages, "all")]) is None  # prompt logprobs
+    assert suffix_rows([SeqChunk([1] * 5, 40, pages, "none")]) is None
+    assert suffix_rows([c] * 9) is None and len(suffix_rows([c] * 8)) == 8
+    assert [suffix_batch_size(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+
+
+def test_padding_rows_store_no_kv():
+    (row,) = suffix_rows([SeqChunk([5, 6], 40, [3, 1, 2], "last")])
+    b = ForwardBatch.build([row], [], page_size=16, device="cpu")
+    slots = b.slot_mapping.tolist()
+    assert slots[: SUFFIX_Q - 2] == [-1] * (SUFFIX_Q - 2)
+    assert slots[-2:] == [2 * 16 + 8, 2 * 16 + 9]  # positions 40, 41: page 2 (the third), offsets 8, 9
+    assert b.positions.tolist()[-2:] == [40, 41] and b.seq_lens.tolist() == [42]
+    assert b.logits_indices.tolist() == [SUFFIX_Q - 1] and b.decode_q_len == SUFFIX_Q
+
+
+def _prompts(seed=11):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(512) for _ in range(48)]  # three pages of 16: a hit for every later prompt
+    return prefix, [prefix + [rng.randrange(512) for _ in range(n)] for n in (1, 5, 17, 32, 33)]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_prefix_hits_take_suffix_rows_with_a_full_prefills_tokens(tiny_ckpt, graphs, monkeypatch):
+    """Each prompt after the prefix, run alone, is a prefix hit whose suffix (1-32 tokens; 33 is one too many) runs
+    as suffix rows: eagerly, or on the suffix graphs' static path. Greedy tokens equal an engine without prefix
+    caching (every prompt prefilled whole, in the naive form), and no page leaks (conftest)."""
+    import mlaserve.engine.runner as runner_mod
+
+    prefix, prompts = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(page_size=16, max_num_seqs=4, dtype="float32")
+    ref_eng = make_engine(tiny_ckpt, enable_prefix_caching=False, **kw)
+    eng = make_engine(tiny_ckpt, **kw)
+    if graphs:
+        eng.runner.capture_graphs(1, eng.max_model_len, use_graphs=False)
+        assert eng.runner.graphs.suffix_sizes == [1, 2, 4, 8]
+    eager_rows = []
+    rows_fn = runner_mod.suffix_rows
+    monkeypatch.setattr(runner_mod, "suffix_rows", lambda p: (eager_rows.append(len(p)), rows_fn(p))[1])
+
+    def gen(e, prompt):
+        rid = e.add_request(prompt, sp)
+        return run_all(e)[rid]
+
+    gen(eng, prefix)
+    gen(ref_eng, prefix)
+    for p in prompts:
+        assert gen(eng, p) == gen(ref_eng, p), len(p)
+    assert eng.pool.hits
+    if graphs:
+        assert eng.runner.graphs.static_runs["suffix"] == 4, eng.runner.graphs.static_runs
+    else:
+        assert eager_rows.count(1) >= 4  # the runner's eager path asked for rows (the last prompt's do not fit)
+
+
+def test_no_suffix_graphs_under_speculation_or_determinism_or_when_off(tiny_ckpt):
+    from mlaserve.kernel_config import KernelConfig
+
+    off = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, kernels=KernelConfig(absorbed_suffix=False))
+    off.runner.capture_graphs(1, off.max_model_len, use_graphs=False)
+    assert off.runner.graphs.suffix_sizes == []
+    eng = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4)
+    eng.runner.capture_graphs(3, eng.max_model_len, use_graphs=False)  # a verify of 3 tokens a request
+    assert eng.runner.graphs.suffix_sizes == []
+    det = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, deterministic=True)
+    det.runner.capture_graphs(1, det.max_model_len, use_graphs=False)
+    assert det.runner.graphs.suffix_sizes == []
+    step = [SeqChunk([1] * 4, 40, list(range(4)))]
+    assert det.runner.graphs.key_for([], step, suffix=True)[0] == "context"
