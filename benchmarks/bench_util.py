@@ -34,11 +34,6 @@ class Sizes:
     prefill: tuple = ((512, 512), (8192, 8192), (2048, 8192))
     prefill_dims: tuple = (16, 192, 128)  # H, Dqk, Dv
     prefill_sweep: tuple = (16, 128, 64, 128, 8192, 8192)  # H, N, P, V, q, k: the M1 8k prefill, one layer
-    # prefill_split: (H, q rows, context) of a prefix hit's suffix, one layer at MLA's head dims (N 128, P 64, V 128)
-    prefill_split: tuple = tuple(
-        (h, q, k) for h in (16, 64) for q in (32, 256, 512) for k in (1024, 4096, 8192, 16384) if q < k
-    )
-    prefill_split_dims: tuple = (128, 64, 128)
     routing: tuple = (("kimi", 384, 1, 1, 8), ("deepseek-v3", 256, 8, 4, 8), ("moonlight", 64, 1, 1, 6))
     routing_T: tuple = (1, 64, 8192)
     rope_T: tuple = (16, 8192)
@@ -97,8 +92,6 @@ def smoke_sizes() -> Sizes:
         prefill=((20, 20), (8, 30)),
         prefill_dims=(2, 24, 24),
         prefill_sweep=(2, 16, 8, 24, 40, 40),
-        prefill_split=((2, 5, 1100),),
-        prefill_split_dims=(16, 8, 24),
         routing=(("tiny", 8, 2, 1, 2),),
         routing_T=(3,),
         rope_T=(5,),

@@ -7,9 +7,8 @@ then triton.testing.do_bench (median, cold L2). Prints a table against the H200 
 Sections run in order mla, moe, prefill, routing, rope, then the sweeps (SWEEPS: the decode-step sweeps of
 decode_sweeps.py, the MoE sweeps of moe_sweeps.py, mla_sweep, moe_sweep, prefill_sweep) and the quantized
 sections (int4_moe: benchmarks/int4_moe_bench.py; fp8_linear, fp8_moe: benchmarks/fp8_bench.py), which --quick
-skips; `--only prefill_sweep` times the 8k prefill attention alone (under a minute), `--only prefill_split` a
-prefix hit's suffix (few rows over a long context) in one program a query block against the split-KV form. With
---time-limit a watchdog ends the run after that many seconds (exit 3), keeping what it has in the JSON.
+skips; `--only prefill_sweep` times the 8k prefill attention alone (under a minute). With --time-limit a
+watchdog ends the run after that many seconds (exit 3), keeping what it has in the JSON.
 --smoke runs every code path at toy sizes on the CPU (TRITON_INTERPRET=1 is set for it): a check of the script.
 """
 
@@ -283,41 +282,6 @@ def run_prefill_sweep(rep: Report, sz: Sizes):
         torch.cuda.empty_cache()
 
 
-def run_prefill_split(rep: Report, sz: Sizes):
-    """A prefix hit's suffix, one layer: q rows over a context of k keys (one request), the prefill kernel in one
-    program a query block (Triton, and Gluon where it runs) against its split-KV form. rel_err: each form's against
-    the fp32 reference."""
-    from mlaserve.kernels.prefill_attention import kv_splits, prefill_attention_mla
-    from mlaserve.kernels.prefill_attention_gluon import prefill_attention_mla_gluon, supported
-    from tests.helpers.kernel_refs import prefill_attention_ref
-
-    N, P, V = sz.prefill_split_dims
-    for H, qn, kn in sz.prefill_split:
-        q = torch.randn(qn, H, N + P, device=sz.dev).to(BF)
-        kv = torch.randn(kn, H, N + V, device=sz.dev).to(BF)
-        latent = torch.randn(kn, sz.R + P, device=sz.dev).to(BF)
-        k_nope, k_rope, v = kv[..., :N], latent[:, sz.R :], kv[..., N:]
-        cu_q = torch.tensor([0, qn], dtype=torch.int32, device=sz.dev)
-        cu_k = torch.tensor([0, kn], dtype=torch.int32, device=sz.dev)
-        out = torch.empty(qn, H, V, device=sz.dev, dtype=BF)
-        scale = (N + P) ** -0.5
-        ref = prefill_attention_ref(q, torch.cat([k_nope, k_rope[:, None].expand(kn, H, P)], -1), v, cu_q, cu_k, scale)
-        flops = 2.0 * H * (N + P + V) * (qn * (kn - qn) + qn * (qn + 1) / 2)
-        args = (q, k_nope, k_rope, v, cu_q, cu_k, scale, out, qn)
-        forms = [("triton", lambda: prefill_attention_mla(*args))]
-        if supported(q, k_nope, k_rope, v, out):
-            forms.append(("gluon", lambda: prefill_attention_mla_gluon(*args)))
-        forms.append((f"split x{kv_splits(qn, kn)}", lambda: prefill_attention_mla(*args, split_kv=True)))
-        for name, fn in forms:
-            out.fill_(float("nan"))
-            fn()
-            err = rel(out, ref)
-            rep.add("pf_split", f"{name} H={H} q={qn} k={kn}", bench(fn, sz), 0.0, flops, err=err, H=H, q=qn, k=kn)
-        ref = None
-        if sz.dev == "cuda":
-            torch.cuda.empty_cache()
-
-
 def _sdpa_backends(rep, sz, q, k_nope, k_rope, v, scale, base, flops):
     """One causal q=k SDPA call per backend (qk dim N+P, v dim V): not every backend accepts unequal dims."""
     import torch.nn.functional as F
@@ -427,7 +391,6 @@ SECTIONS = {
     "mla_sweep": run_mla_sweep,
     "moe_sweep": run_moe_sweep,
     "prefill_sweep": run_prefill_sweep,
-    "prefill_split": run_prefill_split,
 }  # sweeps last
 SWEEPS = (
     "int4_moe",
@@ -444,7 +407,6 @@ SWEEPS = (
     "mla_sweep",
     "moe_sweep",
     "prefill_sweep",
-    "prefill_split",
 )
 
 

@@ -44,9 +44,6 @@ class KernelConfig:
     # (kernels/prefill_attention_gluon.py: two warp-specialized warpgroups, each's softmax under MMAs); the same
     # bits as the Triton kernel
     prefill_gluon: bool = True
-    # MLASERVE_PREFILL_SPLIT: MLA prefill steps of few query rows over long contexts (a prefix hit's suffix) cut
-    # each query block's keys into split programs merged by a second kernel (kernels/prefill_attention.kv_splits)
-    prefill_split: bool = True
     # MLASERVE_ABSORBED_SUFFIX: plain decoding's steps of short suffixes over cached context (a prefix hit's next
     # turn) run as decode rows of 32 tokens in MLA's absorbed form, on suffix graphs (engine/suffix.py)
     absorbed_suffix: bool = True
@@ -180,7 +177,6 @@ class KernelConfig:
             moe_gemv_tiles=tiles,
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),
             prefill_gluon=on("MLASERVE_PREFILL_GLUON"),
-            prefill_split=on("MLASERVE_PREFILL_SPLIT"),
             absorbed_suffix=on("MLASERVE_ABSORBED_SUFFIX"),
             allreduce=env.get("MLASERVE_ALLREDUCE", "auto"),
         )

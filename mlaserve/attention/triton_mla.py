@@ -3,8 +3,7 @@
 Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots) is derived on the device once per
 forward and reused by the following layers; only sizes come from the batch's host lists. A forward is recognised by
 layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
-Decode is mla_decode's split kernel, then its combine kernel; a prefill of few rows over a long context (a prefix
-hit's suffix) the prefill kernel's split-KV form. absorb_q_rope: the query's absorption and its RoPE
+Decode is mla_decode's split kernel, then its combine kernel. absorb_q_rope: the query's absorption and its RoPE
 in one launch for 1-2 token steps; absorb_q_rope_store_kv: the same launch also writes the step's KV-cache rows
 (decode-only steps; KernelConfig.absorb_store, MLASERVE_ABSORB_STORE=0 turns it off).
 """
@@ -16,7 +15,7 @@ import torch
 from ..kernel_config import KernelConfig
 from ..kernels.head_gemv import absorb_q_rope, absorb_q_rope_store_kv, head_gemv_serves
 from ..kernels.mla_decode import mla_decode
-from ..kernels.prefill_attention import kv_splits, prefill_attention_mla
+from ..kernels.prefill_attention import prefill_attention_mla
 from ..kernels.prefill_attention_gluon import prefill_attention_mla_gluon
 from ..kernels.prefill_attention_gluon import supported as prefill_gluon_supported
 from ..kernels.rope_kv import rope_q, rope_store_kv
@@ -179,10 +178,6 @@ class TritonMLABackend(AttentionBackend):
         # the model calls this right after its layer's prefill_context, which refreshed the metadata
         m = self._meta if self._meta_batch is batch else self._prefill_meta(-1, batch)
         args = (q, k_nope, k_rope, v, m["cu_q"], m["cu_k"], scale, out, m["max_q_len"])
-        # few query rows over a long context: the Triton kernel's split-KV form (deterministic mode: one program a
-        # query block, as before); else the Gluon kernel where it computes the shapes
-        split = self.kernels.prefill_split and not self.kernels.deterministic
-        split = split and kv_splits(q.shape[0], k_nope.shape[0]) > 1
-        if not split and self.kernels.prefill_gluon and prefill_gluon_supported(q, k_nope, k_rope, v, out):
+        if self.kernels.prefill_gluon and prefill_gluon_supported(q, k_nope, k_rope, v, out):
             return prefill_attention_mla_gluon(*args)
-        return prefill_attention_mla(*args, split_kv=split)
+        return prefill_attention_mla(*args)

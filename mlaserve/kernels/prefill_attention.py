@@ -6,12 +6,6 @@ The QK head dim is two parts read from two sources: MLA's k = [k_nope | k_rope] 
 of the kv_b_proj output) and k_rope [C, P], one for all heads (head stride 0), so no concatenated K is built.
 A plain k [C, H, Dqk] is split the same way (Dqk = largest power of two + rest, 192 = 128 + 64). Part sizes and Dv
 need not be powers of two: they are padded with masks.
-
-Split-KV (`kv_splits`): a step of few query rows (<= SPLIT_MAX_TOKENS: a prefix hit's suffix) over a long context
-has few programs (requests x heads x query blocks), each walking the whole context alone. There each query block's
-visible keys are cut into splits of >= SPLIT_KEYS keys (at most MAX_SPLITS), one program a split writing its
-normalised partial and its log-sum-exp, and a second kernel merges them. A block's cut depends on its own request's
-lengths only, so a row's result is the same in any batch and under its CUDA graph.
 """
 
 from __future__ import annotations
@@ -112,27 +106,16 @@ def request_rows(Cu, b):
 
 
 @triton.jit
-def _block_splits(klen, qlen, mb, BLOCK_M: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """Query block mb's visible key range end (hi) and its splits: from its request's lengths alone."""
-    hi = klen - qlen + tl.minimum((mb + 1) * BLOCK_M, qlen)
-    return hi, tl.minimum(tl.cdiv(hi, SPLIT_KEYS), MAX_SPLITS)
-
-
-@triton.jit
 def _prefill_attention_kernel(
     Q,
     K1,
     K2,
     V,
     O,
-    OPart,
-    Lse,
     CuQ,
     CuK,
     scale_log2,
     num_mb,
-    num_splits,
-    Tp,
     stride_qt,
     stride_qh,
     stride_k1t,
@@ -154,30 +137,12 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    split = pid % num_splits  # num_splits 1 without SPLIT
-    b, mb, h = program_tile(pid // num_splits, num_mb, H, head_group)
+    b, mb, h = program_tile(tl.program_id(0), num_mb, H, head_group)
     q0, qlen = request_rows(CuQ, b)
     if mb * BLOCK_M >= qlen:
         return
     k0, klen = request_rows(CuK, b)
-    # Keys up to the block's first query position are visible to every row: no mask there (nor bounds: < klen).
-    # Past the last row's position nothing is visible: causal tiles are skipped.
-    unmasked_end = ((klen - qlen + mb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-    lo = 0
-    hi = klen - qlen + tl.minimum((mb + 1) * BLOCK_M, qlen)
-    n_split = 1
-    if SPLIT:
-        hi, n_split = _block_splits(klen, qlen, mb, BLOCK_M, SPLIT_KEYS, MAX_SPLITS)
-        if split >= n_split:
-            return
-        per = tl.cdiv(tl.cdiv(hi, BLOCK_N), n_split) * BLOCK_N  # keys a split, whole tiles
-        lo = split * per
-        hi = tl.minimum(lo + per, hi)  # an empty split (lo >= hi) writes a zero partial of weight 0
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < qlen
     q_pos = klen - qlen + offs_m  # each query's position in its context
@@ -196,7 +161,11 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for n0 in range(lo, tl.minimum(unmasked_end, hi), BLOCK_N):
+    # Keys up to the block's first query position are visible to every row: no mask there (nor bounds: < klen).
+    # Past the last row's position nothing is visible: causal tiles are skipped.
+    unmasked_end = ((klen - qlen + mb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+    hi = klen - qlen + tl.minimum((mb + 1) * BLOCK_M, qlen)
+    for n0 in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attn_tile(
             acc,
             m_i,
@@ -226,7 +195,7 @@ def _prefill_attention_kernel(
             False,
             DOT_PREC,
         )
-    for n0 in range(tl.maximum(unmasked_end, lo), hi, BLOCK_N):
+    for n0 in range(unmasked_end, hi, BLOCK_N):
         acc, m_i, l_i = _attn_tile(
             acc,
             m_i,
@@ -257,89 +226,12 @@ def _prefill_attention_kernel(
             DOT_PREC,
         )
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_mask = m_ok[:, None] & (offs_dv < DV)[None, :]
-    if n_split > 1:  # a partial [split, t, h, DV] fp32 and its log2-sum-exp (-inf: nothing visible)
-        t = (q0 + offs_m).to(tl.int64)
-        row = (split * Tp + t) * H + h
-        tl.store(OPart + row[:, None] * DV + offs_dv[None, :], o, mask=o_mask)
-        lse = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))
-        tl.store(Lse + row, tl.where(l_i > 0.0, lse, float("-inf")), mask=m_ok)
-    else:
-        o_ptr = O + (q0 + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
-        tl.store(o_ptr, o.to(O.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def _prefill_combine_kernel(
-    O,
-    OPart,
-    Lse,
-    CuQ,
-    CuK,
-    num_mb,
-    Tp,
-    stride_ot,
-    stride_oh,
-    H,
-    head_group,
-    DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
-):
-    """out = the split partials of each row merged by their log-sum-exp weights, for blocks of more than one
-    split (the others were written by the attention kernel)."""
-    b, mb, h = program_tile(tl.program_id(0), num_mb, H, head_group)
-    q0, qlen = request_rows(CuQ, b)
-    if mb * BLOCK_M >= qlen:
-        return
-    _, klen = request_rows(CuK, b)
-    _, n_split = _block_splits(klen, qlen, mb, BLOCK_M, SPLIT_KEYS, MAX_SPLITS)
-    if n_split <= 1:
-        return
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < qlen
-    offs_dv = tl.arange(0, BLOCK_DV)
-    o_mask = m_ok[:, None] & (offs_dv < DV)[None, :]
-    t = (q0 + offs_m).to(tl.int64)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    w_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for s in range(0, n_split):  # split 0 holds key 0, which every row sees: m is finite after it
-        row = (s * Tp + t) * H + h
-        lse = tl.load(Lse + row, mask=m_ok, other=float("-inf"))
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(lse - m_use)
-        part = tl.load(OPart + row[:, None] * DV + offs_dv[None, :], mask=o_mask, other=0.0)
-        acc = acc * alpha[:, None] + w[:, None] * part
-        w_sum = w_sum * alpha + w
-        m = m_new
-    o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-    o_ptr = O + t[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
-    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=o_mask)
+    o_ptr = O + (q0 + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
+    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < DV)[None, :])
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-# Split-KV (module docstring): steps of at most SPLIT_MAX_TOKENS query rows, splits of >= SPLIT_KEYS keys, at most
-# MAX_SPLITS a query block. Each may be overridden in a call's config (tests: small ones).
-SPLIT_MAX_TOKENS = 512
-SPLIT_KEYS = 512
-MAX_SPLITS = 16
-
-
-def kv_splits(Tp: int, C: int, config: dict | None = None) -> int:
-    """Split programs a query block may get in a step of Tp query rows over C context rows (all requests): 1 where
-    the step is not split (too many rows, or no context longer than one split)."""
-    cfg = config or {}
-    if Tp > cfg.get("SPLIT_MAX_TOKENS", SPLIT_MAX_TOKENS):
-        return 1
-    return max(1, min(cfg.get("MAX_SPLITS", MAX_SPLITS), -(-C // cfg.get("SPLIT_KEYS", SPLIT_KEYS))))
 
 
 def prefill_config(Dqk: int, Dv: int, dtype: torch.dtype) -> dict:
@@ -381,12 +273,10 @@ def prefill_attention_mla(
     out: torch.Tensor,
     max_q_len: int,
     config: dict | None = None,
-    split_kv: bool = False,
 ) -> torch.Tensor:
     """Attention with k = [k_nope | k_rope] read from two sources. q [Tp, H, N+P], k_nope [C, H, N], k_rope [C, P]
     (shared by all heads) or [C, H, P], v [C, H, Dv], cu_q/cu_k [B+1] int32 -> out [Tp, H, Dv]. Any strides with a
-    unit last stride. Needs klen >= qlen per request (the caller's contract; not checked on device).
-    split_kv: query blocks over long contexts in split programs where kv_splits(Tp, C) > 1 (module docstring)."""
+    unit last stride. Needs klen >= qlen per request (the caller's contract; not checked on device)."""
     Tp, H, Dqk = q.shape
     C, N = k_nope.shape[0], k_nope.shape[-1]
     P = k_rope.shape[-1]
@@ -419,27 +309,16 @@ def prefill_attention_mla(
     g = _head_group(H, cfg["HEAD_GROUP"])
     num_mb = triton.cdiv(max_q_len, cfg["BLOCK_M"])
     k2h = k_rope.stride(1) if k_rope.dim() == 3 else 0
-    S = kv_splits(Tp, C, cfg) if split_kv else 1
-    split_keys, max_splits = cfg.get("SPLIT_KEYS", SPLIT_KEYS), cfg.get("MAX_SPLITS", MAX_SPLITS)
-    if S > 1:  # [S, Tp, H, Dv] partials and [S, Tp, H] log-sum-exps, fp32
-        part = torch.empty(S, Tp, H, Dv, dtype=torch.float32, device=q.device)
-        lse = torch.empty(S, Tp, H, dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out  # never touched
-    _prefill_attention_kernel[(B * H * num_mb * S,)](
+    _prefill_attention_kernel[(B * H * num_mb,)](
         q,
         k_nope,
         k_rope,
         v,
         out,
-        part,
-        lse,
         cu_q,
         cu_k,
         scale * LOG2E,
         num_mb,
-        S,
-        Tp,
         q.stride(0),
         q.stride(1),
         k_nope.stride(0),
@@ -461,32 +340,9 @@ def prefill_attention_mla(
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        SPLIT=S > 1,
-        SPLIT_KEYS=split_keys,
-        MAX_SPLITS=max_splits,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if S > 1:
-        _prefill_combine_kernel[(B * H * num_mb,)](
-            out,
-            part,
-            lse,
-            cu_q,
-            cu_k,
-            num_mb,
-            Tp,
-            out.stride(0),
-            out.stride(1),
-            H,
-            g,
-            DV=Dv,
-            BLOCK_DV=max(16, _pow2(Dv)),
-            BLOCK_M=cfg["BLOCK_M"],
-            SPLIT_KEYS=split_keys,
-            MAX_SPLITS=max_splits,
-            num_warps=4,
-        )
     return out
 
 

@@ -252,50 +252,6 @@ def test_prefill_mla_cuda_graph_replay_with_new_lengths(impl):
         kc.assert_close(out, ref, BF, f"prefill_attention_mla graph replay cu={bounds}")
 
 
-@pytest.mark.parametrize(
-    "H,q_lens,k_lens",
-    [
-        (16, [32], [8224]),  # a prefix hit's suffix (M1)
-        (16, [256, 1, 5, 200, 50], [12288, 700, 4000, 200, 16384]),  # split, unsplit (short) and capped requests
-        (64, [32, 40], [16384, 3000]),  # Kimi-K2.5's heads at attention TP2
-        (128, [3, 509], [1030, 520]),  # 512 rows: the largest split step
-    ],
-)
-def test_prefill_mla_split_kv_real_dims(H, q_lens, k_lens):
-    # every row written (partials poisoned by torch.empty), each against the fp32 reference
-    from mlaserve.kernels.prefill_attention import kv_splits
-
-    assert kv_splits(sum(q_lens), sum(k_lens)) > 1
-    kc.check_prefill_mla("cuda", BF, H=H, N=128, P=64, Dv=128, q_lens=q_lens, k_lens=k_lens, R=512, split_kv=True)
-
-
-def test_prefill_mla_split_kv_graph_replay_with_new_lengths():
-    # captured at a static (rows, context) as a context CUDA graph is; each replay's cut follows the new lengths
-    from mlaserve.kernels.prefill_attention import prefill_attention_mla
-    from tests.helpers.kernel_refs import prefill_attention_ref
-
-    H, N, P, V, T, C = 16, 128, 64, 128, 256, 12288
-    q = torch.randn(T, H, N + P, device="cuda").to(BF)
-    kv, latent = torch.randn(C, H, N + V, device="cuda").to(BF), torch.randn(C, 512 + P, device="cuda").to(BF)
-    cu_q = torch.tensor([0, 32, T, T], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, 8224, 8448, C], dtype=torch.int32, device="cuda")
-    out = torch.empty(T, H, V, device="cuda", dtype=BF)
-    args = (q, kv[..., :N], latent[:, 512:], kv[..., N:])
-    g, _ = kc.cuda_graph(lambda: prefill_attention_mla(*args, cu_q, cu_k, 0.07, out, T, split_kv=True))
-    k_full = torch.cat([kv[..., :N], latent[:, None, 512:].expand(C, H, P)], -1)
-    for qb, kb in (
-        ([0, 32, T, T], [0, 8224, 8448, C]),
-        ([0, 1, 200, T], [0, 600, 10000, C]),
-        ([0, T, T, T], [0, C, C, C]),
-    ):
-        cu_q.copy_(torch.tensor(qb, dtype=torch.int32))
-        cu_k.copy_(torch.tensor(kb, dtype=torch.int32))
-        out.fill_(float("nan"))
-        g.replay()
-        ref = prefill_attention_ref(q, k_full, kv[..., N:], cu_q, cu_k, 0.07)
-        kc.assert_close(out, ref, BF, f"split-KV prefill graph replay cu_q={qb} cu_k={kb}")
-
-
 # --- fused MoE and routing --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("T", [1, 7, 64, 333, 2048, 8192])
 def test_fused_moe_moonlight(T):

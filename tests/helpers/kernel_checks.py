@@ -163,11 +163,9 @@ def check_prefill_mla(
     config=None,
     rope_per_head: bool = False,
     R: int = 16,
-    split_kv: bool = False,
 ):
     """The two-source form as the model calls it: k_nope and v strided views of one [C, H, N+Dv] projection,
-    k_rope a view of the latent [C, R+P] shared by all heads (or, rope_per_head, a [C, H, P] view). split_kv: the
-    split-KV form where kv_splits allows it, its partial buffers poisoned."""
+    k_rope a view of the latent [C, R+P] shared by all heads (or, rope_per_head, a [C, H, P] view)."""
     from mlaserve.kernels.prefill_attention import prefill_attention_mla
     from tests.helpers.kernel_refs import prefill_attention_ref
 
@@ -185,17 +183,13 @@ def check_prefill_mla(
     cu_k = torch.tensor([0] + k_lens, device=device).cumsum(0).to(torch.int32)
     out = nan_like((Tp, H, Dv), dtype, device)
     scale = (N + P) ** -0.5
-    with poisoned_empty():
-        prefill_attention_mla(
-            q, k_nope, k_rope, v, cu_q, cu_k, scale, out, max(q_lens), config=config, split_kv=split_kv
-        )
+    prefill_attention_mla(q, k_nope, k_rope, v, cu_q, cu_k, scale, out, max(q_lens), config=config)
     ref = prefill_attention_ref(q, k_full, v, cu_q, cu_k, scale)
     return assert_close(
         out,
         ref,
         dtype,
-        f"prefill_attention_mla H={H} N={N} P={P} Dv={Dv} q={q_lens[:4]}.. k={k_lens[:4]}.. cfg={config} "
-        f"split_kv={split_kv} {dtype}",
+        f"prefill_attention_mla H={H} N={N} P={P} Dv={Dv} q={q_lens[:4]}.. k={k_lens[:4]}.. cfg={config} {dtype}",
     )
 
 
