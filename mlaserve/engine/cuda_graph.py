@@ -182,7 +182,6 @@ class GraphRunner:
         # suffix graphs: plain decoding's steps of short suffixes (engine/suffix.py), below the all-to-all's edge
         plain = decode_q_len == 1 and not k.deterministic and k.absorbed_suffix
         self.suffix_sizes = [b for b in SUFFIX_BATCH_SIZES if b * SUFFIX_Q < edge] if plain else []
-        self._suffix_rows: dict[int, torch.Tensor] = {}  # suffix graph -> its static logit rows (each row's last)
         dev = runner.device
         max_bs = self.bs_list[-1] if self.bs_list else 1
         max_reqs = max(max_bs, PREFILL_MAX_REQS + 2)
