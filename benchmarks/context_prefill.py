@@ -1,7 +1,8 @@
 """TTFT of a prefill chunk over cached context in three forms, on one engine in rotating rounds: the engine's default
 ("graph": a suffix of at most SUFFIX_Q tokens as absorbed decode rows in a suffix graph, engine/suffix.py; longer
 chunks a context graph), the context graph alone ("context": GraphRunner.suffix_sizes emptied), and one eager
-forward in the naive form ("eager": the graphs' lists emptied and the runner's suffix rows off):
+forward in the naive form ("eager": the graphs' lists emptied and the runner's suffix rows off). The engine is
+made with KernelConfig.absorbed_suffix on (it is opt-in):
 
 - a prefix hit's suffix: a prefix of P tokens cached (an earlier request's), then a request of that prefix and S new
   tokens, timed from add_request to its first token's event;
@@ -15,6 +16,7 @@ Each figure is beside its floor (bench/roofline.chunk_floor_s: the FLOPs' time o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +32,7 @@ from benchmarks.bench_engine import prompts, sync  # noqa: E402
 from benchmarks.bench_util import code_id  # noqa: E402
 from mlaserve.bench.roofline import chunk_floor_s  # noqa: E402
 from mlaserve.config import EngineConfig, ModelConfig  # noqa: E402
+from mlaserve.kernel_config import KernelConfig  # noqa: E402
 from mlaserve.types import SamplingParams  # noqa: E402
 
 
@@ -101,7 +104,10 @@ def main():
     prefixes = [int(x) for x in a.prefixes.split(",") if x]
     suffixes = [int(x) for x in a.suffixes.split(",") if x]
     max_len = max([p + s for p in prefixes for s in suffixes] + [a.long]) + 64
-    cfg = EngineConfig(model=path, load_format="dummy", max_num_seqs=8, warmup=False, max_model_len=max_len)
+    kernels = dataclasses.replace(KernelConfig.from_env(), absorbed_suffix=True)  # the suffix graphs (opt-in)
+    cfg = EngineConfig(
+        model=path, load_format="dummy", max_num_seqs=8, warmup=False, max_model_len=max_len, kernels=kernels
+    )
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("mlaserve.cuda_graph").setLevel(logging.INFO)  # the capture's line: graphs and seconds
     engine = LLMEngine(cfg)
@@ -148,6 +154,7 @@ def main():
                 max_model_len=max_len,
                 chunked_prefill_size=a.chunk,
                 enable_prefix_caching=False,
+                kernels=kernels,
             ),
             runner=engine.runner,
         )

@@ -218,8 +218,10 @@ def test_packed_input_regions_are_disjoint(tiny_ckpt):
     as slots)."""
     from mlaserve.attention.base import SeqChunk
     from mlaserve.engine.suffix import suffix_rows
+    from mlaserve.kernel_config import KernelConfig
 
-    engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=32, prefill_graph_max_tokens=512)
+    kernels = KernelConfig(absorbed_suffix=True)  # the suffix graphs' regions too
+    engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=32, prefill_graph_max_tokens=512, kernels=kernels)
     engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
     gr = engine.runner.graphs
     spans = []

@@ -8,6 +8,7 @@ import pytest
 
 from mlaserve.attention.base import ForwardBatch, SeqChunk
 from mlaserve.engine.suffix import SUFFIX_Q, suffix_batch_size, suffix_rows
+from mlaserve.kernel_config import KernelConfig
 from mlaserve.types import SamplingParams
 
 from .conftest import make_engine, run_all
@@ -44,6 +45,9 @@ def test_padding_rows_store_no_kv():
     assert b.logits_indices.tolist() == [SUFFIX_Q - 1] and b.decode_q_len == SUFFIX_Q
 
 
+ON = KernelConfig(absorbed_suffix=True)  # opt-in (kernel_config.py)
+
+
 def _prompts(seed=11):
     rng = random.Random(seed)
     prefix = [rng.randrange(512) for _ in range(48)]  # three pages of 16: a hit for every later prompt
@@ -59,7 +63,7 @@ def test_prefix_hits_take_suffix_rows_with_a_full_prefills_tokens(tiny_ckpt, gra
 
     prefix, prompts = _prompts()
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    kw = dict(page_size=16, max_num_seqs=4, dtype="float32")
+    kw = dict(page_size=16, max_num_seqs=4, dtype="float32", kernels=ON)
     ref_eng = make_engine(tiny_ckpt, enable_prefix_caching=False, **kw)
     eng = make_engine(tiny_ckpt, **kw)
     if graphs:
@@ -85,15 +89,13 @@ def test_prefix_hits_take_suffix_rows_with_a_full_prefills_tokens(tiny_ckpt, gra
 
 
 def test_no_suffix_graphs_under_speculation_or_determinism_or_when_off(tiny_ckpt):
-    from mlaserve.kernel_config import KernelConfig
-
-    off = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, kernels=KernelConfig(absorbed_suffix=False))
+    off = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4)  # the default
     off.runner.capture_graphs(1, off.max_model_len, use_graphs=False)
     assert off.runner.graphs.suffix_sizes == []
-    eng = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4)
+    eng = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, kernels=ON)
     eng.runner.capture_graphs(3, eng.max_model_len, use_graphs=False)  # a verify of 3 tokens a request
     assert eng.runner.graphs.suffix_sizes == []
-    det = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, deterministic=True)
+    det = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, deterministic=True, kernels=ON)
     det.runner.capture_graphs(1, det.max_model_len, use_graphs=False)
     assert det.runner.graphs.suffix_sizes == []
     step = [SeqChunk([1] * 4, 40, list(range(4)))]

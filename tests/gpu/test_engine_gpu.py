@@ -184,6 +184,7 @@ def test_suffix_graphs_equal_eager(tiny_ckpt, dtype):
     tokens in the absorbed form, engine/suffix.py) and give the eager engine's tokens, which takes the same rows
     eagerly; in fp32 also those of an engine without prefix caching (each prompt prefilled whole, naive form)."""
     from mlaserve import LLM, SamplingParams
+    from mlaserve.kernel_config import KernelConfig
 
     rng = random.Random(6)
     prefix = [rng.randrange(512) for _ in range(192)]  # three whole 64-token pages: each suffix is all new tokens
@@ -193,8 +194,9 @@ def test_suffix_graphs_equal_eager(tiny_ckpt, dtype):
     runs = [("eager", dict(enforce_eager=True)), ("graphs", {})]
     if dtype == "float32":
         runs.append(("no_cache", dict(enable_prefix_caching=False)))
+    on = KernelConfig(absorbed_suffix=True)  # opt-in (kernel_config.py)
     for name, kw in runs:
-        llm = LLM(tiny_ckpt, device="cuda", dtype=dtype, num_pages=2048, page_size=64, **kw)
+        llm = LLM(tiny_ckpt, device="cuda", dtype=dtype, num_pages=2048, page_size=64, kernels=on, **kw)
         outs[name] = [llm.generate([p], sp, use_tqdm=False)[0].token_ids for p in [prefix] + prompts]
         if name == "graphs":
             gr = llm.engine.runner.graphs

@@ -75,11 +75,17 @@ def test_llm_tp2_with_eagle3_matches_tp1(tiny_ckpt, tp1, tmp_path, kv_heads, sha
         llm.close()
 
 
-def _tp2_on_the_graph_path(tiny_ckpt):
+def _tp2_on_the_graph_path(tiny_ckpt, **kw):
     """A TP2 LLM whose ranks take the graph runner's path, run eagerly on the CPU (use_graphs=False) -> (llm, its
     workers)."""
     llm = LLM(
-        tiny_ckpt, device="cpu", tp=2, max_num_seqs=8, prefill_graph_max_tokens=512, on_rank_failure=lambda e: None
+        tiny_ckpt,
+        device="cpu",
+        tp=2,
+        max_num_seqs=8,
+        prefill_graph_max_tokens=512,
+        on_rank_failure=lambda e: None,
+        **kw,
     )
     llm.engine.runner.capture_graphs(1, llm.engine.max_model_len, use_graphs=False)
     return llm, llm._workers
@@ -113,7 +119,9 @@ def test_tp2_prefix_hit_suffixes_on_the_suffix_graphs(tiny_ckpt):
     one = LLM(tiny_ckpt, device="cpu", max_num_seqs=8)
     ref = [one.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts]
     one.close()
-    llm, workers = _tp2_on_the_graph_path(tiny_ckpt)
+    from mlaserve.kernel_config import KernelConfig
+
+    llm, workers = _tp2_on_the_graph_path(tiny_ckpt, kernels=KernelConfig(absorbed_suffix=True))
     try:
         runner = llm.engine.runner
         assert [llm.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts] == ref
