@@ -12,6 +12,9 @@ drafts follows), or a verified step's rows (DRAFT_VERIFIED: no token ids, each r
 pages; _SHIFT: with the shifts), then the device tensors the step reads (send_tensor: the verify's tokens and
 counts, the target hidden states), which never pass through the host.
 
+A step's kind also says how every rank runs it: STEP as the graphs fit it, EAGER as one eager forward (the warm-up's
+eager twins), SUFFIX as a STEP of plain decoding whose short suffixes may take the absorbed rows (engine/suffix.py).
+
 Between bursts of steps the other ranks park: rank 0 sends PARK and they wait on the host group (gloo, whose timeout is
 long) for "wake", so an idle server never leaves them inside a collective past the model group's timeout.
 """

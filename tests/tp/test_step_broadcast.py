@@ -10,7 +10,19 @@ import torch
 from mlaserve import LLM, SamplingParams
 from mlaserve.attention.base import SeqChunk
 from mlaserve.distributed import tp
-from mlaserve.engine.step_broadcast import FIRST_WORDS, HEADER, PARK, STEP, StepChannel, decode_words, encode
+from mlaserve.engine.step_broadcast import (
+    EAGER,
+    FIRST_WORDS,
+    HEADER,
+    PARK,
+    STEP,
+    SUFFIX,
+    EagerStep,
+    StepChannel,
+    SuffixStep,
+    decode_words,
+    encode,
+)
 
 
 def _chunks(rng, n, max_tokens, max_pages):
@@ -45,7 +57,7 @@ GROUP = object()  # the channel's process group, as the broadcasts must name it
 def test_channel_over_one_rank_group_round_trips(monkeypatch):
     """send and recv through the same buffer (the broadcast a no-op, each from rank 0 over the channel's group):
     short steps, one of exactly FIRST_WORDS words (one broadcast), long ones (a second broadcast) and the park
-    message; an unknown kind is an error naming it."""
+    message, and EAGER and SUFFIX steps as their own types; an unknown kind is an error naming it."""
     sent = []
 
     def broadcast(t, src, group):
@@ -67,6 +79,9 @@ def test_channel_over_one_rank_group_round_trips(monkeypatch):
     n_long = len(encode(*steps[2]))
     assert sent == [FIRST_WORDS] * 4 + [FIRST_WORDS, n_long - FIRST_WORDS] * 2 + [FIRST_WORDS] * 2
     assert int(ch.buf[0]) == PARK
+    for kind, cls in ((EAGER, EagerStep), (SUFFIX, SuffixStep)):  # steps with a form of their own
+        ch.send(*steps[0], kind)
+        assert ch.recv() == cls(*steps[0])
     ch.buf[0] = 9
     with pytest.raises(RuntimeError, match="step message: unknown kind 9 from rank 0"):
         ch.recv()
