@@ -54,16 +54,17 @@ def _prompts(seed=11):
     return prefix, [prefix + [rng.randrange(512) for _ in range(n)] for n in (1, 5, 17, 32, 33)]
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_prefix_hits_take_suffix_rows_with_a_full_prefills_tokens(tiny_ckpt, graphs, monkeypatch):
+@pytest.mark.parametrize("graphs,kv", [(False, "auto"), (True, "auto"), (True, "fp8")])
+def test_prefix_hits_take_suffix_rows_with_a_full_prefills_tokens(tiny_ckpt, graphs, kv, monkeypatch):
     """Each prompt after the prefix, run alone, is a prefix hit whose suffix (1-32 tokens; 33 is one too many) runs
     as suffix rows: eagerly, or on the suffix graphs' static path. Greedy tokens equal an engine without prefix
-    caching (every prompt prefilled whole, in the naive form), and no page leaks (conftest)."""
+    caching (every prompt prefilled whole, in the naive form; the same KV cache dtype), and no page leaks
+    (conftest)."""
     import mlaserve.engine.runner as runner_mod
 
     prefix, prompts = _prompts()
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    kw = dict(page_size=16, max_num_seqs=4, dtype="float32", kernels=ON)
+    kw = dict(page_size=16, max_num_seqs=4, dtype="float32", kernels=ON, kv_cache_dtype=kv)
     ref_eng = make_engine(tiny_ckpt, enable_prefix_caching=False, **kw)
     eng = make_engine(tiny_ckpt, **kw)
     if graphs:
