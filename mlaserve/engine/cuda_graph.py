@@ -31,7 +31,7 @@ from ..attention.base import ForwardBatch, SeqChunk
 from ..capture import DECODE_BATCH_SIZES, gc_paused
 from ..kernel_config import KernelConfig
 from ..layers.sampler import greedy_into
-from .suffix import SUFFIX_BATCH_SIZES, SUFFIX_Q, suffix_rows
+from .suffix import SUFFIX_BATCH_SIZES, SUFFIX_Q, suffix_on, suffix_rows
 
 log = logging.getLogger("mlaserve.cuda_graph")
 
@@ -180,7 +180,7 @@ class GraphRunner:
             if t < c <= max_ctx
         ]
         # suffix graphs: plain decoding's steps of short suffixes (engine/suffix.py), below the all-to-all's edge
-        plain = decode_q_len == 1 and not k.deterministic and k.absorbed_suffix
+        plain = decode_q_len == 1 and suffix_on(k)
         self.suffix_sizes = [b for b in SUFFIX_BATCH_SIZES if b * SUFFIX_Q < edge] if plain else []
         dev = runner.device
         max_bs = self.bs_list[-1] if self.bs_list else 1

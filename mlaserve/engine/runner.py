@@ -25,7 +25,7 @@ from ..models.weights import load_weights
 from .cpu_matmul_caches import bound_matmul_caches
 from .cuda_graph import a2a_edge, decode_graph_size
 from .step_broadcast import DRAFT, DRAFT_VERIFIED, DRAFT_VERIFIED_SHIFT, EAGER, STEP, SUFFIX, StepChannel
-from .suffix import suffix_batch_size, suffix_rows
+from .suffix import suffix_batch_size, suffix_on, suffix_rows
 
 log = logging.getLogger("mlaserve.runner")
 
@@ -313,7 +313,7 @@ class ModelRunner:
             p_logits, p_aux, _ = self.graphs.run(split[1], [], prefill)
             return torch.cat([logits, p_logits]), None if aux is None else torch.cat([aux, p_aux]), None
         rows = None
-        if suffix and not decode and self.kernels.absorbed_suffix and not self.kernels.deterministic:
+        if suffix and not decode and suffix_on(self.kernels):
             rows = suffix_rows(prefill)
         if rows is not None:  # the suffix graph's rows, planned as that graph (engine/suffix.py)
             batch = self.build_batch(rows, [])

@@ -22,6 +22,11 @@ SUFFIX_Q = 32  # tokens a suffix row holds: kernels/mla_decode.MAX_Q_LEN (a test
 SUFFIX_BATCH_SIZES = (1, 2, 4, 8)  # the suffix graphs' requests; steps of more take the prefill path
 
 
+def suffix_on(kernels) -> bool:
+    """Whether a KernelConfig lets steps take suffix rows: opted in, and not the deterministic mode."""
+    return kernels.absorbed_suffix and not kernels.deterministic
+
+
 def suffix_rows(prefill: list[SeqChunk]) -> list[SeqChunk] | None:
     """The step's chunks as suffix rows of SUFFIX_Q tokens, or None where the step does not qualify (docstring)."""
     if not 1 <= len(prefill) <= SUFFIX_BATCH_SIZES[-1]:
