@@ -179,9 +179,11 @@ class GraphRunner:
             for c in CONTEXT_BUCKETS
             if t < c <= max_ctx
         ]
-        # suffix graphs: plain decoding's steps of short suffixes (engine/suffix.py), below the all-to-all's edge
+        # suffix graphs: plain decoding's steps of short suffixes (engine/suffix.py), below the all-to-all's edge,
+        # up to the first size that holds max_num_seqs requests (the sizes are powers of two)
         plain = decode_q_len == 1 and suffix_on(k)
-        self.suffix_sizes = [b for b in SUFFIX_BATCH_SIZES if b * SUFFIX_Q < edge] if plain else []
+        sizes = [b for b in SUFFIX_BATCH_SIZES if b * SUFFIX_Q < edge and b < 2 * max_num_seqs]
+        self.suffix_sizes = sizes if plain else []
         dev = runner.device
         max_bs = self.bs_list[-1] if self.bs_list else 1
         max_reqs = max(max_bs, PREFILL_MAX_REQS + 2)
