@@ -2,7 +2,7 @@
 ("graph": a suffix of at most SUFFIX_Q tokens as absorbed decode rows in a suffix graph, engine/suffix.py; longer
 chunks a context graph), the context graph alone ("context": GraphRunner.suffix_sizes emptied), and one eager
 forward in the naive form ("eager": the graphs' lists emptied and the runner's suffix rows off). The engine is
-made with KernelConfig.absorbed_suffix on (it is opt-in):
+made with KernelConfig.absorbed_suffix on whatever MLASERVE_ABSORBED_SUFFIX says:
 
 - a prefix hit's suffix: a prefix of P tokens cached (an earlier request's), then a request of that prefix and S new
   tokens, timed from add_request to its first token's event;
@@ -104,7 +104,7 @@ def main():
     prefixes = [int(x) for x in a.prefixes.split(",") if x]
     suffixes = [int(x) for x in a.suffixes.split(",") if x]
     max_len = max([p + s for p in prefixes for s in suffixes] + [a.long]) + 64
-    kernels = dataclasses.replace(KernelConfig.from_env(), absorbed_suffix=True)  # the suffix graphs (opt-in)
+    kernels = dataclasses.replace(KernelConfig.from_env(), absorbed_suffix=True)  # the suffix graphs
     cfg = EngineConfig(
         model=path, load_format="dummy", max_num_seqs=8, warmup=False, max_model_len=max_len, kernels=kernels
     )

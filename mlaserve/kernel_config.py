@@ -44,10 +44,9 @@ class KernelConfig:
     # (kernels/prefill_attention_gluon.py: two warp-specialized warpgroups, each's softmax under MMAs); the same
     # bits as the Triton kernel
     prefill_gluon: bool = True
-    # MLASERVE_ABSORBED_SUFFIX=1: plain decoding's steps of short suffixes over cached context (a prefix hit's next
-    # turn) run as decode rows of 32 tokens in MLA's absorbed form, on suffix graphs (engine/suffix.py). Off by
-    # default until its GPU tests have run (tests/gpu/test_engine_gpu.py::test_suffix_graphs_equal_eager)
-    absorbed_suffix: bool = False
+    # MLASERVE_ABSORBED_SUFFIX: plain decoding's steps of short suffixes over cached context (a prefix hit's next
+    # turn) run as decode rows of 32 tokens in MLA's absorbed form, on suffix graphs (engine/suffix.py)
+    absorbed_suffix: bool = True
 
     # ---- thresholds: which path a step of a given size takes ----
     # layers.linear: steps of 1..gemv_serve_tokens rows times weights of <= gemv_max_bytes go to the Triton GEMV
@@ -178,7 +177,7 @@ class KernelConfig:
             moe_gemv_tiles=tiles,
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),
             prefill_gluon=on("MLASERVE_PREFILL_GLUON"),
-            absorbed_suffix=env.get("MLASERVE_ABSORBED_SUFFIX", "0") == "1",
+            absorbed_suffix=on("MLASERVE_ABSORBED_SUFFIX"),
             allreduce=env.get("MLASERVE_ALLREDUCE", "auto"),
         )
 

@@ -11,7 +11,7 @@ where every chunk asks for its last row's logits, has cached context, and its bl
 (cached + new >= SUFFIX_Q). Its padding rows store no KV (slot -1) and their outputs are never read. On the GPU
 such steps replay a suffix CUDA graph per padded request count (engine/cuda_graph.py); eagerly the same rows run,
 planned as that graph (ForwardBatch.plan_decode_reqs). Not in the deterministic mode, whose prefill keeps one path.
-Opt-in for now: MLASERVE_ABSORBED_SUFFIX=1 (KernelConfig.absorbed_suffix) turns it on.
+MLASERVE_ABSORBED_SUFFIX=0 (KernelConfig.absorbed_suffix) turns it off.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def test_padding_rows_store_no_kv():
     assert b.logits_indices.tolist() == [SUFFIX_Q - 1] and b.decode_q_len == SUFFIX_Q
 
 
-ON = KernelConfig(absorbed_suffix=True)  # opt-in (kernel_config.py)
+ON = KernelConfig(absorbed_suffix=True)
 
 
 def _prompts(seed=11):
@@ -69,7 +69,7 @@ def test_prefix_hits_take_suffix_rows_with_a_full_prefills_tokens(tiny_ckpt, gra
     eng = make_engine(tiny_ckpt, **kw)
     if graphs:
         eng.runner.capture_graphs(1, eng.max_model_len, use_graphs=False)
-        assert eng.runner.graphs.suffix_sizes == [1, 2, 4, 8]
+        assert eng.runner.graphs.suffix_sizes == [1, 2, 4]  # up to max_num_seqs
     eager_rows = []
     rows_fn = runner_mod.suffix_rows
     monkeypatch.setattr(runner_mod, "suffix_rows", lambda p: (eager_rows.append(len(p)), rows_fn(p))[1])
@@ -90,7 +90,10 @@ def test_prefix_hits_take_suffix_rows_with_a_full_prefills_tokens(tiny_ckpt, gra
 
 
 def test_no_suffix_graphs_under_speculation_or_determinism_or_when_off(tiny_ckpt):
-    off = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4)  # the default
+    default = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4)  # on by default
+    default.runner.capture_graphs(1, default.max_model_len, use_graphs=False)
+    assert default.runner.graphs.suffix_sizes == [1, 2, 4]
+    off = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, kernels=KernelConfig(absorbed_suffix=False))
     off.runner.capture_graphs(1, off.max_model_len, use_graphs=False)
     assert off.runner.graphs.suffix_sizes == []
     eng = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, kernels=ON)

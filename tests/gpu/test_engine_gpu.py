@@ -194,7 +194,7 @@ def test_suffix_graphs_equal_eager(tiny_ckpt, dtype):
     runs = [("eager", dict(enforce_eager=True)), ("graphs", {})]
     if dtype == "float32":
         runs.append(("no_cache", dict(enable_prefix_caching=False)))
-    on = KernelConfig(absorbed_suffix=True)  # opt-in (kernel_config.py)
+    on = KernelConfig(absorbed_suffix=True)
     for name, kw in runs:
         llm = LLM(tiny_ckpt, device="cuda", dtype=dtype, num_pages=2048, page_size=64, kernels=on, **kw)
         outs[name] = [llm.generate([p], sp, use_tqdm=False)[0].token_ids for p in [prefix] + prompts]

@@ -29,8 +29,8 @@ def test_from_env_defaults_and_switches():
     )
     assert not (off.pdl or off.absorb_store or off.moe_tma or off.fp8_moe_tma or off.moe_gemv or off.moe_prewait)
     assert not off.prefill_gluon and KernelConfig.from_env({}).prefill_gluon
-    assert not KernelConfig.from_env({}).absorbed_suffix  # opt-in (kernel_config.py says why)
-    assert KernelConfig.from_env({"MLASERVE_ABSORBED_SUFFIX": "1"}).absorbed_suffix
+    assert KernelConfig.from_env({}).absorbed_suffix
+    assert not KernelConfig.from_env({"MLASERVE_ABSORBED_SUFFIX": "0"}).absorbed_suffix
     assert off.moe_gemv_config() is False
     assert off.allreduce == "nccl" and KernelConfig.from_env({}).allreduce == "auto"
     tiles = KernelConfig.from_env({"MLASERVE_MOE_GEMV": "2:4:8:1"})
