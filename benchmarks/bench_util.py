@@ -25,6 +25,9 @@ class Sizes:
     mla_batches: tuple = (1, 16, 32)
     mla_ctx: tuple = (1024, 2048, 4096, 8192, 16384, 32768)
     mla_sweep: tuple = (16, 16, 8192)  # B, H, ctx
+    mla_q32_heads: int = 16  # mla_q32: blocks of 32 tokens over these cached contexts, these requests
+    mla_q32_ctx: tuple = (1024, 4096, 8192)
+    mla_q32_B: tuple = (1, 2, 8)
     moe: dict = field(default_factory=lambda: {"moonlight": (2048, 1408, 64, 6), "kimi-tp4": (7168, 512, 384, 8)})
     moe_T: tuple = (1, 2, 4, 8, 16, 32, 64, 8192)
     moe_sweep_shapes: tuple = ("moonlight",)
@@ -84,6 +87,9 @@ def smoke_sizes() -> Sizes:
         mla_batches=(2,),
         mla_ctx=(40,),
         mla_sweep=(2, 4, 40),
+        mla_q32_heads=4,
+        mla_q32_ctx=(8,),
+        mla_q32_B=(1,),
         moe={"tiny": (64, 32, 8, 2)},
         moe_T=(1, 48),
         moe_sweep_shapes=("tiny",),

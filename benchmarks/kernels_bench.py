@@ -5,7 +5,7 @@ then triton.testing.do_bench (median, cold L2). Prints a table against the H200 
     PYTHONPATH=$PWD python benchmarks/kernels_bench.py [--quick] [--only mla,moe,...] [--time-limit 290]
 
 Sections run in order mla, moe, prefill, routing, rope, then the sweeps (SWEEPS: the decode-step sweeps of
-decode_sweeps.py, the MoE sweeps of moe_sweeps.py, mla_sweep, moe_sweep, prefill_sweep) and the quantized
+decode_sweeps.py, the MoE sweeps of moe_sweeps.py, mla_sweep, mla_q32, moe_sweep, prefill_sweep) and the quantized
 sections (int4_moe: benchmarks/int4_moe_bench.py; fp8_linear, fp8_moe: benchmarks/fp8_bench.py), which --quick
 skips; `--only prefill_sweep` times the 8k prefill attention alone (under a minute). With --time-limit a
 watchdog ends the run after that many seconds (exit 3), keeping what it has in the JSON.
@@ -149,6 +149,55 @@ def run_mla_sweep(rep: Report, sz: Sizes):
                 err=rel(o1, ref1),
                 config={k: str(v) for k, v in cfg.items()},
             )
+
+
+def run_mla_q32(rep: Report, sz: Sizes):
+    """Blocks of 32 tokens (a short suffix's rows, engine/suffix.py) at M1's 16 heads: the default tiles (two heads
+    a program, M=64, one wave of programs) against one head a program (M=32) in one or two waves, and neighbours."""
+    from mlaserve.kernels.mla_decode import MAX_Q_LEN, default_num_splits, mla_decode, num_sms
+    from tests.helpers.kernel_checks import make_paged
+    from tests.helpers.kernel_refs import mla_decode_ref
+
+    R, P, H, ql = sz.R, sz.P, sz.mla_q32_heads, MAX_Q_LEN
+    for B in sz.mla_q32_B:
+        sms = num_sms(torch.device(sz.dev))
+        one_head = B * H  # programs of one head each
+        variants = [
+            ("default", None, None),
+            ("1 head, 2 waves", dict(BLOCK_H=1), max(1, 2 * sms // one_head)),
+            ("1 head, 1 wave", dict(BLOCK_H=1), max(1, sms // one_head)),
+            ("1 head, 4 warps", dict(BLOCK_H=1, num_warps=4), max(1, 2 * sms // one_head)),
+            ("2 heads, 2 waves", dict(BLOCK_H=2), max(1, 4 * sms // one_head)),
+        ]
+        if sz.dev == "cuda":
+            variants.append(("4 heads, 16 warps", dict(BLOCK_H=4, num_warps=16), max(1, 4 * sms // one_head)))
+        else:  # --smoke: the interpreter is slow
+            variants = variants[:2]
+        for L in sz.mla_q32_ctx:
+            kv, table, lens = make_paged([L + ql] * B, 64, R + P, BF, sz.dev, extra_pages=0)
+            q = torch.randn(B * ql, H, R + P, device=sz.dev).to(BF)
+            out = torch.empty(B * ql, H, R, device=sz.dev, dtype=BF)
+            ref = mla_decode_ref(q, kv, table, lens, ql, 0.1, R)
+            for name, cfg, S in variants:
+                try:
+                    run = lambda: mla_decode(q, kv, table, lens, ql, 0.1, out, num_splits=S, config=cfg)  # noqa: E731,B023
+                    out.fill_(float("nan"))
+                    run()
+                    ms = bench(run, sz)
+                    splits = S or default_num_splits(B, H, ql, q.device)
+                    rep.add(
+                        "mla_q32",
+                        f"B={B} H={H} ctx={L}+{ql} {name} splits={splits}",
+                        ms,
+                        B * (L + ql) * (R + P) * 2,
+                        err=rel(out, ref),
+                        B=B,
+                        ctx=L,
+                        splits=splits,
+                        tflops=2 * B * ql * H * (L + ql) * (2 * R + P) / (ms * 1e9),
+                    )
+                except Exception as e:  # e.g. out of registers or shared memory
+                    print(f"mla_q32 {name}: {type(e).__name__}: {str(e)[:120]}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -389,6 +438,7 @@ SECTIONS = {
     "fp8_linear": run_fp8_linear,
     "fp8_moe": run_fp8_moe,
     "mla_sweep": run_mla_sweep,
+    "mla_q32": run_mla_q32,
     "moe_sweep": run_moe_sweep,
     "prefill_sweep": run_prefill_sweep,
 }  # sweeps last
@@ -405,6 +455,7 @@ SWEEPS = (
     "fp8_linear",
     "fp8_moe",
     "mla_sweep",
+    "mla_q32",
     "moe_sweep",
     "prefill_sweep",
 )

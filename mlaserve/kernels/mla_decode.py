@@ -294,12 +294,16 @@ def _pow2(n: int) -> int:
 
 def decode_config(H: int, q_len: int, dtype: torch.dtype) -> dict:
     """Static tile sizes: the M dimension of a program is BLOCK_QL * BLOCK_H rows (tokens x heads), kept at
-    16..32 so the fp32 accumulator [M, R] fits in registers (R=512: 64 regs/thread at M=32 with 8 warps)."""
+    16..32 so the fp32 accumulator [M, R] fits in registers (R=512: 64 regs/thread at M=32 with 8 warps), except
+    that blocks of MAX_Q_LEN tokens (a short suffix's rows, engine/suffix.py) in 16 bits take two heads (M=64,
+    128 regs/thread): a tile of the latent then serves twice the rows, and these programs are bound by their MMAs,
+    not by the latent's bytes (`kernels_bench --only mla_q32`)."""
+    fp32 = dtype == torch.float32
     block_ql = _pow2(q_len)
-    block_h = min(_pow2(H), max(1, 32 // block_ql))
+    rows = 64 if block_ql == MAX_Q_LEN and not fp32 else 32
+    block_h = min(_pow2(H), max(1, rows // block_ql))
     block_h = max(block_h, 16 // block_ql)  # tl.dot needs M >= 16
     bm = block_ql * block_h
-    fp32 = dtype == torch.float32
     # num_stages=3 gives two KV buffers (a tile in flight during compute; with 2 stages Triton 3.6 single-buffers
     # this loop). 36 KB per 32-token tile: 2 x 36 + 18 (Q) = 90 KB shared at M=16.
     return dict(
@@ -320,10 +324,14 @@ def num_sms(device: torch.device) -> int:
 def default_num_splits(B: int, H: int, q_len: int, device: torch.device, dtype=torch.bfloat16) -> int:
     """Splits for two waves of programs over the SMs (132 on H200): two resident programs per SM hide each other's
     load latency (measured at 8k context, B=16, H=16: 16 splits 54.5 us, 8 splits 68 us, 32 splits 67 us); more
-    only add partial-output traffic. Short contexts use fewer splits in-kernel (>= MIN_SPLIT_TOKENS each). Batch
-    1-3 (fewer than TMA_MIN_PROGRAMS programs) split up to FEW_MAX_SPLITS ways, with their short tiles (mla_decode)."""
-    programs = B * triton.cdiv(H, decode_config(H, q_len, dtype)["BLOCK_H"])
-    return max(1, min(FEW_MAX_SPLITS if _few(programs, dtype) else MAX_SPLITS, 2 * num_sms(device) // programs))
+    only add partial-output traffic. Blocks of MAX_Q_LEN tokens, bound by their MMAs, take one wave: each
+    program's longer run beats the second wave's overlap. Short contexts use fewer splits in-kernel (>=
+    MIN_SPLIT_TOKENS each). Batch 1-3 (fewer than TMA_MIN_PROGRAMS programs) split up to FEW_MAX_SPLITS ways, with
+    their short tiles (mla_decode)."""
+    cfg = decode_config(H, q_len, dtype)
+    programs = B * triton.cdiv(H, cfg["BLOCK_H"])
+    waves = 1 if cfg["BLOCK_QL"] == MAX_Q_LEN else 2
+    return max(1, min(FEW_MAX_SPLITS if _few(programs, dtype) else MAX_SPLITS, waves * num_sms(device) // programs))
 
 
 def _few(programs: int, dtype: torch.dtype) -> bool:
