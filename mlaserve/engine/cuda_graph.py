@@ -31,7 +31,7 @@ from ..attention.base import ForwardBatch, SeqChunk
 from ..capture import DECODE_BATCH_SIZES, gc_paused
 from ..kernel_config import KernelConfig
 from ..layers.sampler import greedy_into
-from .suffix import SUFFIX_BATCH_SIZES, SUFFIX_Q, suffix_on, suffix_rows
+from .suffix import SUFFIX_BATCH_SIZES, SUFFIX_Q, last_rows, suffix_on, suffix_rows
 
 log = logging.getLogger("mlaserve.cuda_graph")
 
@@ -502,7 +502,8 @@ class GraphRunner:
         the host's, unless they are the input ids already (the last decode graph's arg-max, in order).
         decode_shift: the decode chunks' positions moved on the device (ForwardBatch.shift_decode)."""
         if key[0] == "suffix":  # the chunks as suffix rows (key_for checked that they are)
-            g = self.fill(key, suffix_rows(prefill))
+            rows = suffix_rows(prefill)
+            g = self.fill(key, rows)
             self.static_runs["suffix"] += 1
             if g.graph is not None:
                 g.graph.replay()
@@ -510,7 +511,9 @@ class GraphRunner:
                 logits = g.logits
             else:
                 logits, _ = self._forward(g.batch)
-            return logits[: len(prefill)], None, None
+            if len(rows) == len(prefill):  # a row a chunk
+                return logits[: len(prefill)], None, None
+            return logits[last_rows(rows)], None, None  # each chunk's last row
         chunks = decode + prefill
         n_dec = sum(len(c.token_ids) for c in decode)
         g = self.fill(key, chunks, 0 if decode_tokens is None else n_dec)

@@ -304,7 +304,7 @@ class ModelRunner:
         if key is not None:
             self.graph_steps += 1
             return self.graphs.run(key, decode, prefill, decode_tokens, decode_shift)
-        split = None if eager else self.split_keys(decode, prefill)
+        split = None if eager else self.split_keys(decode, prefill, suffix)
         if split is not None:  # decode rows first, then the chunks, as one forward would order its outputs
             self.graph_steps += 2
             logits, aux, _ = self.graphs.run(split[0], decode, [], decode_tokens, decode_shift)
@@ -332,14 +332,15 @@ class ModelRunner:
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         return self.model.compute_logits(hidden[batch.logits_indices]), aux, None
 
-    def split_keys(self, decode: list[SeqChunk], prefill: list[SeqChunk]) -> tuple | None:
+    def split_keys(self, decode: list[SeqChunk], prefill: list[SeqChunk], suffix: bool = False) -> tuple | None:
         """(decode graph key, prefill graph key) for a step of decode rows and prompt chunks run as two replays
-        (MIXED_SPLIT_MAX_TOKENS), or None: one forward. Not in the deterministic mode, whose rows keep one path."""
+        (MIXED_SPLIT_MAX_TOKENS), or None: one forward. suffix (execute's): the chunks may take a suffix graph. Not
+        in the deterministic mode, whose rows keep one path."""
         if self.graphs is None or not decode or not prefill or self.kernels.deterministic:
             return None
         if sum(len(c.token_ids) for c in prefill) > MIXED_SPLIT_MAX_TOKENS:
             return None
-        kd, kp = self.graphs.key_for(decode, []), self.graphs.key_for([], prefill)
+        kd, kp = self.graphs.key_for(decode, []), self.graphs.key_for([], prefill, suffix)
         return None if kd is None or kp is None else (kd, kp)
 
     def shutdown(self) -> None:

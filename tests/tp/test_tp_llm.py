@@ -114,18 +114,16 @@ def test_tp2_prefix_hit_suffixes_on_the_suffix_graphs(tiny_ckpt):
     one rank's."""
     rng = random.Random(9)
     prefix = [rng.randrange(512) for _ in range(128)]  # two whole 64-token pages: each suffix is all new tokens
-    prompts = [prefix] + [prefix + [rng.randrange(512) for _ in range(n)] for n in (3, 20, 32)]
+    prompts = [prefix] + [prefix + [rng.randrange(512) for _ in range(n)] for n in (3, 20, 32, 70)]  # 70: three rows
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     one = LLM(tiny_ckpt, device="cpu", max_num_seqs=8)
     ref = [one.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts]
     one.close()
-    from mlaserve.kernel_config import KernelConfig
-
-    llm, workers = _tp2_on_the_graph_path(tiny_ckpt, kernels=KernelConfig(absorbed_suffix=True))
+    llm, workers = _tp2_on_the_graph_path(tiny_ckpt)  # suffix rows are on by default
     try:
         runner = llm.engine.runner
         assert [llm.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts] == ref
-        assert runner.graphs.static_runs["suffix"] == 3, runner.graphs.static_runs
+        assert runner.graphs.static_runs["suffix"] == 4, runner.graphs.static_runs
         steps = llm.engine.num_steps
     finally:
         llm.close()
