@@ -93,7 +93,14 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warm", type=int, default=8, help="untimed rounds before the sweep")
     ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument(
+        "--suffix-max-tokens", type=int, default=None, help="suffix.SUFFIX_MAX_TOKENS for this run (where to cut)"
+    )
     a = ap.parse_args()
+    if a.suffix_max_tokens is not None:
+        import mlaserve.engine.suffix as suffix_mod
+
+        suffix_mod.SUFFIX_MAX_TOKENS = a.suffix_max_tokens
 
     from mlaserve.engine.engine import LLMEngine
     from mlaserve.models.make_random import make_random

@@ -7,6 +7,10 @@ from 32 to 256, all added at once to an engine of --decode's largest batch): its
 forward against two (the limit set to 0, then its default).
 
     python benchmarks/mixed_step.py --decode 8,32 --prefill 16,512,2048,4096,8192 --ctx 1024 --requests 128
+
+--cached N puts the chunk after N cached tokens (a prefix hit's suffix): the split then runs the decode graph and
+the context graph, or for a suffix of at most suffix.SUFFIX_MAX_TOKENS tokens the suffix graph (engine/suffix.py),
+both timed ("split" and "suffix").
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def main():
     ap.add_argument("--decode", default="1,8,32")
     ap.add_argument("--prefill", default="16,128,512,2048,8192")
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--cached", type=int, default=0, help="tokens cached before the chunk (a prefix hit)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--requests", type=int, default=0, help="the workload's requests (0: no workload)")
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -74,7 +79,8 @@ def main():
         enable_prefix_caching=False,
         max_num_seqs=max(decs),
         warmup=False,
-        max_model_len=max(a.ctx + 64, max(pres) + 64),
+        max_model_len=max(a.ctx + 64, a.cached + max(pres) + 64),
+        prefill_graph_max_context=max(16384, a.cached + max(pres)),
     )
     engine = LLMEngine(cfg)
     r = engine.runner
@@ -90,7 +96,10 @@ def main():
     hold = sleep_cycles(250.0)  # longer than any variant's host time
     g = torch.Generator().manual_seed(0)
     rows = []
-    print(f"{'decode rows':>11s} {'prefill':>8s} | {'mixed wall':>10s} {'GPU':>7s} | {'split wall':>10s} {'GPU':>7s}")
+    print(
+        f"{'decode rows':>11s} {'prefill':>8s} | {'mixed wall':>10s} {'GPU':>7s} | {'split wall':>10s} {'GPU':>7s}"
+        + (f" | {'suffix wall':>11s} {'GPU':>7s}" if a.cached else "")
+    )
     for B in decs:
         nxt[0] = 1
         decode = [SeqChunk([5], a.ctx, pages(a.ctx + 1), "last") for _ in range(B)]
@@ -98,19 +107,22 @@ def main():
         for T in pres:
             nxt[0] = base
             ids = torch.randint(1000, 50000, (T,), generator=g).tolist()
-            prefill = [SeqChunk(ids, 0, pages(T), "last")]
+            prefill = [SeqChunk(ids, a.cached, pages(a.cached + T), "last")]  # the cached rows: whatever they hold
             runner_mod.MIXED_SPLIT_MAX_TOKENS = 0  # one forward
             mixed = timed(lambda: r.execute(decode, prefill), a.reps, hold)
             runner_mod.MIXED_SPLIT_MAX_TOKENS = limit
-            split = timed(lambda: (r.execute(decode, []), r.execute([], prefill)), a.reps, hold)
+            split = timed(lambda: r.execute(decode, prefill), a.reps, hold)  # the context (or prefill) graph
             key = r.graphs.key_for([], prefill) if r.graphs is not None else None
-            row = dict(decode=B, prefill=T, ctx=a.ctx, prefill_graph=key is not None)
+            row = dict(decode=B, prefill=T, ctx=a.ctx, cached=a.cached, prefill_graph=key is not None)
             row.update(mixed_wall_ms=mixed[0], mixed_gpu_ms=mixed[1], split_wall_ms=split[0], split_gpu_ms=split[1])
+            line = f"{B:11d} {T:8d} | {mixed[0]:10.2f} {mixed[1]:7.2f} | {split[0]:10.2f} {split[1]:7.2f}"
+            if a.cached:
+                sfx = timed(lambda: r.execute(decode, prefill, suffix=True), a.reps, hold)
+                sk = r.split_keys(decode, prefill, True)
+                row.update(suffix_wall_ms=sfx[0], suffix_gpu_ms=sfx[1], suffix_key=str(sk and sk[1]))
+                line += f" | {sfx[0]:11.2f} {sfx[1]:7.2f}  ({sk and sk[1]})"
             rows.append(row)
-            print(
-                f"{B:11d} {T:8d} | {mixed[0]:10.2f} {mixed[1]:7.2f} | {split[0]:10.2f} {split[1]:7.2f}"
-                + ("" if key is not None else "  (no prefill graph: eager)")
-            )
+            print(line + ("" if key is not None else "  (no prefill graph: eager)"))
     work = []
     for rnd in range(2 if a.requests else 0):  # rounds: one forward, two, one, two
         for lim in (0, limit):
