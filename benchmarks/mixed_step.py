@@ -79,7 +79,7 @@ def main():
         enable_prefix_caching=False,
         max_num_seqs=max(decs),
         warmup=False,
-        max_model_len=max(a.ctx + 64, a.cached + max(pres) + 64),
+        max_model_len=max(a.ctx + 64, a.cached + max(pres) + 64, 16384 if a.cached else 0),  # context buckets
         prefill_graph_max_context=max(16384, a.cached + max(pres)),
     )
     engine = LLMEngine(cfg)
