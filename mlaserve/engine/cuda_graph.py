@@ -31,7 +31,7 @@ from ..attention.base import ForwardBatch, SeqChunk
 from ..capture import DECODE_BATCH_SIZES, gc_paused
 from ..kernel_config import KernelConfig
 from ..layers.sampler import greedy_into
-from .suffix import SUFFIX_BATCH_SIZES, SUFFIX_Q, last_rows, suffix_on, suffix_rows
+from .suffix import SUFFIX_BATCH_SIZES, SUFFIX_MAX_TOKENS, SUFFIX_Q, last_rows, suffix_on, suffix_rows
 
 log = logging.getLogger("mlaserve.cuda_graph")
 
@@ -180,9 +180,10 @@ class GraphRunner:
             if t < c <= max_ctx
         ]
         # suffix graphs: plain decoding's steps of short suffixes (engine/suffix.py), below the all-to-all's edge,
-        # up to the first size that holds max_num_seqs requests (the sizes are powers of two)
+        # up to the first size that holds max_num_seqs requests' rows (the sizes are powers of two)
         plain = decode_q_len == 1 and suffix_on(k)
-        sizes = [b for b in SUFFIX_BATCH_SIZES if b * SUFFIX_Q < edge and b < 2 * max_num_seqs]
+        most = max_num_seqs * -(-SUFFIX_MAX_TOKENS // SUFFIX_Q)
+        sizes = [b for b in SUFFIX_BATCH_SIZES if b * SUFFIX_Q < edge and b < 2 * most]
         self.suffix_sizes = sizes if plain else []
         dev = runner.device
         max_bs = self.bs_list[-1] if self.bs_list else 1

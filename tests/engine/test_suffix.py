@@ -87,7 +87,7 @@ def test_prefix_hits_take_suffix_rows_with_a_full_prefills_tokens(tiny_ckpt, gra
     eng = make_engine(tiny_ckpt, **kw)
     if graphs:
         eng.runner.capture_graphs(1, eng.max_model_len, use_graphs=False)
-        assert eng.runner.graphs.suffix_sizes == [1, 2, 4]  # up to max_num_seqs
+        assert eng.runner.graphs.suffix_sizes == [1, 2, 4, 8]
     eager_rows = []
     rows_fn = runner_mod.suffix_rows
     monkeypatch.setattr(runner_mod, "suffix_rows", lambda p: (eager_rows.append(rows_fn(p)), eager_rows[-1])[1])
@@ -141,9 +141,9 @@ def test_a_suffix_beside_decode_rows_takes_the_suffix_graph(tiny_ckpt):
 
 
 def test_no_suffix_graphs_under_speculation_or_determinism_or_when_off(tiny_ckpt):
-    default = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4)  # on by default
+    default = make_engine(tiny_ckpt, page_size=16, max_num_seqs=1)  # on by default
     default.runner.capture_graphs(1, default.max_model_len, use_graphs=False)
-    assert default.runner.graphs.suffix_sizes == [1, 2, 4]
+    assert default.runner.graphs.suffix_sizes == [1, 2, 4]  # up to one request's most rows
     off = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, kernels=KernelConfig(absorbed_suffix=False))
     off.runner.capture_graphs(1, off.max_model_len, use_graphs=False)
     assert off.runner.graphs.suffix_sizes == []
