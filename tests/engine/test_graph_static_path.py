@@ -366,6 +366,7 @@ def test_chunks_over_cached_context_run_as_context_graphs(tiny_ckpt, tmp_path, s
     from mlaserve.attention.base import SeqChunk
     from mlaserve.config import EngineConfig, SpecConfig
     from mlaserve.engine.engine import LLMEngine
+    from mlaserve.kernel_config import KernelConfig
     from mlaserve.models.make_random_draft import make_random_draft
 
     rng = random.Random(23)
@@ -380,6 +381,7 @@ def test_chunks_over_cached_context_run_as_context_graphs(tiny_ckpt, tmp_path, s
     def engine(graphs: bool):
         kw = dict(model=tiny_ckpt, device="cpu", page_size=16, max_num_seqs=4, prefill_graph_max_tokens=512)
         kw["kv_cache_dtype"] = kv
+        kw["kernels"] = KernelConfig(absorbed_suffix=False)  # the short suffixes too (tests/engine/test_suffix.py)
         eng = LLMEngine(EngineConfig(chunked_prefill_size=64, max_num_batched_tokens=96, **kw), spec=spec)
         if graphs:
             eng.runner.capture_graphs(spec_k + 1, eng.max_model_len, use_graphs=False)
