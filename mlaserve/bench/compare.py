@@ -26,12 +26,15 @@ PROTOCOL = (
     "max_concurrency",
     "request_rate",
     "input_len",
+    "prefix_len",
     "output_len",
     "seed",
     "num_warmups",
     "temperature",
     "ignore_eos",
 )
+
+ADDED_LATER = {"prefix_len": 0}  # protocol fields newer than some results: what those ran with
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -156,7 +159,7 @@ def config_warnings(runs: list[tuple[str, dict]]) -> list[str]:
     out = []
     for path, d in runs[1:]:
         for k in PROTOCOL:
-            a, b = ref.get("config", {}).get(k), d.get("config", {}).get(k)
+            a, b = (r.get("config", {}).get(k, ADDED_LATER.get(k)) for r in (ref, d))
             if a != b:
                 out.append(f"{path}: --{k.replace('_', '-')} {b} differs from {ref_path}'s {a}")
         if d.get("speculative") != ref.get("speculative"):

@@ -1,5 +1,5 @@
 """Random token-id prompts from a seed: the same seed, vocabulary and exclusions give the same prompts, each exactly
-input-len tokens long."""
+input-len tokens long, after a shared prefix of prefix-len tokens where one is asked for."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 DEFAULT_VOCAB_SIZE = 32000  # when neither --vocab-size nor the server says: safe for any modern tokenizer
 
 # numpy streams: prompts use Generator(seed) itself; the others are independent of it
-WARMUP_STREAM, ARRIVAL_STREAM = 1, 2
+WARMUP_STREAM, ARRIVAL_STREAM, PREFIX_STREAM, WARMUP_PREFIX_STREAM = 1, 2, 3, 4
 
 
 def random_prompts(
@@ -25,6 +25,19 @@ def random_prompts(
         raise ValueError(f"vocab_size {vocab_size} minus the excluded ids leaves no token to draw")
     rng = np.random.default_rng(seed if stream is None else [seed, stream])
     return allowed[rng.integers(0, len(allowed), size=(num_prompts, input_len))]  # [N, L]
+
+
+def with_shared_prefix(
+    prompts: np.ndarray, prefix_len: int, seed: int, vocab_size: int, exclude: Iterable[int] = (), stream: int = 0
+) -> np.ndarray:
+    """[N, L] -> [N, prefix_len + L]: one random prefix (from its own stream) before every prompt; prefix_len 0: the
+    prompts as they are."""
+    if prefix_len < 0:
+        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+    if prefix_len == 0:
+        return prompts
+    prefix = random_prompts(1, prefix_len, seed, vocab_size, exclude, stream=stream or PREFIX_STREAM)  # [1, P]
+    return np.concatenate([np.repeat(prefix, len(prompts), axis=0), prompts], axis=1)
 
 
 def prompts_sha256(prompts: np.ndarray) -> str:

@@ -86,6 +86,8 @@ def format_summary(r: dict) -> str:
     row("Maximum request concurrency:", cfg.get("max_concurrency"))
     row("Request rate (req/s):", cfg.get("request_rate"))
     row("Benchmark duration (s):", r["duration_s"])
+    if cfg.get("prefix_len"):
+        row("Shared prompt prefix (tokens):", cfg["prefix_len"])
     row("Total input tokens:", r["total_input_tokens"])
     row("Total generated tokens:", r["total_output_tokens"])
     row("Request throughput (req/s):", r["request_throughput"])

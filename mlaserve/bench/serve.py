@@ -17,11 +17,13 @@ from .client import RequestRecord, completion_payload, send_request
 from .metrics import acceptance_by_position, counter, counters_by_label, parse_prometheus, summarize_run
 from .prompts import (
     DEFAULT_VOCAB_SIZE,
+    WARMUP_PREFIX_STREAM,
     WARMUP_STREAM,
     poisson_arrivals,
     prompts_sha256,
     random_prompts,
     special_ids_from_card,
+    with_shared_prefix,
 )
 from .report import dumps_result, format_summary, provenance
 
@@ -51,6 +53,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="requests/s, Poisson arrivals drawn from --seed (default: inf, all at once)",
     )
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default: %(default)s)")
+    p.add_argument(
+        "--prefix-len",
+        "--random-prefix-len",
+        dest="prefix_len",
+        type=int,
+        default=0,
+        help="tokens of one random prefix every prompt starts with, before its --input-len own (a shared system "
+        "prompt; vLLM's --random-prefix-len): the first request fills the server's prefix cache and the others can "
+        "hit it; the warm-ups share another prefix (default: 0)",
+    )
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request (default: %(default)s)")
     p.add_argument("--seed", type=int, default=20260724, help="prompt (and arrival) seed (default: %(default)s)")
     p.add_argument("--num-warmups", type=int, default=0, help="untimed requests before the run (default: 0)")
@@ -93,6 +105,8 @@ def _validate(args) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if getattr(args, "prefix_len", 0) < 0:
+        raise ValueError(f"--prefix-len must be >= 0, got {args.prefix_len}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if getattr(args, "save_replay", None) and args.temperature != 0:
@@ -205,9 +219,12 @@ async def run_bench(args) -> dict:
             exclude = [int(x) for x in args.exclude_token_ids.split(",") if x.strip()]
         else:
             exclude = [t for t in special_ids_from_card(card) if t < vocab]
+        prefix_len = getattr(args, "prefix_len", 0)
         prompts = random_prompts(args.num_prompts, args.input_len, args.seed, vocab, exclude)
+        prompts = with_shared_prefix(prompts, prefix_len, args.seed, vocab, exclude)
         if args.num_warmups:
             warm = random_prompts(args.num_warmups, args.input_len, args.seed, vocab, exclude, stream=WARMUP_STREAM)
+            warm = with_shared_prefix(warm, prefix_len, args.seed, vocab, exclude, stream=WARMUP_PREFIX_STREAM)
             warm_recs = await _run_requests(client, warm, args, model, [0.0] * len(warm), "warmup")
             warm_failed = [r for r in warm_recs if not r.success]
         else:

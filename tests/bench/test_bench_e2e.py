@@ -17,7 +17,7 @@ import uvicorn  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import PlainTextResponse, StreamingResponse  # noqa: E402
 
-from mlaserve.bench.prompts import random_prompts  # noqa: E402
+from mlaserve.bench.prompts import random_prompts, with_shared_prefix  # noqa: E402
 from mlaserve.cli import main  # noqa: E402
 
 VOCAB = 1000
@@ -261,3 +261,19 @@ def test_reset_prefix_cache_refused_is_an_error(fake_server, tmp_path, capsys):
     assert "/flush_cache: HTTP 404" in said and not (tmp_path / "r.json").exists()
     assert _serve(fake_server, tmp_path / "r.json") == 0
     assert json.loads((tmp_path / "r.json").read_text())["prefix_cache_reset"] is None
+
+
+def test_shared_prefix_prompts(fake_server, tmp_path, capsys):
+    a, b = tmp_path / "prefix.json", tmp_path / "none.json"
+    assert _serve(fake_server, a, "--random-prefix-len", "16", "--num-warmups", "1") == 0
+    assert "Shared prompt prefix (tokens):" in capsys.readouterr().out
+    r = json.loads(a.read_text())
+    assert r["config"]["prefix_len"] == 16 and r["total_input_tokens"] == 8 * (16 + 64)
+    prompts = with_shared_prefix(random_prompts(8, 64, 20260724, VOCAB, exclude=[0, 1]), 16, 20260724, VOCAB, [0, 1])
+    for q in r["requests"]:  # the fake's first token is a function of the prompt's sum
+        assert q["output_token_ids"][0] == (int(prompts[q["index"]].sum()) * 31) % VOCAB
+    assert _serve(fake_server, b) == 0
+    assert main(["bench", "compare", "--baseline", str(b), "--candidate", str(a)]) in (0, 1)
+    assert "--prefix-len 16 differs" in capsys.readouterr().out
+    assert _serve(fake_server, b, "--prefix-len", "-1") == 2
+    assert "--prefix-len must be >= 0" in capsys.readouterr().out

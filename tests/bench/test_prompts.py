@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from mlaserve.bench.prompts import poisson_arrivals, prompts_sha256, random_prompts, special_ids_from_card
+from mlaserve.bench.prompts import (
+    WARMUP_PREFIX_STREAM,
+    poisson_arrivals,
+    prompts_sha256,
+    random_prompts,
+    special_ids_from_card,
+    with_shared_prefix,
+)
 
 
 def test_same_seed_same_prompts():
@@ -41,3 +48,17 @@ def test_arrivals_and_card():
     card = {"id": "m", "vocab_size": 512, "bos_token_id": 256, "eos_token_id": [257, 258], "special_token_ids": [3]}
     assert special_ids_from_card(card) == [3, 256, 257, 258]
     assert special_ids_from_card({"id": "m"}) == []
+
+
+def test_shared_prefix():
+    own = random_prompts(4, 8, seed=1, vocab_size=300, exclude=[0, 1])
+    assert with_shared_prefix(own, 0, 1, 300) is own  # no prefix: the prompts unchanged (and their digest)
+    p = with_shared_prefix(own, 16, seed=1, vocab_size=300, exclude=[0, 1])
+    assert p.shape == (4, 24) and np.array_equal(p[:, 16:], own)
+    assert (p[:, :16] == p[0, :16]).all() and not np.isin(p[:, :16], [0, 1]).any()
+    assert np.array_equal(p, with_shared_prefix(own, 16, seed=1, vocab_size=300, exclude=[0, 1]))
+    w = with_shared_prefix(own, 16, seed=1, vocab_size=300, exclude=[0, 1], stream=WARMUP_PREFIX_STREAM)
+    assert not np.array_equal(w[0, :16], p[0, :16])  # the warm-ups' prefix is another: they cache none of the run's
+    assert not np.array_equal(p[0, :16], own[0, :8].repeat(2))
+    with pytest.raises(ValueError, match="prefix_len"):
+        with_shared_prefix(own, -1, 1, 300)
