@@ -205,6 +205,17 @@ def test_protocol_differences_are_warned_about_by_name(tmp_path, capsys, key, va
     assert _warnings(tmp_path, capsys) == [f"warning: cand-0.json: {flag} differs from base-0.json's {was}"]
 
 
+def test_a_protocol_field_newer_than_a_result_reads_as_its_default(tmp_path, capsys):
+    """Results written before --prefix-len ran without a prefix: 0 matches them, 16 is a difference by name."""
+    new = _result()
+    new["config"]["prefix_len"] = 0
+    assert _compare(tmp_path, [_result()], [new]) == 0
+    assert _warnings(tmp_path, capsys) == []
+    new["config"]["prefix_len"] = 16
+    assert _compare(tmp_path, [_result()], [new]) == 0
+    assert _warnings(tmp_path, capsys) == ["warning: cand-0.json: --prefix-len 16 differs from base-0.json's 0"]
+
+
 def test_run_level_warnings(tmp_path, capsys):
     spec = {"algorithm": "REPLAY", "benchmark_only": True, "replay_miss_rate": 0.3}
     other = _result()
