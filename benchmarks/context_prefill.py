@@ -1,6 +1,6 @@
 """TTFT of a prefill chunk over cached context in three forms, on one engine in rotating rounds: the engine's default
-("graph": a suffix of at most SUFFIX_Q tokens as absorbed decode rows in a suffix graph, engine/suffix.py; longer
-chunks a context graph), the context graph alone ("context": GraphRunner.suffix_sizes emptied), and one eager
+("graph": a suffix of at most SUFFIX_MAX_TOKENS tokens as absorbed decode rows in a suffix graph, engine/suffix.py;
+longer chunks a context graph), the context graph alone ("context": GraphRunner.suffix_sizes emptied), and one eager
 forward in the naive form ("eager": the graphs' lists emptied and the runner's suffix rows off). The engine is
 made with KernelConfig.absorbed_suffix on whatever MLASERVE_ABSORBED_SUFFIX says:
 
