@@ -514,7 +514,9 @@ class GraphRunner:
                 logits, _ = self._forward(g.batch)
             if len(rows) == len(prefill):  # a row a chunk
                 return logits[: len(prefill)], None, None
-            return logits[last_rows(rows)], None, None  # each chunk's last row
+            # each chunk's last row, gathered by views: a list index would copy its indices from pageable host
+            # memory, which waits for the replay
+            return torch.cat([logits[i : i + 1] for i in last_rows(rows)]), None, None
         chunks = decode + prefill
         n_dec = sum(len(c.token_ids) for c in decode)
         g = self.fill(key, chunks, 0 if decode_tokens is None else n_dec)
