@@ -28,6 +28,9 @@ class Sizes:
     mla_q32_heads: int = 16  # mla_q32: blocks of 32 tokens over these cached contexts, these requests
     mla_q32_ctx: tuple = (1024, 4096, 8192)
     mla_q32_B: tuple = (1, 2, 8)
+    mla_verify_heads: tuple = (16, 64)  # mla_verify: blocks of 2 and 4 tokens (a verify's) over these contexts
+    mla_verify_ctx: tuple = (512, 8192, 16384)
+    mla_verify_B: tuple = (1, 8, 32)
     moe: dict = field(default_factory=lambda: {"moonlight": (2048, 1408, 64, 6), "kimi-tp4": (7168, 512, 384, 8)})
     moe_T: tuple = (1, 2, 4, 8, 16, 32, 64, 8192)
     moe_sweep_shapes: tuple = ("moonlight",)
@@ -90,6 +93,9 @@ def smoke_sizes() -> Sizes:
         mla_q32_heads=4,
         mla_q32_ctx=(8,),
         mla_q32_B=(1,),
+        mla_verify_heads=(4,),
+        mla_verify_ctx=(8,),
+        mla_verify_B=(1,),
         moe={"tiny": (64, 32, 8, 2)},
         moe_T=(1, 48),
         moe_sweep_shapes=("tiny",),

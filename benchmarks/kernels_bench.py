@@ -5,10 +5,10 @@ then triton.testing.do_bench (median, cold L2). Prints a table against the H200 
     PYTHONPATH=$PWD python benchmarks/kernels_bench.py [--quick] [--only mla,moe,...] [--time-limit 290]
 
 Sections run in order mla, moe, prefill, routing, rope, then the sweeps (SWEEPS: the decode-step sweeps of
-decode_sweeps.py, the MoE sweeps of moe_sweeps.py, mla_sweep, mla_q32, moe_sweep, prefill_sweep) and the quantized
-sections (int4_moe: benchmarks/int4_moe_bench.py; fp8_linear, fp8_moe: benchmarks/fp8_bench.py), which --quick
-skips; `--only prefill_sweep` times the 8k prefill attention alone (under a minute). With --time-limit a
-watchdog ends the run after that many seconds (exit 3), keeping what it has in the JSON.
+decode_sweeps.py, the MoE sweeps of moe_sweeps.py, mla_sweep, mla_q32, mla_verify, moe_sweep, prefill_sweep) and
+the quantized sections (int4_moe: benchmarks/int4_moe_bench.py; fp8_linear, fp8_moe: benchmarks/fp8_bench.py),
+which --quick skips; `--only prefill_sweep` times the 8k prefill attention alone (under a minute). With
+--time-limit a watchdog ends the run after that many seconds (exit 3), keeping what it has in the JSON.
 --smoke runs every code path at toy sizes on the CPU (TRITON_INTERPRET=1 is set for it): a check of the script.
 """
 
@@ -196,6 +196,58 @@ def run_mla_q32(rep: Report, sz: Sizes):
                     )
                 except Exception as e:  # e.g. out of registers or shared memory
                     print(f"mla_q32 {name}: {type(e).__name__}: {str(e)[:120]}")
+
+
+def run_mla_verify(rep: Report, sz: Sizes):
+    """Verify blocks (2 and 4 tokens a request) at M1's 16 heads and Kimi-K2.5's 64: the default tiles (16 rows a
+    program in 4 warps) against the 32 rows in 8 warps they had before, 32 rows in 4 warps, and half or twice the
+    default splits. Each variant's output is checked against the fp32 reference."""
+    from mlaserve.kernels.mla_decode import default_num_splits, mla_decode
+    from tests.helpers.kernel_checks import make_paged
+    from tests.helpers.kernel_refs import mla_decode_ref
+
+    R, P = sz.R, sz.P
+    for H in sz.mla_verify_heads:
+        for ql in (2, 4):
+            m32 = dict(BLOCK_H=max(1, 32 // ql))
+            for B in sz.mla_verify_B:
+                S0 = default_num_splits(B, H, ql, torch.device(sz.dev))
+                variants = [
+                    ("default", None, None),
+                    ("32 rows, 8 warps", dict(m32, num_warps=8), None),
+                    ("32 rows, 4 warps", dict(m32, num_warps=4), None),
+                    ("splits / 2", None, max(1, S0 // 2)),
+                    ("splits x 2", None, 2 * S0),
+                ]
+                if sz.dev != "cuda":  # --smoke: the interpreter is slow
+                    variants = variants[:2]
+                for L in sz.mla_verify_ctx:
+                    kv, table, lens = make_paged([L + ql] * B, 64, R + P, BF, sz.dev, extra_pages=0)
+                    q = torch.randn(B * ql, H, R + P, device=sz.dev).to(BF)
+                    out = torch.empty(B * ql, H, R, device=sz.dev, dtype=BF)
+                    ref = mla_decode_ref(q, kv, table, lens, ql, 0.1, R)
+                    for name, cfg, S in variants:
+                        try:
+                            run = lambda: mla_decode(q, kv, table, lens, ql, 0.1, out, num_splits=S, config=cfg)  # noqa: E731,B023
+                            out.fill_(float("nan"))
+                            run()
+                            ms = bench(run, sz)
+                            rep.add(
+                                "mla_verify",
+                                f"H={H} q_len={ql} B={B} ctx={L}+{ql} {name}",
+                                ms,
+                                B * (L + ql) * (R + P) * 2,
+                                err=rel(out, ref),
+                                H=H,
+                                q_len=ql,
+                                B=B,
+                                ctx=L,
+                                splits=S or S0,
+                            )
+                        except Exception as e:  # e.g. out of registers or shared memory
+                            print(f"mla_verify {name}: {type(e).__name__}: {str(e)[:120]}")
+        if sz.dev == "cuda":
+            torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -437,6 +489,7 @@ SECTIONS = {
     "fp8_moe": run_fp8_moe,
     "mla_sweep": run_mla_sweep,
     "mla_q32": run_mla_q32,
+    "mla_verify": run_mla_verify,
     "moe_sweep": run_moe_sweep,
     "prefill_sweep": run_prefill_sweep,
 }  # sweeps last
@@ -454,6 +507,7 @@ SWEEPS = (
     "fp8_moe",
     "mla_sweep",
     "mla_q32",
+    "mla_verify",
     "moe_sweep",
     "prefill_sweep",
 )

@@ -25,6 +25,7 @@ MIN_SPLIT_TOKENS = 32  # a split never takes fewer tokens than this (short conte
 # (H200, batch 1, H=16: a 512 context in splits of >= 32 / 64 / 128 / 256 tokens 11.4 / 12.7 / 16.1 / 23.2 us)
 MAX_SPLITS = 64
 MAX_Q_LEN = 32  # tokens of a verify block
+MAX_VERIFY_Q_LEN = 4  # blocks of 2 to this many tokens (a verify's K+1 <= 4) take 16-row programs (decode_config)
 TMA_MIN_PROGRAMS = 4  # request x head-block programs below which pointer loads are the default (see mla_decode)
 FEW_PROGRAMS = dict(BLOCK_N=16, MIN_SPLIT_TOKENS=16, num_stages=2)  # their tiles (see mla_decode)
 FEW_MAX_SPLITS = 128  # and their split cap (default_num_splits)
@@ -297,10 +298,12 @@ def decode_config(H: int, q_len: int, dtype: torch.dtype) -> dict:
     16..32 so the fp32 accumulator [M, R] fits in registers (R=512: 64 regs/thread at M=32 with 8 warps), except
     that blocks of MAX_Q_LEN tokens (a short suffix's rows, engine/suffix.py) in 16 bits take two heads (M=64,
     128 regs/thread): a tile of the latent then serves twice the rows, and these programs are bound by their MMAs,
-    not by the latent's bytes (`kernels_bench --only mla_q32`)."""
+    not by the latent's bytes (`kernels_bench --only mla_q32`). Verify blocks of 2-4 tokens in 16 bits take M=16
+    in 4 warps, as a decode row's 16 heads do: twice the programs of M=32, each with 4 warps, beat M=32 in 8 warps
+    at every batch and context (`kernels_bench --only mla_verify`)."""
     fp32 = dtype == torch.float32
     block_ql = _pow2(q_len)
-    rows = 64 if block_ql == MAX_Q_LEN and not fp32 else 32
+    rows = 32 if fp32 else 64 if block_ql == MAX_Q_LEN else 16 if 1 < block_ql <= MAX_VERIFY_Q_LEN else 32
     block_h = min(_pow2(H), max(1, rows // block_ql))
     block_h = max(block_h, 16 // block_ql)  # tl.dot needs M >= 16
     bm = block_ql * block_h
