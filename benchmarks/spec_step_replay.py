@@ -4,8 +4,10 @@ graph and the draft's graph replayed back to back (the launches path's two graph
 each alone; and the host's time in one replay. Needs a GPU. With --model and --draft, a checkpoint and its draft
 from disk instead (the shipped default model: mlaserve/assets/pycode-13m and pycode-13m-eagle3), whose step is
 short enough that the loop's timing is at the mercy of the host: the replays here are the GPU's time alone.
+--profile adds the verify graph's and the draft graph's kernels (torch.profiler over 16 replays), their time a
+replay, most first.
 
-    PYTHONPATH=$PWD python benchmarks/spec_step_replay.py [--rounds 3]
+    PYTHONPATH=$PWD python benchmarks/spec_step_replay.py [--rounds 3] [--profile]
     PYTHONPATH=$PWD python benchmarks/spec_step_replay.py --model mlaserve/assets/pycode-13m \
         --draft mlaserve/assets/pycode-13m-eagle3
 """
@@ -32,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--draft", default="/tmp/m1-dummy-draft", help="made for M1 if absent (not with --model)")
+    ap.add_argument("--profile", action="store_true", help="the verify's and the draft's kernels a replay")
     ap.add_argument("--model", default=None, help="a checkpoint on disk (default: M1 shapes, weights made in place)")
     a = ap.parse_args()
     if a.model is not None:
@@ -78,10 +81,33 @@ def main() -> None:
             res.setdefault("draft graph", []).append(timed(draft_g.replay))
         for k, v in res.items():
             print(f"batch {b}: {k:<22} " + " / ".join(f"{x:.3f}" for x in v) + " ms")
+        if a.profile:
+            for name, g in (("verify graph", verify_g), ("draft graph", draft_g)):
+                kernels(f"batch {b}: {name}", g.replay)
         for r in rids:  # the replays rewrote the last step's KV rows: end the requests
             eng.abort_request(r)
         while eng.has_unfinished():
             eng.step()
+
+
+def kernels(title: str, replay, n: int = 16, top: int = 25) -> None:
+    """Print the kernels of `n` replays by GPU time, per replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            replay()
+        torch.cuda.synchronize()
+    rows = sorted(
+        ((e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0),
+        key=lambda r: -r[1],
+    )
+    total = sum(r[1] for r in rows) / n
+    print(f"{title}: {total:.1f} us of kernels a replay, {sum(r[2] for r in rows) / n:.0f} kernels")
+    for k, us, c in rows[:top]:
+        print(f"  {us / n:8.1f} us {c / n:5.1f}x {us / c:7.2f} us  {k[:90]}")
 
 
 if __name__ == "__main__":
