@@ -200,8 +200,9 @@ def run_mla_q32(rep: Report, sz: Sizes):
 
 def run_mla_verify(rep: Report, sz: Sizes):
     """Verify blocks (2 and 4 tokens a request) at M1's 16 heads and Kimi-K2.5's 64: the default tiles (16 rows a
-    program in 4 warps) against the 32 rows in 8 warps they had before, 32 rows in 4 warps, and half or twice the
-    default splits. Each variant's output is checked against the fp32 reference."""
+    program in 4 warps) against the 32 rows in 8 warps they had before and 32 rows in 4 warps (both at the default's
+    split count, which is planned for 16-row programs: half of what 32-row tiles had), and half or twice the default
+    splits. Each variant's output is checked against the fp32 reference."""
     from mlaserve.kernels.mla_decode import default_num_splits, mla_decode
     from tests.helpers.kernel_checks import make_paged
     from tests.helpers.kernel_refs import mla_decode_ref
