@@ -151,14 +151,48 @@ def run_mla_sweep(rep: Report, sz: Sizes):
             )
 
 
-def run_mla_q32(rep: Report, sz: Sizes):
-    """Blocks of 32 tokens (a short suffix's rows, engine/suffix.py) at M1's 16 heads: the default tiles (two heads
-    a program, M=64, one wave of programs) against one head a program (M=32) in one or two waves, and neighbours."""
-    from mlaserve.kernels.mla_decode import MAX_Q_LEN, default_num_splits, mla_decode, num_sms
+def _time_mla_blocks(rep: Report, sz: Sizes, section: str, label: str, B: int, H: int, ql: int, L: int, variants):
+    """mla_decode over B requests of L cached tokens plus a block of ql new ones each, H heads: each variant (name,
+    config overrides or None, splits or None for the default) checked against the fp32 reference and timed."""
+    from mlaserve.kernels.mla_decode import default_num_splits, mla_decode
     from tests.helpers.kernel_checks import make_paged
     from tests.helpers.kernel_refs import mla_decode_ref
 
-    R, P, H, ql = sz.R, sz.P, sz.mla_q32_heads, MAX_Q_LEN
+    R, P = sz.R, sz.P
+    kv, table, lens = make_paged([L + ql] * B, 64, R + P, BF, sz.dev, extra_pages=0)
+    q = torch.randn(B * ql, H, R + P, device=sz.dev).to(BF)
+    out = torch.empty(B * ql, H, R, device=sz.dev, dtype=BF)
+    ref = mla_decode_ref(q, kv, table, lens, ql, 0.1, R)
+    for name, cfg, S in variants:
+        try:
+            run = lambda: mla_decode(q, kv, table, lens, ql, 0.1, out, num_splits=S, config=cfg)  # noqa: E731,B023
+            out.fill_(float("nan"))
+            run()
+            ms = bench(run, sz)
+            splits = S or default_num_splits(B, H, ql, q.device)
+            rep.add(
+                section,
+                f"{label} {name} splits={splits}",
+                ms,
+                B * (L + ql) * (R + P) * 2,
+                err=rel(out, ref),
+                H=H,
+                q_len=ql,
+                B=B,
+                ctx=L,
+                splits=splits,
+                tflops=2 * B * ql * H * (L + ql) * (2 * R + P) / (ms * 1e9),
+            )
+        except Exception as e:  # e.g. out of registers or shared memory
+            print(f"{section} {name}: {type(e).__name__}: {str(e)[:120]}")
+
+
+def run_mla_q32(rep: Report, sz: Sizes):
+    """Blocks of 32 tokens (a short suffix's rows, engine/suffix.py) at M1's 16 heads: the default tiles (two heads
+    a program, M=64, one wave of programs) against one head a program (M=32) in one or two waves, and neighbours."""
+    from mlaserve.kernels.mla_decode import MAX_Q_LEN, num_sms
+
+    H, ql = sz.mla_q32_heads, MAX_Q_LEN
     for B in sz.mla_q32_B:
         sms = num_sms(torch.device(sz.dev))
         one_head = B * H  # programs of one head each
@@ -172,42 +206,16 @@ def run_mla_q32(rep: Report, sz: Sizes):
         if sz.dev != "cuda":  # --smoke: the interpreter is slow
             variants = variants[:2]
         for L in sz.mla_q32_ctx:
-            kv, table, lens = make_paged([L + ql] * B, 64, R + P, BF, sz.dev, extra_pages=0)
-            q = torch.randn(B * ql, H, R + P, device=sz.dev).to(BF)
-            out = torch.empty(B * ql, H, R, device=sz.dev, dtype=BF)
-            ref = mla_decode_ref(q, kv, table, lens, ql, 0.1, R)
-            for name, cfg, S in variants:
-                try:
-                    run = lambda: mla_decode(q, kv, table, lens, ql, 0.1, out, num_splits=S, config=cfg)  # noqa: E731,B023
-                    out.fill_(float("nan"))
-                    run()
-                    ms = bench(run, sz)
-                    splits = S or default_num_splits(B, H, ql, q.device)
-                    rep.add(
-                        "mla_q32",
-                        f"B={B} H={H} ctx={L}+{ql} {name} splits={splits}",
-                        ms,
-                        B * (L + ql) * (R + P) * 2,
-                        err=rel(out, ref),
-                        B=B,
-                        ctx=L,
-                        splits=splits,
-                        tflops=2 * B * ql * H * (L + ql) * (2 * R + P) / (ms * 1e9),
-                    )
-                except Exception as e:  # e.g. out of registers or shared memory
-                    print(f"mla_q32 {name}: {type(e).__name__}: {str(e)[:120]}")
+            _time_mla_blocks(rep, sz, "mla_q32", f"B={B} H={H} ctx={L}+{ql}", B, H, ql, L, variants)
 
 
 def run_mla_verify(rep: Report, sz: Sizes):
     """Verify blocks (2 and 4 tokens a request) at M1's 16 heads and Kimi-K2.5's 64: the default tiles (16 rows a
     program in 4 warps) against the 32 rows in 8 warps they had before and 32 rows in 4 warps (both at the default's
     split count, which is planned for 16-row programs: half of what 32-row tiles had), and half or twice the default
-    splits. Each variant's output is checked against the fp32 reference."""
-    from mlaserve.kernels.mla_decode import default_num_splits, mla_decode
-    from tests.helpers.kernel_checks import make_paged
-    from tests.helpers.kernel_refs import mla_decode_ref
+    splits."""
+    from mlaserve.kernels.mla_decode import default_num_splits
 
-    R, P = sz.R, sz.P
     for H in sz.mla_verify_heads:
         for ql in (2, 4):
             m32 = dict(BLOCK_H=max(1, 32 // ql))
@@ -223,30 +231,8 @@ def run_mla_verify(rep: Report, sz: Sizes):
                 if sz.dev != "cuda":  # --smoke: the interpreter is slow
                     variants = variants[:2]
                 for L in sz.mla_verify_ctx:
-                    kv, table, lens = make_paged([L + ql] * B, 64, R + P, BF, sz.dev, extra_pages=0)
-                    q = torch.randn(B * ql, H, R + P, device=sz.dev).to(BF)
-                    out = torch.empty(B * ql, H, R, device=sz.dev, dtype=BF)
-                    ref = mla_decode_ref(q, kv, table, lens, ql, 0.1, R)
-                    for name, cfg, S in variants:
-                        try:
-                            run = lambda: mla_decode(q, kv, table, lens, ql, 0.1, out, num_splits=S, config=cfg)  # noqa: E731,B023
-                            out.fill_(float("nan"))
-                            run()
-                            ms = bench(run, sz)
-                            rep.add(
-                                "mla_verify",
-                                f"H={H} q_len={ql} B={B} ctx={L}+{ql} {name}",
-                                ms,
-                                B * (L + ql) * (R + P) * 2,
-                                err=rel(out, ref),
-                                H=H,
-                                q_len=ql,
-                                B=B,
-                                ctx=L,
-                                splits=S or S0,
-                            )
-                        except Exception as e:  # e.g. out of registers or shared memory
-                            print(f"mla_verify {name}: {type(e).__name__}: {str(e)[:120]}")
+                    label = f"H={H} q_len={ql} B={B} ctx={L}+{ql}"
+                    _time_mla_blocks(rep, sz, "mla_verify", label, B, H, ql, L, variants)
         if sz.dev == "cuda":
             torch.cuda.empty_cache()
 
