@@ -212,8 +212,9 @@ def run_mla_q32(rep: Report, sz: Sizes):
 def run_mla_verify(rep: Report, sz: Sizes):
     """Verify blocks (2 and 4 tokens a request) at M1's 16 heads and Kimi-K2.5's 64: the default tiles (16 rows a
     program in 4 warps) against the 32 rows in 8 warps they had before and 32 rows in 4 warps (both at the default's
-    split count, which is planned for 16-row programs: half of what 32-row tiles had), and half or twice the default
-    splits."""
+    split count, which is planned for 16-row programs: half of what 32-row tiles had), half or twice the default
+    splits, and splits of at least 64 tokens (mla_decode.MIN_SPLIT_TOKENS: 32), which halves them at short
+    contexts only."""
     from mlaserve.kernels.mla_decode import default_num_splits
 
     for H in sz.mla_verify_heads:
@@ -227,6 +228,7 @@ def run_mla_verify(rep: Report, sz: Sizes):
                     ("32 rows, 4 warps", dict(m32, num_warps=4), None),
                     ("splits / 2", None, max(1, S0 // 2)),
                     ("splits x 2", None, 2 * S0),
+                    ("splits >= 64 tokens", dict(MIN_SPLIT_TOKENS=64), None),  # fewer splits at short contexts only
                 ]
                 if sz.dev != "cuda":  # --smoke: the interpreter is slow
                     variants = variants[:2]
