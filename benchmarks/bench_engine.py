@@ -645,14 +645,7 @@ def profile(engine, vocab, prefill_len, decode_name="decode_b1", ctx=512):
         cuda = torch.cuda.is_available()  # CPU: operator times (a check of this function)
         prof = tprofile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
         run(lambda p=prof: p)
-        rows = sorted(
-            (
-                (e.key, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3, e.count)
-                for e in prof.key_averages()
-                if (e.device_time_total if cuda else e.self_cpu_time_total) > 0
-            ),
-            key=lambda r: -r[1],
-        )
+        rows = kernel_rows(prof, cuda)
         total = sum(r[1] for r in rows)
         top = [{"name": k[:90], "ms": ms, "count": c, "us_per_call": 1e3 * ms / c} for k, ms, c in rows]
         out[name] = {
@@ -748,6 +741,16 @@ def _profiling(prof):
         yield prof
     finally:
         prof.disable()
+
+
+def kernel_rows(prof, cuda: bool = True) -> list[tuple[str, float, int]]:
+    """A profile's kernels (CPU: operators, by self time) -> [(name, total ms, calls)], most time first."""
+    rows = []
+    for e in prof.key_averages():
+        us = e.device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append((e.key, us / 1e3, e.count))
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def gpu_busy(prof) -> tuple[float, float]:

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.bench_engine import gpu_busy, ml_ttft, prompts, sync  # noqa: E402
+from benchmarks.bench_engine import gpu_busy, kernel_rows, ml_ttft, prompts, sync  # noqa: E402
 from benchmarks.bench_util import code_id  # noqa: E402
 from mlaserve.config import EngineConfig, ModelConfig, SpecConfig  # noqa: E402
 from mlaserve.types import SamplingParams  # noqa: E402
@@ -69,10 +69,7 @@ def prefill_profile(engine, vocab: int, length: int, top: int = 14) -> dict:
 
     prof = profile(activities=[ProfilerActivity.CUDA])
     wall = ml_ttft(engine, length, vocab, reps=1, around=lambda: prof, max_tokens=2)
-    rows = sorted(
-        ((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0),
-        key=lambda r: -r[1],
-    )
+    rows = kernel_rows(prof)
     busy, span = gpu_busy(prof)
     print(
         f"  one {length}-token prefill: {wall * 1e3:.1f} ms to the first token, GPU busy {busy / 1e3:.1f} ms of a "

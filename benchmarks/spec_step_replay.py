@@ -100,14 +100,11 @@ def kernels(title: str, replay, n: int = 16, top: int = 25) -> None:
         for _ in range(n):
             replay()
         torch.cuda.synchronize()
-    rows = sorted(
-        ((e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0),
-        key=lambda r: -r[1],
-    )
-    total = sum(r[1] for r in rows) / n
+    rows = be.kernel_rows(prof)
+    total = 1e3 * sum(r[1] for r in rows) / n
     print(f"{title}: {total:.1f} us of kernels a replay, {sum(r[2] for r in rows) / n:.0f} kernels")
-    for k, us, c in rows[:top]:
-        print(f"  {us / n:8.1f} us {c / n:5.1f}x {us / c:7.2f} us  {k[:90]}")
+    for k, ms, c in rows[:top]:
+        print(f"  {1e3 * ms / n:8.1f} us {c / n:5.1f}x {1e3 * ms / c:7.2f} us  {k[:90]}")
 
 
 if __name__ == "__main__":
