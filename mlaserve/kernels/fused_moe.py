@@ -480,7 +480,8 @@ def fused_experts(
         sorted_ids = expert_ids = num_padded = ids
         rows, num_m = TK, TK
     else:
-        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E_all, expert_offset, bm, pdl=kernels.pdl)
+        # the shared slots (topk_ids' last S columns, the router's) are placed by arithmetic, not counted
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E_all, expert_offset, bm, shared=S, pdl=kernels.pdl)
         rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)

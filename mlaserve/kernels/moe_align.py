@@ -57,7 +57,7 @@ def _moe_hist_kernel(
     tl.store(Partial + p * E_LOCAL + offs_e, hist, mask=offs_e < E_LOCAL)
 
 
-@triton.jit(do_not_specialize=["TK", "expert_offset", "num_chunks", "max_blocks", "max_padded"])
+@triton.jit(do_not_specialize=["TK", "NT", "expert_offset", "num_chunks", "max_blocks", "max_padded"])
 def _moe_align_kernel(
     TopkIds,
     Partial,
@@ -65,11 +65,13 @@ def _moe_align_kernel(
     ExpertIds,
     NumPadded,
     TK,
+    NT,
     expert_offset,
     E_LOCAL,
     num_chunks,
     max_blocks,
     max_padded,
+    SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     SUB: tl.constexpr,
@@ -80,7 +82,9 @@ def _moe_align_kernel(
     PAD_E: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """SINGLE: one program, all TK pairs, counting them itself. Else program p owns chunk p of Partial's counts."""
+    """SINGLE: one program, all TK pairs, counting them itself. Else program p owns chunk p of Partial's counts.
+    SHARED: the last SHARED slots of each of the NT rows name experts E_LOCAL .. E_LOCAL + SHARED - 1, one each in
+    order (the router's fused shared experts); they are laid out after the counted experts by arithmetic alone."""
     pdl_start(PDL)
     p = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -108,14 +112,17 @@ def _moe_align_kernel(
     padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
-    total = tl.sum(padded, 0)
-    tl.store(NumPadded, total, mask=p == 0)
+    total = tl.sum(padded, 0)  # the counted experts' rows; the shared experts' follow, NT padded a shared expert
+    pad_nt = (NT + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(NumPadded, total + SHARED * pad_nt, mask=p == 0)
     # Block -> expert: the number of experts whose padded range ends at or before the block's first row.
     for b0 in range(p * BLOCK_B, max_blocks, nprog * BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)
         x = blk * BLOCK_M
         eid = tl.sum(((ends[None, :] <= x[:, None]) & e_ok[None, :]).to(tl.int32), 1)
-        tl.store(ExpertIds + blk, tl.where(x < total, eid, -1), mask=blk < max_blocks)
+        if SHARED:
+            eid = tl.where(x < total, eid, E_LOCAL + (x - total) // tl.maximum(pad_nt, 1))
+        tl.store(ExpertIds + blk, tl.where(x < total + SHARED * pad_nt, eid, -1), mask=blk < max_blocks)
     # Each expert's padding rows [start + count, end) get the sentinel TK (an invalid pair index).
     if SINGLE:  # one program: sentinel everywhere first (cheap stores), the pairs overwrite their rows below
         for i0 in range(0, max_padded, 1024):
@@ -130,6 +137,20 @@ def _moe_align_kernel(
             hi = tl.sum(tl.where(sel, ends[None, :], 0), 1)
             pos = lo[:, None] + tl.arange(0, BLOCK_M)[None, :]
             tl.store(SortedIds + pos, tl.zeros([PAD_E, BLOCK_M], tl.int32) + TK, mask=pos < hi[:, None])
+        if SHARED:  # the shared experts' padding rows, by program 0
+            for j in tl.static_range(SHARED):
+                pos = total + j * pad_nt + NT + tl.arange(0, BLOCK_M)
+                tl.store(
+                    SortedIds + pos,
+                    tl.zeros([BLOCK_M], tl.int32) + TK,
+                    mask=(pos < total + (j + 1) * pad_nt) & (p == 0),
+                )
+    if SHARED:  # shared expert j's row t is pair t * K + (K - SHARED) + j, for a slice of the tokens a program
+        K = TK // tl.maximum(NT, 1)
+        for t0 in range(p * 1024, NT, nprog * 1024):
+            t = t0 + tl.arange(0, 1024)
+            for j in tl.static_range(SHARED):
+                tl.store(SortedIds + total + j * pad_nt + t, t * K + (K - SHARED) + j, mask=t < NT)
     # This chunk's pairs: row = expert start + pairs before this chunk + rank inside the chunk (one-hot cumsum).
     carry = starts + before
     for s0 in range(0, length, SUB):
@@ -149,12 +170,18 @@ def moe_align(
     *,
     fused_max: int | None = None,
     chunk: int | None = None,
+    shared: int = 0,
+    sub: int | None = None,
+    num_warps: int | None = None,
     pdl: bool = True,
 ):
     """-> (sorted_ids [max_padded] int32, expert_ids [max_blocks] int32 (-1 past the end), num_padded [1] int32).
     max_padded = T*K + min(E_local, T*K) * (block_m - 1) bounds the padded total for any routing; sorted_ids past
     num_padded hold the sentinel (one program) or are left unwritten (many). fused_max / chunk (tests) override
-    FUSED_COUNT_MAX / ALIGN_CHUNK (both divided by next_pow2(E_local) / 64 when that is above 1)."""
+    FUSED_COUNT_MAX / ALIGN_CHUNK (both divided by next_pow2(E_local) / 64 when that is above 1); sub (pairs a
+    one-hot tile, a power of 2) and num_warps (benchmarks) override the tiles. shared: the last `shared` slots of
+    every row of topk_ids name local experts E_local - shared .. E_local - 1 in order (the router's fused shared
+    experts, routing.py): they are placed without counting, so the one-hot tiles span E_local - shared experts."""
     TK = topk_ids.numel()
     dev = topk_ids.device
     fused_max = FUSED_COUNT_MAX if fused_max is None else fused_max
@@ -169,15 +196,19 @@ def moe_align(
     if TK == 0:
         return sorted_ids, expert_ids, num_padded.zero_()
     ids = topk_ids.reshape(-1)
+    NT = topk_ids.shape[0] if topk_ids.dim() == 2 else TK
+    if shared and (topk_ids.dim() != 2 or shared >= E_local or shared > topk_ids.shape[-1]):
+        raise ValueError(f"moe_align shared={shared} needs topk_ids [T, K] with K >= shared and E_local > shared")
+    E_local = E_local - shared  # the experts counted; the shared ones follow them
     block_e = triton.next_power_of_2(E_local)
-    sub = max(16, min(128, 4096 // block_e))  # one-hot tiles [SUB, BLOCK_E] of at most 4k-16k elements
+    sub = sub or max(16, min(128, 4096 // block_e))  # one-hot tiles [SUB, BLOCK_E] of at most 4k-16k elements
     # The one-hot work of a pair grows with the expert count: with many experts (Kimi: 384) fewer pairs stay in one
     # program and the chunks shrink (H200: one program for 512 pairs x 512 one-hot lanes took 86 us).
     scale = max(1, block_e // 64)
     single = TK <= fused_max // scale
     if triton.cdiv(TK, max(16, chunk // scale)) <= 64:  # but never past 64 chunks: every program sums all the
         chunk = max(16, chunk // scale)  # chunk counts (Kimi 8k prefill: 1024 chunks took 0.8 ms)
-    warps = 4 if block_e <= 128 else 8
+    warps = num_warps or (4 if block_e <= 128 else 8)
     pdl = pdl_args(ids, pdl)
     if single:
         num_chunks, sub = 1, min(sub, max(16, triton.next_power_of_2(TK)))
@@ -196,11 +227,13 @@ def moe_align(
         expert_ids,
         num_padded,
         TK,
+        NT,
         expert_offset,
         E_local,
         num_chunks,
         max_blocks,
         max_padded,
+        SHARED=shared,
         BLOCK_M=block_m,
         BLOCK_E=block_e,
         SUB=sub,

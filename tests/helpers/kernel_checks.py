@@ -259,9 +259,11 @@ def check_moe_align(device, *, T: int, K: int, E_total: int, E_local: int, offse
     """moe_align against moe_align_ref: the layout is a stable sort, so it must match exactly."""
     from mlaserve.kernels.moe_align import moe_align
 
-    ids = torch.stack([torch.randperm(E_total, device=device)[:K] for _ in range(T)])
+    S = kw.get("shared", 0)  # the last S slots: the fused shared experts E_total - S .. E_total - 1 (E_local == E_total)
+    ids = torch.stack([torch.randperm(E_total - S, device=device)[: K - S] for _ in range(T)])
     if T > 3:  # a skewed routing too: every token prefers the first experts
-        ids[: T // 2] = torch.arange(K, device=device)
+        ids[: T // 2] = torch.arange(K - S, device=device)
+    ids = torch.cat([ids, torch.arange(E_total - S, E_total, device=device).expand(T, S)], 1)
     sorted_ids, expert_ids, num_padded = moe_align(ids, E_local, offset, block_m, **kw)
     rows, blocks = moe_align_ref(ids, E_local, offset, block_m)
     n = int(num_padded)

@@ -67,6 +67,11 @@ def test_moe_align_layout(kdev, fused_count, monkeypatch):
         (40, 2, 6, 6, 0, 2, dict(fused_max=0, chunk=64)),  # one chunk; many blocks per expert
         (20, 3, 200, 200, 0, 16, {}),  # many experts (one-hot lanes 256): one program up to 1024 / 4 pairs
         (100, 3, 260, 200, 60, 16, {}),  # 300 pairs: chunks of 512 / 4 = 128 pairs, 3 programs; EP
+        # fused shared experts (the last slots) placed without counting: one program, then chunks that cut rows
+        (5, 4, 14, 14, 0, 4, dict(shared=2)),
+        (37, 3, 24, 24, 0, 4, dict(shared=1, fused_max=0, chunk=16)),
+        (37, 5, 14, 14, 0, 8, dict(shared=2, fused_max=0, chunk=16)),
+        (3, 2, 9, 9, 0, 16, dict(shared=2, fused_max=0, chunk=2)),  # shared slots only; padding of 13 rows each
     ],
 )
 def test_moe_align_matches_stable_sort(kdev, T, K, E_total, E_local, offset, block_m, kw):
