@@ -383,9 +383,14 @@ def test_fused_moe_tma_weights_equal_pointer_loads(T, D, I, E, K, S):
         (8192, 8, 256, 256, 0, 16),
     ],
 )
-def test_moe_align_real(T, K, E, E_local, offset, bm):
-    # single program up to FUSED_COUNT_MAX = 1024 pairs (T=170 x 6), the histogram + multi-program align above
-    kc.check_moe_align("cuda", T=T, K=K, E_total=E, E_local=E_local, offset=offset, block_m=bm)
+@pytest.mark.parametrize("shared", [0, 2])
+def test_moe_align_real(T, K, E, E_local, offset, bm, shared):
+    # single program up to FUSED_COUNT_MAX = 1024 pairs (T=170 x 6), the histogram + multi-program align above;
+    # shared: the last 2 slots are fused shared experts (two more experts, placed without counting)
+    if shared and offset:
+        pytest.skip("shared experts are fused on one rank only (offset 0)")
+    E, E_local, K = E + shared, E_local + shared, K + shared
+    kc.check_moe_align("cuda", T=T, K=K, E_total=E, E_local=E_local, offset=offset, block_m=bm, shared=shared)
 
 
 def test_fused_moe_prefill_graph_replay_multi_program_align():
