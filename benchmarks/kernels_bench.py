@@ -276,6 +276,12 @@ def run_moe(rep: Report, sz: Sizes):
             bm = moe_config(T, K, E, D, I, BF)[0]["BLOCK_M"]
             ms = bench(lambda: moe_align(ids, E, 0, bm), sz)  # noqa: B023
             rep.add("moe_align", f"{name} T={T} pairs={T * K} BLOCK_M={bm}", ms, T=T, shape=name)
+            # with S = 2 fused shared slots after the routed ones (M1's layer): counted as experts, or placed
+            ids_s = torch.cat([ids, torch.arange(E, E + 2, device=ids.device).expand(T, 2)], 1)
+            bm = moe_config(T, K + 2, E + 2, D, I, BF)[0]["BLOCK_M"]
+            for how, S in (("counted", 0), ("placed", 2)):
+                ms = bench(lambda: moe_align(ids_s, E + 2, 0, bm, shared=S), sz)  # noqa: B023
+                rep.add("moe_align", f"{name} T={T} +2 shared {how} BLOCK_M={bm}", ms, T=T, shape=name)
         w13 = w2 = w13f = w2f = None  # free before the next shape
         if sz.dev == "cuda":
             torch.cuda.empty_cache()
