@@ -16,8 +16,14 @@ import triton.language as tl
 
 from .pdl import pdl_args, pdl_start
 
-FUSED_COUNT_MAX = 1024  # up to this many (token, k) pairs one program does the whole align (at <= 64 experts;
-ALIGN_CHUNK = 512  # pairs per program above it                 both scale down with more experts: see moe_align)
+# Up to 128 one-hot lanes (M1's 64 experts): one program up to FUSED_COUNT_MAX (token, k) pairs, above it chunks of
+# ALIGN_CHUNK pairs, grown (up to 512) to keep at most 64 programs, and one-hot tiles of 128 pairs: the align is a
+# chain of dependent steps, so fewer, wider steps and more programs win (benchmarks/results/moe_align_variants_*).
+FUSED_COUNT_MAX = 128
+ALIGN_CHUNK = 64
+# More lanes (Kimi: 384 experts): MANY_FUSED_MAX / MANY_CHUNK divided by lanes / 64, tiles of 4k one-hot elements.
+MANY_FUSED_MAX = 1024
+MANY_CHUNK = 512
 
 
 @triton.jit
@@ -139,11 +145,11 @@ def _moe_align_kernel(
             tl.store(SortedIds + pos, tl.zeros([PAD_E, BLOCK_M], tl.int32) + TK, mask=pos < hi[:, None])
         if SHARED:  # the shared experts' padding rows, by program 0
             for j in tl.static_range(SHARED):
-                pos = total + j * pad_nt + NT + tl.arange(0, BLOCK_M)
+                sh_pos = total + j * pad_nt + NT + tl.arange(0, BLOCK_M)
                 tl.store(
-                    SortedIds + pos,
+                    SortedIds + sh_pos,
                     tl.zeros([BLOCK_M], tl.int32) + TK,
-                    mask=(pos < total + (j + 1) * pad_nt) & (p == 0),
+                    mask=(sh_pos < total + (j + 1) * pad_nt) & (p == 0),
                 )
     if SHARED:  # shared expert j's row t is pair t * K + (K - SHARED) + j, for a slice of the tokens a program
         K = TK // tl.maximum(NT, 1)
@@ -178,15 +184,14 @@ def moe_align(
     """-> (sorted_ids [max_padded] int32, expert_ids [max_blocks] int32 (-1 past the end), num_padded [1] int32).
     max_padded = T*K + min(E_local, T*K) * (block_m - 1) bounds the padded total for any routing; sorted_ids past
     num_padded hold the sentinel (one program) or are left unwritten (many). fused_max / chunk (tests) override
-    FUSED_COUNT_MAX / ALIGN_CHUNK (both divided by next_pow2(E_local) / 64 when that is above 1); sub (pairs a
+    FUSED_COUNT_MAX / ALIGN_CHUNK (above 128 one-hot lanes MANY_FUSED_MAX / MANY_CHUNK, both divided by
+    next_pow2(E_local) / 64); sub (pairs a
     one-hot tile, a power of 2) and num_warps (benchmarks) override the tiles. shared: the last `shared` slots of
     every row of topk_ids name local experts E_local - shared .. E_local - 1 in order (the router's fused shared
     experts, routing.py): they are placed without counting, so the one-hot tiles span E_local - shared experts."""
     TK = topk_ids.numel()
     dev = topk_ids.device
-    fused_max = FUSED_COUNT_MAX if fused_max is None else fused_max
-    chunk = ALIGN_CHUNK if chunk is None else chunk
-    if block_m & (block_m - 1) or chunk & (chunk - 1):
+    if block_m & (block_m - 1) or (chunk or 1) & ((chunk or 1) - 1):
         raise ValueError(f"moe_align block_m={block_m} and chunk={chunk} must be powers of 2")
     max_padded = TK + min(E_local, TK) * (block_m - 1)
     max_blocks = triton.cdiv(max_padded, block_m)
@@ -201,13 +206,20 @@ def moe_align(
         raise ValueError(f"moe_align shared={shared} needs topk_ids [T, K] with K >= shared and E_local > shared")
     E_local = E_local - shared  # the experts counted; the shared ones follow them
     block_e = triton.next_power_of_2(E_local)
-    sub = sub or max(16, min(128, 4096 // block_e))  # one-hot tiles [SUB, BLOCK_E] of at most 4k-16k elements
-    # The one-hot work of a pair grows with the expert count: with many experts (Kimi: 384) fewer pairs stay in one
-    # program and the chunks shrink (H200: one program for 512 pairs x 512 one-hot lanes took 86 us).
-    scale = max(1, block_e // 64)
-    single = TK <= fused_max // scale
-    if triton.cdiv(TK, max(16, chunk // scale)) <= 64:  # but never past 64 chunks: every program sums all the
-        chunk = max(16, chunk // scale)  # chunk counts (Kimi 8k prefill: 1024 chunks took 0.8 ms)
+    if block_e <= 128:
+        single = TK <= (FUSED_COUNT_MAX if fused_max is None else fused_max)
+        chunk = ALIGN_CHUNK if chunk is None else chunk
+        chunk = max(16, chunk, min(512, triton.next_power_of_2(triton.cdiv(TK, 64))))  # <= 64 programs to 512 a chunk
+        sub = sub or 128  # one-hot tiles [128, BLOCK_E]
+    else:
+        # The one-hot work of a pair grows with the expert count: with many experts (Kimi: 384) fewer pairs stay in
+        # one program and the chunks shrink (H200: one program for 512 pairs x 512 one-hot lanes took 86 us).
+        scale = block_e // 64
+        single = TK <= (MANY_FUSED_MAX if fused_max is None else fused_max) // scale
+        chunk = MANY_CHUNK if chunk is None else chunk
+        if triton.cdiv(TK, max(16, chunk // scale)) <= 64:  # but never past 64 chunks: every program sums all the
+            chunk = max(16, chunk // scale)  # chunk counts (Kimi 8k prefill: 1024 chunks took 0.8 ms)
+        sub = sub or max(16, 4096 // block_e)  # one-hot tiles [SUB, BLOCK_E] of 4k elements
     warps = num_warps or (4 if block_e <= 128 else 8)
     pdl = pdl_args(ids, pdl)
     if single:

@@ -259,7 +259,7 @@ def check_moe_align(device, *, T: int, K: int, E_total: int, E_local: int, offse
     """moe_align against moe_align_ref: the layout is a stable sort, so it must match exactly."""
     from mlaserve.kernels.moe_align import moe_align
 
-    S = kw.get("shared", 0)  # the last S slots: the fused shared experts E_total - S .. E_total - 1 (E_local == E_total)
+    S = kw.get("shared", 0)  # the last S slots: fused shared experts E_total - S .. E_total - 1 (E_local == E_total)
     ids = torch.stack([torch.randperm(E_total - S, device=device)[: K - S] for _ in range(T)])
     if T > 3:  # a skewed routing too: every token prefers the first experts
         ids[: T // 2] = torch.arange(K - S, device=device)

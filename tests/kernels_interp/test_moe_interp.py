@@ -71,7 +71,7 @@ def test_moe_align_layout(kdev, fused_count, monkeypatch):
         (5, 4, 14, 14, 0, 4, dict(shared=2)),
         (37, 3, 24, 24, 0, 4, dict(shared=1, fused_max=0, chunk=16)),
         (37, 5, 14, 14, 0, 8, dict(shared=2, fused_max=0, chunk=16)),
-        (3, 2, 9, 9, 0, 16, dict(shared=2, fused_max=0, chunk=2)),  # shared slots only; padding of 13 rows each
+        (3, 2, 9, 9, 0, 16, dict(shared=2, fused_max=0)),  # shared slots only; padding of 13 rows each
     ],
 )
 def test_moe_align_matches_stable_sort(kdev, T, K, E_total, E_local, offset, block_m, kw):
