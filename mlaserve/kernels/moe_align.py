@@ -185,10 +185,10 @@ def moe_align(
     max_padded = T*K + min(E_local, T*K) * (block_m - 1) bounds the padded total for any routing; sorted_ids past
     num_padded hold the sentinel (one program) or are left unwritten (many). fused_max / chunk (tests) override
     FUSED_COUNT_MAX / ALIGN_CHUNK (above 128 one-hot lanes MANY_FUSED_MAX / MANY_CHUNK, both divided by
-    next_pow2(E_local) / 64); sub (pairs a
-    one-hot tile, a power of 2) and num_warps (benchmarks) override the tiles. shared: the last `shared` slots of
-    every row of topk_ids name local experts E_local - shared .. E_local - 1 in order (the router's fused shared
-    experts, routing.py): they are placed without counting, so the one-hot tiles span E_local - shared experts."""
+    next_pow2(E_local) / 64); sub (pairs a one-hot tile, a power of 2) and num_warps (benchmarks) override the tiles.
+    shared: the last `shared` slots of every row of topk_ids name local experts E_local - shared .. E_local - 1 in
+    order (the router's fused shared experts, routing.py): they are placed without counting, so the one-hot tiles
+    span E_local - shared experts."""
     TK = topk_ids.numel()
     dev = topk_ids.device
     if block_m & (block_m - 1) or (chunk or 1) & ((chunk or 1) - 1):
