@@ -395,7 +395,8 @@ def fused_experts(
     layers.moe.fused_experts_ref. x [T, D]; w13 [E_local, 2I, D]; w2 [E_local, D, I]; topk_weights [T, K] fp32;
     topk_ids [T, K] int -> [T, D] in x.dtype, plus `add` [T, D] when given (fused into the sum).
     shared = (gate [S*I, D], up [S*I, D], down [D, S*I]): S more local experts E_local .. E_local+S-1 (ids
-    offset + E_local + s), slot s being channels [s*I, (s+1)*I) of that MLP, read in place.
+    offset + E_local + s), slot s being channels [s*I, (s+1)*I) of that MLP, read in place; their ids must be
+    topk_ids' last S columns, in order (as routing.py writes them), since moe_align places them without counting.
     norm = (weight [D], eps, residual [T, D]): the add + RMSNorm that follows the MoE, fused into its sum over k
     (moe_sum.py) -> (norm(out + residual), out + residual), bit-equal to add_rms_norm(out, residual, weight, eps).
     config (benchmarks, tests): moe_config overrides, flat or {"gemm1": {...}, "gemm2": {...}}, plus "decode_tiles"

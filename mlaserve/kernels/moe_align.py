@@ -191,7 +191,7 @@ def moe_align(
     span E_local - shared experts."""
     TK = topk_ids.numel()
     dev = topk_ids.device
-    if block_m & (block_m - 1) or (chunk or 1) & ((chunk or 1) - 1):
+    if block_m & (block_m - 1) or (chunk is not None and chunk & (chunk - 1)):
         raise ValueError(f"moe_align block_m={block_m} and chunk={chunk} must be powers of 2")
     max_padded = TK + min(E_local, TK) * (block_m - 1)
     max_blocks = triton.cdiv(max_padded, block_m)
