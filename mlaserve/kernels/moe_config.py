@@ -39,7 +39,7 @@ def moe_config(
     rows_per_expert = T * K / E
     if rows_per_expert <= 16:
         bm = 16
-    elif rows_per_expert <= 48:
+    elif rows_per_expert <= 32:
         bm = 32
     elif rows_per_expert <= 160:
         bm = 64
