@@ -39,8 +39,8 @@ def moe_config(
     rows_per_expert = T * K / E
     if rows_per_expert <= 16:
         bm = 16
-    elif rows_per_expert <= 32:
-        bm = 32
+    elif rows_per_expert <= 32:  # above, one 64-row block an expert streams its weights faster than two of 32
+        bm = 32  # (benchmarks/moe_prefill_tiles.py)
     elif rows_per_expert <= 160:
         bm = 64
     else:
