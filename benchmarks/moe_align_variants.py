@@ -9,14 +9,13 @@ shared slots counted as two more experts, 128 one-hot lanes: one program up to 5
 32 pairs); "default" is today's (shared slots placed, one program up to 128 pairs, then 64-pair chunks, tiles of 128).
 """
 
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: benchmarks.*
-from benchmarks.bench_util import graph_us  # noqa: E402
+from benchmarks.bench_util import graph_us, save_json  # noqa: E402
 from mlaserve.kernels.moe_align import moe_align  # noqa: E402
 from mlaserve.kernels.moe_config import moe_config  # noqa: E402
 
@@ -56,10 +55,7 @@ def main() -> None:
             rows.append(dict(T=T, variant=name, us=us, layouts_differing=bad, block_m=bm))
             line += f" | {name} {us:.1f}{' LAYOUT DIFFERS' if bad else ''}"
         print(line, flush=True)
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "moe_align_variants.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    save_json("moe_align_variants.json", rows)
 
 
 if __name__ == "__main__":

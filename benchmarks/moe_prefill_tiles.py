@@ -11,14 +11,13 @@ The variants pin every parameter, so the comparison holds on any tree.
 """
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: benchmarks.*
-from benchmarks.bench_util import moe_inputs  # noqa: E402
+from benchmarks.bench_util import moe_inputs, rel, save_json  # noqa: E402
 from mlaserve.kernels.fused_moe import fused_experts  # noqa: E402
 from mlaserve.kernels.moe_config import moe_config  # noqa: E402
 
@@ -66,7 +65,7 @@ def main() -> None:
         for name, cfg in VARIANTS.items():
             try:
                 out = fused_experts(x, w13, w2, w, ids, 0, config=cfg)
-                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                err = rel(out, ref)
                 fn = lambda: fused_experts(x, w13, w2, w, ids, 0, config=cfg)  # noqa: E731, B023
                 ms = do_bench_cudagraph(fn, rep=40, return_mode="median")
             except Exception as e:  # a variant past the shared memory
@@ -79,10 +78,7 @@ def main() -> None:
                 r["default_tiles"] = moe_config(T, K, E, D, I, BF)
             rows.append(r)
             print(f"T={T:5d} {name:32s} {ms * 1e3:8.1f} us  x{ms / base:5.3f}  {tbs:5.2f} TB/s {tfs:6.1f} TFLOP/s")
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "moe_prefill_tiles.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    save_json("moe_prefill_tiles.json", rows)
 
 
 if __name__ == "__main__":
