@@ -155,3 +155,41 @@ def test_plan_batch_rows_equal_the_padded_batch(kdev):
     assert not torch.isnan(own).any() and torch.allclose(own.float(), planned.float(), atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="plan_batch"):
         mla_decode(q[:3], kv, table[:3], seq_lens[:3], 1, 0.1, own, plan_batch=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits,q_len", [(1, 1), (3, 1), (7, 2), (40, 1)])
+def test_combine_absorb(kdev, dtype, num_splits, q_len):
+    # mla_decode(absorb=w_vc): the combine and the value absorption in one launch; one split (no DIRECT store),
+    # empty splits, and 40 splits of 16 tokens over a 700-token context (R=32: BLOCK_S 256 takes them in one tile;
+    # R=512 below takes 16 at a time)
+    check_mla_decode(
+        kdev,
+        dtype,
+        H=4,
+        R=32,
+        P=8,
+        q_len=q_len,
+        ctx_lens=[q_len, 17, 700 if num_splits == 40 else 70],
+        page_size=16,
+        num_splits=num_splits,
+        config={"MIN_SPLIT_TOKENS": 16},
+        absorb_v=24 if q_len == 2 else 16,  # 24: the tiny preset's V, two 16-column programs (the second masked)
+    )
+
+
+def test_combine_absorb_split_chunks(kdev):
+    # R=512 (BLOCK_S 16): 40 filled splits come in three chunks; V=128 in four 32-column programs; a seq_len-0 row
+    check_mla_decode(
+        kdev,
+        torch.float32,
+        H=2,
+        R=512,
+        P=16,
+        q_len=1,
+        ctx_lens=[640, 3],
+        page_size=16,
+        num_splits=40,
+        config={"MIN_SPLIT_TOKENS": 16},
+        absorb_v=128,
+    )
