@@ -44,6 +44,10 @@ VARIANTS = {  # gemm1 / gemm2 BLOCK_N, then BLOCK_K, warps, stages; GROUP_M 8
     "bm32 n64/64 k128 G8": tiles(32, 64, 128, 4, 4, 64, 128, 4, 4),
     "bm32 n64/128 k128 G8": tiles(32, 64, 128, 4, 4, 128, 128, 4, 3),
     "bm16 n64/64 k128 G8": tiles(16, 64, 128, 4, 4, 64, 128, 4, 4),
+    # the weight tiles by TMA (fused_moe's decode form) at prefill sizes
+    "bm64 n64/128 TMA s4": dict(tiles(64, 64, 64, 4, 4, 128, 64, 4, 4), tma=True),
+    "bm64 n64/128 k128 TMA s3": dict(tiles(64, 64, 128, 4, 3, 128, 128, 4, 3), tma=True),
+    "bm128 n128/256 w8 TMA": dict(tiles(128, 128, 64, 8, 3, 256, 64, 8, 4), tma=True),
 }
 
 
