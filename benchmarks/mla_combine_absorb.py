@@ -20,6 +20,12 @@ from tests.helpers.kernel_checks import make_paged  # noqa: E402
 
 BF = torch.bfloat16
 R, P, N, V, PAGE, LAYERS = 512, 64, 128, 128, 64, 8
+FUSED = {  # the fused kernel's output columns a program and warps (the default: mla_combine.ABSORB_BLOCK_V, 4)
+    "fused": None,
+    "v64w8": dict(ABSORB_BLOCK_V=64, ABSORB_WARPS=8),
+    "v128w8": dict(ABSORB_BLOCK_V=128, ABSORB_WARPS=8),
+    "v16w2": dict(ABSORB_BLOCK_V=16, ABSORB_WARPS=2),
+}
 
 
 def main() -> None:
@@ -53,22 +59,21 @@ def main() -> None:
                         else:
                             torch.bmm(o_lat.transpose(0, 1), w_vc[i], out=y.transpose(0, 1))
 
-                    def fused(i):
+                    def fused(i, cfg=None):
                         kv, table, lens = caches[i]
-                        mla_decode(q, kv, table, lens, ql, scale, out_b.view(T, H, V), absorb=w_vc[i])
+                        mla_decode(q, kv, table, lens, ql, scale, out_b.view(T, H, V), config=cfg, absorb=w_vc[i])
 
                     us_a = graph_us(apart, range(LAYERS))
-                    us_b = graph_us(fused, range(LAYERS))
-                    apart(LAYERS - 1)
-                    fused(LAYERS - 1)
-                    err = rel(out_b, out_a)
-                    r = dict(H=H, q_len=ql, B=B, ctx=L, apart_us=us_a, fused_us=us_b, saved_us=us_a - us_b, rel=err)
+                    r = dict(H=H, q_len=ql, B=B, ctx=L, apart_us=us_a)
+                    line = f"H={H:3d} q_len={ql} B={B:3d} ctx={L:5d}: apart {us_a:6.2f} us"
+                    for name, cfg in FUSED.items():
+                        us_b = graph_us(lambda i, c=cfg: fused(i, c), range(LAYERS))
+                        apart(LAYERS - 1)
+                        fused(LAYERS - 1, cfg)
+                        r[name] = dict(us=us_b, saved_us=us_a - us_b, rel=rel(out_b, out_a))
+                        line += f", {name} {us_b:6.2f} ({us_a - us_b:+.2f}, rel {r[name]['rel']:.0e})"
                     rows.append(r)
-                    print(
-                        f"H={H:3d} q_len={ql} B={B:3d} ctx={L:5d}: apart {us_a:6.2f} us, fused {us_b:6.2f} us "
-                        f"({us_a - us_b:+.2f} saved), rel {err:.1e}",
-                        flush=True,
-                    )
+                    print(line, flush=True)
         torch.cuda.empty_cache()
     save_json("mla_combine_absorb.json", rows)
 

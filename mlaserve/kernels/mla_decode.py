@@ -510,7 +510,7 @@ def mla_decode(
         **pdl,
     )
     if absorb is not None:
-        bv = min(_pow2(V), ABSORB_BLOCK_V)
+        bv = min(_pow2(V), config.get("ABSORB_BLOCK_V", ABSORB_BLOCK_V))  # config: benchmarks
         _mla_combine_absorb_kernel[(T, H, triton.cdiv(V, bv))](
             part_o,
             part_lse,
@@ -532,7 +532,7 @@ def mla_decode(
             Q_LEN=q_len,
             BLOCK_N=cfg["BLOCK_N"],
             MIN_SPLIT_TILES=min_split_tiles,
-            num_warps=4,
+            num_warps=config.get("ABSORB_WARPS", 4),
             **pdl,
         )
     elif S > 1:
