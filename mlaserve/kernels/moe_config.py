@@ -41,7 +41,7 @@ def moe_config(
         bm = 16
     elif rows_per_expert <= 32:  # above, one 64-row block an expert streams its weights faster than two of 32
         bm = 32  # (benchmarks/moe_prefill_tiles.py)
-    elif rows_per_expert <= 160:
+    elif rows_per_expert <= 64:  # above, 64-row blocks read an expert's weights twice where 128 read them once
         bm = 64
     else:
         bm = 128
