@@ -24,9 +24,6 @@ class KernelConfig:
     pdl: bool = True
     # MLASERVE_ABSORB_STORE: decode-only steps of 1-2 tokens run the KV store inside absorb_q_rope's launch
     absorb_store: bool = True
-    # MLASERVE_MLA_COMBINE_ABSORB=1 (opt-in until timed against the two-launch form): MLA decode's combine also
-    # runs the value absorption (o_lat @ w_vc per head) in its launch (kernels/mla_combine.py)
-    mla_combine_absorb: bool = False
     # MLASERVE_MOE_TMA: the MoE's decode GEMMs (BLOCK_M 16, 16-bit, sm_90+) load weight tiles by TMA
     moe_tma: bool = True
     # MLASERVE_FP8_MOE_TMA: the FP8 MoE's W8A8 GEMMs (prefill, sm_90+) read whole tiles by TMA, with x quantized
@@ -173,7 +170,6 @@ class KernelConfig:
         return cls(
             pdl=on("MLASERVE_PDL"),
             absorb_store=on("MLASERVE_ABSORB_STORE"),
-            mla_combine_absorb=env.get("MLASERVE_MLA_COMBINE_ABSORB", "0") == "1",
             moe_tma=on("MLASERVE_MOE_TMA"),
             fp8_moe_tma=on("MLASERVE_FP8_MOE_TMA"),
             fp8_kv_b_a8=on("MLASERVE_FP8_KV_B_A8"),
@@ -253,7 +249,6 @@ DETERMINISTIC_PINS = dict(
     gemv_serve_tokens=0,  # no Triton GEMV for 1-2 rows: every dense step bi_gemm's one tiled form
     head_gemv_max_tokens=0,  # absorbed projections by bi_gemm at every size (and so no fused absorb + store)
     absorb_store=False,
-    mla_combine_absorb=False,  # ... nor inside MLA decode's combine
     fuse_shared_max_tokens=1 << 62,  # the shared experts inside the fused MoE (its pinned tiles) at every size
     no_align_max_pairs=0,  # the MoE: aligned blocks at every size
     moe_gemv=False,  # ... never the grouped GEMV form

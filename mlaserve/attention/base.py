@@ -264,13 +264,6 @@ class AttentionBackend(ABC):
         """Absorbed attention for the decode tokens. q [Td, H, R+P] -> out [Td, H, R] (o_lat).
         Token j of a request's q_len block sees context up to seq_len - q_len + j (causal in the block)."""
 
-    def decode_absorbed(
-        self, layer_id: int, q: torch.Tensor, w_vc: torch.Tensor, scale: float, batch: ForwardBatch, out: torch.Tensor
-    ) -> bool:
-        """decode, then the value absorption o_lat @ w_vc per head (w_vc [H, R, V]) -> out [Td, H, V], where the
-        backend runs the absorption inside its own launches; False: nothing was done, the caller runs both."""
-        return False
-
     @abstractmethod
     def prefill_context(self, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         """Latent context [C, R+P] of the prefill requests, concatenated (C = their total seq_len)."""

@@ -3,8 +3,7 @@
 Per-batch metadata the prefill path needs (cu_q, cu_k, the context's cache slots) is derived on the device once per
 forward and reused by the following layers; only sizes come from the batch's host lists. A forward is recognised by
 layer ids rising on the same ForwardBatch object, so a batch object refilled in place for a new step is recomputed.
-Decode is mla_decode's split kernel, then its combine kernel, which in 16 bits also runs the value absorption
-(decode_absorbed). absorb_q_rope: the query's absorption and its RoPE
+Decode is mla_decode's split kernel, then its combine kernel. absorb_q_rope: the query's absorption and its RoPE
 in one launch for 1-2 token steps; absorb_q_rope_store_kv: the same launch also writes the step's KV-cache rows
 (decode-only steps; KernelConfig.absorb_store, MLASERVE_ABSORB_STORE=0 turns it off).
 """
@@ -148,7 +147,7 @@ class TritonMLABackend(AttentionBackend):
         self._dec_batch, self._dec_layer = batch, layer_id
         return self._dec
 
-    def decode(self, layer_id, q, scale, batch, out, absorb=None):
+    def decode(self, layer_id, q, scale, batch, out):
         nd, q_len = batch.num_decode_reqs, batch.decode_q_len
         page_table, seq_lens = batch.page_table[:nd], batch.seq_lens[:nd]
         splits, cfg = self.kernels.mla_decode_args()  # deterministic mode: a cut by the sequence's length alone
@@ -168,18 +167,7 @@ class TritonMLABackend(AttentionBackend):
             pdl=self.kernels.pdl,
             kv_scale=self._scale(layer_id),
             plan_batch=plan,
-            absorb=absorb,
         )
-
-    def decode_absorbed(self, layer_id, q, w_vc, scale, batch, out):
-        """mla_decode's absorb (KernelConfig.mla_combine_absorb; off in deterministic mode): the combine kernel
-        runs the value absorption too, for q in 16 bits with w_vc in q's dtype."""
-        if not self.kernels.mla_combine_absorb or q.dtype not in (torch.bfloat16, torch.float16):
-            return False
-        if w_vc.dtype != q.dtype or out.dtype != q.dtype or out.stride(-1) != 1:
-            return False
-        self.decode(layer_id, q, scale, batch, out, absorb=w_vc)
-        return True
 
     def prefill_context(self, layer_id, batch):
         cache = self.kv_cache[layer_id].view(-1, self.kv_cache.shape[-1])  # [slots, R+P]

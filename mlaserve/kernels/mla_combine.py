@@ -1,9 +1,7 @@
 """MLA decode's combine of split partials: out = sum_s 2^(lse_s - max) PartO_s / sum_s 2^(lse_s - max).
 
 `_mla_decode_combine_kernel`, launched by mla_decode after its split kernel, reads the partials (PartO [T, H, S, R],
-PartLse [T, H, S]): all splits of a (token, head, R block) as one tile. `_mla_combine_absorb_kernel` (mla_decode's
-`absorb`) also runs the value absorption, o_lat @ w_vc per head, on the combined row: one launch and one dependent
-memory trip fewer than the combine followed by the model's own projection.
+PartLse [T, H, S]): all splits of a (token, head, R block) as one tile.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import triton.language as tl
 from .pdl import pdl_release, pdl_wait
 
 COMBINE_TILE = 8192  # elements of the combine's [splits, BLOCK_R] fp32 tile (4 warps)
-ABSORB_BLOCK_V = 32  # output columns a combine + absorb program computes ([R, 32] of w_vc: 32 KB at R=512)
 
 
 @triton.jit
@@ -72,64 +69,3 @@ def _mla_decode_combine_kernel(
     o = tl.sum(part * w[:, None], 0) / denom
     o_ptr = Out + t.to(tl.int64) * stride_ot + h * stride_oh + offs_r * stride_or
     tl.store(o_ptr, o.to(Out.dtype.element_ty))
-
-
-@triton.jit(do_not_specialize=["H", "num_splits", "V"])
-def _mla_combine_absorb_kernel(
-    PartO,
-    PartLse,
-    SeqLens,
-    M,
-    Y,
-    stride_mh,
-    stride_mk,
-    stride_mn,
-    stride_yt,
-    stride_yh,
-    H,
-    num_splits,
-    V,
-    R: tl.constexpr,
-    BLOCK_SA: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    Q_LEN: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MIN_SPLIT_TILES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Y[t, h, v-block] = o @ M[h][:, v-block] with o the combine's row of (t, h), rounded to Y's dtype as the
-    combine kernel stores it: the combine and the value absorption in one launch. The [R, BLOCK_V] slab of M is
-    loaded before the wait; after it, every split's lse (BLOCK_SA >= num_splits) sets the weights, then the
-    filled splits' partials come BLOCK_S at a time ([BLOCK_S, R] fp32 tiles)."""
-    pdl_release(PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    th = t.to(tl.int64) * H + h
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = offs_v < V
-    offs_r = tl.arange(0, R)
-    m_ptr = M + h.to(tl.int64) * stride_mh + offs_r[:, None] * stride_mk + offs_v[None, :] * stride_mn
-    m = tl.load(m_ptr, mask=v_ok[None, :], other=0.0)  # [R, BLOCK_V]
-    seq_len = tl.load(SeqLens + t // Q_LEN)  # a step input: before the wait
-    tiles_per_split = _tiles_per_split(seq_len, num_splits, BLOCK_N, MIN_SPLIT_TILES)
-    filled = tl.minimum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tiles_per_split), num_splits)  # splits with a partial
-    offs_sa = tl.arange(0, BLOCK_SA)
-    pdl_wait(PDL)
-    lse_all = tl.load(PartLse + th * num_splits + offs_sa, mask=offs_sa < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse_all, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no visible key at all (seq_len 0): zeros
-    denom = tl.sum(tl.where(lse_all > float("-inf"), tl.exp2(lse_all - lse_max), 0.0), 0)
-    denom = tl.where(denom > 0.0, denom, 1.0)
-    acc = tl.zeros([R], tl.float32)
-    for s0 in range(0, filled, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        ok = offs_s < filled
-        lse = tl.load(PartLse + th * num_splits + offs_s, mask=ok, other=float("-inf"))
-        part = tl.load(PartO + (th * num_splits + offs_s)[:, None] * R + offs_r[None, :], mask=ok[:, None], other=0.0)
-        has = lse > float("-inf")  # a split that saw no key of this row wrote its lse only
-        w = tl.where(has, tl.exp2(lse - lse_max), 0.0)
-        acc += tl.sum(tl.where(has[:, None], part.to(tl.float32), 0.0) * w[:, None], 0)
-    o = (acc / denom).to(Y.dtype.element_ty).to(tl.float32)  # [R]: o_lat as the two-kernel path stores it
-    y = tl.sum(m.to(tl.float32) * o[:, None], 0)  # [BLOCK_V]
-    tl.store(Y + t.to(tl.int64) * stride_yt + h * stride_yh + offs_v, y.to(Y.dtype.element_ty), mask=v_ok)

@@ -17,13 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .mla_combine import (
-    ABSORB_BLOCK_V,
-    COMBINE_TILE,
-    _mla_combine_absorb_kernel,
-    _mla_decode_combine_kernel,
-    _tiles_per_split,
-)
+from .mla_combine import COMBINE_TILE, _mla_decode_combine_kernel, _tiles_per_split
 from .pdl import pdl_args, pdl_release, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -388,7 +382,6 @@ def mla_decode(
     pdl: bool = True,
     kv_scale: torch.Tensor | None = None,
     plan_batch: int | None = None,
-    absorb: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, R+P], kv_cache [pages, page_size, R+P], page_table [B, max_pages] int32, seq_lens [B] int32
     (context including this step's q_len tokens), T = B * q_len -> out [T, H, R] (any strides).
@@ -398,29 +391,17 @@ def mla_decode(
     TMA, FEW (the batch 1-3 tiles on or off; default by the program count): split_plan. plan_batch (default B): the
     batch the split count, tiles and load path are chosen for; a row's reduction order depends on those alone, so
     B requests planned as b >= B compute their rows bit for bit as a batch of b does (an eager step and its
-    padded CUDA-graph twin: engine/runner.py).
-    absorb (w_vc [H, R, V], any strides): out [T, H, V] (unit last stride) = o_lat @ absorb per head instead, the
-    value absorption run inside the combine (mla_combine.py), o_lat rounded to q's dtype first as it is stored
-    without absorb; the splits always write partials then (one split too)."""
+    padded CUDA-graph twin: engine/runner.py)."""
     T, H, D = q.shape
     B = seq_lens.shape[0]
-    R = out.shape[-1] if absorb is None else absorb.shape[1]
+    R = out.shape[-1]
     P = D - R
     if q_len < 1 or q_len > MAX_Q_LEN:
         raise ValueError(f"q_len={q_len} must be in [1, {MAX_Q_LEN}]")
     if T != B * q_len:
         raise ValueError(f"q has {T} tokens; expected B * q_len = {B} * {q_len}")
-    if absorb is None and out.shape != (T, H, R):
+    if out.shape != (T, H, R):
         raise ValueError(f"out shape {tuple(out.shape)} must be {(T, H, R)}")
-    if absorb is not None:
-        V = absorb.shape[-1]
-        if absorb.dim() != 3 or absorb.shape[0] != H or out.shape != (T, H, V) or out.stride(-1) != 1:
-            raise ValueError(
-                f"absorb {tuple(absorb.shape)} must be [H={H}, R, V] and out {tuple(out.shape)} [T={T}, H, V] with a "
-                "unit last stride"
-            )
-        if absorb.dtype != q.dtype or out.dtype != q.dtype:
-            raise ValueError(f"absorb {absorb.dtype} and out {out.dtype} must be in q's dtype {q.dtype}")
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != D or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} must be [pages, page_size, {D}] with unit last stride")
     if R < 16 or R & (R - 1) or P < 1 or P & (P - 1):
@@ -457,8 +438,7 @@ def mla_decode(
     if T == 0:
         return out
     grid = (triton.cdiv(H, cfg["BLOCK_H"]), S, B)
-    direct = S == 1 and absorb is None
-    if not direct:
+    if S > 1:
         # fp32 partials by default; PARTIAL_DTYPE (benchmarks) trades their bytes for one more rounding
         part_o = torch.empty(T, H, S, R, dtype=cfg.get("PARTIAL_DTYPE", torch.float32), device=q.device)
         part_lse = torch.empty(T, H, S, dtype=torch.float32, device=q.device)
@@ -500,7 +480,7 @@ def mla_decode(
         BLOCK_H=cfg["BLOCK_H"],
         BLOCK_QL=cfg["BLOCK_QL"],
         BLOCK_N=cfg["BLOCK_N"],
-        DIRECT=direct,
+        DIRECT=S == 1,
         MIN_SPLIT_TILES=min_split_tiles,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         TMA=use_tma,
@@ -509,33 +489,7 @@ def mla_decode(
         num_stages=cfg["num_stages"],
         **pdl,
     )
-    if absorb is not None:
-        bv = min(_pow2(V), config.get("ABSORB_BLOCK_V", ABSORB_BLOCK_V))  # config: benchmarks
-        _mla_combine_absorb_kernel[(T, H, triton.cdiv(V, bv))](
-            part_o,
-            part_lse,
-            seq_lens,
-            absorb,
-            out,
-            absorb.stride(0),
-            absorb.stride(1),
-            absorb.stride(2),
-            out.stride(0),
-            out.stride(1),
-            H,
-            S,
-            V,
-            R=R,
-            BLOCK_SA=_pow2(S),
-            BLOCK_S=min(_pow2(S), max(1, COMBINE_TILE // R)),
-            BLOCK_V=bv,
-            Q_LEN=q_len,
-            BLOCK_N=cfg["BLOCK_N"],
-            MIN_SPLIT_TILES=min_split_tiles,
-            num_warps=config.get("ABSORB_WARPS", 4),
-            **pdl,
-        )
-    elif S > 1:
+    if S > 1:
         block_s = _pow2(S)
         block_r = min(R, max(16, COMBINE_TILE // block_s))  # [S, BLOCK_R] fp32: <= 64 registers a thread
         _mla_decode_combine_kernel[(T, H, R // block_r)](

@@ -307,10 +307,7 @@ class DeepseekV3Attention(nn.Module):
         return Q
 
     def attend_absorbed(self, Q, batch, out) -> None:
-        """Q [Td, H, R+P] -> out [Td, H*V]: latent attention, then the value absorption (inside the attention's
-        combine where the backend has that form)."""
-        if batch.attn.decode_absorbed(self.layer_id, Q, self.w_vc, self.scale, batch, out.view(-1, self.H, self.V)):
-            return
+        """Q [Td, H, R+P] -> out [Td, H*V]: latent attention, then the value absorption."""
         o_lat = batch.attn.decode(self.layer_id, Q, self.scale, batch, out=Q.new_empty(Q.shape[0], self.H, self.R))
         self.absorb_out(o_lat, out)
 

@@ -76,13 +76,6 @@ def test_mla_decode_fp32_and_tiny_dims():
         kc.check_mla_decode("cuda", dtype, H=4, R=32, P=8, q_len=2, ctx_lens=[2, 17, 600], page_size=16)
 
 
-@pytest.mark.parametrize("H,q_len,B", [(16, 1, 1), (16, 2, 1), (16, 1, 8), (16, 2, 8), (64, 1, 32), (128, 1, 4)])
-def test_mla_decode_combine_absorb_real(H, q_len, B):
-    # mla_decode(absorb=w_vc): the combine and the value absorption in one launch, at the latent's real dims and
-    # V=128, default splits (batch 1: up to 128, taken 16 at a time), contexts to 8,192
-    kc.check_mla_decode("cuda", BF, H=H, R=512, P=64, q_len=q_len, ctx_lens=_ctx(B, q_len), page_size=64, absorb_v=128)
-
-
 @pytest.mark.parametrize("config", [None, {"TMA": True}])
 def test_mla_decode_cuda_graph_replay_with_new_lengths(config):
     from mlaserve.kernels.mla_decode import mla_decode

@@ -90,11 +90,8 @@ def check_mla_decode(
     config=None,
     strided_out: bool = False,
     q_scale: float = 0.3,
-    absorb_v: int | None = None,
 ):
-    """The partial buffers mla_decode allocates are NaN-poisoned too. absorb_v: mla_decode's `absorb` with a w_vc
-    [H, R, absorb_v] laid out as the model's (a transposed view of kv_b_proj's rows), into a view of an [T, H * V]
-    buffer; the reference rounds o_lat to dtype before its fp32 product, as the unfused path stores it."""
+    """The partial buffers mla_decode allocates are NaN-poisoned too."""
     from mlaserve.kernels.mla_decode import mla_decode
     from tests.helpers.kernel_refs import mla_decode_ref
 
@@ -102,24 +99,15 @@ def check_mla_decode(
     kv, table, seq_lens = make_paged(ctx_lens, page_size, R + P, dtype, device)
     q = (q_scale * torch.randn(T, H, R + P, device=device)).to(dtype)
     scale = (R + P) ** -0.5
-    w_vc = None
-    if absorb_v:
-        N, V = 8, absorb_v
-        w = (torch.randn(H * (N + V), R, device=device) / R**0.5).to(dtype)  # kv_b_proj.weight [H*(N+V), R]
-        w_vc = w.view(H, N + V, R)[:, N:].transpose(1, 2)  # [H, R, V], R the unit-stride dim
-        out = nan_like((T, H * V), dtype, device).view(T, H, V)
-    elif strided_out:  # a view into a wider buffer, as the model's o_lat may be
+    if strided_out:  # a view into a wider buffer, as the model's o_lat may be
         out = nan_like((T, H, R + 16), dtype, device)[..., :R]
     else:
         out = nan_like((T, H, R), dtype, device)
     with poisoned_empty():
-        mla_decode(q, kv, table, seq_lens, q_len, scale, out, num_splits=num_splits, config=config, absorb=w_vc)
+        mla_decode(q, kv, table, seq_lens, q_len, scale, out, num_splits=num_splits, config=config)
     ref = mla_decode_ref(q, kv, table, seq_lens, q_len, scale, R)
-    if w_vc is not None:
-        ref = torch.bmm(ref.to(dtype).float().transpose(0, 1), w_vc.float()).transpose(0, 1)
     what = (
         f"mla_decode H={H} R={R} P={P} q_len={q_len} ctx={ctx_lens[:4]}.. page={page_size} splits={num_splits} {dtype}"
-        f"{f' absorb V={absorb_v}' if absorb_v else ''}"
     )
     return assert_close(out, ref, dtype, what)
 

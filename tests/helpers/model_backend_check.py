@@ -59,8 +59,7 @@ def run_model(
     from mlaserve.models.weights import load_weights
 
     cfg = ModelConfig.from_pretrained(ckpt)
-    kernels = kernels or KernelConfig()
-    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl, kernels=kernels)
+    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl, kernels=kernels or KernelConfig())
     load_weights(model, ckpt, progress=False)
     model.to(device).eval()
     L = cfg.num_hidden_layers
@@ -68,7 +67,7 @@ def run_model(
     cache = torch.zeros(L, 8, PAGE, cfg.kv_cache_dim, dtype=kv_dtype, device=device)
     fp8 = {} if kv_scale is None else dict(kv_scale=torch.full((L,), kv_scale, device=device), dtype=dtype)
     if backend == "triton":
-        attn = TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=num_splits, kernels=kernels, **fp8)
+        attn = TritonMLABackend(cache, cfg.kv_lora_rank, num_splits=num_splits, **fp8)
     else:
         attn = TorchRefBackend(cache, cfg.kv_lora_rank, **fp8)
     logits = []
@@ -94,8 +93,7 @@ def run_prefill(
     from mlaserve.models.weights import load_weights
 
     cfg = ModelConfig.from_pretrained(ckpt)
-    kernels = kernels or KernelConfig()
-    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl, kernels=kernels)
+    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, moe_impl=moe_impl, kernels=kernels or KernelConfig())
     load_weights(model, ckpt, progress=False)
     model.to(device).eval()
     pages = -(-length // PAGE)
@@ -190,9 +188,7 @@ def _row_errs(o: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return (o - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)
 
 
-def check_model_backends(
-    ckpt: str, device, dtype, moe_impl: str, num_splits: int | None = None, kernels=None
-) -> list[float]:
+def check_model_backends(ckpt: str, device, dtype, moe_impl: str, num_splits: int | None = None) -> list[float]:
     """fp32: the Triton path's logits within 1e-4 (relative) of the reference's.
     bf16: both bf16 paths (Triton, torch) are measured per logit row against the fp32 reference. A near-tie expert
     choice flipped by rounding moves a whole row by O(0.1..1) in EITHER path, at random rows, so the check is on
@@ -200,15 +196,14 @@ def check_model_backends(
     (> 5e-2: at most max(20%, 2 x the torch path's share)).
     In bf16 an FP8 checkpoint's dense linears quantize their activations above
     KernelConfig.fp8_linear_a8_min_tokens rows (kv_b_proj's prefill product too, on CUDA), so both torch paths do
-    the same there (a8_reference); fp32 computes on x as it is (W8A16) in both. kernels: the Triton run's
-    KernelConfig (model and backend; default: the defaults)."""
+    the same there (a8_reference); fp32 computes on x as it is (W8A16) in both."""
     from mlaserve.kernel_config import KernelConfig
 
     fp32, edge = dtype == torch.float32, KernelConfig.fp8_linear_a8_min_tokens
     with a8_reference(not fp32, kv_b=torch.device(device).type == "cuda", above=edge):
         ref = run_model(ckpt, device, torch.float32, "torch", "torch")
         same = None if fp32 else run_model(ckpt, device, dtype, "torch", "torch")
-    out = run_model(ckpt, device, dtype, "triton", moe_impl, num_splits=num_splits, kernels=kernels)
+    out = run_model(ckpt, device, dtype, "triton", moe_impl, num_splits=num_splits)
     errs = []
     for step, (o, r) in enumerate(zip(out, ref)):
         assert o.shape == r.shape and not torch.isnan(o).any(), f"step {step}: shape {o.shape} vs {r.shape} or NaN"

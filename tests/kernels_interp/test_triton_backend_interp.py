@@ -11,15 +11,6 @@ def test_model_logits_match_torch_ref(kdev, tiny_ckpt, dtype, moe_impl):
     check_model_backends(tiny_ckpt, kdev, dtype, moe_impl, num_splits=2)  # few splits: the interpreter is slow
 
 
-def test_model_logits_with_combine_absorb(kdev, tiny_ckpt):
-    # KernelConfig.mla_combine_absorb: decode's value absorption inside MLA's combine (bf16: its 16-bit form)
-    from mlaserve.kernel_config import KernelConfig
-
-    check_model_backends(
-        tiny_ckpt, kdev, torch.bfloat16, "triton", num_splits=2, kernels=KernelConfig(mla_combine_absorb=True)
-    )
-
-
 def test_prefill_context_matches_ref_and_refreshes_per_forward(kdev):
     from mlaserve.attention.base import ForwardBatch, SeqChunk
     from mlaserve.attention.torch_ref import TorchRefBackend

@@ -128,9 +128,6 @@ class FakeBackend:
 
         return apply_rope(x, cos, sin, out=out)
 
-    def decode_absorbed(self, layer_id, q, w_vc, scale, batch, out):  # no absorption inside the combine
-        return False
-
     def decode(self, layer_id, q, scale, batch, out):
         self.rec.on = False  # the backend's own ops are not under test here
         self.q, self.out_ptr = q.clone(), out.data_ptr()
