@@ -9,7 +9,8 @@
 #
 # A variant is [NAME=]REF[:VAR=VALUE,...]. `run` passes its arguments after the round count to bench_engine and
 # writes its JSON under $OUT (default out/) as engine_ab-<name>-r<round>_*.json; ab/ is git-ignored. Export here
-# and run on the GPU machine with ab/ carried (a copied tree's git metadata can be stale, so export where it is not).
+# and run on the GPU machine with ab/ carried (a copied tree's git metadata can be stale, so export where it is not;
+# bench_engine's JSON records the tree's AB_SOURCE line as ab_source).
 # The trees leave out mlaserve/assets (the default model; the A/B runs M1). AB_MODEL replaces the model arguments
 # (default "--model /tmp/m1 --make moonlight-16b-a3b"; "--preset moonlight-16b-a3b --dummy" makes no files).
 set -eo pipefail

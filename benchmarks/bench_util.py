@@ -169,7 +169,8 @@ class Report:
 
 def code_id() -> dict:
     """git HEAD (as the tree that runs sees it: a copied tree's git metadata can be stale) and a hash of
-    mlaserve/**/*.py, which identifies the code measured whatever git says (`git stash`/checkout, then recompute)."""
+    mlaserve/**/*.py, which identifies the code measured whatever git says (`git stash`/checkout, then recompute);
+    in a tree ab_trees.sh exported, also its AB_SOURCE line (the ref and commit it was made from, its switches)."""
     import hashlib
     import pathlib
 
@@ -186,7 +187,10 @@ def code_id() -> dict:
         )
     except Exception:
         commit = None
-    return dict(commit=commit, source_sha1=h.hexdigest()[:12])
+    out = dict(commit=commit, source_sha1=h.hexdigest()[:12])
+    if (root / "AB_SOURCE").is_file():
+        out["ab_source"] = (root / "AB_SOURCE").read_text().strip()
+    return out
 
 
 def meta(sz: Sizes) -> dict:
