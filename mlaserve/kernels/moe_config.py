@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 
 SMS = 132  # H100/H200; the fill heuristic only needs the order of magnitude
+# rows per expert (T*K/E) up to which BLOCK_M is 16, 32, 64 (128 above): a block holds an expert's expected rows,
+# so each weight tile is read once (benchmarks/moe_prefill_tiles.py); engine/warmup.py warms both sides of each
+ROW_BANDS = (16, 32, 64)
 
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -37,14 +40,7 @@ def moe_config(
         )
     bm_override = o1.get("BLOCK_M", o2.get("BLOCK_M", override.get("BLOCK_M")))
     rows_per_expert = T * K / E
-    if rows_per_expert <= 16:
-        bm = 16
-    elif rows_per_expert <= 32:  # above, one 64-row block an expert streams its weights faster than two of 32
-        bm = 32  # (benchmarks/moe_prefill_tiles.py)
-    elif rows_per_expert <= 64:  # above, 64-row blocks read an expert's weights twice where 128 read them once
-        bm = 64
-    else:
-        bm = 128
+    bm = next((b for b in ROW_BANDS if rows_per_expert <= b), 128)
     if dtype == torch.float32:  # tests: IEEE fp32 dots, twice the bytes per element
         c1 = dict(BLOCK_M=bm, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
         c2 = dict(c1)
