@@ -25,7 +25,7 @@ from .fp8_moe_gemv import fp8_moe_gemv
 from .fp8_quant import act_quant
 from .fp8_reference import BLOCK
 from .moe_align import moe_align
-from .moe_config import KEYS, moe_config
+from .moe_config import FP8_ROW_BANDS, KEYS, moe_config
 from .moe_sum import moe_sum
 from .pdl import pdl_args
 
@@ -51,11 +51,11 @@ def fp8_moe_config(
         if bad:
             raise ValueError(f"fp8 moe config keys {[where + k for k in bad]} are not among {KEYS}")
     rows = T * K / E
-    if rows <= 16:
+    if rows <= FP8_ROW_BANDS[0]:
         c1, c2 = moe_config(T, K, E, D, I, torch.bfloat16)
         for c in (c1, c2):
             c.update(BLOCK_K=BLOCK, num_stages=4)
-    elif rows <= 48:
+    elif rows <= FP8_ROW_BANDS[1]:
         c1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=BLOCK, GROUP_M=1, num_warps=4, num_stages=4)
         c2 = dict(c1)
     else:
