@@ -29,7 +29,7 @@ import torch
 
 from ..attention.base import SeqChunk
 from ..kernels.moe_config import FP8_ROW_BANDS, ROW_BANDS
-from .cuda_graph import PREFILL_MAX_REQS
+from .cuda_graph import PREFILL_MAX_REQS, PREFILL_TOKEN_BUCKETS
 
 log = logging.getLogger("mlaserve.warmup")
 
@@ -86,7 +86,8 @@ def token_ladder(lo: int, hi: int, edges: list[int] = ()) -> list[int]:
         out |= {t, t + 1}
     for e in edges:
         out |= {e - 1, e, e + 1, e + 2, e // 16 * 16, e // 16 * 16 + 16, e // 16 * 16 + 17}
-    out |= {t for k in range(4, hi.bit_length() + 1) for t in (1 << k, (1 << k) + 1)}  # the prefill graph buckets
+    out |= {t for k in range(4, hi.bit_length() + 1) for t in (1 << k, (1 << k) + 1)}  # powers of two
+    out |= {t for b in PREFILL_TOKEN_BUCKETS for t in (b, b + 1)}  # the prefill graph buckets
     out |= {hi - 1, hi}
     return sorted(t for t in out if lo <= t <= hi)
 
