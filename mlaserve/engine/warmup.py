@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from ..attention.base import SeqChunk
-from ..kernels.moe_config import FP8_ROW_BANDS, ROW_BANDS
+from ..kernels.moe_config import FP8_ROW_BANDS, INT4_ROW_BANDS, ROW_BANDS
 from .cuda_graph import PREFILL_MAX_REQS, PREFILL_TOKEN_BUCKETS
 
 log = logging.getLogger("mlaserve.warmup")
@@ -56,8 +56,8 @@ class WarmupStep:
 
 def token_edges(kernels, num_experts: int, top_k: int, n_shared: int, ep_size: int = 1) -> list[int]:
     """Token counts at which a kernel changes its form: KernelConfig's thresholds and the MoE tile bands of
-    kernels/moe_config.py (rows per expert T*K/E at its ROW_BANDS and FP8_ROW_BANDS; one row per expert at T*K = E),
-    for the experts one rank holds with and without the fused shared slots."""
+    kernels/moe_config.py (rows per expert T*K/E at its ROW_BANDS, FP8_ROW_BANDS and INT4_ROW_BANDS; one row per
+    expert at T*K = E), for the experts one rank holds with and without the fused shared slots."""
     edges = [
         kernels.gemv_serve_tokens,
         kernels.head_gemv_max_tokens,
@@ -71,7 +71,8 @@ def token_edges(kernels, num_experts: int, top_k: int, n_shared: int, ep_size: i
     if num_experts and top_k:
         edges += [kernels.no_align_max_pairs // top_k, kernels.int4_gemv_max_pairs // top_k]
         for e in {num_experts // max(ep_size, 1) + s for s in (0, n_shared)}:
-            edges += [e // top_k] + [rows * e // top_k for rows in sorted(set(ROW_BANDS + FP8_ROW_BANDS))]
+            bands = sorted({*ROW_BANDS, *FP8_ROW_BANDS, *INT4_ROW_BANDS})
+            edges += [e // top_k] + [rows * e // top_k for rows in bands]
     return sorted({e for e in edges if e > 0})
 
 

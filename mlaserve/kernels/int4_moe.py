@@ -16,6 +16,7 @@ from .int4_gemm import int4_gemm
 from .int4_gemv import int4_gemv
 from .int4_mma_run import int4_gemv_mma, mma_config, mma_preferred, mma_supported
 from .moe_align import moe_align
+from .moe_config import INT4_ROW_BANDS
 from .moe_sum import moe_sum
 from .pdl import pdl_args
 
@@ -65,10 +66,10 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
     if dtype == torch.float32:  # tests: IEEE fp32 dots
         c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
         return c, dict(c)
-    if rows <= 24:
+    if rows <= INT4_ROW_BANDS[0]:
         c1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True)
         return c1, dict(c1)
-    if rows <= 96:
+    if rows <= INT4_ROW_BANDS[1]:
         c1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
         return c1, dict(c1, BLOCK_N=128, num_warps=8)
     c1 = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True)
