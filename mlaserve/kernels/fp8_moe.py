@@ -36,7 +36,7 @@ def fp8_moe_config(
     """(gemm1, gemm2) tiles from the expected rows per expert, with 128-column K steps (one scale block):
     - <= 16 rows (weight streams): moe_config's 16-row tiles, whose BLOCK_N shrinks until the active experts'
       tiles cover the SMs; 4 stages (fp8 tiles are half the bytes).
-    - <= 48: 32x64 tiles, 4 warps.
+    - <= 32: 32x64 tiles, 4 warps.
     - more: 64x128 tiles, GEMM1 on 8 warps (its gate and up accumulators, with each K step's scaled product, need
       the registers: compile_check, sm_90: 64x128 on 4 warps or 128x128 on 8 spill 0.9-1.3 KB), GEMM2 on 4; GROUP_M
       8 (vLLM's untuned default for block-FP8 experts is 64x128x128 too). W8A8: GEMM1 64x64 on 4 warps, h

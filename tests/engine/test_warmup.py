@@ -16,8 +16,9 @@ from tests.engine.conftest import make_engine, run_all
 
 def test_ladder_covers_edges_buckets_and_residues():
     edges = token_edges(KernelConfig(), num_experts=64, top_k=6, n_shared=2)
-    # the MoE bands of moe_config (rows per expert 16 / 32 / 64; the FP8 experts' 48) and KernelConfig's thresholds
-    assert {64 // 6, 16 * 64 // 6, 32 * 66 // 6, 48 * 66 // 6, 64 * 66 // 6, 2, 32, 256} <= set(edges)
+    # the MoE bands of moe_config (rows per expert 16 / 32 / 64; the FP8 experts' 16 / 32) and KernelConfig's
+    # thresholds
+    assert {64 // 6, 16 * 64 // 6, 32 * 66 // 6, 64 * 66 // 6, 2, 32, 256} <= set(edges)
     # the INT4 experts' (24 / 96 rows an expert: Kimi-K2.5's 384 experts, top 8)
     assert {24 * 384 // 8, 96 * 384 // 8} <= set(token_edges(KernelConfig(), num_experts=384, top_k=8, n_shared=1))
     ladder = token_ladder(1, 8192, edges)

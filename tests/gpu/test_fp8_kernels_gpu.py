@@ -133,7 +133,7 @@ def test_linear_cuda_graph_replay(M, cfg):
 DS_MOE = dict(D=7168, I=2048, E_total=256, E_local=256, offset=0, K=8)
 
 
-@pytest.mark.parametrize("T", [1, 2, 4, 16, 64, 333, 2048, 8192])
+@pytest.mark.parametrize("T", [1, 2, 4, 16, 64, 333, 1100, 2048, 8192])
 def test_moe_deepseek(T):
     fc.check_fp8_moe("cuda", BF, T=T, **DS_MOE, experts=_experts(256, 7168, 2048))
 
