@@ -457,14 +457,14 @@ def test_no_context_graphs_at_max_context_zero(tiny_ckpt):
 
 def test_prefill_buckets_step_by_half_and_context_graphs_stay_powers_of_two(tiny_ckpt):
     """A fresh prefill of 1,100 tokens pads to the 1,536 bucket and one of 2,500 to 3,072 (cuda_graph.
-    PREFILL_TOKEN_BUCKETS, 1.5x and 1.33x steps from 1,024); a chunk over cached context keeps the power-of-two
+    PREFILL_TOKEN_BUCKETS, 1.5x and 1.33x steps from 512); a chunk over cached context keeps the power-of-two
     token buckets of the context graphs (CONTEXT_TOKEN_BUCKETS)."""
     from mlaserve.attention.base import SeqChunk
 
     engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, prefill_graph_max_tokens=4096)
     engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
     gr = engine.runner.graphs
-    assert gr.prefill_buckets == [256, 512, 1024, 1536, 2048, 3072, 4096]
+    assert gr.prefill_buckets == [256, 512, 768, 1024, 1536, 2048, 3072, 4096]
     assert {t for t, _ in gr.context_buckets} <= {256, 512, 1024, 2048}
 
     def key(n, cached=0):

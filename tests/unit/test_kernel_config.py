@@ -139,8 +139,8 @@ def test_the_fp8_form_edges_are_ones_cuda_graph_padding_cannot_cross():
                             assert (n > lin) == (bucket > lin), (name, max_num_seqs, q, n, lin)
     base = KernelConfig()
     assert graph_safe_kernels(base, 256, 1) is base  # nothing to raise: the same object
-    assert graph_safe_kernels(base, 256, 3).fp8_a8_min_tokens == 1024
-    assert graph_safe_kernels(base, 256, 3).fp8_scaled_mm_min_rows == 1024  # 256 inside the 96-request graph's
+    assert graph_safe_kernels(base, 256, 3).fp8_a8_min_tokens == 768
+    assert graph_safe_kernels(base, 256, 3).fp8_scaled_mm_min_rows == 768  # 256 inside the 96-request graph's
     assert graph_safe_kernels(KernelConfig(fp8_linear_a8_min_tokens=5), 64, 1).fp8_linear_a8_min_tokens == 8
     assert graph_safe_kernels(KernelConfig(fp8_linear_a8_min_tokens=5), 64, 3).fp8_linear_a8_min_tokens == 5  # 3 | 6
     assert graph_safe_kernels(KernelConfig(fp8_linear_a8_min_tokens=300), 8, 1).fp8_linear_a8_min_tokens == 512
