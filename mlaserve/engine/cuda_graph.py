@@ -35,10 +35,10 @@ from .suffix import SUFFIX_BATCH_SIZES, SUFFIX_MAX_TOKENS, SUFFIX_Q, last_rows, 
 
 log = logging.getLogger("mlaserve.cuda_graph")
 
-# prefill graphs: a fresh prefill pads to the least of these at or above its tokens, in steps of 1.5x and 1.33x in
-# turn from 512 (a prefill of that size computes in proportion to its padded tokens); below, the step reads the
-# weights whatever its size
-PREFILL_TOKEN_BUCKETS = (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+# prefill graphs: a fresh prefill pads to the least of these at or above its tokens: from 1,024 each power of two
+# and its 5/4, 6/4 and 7/4 (steps of 1.25x or less: a prefill of that size computes in proportion to its padded
+# tokens); below, the step reads most of the weights whatever its size, and 768 suffices
+PREFILL_TOKEN_BUCKETS = (256, 512, 768, *(p * q // 4 for p in (1024, 2048, 4096, 8192) for q in (4, 5, 6, 7)), 16384)
 PREFILL_MAX_REQS = 8  # requests in one prefill graph (plus one padding request; a context graph: two)
 # context graphs: chunks of one of these token counts (past the largest the chunk's compute hides an eager step's
 # launches), over a total context (cached + new tokens, padded) of one of CONTEXT_BUCKETS: steps of 1.5x and 1.33x

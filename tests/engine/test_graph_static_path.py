@@ -455,28 +455,28 @@ def test_no_context_graphs_at_max_context_zero(tiny_ckpt):
     assert gr.key_for([], [SeqChunk(list(range(40)), 0, list(range(3)))]) == ("prefill", 256)
 
 
-def test_prefill_buckets_step_by_half_and_context_graphs_stay_powers_of_two(tiny_ckpt):
-    """A fresh prefill of 1,100 tokens pads to the 1,536 bucket and one of 2,500 to 3,072 (cuda_graph.
-    PREFILL_TOKEN_BUCKETS, 1.5x and 1.33x steps from 512); a chunk over cached context keeps the power-of-two
+def test_prefill_buckets_step_by_a_quarter_and_context_graphs_stay_powers_of_two(tiny_ckpt):
+    """A fresh prefill of 1,100 tokens pads to the 1,280 bucket and one of 2,500 to 2,560 (cuda_graph.
+    PREFILL_TOKEN_BUCKETS: from 1,024 steps of 1.25x or less); a chunk over cached context keeps the power-of-two
     token buckets of the context graphs (CONTEXT_TOKEN_BUCKETS)."""
     from mlaserve.attention.base import SeqChunk
 
     engine = make_engine(tiny_ckpt, page_size=16, max_num_seqs=4, prefill_graph_max_tokens=4096)
     engine.runner.capture_graphs(1, engine.max_model_len, use_graphs=False)
     gr = engine.runner.graphs
-    assert gr.prefill_buckets == [256, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    assert gr.prefill_buckets == [256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096]
     assert {t for t, _ in gr.context_buckets} <= {256, 512, 1024, 2048}
 
     def key(n, cached=0):
         return gr.key_for([], [SeqChunk(list(range(n)), cached, list(range(-(-(n + cached) // 16))))])
 
-    assert [key(n) for n in (1024, 1025, 1100, 1536, 1537, 2500, 3073)] == [
+    assert [key(n) for n in (600, 1024, 1025, 1100, 1800, 2500, 3073)] == [
+        ("prefill", 768),
         ("prefill", 1024),
-        ("prefill", 1536),
-        ("prefill", 1536),
-        ("prefill", 1536),
+        ("prefill", 1280),
+        ("prefill", 1280),
         ("prefill", 2048),
-        ("prefill", 3072),
-        ("prefill", 4096),
+        ("prefill", 2560),
+        ("prefill", 3584),
     ]
     assert key(1100, cached=64)[:2] == ("context", 2048)

@@ -6,8 +6,8 @@ configuration cannot fix are listed, and shown to still vary, rather than passed
 import pytest
 
 DSV3 = dict(hidden=7168, heads=128, experts=256, top_k=8, n_shared=1, moe_inter=2048)
-STEP_SIZES = sorted({*range(1, 70), 96, 128, 255, 256, 257, 512, 768, 1000, 1024, 1536, 2048, 3072, 4096, 6144, 8192})
-STEP_SIZES += [12288, 16384]
+STEP_SIZES = sorted({*range(1, 70), 96, 128, 255, 256, 257, 512, 768, 1000, 1024, 1280, 1536, 1792, 2048, 2560})
+STEP_SIZES += [3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384]
 
 
 def _plans(kernels, **kw):
