@@ -7,8 +7,10 @@ Large weights are stride-0 expanded views, so real shapes cost no memory.
 
     PYTHONPATH=$PWD python benchmarks/compile_check.py [--quick] [--only fp8]
 
-Exits non-zero if a kernel fails to compile, needs more than 227 KB of shared memory, or spills more than
-MAX_SPILL bytes of registers (the 8k prefill attention's fastest tiles, measured on the H200, spill 40 B).
+Exits non-zero if a kernel fails to compile, needs more than 227 KB of shared memory, spills more than
+MAX_SPILL bytes of registers (the 8k prefill attention's fastest tiles, measured on the H200, spill 40 B), or has
+its wgmmas serialized by ptxas (note C7515: each wgmma then waits for the one before it; int4_gemm.py says how one
+such kernel was mended).
 
 A refactor of kernel code is proven on CPU by identical PTX (debug lines and labels stripped), case by case:
 
@@ -67,7 +69,8 @@ class _Sm90Driver:
         return ty
 
 
-def _ptxas_usage(ptx: str) -> tuple[int, int]:
+def _ptxas_usage(ptx: str) -> tuple[int, int, bool]:
+    """(registers, spilled bytes, wgmmas serialized) from ptxas -v."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
@@ -78,7 +81,7 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
         os.unlink(f.name)
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
-    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else 0
+    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else 0, "C7515" in out
 
 
 def ptx_body(ptx: str) -> str:
@@ -107,7 +110,7 @@ def _record_launch(self):
     if DUMP_DIR[0]:
         _dump(self.name, self.asm["ptx"])
     if all(r["key"] != key for r in RESULTS):
-        regs, spills = _ptxas_usage(self.asm["ptx"])
+        regs, spills, serial = _ptxas_usage(self.asm["ptx"])
         ptx = self.asm["ptx"]
         mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "-"
         pipe = "cp.async" if "cp.async" in ptx else "-"
@@ -120,6 +123,7 @@ def _record_launch(self):
                 shared=md.shared,
                 regs=regs,
                 spills=spills,
+                serial=serial,
                 mma=mma,
                 pipe=pipe,
                 case=CURRENT_CASE[0],
@@ -656,14 +660,16 @@ def main(argv=None) -> int:
         "first case"
     )
     for r in RESULTS:
-        bad = r["shared"] > MAX_SHARED or r["spills"] > MAX_SPILL
-        flag = ("   <-- " + ("SMEM" if r["shared"] > MAX_SHARED else "SPILLS")) if bad else ""
+        why = [w for w, b in (("SMEM", r["shared"] > MAX_SHARED), ("SPILLS", r["spills"] > MAX_SPILL),
+                              ("WGMMA SERIALIZED", r["serial"])) if b]  # fmt: skip
+        bad = bool(why)
+        flag = "   <-- " + " ".join(why) if bad else ""
         print(
             f"{r['name'][:28]:28} {r['warps']:5d} {r['stages']:6d} {r['shared'] / 1024:7.1f} {r['regs']:4d} "
             f"{r['spills']:5d} {r['mma']:>5} {r['pipe']:>8}  {r['case']}{flag}"
         )
         if bad:
-            failed.append(f"{r['name']} ({r['case']}): shared {r['shared']} B, spills {r['spills']} B")
+            failed.append(f"{r['name']} ({r['case']}): {', '.join(why)}; shared {r['shared']} B, spills {r['spills']}")
     print(f"{len(RESULTS)} kernels compiled for sm_90 in {time.time() - t0:.0f} s")
     if args.sigs:
         with open(args.sigs, "w") as f:

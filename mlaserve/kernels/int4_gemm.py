@@ -8,6 +8,10 @@ product is exact in fp32), rounded once to the dot's dtype, as the bf16 referenc
 
 GEMM1: Hbuf[m, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n]) for every padded row m of expert e's blocks.
 GEMM2: Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . down[e]) for every real row m.
+
+Each GEMM's K (GEMM1's D, GEMM2's I) is a constexpr: with a runtime K the loop has a zero-trip path that zeroes
+the accumulator outside any wgmma, and ptxas then serializes every wgmma of the kernel (C7515: each waits for the
+one before it), which a fixed trip count avoids (compile_check fails on that note).
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def _int4_gemm1_kernel(
     ExpertIds,
     NumPadded,
     I,
-    D,
+    D: tl.constexpr,
     num_m,
     TK,
     stride_xt,
@@ -157,7 +161,7 @@ def _int4_gemm2_kernel(
     ExpertIds,
     NumPadded,
     D,
-    I,
+    I: tl.constexpr,
     num_m,
     TK,
     stride_hm,
