@@ -56,12 +56,10 @@ def gemv_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
 def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> tuple[dict, dict]:
     """(gemm1, gemm2) tiles from the expected rows per expert T*K/E. Every block dequantizes its weight tiles anew
     (one FMA a weight, about 6.5 instructions a weight in all at BLOCK_N 64: compile_check), so blocks grow sooner
-    than moe_config.py's: BLOCK_M 64 from 24 rows an expert (a 2048-token chunk on Kimi: 43) reads and unpacks each
-    expert once. BLOCK_K 64 (two scale groups) from 24 rows, 128 below; the untransposed tiles run wgmma from 64
-    rows. Up to 24 and above 96 rows an expert both GEMMs run transposed (TRANS: 64 weight rows as the MMA's first
-    operand, from registers where they are dequantized (wgmma's register A operand); the block's rows as its
-    second, n32 up to 24 rows), which skips the dequantized tile's trip through shared memory
-    (benchmarks/int4_moe_tiles.py)."""
+    than moe_config.py's: a block as large as the mean rows an expert (32, 64, then 128 rows) reads and unpacks
+    each expert about once. BLOCK_K 64 (two scale groups) from 24 rows, 128 below. Both GEMMs run transposed
+    (TRANS: the dequantized weight rows as wgmma's register A operand, the block's rows as its N), 128 weight rows
+    a program in the 64-row blocks (benchmarks/int4_moe_tiles.py)."""
     rows = T * K / E
     if dtype == torch.float32:  # tests: IEEE fp32 dots
         c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
@@ -70,8 +68,8 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
         c1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True)
         return c1, dict(c1)
     if rows <= INT4_ROW_BANDS[1]:
-        c1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-        return c1, dict(c1, BLOCK_N=128, num_warps=8)
+        c1 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True)
+        return c1, dict(c1)
     c1 = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True)
     return c1, dict(c1)
 

@@ -18,7 +18,7 @@ SMS = 132  # H100/H200; the fill heuristic only needs the order of magnitude
 # so each weight tile is read once (benchmarks/moe_prefill_tiles.py); engine/warmup.py warms both sides of each
 ROW_BANDS = (16, 32, 64)
 FP8_ROW_BANDS = (16, 32)  # the FP8 experts' (kernels/fp8_moe.py): 16-, 32-, then 64-row blocks
-INT4_ROW_BANDS = (24, 96)  # the INT4 experts' GEMMs (kernels/int4_moe.gemm_config): 32-, 64-, then 128-row blocks
+INT4_ROW_BANDS = (24, 64)  # the INT4 experts' GEMMs (kernels/int4_moe.gemm_config): 32-, 64-, then 128-row blocks
 
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")

@@ -10,6 +10,7 @@ from mlaserve.config import SpecConfig
 from mlaserve.engine.cuda_graph import PREFILL_MAX_REQS, PREFILL_TOKEN_BUCKETS
 from mlaserve.engine.warmup import DENSE_TOKENS, WarmupStep, _chunks, plan, token_edges, token_ladder, warm_up
 from mlaserve.kernel_config import KernelConfig
+from mlaserve.kernels.moe_config import INT4_ROW_BANDS
 from mlaserve.types import SamplingParams
 from tests.engine.conftest import make_engine, run_all
 
@@ -19,8 +20,9 @@ def test_ladder_covers_edges_buckets_and_residues():
     # the MoE bands of moe_config (rows per expert 16 / 32 / 64; the FP8 experts' 16 / 32) and KernelConfig's
     # thresholds
     assert {64 // 6, 16 * 64 // 6, 32 * 66 // 6, 64 * 66 // 6, 2, 32, 256} <= set(edges)
-    # the INT4 experts' (24 / 96 rows an expert: Kimi-K2.5's 384 experts, top 8)
-    assert {24 * 384 // 8, 96 * 384 // 8} <= set(token_edges(KernelConfig(), num_experts=384, top_k=8, n_shared=1))
+    # the INT4 experts' (INT4_ROW_BANDS rows an expert: Kimi-K2.5's 384 experts, top 8)
+    kimi = set(token_edges(KernelConfig(), num_experts=384, top_k=8, n_shared=1))
+    assert {r * 384 // 8 for r in INT4_ROW_BANDS} <= kimi
     ladder = token_ladder(1, 8192, edges)
     assert set(range(1, DENSE_TOKENS + 1)) <= set(ladder)
     assert {b for b in PREFILL_TOKEN_BUCKETS if b <= 8192} <= set(ladder)
