@@ -84,6 +84,14 @@ def test_int4_moe_prefill_chunk():
     check(experts(7168, 512, 64), 2048)
 
 
+@pytest.mark.parametrize("shape", ["kimi", "tp4"])
+def test_int4_moe_prefill_middle_band(shape):
+    # 320 tokens over 64 experts: ~40 rows an expert, between INT4_ROW_BANDS' edges (the transposed 64-row tiles);
+    # in a CUDA graph, its output poisoned before each replay
+    D, I = SHAPES[shape]
+    check(experts(D, I, 64), 320, graph=True)
+
+
 @pytest.mark.parametrize("T,offset,E_all", [(1, 0, None), (2, 96, 384), (64, 96, 384)])
 def test_int4_moe_cuda_graph_replay(T, offset, E_all):
     # T=1, 2: the GEMV form; 64: the GEMM form (512 pairs, single-program align), under EP
