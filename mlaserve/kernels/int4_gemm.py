@@ -24,13 +24,32 @@ from .fused_moe import _pid_to_tile
 from .int4_gemv import ONE_BITS
 from .pdl import pdl_start
 
+# One word's 8 nibbles to bf16 (n - 8) * s, each rounded once (BF2): $8 the word, $9 the scale as a bf16 pair
+# (s, s); out $0..$7 = nibbles 0..7. Pair j: (w >> 4j) & 0x000F000F | 0x43004300 is the bf16 pair (128 + n_j,
+# 128 + n_{j+4}); minus 136 is exact, and the product with s rounds once, as the fp32 product rounded to bf16 does.
+DEQ_BF2_ASM = tl.constexpr(
+    "{ // int4_gemm:dequant\n.reg .b32 t, m, k, o, c, z, p<4>;\nmov.b32 m, 0x000F000F;\nmov.b32 k, 0x43004300;\n"
+    "mov.b32 o, 0x3F803F80;\nmov.b32 c, 0xC308C308;\nmov.b32 z, 0x80008000;\n"
+    + "".join(
+        (f"shr.u32 t, $8, {4 * j};\nlop3.b32 p{j}, t, m, k, 0xEA;\n" if j else f"lop3.b32 p{j}, $8, m, k, 0xEA;\n")
+        + f"fma.rn.bf16x2 p{j}, p{j}, o, c;\nfma.rn.bf16x2 p{j}, p{j}, $9, z;\nmov.b32 {{${j}, ${j + 4}}}, p{j};\n"
+        for j in range(4)
+    )
+    + "}"
+)
+DEQ_BF2_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 8 + ["r", "r"]))
+
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, n_ok, rem, one, KW: tl.constexpr, DTYPE: tl.constexpr, EVEN: tl.constexpr):
+def _dequant_tile(
+    w_ptr, s_ptr, n_ok, rem, one, KW: tl.constexpr, DTYPE: tl.constexpr, EVEN: tl.constexpr, BF2: tl.constexpr
+):
     """Weight tile rows n (pointers w_ptr / s_ptr [N] to each row's words / scales at this K step), KW words (a
     multiple of 4) of which the row has `rem` left -> [N, 8 * KW] in DTYPE: (nibble - 8) * scale, rounded once.
     EVEN: 0 masks K; 1: every K step is whole (no K mask, so the words load 16 bytes at a time); 2: also bf16 scales
-    read as 4-byte words of two groups (a thread's 2-byte scale load is not prefetched: cp.async needs 4 bytes)."""
+    read as 4-byte words of two groups (a thread's 2-byte scale load is not prefetched: cp.async needs 4 bytes).
+    BF2 (bf16 x and scales, compiled kernels): two weights an instruction in bf16 pairs (DEQ_BF2_ASM), the same
+    values."""
     N: tl.constexpr = w_ptr.shape[0]
     G: tl.constexpr = KW // 4
     kw = tl.arange(0, KW)
@@ -42,24 +61,50 @@ def _dequant_tile(w_ptr, s_ptr, n_ok, rem, one, KW: tl.constexpr, DTYPE: tl.cons
         g2 = tl.arange(0, G // 2)
         s2_ptr = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         v = tl.load(s2_ptr[:, None] + g2[None, :], mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
-        lo = (v << 16).to(tl.float32, bitcast=True)  # group 2j: bf16 bits to the top of an fp32, exact
-        hi = (v & 0xFFFF0000).to(tl.float32, bitcast=True)
-        s = tl.reshape(tl.join(lo, hi), (N, G))
+        if BF2:  # each group's scale as a bf16 pair (s, s)
+            pairs = tl.join((v & 0xFFFF) | (v << 16), (v >> 16) | (v & 0xFFFF0000))
+            s2 = tl.reshape(pairs, (N, G)).to(tl.int32, bitcast=True)
+        else:
+            lo = (v << 16).to(tl.float32, bitcast=True)  # group 2j: bf16 bits to the top of an fp32, exact
+            hi = (v & 0xFFFF0000).to(tl.float32, bitcast=True)
+            s = tl.reshape(tl.join(lo, hi), (N, G))
     else:
         g = tl.arange(0, G)
         if EVEN > 0:
             s = tl.load(s_ptr[:, None] + g[None, :], mask=n_ok[:, None], other=0.0)
         else:
             s = tl.load(s_ptr[:, None] + g[None, :], mask=n_ok[:, None] & (4 * g < rem)[None, :], other=0.0)
-    s = s.to(tl.float32)[:, :, None, None]  # [N, G, 1, 1]
-    # nibble pair p rotated left by 15 - 8p: nibble 2p + 1 to bits 19-22 (reads 1 + n/16 under 1.0's exponent),
-    # 2p to bits 15-18 (1 + n/256); one FMA each gives (n - 8) * s exactly (16 s, 24 s, 256 s, 264 s are exact)
-    rot = ((15 - 8 * tl.arange(0, 4)) & 31).to(tl.uint32)[None, None, None, :]
-    u = tl.reshape(w, (N, G, 4, 1)).to(tl.uint32, bitcast=True)
-    t = (u << rot) | (u >> ((32 - rot) & 31))  # [N, G, 4 words, 4 pairs]
-    lo = ((t & 0x00078000) | one).to(tl.float32, bitcast=True) * (256.0 * s) - 264.0 * s
-    hi = ((t & 0x00780000) | one).to(tl.float32, bitcast=True) * (16.0 * s) - 24.0 * s
-    return tl.reshape(tl.join(lo, hi), (N, 32 * G)).to(DTYPE)  # column 8 * word + nibble
+        if BF2:
+            bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            s2 = bits | (bits << 16)
+    if BF2:
+        out = _dequant_bf2(w, s2, N, KW)
+    else:
+        s = s.to(tl.float32)[:, :, None, None]  # [N, G, 1, 1]
+        # nibble pair p rotated left by 15 - 8p: nibble 2p + 1 to bits 19-22 (reads 1 + n/16 under 1.0's
+        # exponent), 2p to bits 15-18 (1 + n/256); one FMA each gives (n - 8) * s exactly (16 s, 24 s, 256 s, 264 s
+        # are exact)
+        rot = ((15 - 8 * tl.arange(0, 4)) & 31).to(tl.uint32)[None, None, None, :]
+        u = tl.reshape(w, (N, G, 4, 1)).to(tl.uint32, bitcast=True)
+        t = (u << rot) | (u >> ((32 - rot) & 31))  # [N, G, 4 words, 4 pairs]
+        lo = ((t & 0x00078000) | one).to(tl.float32, bitcast=True) * (256.0 * s) - 264.0 * s
+        hi = ((t & 0x00780000) | one).to(tl.float32, bitcast=True) * (16.0 * s) - 24.0 * s
+        out = tl.reshape(tl.join(lo, hi), (N, 32 * G)).to(DTYPE)  # column 8 * word + nibble
+    return out
+
+
+@triton.jit
+def _dequant_bf2(w, s2, N: tl.constexpr, KW: tl.constexpr):
+    """Words w [N, KW] int32 and their groups' scales as bf16 pairs s2 [N, KW / 4] int32 -> [N, 8 KW] bf16."""
+    G: tl.constexpr = KW // 4
+    s2w = tl.reshape(tl.broadcast_to(s2[:, :, None], (N, G, 4)), (N, KW))
+    o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+        DEQ_BF2_ASM, DEQ_BF2_CONSTRAINTS, [w, s2w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1
+    )
+    # joined so that the flattened index of nibble i is 4 a + 2 b + c for i = 4 a + 2 b + c
+    q = tl.join(tl.join(o0, o4), tl.join(o2, o6))
+    p = tl.join(tl.join(o1, o5), tl.join(o3, o7))
+    return tl.reshape(tl.join(q, p), (N, 8 * KW))
 
 
 @triton.jit
@@ -109,6 +154,7 @@ def _int4_gemm1_kernel(
     DOT_PREC: tl.constexpr,
     TRANS: tl.constexpr,
     EVEN: tl.constexpr,
+    BF2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -138,9 +184,13 @@ def _int4_gemm1_kernel(
             a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptr + k0, mask=row_ok[:, None] & (k < D - k0)[None, :], other=0.0)
-        g = _dequant_tile(g_ptr + k0 // 8, gs_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty, EVEN)
+        g = _dequant_tile(
+            g_ptr + k0 // 8, gs_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty, EVEN, BF2
+        )
         acc_g = _dot(a, g, acc_g, TRANS, DOT_PREC)
-        u = _dequant_tile(u_ptr + k0 // 8, us_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty, EVEN)
+        u = _dequant_tile(
+            u_ptr + k0 // 8, us_ptr + k0 // 32, n_ok, (D - k0) // 8, one, KW, X.dtype.element_ty, EVEN, BF2
+        )
         acc_u = _dot(a, u, acc_u, TRANS, DOT_PREC)
     h = (acc_g * tl.sigmoid(acc_g) * acc_u).to(Hbuf.dtype.element_ty)
     # padding rows too (zeros): GEMM2 reads them
@@ -178,6 +228,7 @@ def _int4_gemm2_kernel(
     DOT_PREC: tl.constexpr,
     TRANS: tl.constexpr,
     EVEN: tl.constexpr,
+    BF2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -202,7 +253,9 @@ def _int4_gemm2_kernel(
             a = tl.load(a_ptr + k0)
         else:
             a = tl.load(a_ptr + k0, mask=(k < I - k0)[None, :], other=0.0)
-        b = _dequant_tile(w_ptr + k0 // 8, s_ptr + k0 // 32, d_ok, (I - k0) // 8, one, KW, Hbuf.dtype.element_ty, EVEN)
+        b = _dequant_tile(
+            w_ptr + k0 // 8, s_ptr + k0 // 32, d_ok, (I - k0) // 8, one, KW, Hbuf.dtype.element_ty, EVEN, BF2
+        )
         acc = _dot(a, b, acc, TRANS, DOT_PREC)
     tw = tl.load(TopkW + ids, mask=row_ok, other=0.0)
     if TRANS:
@@ -227,6 +280,13 @@ def _even(K: int, block_k: int, scale) -> int:
     return 2 if pairs else 1
 
 
+def bf16_pairs(x: torch.Tensor, *scales: torch.Tensor) -> bool:
+    """_dequant_tile's BF2: bf16 activations and scales on a compiled sm_80+ kernel (the interpreter runs no PTX)."""
+    if x.dtype != torch.bfloat16 or any(s.dtype != torch.bfloat16 for s in scales) or not x.is_cuda:
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
 def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_ids, num_padded, hbuf, y, pdl, c1, c2):
     """Both GEMMs over moe_align's blocks (BLOCK_M = c1["BLOCK_M"] = c2["BLOCK_M"]) into hbuf [padded rows, I] and
     y [TK, D]; the caller checked every shape. c1 / c2: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
@@ -237,7 +297,7 @@ def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_id
     TK = T * K
     num_m = expert_ids.shape[0]
     prec = "ieee" if x.dtype.itemsize == 4 else "tf32"
-    common = dict(DOT_PREC=prec, **pdl)
+    common = dict(DOT_PREC=prec, BF2=bf16_pairs(x, s13, s2), **pdl)
     _int4_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
         x,
         w13,
