@@ -1,10 +1,11 @@
 """The INT4 (W4A16) MoE of larger steps as grouped tiled GEMMs: the (token, k) pairs aligned per expert in blocks of
 BLOCK_M rows (moe_align.py), each weight tile dequantized in registers to the activations' dtype, then tl.dot.
 
-A [BLOCK_N, BLOCK_K] weight tile is [BLOCK_N, BLOCK_K/8] packed words plus [BLOCK_N, BLOCK_K/32] scales. Each
-word's nibbles are rotated pairwise under the exponent of 1.0 (int4_gemv.py's trick: the bits read as 1 + n/16 or
-1 + n/256), and one FMA per weight gives (n - 8) * scale exactly (f * 16s - 24s, f * 256s - 264s: every constant
-product is exact in fp32), rounded once to the dot's dtype, as the bf16 reference rounds its dequantized weights.
+A [BLOCK_N, BLOCK_K] weight tile is [BLOCK_N, BLOCK_K/8] packed words plus [BLOCK_N, BLOCK_K/32] scales, each weight
+dequantized to (n - 8) * scale rounded once to the dot's dtype, as the bf16 reference rounds its dequantized weights.
+bf16 on the GPU: two weights at a time in bf16 pairs (DEQ_BF2_ASM). Else each word's nibbles are rotated pairwise
+under the exponent of 1.0 (int4_gemv.py's trick: the bits read as 1 + n/16 or 1 + n/256), and one FMA per weight
+gives (n - 8) * scale exactly in fp32 (f * 16s - 24s, f * 256s - 264s: every constant product is exact).
 
 GEMM1: Hbuf[m, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n]) for every padded row m of expert e's blocks.
 GEMM2: Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . down[e]) for every real row m.

@@ -55,7 +55,7 @@ def gemv_config(D: int, I: int, pairs: int) -> tuple[dict, dict]:
 
 def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> tuple[dict, dict]:
     """(gemm1, gemm2) tiles from the expected rows per expert T*K/E. Every block dequantizes its weight tiles anew
-    (one FMA a weight, about 6.5 instructions a weight in all at BLOCK_N 64: compile_check), so blocks grow sooner
+    (about 6 instructions a weight in all, the tile's pass through shared memory included), so blocks grow sooner
     than moe_config.py's: a block as large as the mean rows an expert (32, 64, then 128 rows) reads and unpacks
     each expert about once. BLOCK_K 64 (two scale groups) from 24 rows, 128 below. Both GEMMs run transposed
     (TRANS: the dequantized weight rows as wgmma's register A operand, the block's rows as its N), 128 weight rows
