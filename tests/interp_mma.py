@@ -1,5 +1,6 @@
 """The Triton interpreter cannot run inline PTX; this runs the few PTX instructions kernels/int4_mma.py uses, warp by
-warp, so its kernels run (and are checked against the torch reference) on CPU.
+warp, and kernels/int4_gemm.py's dequantization (DEQ_BF2_ASM, element by element), so their kernels run (and are
+checked against the torch reference) on CPU.
 
 The lane model is the one int4_mma.py assumes and int4_mma.check_layout verifies on compiled kernels: an asm op
 on a logical [R, V] tile runs once per (row r, 128 columns, lane l), on the 4 consecutive elements 4 l .. 4 l + 3
@@ -62,6 +63,22 @@ def _lop3(a, b, c, lut):
     return out
 
 
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp64 values exact in fp32 -> bf16 bits (round to nearest even), as uint32."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+
+
+def _fma_bf16x2(a, b, c):
+    """PTX fma.rn.bf16x2 on both halves; the exact a * b + c is rounded once (exact in fp32 for the operands used:
+    small integers, and products of a 4-bit integer and a bf16 scale)."""
+    out = np.zeros_like(a)
+    for sh in (0, 16):
+        f = [_bf16((v >> sh) & 0xFFFF) for v in (a, b, c)]
+        out |= _to_bf16_bits(f[0] * f[1] + f[2]) << np.uint32(sh)
+    return out
+
+
 def run_ptx(asm: str, operands: list[np.ndarray], n_out: int) -> list[np.ndarray]:
     """Execute `asm` on operand registers ([W, 32] uint32 each, outputs first, their input values ignored)."""
     regs: dict[str, np.ndarray] = {}
@@ -97,6 +114,12 @@ def run_ptx(asm: str, operands: list[np.ndarray], n_out: int) -> list[np.ndarray
             for tok, v in zip(groups[0], d):
                 put(tok, v)
             continue
+        if op == "mov.b32" and rest.lstrip().startswith("{"):  # {lo, hi}, r: a register's two 16-bit halves
+            lo, hi = re.match(r"\{([^}]*)\}", rest.strip()).group(1).split(",")
+            v = val(rest[rest.index("}") + 1 :].strip(" ,"))
+            put(lo, v & 0xFFFF)
+            put(hi, v >> 16)
+            continue
         args = [x.strip() for x in rest.split(",")]
         if op == "mov.u32" and args[1] == "%laneid":
             put(args[0], np.broadcast_to(np.arange(32, dtype=np.uint32), shape))
@@ -116,6 +139,8 @@ def run_ptx(asm: str, operands: list[np.ndarray], n_out: int) -> list[np.ndarray
             put(args[0], _lop3(val(args[1]), val(args[2]), val(args[3]), int(args[4], 0)))
         elif op == "prmt.b32":
             put(args[0], _prmt(val(args[1]), val(args[2]), val(args[3])))
+        elif op == "fma.rn.bf16x2":
+            put(args[0], _fma_bf16x2(val(args[1]), val(args[2]), val(args[3])))
         elif op == "fma.rn.f32":
             f = [val(x).view(np.float32).astype(np.float64) for x in args[1:]]
             put(args[0], (f[0] * f[1] + f[2]).astype(np.float32).view(np.uint32))
@@ -134,15 +159,29 @@ def _to_regs(data: np.ndarray, bits: int) -> list[np.ndarray]:
     return [x[..., 2 * i] | (x[..., 2 * i + 1] << 16) for i in range(2)]
 
 
+class _Call:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def get_result(self, i):
+        return self.handles[i]
+
+
 @contextlib.contextmanager
 def emulate_mma():
-    """Inside, the interpreter runs int4_mma.py's inline asm (and only that) with run_ptx."""
+    """Inside, the interpreter runs int4_mma.py's and int4_gemm.py's inline asm (and only those) with run_ptx."""
     import triton.language as tl
     from triton.runtime import interpreter as interp
 
     orig = interp.InterpreterBuilder.create_inline_asm
 
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        if "int4_gemm:" in asm:  # elementwise: 32-bit inputs, 16-bit outputs, one register each
+            shape = values[0].data.shape
+            ins = [v.data.reshape(-1).view(np.uint32).copy() for v in values]
+            res = run_ptx(asm, [np.zeros_like(ins[0]) for _ in types] + ins, len(types))
+            handles = [interp.TensorHandle(r.astype(np.uint16).reshape(shape), tl.bfloat16) for r in res]
+            return _Call(handles)
         if "int4_mma:" not in asm:
             return orig(self, asm, constraints, values, types, is_pure, pack)
         shape = values[0].data.shape
@@ -159,11 +198,7 @@ def emulate_mma():
             dt = tl.float32 if o == "fp32" else tl.int32
             handles.append(interp.TensorHandle(x.view(np.float32 if o == "fp32" else np.int32), dt))
 
-        class Call:
-            def get_result(self, i):
-                return handles[i]
-
-        return Call()
+        return _Call(handles)
 
     interp.InterpreterBuilder.create_inline_asm = create_inline_asm
     try:

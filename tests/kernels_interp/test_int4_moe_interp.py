@@ -65,6 +65,29 @@ def test_gemm_form(kdev, dtype, T, offset, add):
     check(kdev, dtype, T, D=64, I=32, E=4, K=2, offset=offset, config=GEMM, add=add, seed=10 + T)
 
 
+def _gemm_tiles(bk, trans):
+    c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=2, TRANS=trans)
+    return dict(form="gemm", gemm1=c, gemm2=dict(c))
+
+
+@pytest.mark.parametrize(
+    "D,I,cfg",
+    [
+        (64, 32, GEMM),  # the default tiles (BLOCK_K 128 over K = 64 / 32: masked K)
+        (128, 64, _gemm_tiles(64, True)),  # whole K steps, scales read as words of two groups (_even: 2)
+        (128, 64, _gemm_tiles(64, False)),  # the same untransposed
+        (96, 64, _gemm_tiles(32, True)),  # whole K steps of one group (_even: 1)
+    ],
+)
+def test_gemm_bf16_pairs(kdev, mma, monkeypatch, D, I, cfg):
+    """The GEMMs' dequantization in bf16 pairs (int4_gemm.DEQ_BF2_ASM, run by tests/interp_mma.py on CPU)."""
+    from mlaserve.kernels import int4_gemm
+
+    if kdev == "cpu":
+        monkeypatch.setattr(int4_gemm, "bf16_pairs", lambda x, *scales: x.dtype == torch.bfloat16)
+    check(kdev, torch.bfloat16, 5, D, I, E=4, K=2, offset=1, config=cfg, add=True, seed=D + I)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
