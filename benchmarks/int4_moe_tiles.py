@@ -53,6 +53,11 @@ VARIANTS = {  # name: (gemm1, gemm2); None: the defaults (gemm_config)
     "T 32/64/128 w4 s3": both(C(32, 64, 128, 4, 3, True)),
     "T 16/64/64 w4 s3": both(C(16, 64, 64, 4, 3, True)),
     "GEMM2 only T 128/128/64 w8 s3": (C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 3, True)),
+    # GEMM2's own tiles beside GEMM1's default (128-row blocks: 8,192 tokens; elsewhere BLOCK_M disagrees, skipped)
+    "GEMM1 default, GEMM2 T 128/128/64 w8 s3": ({}, C(128, 128, 64, 8, 3, True)),
+    "GEMM1 default, GEMM2 T 128/64/128 w4 s3": ({}, C(128, 64, 128, 4, 3, True)),
+    "GEMM1 default, GEMM2 T 128/64/64 w4 s4": ({}, C(128, 64, 64, 4, 4, True)),
+    "GEMM1 default, GEMM2 128/128/64 w8 s3": ({}, C(128, 128, 64, 8, 3)),
 }
 
 
