@@ -102,7 +102,8 @@ def _dequant_bf2(w, s2, N: tl.constexpr, KW: tl.constexpr):
     o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
         DEQ_BF2_ASM, DEQ_BF2_CONSTRAINTS, [w, s2w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1
     )
-    # joined so that the flattened index of nibble i is 4 a + 2 b + c for i = 4 a + 2 b + c
+    # tl.join stacks on a new last axis: join(q, p)[..., a, b, c] is nibble 4 a + 2 b + c (q: the even nibbles, p:
+    # the odd), so the flattened order is the words' column order
     q = tl.join(tl.join(o0, o4), tl.join(o2, o6))
     p = tl.join(tl.join(o1, o5), tl.join(o3, o7))
     return tl.reshape(tl.join(q, p), (N, 8 * KW))
