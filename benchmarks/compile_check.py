@@ -149,17 +149,11 @@ def _pdl_on_everywhere() -> None:
             mod.pdl_args = lambda t, pdl=True: dict(PDL=True, launch_pdl=True)
 
 
-def _bf16_pairs_on() -> None:
-    """The INT4 GEMMs dequantize in bf16 pairs on GPU tensors only (int4_gemm.bf16_pairs): say yes for the CPU ones
-    here, as an sm_90 GPU would."""
+def install() -> None:
     from mlaserve.kernels import int4_gemm
 
-    int4_gemm.bf16_pairs = lambda x, *scales: all(t.dtype == torch.bfloat16 for t in (x, *scales))
-
-
-def install() -> None:
     _pdl_on_everywhere()
-    _bf16_pairs_on()
+    int4_gemm.BF2_ON_CPU = True  # the INT4 GEMMs' bf16-pair dequantization, as an sm_90 GPU takes it
     triton.runtime.driver.set_active(_Sm90Driver())
     CompiledKernel.run = property(_record_launch)
     CompiledKernel.launch_metadata = lambda self, *args: None

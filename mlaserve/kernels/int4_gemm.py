@@ -282,10 +282,17 @@ def _even(K: int, block_k: int, scale) -> int:
     return 2 if pairs else 1
 
 
+# CPU tensors take the bf16 pairs too: set by benchmarks/compile_check.py (which compiles CPU calls for sm_90) and
+# by tests that run the PTX under the interpreter (tests/interp_mma.py); the interpreter alone runs no PTX
+BF2_ON_CPU = False
+
+
 def bf16_pairs(x: torch.Tensor, *scales: torch.Tensor) -> bool:
-    """_dequant_tile's BF2: bf16 activations and scales on a compiled sm_80+ kernel (the interpreter runs no PTX)."""
-    if x.dtype != torch.bfloat16 or any(s.dtype != torch.bfloat16 for s in scales) or not x.is_cuda:
+    """_dequant_tile's BF2: bf16 activations and scales on an sm_80+ GPU (or on CPU where BF2_ON_CPU says so)."""
+    if x.dtype != torch.bfloat16 or any(s.dtype != torch.bfloat16 for s in scales):
         return False
+    if not x.is_cuda:
+        return BF2_ON_CPU
     return torch.cuda.get_device_capability(x.device)[0] >= 8
 
 

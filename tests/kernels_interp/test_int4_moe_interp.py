@@ -83,8 +83,7 @@ def test_gemm_bf16_pairs(kdev, mma, monkeypatch, D, I, cfg):
     """The GEMMs' dequantization in bf16 pairs (int4_gemm.DEQ_BF2_ASM, run by tests/interp_mma.py on CPU)."""
     from mlaserve.kernels import int4_gemm
 
-    if kdev == "cpu":
-        monkeypatch.setattr(int4_gemm, "bf16_pairs", lambda x, *scales: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(int4_gemm, "BF2_ON_CPU", True)
     check(kdev, torch.bfloat16, 5, D, I, E=4, K=2, offset=1, config=cfg, add=True, seed=D + I)
 
 
