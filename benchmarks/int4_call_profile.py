@@ -15,6 +15,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.bench_engine import kernel_rows
 from benchmarks.int4_moe_bench import dequant_bf16
 from mlaserve.kernels.fused_moe import fused_experts
 from mlaserve.kernels.int4_moe import int4_fused_experts
@@ -33,8 +34,7 @@ def kernel_ms(fn) -> dict[str, float]:
         for _ in range(REPS):
             fn()
         torch.cuda.synchronize()
-    rows = {e.key[:60]: e.device_time_total / REPS / 1000 for e in p.key_averages() if e.device_type.name == "CUDA"}
-    return {k: round(v, 3) for k, v in sorted(rows.items(), key=lambda kv: -kv[1]) if v > 0}
+    return {name[:60]: round(ms / REPS, 3) for name, ms, _ in kernel_rows(p)}
 
 
 def main() -> None:
