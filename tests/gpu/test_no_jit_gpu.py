@@ -89,13 +89,15 @@ def _workload(llm) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "speculative,kv_cache_dtype",
-    [(False, "auto"), (True, "auto"), ("ngram", "auto"), ("mtp", "auto"), (False, "fp8")],
-    ids=["plain", "eagle3", "ngram", "mtp", "fp8kv"],
+    [(False, "auto"), (True, "auto"), ("ngram", "auto"), ("mtp", "auto"), (False, "fp8"), ("int4", "auto")],
+    ids=["plain", "eagle3", "ngram", "mtp", "fp8kv", "int4"],
 )
-def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative, kv_cache_dtype):
+def test_no_triton_compile_after_start_up(tiny_ckpt, tmp_path, speculative, kv_cache_dtype, request):
     pytest.importorskip("triton")
     spec = None
-    if speculative == "ngram":  # the lookup kernel, in the step graphs and eagerly (mixed steps, sampled rows)
+    if speculative == "int4":  # INT4 experts: the GEMV and the GEMM's row bands (moe_config.INT4_ROW_BANDS)
+        tiny_ckpt = request.getfixturevalue("int4_ckpt")
+    elif speculative == "ngram":  # the lookup kernel, in the step graphs and eagerly (mixed steps, sampled rows)
         spec = {"algorithm": "NGRAM", "num_steps": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     elif speculative == "mtp":  # the checkpoint's MTP layer (MLA + MoE) as the draft, K=2
         from mlaserve.models.make_random import make_random
