@@ -6,6 +6,9 @@ TRANS).
 
     PYTHONPATH=$PWD python benchmarks/int4_moe_tiles.py
     INT4_TILES_T=256,512,1024 PYTHONPATH=$PWD python benchmarks/int4_moe_tiles.py
+    INT4_TILES_ONLY="default,GEMM1 default" PYTHONPATH=$PWD python benchmarks/int4_moe_tiles.py
+
+INT4_TILES_ONLY: comma-separated name prefixes; only the variants whose names start with one of them.
 
 Writes $OUT/int4_moe_tiles.json (OUT defaults to .). Needs a GPU and ~45 GB of its memory.
 """
@@ -26,8 +29,8 @@ D, I, E, K = 7168, 2048, 384, 8
 
 
 def C(bm, bn, bk, w, s, trans=False, group=8):
-    # TRANS always set: int4_fused_experts merges a config into the defaults, whose TRANS would otherwise stand
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=w, num_stages=s, TRANS=trans)
+    # TRANS and TAIL always set: int4_fused_experts merges a config into the defaults, whose own would otherwise stand
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=w, num_stages=s, TRANS=trans, TAIL=None)
 
 
 def both(c):
@@ -36,12 +39,17 @@ def both(c):
 
 VARIANTS = {  # name: (gemm1, gemm2); None: the defaults (gemm_config)
     "default": None,
+    # the 128-row tiles with each expert's last rows, if at most 64, in 64-row tiles (moe_align's tail list)
+    "default + tail 64/128": both(dict(TAIL=dict(BLOCK_M=64, BLOCK_N=128))),
     "128/128/64 w8 s3 (the default above 96 rows before d796d58)": both(C(128, 128, 64, 8, 3)),
     "128/128/64 w8 s4": both(C(128, 128, 64, 8, 4)),
     "T 128/128/64 w8 s3": both(C(128, 128, 64, 8, 3, True)),
     "T 128/128/64 w8 s4": both(C(128, 128, 64, 8, 4, True)),
     "T 64/128/64 w8 s3": both(C(64, 128, 64, 8, 3, True)),
     "T 64/128/64 w4 s3": both(C(64, 128, 64, 4, 3, True)),
+    "T 64/128/64 w4 s3 + tail 32/64/128": both(
+        dict(C(64, 128, 64, 4, 3, True), TAIL=dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128))
+    ),
     "T 128/64/64 w4 s3": both(C(128, 64, 64, 4, 3, True)),
     "T 128/128/128 w8 s3": both(C(128, 128, 128, 8, 3, True)),
     "T 64/64/64 w4 s4": both(C(64, 64, 64, 4, 4, True)),
@@ -83,6 +91,7 @@ def main():
     torch.manual_seed(0)
     w = random_int4_experts(E, D, I, "cuda")
     w13, w2 = dequant_bf16(w, D, I)
+    only = [p for p in os.environ.get("INT4_TILES_ONLY", "").split(",") if p]
     rows = []
     for T in [int(t) for t in os.environ.get("INT4_TILES_T", "8192,2048").split(",")]:
         ids = torch.rand(T, E, device="cuda").topk(K, -1).indices
@@ -98,6 +107,8 @@ def main():
         )
         rows.append(dict(T=T, variant="bf16 fused_experts", ms=tb))
         for name, cs in VARIANTS.items():
+            if only and not any(name.startswith(p) for p in only):
+                continue
             cfg = dict(form="gemm") if cs is None else dict(form="gemm", gemm1=cs[0], gemm2=cs[1])
             try:
                 err = rel(int4_fused_experts(x, *w, tw, ids, 0, config=cfg), base)

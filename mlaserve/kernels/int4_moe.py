@@ -184,7 +184,8 @@ def int4_fused_experts(
     "gemv_mma" where mma_supported and mma_preferred, else "gemv_fma"; for gemv_mma "pair" (two pairs of one expert
     in one pass, default True); "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL",
     "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1", "gemv2" ({"ROWS", "G",
-    "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared) override the defaults."""
+    "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared; "TAIL": None, or
+    changes to the tiles for moe_align's tail list, whose BLOCK_M is half) override the defaults."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if num_experts and (num_experts < E or all_local and num_experts != E):
         raise ValueError(
@@ -235,29 +236,40 @@ def int4_fused_experts(
         )
     else:  # gemm
         c1, c2 = dict(c1, **cfg.get("gemm1", {})), dict(c2, **cfg.get("gemm2", {}))
+        t1, t2 = c1.pop("TAIL", None), c2.pop("TAIL", None)  # the tail list's changes to the tiles, or None
+        if (t1 is None) != (t2 is None):
+            raise ValueError("config: gemm1 and gemm2 take a TAIL together or not at all")
+        tiles = [(c1, c2)] + ([(dict(c1, **t1), dict(c2, **t2))] if t1 is not None else [])
         bm = c1["BLOCK_M"]
-        if c2["BLOCK_M"] != bm or bm & (bm - 1) or bm < 16:
-            raise ValueError(f"config: gemm1/gemm2 BLOCK_M {bm}/{c2['BLOCK_M']} must agree and be a power of 2 >= 16")
-        for c in (c1, c2):
-            if c["BLOCK_K"] % 32 or c["BLOCK_K"] & (c["BLOCK_K"] - 1):
-                raise ValueError(f"config: BLOCK_K={c['BLOCK_K']} must be a power of 2 and a multiple of 32")
-        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, expert_offset, bm, pdl=kernels.pdl)
-        hbuf = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
-        int4_gemm(
-            x,
-            w13_packed,
-            w13_scale,
-            w2_packed,
-            w2_scale,
-            topk_weights,
-            topk_ids,
-            sorted_ids,
-            expert_ids,
-            num_padded,
-            hbuf,
-            y,
-            pdl,
-            c1,
-            c2,
-        )
+        for a, b in tiles:
+            if b["BLOCK_M"] != a["BLOCK_M"] or a["BLOCK_M"] & (a["BLOCK_M"] - 1) or a["BLOCK_M"] < 16:
+                raise ValueError(
+                    f"config: gemm1/gemm2 BLOCK_M {a['BLOCK_M']}/{b['BLOCK_M']} (TAIL: their tail's) must agree and "
+                    "be a power of 2 >= 16"
+                )
+            for c in (a, b):
+                if c["BLOCK_K"] % 32 or c["BLOCK_K"] & (c["BLOCK_K"] - 1):
+                    raise ValueError(f"config: BLOCK_K={c['BLOCK_K']} must be a power of 2 and a multiple of 32")
+        if len(tiles) == 2 and tiles[1][0]["BLOCK_M"] * 2 != bm:
+            raise ValueError(f"config: TAIL's BLOCK_M={tiles[1][0]['BLOCK_M']} must be half of BLOCK_M={bm}")
+        lists = moe_align(topk_ids, E, expert_offset, bm, pdl=kernels.pdl, tail=len(tiles) == 2)
+        for (a, b), (sorted_ids, expert_ids, num_padded) in zip(tiles, (lists[:3], lists[3:])):
+            hbuf = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
+            int4_gemm(
+                x,
+                w13_packed,
+                w13_scale,
+                w2_packed,
+                w2_scale,
+                topk_weights,
+                topk_ids,
+                sorted_ids,
+                expert_ids,
+                num_padded,
+                hbuf,
+                y,
+                pdl,
+                a,
+                b,
+            )
     return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)

@@ -63,13 +63,16 @@ def _moe_hist_kernel(
     tl.store(Partial + p * E_LOCAL + offs_e, hist, mask=offs_e < E_LOCAL)
 
 
-@triton.jit(do_not_specialize=["TK", "NT", "expert_offset", "num_chunks", "max_blocks", "max_padded"])
+@triton.jit(do_not_specialize=["TK", "NT", "expert_offset", "num_chunks", "max_blocks", "max_padded", "max_padded_t"])
 def _moe_align_kernel(
     TopkIds,
     Partial,
     SortedIds,
     ExpertIds,
     NumPadded,
+    SortedT,
+    ExpertT,
+    NumT,
     TK,
     NT,
     expert_offset,
@@ -77,7 +80,9 @@ def _moe_align_kernel(
     num_chunks,
     max_blocks,
     max_padded,
+    max_padded_t,
     SHARED: tl.constexpr,
+    TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     SUB: tl.constexpr,
@@ -90,7 +95,10 @@ def _moe_align_kernel(
 ):
     """SINGLE: one program, all TK pairs, counting them itself. Else program p owns chunk p of Partial's counts.
     SHARED: the last SHARED slots of each of the NT rows name experts E_LOCAL .. E_LOCAL + SHARED - 1, one each in
-    order (the router's fused shared experts); they are laid out after the counted experts by arithmetic alone."""
+    order (the router's fused shared experts); they are laid out after the counted experts by arithmetic alone.
+    TAIL: an expert's rows in half blocks (HALF = BLOCK_M / 2 rows); pairs of them are its BLOCK_M-row blocks here,
+    an odd last one goes to SortedT / ExpertT / NumT (the tail list, blocks of HALF rows), so its last rows pad to
+    HALF instead of BLOCK_M (171 rows: 128 + 64 rows, not 256)."""
     pdl_start(PDL)
     p = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -115,7 +123,16 @@ def _moe_align_kernel(
             )
             cnt += tl.sum(part, 0)
             before += tl.sum(tl.where((q < p)[:, None], part, 0), 0)
-    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    HALF: tl.constexpr = BLOCK_M // 2
+    if TAIL:
+        halves = (cnt + HALF - 1) // HALF
+        padded = halves // 2 * BLOCK_M  # rows in the main list; an odd last half block is the tail's
+        padded_t = halves % 2 * HALF
+        ends_t = tl.cumsum(padded_t, 0)
+        starts_t = ends_t - padded_t
+        tl.store(NumT, tl.sum(padded_t, 0), mask=p == 0)
+    else:
+        padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
     total = tl.sum(padded, 0)  # the counted experts' rows; the shared experts' follow, NT padded a shared expert
@@ -129,20 +146,35 @@ def _moe_align_kernel(
         if SHARED:
             eid = tl.where(x < total, eid, E_LOCAL + (x - total) // tl.maximum(pad_nt, 1))
         tl.store(ExpertIds + blk, tl.where(x < total + SHARED * pad_nt, eid, -1), mask=blk < max_blocks)
+    if TAIL:  # the tail list's blocks: one an expert at most, so at most max_padded_t / HALF of them
+        for b0 in range(p * BLOCK_B, max_padded_t // HALF, nprog * BLOCK_B):
+            blk = b0 + tl.arange(0, BLOCK_B)
+            x = blk * HALF
+            eid = tl.sum(((ends_t[None, :] <= x[:, None]) & e_ok[None, :]).to(tl.int32), 1)
+            tl.store(ExpertT + blk, tl.where(x < tl.sum(padded_t, 0), eid, -1), mask=blk < max_padded_t // HALF)
     # Each expert's padding rows [start + count, end) get the sentinel TK (an invalid pair index).
     if SINGLE:  # one program: sentinel everywhere first (cheap stores), the pairs overwrite their rows below
         for i0 in range(0, max_padded, 1024):
             offs = i0 + tl.arange(0, 1024)
             tl.store(SortedIds + offs, tl.zeros([1024], tl.int32) + TK, mask=offs < max_padded)
+        if TAIL:
+            for i0 in range(0, max_padded_t, 1024):
+                offs = i0 + tl.arange(0, 1024)
+                tl.store(SortedT + offs, tl.zeros([1024], tl.int32) + TK, mask=offs < max_padded_t)
         tl.debug_barrier()
     else:  # many programs: each fills the padding of a slice of experts (no ordering between programs needed)
-        fill_end = starts + cnt
+        fill_end = starts + tl.minimum(cnt, padded)
         for e0 in range(p * PAD_E, E_LOCAL, nprog * PAD_E):
             sel = (e0 + tl.arange(0, PAD_E))[:, None] == offs_e[None, :]  # [PAD_E, BLOCK_E]: gather by one-hot
             lo = tl.sum(tl.where(sel, fill_end[None, :], 0), 1)
             hi = tl.sum(tl.where(sel, ends[None, :], 0), 1)
             pos = lo[:, None] + tl.arange(0, BLOCK_M)[None, :]
             tl.store(SortedIds + pos, tl.zeros([PAD_E, BLOCK_M], tl.int32) + TK, mask=pos < hi[:, None])
+            if TAIL:
+                lo = tl.sum(tl.where(sel, (starts_t + cnt - tl.minimum(cnt, padded))[None, :], 0), 1)
+                hi = tl.sum(tl.where(sel, ends_t[None, :], 0), 1)
+                pos = lo[:, None] + tl.arange(0, HALF)[None, :]
+                tl.store(SortedT + pos, tl.zeros([PAD_E, HALF], tl.int32) + TK, mask=pos < hi[:, None])
         if SHARED:  # the shared experts' padding rows, by program 0
             for j in tl.static_range(SHARED):
                 sh_pos = total + j * pad_nt + NT + tl.arange(0, BLOCK_M)
@@ -158,14 +190,26 @@ def _moe_align_kernel(
             for j in tl.static_range(SHARED):
                 tl.store(SortedIds + total + j * pad_nt + t, t * K + (K - SHARED) + j, mask=t < NT)
     # This chunk's pairs: row = expert start + pairs before this chunk + rank inside the chunk (one-hot cumsum).
-    carry = starts + before
-    for s0 in range(0, length, SUB):
-        offs = start + s0 + tl.arange(0, SUB)
-        e = _local_experts(TopkIds, offs, TK, expert_offset, E_LOCAL)
-        oh = (e[:, None] == offs_e[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
-        pos = tl.sum(oh * (tl.cumsum(oh, 0) - 1 + carry[None, :]), 1)
-        tl.store(SortedIds + pos, offs, mask=e >= 0)
-        carry += tl.sum(oh, 0)
+    if TAIL:  # rank r inside the expert: row starts + r while r < its main rows, else the tail's row
+        carry = before
+        for s0 in range(0, length, SUB):
+            offs = start + s0 + tl.arange(0, SUB)
+            e = _local_experts(TopkIds, offs, TK, expert_offset, E_LOCAL)
+            oh = (e[:, None] == offs_e[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
+            r = tl.sum(oh * (tl.cumsum(oh, 0) - 1 + carry[None, :]), 1)
+            main = tl.sum(oh * padded[None, :], 1)
+            tl.store(SortedIds + tl.sum(oh * starts[None, :], 1) + r, offs, mask=(e >= 0) & (r < main))
+            tl.store(SortedT + tl.sum(oh * starts_t[None, :], 1) + r - main, offs, mask=(e >= 0) & (r >= main))
+            carry += tl.sum(oh, 0)
+    else:
+        carry = starts + before
+        for s0 in range(0, length, SUB):
+            offs = start + s0 + tl.arange(0, SUB)
+            e = _local_experts(TopkIds, offs, TK, expert_offset, E_LOCAL)
+            oh = (e[:, None] == offs_e[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
+            pos = tl.sum(oh * (tl.cumsum(oh, 0) - 1 + carry[None, :]), 1)
+            tl.store(SortedIds + pos, offs, mask=e >= 0)
+            carry += tl.sum(oh, 0)
 
 
 def moe_align(
@@ -180,6 +224,7 @@ def moe_align(
     sub: int | None = None,
     num_warps: int | None = None,
     pdl: bool = True,
+    tail: bool = False,
 ):
     """-> (sorted_ids [max_padded] int32, expert_ids [max_blocks] int32 (-1 past the end), num_padded [1] int32).
     max_padded = T*K + min(E_local, T*K) * (block_m - 1) bounds the padded total for any routing; sorted_ids past
@@ -188,18 +233,32 @@ def moe_align(
     next_pow2(E_local) / 64); sub (pairs a one-hot tile, a power of 2) and num_warps (benchmarks) override the tiles.
     shared: the last `shared` slots of every row of topk_ids name local experts E_local - shared .. E_local - 1 in
     order (the router's fused shared experts, routing.py): they are placed without counting, so the one-hot tiles
-    span E_local - shared experts."""
+    span E_local - shared experts. tail: the tail list's three follow (sorted_t [min(E_local, T*K) * block_m/2],
+    expert_t, num_t), each expert's odd last half block (its last rows, at most block_m/2 of them) there instead of
+    padded to block_m rows in the main list."""
     TK = topk_ids.numel()
     dev = topk_ids.device
     if block_m & (block_m - 1) or (chunk is not None and chunk & (chunk - 1)):
         raise ValueError(f"moe_align block_m={block_m} and chunk={chunk} must be powers of 2")
+    if tail and (shared or block_m < 2):
+        raise ValueError(f"moe_align tail needs shared=0 (got {shared}) and block_m >= 2 (got {block_m})")
     max_padded = TK + min(E_local, TK) * (block_m - 1)
     max_blocks = triton.cdiv(max_padded, block_m)
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    lists = (sorted_ids, expert_ids, num_padded)
+    max_padded_t = min(E_local, TK) * (block_m // 2) if tail else 0  # tail blocks: one an expert at most
+    if tail:
+        lists += (
+            torch.empty(max_padded_t, dtype=torch.int32, device=dev),
+            torch.empty(max_padded_t // (block_m // 2), dtype=torch.int32, device=dev),
+            torch.empty(1, dtype=torch.int32, device=dev),
+        )
     if TK == 0:
-        return sorted_ids, expert_ids, num_padded.zero_()
+        for n in lists[2::3]:
+            n.zero_()
+        return lists
     ids = topk_ids.reshape(-1)
     NT = topk_ids.shape[0] if topk_ids.dim() == 2 else TK
     if shared and (topk_ids.dim() != 2 or shared >= E_local or shared > topk_ids.shape[-1]):
@@ -238,6 +297,7 @@ def moe_align(
         sorted_ids,
         expert_ids,
         num_padded,
+        *(lists[3:] if tail else (num_padded,) * 3),  # unused without tail
         TK,
         NT,
         expert_offset,
@@ -245,7 +305,9 @@ def moe_align(
         num_chunks,
         max_blocks,
         max_padded,
+        max_padded_t,
         SHARED=shared,
+        TAIL=tail,
         BLOCK_M=block_m,
         BLOCK_E=block_e,
         SUB=sub,
@@ -257,4 +319,4 @@ def moe_align(
         num_warps=warps,
         **pdl,
     )
-    return sorted_ids, expert_ids, num_padded
+    return lists

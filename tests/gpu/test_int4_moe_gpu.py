@@ -92,6 +92,15 @@ def test_int4_moe_prefill_middle_band(shape):
     check(experts(D, I, 64), 320, graph=True)
 
 
+@pytest.mark.parametrize("shape", ["kimi", "tp4"])
+def test_int4_moe_prefill_tail_list(shape):
+    # 1,400 tokens over 64 experts: ~175 rows an expert in 128-row blocks, the last rows of most in moe_align's
+    # tail list (64-row tiles); in a CUDA graph, its output poisoned before each replay
+    D, I = SHAPES[shape]
+    t = dict(BLOCK_M=128, BLOCK_N=64, TRANS=True, TAIL=dict(BLOCK_M=64, BLOCK_N=128))
+    check(experts(D, I, 64), 1400, config=dict(form="gemm", gemm1=t, gemm2=t), graph=True)
+
+
 @pytest.mark.parametrize("T,offset,E_all", [(1, 0, None), (2, 96, 384), (64, 96, 384)])
 def test_int4_moe_cuda_graph_replay(T, offset, E_all):
     # T=1, 2: the GEMV form; 64: the GEMM form (512 pairs, single-program align), under EP

@@ -243,16 +243,25 @@ def decode_moe_inputs(device, *, T: int, D: int, I: int, E: int, K: int, S: int,
     return x, w13, w2, w, ids, kw
 
 
-def moe_align_ref(topk_ids: torch.Tensor, E_local: int, offset: int, block_m: int) -> tuple[list[int], list[int]]:
-    """The expected layout: each local expert's pairs in index order, padded with T*K to a multiple of block_m."""
+def moe_align_ref(topk_ids: torch.Tensor, E_local: int, offset: int, block_m: int, tail: bool = False) -> tuple:
+    """The expected layout: each local expert's pairs in index order, padded with T*K to a multiple of block_m ->
+    (rows, blocks). tail: an expert's pairs in half blocks, pairs of them its blocks, an odd last one in the tail
+    list -> (rows, blocks, tail rows, tail blocks)."""
     flat, TK = topk_ids.reshape(-1).cpu(), topk_ids.numel()
-    rows, blocks = [], []
+    rows, blocks, rows_t, blocks_t = [], [], [], []
+    h = block_m // 2
     for e in range(E_local):
         pairs = (flat == e + offset).nonzero().reshape(-1).tolist()
-        n = -(-len(pairs) // block_m)
+        n = -(-len(pairs) // (h if tail else block_m))
+        if tail:
+            main, n = pairs[: n // 2 * block_m], n // 2
+            if len(main) < len(pairs):
+                rows_t += pairs[len(main) :] + [TK] * (h - len(pairs) + len(main))
+                blocks_t.append(e)
+            pairs = main
         rows += pairs + [TK] * (n * block_m - len(pairs))
         blocks += [e] * n
-    return rows, blocks
+    return (rows, blocks, rows_t, blocks_t) if tail else (rows, blocks)
 
 
 def check_moe_align(device, *, T: int, K: int, E_total: int, E_local: int, offset: int, block_m: int, **kw):
@@ -264,13 +273,15 @@ def check_moe_align(device, *, T: int, K: int, E_total: int, E_local: int, offse
     if T > 3:  # a skewed routing too: every token prefers the first experts
         ids[: T // 2] = torch.arange(K - S, device=device)
     ids = torch.cat([ids, torch.arange(E_total - S, E_total, device=device).expand(T, S)], 1)
-    sorted_ids, expert_ids, num_padded = moe_align(ids, E_local, offset, block_m, **kw)
-    rows, blocks = moe_align_ref(ids, E_local, offset, block_m)
-    n = int(num_padded)
-    assert n == len(rows), f"moe_align num_padded {n} != {len(rows)}"
-    assert sorted_ids[:n].tolist() == rows, f"moe_align rows differ (T={T} K={K} E={E_local} bm={block_m} {kw})"
-    nb = len(blocks)
-    assert expert_ids[:nb].tolist() == blocks and (expert_ids[nb:] == -1).all(), "moe_align expert ids differ"
+    got = moe_align(ids, E_local, offset, block_m, **kw)
+    want = moe_align_ref(ids, E_local, offset, block_m, kw.get("tail", False))
+    for (sorted_ids, expert_ids, num_padded), rows, blocks in zip((got[:3], got[3:]), want[::2], want[1::2]):
+        n = int(num_padded)
+        assert n == len(rows), f"moe_align num_padded {n} != {len(rows)}"
+        assert sorted_ids[:n].tolist() == rows, f"moe_align rows differ (T={T} K={K} E={E_local} bm={block_m} {kw})"
+        nb = len(blocks)
+        assert expert_ids[:nb].tolist() == blocks and (expert_ids[nb:] == -1).all(), "moe_align expert ids differ"
+    assert len(got) == len(want) // 2 * 3
 
 
 def _near_tie(

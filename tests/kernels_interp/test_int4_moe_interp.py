@@ -244,6 +244,17 @@ def test_gemm_whole_k_steps(kdev, block_k, trans, scale_dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("trans", [False, True])
+def test_gemm_tail_list(kdev, dtype, trans):
+    # TAIL: each expert's rows in 32-row blocks, an odd last 16-row half block in the tail list's 16-row tiles (its
+    # own BLOCK_N). 3 local experts and 2 foreign ones; 40 tokens x 2: 14, 17 and 14 rows (a tail block alone, a
+    # 32-row block alone); 100 tokens: 39, 35 and 46 (a 32-row block and a tail block each)
+    t = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, TRANS=trans, TAIL=dict(BLOCK_M=16, BLOCK_N=32))
+    for T in (40, 100):
+        check(kdev, dtype, T=T, D=96, I=96, E=3, K=2, config=dict(form="gemm", gemm1=t, gemm2=t), seed=27, add=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemm_transposed(kdev, dtype):
     # TRANS: each GEMM computes its output transposed (weights the MMA's first operand); masked K and N steps
     # (BLOCK_K 64 over 96, BLOCK_N 64 over 96), several blocks per expert, foreign ids; one GEMM transposed alone
@@ -341,6 +352,11 @@ def test_bad_arguments_name_the_field(kdev):
         int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, config=dict(form="fast"))
     with pytest.raises(ValueError, match="config keys"):
         int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, config=dict(BLOCK_M=16))
+    tail = dict(form="gemm", gemm1=dict(BLOCK_M=32, TAIL=dict(BLOCK_M=32)), gemm2=dict(BLOCK_M=32, TAIL={}))
+    with pytest.raises(ValueError, match="TAIL's BLOCK_M=32 must be half of BLOCK_M=32"):
+        int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, config=tail)
+    with pytest.raises(ValueError, match="gemm1 and gemm2 take a TAIL together"):
+        int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, config=dict(tail, gemm2=dict(BLOCK_M=32)))
     for n, local in ((3, False), (8, True)):  # fewer experts in all than local ones; all local but more in all
         with pytest.raises(ValueError, match=f"num_experts={n} must be 0 or at least the 4 local experts"):
             int4_fused_experts(x, w13p, w13s, w2p, w2s, tw, ids, all_local=local, num_experts=n)

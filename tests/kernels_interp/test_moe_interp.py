@@ -72,6 +72,12 @@ def test_moe_align_layout(kdev, fused_count, monkeypatch):
         (37, 3, 24, 24, 0, 4, dict(shared=1, fused_max=0, chunk=16)),
         (37, 5, 14, 14, 0, 8, dict(shared=2, fused_max=0, chunk=16)),
         (3, 2, 9, 9, 0, 16, dict(shared=2, fused_max=0)),  # shared slots only; padding of 13 rows each
+        # the tail list (an expert's odd last half block): one program, chunks, EP, many experts
+        (37, 3, 6, 6, 0, 8, dict(tail=True)),
+        (37, 3, 6, 6, 0, 8, dict(tail=True, fused_max=0, chunk=16)),
+        (64, 4, 12, 5, 3, 8, dict(tail=True, fused_max=0, chunk=32)),
+        (64, 4, 12, 5, 3, 32, dict(tail=True, fused_max=0, chunk=32)),  # experts with one tail block only
+        (100, 3, 260, 200, 60, 2, dict(tail=True)),
     ],
 )
 def test_moe_align_matches_stable_sort(kdev, T, K, E_total, E_local, offset, block_m, kw):
