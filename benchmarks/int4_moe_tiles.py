@@ -39,8 +39,8 @@ def both(c):
 
 VARIANTS = {  # name: (gemm1, gemm2); None: the defaults (gemm_config)
     "default": None,
-    # the 128-row tiles with each expert's last rows, if at most 64, in 64-row tiles (moe_align's tail list)
-    "default + tail 64/128": both(dict(TAIL=dict(BLOCK_M=64, BLOCK_N=128))),
+    # above 64 rows an expert: each expert's last rows, if at most 64, in 64-row tiles (moe_align's tail list)
+    "default without the tail list (before 2026-12-07)": both(dict(TAIL=None)),
     "128/128/64 w8 s3 (the default above 96 rows before d796d58)": both(C(128, 128, 64, 8, 3)),
     "128/128/64 w8 s4": both(C(128, 128, 64, 8, 4)),
     "T 128/128/64 w8 s3": both(C(128, 128, 64, 8, 3, True)),
