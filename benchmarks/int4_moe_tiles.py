@@ -33,6 +33,11 @@ def C(bm, bn, bk, w, s, trans=False, group=8):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=w, num_stages=s, TRANS=trans, TAIL=None)
 
 
+def tail64(c):
+    # the default's tail tiles (gemm_config's 64-row band: 64/128/64, 4 warps, 3 stages, transposed) under c
+    return dict(c, TAIL=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, TRANS=True))
+
+
 def both(c):
     return c, c
 
@@ -61,11 +66,12 @@ VARIANTS = {  # name: (gemm1, gemm2); None: the defaults (gemm_config)
     "T 32/64/128 w4 s3": both(C(32, 64, 128, 4, 3, True)),
     "T 16/64/64 w4 s3": both(C(16, 64, 64, 4, 3, True)),
     "GEMM2 only T 128/128/64 w8 s3": (C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 3, True)),
-    # GEMM2's own tiles beside GEMM1's default (128-row blocks: 8,192 tokens; elsewhere BLOCK_M disagrees, skipped)
-    "GEMM1 default, GEMM2 T 128/128/64 w8 s3": ({}, C(128, 128, 64, 8, 3, True)),
-    "GEMM1 default, GEMM2 T 128/64/128 w4 s3": ({}, C(128, 64, 128, 4, 3, True)),
-    "GEMM1 default, GEMM2 T 128/64/64 w4 s4": ({}, C(128, 64, 64, 4, 4, True)),
-    "GEMM1 default, GEMM2 128/128/64 w8 s3": ({}, C(128, 128, 64, 8, 3)),
+    # GEMM2's own tiles beside GEMM1's default, both with the default's tail tiles (128-row blocks: 8,192 tokens;
+    # elsewhere BLOCK_M disagrees, skipped)
+    "GEMM1 default, GEMM2 T 128/128/64 w8 s3": ({}, tail64(C(128, 128, 64, 8, 3, True))),
+    "GEMM1 default, GEMM2 T 128/64/128 w4 s3": ({}, tail64(C(128, 64, 128, 4, 3, True))),
+    "GEMM1 default, GEMM2 T 128/64/64 w4 s4": ({}, tail64(C(128, 64, 64, 4, 4, True))),
+    "GEMM1 default, GEMM2 128/128/64 w8 s3": ({}, tail64(C(128, 128, 64, 8, 3))),
 }
 
 
