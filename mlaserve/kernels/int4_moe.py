@@ -77,6 +77,28 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
     return c1, dict(c1)
 
 
+def _gemm_tiles(c1: dict, c2: dict) -> list[tuple[dict, dict]]:
+    """[(gemm1, gemm2) tiles of the main list] + [those of the tail list] where c1 and c2 take a TAIL (changes to
+    their tiles; BLOCK_M half the main's); errors name the key and the limit."""
+    t1, t2 = c1.pop("TAIL", None), c2.pop("TAIL", None)
+    if (t1 is None) != (t2 is None):
+        raise ValueError("config: gemm1 and gemm2 take a TAIL together or not at all")
+    tiles = [(c1, c2)] + ([(dict(c1, **t1), dict(c2, **t2))] if t1 is not None else [])
+    for a, b in tiles:
+        bm = a["BLOCK_M"]
+        if b["BLOCK_M"] != bm or bm & (bm - 1) or bm < 16:
+            raise ValueError(
+                f"config: gemm1/gemm2 BLOCK_M {bm}/{b['BLOCK_M']} (TAIL: their tail's) must agree and be a power of "
+                "2 >= 16"
+            )
+        for c in (a, b):
+            if c["BLOCK_K"] % 32 or c["BLOCK_K"] & (c["BLOCK_K"] - 1):
+                raise ValueError(f"config: BLOCK_K={c['BLOCK_K']} must be a power of 2 and a multiple of 32")
+    if len(tiles) == 2 and tiles[1][0]["BLOCK_M"] * 2 != c1["BLOCK_M"]:
+        raise ValueError(f"config: TAIL's BLOCK_M={tiles[1][0]['BLOCK_M']} must be half of BLOCK_M={c1['BLOCK_M']}")
+    return tiles
+
+
 def resolve_form(
     form: str, pairs: int, E: int, D: int, I: int, kernels: KernelConfig, mma_ok: bool, num_experts: int = 0
 ) -> str:
@@ -207,6 +229,7 @@ def int4_fused_experts(
     form = resolve_form(cfg.get("form"), P * K, E, D, I, kernels, mma_ok, num_experts)
     c1, c2 = form_tiles(form, P, K, E, D, I, x.dtype, kernels, num_experts)
     y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
+    args = (x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if form == "gemv_mma":
         if not mma_ok:
             raise ValueError(f"config: form='gemv_mma' needs bf16 x on sm_80+ and D={D}, I={I} multiples of 128")
@@ -214,13 +237,7 @@ def int4_fused_experts(
         c1, c2 = (dict(o) if "MR" in o else dict(c, **o) for c, o in ((c1, o1), (c2, o2)))  # with MR: a whole tile
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
         int4_gemv_mma(
-            x,
-            w13_packed,
-            w13_scale,
-            w2_packed,
-            w2_scale,
-            topk_weights,
-            topk_ids,
+            *args,
             expert_offset,
             hbuf,
             y,
@@ -234,45 +251,11 @@ def int4_fused_experts(
     elif form == "gemv_fma":
         c1, c2 = dict(c1, **cfg.get("gemv1", {})), dict(c2, **cfg.get("gemv2", {}))
         hbuf = torch.empty(TK, I, dtype=x.dtype, device=x.device)
-        int4_gemv(
-            x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, expert_offset, hbuf, y, pdl, c1, c2
-        )
-    else:  # gemm
-        c1, c2 = dict(c1, **cfg.get("gemm1", {})), dict(c2, **cfg.get("gemm2", {}))
-        t1, t2 = c1.pop("TAIL", None), c2.pop("TAIL", None)  # the tail list's changes to the tiles, or None
-        if (t1 is None) != (t2 is None):
-            raise ValueError("config: gemm1 and gemm2 take a TAIL together or not at all")
-        tiles = [(c1, c2)] + ([(dict(c1, **t1), dict(c2, **t2))] if t1 is not None else [])
-        bm = c1["BLOCK_M"]
-        for a, b in tiles:
-            if b["BLOCK_M"] != a["BLOCK_M"] or a["BLOCK_M"] & (a["BLOCK_M"] - 1) or a["BLOCK_M"] < 16:
-                raise ValueError(
-                    f"config: gemm1/gemm2 BLOCK_M {a['BLOCK_M']}/{b['BLOCK_M']} (TAIL: their tail's) must agree and "
-                    "be a power of 2 >= 16"
-                )
-            for c in (a, b):
-                if c["BLOCK_K"] % 32 or c["BLOCK_K"] & (c["BLOCK_K"] - 1):
-                    raise ValueError(f"config: BLOCK_K={c['BLOCK_K']} must be a power of 2 and a multiple of 32")
-        if len(tiles) == 2 and tiles[1][0]["BLOCK_M"] * 2 != bm:
-            raise ValueError(f"config: TAIL's BLOCK_M={tiles[1][0]['BLOCK_M']} must be half of BLOCK_M={bm}")
-        lists = moe_align(topk_ids, E, expert_offset, bm, pdl=kernels.pdl, tail=len(tiles) == 2)
+        int4_gemv(*args, expert_offset, hbuf, y, pdl, c1, c2)
+    else:  # gemm: over moe_align's blocks, and with a TAIL over its tail list too
+        tiles = _gemm_tiles(dict(c1, **cfg.get("gemm1", {})), dict(c2, **cfg.get("gemm2", {})))
+        lists = moe_align(topk_ids, E, expert_offset, tiles[0][0]["BLOCK_M"], pdl=kernels.pdl, tail=len(tiles) == 2)
         for (a, b), (sorted_ids, expert_ids, num_padded) in zip(tiles, (lists[:3], lists[3:])):
             hbuf = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
-            int4_gemm(
-                x,
-                w13_packed,
-                w13_scale,
-                w2_packed,
-                w2_scale,
-                topk_weights,
-                topk_ids,
-                sorted_ids,
-                expert_ids,
-                num_padded,
-                hbuf,
-                y,
-                pdl,
-                a,
-                b,
-            )
+            int4_gemm(*args, sorted_ids, expert_ids, num_padded, hbuf, y, pdl, a, b)
     return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
