@@ -2,7 +2,7 @@
 same weights dequantized: Kimi-K2.5's experts (7168 -> 2048, 8 of 384, uniform random routing) at 8,192 and 2,048
 tokens, torch.profiler over 5 calls after 3 untimed. Shows which GEMM trails bf16's.
 
-    PYTHONPATH=$PWD python benchmarks/int4_call_profile.py     # JSON to $OUT/int4_call_profile.json (default .)
+    PYTHONPATH=$PWD python benchmarks/int4_call_profile.py     # JSON to $OUT/int4_call_profile.json (default out/)
 
 Needs a GPU and ~45 GB of its memory.
 """
@@ -10,12 +10,12 @@ Needs a GPU and ~45 GB of its memory.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_engine import kernel_rows
+from benchmarks.bench_util import moe_inputs, save_json
 from benchmarks.int4_moe_bench import dequant_bf16
 from mlaserve.kernels.fused_moe import fused_experts
 from mlaserve.kernels.int4_moe import int4_fused_experts
@@ -43,17 +43,12 @@ def main() -> None:
     w13, w2 = dequant_bf16(w, D, I)
     res = {}
     for T in (8192, 2048):
-        ids = torch.rand(T, E, device="cuda").topk(K, -1).indices
-        tw = torch.rand(T, K, device="cuda")
-        x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+        x, ids, tw = moe_inputs(T, D, E, K, "cuda")
         res[f"int4 T={T}"] = kernel_ms(lambda: int4_fused_experts(x, *w, tw, ids, 0))
         res[f"bf16 T={T}"] = kernel_ms(lambda: fused_experts(x, w13, w2, tw, ids, 0))
         for name in ("int4", "bf16"):
             print(f"{name} T={T}", json.dumps(dict(list(res[f"{name} T={T}"].items())[:5])), flush=True)
-    out = os.environ.get("OUT", ".")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "int4_call_profile.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, kernels_ms=res), f, indent=1)
+    save_json("int4_call_profile.json", [dict(case=k, kernels_ms=v) for k, v in res.items()])
 
 
 if __name__ == "__main__":

@@ -10,16 +10,16 @@ TRANS).
 
 INT4_TILES_ONLY: comma-separated name prefixes; only the variants whose names start with one of them.
 
-Writes $OUT/int4_moe_tiles.json (OUT defaults to .). Needs a GPU and ~45 GB of its memory.
+Writes $OUT/int4_moe_tiles.json (OUT defaults to out/). Needs a GPU and ~45 GB of its memory.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
+from benchmarks.bench_util import moe_inputs, rel, save_json
 from benchmarks.int4_moe_bench import dequant_bf16
 from mlaserve.kernels.fused_moe import fused_experts
 from mlaserve.kernels.int4_moe import gemm_config, int4_fused_experts
@@ -89,10 +89,6 @@ def timeit(fn, reps=8):
     return sorted(ts)[len(ts) // 2]
 
 
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def main():
     torch.manual_seed(0)
     w = random_int4_experts(E, D, I, "cuda")
@@ -100,9 +96,7 @@ def main():
     only = [p for p in os.environ.get("INT4_TILES_ONLY", "").split(",") if p]
     rows = []
     for T in [int(t) for t in os.environ.get("INT4_TILES_T", "8192,2048").split(",")]:
-        ids = torch.rand(T, E, device="cuda").topk(K, -1).indices
-        tw = torch.rand(T, K, device="cuda")
-        x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+        x, ids, tw = moe_inputs(T, D, E, K, "cuda")
         base = fused_experts(x, w13, w2, tw, ids, 0)
         tb = timeit(lambda: fused_experts(x, w13, w2, tw, ids, 0))
         flops = 6.0 * T * K * D * I
@@ -124,10 +118,7 @@ def main():
                 continue
             print(f"T={T} {name:60s} {ms:7.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s rel {err:.2e}", flush=True)
             rows.append(dict(T=T, variant=name, ms=ms, rel=err, config=cfg))
-    out = os.environ.get("OUT", ".")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "int4_moe_tiles.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    save_json("int4_moe_tiles.json", rows)
 
 
 if __name__ == "__main__":
