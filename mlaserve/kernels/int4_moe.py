@@ -71,10 +71,12 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
     if rows <= INT4_ROW_BANDS[1]:
         c1 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True)
         return c1, dict(c1)
-    # an expert's last rows, if at most 64, in the 64-row tiles (moe_align's tail list): 171 rows compute 192
+    # an expert's last rows, if at most 64, in the 64-row tiles (moe_align's tail list): 171 rows compute 192.
+    # GEMM2 (K = I, short) on 8 warps over 128 x 128 tiles, untransposed (int4_moe_tiles.py's GEMM2 variants)
     tail = dict(BLOCK_M=64, BLOCK_N=128)
     c1 = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True, TAIL=tail)
-    return c1, dict(c1)
+    c2 = dict(c1, BLOCK_N=128, num_warps=8, TRANS=False, TAIL=dict(tail, num_warps=4, TRANS=True))
+    return c1, c2
 
 
 def _gemm_tiles(c1: dict, c2: dict) -> list[tuple[dict, dict]]:
