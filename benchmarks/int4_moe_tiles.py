@@ -68,7 +68,7 @@ VARIANTS = {  # name: (gemm1, gemm2); None: the defaults (gemm_config)
     "GEMM2 only T 128/128/64 w8 s3": (C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 3, True)),
     # GEMM2's own tiles beside GEMM1's default, both with the default's tail tiles (128-row blocks: 8,192 tokens;
     # elsewhere BLOCK_M disagrees, skipped)
-    "GEMM1 default, GEMM2 T 128/64/64 w4 s3 (the default at 128-row blocks before 2026-12-07)": (
+    "GEMM1 default, GEMM2 T 128/64/64 w4 s3 (the default at 128-row blocks before 264595e)": (
         {},
         tail64(C(128, 64, 64, 4, 3, True)),
     ),
