@@ -64,6 +64,13 @@ VARIANTS = {  # name: (gemm1, gemm2); None: the defaults (gemm_config)
     "16/64/64 w4 s3 (the default up to 8 rows an expert before d7b3f0d)": both(C(16, 64, 64, 4, 3, group=1)),
     "32/64/64 w4 s3 (the default from 8 to 24 rows before d7b3f0d)": both(C(32, 64, 64, 4, 3, group=1)),
     "T 32/64/128 w4 s3": both(C(32, 64, 128, 4, 3, True)),
+    # the default up to 24 rows an expert (T 32/64/128 w4 s3) with more bytes in flight a program: deeper pipelines,
+    # longer K steps, more weight rows
+    "T 32/64/128 w4 s4": both(C(32, 64, 128, 4, 4, True)),
+    "T 32/64/128 w4 s5": both(C(32, 64, 128, 4, 5, True)),
+    "T 32/64/256 w4 s3": both(C(32, 64, 256, 4, 3, True)),
+    "T 32/64/256 w4 s4": both(C(32, 64, 256, 4, 4, True)),
+    "T 32/128/128 w8 s4": both(C(32, 128, 128, 8, 4, True)),
     "T 16/64/64 w4 s3": both(C(16, 64, 64, 4, 3, True)),
     "GEMM2 only T 128/128/64 w8 s3": (C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 3, True)),
     # GEMM2's own tiles beside GEMM1's default, both with the default's tail tiles (128-row blocks: 8,192 tokens;
