@@ -7,7 +7,7 @@ INT4 GEMMs' access pattern, against plain streaming: read-only Triton kernels, n
 
     PYTHONPATH=$PWD python benchmarks/int4_read_pattern.py     # JSON to $OUT/int4_read_pattern.json (default out/)
 
-Needs a GPU with ~6 GB free. Median of 5 reads each; the buffer (5.6 GB) is far larger than L2.
+Needs a GPU with ~6 GB free. Median of 8 reads each (int4_moe_tiles.timeit); the buffer (5.6 GB) is far larger than L2.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.bench_util import save_json
+from benchmarks.int4_moe_tiles import timeit
 
 E, R, NW = 384, 4096, 896  # experts, w13 rows (gate | up), words a row (7168 / 8)
 
@@ -42,20 +43,6 @@ def _rows_kernel(W, Out, NW: tl.constexpr, ROWS: tl.constexpr, CW: tl.constexpr)
     tl.store(Out + p * ROWS * CW + tl.arange(0, ROWS)[:, None] * CW + tl.arange(0, CW)[None, :], acc)
 
 
-def _median_ms(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(reps):
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[reps // 2]
-
-
 def main() -> None:
     w = torch.randint(0, 1 << 30, (E * R, NW), dtype=torch.int32, device="cuda")
     n, nbytes = w.numel(), w.numel() * 4
@@ -63,11 +50,11 @@ def main() -> None:
     rows = []
     for block, steps, warps in [(4096, 64, 8), (2048, 128, 4)]:
         grid = (triton.cdiv(n, block * steps),)
-        ms = _median_ms(lambda: _span_kernel[grid](w, out, n, block, steps, num_warps=warps))
+        ms = timeit(lambda: _span_kernel[grid](w, out, n, block, steps, num_warps=warps))
         rows.append(dict(pattern=f"span {block} words x {steps} steps, {warps} warps", ms=ms, tbps=nbytes / ms / 1e9))
     for nrows, cw, warps in [(256, 16, 8), (128, 16, 4), (256, 32, 8), (256, 64, 8), (64, 64, 4), (32, 128, 4)]:
         grid = (E * R // nrows,)
-        ms = _median_ms(lambda: _rows_kernel[grid](w, out, NW, nrows, cw, num_warps=warps))
+        ms = timeit(lambda: _rows_kernel[grid](w, out, NW, nrows, cw, num_warps=warps))
         rows.append(dict(pattern=f"rows {nrows} x {4 * cw} B a step, {warps} warps", ms=ms, tbps=nbytes / ms / 1e9))
     for r in rows:
         print(f"{r['pattern']:40s} {r['ms']:.3f} ms {r['tbps']:.2f} TB/s", flush=True)
