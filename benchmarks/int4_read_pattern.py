@@ -2,8 +2,8 @@
 INT4 GEMMs' access pattern, against plain streaming: read-only Triton kernels, no arithmetic but an XOR.
 
 - span: each program streams a contiguous span (BLOCK words a step, STEPS steps);
-- rows: each program reads ROWS rows and CHUNK bytes of each a step along the whole row, as the GEMMs' programs
-  walk their weight rows' K (64-256 bytes a row a step).
+- rows: each program reads ROWS rows and 4 CW bytes of each a step along the whole row, as the GEMMs' programs
+  walk their weight rows' K (64-512 bytes a row a step).
 
     PYTHONPATH=$PWD python benchmarks/int4_read_pattern.py     # JSON to $OUT/int4_read_pattern.json (default out/)
 

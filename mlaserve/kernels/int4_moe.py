@@ -57,10 +57,11 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
     """(gemm1, gemm2) tiles from the expected rows per expert T*K/E. Every block dequantizes its weight tiles anew
     (about 6 instructions a weight in all, the tile's pass through shared memory included), so blocks grow sooner
     than moe_config.py's: a block as large as the mean rows an expert (32, 64, then 128 rows) reads and unpacks
-    each expert about once. BLOCK_K 64 (two scale groups) from 24 rows, 128 below. Both GEMMs run transposed
+    each expert about once. BLOCK_K 64 (two scale groups) from 24 rows, 128 below. The GEMMs run transposed
     (TRANS: the dequantized weight rows as wgmma's register A operand, the block's rows as its N), 128 weight rows
-    a program in the 64-row blocks (benchmarks/int4_moe_tiles.py). Above 64 rows an expert the 128-row blocks
-    take a TAIL: an expert's last rows, if at most 64, in a second list of 64-row blocks."""
+    a program in the 64-row blocks, but for GEMM2 of the 128-row blocks: 128 x 128 untransposed tiles on 8 warps
+    (benchmarks/int4_moe_tiles.py). Above 64 rows an expert the 128-row blocks take a TAIL: an expert's last rows,
+    if at most 64, in a second list of 64-row blocks (the 64-row band's tiles)."""
     rows = T * K / E
     if dtype == torch.float32:  # tests: IEEE fp32 dots
         c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
@@ -72,7 +73,7 @@ def gemm_config(T: int, K: int, E: int, D: int, I: int, dtype: torch.dtype) -> t
         c1 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True)
         return c1, dict(c1)
     # an expert's last rows, if at most 64, in the 64-row tiles (moe_align's tail list): 171 rows compute 192.
-    # GEMM2 (K = I, short) on 8 warps over 128 x 128 tiles, untransposed (int4_moe_tiles.py's GEMM2 variants)
+    # GEMM2 (K = I, short) on 8 warps over 128 x 128 tiles, untransposed
     tail = dict(BLOCK_M=64, BLOCK_N=128)
     c1 = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3, TRANS=True, TAIL=tail)
     c2 = dict(c1, BLOCK_N=128, num_warps=8, TRANS=False, TAIL=dict(tail, num_warps=4, TRANS=True))
