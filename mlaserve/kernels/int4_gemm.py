@@ -251,10 +251,11 @@ def _int4_gemm2_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
+        # padding rows masked: GEMM1 wrote them as zeros, but a block of few real rows would read mostly padding
         if EVEN > 0:
-            a = tl.load(a_ptr + k0)
+            a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0)
         else:
-            a = tl.load(a_ptr + k0, mask=(k < I - k0)[None, :], other=0.0)
+            a = tl.load(a_ptr + k0, mask=row_ok[:, None] & (k < I - k0)[None, :], other=0.0)
         b = _dequant_tile(
             w_ptr + k0 // 8, s_ptr + k0 // 32, d_ok, (I - k0) // 8, one, KW, Hbuf.dtype.element_ty, EVEN, BF2
         )
