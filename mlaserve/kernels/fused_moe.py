@@ -52,7 +52,7 @@ def _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M
         e = tl.load(ExpertIds + pid_m, cache_modifier=".cg")
         rows = pid_m * BLOCK_M + offs
         ids = tl.load(SortedIds + rows, cache_modifier=".cg")
-        store = offs >= 0  # padding rows too (zeros): GEMM2 reads them
+        store = ids < TK  # padding rows neither stored nor read (GEMM2 masks them)
     return e.to(tl.int64), ids, rows, store
 
 
