@@ -265,7 +265,7 @@ def _fp8_moe_gemm2_kernel(
     else:
         for k0 in range(0, I, BLOCK_K):
             k_ok = offs_k < I - k0
-            a = tl.load(a_ptr + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # padding rows not read
+            a = tl.load(a_ptr + k0, mask=k_ok[None, :], other=0.0)  # padding rows hold zeros (GEMM1 wrote them)
             w = tl.load(w_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             w_s = tl.load(ws_ptr + (k0 // GROUP) * stride_sk, mask=n_ok, other=0.0)
             a_s = w_s  # A16: unused

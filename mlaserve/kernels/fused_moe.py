@@ -52,7 +52,7 @@ def _block_rows(pid_m, SortedIds, ExpertIds, TopkIds, expert_offset, TK, BLOCK_M
         e = tl.load(ExpertIds + pid_m, cache_modifier=".cg")
         rows = pid_m * BLOCK_M + offs
         ids = tl.load(SortedIds + rows, cache_modifier=".cg")
-        store = ids < TK  # padding rows neither stored nor read (GEMM2 masks them)
+        store = offs >= 0  # padding rows too (zeros): GEMM2 reads them
     return e.to(tl.int64), ids, rows, store
 
 
@@ -115,47 +115,34 @@ def _gemm1_ptr(
 
 @triton.jit
 def _gemm2_tma(
-    a_ptr,
-    row_ok,
-    DW,
-    r0,
-    c0,
-    acc,
-    I,
-    BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    PREWAIT: tl.constexpr,
-    PDL: tl.constexpr,
+    a_ptr, DW, r0, c0, acc, I, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, PREWAIT: tl.constexpr, PDL: tl.constexpr
 ):
-    """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0); Hbuf's padding rows
-    (row_ok false) are not read. PREWAIT: the kernel has not waited yet; the first tile (a weight) is fetched before
-    the PDL wait and Hbuf (GEMM1's output) read after it. The sums run in the same order either way."""
+    """GEMM2's K loop over TMA weight tiles: rows r0.., columns c0 + k (I % BLOCK_K == 0). PREWAIT: the kernel has
+    not waited yet; the first tile (a weight) is fetched before the PDL wait and Hbuf (GEMM1's output) read after
+    it. The sums run in the same order either way."""
     k_first = 0
     if PREWAIT:
         b = DW.load([r0, c0])  # [N, K]
         pdl_wait(PDL)
-        acc = tl.dot(tl.load(a_ptr, mask=row_ok[:, None], other=0.0), tl.trans(b), acc, input_precision=DOT_PREC)
+        acc = tl.dot(tl.load(a_ptr), tl.trans(b), acc, input_precision=DOT_PREC)
         k_first = BLOCK_K
     for k0 in range(k_first, I, BLOCK_K):
-        a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0)
+        a = tl.load(a_ptr + k0)
         b = DW.load([r0, c0 + k0])  # [N, K]
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
     return acc
 
 
 @triton.jit
-def _gemm2_ptr(
-    a_ptr, row_ok, b_ptr, n_ok, offs_k, acc, I, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr
-):
-    """GEMM2's K loop over masked pointer loads: the down tile as a [K, N] view; Hbuf's padding rows (row_ok
-    false) are not read."""
+def _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """GEMM2's K loop over masked pointer loads: the down tile as a [K, N] view."""
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            a = tl.load(a_ptr)
             b = tl.load(b_ptr, mask=n_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < I - k0
-            a = tl.load(a_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         a_ptr += BLOCK_K
@@ -314,14 +301,12 @@ def _moe_gemm2_kernel(
         if HAS_SHARED:
             if e >= E_ROUTED:
                 acc = _gemm2_tma(
-                    a_ptr, row_ok, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL
+                    a_ptr, G2S, n0, ((e - E_ROUTED) * I).to(tl.int32), acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL
                 )
             else:
-                acc = _gemm2_tma(
-                    a_ptr, row_ok, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL
-                )
+                acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL)
         else:
-            acc = _gemm2_tma(a_ptr, row_ok, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL)
+            acc = _gemm2_tma(a_ptr, G2, (e * D + n0).to(tl.int32), 0, acc, I, BLOCK_K, DOT_PREC, PREWAIT, PDL)
     else:
         if PREWAIT:  # the pointer loads fetch no tile early
             pdl_wait(PDL)
@@ -329,7 +314,7 @@ def _moe_gemm2_kernel(
         if HAS_SHARED:
             if e >= E_ROUTED:
                 b_ptr = W2S + (e - E_ROUTED) * I + offs_n[None, :].to(tl.int64) * stride_sn + offs_k[:, None]
-        acc = _gemm2_ptr(a_ptr, row_ok, b_ptr, n_ok, offs_k, acc, I, BLOCK_K, EVEN_K, DOT_PREC)
+        acc = _gemm2_ptr(a_ptr, b_ptr, n_ok, offs_k, acc, I, BLOCK_K, EVEN_K, DOT_PREC)
     w = tl.load(TopkW + ids, mask=row_ok, other=0.0)
     acc = acc * w[:, None]
     y_ptr = Y + ids.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]

@@ -7,9 +7,8 @@ bf16 on the GPU: two weights at a time in bf16 pairs (DEQ_BF2_ASM). Else each wo
 under the exponent of 1.0 (int4_gemv.py's trick: the bits read as 1 + n/16 or 1 + n/256), and one FMA per weight
 gives (n - 8) * scale exactly in fp32 (f * 16s - 24s, f * 256s - 264s: every constant product is exact).
 
-GEMM1: Hbuf[m, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n]) for every real row m of expert e's blocks.
-GEMM2: Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . down[e]) for every real row m. Neither reads nor writes a
-padding row (masked), so a block of few real rows moves only their bytes.
+GEMM1: Hbuf[m, n] = silu(x[tok] . gate[e, n]) * (x[tok] . up[e, n]) for every padded row m of expert e's blocks.
+GEMM2: Y[(t, k)] = topk_weight[t, k] * (Hbuf[m] . down[e]) for every real row m.
 
 Each GEMM's K (GEMM1's D, GEMM2's I) is a constexpr: with a runtime K the loop has a zero-trip path that zeroes
 the accumulator outside any wgmma, and ptxas then serializes every wgmma of the kernel (C7515: each waits for the
@@ -196,11 +195,11 @@ def _int4_gemm1_kernel(
         )
         acc_u = _dot(a, u, acc_u, TRANS, DOT_PREC)
     h = (acc_g * tl.sigmoid(acc_g) * acc_u).to(Hbuf.dtype.element_ty)
-    # padding rows neither stored nor read (GEMM2 masks them)
+    # padding rows too (zeros): GEMM2 reads them
     if TRANS:
-        tl.store(Hbuf + rows.to(tl.int64)[None, :] * stride_hm + n[:, None], h, mask=n_ok[:, None] & row_ok[None, :])
+        tl.store(Hbuf + rows.to(tl.int64)[None, :] * stride_hm + n[:, None], h, mask=n_ok[:, None])
     else:
-        tl.store(Hbuf + rows.to(tl.int64)[:, None] * stride_hm + n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(Hbuf + rows.to(tl.int64)[:, None] * stride_hm + n[None, :], h, mask=n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_m", "TK"])
@@ -252,11 +251,10 @@ def _int4_gemm2_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        # padding rows masked: a block of few real rows would read mostly padding
         if EVEN > 0:
-            a = tl.load(a_ptr + k0, mask=row_ok[:, None], other=0.0)
+            a = tl.load(a_ptr + k0)
         else:
-            a = tl.load(a_ptr + k0, mask=row_ok[:, None] & (k < I - k0)[None, :], other=0.0)
+            a = tl.load(a_ptr + k0, mask=(k < I - k0)[None, :], other=0.0)
         b = _dequant_tile(
             w_ptr + k0 // 8, s_ptr + k0 // 32, d_ok, (I - k0) // 8, one, KW, Hbuf.dtype.element_ty, EVEN, BF2
         )
