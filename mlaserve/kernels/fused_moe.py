@@ -20,7 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernel_config import KernelConfig
 from .moe_align import moe_align
-from .moe_config import moe_config, tail_config
+from .moe_config import moe_config
 from .moe_gemv import moe_gemv
 from .moe_sum import moe_sum
 from .pdl import pdl_args, pdl_release, pdl_start, pdl_wait
@@ -404,9 +404,7 @@ def fused_experts(
     the overrides, the same bits), "no_align": bool (default: T*K <= kernels.no_align_max_pairs) and "tma": bool
     (weight tiles by TMA; default: kernels.moe_tma, for the bf16/fp16 decode tiles, BLOCK_M 16, on sm_90+ where
     whole tiles fit), "prewait": bool (GEMM2's reads before its PDL wait; default: kernels.moe_prewait under PDL
-    with no_align; tests set it without PDL, where it only reorders the code), "tail": bool (each expert's odd last
-    64 rows in a second list of 64-row blocks, moe_config.tail_config's tiles; default: on for 128-row blocks
-    without shared slots), and "gemv": bool or moe_gemv's
+    with no_align; tests set it without PDL, where it only reorders the code), and "gemv": bool or moe_gemv's
     {"gemv1": {...}, "gemv2": {...}} tiles (the GEMVs of moe_gemv.py instead of the tiled GEMMs, no_align steps
     only; default: kernels.moe_gemv_config()). all_local: every id names a local expert (no expert parallelism), so
     the sum over k reads no ids (moe_sum). kernels: the switches and thresholds above, and pdl (kernel_config.py)."""
@@ -436,7 +434,6 @@ def fused_experts(
     no_align, gemv = experts_form(x, K, config, kernels)  # pops config's no_align and gemv
     tma = config.pop("tma", None)
     prewait = config.pop("prewait", None)
-    tail = config.pop("tail", None)
     if config.pop("decode_tiles", False) and x.is_cuda and x.dtype != torch.float32:
         if moe_config(T, K, E_all, D, I, x.dtype)[0]["BLOCK_M"] == 16:
             # deterministic mode at decode sizes: the default 16-row tiles (BLOCK_K 128, TMA where it fits). A row's
@@ -480,22 +477,16 @@ def fused_experts(
         c1, c2 = moe_config(T, K, E_all, D, I, x.dtype, tma=True, **config)
     bm = c1["BLOCK_M"]
     ids = topk_ids.reshape(-1)
-    if tail is None:  # the default: beside 128-row blocks of the routed experts alone (prefill sizes)
-        tail = not no_align and S == 0 and bm == 128 and not tma
-    elif tail and (no_align or S or bm != 128 or tma):
-        raise ValueError(
-            f"config: tail=True needs 128-row aligned blocks without shared slots or TMA (BLOCK_M={bm}, "
-            f"no_align={no_align}, shared={S}, tma={bool(tma)})"
-        )
     if no_align:  # block m = pair m alone; the align buffers are unused (any pointer will do)
-        lists = [(c1, c2, ids, ids, ids)]
+        sorted_ids = expert_ids = num_padded = ids
+        rows, num_m = TK, TK
     else:
-        # the shared slots (topk_ids' last S columns, the router's) are placed by arithmetic, not counted; with a
-        # tail, each expert's odd last 64 rows form a second list of 64-row blocks (171 rows compute 192, not 256)
-        al = moe_align(topk_ids, E_all, expert_offset, bm, shared=S, pdl=kernels.pdl, tail=tail)
-        lists = [(c1, c2, *al[:3])] + ([(*tail_config(c1, c2, x.dtype), *al[3:])] if tail else [])
+        # the shared slots (topk_ids' last S columns, the router's) are placed by arithmetic, not counted
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E_all, expert_offset, bm, shared=S, pdl=kernels.pdl)
+        rows, num_m = sorted_ids.shape[0], expert_ids.shape[0]
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    pdl = pdl_args(x, kernels.pdl)  # the GEMMs launch alike
+    hbuf = torch.empty(rows, I, dtype=x.dtype, device=x.device)
+    pdl = pdl_args(x, kernels.pdl)  # the two GEMMs launch alike
     if prewait is None:
         # GEMM2's reads before its wait: under PDL, for the per-pair blocks of decode steps of 1-2 tokens only (on
         # aligned blocks it lost: docs/experiments.md). MLASERVE_MOE_PREWAIT=0: off.
@@ -507,86 +498,83 @@ def fused_experts(
         if S:
             g1s, g3s = TensorDescriptor.from_tensor(w1s, b1), TensorDescriptor.from_tensor(w3s, b1)
             g2s = TensorDescriptor.from_tensor(w2s, b2)
-    y = torch.empty(TK, D, dtype=x.dtype, device=x.device)  # each pair's row written by one list's GEMM2
-    for a, b, sorted_ids, expert_ids, num_padded in lists:
-        num_m = TK if no_align else expert_ids.shape[0]
-        hbuf = torch.empty(TK if no_align else sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
-        _moe_gemm1_kernel[(num_m * triton.cdiv(I, a["BLOCK_N"]),)](
-            x,
-            w13,
-            hbuf,
-            sorted_ids,
-            expert_ids,
-            num_padded,
-            ids,
-            w1s,
-            w3s,
-            g13,
-            g1s,
-            g3s,
-            I,
-            D,
-            num_m,
-            x.stride(0),
-            w13.stride(0),
-            w13.stride(1),
-            hbuf.stride(0),
-            TK,
-            expert_offset,
-            E_all,
-            E,
-            w1s.stride(0),
-            TOPK=K,
-            BLOCK_M=a["BLOCK_M"],
-            BLOCK_N=a["BLOCK_N"],
-            BLOCK_K=a["BLOCK_K"],
-            GROUP_M=a["GROUP_M"],
-            EVEN_K=D % a["BLOCK_K"] == 0,
-            DOT_PREC=prec,
-            NO_ALIGN=no_align,
-            HAS_SHARED=S > 0,
-            TMA=g13 is not None,
-            PREWAIT=prewait,
-            num_warps=a["num_warps"],
-            num_stages=a["num_stages"],
-            **pdl,
-        )
-        _moe_gemm2_kernel[(num_m * triton.cdiv(D, b["BLOCK_N"]),)](
-            hbuf,
-            w2,
-            y,
-            sorted_ids,
-            expert_ids,
-            num_padded,
-            topk_weights.reshape(-1),
-            ids,
-            w2s,
-            g2,
-            g2s,
-            D,
-            I,
-            num_m,
-            hbuf.stride(0),
-            w2.stride(0),
-            w2.stride(1),
-            y.stride(0),
-            TK,
-            expert_offset,
-            E_all,
-            E,
-            w2s.stride(0) if S else w2.stride(1),
-            BLOCK_M=a["BLOCK_M"],
-            BLOCK_N=b["BLOCK_N"],
-            BLOCK_K=b["BLOCK_K"],
-            GROUP_M=b["GROUP_M"],
-            EVEN_K=I % b["BLOCK_K"] == 0,
-            DOT_PREC=prec,
-            NO_ALIGN=no_align,
-            HAS_SHARED=S > 0,
-            TMA=g2 is not None,
-            PREWAIT=prewait,
-            num_warps=b["num_warps"],
-            num_stages=b["num_stages"],
-            **pdl,
-        )
+    _moe_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
+        x,
+        w13,
+        hbuf,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        ids,
+        w1s,
+        w3s,
+        g13,
+        g1s,
+        g3s,
+        I,
+        D,
+        num_m,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        hbuf.stride(0),
+        TK,
+        expert_offset,
+        E_all,
+        E,
+        w1s.stride(0),
+        TOPK=K,
+        BLOCK_M=bm,
+        BLOCK_N=c1["BLOCK_N"],
+        BLOCK_K=c1["BLOCK_K"],
+        GROUP_M=c1["GROUP_M"],
+        EVEN_K=D % c1["BLOCK_K"] == 0,
+        DOT_PREC=prec,
+        NO_ALIGN=no_align,
+        HAS_SHARED=S > 0,
+        TMA=g13 is not None,
+        PREWAIT=prewait,
+        num_warps=c1["num_warps"],
+        num_stages=c1["num_stages"],
+        **pdl,
+    )
+    y = torch.empty(TK, D, dtype=x.dtype, device=x.device)
+    _moe_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
+        hbuf,
+        w2,
+        y,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        topk_weights.reshape(-1),
+        ids,
+        w2s,
+        g2,
+        g2s,
+        D,
+        I,
+        num_m,
+        hbuf.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        y.stride(0),
+        TK,
+        expert_offset,
+        E_all,
+        E,
+        w2s.stride(0) if S else w2.stride(1),
+        BLOCK_M=bm,
+        BLOCK_N=c2["BLOCK_N"],
+        BLOCK_K=c2["BLOCK_K"],
+        GROUP_M=c2["GROUP_M"],
+        EVEN_K=I % c2["BLOCK_K"] == 0,
+        DOT_PREC=prec,
+        NO_ALIGN=no_align,
+        HAS_SHARED=S > 0,
+        TMA=g2 is not None,
+        PREWAIT=prewait,
+        num_warps=c2["num_warps"],
+        num_stages=c2["num_stages"],
+        **pdl,
+    )
     return moe_sum(y, topk_ids, expert_offset, E_all, add, norm, all_local, kernels.pdl)

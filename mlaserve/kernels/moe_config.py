@@ -22,11 +22,6 @@ INT4_ROW_BANDS = (24, 64)  # the INT4 experts' GEMMs (kernels/int4_moe.gemm_conf
 
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-# the 64-row band's (gemm1, gemm2) tiles; also the tail list's under 128-row blocks (tail_config)
-BAND64 = (
-    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-)
 
 
 def moe_config(
@@ -77,7 +72,8 @@ def moe_config(
         c1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
         c2 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     elif bm == 64:
-        c1, c2 = dict(BAND64[0]), dict(BAND64[1])
+        c1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+        c2 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
     else:
         c1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
         # GEMM2 (N = D, K = I): 128x256 tiles measured 3 % faster than 128x128 for the whole MoE at the M1 8k
@@ -88,13 +84,3 @@ def moe_config(
     if bm_override is not None:
         c1["BLOCK_M"] = c2["BLOCK_M"] = bm_override
     return c1, c2
-
-
-def tail_config(c1: dict, c2: dict, dtype: torch.dtype) -> tuple[dict, dict]:
-    """The tiles of moe_align's tail list (each expert's odd last 64 rows) beside 128-row blocks (c1, c2): the
-    64-row band's; fp32 (tests): the main tiles with 64-row blocks."""
-    if c1["BLOCK_M"] != 128 or c2["BLOCK_M"] != 128:
-        raise ValueError(f"tail_config: the tail list serves 128-row blocks (got BLOCK_M {c1['BLOCK_M']})")
-    if dtype == torch.float32:
-        return dict(c1, BLOCK_M=64), dict(c2, BLOCK_M=64)
-    return dict(BAND64[0]), dict(BAND64[1])

@@ -32,31 +32,6 @@ def test_fused_moe_many_rows_per_expert(kdev):
     check_fused_moe(kdev, torch.float32, T=48, D=32, I=16, E_total=4, E_local=4, offset=0, K=2, config=dict(BLOCK_M=16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_tail_list(kdev, dtype):
-    # 128-row blocks (298 rows over 4 experts) with moe_align's tail list: expert 0 has 150 rows (a 128-row block
-    # and a 64-row tail block), expert 1 128 (one block, no tail), expert 2 20 (a tail block only), expert 3 2
-    from mlaserve.kernels.fused_moe import fused_experts
-    from mlaserve.kernels.moe_config import moe_config
-    from mlaserve.layers.moe import fused_experts_ref
-    from tests.helpers.kernel_checks import assert_close
-
-    T, D, I, E = 150, 64, 32, 4
-    second = torch.tensor([1] * 128 + [2] * 20 + [3] * 2)
-    ids = torch.stack([torch.zeros(T, dtype=torch.long), second[torch.randperm(T)]], 1).to(kdev)
-    assert moe_config(T, 2, E, D, I, dtype)[0]["BLOCK_M"] == 128
-    x = torch.randn(T, D, device=kdev).to(dtype)
-    w13 = (torch.randn(E, 2 * I, D, device=kdev) / D**0.5).to(dtype)
-    w2 = (torch.randn(E, D, I, device=kdev) / I**0.5).to(dtype)
-    w = torch.rand(T, 2, device=kdev) + 0.1
-    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), w, ids, 0)
-    for tail in (None, True, False):  # None: the default, a tail beside 128-row blocks
-        out = fused_experts(x, w13, w2, w, ids, 0, config=dict(tail=tail))
-        assert_close(out, ref, dtype, f"fused_moe tail={tail} {dtype}")
-    with pytest.raises(ValueError, match="tail=True needs 128-row"):
-        fused_experts(x, w13, w2, w, ids, 0, config=dict(tail=True, BLOCK_M=64))
-
-
 @pytest.mark.parametrize("fused_count", [True, False])
 def test_moe_align_layout(kdev, fused_count, monkeypatch):
     from mlaserve.kernels import moe_align as ma
