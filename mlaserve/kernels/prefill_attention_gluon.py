@@ -22,6 +22,8 @@ the two give the same bits; the GPU tests hold them equal.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .prefill_attention import program_tile, request_rows
@@ -274,6 +276,13 @@ if AVAILABLE:
         )
 
 
+@functools.cache
+def _smem_layout(block: tuple[int, int]):
+    """The shared-memory layout of a bf16 TMA block: a frozen value of the block's shape alone, built once (an eager
+    prefill builds five descriptors a layer, and the layout was most of each one's host time)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
+
+
 def _desc(t: torch.Tensor, block: list[int]):
     """A 2-D TMA descriptor over [tokens, (H - 1) * head stride + D] of t [T, H, D] (or [T, D]): head h's columns
     start at h * t.stride(1)."""
@@ -281,8 +290,7 @@ def _desc(t: torch.Tensor, block: list[int]):
         cols = t.shape[1]
     else:
         cols = (t.shape[1] - 1) * t.stride(1) + t.shape[2]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    return TensorDescriptor(t, [t.shape[0], cols], [t.stride(0), 1], block, layout)
+    return TensorDescriptor(t, [t.shape[0], cols], [t.stride(0), 1], block, _smem_layout(tuple(block)))
 
 
 def supported(q, k_nope, k_rope, v, out) -> bool:

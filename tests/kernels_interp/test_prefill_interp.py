@@ -120,3 +120,21 @@ def test_gluon_form_declines_what_it_does_not_compute():
     kv = torch.zeros(8, 2, 256, dtype=torch.bfloat16)
     latent = torch.zeros(8, 576, dtype=torch.bfloat16)
     assert not supported(q, kv[..., :128], latent[:, 512:], kv[..., 128:], torch.zeros(8, 2, 128, dtype=torch.bfloat16))
+
+
+def test_gluon_descriptors_equal_fresh_ones():
+    # the descriptors' shared-memory layouts are built once a block shape: every field equals a descriptor built
+    # from scratch, for each block the kernel takes, over q / k_nope (a strided view) / k_rope / v
+    g = pytest.importorskip("mlaserve.kernels.prefill_attention_gluon")
+    if not g.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    q = torch.zeros(16, 2, 192, dtype=torch.bfloat16)
+    kv = torch.zeros(32, 2, 256, dtype=torch.bfloat16)
+    kr = torch.zeros(32, 64, dtype=torch.bfloat16)
+    for _ in range(2):  # the first call fills the cache, the second reads it
+        for t, block in ((q, [128, 128]), (q, [128, 64]), (kv[..., :128], [128, 128]), (kr, [128, 64])):
+            fresh = g.TensorDescriptor(
+                t, g._desc(t, block).shape, g._desc(t, block).strides, block,
+                g.gl.NVMMASharedLayout.get_default_for(block, g.gl.bfloat16),
+            )  # fmt: skip
+            assert g._desc(t, block) == fresh
