@@ -124,7 +124,7 @@ def test_gluon_form_declines_what_it_does_not_compute():
 
 def test_gluon_descriptors_equal_fresh_ones():
     # the descriptors' shared-memory layouts are built once a block shape: every field equals a descriptor built
-    # from scratch, for each block the kernel takes, over q / k_nope (a strided view) / k_rope / v
+    # from scratch, for each block the kernel takes, over q, k_nope (a strided view) and k_rope
     g = pytest.importorskip("mlaserve.kernels.prefill_attention_gluon")
     if not g.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
