@@ -17,7 +17,7 @@ NCU=${NCU:-ncu}
 CASES=${CASES:-"int4:1:512:gemv1 int4:1:512:gemv2 int4:512:2048:gemm1 int4:512:2048:gemm2 int4:1:2048:gemv1"}
 SECTIONS=(SpeedOfLight MemoryWorkloadAnalysis MemoryWorkloadAnalysis_Tables WarpStateStats SourceCounters Occupancy
   LaunchStats SchedulerStats ComputeWorkloadAnalysis)
-args=(--clock-control none --launch-skip 2 --launch-count 1)
+args=(--clock-control none --launch-skip 2 --launch-count 1 --print-details all)
 for s in "${SECTIONS[@]}"; do args+=(--section "$s"); done
 for c in $CASES; do
   IFS=: read -r form T I kernel <<< "$c"
@@ -31,5 +31,6 @@ for c in $CASES; do
     python "$script" > "$OUT/$name.txt" 2>&1
   echo "$name: rc $?"
 done
-grep -H -E "^  [a-z_0-9]+|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Achieved Occupancy|Registers Per \
-Thread|Theoretical Occupancy|Warp Cycles Per Issued|Issued Warp|No Eligible|Stall" "$OUT"/ncu_*.txt | head -400
+grep -H -E "^  [a-z_0-9]+|Duration|DRAM Throughput|Memory Throughput|L1/TEX Cache Throughput|L2 Hit Rate|Achieved \
+Occupancy|Registers Per Thread|Theoretical Occupancy|Warp Cycles Per Issued|Issued Warp|No Eligible|Stall|bytes \
+transmitted per sector|bank conflict|partial wave" "$OUT"/ncu_*.txt | head -400
