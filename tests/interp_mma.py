@@ -169,8 +169,7 @@ class _Call:
 
 @contextlib.contextmanager
 def emulate_mma():
-    """Inside, the interpreter runs int4_mma.py's and int4_gemm.py's inline asm (and only those) with run_ptx, and
-    takes the GEMV's cache prefetches as no-ops."""
+    """Inside, the interpreter runs int4_mma.py's and int4_gemm.py's inline asm (and only those) with run_ptx."""
     import triton.language as tl
     from triton.runtime import interpreter as interp
 
@@ -183,8 +182,6 @@ def emulate_mma():
             res = run_ptx(asm, [np.zeros_like(ins[0]) for _ in types] + ins, len(types))
             handles = [interp.TensorHandle(r.astype(np.uint16).reshape(shape), tl.bfloat16) for r in res]
             return _Call(handles)
-        if "// prefetch" in asm:  # a cache hint (int4_mma_gemv._prefetch_scales): no value, nothing to emulate
-            return _Call([interp.TensorHandle(np.zeros(values[0].data.shape, np.int32), tl.int32)])
         if "int4_mma:" not in asm:
             return orig(self, asm, constraints, values, types, is_pure, pack)
         shape = values[0].data.shape

@@ -258,12 +258,12 @@ _CHECKED: set = set()
 
 
 def _layout_ok(ttgir: str, WG: int) -> str:
-    """'' if every inline-asm op of int4_mma.py's in the kernel works on 16-byte lane vectors laid out as it assumes,
-    else what differs."""
+    """'' if every inline-asm op of the kernel works on 16-byte lane vectors laid out as int4_mma.py assumes, else
+    what differs."""
     want = f"sizePerThread = [1, 4], threadsPerWarp = [1, 32], warpsPerCTA = [1, {WG}], order = [1, 0]"
     layouts = {m.group(1): m.group(2) for m in _LAYOUT.finditer(ttgir)}
     for line in ttgir.splitlines():
-        if "tt.elementwise_inline_asm" not in line or "int4_mma:" not in line:  # not a lane-vector op
+        if "tt.elementwise_inline_asm" not in line:
             continue
         bad = [x for x in re.findall(r"tensor<[^>]*#(\w+)>", line) if layouts.get(x) != want]
         if bad:

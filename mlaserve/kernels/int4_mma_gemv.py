@@ -44,31 +44,6 @@ def _partner(p, TopkIds, TK, TKP: tl.constexpr, CG: tl.constexpr):
     return skip, q, has_q
 
 
-@triton.jit
-def _prefetch_scales(S, Sb, n0, I, stride_s, NG, MR: tl.constexpr, WG: tl.constexpr, PFS: tl.constexpr):
-    """Ask the cache (PFS 1: L2, 2: L1) for the program's scale rows (top rows n0 .. n0 + 8 MR from S, bottom from
-    Sb; 2 NG bytes each), one 32-byte sector a thread, without holding a register: ptxas places the scale loads
-    after the MMAs (they are used last), so each program would end on one more memory latency."""
-    spr = tl.cdiv(NG, 16)  # sectors a row
-    for i0 in range(0, 16 * MR * spr, 32 * WG):
-        i = i0 + tl.arange(0, 32 * WG)
-        r = i // spr
-        top = r < 8 * MR
-        n = n0 + tl.where(top, r, r - 8 * MR)
-        ok = (r < 16 * MR) & (n < I)
-        ptr = tl.where(top, S, Sb) + tl.where(ok, n * stride_s + 16 * (i % spr), 0)
-        if PFS == 1:
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; mov.u32 $0, 0; // prefetch", "=r,l", [ptr], dtype=tl.int32, is_pure=False,
-                pack=1,
-            )  # fmt: skip
-        else:
-            tl.inline_asm_elementwise(
-                "prefetch.global.L1 [$1]; mov.u32 $0, 0; // prefetch", "=r,l", [ptr], dtype=tl.int32, is_pure=False,
-                pack=1,
-            )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["expert_offset", "TK"])
 def _int4_mma_gemv1_kernel(
     X32,
@@ -97,7 +72,6 @@ def _int4_mma_gemv1_kernel(
     NS: tl.constexpr,
     PDL: tl.constexpr,
     NGC: tl.constexpr,
-    PFS: tl.constexpr,
 ):
     """Hbuf[p, n] (and Hbuf[q, n] for a pair q of the same expert, _partner) for the 8 MR gate rows n of the
     program's block (top rows) and their up rows I + n (bottom rows). NGC > 0: K's trips unrolled (_mma_dot)."""
@@ -120,8 +94,6 @@ def _int4_mma_gemv1_kernel(
     xa = X32 + (p // TOPK).to(tl.int64) * stride_xt
     xb = X32 + (q // TOPK).to(tl.int64) * stride_xt
     wrow, srow = n * stride_wn, n * (4 * stride_sn4)
-    if PFS > 0:
-        _prefetch_scales(S, Sb, n0, I, 4 * stride_sn4, NG, MR, WG, PFS)
     acc = _mma_dot(
         W, Wb, S, Sb, wrow, srow, n < I, n < I, xa, xb, has_q, NG, MR, WG, EVEN, False, PREFETCH, False, MUL, NS, NGC
     )

@@ -126,7 +126,6 @@ def int4_gemv_mma(
         MUL=c1.get("MUL", False),
         NS=c1.get("NS", 1),
         NGC=ng1 if c1.get("UNROLL", False) else 0,
-        PFS=c1.get("PFS", 0),
         num_warps=c1["WG"],
         num_stages=1,
         maxnreg=c1.get("maxnreg"),

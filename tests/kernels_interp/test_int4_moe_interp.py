@@ -135,11 +135,6 @@ def mma(kdev):
         # K's trips unrolled (NGC): 4 whole trips of 16 groups, then 8 warps over 20 groups (one masked trip)
         (1, 2048, 128, 0, False, dict(mma1=dict(MR=1, WG=4, UNROLL=True))),
         (1, 640, 256, 1, True, dict(mma1=dict(MR=2, WG=8, UNROLL=True))),
-        # the scale rows asked of L2 / L1 first (PFS): 64 rows of 4 sectors over 128 threads (two passes); unrolled;
-        # 512 rows a program over I = 384 (rows past I)
-        (1, 2048, 256, 0, False, dict(mma1=dict(MR=4, WG=4, PFS=1))),
-        (2, 640, 256, 1, True, dict(mma1=dict(MR=2, WG=8, UNROLL=True, PFS=2))),
-        (1, 512, 384, 0, False, dict(mma1=dict(MR=32, WG=4, PFS=1))),
     ],
 )
 def test_gemv_mma_form(kdev, mma, T, D, I, offset, add, cfg):
