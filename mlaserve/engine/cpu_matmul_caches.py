@@ -4,8 +4,8 @@ On the CPU a bf16 F.linear runs through oneDNN (ideep's matmul_forward), which c
 (M, N, K) and keeps it in two LRU caches of 1,024 entries: ideep's, one per thread (LRU_CACHE_CAPACITY), and
 oneDNN's, one per process (ONEDNN_PRIMITIVE_CACHE_CAPACITY). A served batch has a new token count M at almost every
 step (and the reference MoE a new M per expert), so both caches fill over minutes of traffic and the heap grows by
-hundreds of MB before it stops: what a soak reads as a leak (docs/performance.md has the figures). Entries enough for
-the recurring decode shapes keep the hits and bound the growth.
+hundreds of MB before it stops: what a soak reads as a leak (docs/experiments.md, Measurement, has the figures).
+Entries enough for the recurring decode shapes keep the hits and bound the growth.
 
 Both capacities are read once, at the first bf16 matmul (ideep's per thread, oneDNN's per process): bound them
 before it. A value already in the environment wins.
