@@ -18,7 +18,7 @@ from .pdl import pdl_args, pdl_start
 
 # Up to 128 one-hot lanes (M1's 64 experts): one program up to FUSED_COUNT_MAX (token, k) pairs, above it chunks of
 # ALIGN_CHUNK pairs, grown (up to 512) to keep at most 64 programs, and one-hot tiles of 128 pairs: the align is a
-# chain of dependent steps, so fewer, wider steps and more programs win (benchmarks/results/moe_align_variants_*).
+# chain of dependent steps, so fewer, wider steps and more programs win (docs/experiments.md, MoE: 48e0d60).
 FUSED_COUNT_MAX = 128
 ALIGN_CHUNK = 64
 # More lanes (Kimi: 384 experts): MANY_FUSED_MAX / MANY_CHUNK divided by lanes / 64, tiles of 4k one-hot elements.
