@@ -300,13 +300,18 @@ def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_id
     """Both GEMMs over moe_align's blocks (BLOCK_M = c1["BLOCK_M"] = c2["BLOCK_M"]) into hbuf [padded rows, I] and
     y [TK, D]; the caller checked every shape. c1 / c2: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
     "num_stages"}, optional "TRANS" (the transposed product, same sums)."""
+    bf2 = bf16_pairs(x, s13, s2)
+    int4_gemm1(x, w13, s13, topk_ids.shape[-1], sorted_ids, expert_ids, num_padded, hbuf, pdl, c1, bf2)
+    int4_gemm2(hbuf, w2, s2, topk_weights, sorted_ids, expert_ids, num_padded, y, pdl, c2, bf2)
+
+
+def int4_gemm1(x, w13, s13, K, sorted_ids, expert_ids, num_padded, hbuf, pdl, c1, bf2):
+    """GEMM1 over moe_align's blocks: hbuf [padded rows, I] = silu(x . gate) * (x . up); K: the pairs a token."""
     T, D = x.shape
     I = w13.shape[1] // 2
-    K = topk_ids.shape[-1]
     TK = T * K
     num_m = expert_ids.shape[0]
-    prec = "ieee" if x.dtype.itemsize == 4 else "tf32"
-    common = dict(DOT_PREC=prec, BF2=bf16_pairs(x, s13, s2), **pdl)
+    common = dict(DOT_PREC="ieee" if x.dtype.itemsize == 4 else "tf32", BF2=bf2, **pdl)
     _int4_gemm1_kernel[(num_m * triton.cdiv(I, c1["BLOCK_N"]),)](
         x,
         w13,
@@ -337,6 +342,14 @@ def int4_gemm(x, w13, s13, w2, s2, topk_weights, topk_ids, sorted_ids, expert_id
         num_stages=c1["num_stages"],
         **common,
     )
+
+
+def int4_gemm2(hbuf, w2, s2, topk_weights, sorted_ids, expert_ids, num_padded, y, pdl, c2, bf2):
+    """GEMM2 over moe_align's blocks: y [TK, D] = topk_weight * (hbuf . down) for every real row."""
+    I, D = hbuf.shape[1], w2.shape[1]
+    TK = y.shape[0]
+    num_m = expert_ids.shape[0]
+    common = dict(DOT_PREC="ieee" if hbuf.dtype.itemsize == 4 else "tf32", BF2=bf2, **pdl)
     _int4_gemm2_kernel[(num_m * triton.cdiv(D, c2["BLOCK_N"]),)](
         hbuf,
         w2,
