@@ -44,9 +44,6 @@ class KernelConfig:
     # (kernels/prefill_attention_gluon.py: two warp-specialized warpgroups, each's softmax under MMAs); the same
     # bits as the Triton kernel
     prefill_gluon: bool = True
-    # MLASERVE_INT4_GLUON: the INT4 experts' GEMM1 of blocks of up to 64 rows on sm_90 runs the Gluon kernel
-    # (kernels/int4_gemm_gluon.py: dequantized weights straight into wgmma's register operand, x's K permuted)
-    int4_gluon: bool = True
     # MLASERVE_ABSORBED_SUFFIX: plain decoding's steps of short suffixes over cached context (a prefix hit's next
     # turn) run as decode rows of 32 tokens in MLA's absorbed form, on suffix graphs (engine/suffix.py)
     absorbed_suffix: bool = True
@@ -180,7 +177,6 @@ class KernelConfig:
             moe_gemv_tiles=tiles,
             moe_prewait=on("MLASERVE_MOE_PREWAIT"),
             prefill_gluon=on("MLASERVE_PREFILL_GLUON"),
-            int4_gluon=on("MLASERVE_INT4_GLUON"),
             absorbed_suffix=on("MLASERVE_ABSORBED_SUFFIX"),
             allreduce=env.get("MLASERVE_ALLREDUCE", "auto"),
         )

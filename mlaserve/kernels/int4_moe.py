@@ -12,8 +12,7 @@ import torch
 import triton
 
 from ..kernel_config import KernelConfig
-from .int4_gemm import bf16_pairs, int4_gemm, int4_gemm2
-from .int4_gemm_gluon import gemm1_gluon_takes, int4_gemm1_gluon, permute_k
+from .int4_gemm import int4_gemm
 from .int4_gemv import int4_gemv
 from .int4_mma_run import int4_gemv_mma, mma_config, mma_preferred, mma_supported
 from .moe_align import moe_align
@@ -214,8 +213,7 @@ def int4_fused_experts(
     in one pass, default True); "mma1", "mma2" ({"MR", "WG", "PREFETCH", "MUL",
     "NS", "maxnreg"}, "NB"; with "MR" a whole tile, else changes to the default), "gemv1", "gemv2" ({"ROWS", "G",
     "num_warps"}) and "gemm1", "gemm2" (tiles; "BLOCK_M" shared; "TAIL": None, or
-    changes to the tiles for moe_align's tail list, whose BLOCK_M is half) override the defaults; "gluon" (default
-    kernels.int4_gluon): GEMM1 on int4_gemm_gluon.py's kernel where gemm1_gluon_takes its tiles."""
+    changes to the tiles for moe_align's tail list, whose BLOCK_M is half) override the defaults."""
     T, D, E, I, K = _check(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if num_experts and (num_experts < E or all_local and num_experts != E):
         raise ValueError(
@@ -225,7 +223,7 @@ def int4_fused_experts(
         return moe_sum(x.new_empty(0, D), topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)
     pdl = pdl_args(x, kernels.pdl)  # every launch alike
     cfg = dict(config or {})
-    keys = ("form", "pair", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2", "gluon")
+    keys = ("form", "pair", "mma1", "mma2", "gemv1", "gemv2", "gemm1", "gemm2")
     bad = set(cfg) - set(keys)
     if bad:
         raise ValueError(f"config keys {sorted(bad)} are not among {', '.join(keys)}")
@@ -260,15 +258,7 @@ def int4_fused_experts(
     else:  # gemm: over moe_align's blocks, and with a TAIL over its tail list too
         tiles = _gemm_tiles(dict(c1, **cfg.get("gemm1", {})), dict(c2, **cfg.get("gemm2", {})))
         lists = moe_align(topk_ids, E, expert_offset, tiles[0][0]["BLOCK_M"], pdl=kernels.pdl, tail=len(tiles) == 2)
-        gluon = cfg.get("gluon", kernels.int4_gluon)
-        xp = None
         for (a, b), (sorted_ids, expert_ids, num_padded) in zip(tiles, (lists[:3], lists[3:])):
             hbuf = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)
-            if gluon and gemm1_gluon_takes(x, w13_packed, w13_scale, hbuf, a):
-                xp = permute_k(x) if xp is None else xp
-                int4_gemm1_gluon(xp, w13_packed, w13_scale, hbuf, sorted_ids, expert_ids, num_padded, K, a["BLOCK_M"])
-                bf2 = bf16_pairs(x, w13_scale, w2_scale)
-                int4_gemm2(hbuf, w2_packed, w2_scale, topk_weights, sorted_ids, expert_ids, num_padded, y, pdl, b, bf2)
-            else:
-                int4_gemm(*args, sorted_ids, expert_ids, num_padded, hbuf, y, pdl, a, b)
+            int4_gemm(*args, sorted_ids, expert_ids, num_padded, hbuf, y, pdl, a, b)
     return moe_sum(y, topk_ids, expert_offset, E, add, norm, all_local, kernels.pdl)

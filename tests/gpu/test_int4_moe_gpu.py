@@ -221,33 +221,3 @@ def test_int4_moe_unrolled_gemv1_gives_the_same_bits(shape):
         mr2 = dict(form="gemv_mma", mma1=dict(MR=2, WG=8, UNROLL=True, maxnreg=128))
         c = int4_fused_experts(x, *w, tw, ids, config=mr2)
         assert torch.equal(a, c), (a - c).abs().max()
-
-
-@pytest.mark.parametrize("shape", ["kimi", "tp4"])
-@pytest.mark.parametrize("T", [5, 40, 160])
-def test_int4_moe_gluon_gemm1(shape, T):
-    # GEMM1 on int4_gemm_gluon.py's kernel (32 experts: T=5, 40 in 32-row blocks, T=160 in 64-row blocks) and on
-    # int4_gemm.py's, each against the reference, poisoned outputs; plus the kernel alone against the Triton GEMM1
-    from mlaserve.kernels.int4_gemm import bf16_pairs, int4_gemm1
-    from mlaserve.kernels.int4_gemm_gluon import gemm1_gluon_takes, int4_gemm1_gluon, permute_k
-    from mlaserve.kernels.int4_moe import gemm_config
-    from mlaserve.kernels.moe_align import moe_align
-    from mlaserve.kernels.pdl import pdl_args
-
-    D, I = SHAPES[shape]
-    w = experts(D, I, 32)
-    for on in (True, False):
-        check(w, T, form="gemm", config=dict(gluon=on))
-    x = torch.randn(T, D, device="cuda").to(BF)
-    ids = torch.rand(T, 32, device="cuda").topk(K, -1).indices
-    c1 = gemm_config(T, K, 32, D, I, BF)[0]
-    lists = moe_align(ids, 32, 0, c1["BLOCK_M"])[:3]
-    P = lists[0].shape[0]
-    h_old, h_new = (torch.full((P, I), float("nan"), dtype=BF, device="cuda") for _ in range(2))
-    assert gemm1_gluon_takes(x, w[0], w[1], h_new, c1)
-    c1 = {k: v for k, v in c1.items() if k != "TAIL"}
-    int4_gemm1(x, w[0], w[1], K, *lists, h_old, pdl_args(x, False), c1, bf16_pairs(x, w[1]))
-    int4_gemm1_gluon(permute_k(x), w[0], w[1], h_new, *lists, K, c1["BLOCK_M"])
-    n = int(lists[2].item())
-    assert not h_new[:n].isnan().any()
-    kc.assert_close(h_new[:n], h_old[:n].float(), BF, f"gluon GEMM1 against the Triton GEMM1 T={T} {shape}")
